@@ -1,0 +1,43 @@
+// loom command-line entry point: dispatches to subcommands.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "apps/commands.h"
+#include "core/error.h"
+
+namespace {
+
+void print_usage() {
+  std::fputs(
+      "usage: loom <command> [options]\n\n"
+      "commands:\n"
+      "  info       show a model's architecture, parameters, tensor types and memory\n"
+      "  tokenize   print the tokens of a text\n"
+      "  generate   continue a prompt\n"
+      "  chat       interactive chat using the model's chat template\n\n"
+      "Run 'loom <command> --help' for a command's options.\n",
+      stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    print_usage();
+    return argc < 2 ? 1 : 0;
+  }
+  const std::string cmd = argv[1];
+  try {
+    for (const auto& c : loom::app::commands())
+      if (cmd == c.name) return c.run(argc - 1, argv + 1);
+    std::fprintf(stderr, "loom: unknown command '%s' (see 'loom --help')\n", cmd.c_str());
+    return 2;
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
+    return e.kind() == loom::ErrorKind::internal ? 70 : 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
+    return 70;
+  }
+}

@@ -1,0 +1,35 @@
+#include "core/cpu_features.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace loom {
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = [] {
+    CpuFeatures c;
+    __builtin_cpu_init();
+    c.avx2 = __builtin_cpu_supports("avx2");
+    c.fma = __builtin_cpu_supports("fma");
+    c.f16c = true;  // implied by the x86-64-v3 baseline loom is built for
+    c.avx512f = __builtin_cpu_supports("avx512f");
+    c.avx512bw = __builtin_cpu_supports("avx512bw");
+    c.avx512vl = __builtin_cpu_supports("avx512vl");
+    c.avx512vnni = __builtin_cpu_supports("avx512vnni");
+    c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    c.avxvnni = __builtin_cpu_supports("avxvnni");
+    return c;
+  }();
+  return f;
+}
+
+bool use_avx512_kernels() {
+  static const bool use = [] {
+    const char* force = std::getenv("LOOM_CPU");
+    if (force != nullptr && std::strcmp(force, "avx2") == 0) return false;
+    return cpu_features().has_avx512_kernels();
+  }();
+  return use;
+}
+
+}  // namespace loom

@@ -1,0 +1,27 @@
+// Run-time CPU feature detection for choosing kernel variants.
+#pragma once
+
+namespace loom {
+
+struct CpuFeatures {
+  bool avx2 = false;
+  bool fma = false;
+  bool f16c = false;
+  bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512vl = false;
+  bool avx512vnni = false;
+  bool avx512bf16 = false;
+  bool avxvnni = false;
+
+  // The AVX-512 kernels need F, BW, VL and VNNI together.
+  bool has_avx512_kernels() const { return avx512f && avx512bw && avx512vl && avx512vnni; }
+};
+
+const CpuFeatures& cpu_features();
+
+// LOOM_CPU=avx2 forces the AVX2 kernels on an AVX-512 machine (tests and
+// benchmarks use it to exercise both paths).
+bool use_avx512_kernels();
+
+}  // namespace loom

@@ -1,0 +1,53 @@
+#include "core/dtype.h"
+
+#include <cctype>
+#include <string>
+
+#include "core/error.h"
+
+namespace loom {
+namespace {
+
+constexpr DTypeTraits kTraits[] = {
+    {DType::f32, "f32", 1, 4, false},     {DType::f16, "f16", 1, 2, false},
+    {DType::q4_0, "q4_0", 32, 18, true},  {DType::q4_1, "q4_1", 32, 20, true},
+    {DType::q5_0, "q5_0", 32, 22, true},  {DType::q5_1, "q5_1", 32, 24, true},
+    {DType::q8_0, "q8_0", 32, 34, true},  {DType::q8_1, "q8_1", 32, 36, true},
+    {DType::q2_k, "q2_k", 256, 84, true}, {DType::q3_k, "q3_k", 256, 110, true},
+    {DType::q4_k, "q4_k", 256, 144, true}, {DType::q5_k, "q5_k", 256, 176, true},
+    {DType::q6_k, "q6_k", 256, 210, true}, {DType::q8_k, "q8_k", 256, 292, true},
+    {DType::i8, "i8", 1, 1, false},       {DType::i16, "i16", 1, 2, false},
+    {DType::i32, "i32", 1, 4, false},     {DType::i64, "i64", 1, 8, false},
+    {DType::f64, "f64", 1, 8, false},     {DType::bf16, "bf16", 1, 2, false},
+};
+
+}  // namespace
+
+std::optional<DTypeTraits> dtype_traits_of_id(uint32_t id) {
+  for (const auto& t : kTraits)
+    if (static_cast<uint32_t>(t.type) == id) return t;
+  return std::nullopt;
+}
+
+const DTypeTraits& dtype_traits(DType type) {
+  for (const auto& t : kTraits)
+    if (t.type == type) return t;
+  LOOM_ASSERT(false && "unknown dtype");
+  return kTraits[0];
+}
+
+size_t dtype_row_bytes(DType t, int64_t n) {
+  const auto& tr = dtype_traits(t);
+  LOOM_ASSERT(n >= 0 && n % tr.block_size == 0);
+  return static_cast<size_t>(n / tr.block_size) * tr.block_bytes;
+}
+
+std::optional<DType> dtype_from_name(std::string_view name) {
+  std::string lower(name);
+  for (auto& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const auto& t : kTraits)
+    if (lower == t.name) return t.type;
+  return std::nullopt;
+}
+
+}  // namespace loom

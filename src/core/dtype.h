@@ -1,0 +1,59 @@
+// Element types of tensors. Numbering follows GGUF's ggml_type ids so that a
+// GGUF tensor's type maps 1:1; safetensors dtypes map onto the same enum.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace loom {
+
+enum class DType : uint32_t {
+  f32 = 0,
+  f16 = 1,
+  q4_0 = 2,
+  q4_1 = 3,
+  q5_0 = 6,
+  q5_1 = 7,
+  q8_0 = 8,
+  q8_1 = 9,
+  q2_k = 10,
+  q3_k = 11,
+  q4_k = 12,
+  q5_k = 13,
+  q6_k = 14,
+  q8_k = 15,
+  i8 = 24,
+  i16 = 25,
+  i32 = 26,
+  i64 = 27,
+  f64 = 28,
+  bf16 = 30,
+};
+
+struct DTypeTraits {
+  DType type;
+  const char* name;      // "f32", "q4_k", ... (lower case, like gguf-py)
+  int64_t block_size;    // elements per block (1 for plain types)
+  size_t block_bytes;    // bytes per block
+  bool quantized;
+};
+
+// Returns nullopt for ids that loom does not know (e.g. IQ types); callers
+// turn that into an "unsupported tensor type" error naming the tensor.
+std::optional<DTypeTraits> dtype_traits_of_id(uint32_t ggml_type_id);
+const DTypeTraits& dtype_traits(DType type);
+
+inline const char* dtype_name(DType t) { return dtype_traits(t).name; }
+inline int64_t dtype_block_size(DType t) { return dtype_traits(t).block_size; }
+inline bool dtype_is_quantized(DType t) { return dtype_traits(t).quantized; }
+
+// Bytes for one row of `n` elements; n must be a multiple of the block size
+// (checked by callers that read files, asserted here).
+size_t dtype_row_bytes(DType t, int64_t n);
+
+// Parses names such as "f16", "Q4_K", "bf16" (case-insensitive).
+std::optional<DType> dtype_from_name(std::string_view name);
+
+}  // namespace loom

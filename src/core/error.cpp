@@ -1,0 +1,23 @@
+#include "core/error.h"
+
+#include <cstdio>
+
+namespace loom {
+
+const char* error_kind_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::invalid_input: return "invalid input";
+    case ErrorKind::not_found: return "not found";
+    case ErrorKind::unsupported: return "unsupported";
+    case ErrorKind::io: return "I/O error";
+    case ErrorKind::internal: return "internal error";
+  }
+  return "error";
+}
+
+void assert_failed(const char* expr, const char* file, int line) {
+  std::fprintf(stderr, "loom: internal assertion failed: %s (%s:%d)\n", expr, file, line);
+  std::abort();
+}
+
+}  // namespace loom
