@@ -1,0 +1,62 @@
+// Small AVX2/FMA helpers shared by the baseline (x86-64-v3) kernels.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace loom::simd {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// exp(x) for x <= 0 range used by softmax (accurate to a few ulp on [-87, 88]);
+// Cody-Waite range reduction and a degree-6 polynomial. Hand-written because
+// no Debian-packaged library gives an inlinable vector exp.
+inline __m256 exp_ps(__m256 x) {
+  const __m256 max_x = _mm256_set1_ps(88.3762626647949f), min_x = _mm256_set1_ps(-87.3365478515625f);
+  x = _mm256_min_ps(_mm256_max_ps(x, min_x), max_x);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 x2 = _mm256_mul_ps(x, x);
+  p = _mm256_fmadd_ps(p, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += a * x
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace loom::simd
