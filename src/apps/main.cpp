@@ -15,7 +15,8 @@ void print_usage() {
       "  info       show a model's architecture, parameters, tensor types and memory\n"
       "  tokenize   print the tokens of a text\n"
       "  generate   continue a prompt\n"
-      "  chat       interactive chat using the model's chat template\n\n"
+      "  chat       interactive chat using the model's chat template\n"
+      "  bench      measure prompt processing and generation speed\n\n"
       "Run 'loom <command> --help' for a command's options.\n",
       stdout);
 }

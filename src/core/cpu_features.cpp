@@ -1,5 +1,7 @@
 #include "core/cpu_features.h"
 
+#include <cpuid.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -17,7 +19,13 @@ const CpuFeatures& cpu_features() {
     c.avx512vl = __builtin_cpu_supports("avx512vl");
     c.avx512vnni = __builtin_cpu_supports("avx512vnni");
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+#if defined(__clang__) && __clang_major__ < 15
+    // clang 14 (the fuzz build) lacks "avxvnni" in __builtin_cpu_supports: CPUID.(7,1):EAX bit 4.
+    unsigned a = 0, b = 0, cx = 0, d = 0;
+    c.avxvnni = c.avx2 && __get_cpuid_count(7, 1, &a, &b, &cx, &d) && (a & (1u << 4)) != 0;
+#else
     c.avxvnni = __builtin_cpu_supports("avxvnni");
+#endif
     return c;
   }();
   return f;

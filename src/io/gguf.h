@@ -3,6 +3,7 @@
 // naming the file, the key or tensor, and what is wrong.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -17,6 +18,11 @@
 #include "core/tensor.h"
 
 namespace loom::gguf {
+
+// Limits that keep a hostile file from exhausting the stack or memory (real
+// models hold about a million array elements, mostly the vocabulary).
+constexpr int kMaxArrayDepth = 8;
+constexpr uint64_t kMaxArrayElements = uint64_t{1} << 24;  // summed over all metadata arrays
 
 enum class ValueType : uint32_t {
   u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7,
@@ -43,7 +49,7 @@ struct TensorInfo {
   int ndim = 0;
   std::array<int64_t, Tensor::kMaxDims> shape{};  // outermost first (GGUF ne[] reversed)
   uint64_t offset = 0;                             // from the start of the file
-  size_t nbytes = 0;
+  size_t nbytes = 0;                               // rows * row bytes, within the file
   const uint8_t* data = nullptr;                   // into the mapping
 
   Tensor view() const;  // non-owning view over the mapped bytes
@@ -59,6 +65,7 @@ class File {
   const std::string& path() const { return name_; }
   uint32_t version() const { return version_; }
   size_t alignment() const { return alignment_; }
+  size_t data_offset() const { return data_offset_; }  // start of the tensor data section
 
   const std::map<std::string, Value, std::less<>>& metadata() const { return kv_; }
   const Value* find(std::string_view key) const;
@@ -91,6 +98,7 @@ class File {
   std::string name_;
   uint32_t version_ = 0;
   size_t alignment_ = 32;
+  size_t data_offset_ = 0;
   std::map<std::string, Value, std::less<>> kv_;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, size_t, std::less<>> tensor_index_;

@@ -39,6 +39,7 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   bool tied_embeddings = false;
   bool qkv_bias = false;       // qwen2
+  std::string torch_dtype;     // config.json's storage dtype ("bfloat16"); empty when unknown (GGUF)
 
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }

@@ -1,0 +1,118 @@
+// Google Benchmark micro-benchmarks of the matmul kernels: matvec (decode) and
+// T=512 matmul (prompt) per weight type, SmolLM2-135M shapes. Reports GFLOP/s
+// (2*N*K*T) and weight GB/s; the time column is per call.
+//   loom_bench --benchmark_filter=Matmul/q4_1     (LOOM_CPU=avx2 for the AVX2 path)
+#include <benchmark/benchmark.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+#include "kernels/matmul.h"
+#include "kernels/ref/dequant_ref.h"
+
+namespace loom {
+namespace {
+
+constexpr uint32_t kSeed = 42;
+
+// Weight bytes of N x K random data of `type` (k-quants: random bits, sane scales).
+std::vector<uint8_t> make_weights(DType type, int64_t N, int64_t K) {
+  std::vector<uint8_t> w(dtype_row_bytes(type, K) * static_cast<size_t>(N));
+  std::mt19937 rng(kSeed);
+  if (quantize_ref_supported(type)) {
+    std::normal_distribution<float> dist(0.0f, 0.05f);
+    std::vector<float> row(static_cast<size_t>(K));
+    for (int64_t r = 0; r < N; ++r) {
+      for (auto& v : row) v = dist(rng);
+      quantize_row_ref(type, row.data(), w.data() + static_cast<size_t>(r) * dtype_row_bytes(type, K), K);
+    }
+    return w;
+  }
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : w) b = static_cast<uint8_t>(byte(rng));
+  // Keep f16 scales finite and small: put 0x2000-ish halves where scales live.
+  const size_t bb = dtype_traits(type).block_bytes;
+  for (size_t off = 0; off < w.size(); off += bb) {
+    uint8_t* b = w.data() + off;
+    auto put = [&](size_t at) { b[at] = 0x00; b[at + 1] = 0x20; };
+    switch (type) {
+      case DType::q2_k: put(80); put(82); break;
+      case DType::q3_k: put(108); break;
+      case DType::q4_k: case DType::q5_k: put(0); put(2); break;
+      case DType::q6_k: put(208); break;
+      default: break;
+    }
+  }
+  return w;
+}
+
+struct Case {
+  DType type;
+  int64_t N, K, T;
+  int threads;
+  bool packed;
+};
+
+void run_case(benchmark::State& state, Case c) {
+  auto w = make_weights(c.type, c.N, c.K);
+  const Tensor W = make_tensor(w.data(), c.type, {c.N, c.K});
+  ThreadPool pool(c.threads);
+  PackedWeight pw;
+  if (c.packed) pw = PackedWeight::pack(W, &pool);
+  std::vector<float> x(static_cast<size_t>(c.T * c.K)), y(static_cast<size_t>(c.T * c.N));
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (auto& v : x) v = dist(rng);
+  MatmulScratch scratch;
+  for (auto _ : state) {
+    if (c.packed)
+      matmul(pool, pw, x.data(), y.data(), c.T, scratch);
+    else
+      matmul(pool, W, x.data(), y.data(), c.T, scratch);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  const double flops = 2.0 * static_cast<double>(c.N) * static_cast<double>(c.K) * static_cast<double>(c.T);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["wGB/s"] =
+      benchmark::Counter(static_cast<double>(W.nbytes()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_all() {
+  const DType types[] = {DType::q4_1, DType::q8_0, DType::f16, DType::q4_k, DType::q6_k, DType::q4_0, DType::q5_k,
+                         DType::bf16, DType::f32,  DType::q5_0, DType::q5_1, DType::q2_k, DType::q3_k};
+  for (DType t : types) {
+    const std::string name = std::string("Matmul/") + dtype_name(t);
+    for (int threads : {1, 2}) {
+      const std::string th = "/t" + std::to_string(threads);
+      benchmark::RegisterBenchmark((name + "/matvec_1536x576" + th).c_str(), run_case,
+                                   Case{t, 1536, 576, 1, threads, true})
+          ->Unit(benchmark::kMicrosecond)->UseRealTime();
+      benchmark::RegisterBenchmark((name + "/matvec_49152x576" + th).c_str(), run_case,
+                                   Case{t, 49152, 576, 1, threads, true})
+          ->Unit(benchmark::kMicrosecond)->UseRealTime();
+      benchmark::RegisterBenchmark((name + "/T512_1536x576" + th).c_str(), run_case,
+                                   Case{t, 1536, 576, 512, threads, true})
+          ->Unit(benchmark::kMicrosecond)->UseRealTime();
+    }
+    // Plain-Tensor weights (panels packed on the fly each call).
+    benchmark::RegisterBenchmark((name + "/unpacked_matvec_1536x576/t2").c_str(), run_case,
+                                 Case{t, 1536, 576, 1, 2, false})
+        ->Unit(benchmark::kMicrosecond)->UseRealTime();
+  }
+}
+
+}  // namespace
+}  // namespace loom
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  loom::register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Speed comparison of loom against llama.cpp (prompt processing and generation tokens/s).
+
+Runs with plain python3 (standard library only). Needs llama.cpp's tools from
+scripts/build_llamacpp and loom built in build/. See bench/README.md.
+
+For each model type (Q4_1 = the default model, plus Q8_0 and F16 made from it with
+llama-quantize --allow-requantize) it runs
+
+    llama-bench -m F -t T -p P -n N -r R -o json
+    build/loom bench -m F -t T -p P -n N -r R --json
+
+and prints a table. loom's `bench --json` must print one JSON object on stdout (it may be
+the last line, after other output) with at least:
+
+    {"pp_tokens_per_s": <float>, "tg_tokens_per_s": <float>}
+
+pp = processing a P-token prompt in one batch, tg = generating N tokens one at a time,
+both averaged over R repetitions - the same tests llama-bench calls ppP and tgN.
+If loom fails or prints no such object, its column shows the reason and the run goes on.
+Raw results go to bench/results/ (gitignored).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_LLAMA_BIN = os.path.join(ROOT, "third_party", "llama.cpp", "bin")
+DEFAULT_LOOM = os.path.join(ROOT, "build", "loom")
+RESULTS_DIR = os.path.join(ROOT, "bench", "results")
+
+
+def log(msg):
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd, timeout):
+    """Runs cmd, returns (returncode, stdout, stderr); never raises for a failing command."""
+    log(" ".join(cmd))
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+    except FileNotFoundError as e:
+        return 127, "", str(e)
+    except subprocess.TimeoutExpired:
+        return 124, "", f"timed out after {timeout} s"
+
+
+def derived_model(base, qtype, llama_bin, timeout):
+    """Makes (once) a qtype GGUF from the base model with llama-quantize --allow-requantize.
+
+    The result carries the base model's Q4_1 rounding; that is fine for speed comparison."""
+    stem = os.path.basename(base)
+    stem = stem[: -len(".gguf")] if stem.endswith(".gguf") else stem
+    # SmolLM2-135M-Instruct.Q4_1 -> SmolLM2-135M-Instruct.Q8_0-from-Q4_1.gguf
+    name, _, src_type = stem.rpartition(".")
+    if not name:
+        name, src_type = stem, "base"
+    out = os.path.join(os.path.dirname(base), f"{name}.{qtype}-from-{src_type}.gguf")
+    if os.path.exists(out) and os.path.getsize(out) > 0:
+        return out
+    quant = os.path.join(llama_bin, "llama-quantize")
+    tmp = out + ".tmp"
+    rc, so, se = run([quant, "--allow-requantize", base, tmp, qtype], timeout)
+    if rc != 0:
+        raise SystemExit(f"llama-quantize failed making {out} (rc {rc}):\n{(so + se)[-3000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def llama_bench(llama_bin, model, a):
+    cmd = [os.path.join(llama_bin, "llama-bench"), "-m", model, "-t", str(a.threads),
+           "-p", str(a.prompt), "-n", str(a.gen), "-r", str(a.reps), "-o", "json"]
+    rc, so, se = run(cmd, a.timeout)
+    res = {"cmd": cmd, "rc": rc, "stdout": so, "stderr_tail": se[-4000:], "pp": None, "tg": None}
+    if rc != 0:
+        res["error"] = f"llama-bench rc {rc}"
+        return res
+    try:
+        rows = json.loads(so)
+    except json.JSONDecodeError as e:
+        res["error"] = f"llama-bench printed no JSON ({e})"
+        return res
+    for row in rows:
+        if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
+            res["pp"] = {"avg": row["avg_ts"], "stddev": row.get("stddev_ts")}
+        elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
+            res["tg"] = {"avg": row["avg_ts"], "stddev": row.get("stddev_ts")}
+        res.setdefault("build_commit", row.get("build_commit"))
+        res.setdefault("cpu_info", row.get("cpu_info"))
+    return res
+
+
+def parse_loom_json(stdout):
+    """Finds the JSON object loom printed: the whole stdout, else the last line that parses."""
+    text = stdout.strip()
+    candidates = [text] + [ln.strip() for ln in reversed(text.splitlines())]
+    for c in candidates:
+        if c.startswith("{"):
+            try:
+                obj = json.loads(c)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                return obj
+    return None
+
+
+def loom_bench(loom, model, a):
+    cmd = [loom, "bench", "-m", model, "-t", str(a.threads), "-p", str(a.prompt),
+           "-n", str(a.gen), "-r", str(a.reps), "--json"]
+    res = {"cmd": cmd, "pp": None, "tg": None}
+    if not os.access(loom, os.X_OK):
+        res["error"] = f"{os.path.relpath(loom, ROOT)} not built"
+        return res
+    rc, so, se = run(cmd, a.timeout)
+    res.update({"rc": rc, "stdout": so, "stderr_tail": se[-4000:]})
+    if rc != 0:
+        last = (se.strip().splitlines() or ["?"])[-1]
+        res["error"] = f"loom rc {rc}: {last[:120]}"
+        return res
+    obj = parse_loom_json(so)
+    if obj is None:
+        res["error"] = "loom printed no JSON object"
+        return res
+    res["json"] = obj
+    for key, test in (("pp_tokens_per_s", "pp"), ("tg_tokens_per_s", "tg")):
+        v = obj.get(key)
+        if isinstance(v, (int, float)):
+            res[test] = {"avg": float(v), "stddev": obj.get(key.replace("tokens_per_s", "stddev"))}
+        else:
+            res.setdefault("error", f"loom JSON lacks numeric '{key}'")
+    return res
+
+
+def fmt_ts(r):
+    return f"{r['avg']:.2f}" if r else "-"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-p", "--prompt", type=int, default=512, help="prompt tokens for pp test")
+    ap.add_argument("-n", "--gen", type=int, default=128, help="generated tokens for tg test")
+    ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="base (Q4_1) GGUF")
+    ap.add_argument("--types", default="Q4_1,Q8_0,F16",
+                    help="comma list; Q4_1 = the base model, others are made from it")
+    ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN)
+    ap.add_argument("--loom", default=DEFAULT_LOOM)
+    ap.add_argument("--no-llama", action="store_true", help="skip llama-bench runs")
+    ap.add_argument("--no-loom", action="store_true", help="skip loom runs")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per command")
+    a = ap.parse_args()
+
+    if not os.path.isfile(a.model):
+        raise SystemExit(f"model {a.model} not found; run scripts/fetch_model")
+    types = [t.strip() for t in a.types.split(",") if t.strip()]
+    tools = ([] if a.no_llama else ["llama-bench"]) + (["llama-quantize"] if set(types) - {"Q4_1"} else [])
+    for tool in tools:
+        if not os.access(os.path.join(a.llama_bin, tool), os.X_OK):
+            raise SystemExit(f"no {tool} in {a.llama_bin}; run scripts/build_llamacpp")
+
+    models = []
+    for t in types:
+        path = a.model if t == "Q4_1" else derived_model(a.model, t, a.llama_bin, a.timeout)
+        models.append((t, path))
+
+    results = []
+    for t, path in models:
+        entry = {"type": t, "model": os.path.relpath(path, ROOT)}
+        entry["llama"] = None if a.no_llama else llama_bench(a.llama_bin, path, a)
+        entry["loom"] = None if a.no_loom else loom_bench(a.loom, path, a)
+        results.append(entry)
+
+    # Table.
+    rows = []
+    for e in results:
+        for test, label in (("pp", f"pp{a.prompt}"), ("tg", f"tg{a.gen}")):
+            lr = e["llama"][test] if e["llama"] else None
+            mr = e["loom"][test] if e["loom"] else None
+            if lr and mr and lr["avg"] > 0:
+                ratio = f"{mr['avg'] / lr['avg']:.2f}"
+            else:
+                ratio = "-"
+            note = ""
+            for side in ("llama", "loom"):
+                if e[side] and e[side].get("error") and not e[side][test]:
+                    note = e[side]["error"]
+            rows.append((e["type"], label, fmt_ts(lr), fmt_ts(mr), ratio, note))
+    head = ("model", "test", "llama.cpp t/s", "loom t/s", "loom/llama.cpp", "note")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in [head] + rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    table = "\n".join(lines)
+    print(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps}")
+    print(table)
+
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(RESULTS_DIR, f"{stamp}-t{a.threads}")
+    meta = {"date": stamp, "threads": a.threads, "prompt": a.prompt, "gen": a.gen, "reps": a.reps,
+            "host": platform.node(), "nproc": os.cpu_count(), "results": results}
+    with open(base + ".json", "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps}\n\n{table}\n")
+    log(f"raw results: {os.path.relpath(base, ROOT)}.json / .md")
+
+
+if __name__ == "__main__":
+    main()

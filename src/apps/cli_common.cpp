@@ -1,0 +1,66 @@
+#include "apps/cli_common.h"
+
+#include <random>
+
+#include "core/thread_pool.h"
+
+namespace loom::app {
+
+bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code) {
+  try {
+    app.parse(argc, argv);
+    return true;
+  } catch (const CLI::CallForHelp& e) {
+    exit_code = app.exit(e);
+    return false;
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "loom %s: error: %s\n", app.get_name().c_str(), e.what());
+    std::fprintf(stderr, "Run 'loom %s --help' for the options.\n", app.get_name().c_str());
+    exit_code = 2;
+    return false;
+  }
+}
+
+void add_threads_flag(CLI::App& app, int& threads) {
+  threads = default_thread_count();
+  app.add_option("-t,--threads", threads, "threads to use (default: physical cores)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+}
+
+void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed) {
+  app.add_option("--temp", s.temperature, "temperature; 0 = greedy")->capture_default_str();
+  app.add_option("--top-k", s.top_k, "keep the k most likely tokens; 0 = all")->capture_default_str();
+  app.add_option("--top-p", s.top_p, "nucleus sampling threshold in (0, 1]")->capture_default_str();
+  app.add_option("--min-p", s.min_p, "drop tokens below min-p times the top probability")->capture_default_str();
+  app.add_option("--repeat-penalty", s.repeat_penalty, "penalty for repeated tokens; 1 = off")->capture_default_str();
+  app.add_option("--repeat-last-n", s.repeat_last_n, "history the penalty looks at; -1 = all")->capture_default_str();
+  app.add_option("--presence-penalty", s.presence_penalty, "OpenAI presence penalty")->capture_default_str();
+  app.add_option("--frequency-penalty", s.frequency_penalty, "OpenAI frequency penalty")->capture_default_str();
+  app.add_option("-s,--seed", seed, "random seed; -1 = random")->capture_default_str();
+}
+
+uint64_t resolve_seed(int64_t seed) {
+  if (seed >= 0) return static_cast<uint64_t>(seed);
+  return (static_cast<uint64_t>(std::random_device{}()) << 32) | std::random_device{}();
+}
+
+int64_t resolve_context(const ModelConfig& c, int64_t requested) {
+  if (requested < 0) fail(ErrorKind::invalid_input, "--ctx-size must be >= 0 (got {})", requested);
+  const int64_t model_max = c.max_context > 0 ? c.max_context : 4096;
+  if (requested == 0) return std::min<int64_t>(model_max, 4096);
+  if (requested > model_max)
+    fail(ErrorKind::invalid_input, "--ctx-size {} exceeds the model's context length {}", requested, model_max);
+  return requested;
+}
+
+void print_speed(const GenerateResult& r) {
+  const auto n = static_cast<double>(r.tokens.size());
+  std::fprintf(stderr, "\nprompt: %lld tokens in %.1f ms, %.2f tokens/s\n", static_cast<long long>(r.prompt_tokens),
+               r.prompt_seconds * 1e3, r.prompt_seconds > 0 ? static_cast<double>(r.prompt_tokens) / r.prompt_seconds : 0.0);
+  std::fprintf(stderr, "generation: %zu tokens in %.1f ms, %.2f tokens/s (%s)\n", r.tokens.size(),
+               r.generate_seconds * 1e3, r.generate_seconds > 0 ? n / r.generate_seconds : 0.0,
+               finish_reason_name(r.finish));
+}
+
+}  // namespace loom::app

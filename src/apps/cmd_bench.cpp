@@ -1,0 +1,102 @@
+// `loom bench`: prompt-processing and generation speed measured the way
+// llama-bench does (pp: one batch of N random tokens from an empty context;
+// tg: N single-token steps from an empty context), averaged over repetitions.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "apps/cli_common.h"
+#include "apps/commands.h"
+#include "core/rng.h"
+#include "model/forward.h"
+#include "model/model.h"
+
+namespace loom::app {
+namespace {
+
+struct Stat {
+  double mean = 0, stddev = 0;
+};
+
+Stat stats(const std::vector<double>& v) {
+  Stat s;
+  for (double x : v) s.mean += x;
+  s.mean /= static_cast<double>(v.size());
+  for (double x : v) s.stddev += (x - s.mean) * (x - s.mean);
+  s.stddev = v.size() > 1 ? std::sqrt(s.stddev / static_cast<double>(v.size() - 1)) : 0;
+  return s;
+}
+
+int run_bench(int argc, char** argv) {
+  CLI::App app("Measure prompt processing (pp) and generation (tg) speed in tokens/s.", "bench");
+  std::string model_path;
+  int64_t n_prompt = 512, n_gen = 128, reps = 5, micro_batch = 512;
+  int threads = 1;
+  bool json = false;
+  app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
+  app.add_option("-p,--n-prompt", n_prompt, "prompt tokens (0 = skip pp)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  app.add_option("-n,--n-gen", n_gen, "generated tokens (0 = skip tg)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  app.add_option("-r,--repetitions", reps, "repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
+  app.add_option("-b,--batch", micro_batch, "prompt micro-batch size")->check(CLI::Range(1, 1 << 16))->capture_default_str();
+  app.add_flag("--json", json, "print one JSON object instead of a table");
+  add_threads_flag(app, threads);
+  int code = 0;
+  if (!parse_cli(app, argc, argv, code)) return code;
+
+  ThreadPool pool(threads);
+  auto model = Model::load(model_path, {.tokenizer = false, .pack = true, .pool = &pool});
+  const ModelConfig& c = model->config();
+  const int64_t n_ctx = std::max<int64_t>(n_prompt, n_gen) + 1;
+  CounterRng rng(42);
+  auto random_tokens = [&](int64_t n) {
+    std::vector<int32_t> t(static_cast<size_t>(n));
+    for (auto& x : t) x = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(c.vocab_size));
+    return t;
+  };
+  using clock = std::chrono::steady_clock;
+  std::vector<double> pp, tg;
+  InferenceSession session(c, model->weights(), pool, n_ctx, micro_batch);
+  // One warm-up of each test (page in the weights, size the scratch buffers).
+  for (int64_t r = -1; r < reps; ++r) {
+    if (n_prompt > 0) {
+      const auto toks = random_tokens(n_prompt);
+      session.truncate(0);
+      const auto t0 = clock::now();
+      session.eval(toks);
+      const double s = std::chrono::duration<double>(clock::now() - t0).count();
+      if (r >= 0) pp.push_back(static_cast<double>(n_prompt) / s);
+    }
+    if (n_gen > 0) {
+      const auto toks = random_tokens(n_gen);
+      session.truncate(0);
+      const auto t0 = clock::now();
+      for (int64_t i = 0; i < n_gen; ++i) session.eval(std::span<const int32_t>(&toks[static_cast<size_t>(i)], 1));
+      const double s = std::chrono::duration<double>(clock::now() - t0).count();
+      if (r >= 0) tg.push_back(static_cast<double>(n_gen) / s);
+    }
+  }
+  const Stat spp = pp.empty() ? Stat{} : stats(pp), stg = tg.empty() ? Stat{} : stats(tg);
+  if (json) {
+    std::printf(
+        "{\"model\": \"%s\", \"threads\": %d, \"n_prompt\": %lld, \"n_gen\": %lld, \"repetitions\": %lld, "
+        "\"pp_tokens_per_s\": %.3f, \"pp_stddev\": %.3f, \"tg_tokens_per_s\": %.3f, \"tg_stddev\": %.3f}\n",
+        model_path.c_str(), threads, static_cast<long long>(n_prompt), static_cast<long long>(n_gen),
+        static_cast<long long>(reps), spp.mean, spp.stddev, stg.mean, stg.stddev);
+  } else {
+    std::printf("| model | threads | test | t/s |\n|---|---|---|---|\n");
+    if (n_prompt > 0)
+      std::printf("| %s | %d | pp%lld | %.2f ± %.2f |\n", model_path.c_str(), threads, static_cast<long long>(n_prompt),
+                  spp.mean, spp.stddev);
+    if (n_gen > 0)
+      std::printf("| %s | %d | tg%lld | %.2f ± %.2f |\n", model_path.c_str(), threads, static_cast<long long>(n_gen),
+                  stg.mean, stg.stddev);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kBenchCommand = {"bench", run_bench};
+
+}  // namespace loom::app

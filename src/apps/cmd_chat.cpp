@@ -1,0 +1,113 @@
+// `loom chat`: an interactive conversation using the model's chat template.
+// Each turn re-renders the whole conversation, keeps the KV cache for the
+// common token prefix and evaluates only the new tail.
+#include <cstdio>
+#include <iostream>
+
+#include "apps/cli_common.h"
+#include "apps/commands.h"
+#include "model/model.h"
+#include "tokenizer/chat_template.h"
+#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
+#include "tokenizer/tokenizer.h"
+
+namespace loom::app {
+namespace {
+
+int run_chat(int argc, char** argv) {
+  CLI::App app("Chat with a model using its chat template.", "chat");
+  std::string model_path, system_prompt, template_name, one_prompt;
+  int64_t n_predict = 512, ctx = 0, seed = -1;
+  int threads = 1;
+  GenerateOptions opts;
+  app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
+  app.add_option("--system", system_prompt, "system message for the conversation");
+  app.add_option("--chat-template", template_name, "chatml, llama3 or llama2 (default: from the model's metadata)")
+      ->check(CLI::IsMember({"chatml", "llama3", "llama2"}));
+  app.add_option("-p,--prompt", one_prompt, "ask one question, print the answer and exit");
+  app.add_option("-n,--n-predict", n_predict, "most tokens per answer; -1 = until end of turn")->capture_default_str();
+  app.add_option("-c,--ctx-size", ctx, "context size in tokens (0 = min(model, 4096))")->capture_default_str();
+  add_sampling_flags(app, opts.sampling, seed);
+  add_threads_flag(app, threads);
+  int code = 0;
+  if (!parse_cli(app, argc, argv, code)) return code;
+  if (n_predict < -1) fail(ErrorKind::invalid_input, "-n must be >= -1 (got {})", n_predict);
+  opts.max_tokens = n_predict;
+  opts.sampling.seed = resolve_seed(seed);
+  validate_sampling(opts.sampling);
+
+  ThreadPool pool(threads);
+  auto model = Model::load(model_path, {.tokenizer = true, .pack = true, .pool = &pool});
+  const Tokenizer& tok = model->tokenizer();
+  opts.extra_eos = model->extra_eos_ids();
+  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
+  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
+  ChatTemplate tmpl;
+  if (!template_name.empty()) {
+    tmpl = ChatTemplate::from_kind(*chat_template_kind_from_name(template_name), bos, eos);
+  } else if (model->chat_template_text()) {
+    tmpl = ChatTemplate::from_text(*model->chat_template_text(), bos, eos);
+  } else {
+    fail(ErrorKind::invalid_input, "{}: the model has no chat template in its metadata; choose one with "
+         "--chat-template chatml|llama3|llama2", model_path);
+  }
+  InferenceSession session(model->config(), model->weights(), pool, resolve_context(model->config(), ctx));
+
+  std::vector<ChatMessage> messages;
+  if (!system_prompt.empty()) messages.push_back({"system", system_prompt});
+  std::vector<int32_t> evaluated;  // tokens whose keys/values the session holds
+  const bool interactive = one_prompt.empty();
+  if (interactive)
+    std::fprintf(stderr, "loom chat: %s (%s template). Type a message; /reset clears, /exit or Ctrl-D quits.\n",
+                 model_path.c_str(), chat_template_kind_name(tmpl.kind));
+  for (;;) {
+    std::string line;
+    if (interactive) {
+      std::fputs("\n> ", stdout);
+      std::fflush(stdout);
+      if (!std::getline(std::cin, line)) break;
+      if (line == "/exit" || line == "/quit") break;
+      if (line == "/reset") {
+        messages.resize(system_prompt.empty() ? 0 : 1);
+        continue;
+      }
+      if (line.empty()) continue;
+    } else {
+      line = one_prompt;
+    }
+    messages.push_back({"user", line});
+    const std::string text = apply_chat_template(tmpl, messages, /*add_generation_prompt=*/true);
+    const auto ids = tok.encode(text, /*add_special=*/true, /*parse_special=*/true);
+    // Reuse the cached prefix; evaluate only what changed.
+    size_t common = 0;
+    while (common < evaluated.size() && common < ids.size() && evaluated[common] == ids[common]) ++common;
+    if (common == ids.size()) --common;  // at least one token must be evaluated to get logits
+    session.truncate(static_cast<int64_t>(common));
+    evaluated.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(common));
+    std::string answer;
+    const std::span<const int32_t> tail(ids.data() + common, ids.size() - common);
+    const auto r = generate(session, tok, tail, opts, [&](const std::string& piece) {
+      answer += piece;
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+      return true;
+    });
+    std::fputc('\n', stdout);
+    evaluated.insert(evaluated.end(), tail.begin(), tail.end());
+    // The session now also holds the generated tokens except the last sampled one.
+    evaluated.insert(evaluated.end(), r.tokens.begin(), r.tokens.end());
+    evaluated.resize(static_cast<size_t>(session.n_past()));
+    messages.push_back({"assistant", answer});
+    if (!interactive) {
+      print_speed(r);
+      break;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kChatCommand = {"chat", run_chat};
+
+}  // namespace loom::app

@@ -1,0 +1,67 @@
+// `loom generate`: continue a prompt, print the continuation to stdout and
+// the prompt/generation speed to stderr.
+#include <cstdio>
+
+#include "apps/cli_common.h"
+#include "apps/commands.h"
+#include "core/mapped_file.h"
+#include "model/generate.h"
+#include "model/model.h"
+#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
+#include "tokenizer/tokenizer.h"
+
+namespace loom::app {
+
+namespace {
+
+int run_generate(int argc, char** argv) {
+  CLI::App app("Continue a prompt with a model.", "generate");
+  std::string model_path, prompt, prompt_file;
+  int64_t n_predict = 128, ctx = 0, seed = -1;
+  int threads = 1;
+  bool no_special = false;
+  GenerateOptions opts;
+  app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
+  auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text");
+  auto* f_opt = app.add_option("-f,--file", prompt_file, "read the prompt from a file");
+  p_opt->excludes(f_opt);
+  app.add_option("-n,--n-predict", n_predict, "tokens to generate; -1 = until end of text")->capture_default_str();
+  app.add_option("-c,--ctx-size", ctx, "context size in tokens (0 = min(model, 4096))")->capture_default_str();
+  app.add_option("--stop", opts.stop, "stop when this text is generated (repeatable)");
+  app.add_flag("--no-special", no_special, "treat special-token text in the prompt as plain text");
+  add_sampling_flags(app, opts.sampling, seed);
+  add_threads_flag(app, threads);
+  int code = 0;
+  if (!parse_cli(app, argc, argv, code)) return code;
+  if (n_predict < -1) fail(ErrorKind::invalid_input, "-n must be >= -1 (got {})", n_predict);
+  if (!prompt_file.empty()) prompt = read_text_file(prompt_file);
+  if (prompt.empty()) fail(ErrorKind::invalid_input, "the prompt is empty: give -p TEXT or -f FILE");
+  opts.max_tokens = n_predict;
+  opts.sampling.seed = resolve_seed(seed);
+  validate_sampling(opts.sampling);
+
+  ThreadPool pool(threads);
+  auto model = Model::load(model_path, {.tokenizer = true, .pack = true, .pool = &pool});
+  const Tokenizer& tok = model->tokenizer();
+  opts.extra_eos = model->extra_eos_ids();
+  const auto ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/!no_special);
+  const int64_t n_ctx = resolve_context(model->config(), ctx);
+  if (static_cast<int64_t>(ids.size()) >= n_ctx)
+    fail(ErrorKind::invalid_input, "the prompt is {} tokens, longer than the context size {} (see --ctx-size)",
+         ids.size(), n_ctx);
+  InferenceSession session(model->config(), model->weights(), pool, n_ctx);
+  const auto r = generate(session, tok, ids, opts, [](const std::string& text) {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    return true;
+  });
+  std::fputc('\n', stdout);
+  print_speed(r);
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kGenerateCommand = {"generate", run_generate};
+
+}  // namespace loom::app

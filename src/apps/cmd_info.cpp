@@ -1,0 +1,89 @@
+// `loom info`: architecture, parameters, tensor types and memory of a model.
+#include <cstdio>
+#include <map>
+
+#include "apps/cli_common.h"
+#include "apps/commands.h"
+#include "model/model.h"
+#include "tokenizer/chat_template.h"
+#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
+#include "tokenizer/tokenizer.h"
+
+namespace loom::app {
+namespace {
+
+void count_tensor(std::map<std::string, std::pair<int64_t, size_t>>& types, const Tensor& t) {
+  auto& e = types[dtype_name(t.dtype)];
+  e.first += t.numel();
+  e.second += t.nbytes();
+}
+
+int run_info(int argc, char** argv) {
+  CLI::App app("Show a model's architecture, parameters, tensor types and memory.", "info");
+  std::string model_path;
+  int64_t ctx = 0;
+  app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
+  app.add_option("-c,--ctx-size", ctx, "context size used for the KV-cache estimate (0 = model's)");
+  int code = 0;
+  if (!parse_cli(app, argc, argv, code)) return code;
+
+  auto model = Model::load(model_path, {.tokenizer = true, .pack = false, .pool = nullptr});
+  const ModelConfig& c = model->config();
+  const ModelWeights& w = model->weights();
+  std::map<std::string, std::pair<int64_t, size_t>> types;
+  count_tensor(types, w.token_embd);
+  if (w.output.data != w.token_embd.data) count_tensor(types, w.output);
+  for (const auto& L : w.layers)
+    for (const Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) count_tensor(types, *t);
+
+  const int64_t n_ctx = ctx > 0 ? ctx : c.max_context;
+  const double kv_per_token = 2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * sizeof(float);
+  std::printf("model:           %s\n", model_path.c_str());
+  std::printf("format:          %s\n", model->is_gguf() ? "GGUF" : "Hugging Face folder");
+  if (!c.name.empty()) std::printf("name:            %s\n", c.name.c_str());
+  std::printf("architecture:    %s\n", arch_name(c.arch));
+  std::printf("parameters:      %lld (%.1f M)\n", static_cast<long long>(model->parameter_count()),
+              static_cast<double>(model->parameter_count()) / 1e6);
+  std::printf("layers:          %lld\n", static_cast<long long>(c.n_layers));
+  std::printf("hidden size:     %lld\n", static_cast<long long>(c.hidden));
+  std::printf("ffn size:        %lld\n", static_cast<long long>(c.intermediate));
+  std::printf("heads:           %lld (kv heads %lld, head dim %lld)\n", static_cast<long long>(c.n_heads),
+              static_cast<long long>(c.n_kv_heads), static_cast<long long>(c.head_dim));
+  std::printf("vocabulary:      %lld\n", static_cast<long long>(c.vocab_size));
+  std::printf("context length:  %lld\n", static_cast<long long>(c.max_context));
+  std::printf("rope:            theta %g, %s pairs%s\n", c.rope_theta,
+              c.rope_layout == RopeLayout::interleaved ? "interleaved" : "half-split",
+              c.rope_scaling.factor > 0 ? ", llama3 scaling" : "");
+  std::printf("rms norm eps:    %g\n", c.rms_eps);
+  std::printf("embeddings:      %s\n", c.tied_embeddings || w.output.data == w.token_embd.data ? "tied" : "separate");
+  if (model->has_tokenizer()) {
+    const Tokenizer& tok = model->tokenizer();
+    std::printf("tokenizer:       %s, %lld tokens\n", tok.kind_name(), static_cast<long long>(tok.vocab_size()));
+  }
+  if (model->chat_template_text()) {
+    std::string kind = "unknown (use --chat-template)";
+    try {
+      kind = chat_template_kind_name(detect_chat_template(*model->chat_template_text()));
+    } catch (const Error&) {
+    }
+    std::printf("chat template:   %s\n", kind.c_str());
+  } else {
+    std::printf("chat template:   none in metadata\n");
+  }
+  std::printf("matrix types:\n");
+  for (const auto& [name, e] : types)
+    std::printf("  %-6s %12lld params  %9.2f MiB\n", name.c_str(), static_cast<long long>(e.first),
+                static_cast<double>(e.second) / (1 << 20));
+  std::printf("memory:\n");
+  std::printf("  weights        %9.2f MiB\n", static_cast<double>(model->weight_bytes()) / (1 << 20));
+  std::printf("  KV cache (f32) %9.2f MiB for %lld tokens (%.1f KiB per token)\n",
+              kv_per_token * static_cast<double>(n_ctx) / (1 << 20), static_cast<long long>(n_ctx),
+              kv_per_token / 1024);
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kInfoCommand = {"info", run_info};
+
+}  // namespace loom::app

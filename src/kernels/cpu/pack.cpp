@@ -1,0 +1,235 @@
+// Packs GGUF weight rows into the 16-row panels the matmul kernels read
+// (layouts in panel.h). Runs once per weight for PackedWeight, or per call for
+// matmul on a plain Tensor.
+#include <cstring>
+
+#include "core/error.h"
+#include "core/half.h"
+#include "kernels/cpu/panel.h"
+#include "kernels/quant_blocks.h"
+#include "kernels/ref/dequant_ref.h"
+
+namespace loom::cpu {
+namespace {
+
+constexpr int R = kPanelRows;
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+inline uint32_t load_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// Writes a nibble group: v[0..31] are the 4-bit values (low 4 bits used) of a
+// group's 32 elements; row r's words land at dst + o*64 + r*4.
+void put_nibble_group(const uint8_t* v, int r, uint8_t* dst) {
+  for (int o = 0; o < 4; ++o) {
+    uint32_t w = 0;
+    for (int i = 0; i < 4; ++i)
+      w |= static_cast<uint32_t>((v[4 * o + i] & 0x0f) | ((v[16 + 4 * o + i] & 0x0f) << 4)) << (8 * i);
+    store_u32(dst + o * 64 + r * 4, w);
+  }
+}
+
+// 5th-bit word: bit o of byte i = bit 4 of v[4o+i].
+void put_bit4_word(const uint8_t* v, int r, uint8_t* dst) {
+  uint32_t w = 0;
+  for (int o = 0; o < 8; ++o)
+    for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>((v[4 * o + i] >> 4) & 1) << (8 * i + o);
+  store_u32(dst + r * 4, w);
+}
+
+// Two 2-bit words: word h, bits 2s..2s+1 of byte i = bits 4..5 of v[4(4h+s)+i].
+void put_bit45_words(const uint8_t* v, int r, uint8_t* dst) {
+  for (int h = 0; h < 2; ++h) {
+    uint32_t w = 0;
+    for (int s = 0; s < 4; ++s)
+      for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>((v[4 * (4 * h + s) + i] >> 4) & 3) << (8 * i + 2 * s);
+    store_u32(dst + h * 64 + r * 4, w);
+  }
+}
+
+// 5-bit values of a q5_0/q5_1 block.
+void q5_values(const uint8_t* qs, const uint8_t* qh_bytes, uint8_t* v) {
+  const uint32_t qh = load_u32(qh_bytes);
+  for (int j = 0; j < 16; ++j) {
+    v[j] = static_cast<uint8_t>((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
+    v[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+  }
+}
+
+void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
+  if (g < 4) {
+    sc = q[g] & 63;
+    m = q[g + 4] & 63;
+  } else {
+    sc = (q[g + 4] & 0x0f) | ((q[g - 4] >> 6) << 4);
+    m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
+  }
+}
+
+void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
+  uint8_t v[32];
+  switch (type) {
+    case DType::q4_0: {
+      BlockQ4_0 b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      for (int o = 0; o < 4; ++o) store_u32(pb + 32 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
+      return;
+    }
+    case DType::q4_1: {
+      BlockQ4_1 b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      store_u16(pb + 32 + 2 * r, b.m);
+      for (int o = 0; o < 4; ++o) store_u32(pb + 64 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
+      return;
+    }
+    case DType::q5_0: {
+      BlockQ5_0 b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      q5_values(b.qs, b.qh, v);
+      put_bit4_word(v, r, pb + 32);
+      put_nibble_group(v, r, pb + 96);
+      return;
+    }
+    case DType::q5_1: {
+      BlockQ5_1 b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      store_u16(pb + 32 + 2 * r, b.m);
+      q5_values(b.qs, b.qh, v);
+      put_bit4_word(v, r, pb + 64);
+      put_nibble_group(v, r, pb + 128);
+      return;
+    }
+    case DType::q8_0: {
+      BlockQ8_0 b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      for (int o = 0; o < 8; ++o) std::memcpy(pb + 32 + o * 64 + r * 4, b.qs + 4 * o, 4);
+      return;
+    }
+    case DType::q4_k:
+    case DType::q5_k: {
+      const bool five = type == DType::q5_k;
+      BlockQ5_K b5{};
+      BlockQ4_K b4{};
+      const uint8_t *scales, *qs;
+      uint16_t d, dmin;
+      if (five) {
+        std::memcpy(&b5, blk, sizeof b5);
+        scales = b5.scales; qs = b5.qs; d = b5.d; dmin = b5.dmin;
+      } else {
+        std::memcpy(&b4, blk, sizeof b4);
+        scales = b4.scales; qs = b4.qs; d = b4.d; dmin = b4.dmin;
+      }
+      store_u16(pb + 2 * r, d);
+      store_u16(pb + 32 + 2 * r, dmin);
+      const size_t group_bytes = five ? 320 : 256;
+      for (int g = 0; g < 8; ++g) {
+        int sc, m;
+        k4_scale_min(scales, g, sc, m);
+        pb[64 + g * 16 + r] = static_cast<uint8_t>(sc);
+        pb[192 + (g / 2) * 32 + r * 2 + (g % 2)] = static_cast<uint8_t>(m);
+        // element 32g + j: nibble (g % 2) of qs[32*(g/2) + j]
+        for (int j = 0; j < 32; ++j) {
+          v[j] = static_cast<uint8_t>((qs[32 * (g / 2) + j] >> (4 * (g % 2))) & 0x0f);
+          if (five) v[j] = static_cast<uint8_t>(v[j] | (((b5.qh[j] >> g) & 1) << 4));
+        }
+        uint8_t* gp = pb + 320 + g * group_bytes;
+        put_nibble_group(v, r, gp);
+        if (five) put_bit4_word(v, r, gp + 256);
+      }
+      return;
+    }
+    case DType::q6_k: {
+      BlockQ6_K b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      for (int j = 0; j < 16; ++j) pb[32 + j * 16 + r] = static_cast<uint8_t>(b.scales[j]);
+      for (int g = 0; g < 8; ++g) {
+        for (int j = 0; j < 32; ++j) {
+          const int e = 32 * g + j, h = e / 128, s = (e / 32) % 4, l = e % 32;
+          const int lo = (b.ql[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 0x0f;
+          const int hi = (b.qh[32 * h + l] >> (2 * s)) & 3;
+          v[j] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+        uint8_t* gp = pb + 288 + g * 384;
+        put_nibble_group(v, r, gp);
+        put_bit45_words(v, r, gp + 256);
+      }
+      return;
+    }
+    default: break;
+  }
+  LOOM_ASSERT(false && "pack_block: unhandled dtype");
+}
+
+}  // namespace
+
+size_t panel_block_bytes(DType type) {
+  switch (type) {
+    case DType::f32: return 64;
+    case DType::f16: case DType::bf16: return 32;
+    case DType::q4_0: return 288;
+    case DType::q4_1: return 320;
+    case DType::q5_0: return 352;
+    case DType::q5_1: return 384;
+    case DType::q8_0: return 544;
+    case DType::q4_k: return 2368;
+    case DType::q5_k: return 2880;
+    case DType::q6_k: return 3360;
+    case DType::q2_k: case DType::q3_k: return R * dtype_traits(type).block_bytes;
+    default: break;
+  }
+  LOOM_ASSERT(false && "panel_block_bytes: unsupported dtype");
+  return 0;
+}
+
+int64_t panel_block_elems(DType type) { return dtype_block_size(type); }
+
+bool panel_is_raw(DType type) { return type == DType::q2_k || type == DType::q3_k; }
+
+size_t panel_bytes(DType type, int64_t K) {
+  return static_cast<size_t>(K / panel_block_elems(type)) * panel_block_bytes(type);
+}
+
+void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, uint8_t* dst) {
+  LOOM_ASSERT(nrows >= 0 && nrows <= R);
+  const size_t pbytes = panel_bytes(type, K);
+  if (panel_is_raw(type)) {
+    const size_t row_bytes = dtype_row_bytes(type, K);
+    for (int r = 0; r < nrows; ++r) std::memcpy(dst + r * row_bytes, rows[r], row_bytes);
+    std::memset(dst + nrows * row_bytes, 0, (R - nrows) * row_bytes);
+    return;
+  }
+  if (nrows < R) std::memset(dst, 0, pbytes);
+  switch (type) {
+    case DType::f32:
+      for (int r = 0; r < nrows; ++r)
+        for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * 64 + r * 4, rows[r] + k * 4, 4);
+      return;
+    case DType::f16:
+    case DType::bf16:
+      for (int r = 0; r < nrows; ++r)
+        for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * 32 + r * 2, rows[r] + k * 2, 2);
+      return;
+    default: break;
+  }
+  const int64_t nb = K / panel_block_elems(type);
+  const size_t bb = dtype_traits(type).block_bytes, pbb = panel_block_bytes(type);
+  for (int r = 0; r < nrows; ++r)
+    for (int64_t b = 0; b < nb; ++b) pack_block(type, rows[r] + b * bb, r, dst + b * pbb);
+}
+
+void unpack_raw_panel(DType type, const uint8_t* panel, int64_t K, float* out) {
+  const size_t row_bytes = dtype_row_bytes(type, K);
+  float row[QK_K];
+  const int64_t nb = K / QK_K;
+  const size_t bb = dtype_traits(type).block_bytes;
+  for (int r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      dequantize_row_ref(type, panel + r * row_bytes + b * bb, row, QK_K);
+      float* o = out + b * QK_K * R + r;
+      for (int j = 0; j < QK_K; ++j) o[j * R] = row[j];
+    }
+  }
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,122 @@
+// Internal layouts shared by the matmul driver, the weight packers and the
+// AVX2 / AVX-512 panel kernels (see kernels/matmul.h for the design).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "kernels/matmul.h"
+
+namespace loom::cpu {
+
+// A panel is kPanelRows consecutive rows of W, interleaved so that vector lane r
+// holds row r. Each panel is a sequence of "panel blocks", one per weight block
+// (32 or 256 elements; one element for f32/f16/bf16).
+constexpr int kPanelRows = 16;
+
+// Quantized panels are built from groups of 32 elements per row. A group's quants
+// come as 32-bit words per row, a word = 4 consecutive elements:
+//  * nibble group (q4_0/q4_1/q5_*/q4_k/q5_k/q6_k): 4 words per row; byte i of word o
+//    holds element 4o+i in its low nibble and element 16+4o+i in its high nibble;
+//  * 5th-bit word (q5_*): bit o of byte i = bit 4 of element 4o+i;
+//  * two 2-bit words (q6_k): word h, bits 2s..2s+1 of byte i = bits 4..5 of element
+//    4(4h+s)+i;
+//  * q8_0: 8 words per row, word o = elements 4o..4o+3.
+// Each array of words is stored row-interleaved: word o of rows 0..15 = 64 bytes.
+// Hence "operand" o of a group (elements 4o..4o+3 of all 16 rows) is one vector.
+//
+// Panel block byte layouts (offsets in bytes; f16 scales as uint16[16]):
+//  q4_0 (288):  d @0, nibbles @32
+//  q4_1 (320):  d @0, m @32, nibbles @64
+//  q5_0 (352):  d @0, 5th-bit word @32, nibbles @96
+//  q5_1 (384):  d @0, m @32, 5th-bit word @64, nibbles @128
+//  q8_0 (544):  d @0, words @32
+//  q4_k (2368): d @0, dmin @32, scale u8[8][16] @64, min pairs u8[4][16][2] @192,
+//               8 nibble groups @320 (256 bytes each)
+//  q5_k (2880): as q4_k, groups @320 of 320 bytes: nibbles then 5th-bit word
+//  q6_k (3360): d @0, scale i8[16][16] @32, 8 groups @288 of 384 bytes: nibbles
+//               then the two 2-bit words
+//  f32 / f16 / bf16: element k of rows 0..15 contiguous (64 / 32 / 32 bytes)
+//  q2_k / q3_k ("raw"): the 16 GGUF rows one after another, dequantized by the
+//               kernel into a per-thread f32 panel.
+size_t panel_block_bytes(DType type);
+int64_t panel_block_elems(DType type);  // 32, 256 or 1
+bool panel_is_raw(DType type);          // q2_k, q3_k
+
+// Bytes of one panel of K columns.
+size_t panel_bytes(DType type, int64_t K);
+
+// Packs `nrows` (<= 16) GGUF rows of K columns into one panel; missing rows
+// become zeros.
+void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, uint8_t* dst);
+
+// ---- Activations (one "act row" per token, built once per matmul call) ----
+
+// For q4_0, q4_1, q5_0, q5_1, q8_0 weights: q8_0 / q8_1 blocks with float scale.
+// aux: q4_0 -8*sum(qs), q5_0 -16*sum(qs), q8_0 -128*sum(qs) (integer offset terms,
+// int32), q4_1/q5_1 the q8_1 's' field (fp16-rounded d*sum) as float bits.
+struct ActQ8x32 {
+  int8_t qs[32];
+  float d;
+  int32_t aux;
+};
+static_assert(sizeof(ActQ8x32) == 40);
+
+// For k-quant weights: a q8_K block plus per-group sums. b16[j] = -32 * (sum of
+// the 16 qs of sub-block j) (q6_k), s32[g] = sum of the 32 qs of group g (q4_k/q5_k).
+struct ActQ8K {
+  int8_t qs[256];
+  int32_t b16[16];
+  int16_t s32[8];
+  float d;
+  int32_t pad[3];
+};
+static_assert(sizeof(ActQ8K) == 352);
+
+enum class ActKind { q8x32, q8k, f32 };
+ActKind act_kind(DType type);
+// Bytes of one token's act row for K columns (f32: K floats).
+size_t act_row_bytes(DType type, int64_t K);
+// Quantizes one token row for weights of `type` (not for f32-activation types).
+void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst);
+
+// One quantized block of 32 (bit-identical to quantize_row_q8_0_ref): writes qs,
+// returns the unrounded scale d (callers round it to fp16 as the format needs).
+float quantize_block_q8_32(const float* x, int8_t* qs);
+// One q8_K block: writes qs and bsums, returns d.
+float quantize_block_q8_k(const float* x, int8_t* qs, int16_t* bsums);
+
+// ---- Kernels ----
+
+struct KernelArgs {
+  const uint8_t* panels = nullptr;  // panel 0
+  size_t panel_stride = 0;          // bytes between panels
+  int64_t n_panels = 0;
+  int64_t K = 0;
+  const uint8_t* act = nullptr;     // token 0's act row (f32 x for float panels)
+  size_t act_stride = 0;            // bytes between tokens' act rows
+  int64_t T = 0;
+  float* y = nullptr;               // y[t*ldy + 16*p + r] for panel p, token t, row r
+  int64_t ldy = 0;
+  int64_t n_valid = 0;              // rows beyond this (counted from panel 0) are not stored
+  float* tmp = nullptr;             // K*16 floats of per-thread scratch (raw panels)
+};
+
+using PanelKernel = void (*)(DType type, const KernelArgs& a);
+void panel_kernel_avx2(DType type, const KernelArgs& a);
+void panel_kernel_avx512(DType type, const KernelArgs& a);
+
+// matmul with an explicit kernel set (tests and benchmarks run both paths on one
+// machine; the public matmul picks by use_avx512_kernels()). avx512 needs
+// cpu_features().has_avx512_kernels().
+enum class Isa { avx2, avx512 };
+void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+                int64_t T, MatmulScratch& scratch);
+void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+                int64_t T, MatmulScratch& scratch);
+
+// Dequantizes a raw (q2_k/q3_k) panel into f32 panel layout [K][16].
+void unpack_raw_panel(DType type, const uint8_t* panel, int64_t K, float* out);
+
+}  // namespace loom::cpu

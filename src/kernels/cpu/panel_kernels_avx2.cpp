@@ -1,0 +1,335 @@
+// AVX2 panel kernels (the x86-64-v3 baseline): a 16-row panel is two ymm halves
+// of 8 rows. Integer block dots use vpmaddubsw/vpmaddwd (sums that provably fit
+// in int16), then the same per-lane f32 sequence as the AVX-512 kernels, so both
+// paths give bit-identical results.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/cpu/panel.h"
+#include "kernels/cpu/panel_kernels.h"
+
+namespace loom::cpu {
+namespace {
+
+inline __m256i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256 load_f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline void store_rows(float* y, __m256 v, int64_t nv) {
+  if (nv >= 8) {
+    _mm256_storeu_ps(y, v);
+  } else if (nv > 0) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nv)), idx), v);
+  }
+}
+
+template <int P, int C>
+inline void store_tile(const TileArgs& ta, __m256 (&acc)[P][2][C]) {
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h) store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[p][h][c], ta.nv - p * 16 - h * 8);
+}
+
+// ops[o] = elements 4o..4o+3 of a nibble group for the 8 rows of half h.
+inline void unpack_nibbles(const uint8_t* p, int h, __m256i (&ops)[8]) {
+  const __m256i m = _mm256_set1_epi8(0x0f);
+  for (int o = 0; o < 4; ++o) {
+    const __m256i w = load256(p + 64 * o + 32 * h);
+    ops[o] = _mm256_and_si256(w, m);
+    ops[o + 4] = _mm256_and_si256(_mm256_srli_epi32(w, 4), m);
+  }
+}
+
+inline __m256i shift_bits(__m256i w, int left) {
+  return left >= 0 ? _mm256_slli_epi32(w, left) : _mm256_srli_epi32(w, -left);
+}
+
+inline void add_bit4(const uint8_t* p, int h, __m256i (&ops)[8]) {
+  const __m256i w = load256(p + 32 * h), m = _mm256_set1_epi8(0x10);
+  for (int o = 0; o < 8; ++o) ops[o] = _mm256_or_si256(ops[o], _mm256_and_si256(shift_bits(w, 4 - o), m));
+}
+
+inline void add_bits45(const uint8_t* p, int h, __m256i (&ops)[8]) {
+  const __m256i m = _mm256_set1_epi8(0x30);
+  for (int j = 0; j < 2; ++j) {
+    const __m256i w = load256(p + 64 * j + 32 * h);
+    for (int s = 0; s < 4; ++s)
+      ops[4 * j + s] = _mm256_or_si256(ops[4 * j + s], _mm256_and_si256(shift_bits(w, 4 - 2 * s), m));
+  }
+}
+
+inline __m256i madd1(__m256i v16) { return _mm256_madd_epi16(v16, _mm256_set1_epi16(1)); }
+
+// Sum over operands [O0, O1) of ops[o] . x[4o..], u8 values below 2^kBits. Partial
+// int16 sums hold at most 2^15 / (2 * 127 * (2^kBits - 1)) operands: 8 for 4-bit,
+// 4 for 5-bit, 2 for 6-bit values.
+template <int kBits, int O0, int O1>
+inline __m256i idot(const __m256i (&ops)[8], const int8_t* x) {
+  constexpr int kRun = kBits == 4 ? 8 : kBits == 5 ? 4 : 2;
+  __m256i total = _mm256_setzero_si256();
+  for (int o0 = O0; o0 < O1; o0 += kRun) {
+    __m256i s = _mm256_maddubs_epi16(ops[o0], bcast32(x + 4 * o0));
+    for (int o = o0 + 1; o < o0 + kRun && o < O1; ++o)
+      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ops[o], bcast32(x + 4 * o)));
+    total = _mm256_add_epi32(total, madd1(s));
+  }
+  return total;
+}
+
+// s8 x s8 with the sign trick; each product pair fits int16 (|w| <= 128, |x| <= 127).
+inline __m256i idot_s8(const __m256i (&absw)[8], const __m256i (&w)[8], const int8_t* x) {
+  __m256i total = _mm256_setzero_si256();
+  for (int o = 0; o < 8; ++o)
+    total = _mm256_add_epi32(total, madd1(_mm256_maddubs_epi16(absw[o], _mm256_sign_epi8(bcast32(x + 4 * o), w[o]))));
+  return total;
+}
+
+// ---- 32-element block types ----
+
+struct Q4_0 {
+  static constexpr size_t kPB = 288;
+  static constexpr bool kMin = false;
+  static constexpr int kBits = 4;
+  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) { unpack_nibbles(pb + 32, h, ops); }
+};
+struct Q4_1 {
+  static constexpr size_t kPB = 320;
+  static constexpr bool kMin = true;
+  static constexpr int kBits = 4;
+  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) { unpack_nibbles(pb + 64, h, ops); }
+};
+struct Q5_0 {
+  static constexpr size_t kPB = 352;
+  static constexpr bool kMin = false;
+  static constexpr int kBits = 5;
+  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
+    unpack_nibbles(pb + 96, h, ops);
+    add_bit4(pb + 32, h, ops);
+  }
+};
+struct Q5_1 {
+  static constexpr size_t kPB = 384;
+  static constexpr bool kMin = true;
+  static constexpr int kBits = 5;
+  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
+    unpack_nibbles(pb + 128, h, ops);
+    add_bit4(pb + 64, h, ops);
+  }
+};
+struct Q8_0 {
+  static constexpr size_t kPB = 544;
+  static constexpr bool kMin = false;
+  static constexpr int kBits = 8;
+  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
+    for (int o = 0; o < 8; ++o) ops[o] = load256(pb + 32 + 64 * o + 32 * h);
+  }
+};
+
+template <class Q>
+struct Q32Impl {
+  static constexpr int kP1 = 2, kPB = 1, kCB = 4;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m256 acc[P][2][C];
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    const int64_t nb = ta.K / 32;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = ta.pan + p * ta.pstride + b * Q::kPB;
+        for (int h = 0; h < 2; ++h) {
+          const __m256 dw = load_f16x8(pb + 16 * h);
+          __m256 mw = _mm256_setzero_ps();
+          if constexpr (Q::kMin) mw = load_f16x8(pb + 32 + 16 * h);
+          __m256i ops[8];
+          Q::unpack(pb, h, ops);
+          __m256i absw[8];
+          if constexpr (Q::kBits == 8)
+            for (int o = 0; o < 8; ++o) absw[o] = _mm256_sign_epi8(ops[o], ops[o]);
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
+            __m256i i;
+            if constexpr (Q::kBits == 8)
+              i = idot_s8(absw, ops, x->qs);
+            else
+              i = idot<Q::kBits, 0, 8>(ops, x->qs);
+            if constexpr (!Q::kMin && Q::kBits != 8) i = _mm256_add_epi32(i, _mm256_set1_epi32(x->aux));
+            const __m256 f = _mm256_cvtepi32_ps(i);
+            acc[p][h][c] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(x->d)), acc[p][h][c]);
+            if constexpr (Q::kMin) {
+              float s;
+              std::memcpy(&s, &x->aux, 4);
+              acc[p][h][c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(s), acc[p][h][c]);
+            }
+          }
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- q4_k / q5_k ----
+
+template <bool kFive>
+struct Q45KImpl {
+  static constexpr int kP1 = 2, kPB = 1, kCB = 4;
+  static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m256 acc[P][2][C];
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    const int64_t nsb = ta.K / 256;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+        for (int h = 0; h < 2; ++h) {
+          __m256i isc[C];
+          for (int c = 0; c < C; ++c) isc[c] = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            __m128i sc8;
+            std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
+            const __m256i sc = _mm256_cvtepu8_epi32(sc8);
+            __m256i ops[8];
+            unpack_nibbles(pb + 320 + g * kGroup, h, ops);
+            if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, h, ops);
+            for (int c = 0; c < C; ++c) {
+              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+              const __m256i d = idot<kFive ? 5 : 4, 0, 8>(ops, x->qs + 32 * g);
+              isc[c] = _mm256_add_epi32(isc[c], _mm256_mullo_epi32(d, sc));
+            }
+          }
+          const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
+          __m256i mins[4];
+          for (int q = 0; q < 4; ++q)
+            mins[q] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            __m256i im = _mm256_setzero_si256();
+            for (int q = 0; q < 4; ++q) im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
+            const __m256 xd = _mm256_set1_ps(x->d);
+            acc[p][h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
+            acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
+          }
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- q6_k ----
+
+struct Q6KImpl {
+  static constexpr int kP1 = 2, kPB = 1, kCB = 4;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m256 acc[P][2][C];
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    const int64_t nsb = ta.K / 256;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * 3360;
+        for (int h = 0; h < 2; ++h) {
+          __m256i isc[C];
+          for (int c = 0; c < C; ++c) isc[c] = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            __m128i s0, s1;
+            std::memcpy(&s0, pb + 32 + 32 * g + 8 * h, 8);
+            std::memcpy(&s1, pb + 32 + 32 * g + 16 + 8 * h, 8);
+            const __m256i sc0 = _mm256_cvtepi8_epi32(s0), sc1 = _mm256_cvtepi8_epi32(s1);
+            __m256i ops[8];
+            unpack_nibbles(pb + 288 + g * 384, h, ops);
+            add_bits45(pb + 288 + g * 384 + 256, h, ops);
+            for (int c = 0; c < C; ++c) {
+              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+              const __m256i d0 = _mm256_add_epi32(idot<6, 0, 4>(ops, x->qs + 32 * g), _mm256_set1_epi32(x->b16[2 * g]));
+              const __m256i d1 =
+                  _mm256_add_epi32(idot<6, 4, 8>(ops, x->qs + 32 * g), _mm256_set1_epi32(x->b16[2 * g + 1]));
+              isc[c] = _mm256_add_epi32(isc[c],
+                                        _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
+            }
+          }
+          const __m256 dw = load_f16x8(pb + 16 * h);
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            acc[p][h][c] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, _mm256_set1_ps(x->d)), acc[p][h][c]);
+          }
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- f32 / f16 / bf16 ----
+
+enum class FloatKind { f32, f16, bf16 };
+
+template <FloatKind kKind>
+struct FloatImpl {
+  static constexpr int kP1 = 2, kPB = 1, kCB = 6;
+  static constexpr size_t kStep = kKind == FloatKind::f32 ? 64 : 32;
+  static __m256 load(const uint8_t* p, int h) {
+    if constexpr (kKind == FloatKind::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
+    if constexpr (kKind == FloatKind::f16) return load_f16x8(p + 16 * h);
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m256 acc[P][2][C];
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    const float* x[C];
+    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    for (int64_t k = 0; k < ta.K; ++k) {
+      for (int p = 0; p < P; ++p) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256 w = load(ta.pan + p * ta.pstride + k * kStep, h);
+          for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][k]), acc[p][h][c]);
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+}  // namespace
+
+void panel_kernel_avx2(DType type, const KernelArgs& a) {
+  switch (type) {
+    case DType::q4_0: drive_tiles<Q32Impl<Q4_0>>(a); return;
+    case DType::q4_1: drive_tiles<Q32Impl<Q4_1>>(a); return;
+    case DType::q5_0: drive_tiles<Q32Impl<Q5_0>>(a); return;
+    case DType::q5_1: drive_tiles<Q32Impl<Q5_1>>(a); return;
+    case DType::q8_0: drive_tiles<Q32Impl<Q8_0>>(a); return;
+    case DType::q4_k: drive_tiles<Q45KImpl<false>>(a); return;
+    case DType::q5_k: drive_tiles<Q45KImpl<true>>(a); return;
+    case DType::q6_k: drive_tiles<Q6KImpl>(a); return;
+    case DType::f32: drive_tiles<FloatImpl<FloatKind::f32>>(a); return;
+    case DType::f16: drive_tiles<FloatImpl<FloatKind::f16>>(a); return;
+    case DType::bf16: drive_tiles<FloatImpl<FloatKind::bf16>>(a); return;
+    case DType::q2_k:
+    case DType::q3_k: drive_raw<FloatImpl<FloatKind::f32>>(type, a); return;
+    default: break;
+  }
+  __builtin_trap();
+}
+
+}  // namespace loom::cpu

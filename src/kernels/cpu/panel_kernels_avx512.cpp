@@ -1,0 +1,309 @@
+// AVX-512 (F/BW/VL/VNNI) panel kernels: one zmm lane per weight row, integer
+// block dots with vpdpbusd (u8 weights x s8 activations), f32 accumulation in a
+// fixed per-lane order shared with the AVX2 kernels (see kernels/matmul.h).
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own
+// _mm512_undefined_* helpers (a known false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/cpu/panel.h"
+#include "kernels/cpu/panel_kernels.h"
+
+namespace loom::cpu {
+namespace {
+
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline __m512i load512(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline __m512 load_f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store_rows(float* y, __m512 v, int64_t nv) {
+  if (nv >= 16)
+    _mm512_storeu_ps(y, v);
+  else if (nv > 0)
+    _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << nv) - 1), v);
+}
+
+template <int P, int C>
+inline void store_tile(const TileArgs& ta, __m512 (&acc)[P][C]) {
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p) store_rows(ta.y + c * ta.ldy + p * 16, acc[p][c], ta.nv - p * 16);
+}
+
+// imm8 for vpternlogd computing A | (B & C).
+constexpr int kOrAnd = 0xF8;
+
+// ops[o] (o < 8) = u8 values of elements 4o..4o+3 of a nibble group, 16 rows.
+inline void unpack_nibbles(const uint8_t* p, __m512i (&ops)[8]) {
+  const __m512i m = _mm512_set1_epi8(0x0f);
+  for (int o = 0; o < 4; ++o) {
+    const __m512i w = load512(p + 64 * o);
+    ops[o] = _mm512_and_si512(w, m);
+    ops[o + 4] = _mm512_and_si512(_mm512_srli_epi32(w, 4), m);
+  }
+}
+
+// Adds bit 4 from a 5th-bit word (bit o of byte i belongs to operand o).
+inline void add_bit4(const uint8_t* p, __m512i (&ops)[8]) {
+  const __m512i h = load512(p), m = _mm512_set1_epi8(0x10);
+  ops[0] = _mm512_ternarylogic_epi32(ops[0], _mm512_slli_epi32(h, 4), m, kOrAnd);
+  ops[1] = _mm512_ternarylogic_epi32(ops[1], _mm512_slli_epi32(h, 3), m, kOrAnd);
+  ops[2] = _mm512_ternarylogic_epi32(ops[2], _mm512_slli_epi32(h, 2), m, kOrAnd);
+  ops[3] = _mm512_ternarylogic_epi32(ops[3], _mm512_slli_epi32(h, 1), m, kOrAnd);
+  ops[4] = _mm512_ternarylogic_epi32(ops[4], h, m, kOrAnd);
+  ops[5] = _mm512_ternarylogic_epi32(ops[5], _mm512_srli_epi32(h, 1), m, kOrAnd);
+  ops[6] = _mm512_ternarylogic_epi32(ops[6], _mm512_srli_epi32(h, 2), m, kOrAnd);
+  ops[7] = _mm512_ternarylogic_epi32(ops[7], _mm512_srli_epi32(h, 3), m, kOrAnd);
+}
+
+// Adds bits 4..5 from the two 2-bit words (q6_k).
+inline void add_bits45(const uint8_t* p, __m512i (&ops)[8]) {
+  const __m512i m = _mm512_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i w = load512(p + 64 * h);
+    ops[4 * h + 0] = _mm512_ternarylogic_epi32(ops[4 * h + 0], _mm512_slli_epi32(w, 4), m, kOrAnd);
+    ops[4 * h + 1] = _mm512_ternarylogic_epi32(ops[4 * h + 1], _mm512_slli_epi32(w, 2), m, kOrAnd);
+    ops[4 * h + 2] = _mm512_ternarylogic_epi32(ops[4 * h + 2], w, m, kOrAnd);
+    ops[4 * h + 3] = _mm512_ternarylogic_epi32(ops[4 * h + 3], _mm512_srli_epi32(w, 2), m, kOrAnd);
+  }
+}
+
+// sum over operands o in [O0, O1) of ops[o] . x[4o..4o+3], starting from `init`;
+// two chains for latency (integer adds are exact, the order is free).
+template <int O0, int O1>
+inline __m512i idot(__m512i init, const __m512i (&ops)[8], const int8_t* x) {
+  __m512i a0 = init, a1 = _mm512_setzero_si512();
+  for (int o = O0; o < O1; o += 2) {
+    a0 = _mm512_dpbusd_epi32(a0, ops[o], bcast32(x + 4 * o));
+    a1 = _mm512_dpbusd_epi32(a1, ops[o + 1], bcast32(x + 4 * (o + 1)));
+  }
+  return _mm512_add_epi32(a0, a1);
+}
+
+// ---- 32-element block types: q4_0, q4_1, q5_0, q5_1, q8_0 ----
+
+struct Q4_0 {
+  static constexpr size_t kPB = 288;
+  static constexpr bool kMin = false;
+  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) { unpack_nibbles(pb + 32, ops); }
+};
+struct Q4_1 {
+  static constexpr size_t kPB = 320;
+  static constexpr bool kMin = true;
+  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) { unpack_nibbles(pb + 64, ops); }
+};
+struct Q5_0 {
+  static constexpr size_t kPB = 352;
+  static constexpr bool kMin = false;
+  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) {
+    unpack_nibbles(pb + 96, ops);
+    add_bit4(pb + 32, ops);
+  }
+};
+struct Q5_1 {
+  static constexpr size_t kPB = 384;
+  static constexpr bool kMin = true;
+  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) {
+    unpack_nibbles(pb + 128, ops);
+    add_bit4(pb + 64, ops);
+  }
+};
+struct Q8_0 {
+  static constexpr size_t kPB = 544;
+  static constexpr bool kMin = false;
+  // s8 weights + 128 as u8; the act's aux (-128 * sum x) removes the offset.
+  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int o = 0; o < 8; ++o) ops[o] = _mm512_xor_si512(load512(pb + 32 + 64 * o), bias);
+  }
+};
+
+template <class Q>
+struct Q32Impl {
+  static constexpr int kP1 = 4, kPB = 1, kCB = 8;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m512 acc[P][C];
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    const int64_t nb = ta.K / 32;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = ta.pan + p * ta.pstride + b * Q::kPB;
+        const __m512 dw = load_f16x16(pb);
+        __m512 mw = _mm512_setzero_ps();
+        if constexpr (Q::kMin) mw = load_f16x16(pb + 32);
+        __m512i ops[8];
+        Q::unpack(pb, ops);
+        for (int c = 0; c < C; ++c) {
+          const auto* x = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
+          const __m512i init = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(x->aux);
+          const __m512 f = _mm512_cvtepi32_ps(idot<0, 8>(init, ops, x->qs));
+          acc[p][c] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[p][c]);
+          if constexpr (Q::kMin) {
+            float s;
+            std::memcpy(&s, &x->aux, 4);
+            acc[p][c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(s), acc[p][c]);
+          }
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- q4_k / q5_k: 8 groups of 32 with u8 scales and mins ----
+
+template <bool kFive>
+struct Q45KImpl {
+  static constexpr int kP1 = 4, kPB = 1, kCB = 8;
+  static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m512 acc[P][C];
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    const int64_t nsb = ta.K / 256;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      __m512i isc[P][C];
+      for (int p = 0; p < P; ++p)
+        for (int c = 0; c < C; ++c) isc[p][c] = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) {
+        for (int p = 0; p < P; ++p) {
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+          const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 64 + 16 * g)));
+          __m512i ops[8];
+          unpack_nibbles(pb + 320 + g * kGroup, ops);
+          if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, ops);
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            const __m512i d = idot<0, 8>(_mm512_setzero_si512(), ops, x->qs + 32 * g);
+            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(d, sc));
+          }
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+        const __m512 dw = load_f16x16(pb), dm = load_f16x16(pb + 32);
+        __m512i mins[4];
+        for (int q = 0; q < 4; ++q)
+          mins[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 192 + 32 * q)));
+        for (int c = 0; c < C; ++c) {
+          const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+          __m512i im = _mm512_setzero_si512();
+          for (int q = 0; q < 4; ++q) im = _mm512_dpwssd_epi32(im, mins[q], bcast32(x->s32 + 2 * q));
+          const __m512 xd = _mm512_set1_ps(x->d);
+          acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc[p][c]);
+          acc[p][c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), acc[p][c]);
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- q6_k: 16 sub-blocks of 16 with i8 scales, values q - 32 ----
+
+struct Q6KImpl {
+  static constexpr int kP1 = 4, kPB = 1, kCB = 8;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m512 acc[P][C];
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    const int64_t nsb = ta.K / 256;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      __m512i isc[P][C];
+      for (int p = 0; p < P; ++p)
+        for (int c = 0; c < C; ++c) isc[p][c] = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) {
+        for (int p = 0; p < P; ++p) {
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * 3360;
+          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32 + 32 * g)));
+          const __m512i sc1 =
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32 + 32 * g + 16)));
+          __m512i ops[8];
+          unpack_nibbles(pb + 288 + g * 384, ops);
+          add_bits45(pb + 288 + g * 384 + 256, ops);
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            const __m512i d0 = idot<0, 4>(_mm512_set1_epi32(x->b16[2 * g]), ops, x->qs + 32 * g);
+            const __m512i d1 = idot<4, 8>(_mm512_set1_epi32(x->b16[2 * g + 1]), ops, x->qs + 32 * g);
+            isc[p][c] = _mm512_add_epi32(isc[p][c],
+                                         _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
+          }
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        const __m512 dw = load_f16x16(ta.pan + p * ta.pstride + sb * 3360);
+        for (int c = 0; c < C; ++c) {
+          const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+          acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[p][c]);
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- f32 / f16 / bf16 panels with f32 activations ----
+
+enum class FloatKind { f32, f16, bf16 };
+
+template <FloatKind kKind>
+struct FloatImpl {
+  static constexpr int kP1 = 4, kPB = 2, kCB = 8;
+  static constexpr size_t kStep = kKind == FloatKind::f32 ? 64 : 32;
+  static __m512 load(const uint8_t* p) {
+    if constexpr (kKind == FloatKind::f32) return _mm512_loadu_ps(p);
+    if constexpr (kKind == FloatKind::f16) return load_f16x16(p);
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m512 acc[P][C];
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    const float* x[C];
+    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    for (int64_t k = 0; k < ta.K; ++k) {
+      for (int p = 0; p < P; ++p) {
+        const __m512 w = load(ta.pan + p * ta.pstride + k * kStep);
+        for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[c][k]), acc[p][c]);
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+}  // namespace
+
+void panel_kernel_avx512(DType type, const KernelArgs& a) {
+  switch (type) {
+    case DType::q4_0: drive_tiles<Q32Impl<Q4_0>>(a); return;
+    case DType::q4_1: drive_tiles<Q32Impl<Q4_1>>(a); return;
+    case DType::q5_0: drive_tiles<Q32Impl<Q5_0>>(a); return;
+    case DType::q5_1: drive_tiles<Q32Impl<Q5_1>>(a); return;
+    case DType::q8_0: drive_tiles<Q32Impl<Q8_0>>(a); return;
+    case DType::q4_k: drive_tiles<Q45KImpl<false>>(a); return;
+    case DType::q5_k: drive_tiles<Q45KImpl<true>>(a); return;
+    case DType::q6_k: drive_tiles<Q6KImpl>(a); return;
+    case DType::f32: drive_tiles<FloatImpl<FloatKind::f32>>(a); return;
+    case DType::f16: drive_tiles<FloatImpl<FloatKind::f16>>(a); return;
+    case DType::bf16: drive_tiles<FloatImpl<FloatKind::bf16>>(a); return;
+    case DType::q2_k:
+    case DType::q3_k: drive_raw<FloatImpl<FloatKind::f32>>(type, a); return;
+    default: break;
+  }
+  __builtin_trap();  // the driver only passes supported types
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,125 @@
+// Matrix products y = x W^T of f32 activations with weights of any GGUF type
+// (f32, f16, bf16, q4_0 .. q8_0, q2_k .. q6_k): the op that decides inference speed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+
+namespace loom {
+
+// How the kernels work, and what that guarantees:
+//
+// Weights are used in "panels": 16 consecutive rows of W interleaved so that one
+// vector lane holds one output row (lane n computes y[t, n0 + n]). Quantized types
+// keep their quants and scales (same size as the GGUF data, a few % more for the
+// k-quants); f16/bf16/f32 keep their element type. Activations are quantized once
+// per call the way llama.cpp does it (q8_0 for q4_0/q5_0/q8_0, q8_1 for q4_1/q5_1,
+// q8_K for q4_k/q5_k/q6_k; bit-identical to kernels/ref/dequant_ref.h) and each
+// block's integer dot product is exact; f16/bf16/f32 weights use f32 activations.
+// q2_k and q3_k are dequantized to f32 panels on the fly (correct, slower).
+//
+// Every output element is one fixed sequence of float operations over the K axis
+// (per block: acc = fma(float(int_dot), d_w * d_x, acc), plus the block's min or
+// offset term; for float weights acc = fma(x[k], w[k], acc) for k = 0, 1, ...).
+// Hence results are
+//  - deterministic: independent of the thread count (threads split output rows);
+//  - batch invariant: row t of y is bit-identical whether computed with T = 1 or in
+//    any batch, and whether W is a Tensor or a PackedWeight;
+//  - the same on the AVX2 and AVX-512 paths (they differ only in the order of
+//    exact integer adds).
+// They differ from a double-precision dot product of dequantized W with x by the
+// activation rounding (|error| <= sum_k |w_k| * d_x(k) / 2 for the q8 types) plus
+// f32 accumulation rounding.
+
+// A weight matrix rearranged once into panels (see above). Owns its memory; the
+// source tensor may be released afterwards. Use it for every weight that is
+// multiplied more than once: matmul() on a plain Tensor repacks panels on the fly
+// each call, which costs about as much as the product itself at T = 1.
+// 64-byte aligned heap memory.
+struct AlignedFree { void operator()(uint8_t* p) const; };
+using AlignedBytes = std::unique_ptr<uint8_t, AlignedFree>;
+AlignedBytes alloc_aligned(size_t bytes);
+
+class PackedWeight {
+ public:
+  PackedWeight() = default;
+  // W: {N, K} (or any tensor viewed as rows() x cols()) of a supported dtype.
+  // Throws loom::Error(unsupported / invalid_input) naming `name` for a bad tensor.
+  static PackedWeight pack(const Tensor& W, ThreadPool* pool = nullptr, const char* name = "weight");
+  // Stacks the rows of several tensors of one dtype and width (e.g. Wq, Wk, Wv, or
+  // Wgate, Wup) into one matrix, so one matmul call computes all of them: y row t
+  // is then [x Wq^T | x Wk^T | x Wv^T]. Saves a thread dispatch and an activation
+  // quantization per extra tensor.
+  static PackedWeight pack_concat(std::span<const Tensor> parts, ThreadPool* pool = nullptr,
+                                  const char* name = "weight");
+
+  DType dtype() const { return dtype_; }
+  int64_t rows() const { return n_; }
+  int64_t cols() const { return k_; }
+  bool empty() const { return n_ == 0; }
+  size_t nbytes() const { return n_panels_ * panel_bytes_; }
+
+  // Internal layout (used by the kernels).
+  const uint8_t* panel(int64_t p) const { return data_.get() + static_cast<size_t>(p) * panel_bytes_; }
+  size_t panel_bytes() const { return panel_bytes_; }
+  int64_t n_panels() const { return static_cast<int64_t>(n_panels_); }
+
+ private:
+  AlignedBytes data_;
+  DType dtype_ = DType::f32;
+  int64_t n_ = 0, k_ = 0;
+  size_t n_panels_ = 0, panel_bytes_ = 0;
+};
+
+// Reusable working memory for matmul (quantized activations, on-the-fly panels).
+// One per calling thread (e.g. per model instance); grows as needed, never shrinks.
+class MatmulScratch {
+ public:
+  MatmulScratch() = default;
+  // Returns a 64-byte aligned region of at least `bytes` for slot `slot`
+  // (slot 0: activations; slot 1 + i: worker i's panels).
+  uint8_t* get(size_t slot, size_t bytes);
+  // The current region of a slot that get() has grown (safe to call from workers).
+  uint8_t* ptr(size_t slot) const { return bufs_[slot].ptr.get(); }
+
+ private:
+  struct Buf {
+    AlignedBytes ptr;
+    size_t size = 0;
+  };
+  std::vector<Buf> bufs_;
+};
+
+// y[t*ldy + n] = sum_k x[t*ldx + k] * W[n, k]   for t < T, n < N.
+// x and y must not overlap. ldx >= K, ldy >= N.
+void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+            int64_t T, MatmulScratch& scratch);
+void matmul(ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+            int64_t T, MatmulScratch& scratch);
+
+// Contiguous x [T, K] and y [T, N].
+inline void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, float* y, int64_t T,
+                   MatmulScratch& scratch) {
+  matmul(pool, W, x, W.cols(), y, W.rows(), T, scratch);
+}
+inline void matmul(ThreadPool& pool, const Tensor& W, const float* x, float* y, int64_t T,
+                   MatmulScratch& scratch) {
+  matmul(pool, W, x, W.cols(), y, W.rows(), T, scratch);
+}
+
+// Whether matmul accepts weights of this dtype.
+bool matmul_supports(DType type);
+
+// Fast activation quantizers (bit-identical to quantize_row_q8_*_ref).
+void quantize_row_q8_0(const float* x, void* dst, int64_t n);
+void quantize_row_q8_1(const float* x, void* dst, int64_t n);
+void quantize_row_q8_k(const float* x, void* dst, int64_t n);
+
+}  // namespace loom

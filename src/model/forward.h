@@ -1,0 +1,51 @@
+// Inference forward pass of a Llama-family decoder over a KV cache: batched
+// prefill (in micro-batches) and incremental decode share one code path.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/matmul.h"
+#include "model/kv_cache.h"
+#include "model/weights.h"
+
+namespace loom {
+
+class InferenceSession {
+ public:
+  // n_ctx: positions this session can hold (<= the model's context length).
+  InferenceSession(const ModelConfig& config, const ModelWeights& weights, ThreadPool& pool, int64_t n_ctx,
+                   int64_t micro_batch = 256);
+
+  // Appends `tokens` at positions [n_past, n_past + size) and returns the
+  // logits of the last one ([vocab]). With all_logits, logits() holds
+  // [size, vocab] for every appended token instead.
+  const float* eval(std::span<const int32_t> tokens, bool all_logits = false);
+
+  const std::vector<float>& logits() const { return logits_; }
+  int64_t n_past() const { return n_past_; }
+  int64_t n_ctx() const { return cache_.n_ctx(); }
+  int64_t vocab_size() const { return c_.vocab_size; }
+  // Forgets positions >= n (n <= n_past), e.g. to restart a conversation.
+  void truncate(int64_t n);
+  size_t kv_bytes() const { return cache_.bytes(); }
+
+ private:
+  void forward_batch(const int32_t* tokens, int64_t T, bool all_logits, float* logits_out);
+
+  const ModelConfig& c_;
+  const ModelWeights& w_;
+  ThreadPool& pool_;
+  KvCache cache_;
+  int64_t micro_batch_;
+  int64_t n_past_ = 0;
+  MatmulScratch scratch_;
+  // activations of one micro-batch
+  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_;
+  std::vector<int32_t> pos_;
+  std::vector<float> logits_;
+};
+
+}  // namespace loom

@@ -1,0 +1,11 @@
+#include "model/kv_cache.h"
+
+namespace loom {
+
+KvCache::KvCache(const ModelConfig& c, int64_t n_ctx)
+    : n_ctx_(n_ctx),
+      kv_dim_(c.kv_dim()),
+      k_(static_cast<size_t>(c.n_layers * n_ctx * c.kv_dim())),
+      v_(static_cast<size_t>(c.n_layers * n_ctx * c.kv_dim())) {}
+
+}  // namespace loom

@@ -1,0 +1,88 @@
+#include "model/model.h"
+
+#include <sys/stat.h>
+
+#include "io/gguf.h"
+#include "io/hf_folder.h"
+#include "model/config_load.h"
+#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
+#include "tokenizer/tokenizer.h"
+
+namespace loom {
+namespace {
+
+bool is_directory(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+}  // namespace
+
+Model::~Model() = default;
+
+const Tokenizer& Model::tokenizer() const {
+  if (!tokenizer_) fail(ErrorKind::invalid_input, "{}: the model was loaded without a tokenizer", path_);
+  return *tokenizer_;
+}
+
+std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& options) {
+  const bool with_tokenizer = options.tokenizer;
+  std::unique_ptr<Model> m(new Model());
+  m->path_ = path;
+  if (is_directory(path)) {
+    m->hf_ = HfFolder::open(path);
+    m->config_ = config_from_hf(m->hf_->config(), m->hf_->path_of("config.json"));
+    const HfFolder& hf = *m->hf_;
+    m->weights_ = bind_weights(
+        m->config_, WeightNaming::hugging_face,
+        [&hf](std::string_view name) -> std::optional<Tensor> {
+          const Tensor* t = hf.find_tensor(name);
+          return t ? std::optional<Tensor>(*t) : std::nullopt;
+        },
+        path);
+    const TokenizerSettings settings = hf.tokenizer_settings();
+    m->chat_template_ = settings.chat_template;
+    for (int64_t id : hf.generation_defaults().eos_token_ids)
+      if (id >= 0 && id < m->config_.vocab_size) m->extra_eos_.push_back(static_cast<int32_t>(id));
+    if (with_tokenizer) {
+      const auto tj = hf.tokenizer_json_path();
+      if (!tj) fail(ErrorKind::not_found, "{}: no tokenizer.json in the model folder", path);
+      m->tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_tokenizer_json(*tj, hf.tokenizer_config()));
+    }
+  } else {
+    m->gguf_ = gguf::File::open(path);
+    const gguf::File& g = *m->gguf_;
+    m->config_ = config_from_gguf(g);
+    m->weights_ = bind_weights(
+        m->config_, WeightNaming::gguf,
+        [&g](std::string_view name) -> std::optional<Tensor> {
+          const gguf::TensorInfo* t = g.find_tensor(name);
+          return t ? std::optional<Tensor>(t->view()) : std::nullopt;
+        },
+        path);
+    m->chat_template_ = g.opt_string("tokenizer.chat_template");
+    if (with_tokenizer) m->tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_gguf(g));
+  }
+  if (options.dequantize) dequantize_weights(m->weights_);
+  if (options.pack) pack_weights(m->weights_, options.pool);
+  return m;
+}
+
+int64_t Model::parameter_count() const {
+  const ModelConfig& c = config_;
+  int64_t n = c.vocab_size * c.hidden * (weights_.output.data == weights_.token_embd.data ? 1 : 2) + c.hidden;
+  const int64_t per_layer = 2 * c.hidden + c.hidden * c.q_dim() * 2 + 2 * c.hidden * c.kv_dim() +
+                            3 * c.hidden * c.intermediate + (c.qkv_bias ? c.q_dim() + 2 * c.kv_dim() : 0);
+  return n + per_layer * c.n_layers;
+}
+
+size_t Model::weight_bytes() const {
+  size_t n = weights_.token_embd.nbytes();
+  if (weights_.output.data != weights_.token_embd.data) n += weights_.output.nbytes();
+  for (const auto& L : weights_.layers)
+    for (const Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) n += t->nbytes();
+  const size_t vec = static_cast<size_t>(config_.hidden) * sizeof(float);
+  return n + vec * (2 * weights_.layers.size() + 1);
+}
+
+}  // namespace loom

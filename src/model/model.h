@@ -1,0 +1,63 @@
+// A loaded model: config, frozen weights (mmap'd from a GGUF file or a Hugging
+// Face folder), tokenizer and chat template. MODEL paths are a .gguf file or a
+// folder with config.json.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace loom {
+
+namespace gguf { class File; }
+class HfFolder;
+class Tokenizer;
+
+class Model {
+ public:
+  struct LoadOptions {
+    bool tokenizer = true;       // false: raw ids only (benchmarks, tests)
+    bool pack = true;            // false: no matmul panels (inspection only: `loom info`)
+    ThreadPool* pool = nullptr;  // speeds up packing
+    bool dequantize = false;     // expand every matrix to f32 first (reference checks, --f32)
+  };
+  // Loads weights and tokenizer. Throws loom::Error naming the path.
+  static std::unique_ptr<Model> load(const std::string& path, const LoadOptions& options);
+  static std::unique_ptr<Model> load(const std::string& path) { return load(path, LoadOptions{}); }
+  ~Model();
+
+  const std::string& path() const { return path_; }
+  const ModelConfig& config() const { return config_; }
+  const ModelWeights& weights() const { return weights_; }
+  bool has_tokenizer() const { return tokenizer_ != nullptr; }
+  const Tokenizer& tokenizer() const;
+  // The chat template text from the model's metadata, if any.
+  const std::optional<std::string>& chat_template_text() const { return chat_template_; }
+  // Extra end-of-generation ids from generation_config.json.
+  const std::vector<int32_t>& extra_eos_ids() const { return extra_eos_; }
+  bool is_gguf() const { return gguf_ != nullptr; }
+  const gguf::File* gguf_file() const { return gguf_.get(); }
+
+  // Counts and bytes of the weights, for `loom info`.
+  int64_t parameter_count() const;
+  size_t weight_bytes() const;
+
+ private:
+  Model() = default;
+
+  std::string path_;
+  ModelConfig config_;
+  ModelWeights weights_;
+  std::unique_ptr<gguf::File> gguf_;
+  std::unique_ptr<HfFolder> hf_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::optional<std::string> chat_template_;
+  std::vector<int32_t> extra_eos_;
+};
+
+}  // namespace loom

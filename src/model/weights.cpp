@@ -1,0 +1,164 @@
+#include "model/weights.h"
+
+#include <cmath>
+#include <cstring>
+#include <fmt/format.h>
+
+#include "core/half.h"
+#include "kernels/ref/dequant_ref.h"
+
+namespace loom {
+namespace {
+
+class Binder {
+ public:
+  Binder(const TensorLookup& lookup, const std::string& source, ModelWeights& w)
+      : lookup_(lookup), source_(source), w_(w) {}
+
+  std::optional<Tensor> find(const std::string& name) { return lookup_(name); }
+
+  Tensor matrix(const std::string& name, int64_t rows, int64_t cols) {
+    auto t = lookup_(name);
+    if (!t) fail(ErrorKind::invalid_input, "{}: missing tensor '{}'", source_, name);
+    if (t->ndim != 2 || t->dim(0) != rows || t->dim(1) != cols)
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {}, expected [{}, {}]", source_, name,
+           t->shape_string(), rows, cols);
+    if (!matmul_supports(t->dtype))
+      fail(ErrorKind::unsupported, "{}: tensor '{}' has type {}, which loom cannot multiply", source_, name,
+           dtype_name(t->dtype));
+    return *t;
+  }
+
+  const float* vector(const std::string& name, int64_t n, bool required = true) {
+    auto t = lookup_(name);
+    if (!t) {
+      if (required) fail(ErrorKind::invalid_input, "{}: missing tensor '{}'", source_, name);
+      return nullptr;
+    }
+    if (t->numel() != n)
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {}, expected [{}]", source_, name,
+           t->shape_string(), n);
+    const bool aligned = reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0;
+    if (t->dtype == DType::f32 && aligned) return t->as<const float>();
+    if (t->dtype != DType::f32 && t->dtype != DType::f16 && t->dtype != DType::bf16)
+      fail(ErrorKind::unsupported, "{}: tensor '{}' has type {}; norms and biases must be f32, f16 or bf16",
+           source_, name, dtype_name(t->dtype));
+    auto& v = w_.owned.emplace_back(static_cast<size_t>(n));
+    dequantize_row_ref(t->dtype, t->data, v.data(), n);
+    return v.data();
+  }
+
+ private:
+  const TensorLookup& lookup_;
+  const std::string& source_;
+  ModelWeights& w_;
+};
+
+}  // namespace
+
+void dequantize_weights(ModelWeights& w) {
+  auto expand = [&w](Tensor& t) {
+    if (t.dtype == DType::f32) return;
+    auto& buf = w.owned.emplace_back(static_cast<size_t>(t.numel()));
+    for (int64_t r = 0; r < t.rows(); ++r) dequantize_row_ref(t.dtype, t.row_ptr(r), buf.data() + r * t.cols(), t.cols());
+    t.data = buf.data();
+    t.dtype = DType::f32;
+  };
+  const bool tied = w.output.data == w.token_embd.data;
+  expand(w.token_embd);
+  if (tied) w.output = w.token_embd;
+  else expand(w.output);
+  for (auto& L : w.layers)
+    for (Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) expand(*t);
+}
+
+void pack_weights(ModelWeights& w, ThreadPool* pool) {
+  w.packed.clear();
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    PackedLayer P;
+    P.wq = PackedWeight::pack(L.wq, pool, "attn_q");
+    P.wk = PackedWeight::pack(L.wk, pool, "attn_k");
+    P.wv = PackedWeight::pack(L.wv, pool, "attn_v");
+    P.wo = PackedWeight::pack(L.wo, pool, "attn_output");
+    P.w_gate = PackedWeight::pack(L.w_gate, pool, "ffn_gate");
+    P.w_up = PackedWeight::pack(L.w_up, pool, "ffn_up");
+    P.w_down = PackedWeight::pack(L.w_down, pool, "ffn_down");
+    w.packed.push_back(std::move(P));
+  }
+  w.output_packed = PackedWeight::pack(w.output, pool, "output");
+}
+
+RopeTable make_rope_table(const ModelConfig& c) {
+  RopeTable r;
+  r.head_dim = c.head_dim;
+  r.interleaved = c.rope_layout == RopeLayout::interleaved;
+  const int64_t half = c.head_dim / 2;
+  const auto& sc = c.rope_scaling;
+  for (int64_t i = 0; i < half; ++i) {
+    double f = std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(c.head_dim));
+    if (sc.factor > 0) {  // Llama 3.1 frequency-dependent scaling
+      const double old_ctx = static_cast<double>(sc.original_max_position);
+      const double low_wavelen = old_ctx / sc.low_freq_factor, high_wavelen = old_ctx / sc.high_freq_factor;
+      const double wavelen = 2.0 * M_PI / f;
+      if (wavelen > low_wavelen) {
+        f /= sc.factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (old_ctx / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor);
+        f = (1 - smooth) * f / sc.factor + smooth * f;
+      }
+    }
+    r.inv_freq.push_back(static_cast<float>(f));
+  }
+  return r;
+}
+
+ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const TensorLookup& lookup,
+                          const std::string& source) {
+  ModelWeights w;
+  Binder b(lookup, source, w);
+  const bool gg = naming == WeightNaming::gguf;
+  const int64_t H = c.hidden, F = c.intermediate, Q = c.q_dim(), KV = c.kv_dim(), V = c.vocab_size;
+
+  w.token_embd = b.matrix(gg ? "token_embd.weight" : "model.embed_tokens.weight", V, H);
+  w.output_norm = b.vector(gg ? "output_norm.weight" : "model.norm.weight", H);
+  const std::string out_name = gg ? "output.weight" : "lm_head.weight";
+  if (!c.tied_embeddings && b.find(out_name)) w.output = b.matrix(out_name, V, H);
+  else w.output = w.token_embd;
+
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string p = gg ? fmt::format("blk.{}.", l) : fmt::format("model.layers.{}.", l);
+    auto name = [&](const char* gguf_name, const char* hf_name) { return p + (gg ? gguf_name : hf_name); };
+    LayerWeights L;
+    L.attn_norm = b.vector(name("attn_norm.weight", "input_layernorm.weight"), H);
+    L.wq = b.matrix(name("attn_q.weight", "self_attn.q_proj.weight"), Q, H);
+    L.wk = b.matrix(name("attn_k.weight", "self_attn.k_proj.weight"), KV, H);
+    L.wv = b.matrix(name("attn_v.weight", "self_attn.v_proj.weight"), KV, H);
+    L.wo = b.matrix(name("attn_output.weight", "self_attn.o_proj.weight"), H, Q);
+    L.bq = b.vector(name("attn_q.bias", "self_attn.q_proj.bias"), Q, c.qkv_bias);
+    L.bk = b.vector(name("attn_k.bias", "self_attn.k_proj.bias"), KV, c.qkv_bias);
+    L.bv = b.vector(name("attn_v.bias", "self_attn.v_proj.bias"), KV, c.qkv_bias);
+    L.ffn_norm = b.vector(name("ffn_norm.weight", "post_attention_layernorm.weight"), H);
+    L.w_gate = b.matrix(name("ffn_gate.weight", "mlp.gate_proj.weight"), F, H);
+    L.w_up = b.matrix(name("ffn_up.weight", "mlp.up_proj.weight"), F, H);
+    L.w_down = b.matrix(name("ffn_down.weight", "mlp.down_proj.weight"), H, F);
+    w.layers.push_back(L);
+  }
+
+  w.rope = make_rope_table(c);
+  // GGUF stores Llama-3 scaling as per-pair divisors of the base frequencies.
+  if (gg) {
+    if (const float* freqs = b.vector("rope_freqs.weight", c.head_dim / 2, false)) {
+      ModelConfig plain = c;
+      plain.rope_scaling = RopeScaling{};
+      w.rope = make_rope_table(plain);
+      for (size_t i = 0; i < w.rope.inv_freq.size(); ++i) {
+        if (!(freqs[i] > 0)) fail(ErrorKind::invalid_input, "{}: rope_freqs.weight[{}] must be > 0", source, i);
+        w.rope.inv_freq[i] /= freqs[i];
+      }
+    }
+  }
+  return w;
+}
+
+}  // namespace loom

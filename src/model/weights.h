@@ -1,0 +1,66 @@
+// Named views of a decoder's frozen weights, bound from a GGUF file or a
+// Hugging Face folder. Matrices stay in their stored dtype (often mmap'd and
+// quantized); small vectors (norms, biases) are held as f32.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/tensor.h"
+#include "kernels/matmul.h"
+#include "kernels/ops.h"
+#include "model/config.h"
+
+namespace loom {
+
+struct LayerWeights {
+  const float* attn_norm = nullptr;  // [hidden]
+  Tensor wq, wk, wv, wo;             // [q_dim, hidden], [kv_dim, hidden] x2, [hidden, q_dim]
+  const float* bq = nullptr;         // qwen2 only: [q_dim], [kv_dim], [kv_dim]
+  const float* bk = nullptr;
+  const float* bv = nullptr;
+  const float* ffn_norm = nullptr;   // [hidden]
+  Tensor w_gate, w_up, w_down;       // [ffn, hidden] x2, [hidden, ffn]
+};
+
+// The matrices of one layer rearranged for the matmul kernels (kernels/matmul.h).
+struct PackedLayer {
+  PackedWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+};
+
+struct ModelWeights {
+  Tensor token_embd;                 // [vocab, hidden]
+  Tensor output;                     // [vocab, hidden]; same view as token_embd when tied
+  const float* output_norm = nullptr;
+  std::vector<LayerWeights> layers;
+  RopeTable rope;
+  std::vector<PackedLayer> packed;   // filled by pack_weights(); the forward pass multiplies these
+  PackedWeight output_packed;
+  std::vector<std::vector<float>> owned;  // f32 copies of vectors stored as f16/bf16/misaligned
+};
+
+// Tensor names of the two on-disk layouts.
+enum class WeightNaming { gguf, hugging_face };
+
+// Looks a tensor up by its on-disk name; nullopt when absent.
+using TensorLookup = std::function<std::optional<Tensor>(std::string_view name)>;
+
+// Binds and validates every tensor (presence, shape, dtype) against `config`.
+// `rope_freqs` (GGUF's per-pair divisors for Llama-3 scaling) may be null.
+// Errors name `source` and the tensor.
+ModelWeights bind_weights(const ModelConfig& config, WeightNaming naming, const TensorLookup& lookup,
+                          const std::string& source);
+
+// Replaces every matrix view by an f32 copy held in w.owned (reference runs).
+void dequantize_weights(ModelWeights& w);
+
+// Packs every matrix for the matmul kernels (done once at load).
+void pack_weights(ModelWeights& w, ThreadPool* pool);
+
+// Inverse RoPE frequencies for the config (theta, Llama-3 scaling).
+RopeTable make_rope_table(const ModelConfig& config);
+
+}  // namespace loom

@@ -1,0 +1,234 @@
+// matmul on every weight type: exact agreement with the scalar model of the
+// kernels' arithmetic, a sound error bound against a double-precision product,
+// batch invariance, thread-count invariance, AVX2 == AVX-512, strides, errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "kernels/cpu/panel.h"
+#include "kernels/matmul.h"
+#include "matmul_test_util.h"
+
+namespace loom {
+namespace {
+
+using testing::matmul_tolerance;
+using testing::model_dot;
+using testing::random_floats;
+using testing::random_weights;
+
+const DType kAllTypes[] = {DType::q4_1, DType::q8_0, DType::f16, DType::q4_k, DType::q6_k, DType::q4_0, DType::q5_k,
+                           DType::bf16, DType::f32,  DType::q5_0, DType::q5_1, DType::q2_k, DType::q3_k};
+
+std::vector<cpu::Isa> isas() {
+  std::vector<cpu::Isa> v{cpu::Isa::avx2};
+  if (cpu_features().has_avx512_kernels()) v.push_back(cpu::Isa::avx512);
+  return v;
+}
+
+const char* isa_name(cpu::Isa isa) { return isa == cpu::Isa::avx2 ? "avx2" : "avx512"; }
+
+struct Problem {
+  DType type;
+  int64_t N, K, T;
+  std::vector<uint8_t> w;
+  std::vector<float> x;
+  Tensor W;
+  Problem(DType t, int64_t n, int64_t k, int64_t tt, uint32_t seed)
+      : type(t), N(n), K(k), T(tt), w(random_weights(t, n, k, seed)), x(random_floats(tt * k, seed + 77)) {
+    W = make_tensor(w.data(), t, {n, k});
+  }
+  const uint8_t* row(int64_t n) const { return w.data() + static_cast<size_t>(n) * dtype_row_bytes(type, K); }
+  std::vector<float> model() const {
+    std::vector<float> y(static_cast<size_t>(N * T));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) y[static_cast<size_t>(t * N + n)] = model_dot(type, row(n), x.data() + t * K, K);
+    return y;
+  }
+};
+
+int64_t test_k(DType type, int variant) {
+  const int64_t bs = dtype_block_size(type);
+  if (bs == 256) return variant == 0 ? 256 : 768;
+  if (bs == 32) return variant == 0 ? 32 : 416;
+  return variant == 0 ? 5 : 203;  // float types: any K
+}
+
+void expect_bits_equal(const std::vector<float>& want, const std::vector<float>& got, const std::string& what) {
+  ASSERT_EQ(want.size(), got.size());
+  int bad = 0;
+  for (size_t i = 0; i < want.size() && bad < 5; ++i) {
+    if (float_to_bits(want[i]) != float_to_bits(got[i])) {
+      ADD_FAILURE() << what << " index " << i << ": want " << want[i] << " got " << got[i];
+      ++bad;
+    }
+  }
+}
+
+// Every type, awkward N (not multiples of 16) and T in {1, 3, 17, 64}, both
+// instruction sets, packed and plain weights, 1 and 3 threads: all bit-equal to
+// the scalar model.
+TEST(Matmul, AllTypesMatchScalarModelExactly) {
+  ThreadPool pool1(1), pool3(3);
+  MatmulScratch scratch;
+  const int64_t Ns[] = {1, 17, 40};
+  const int64_t Ts[] = {1, 3, 17, 64};
+  uint32_t seed = 1;
+  for (DType type : kAllTypes) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int64_t N : Ns) {
+        for (int64_t T : Ts) {
+          if (T == 64 && N != 17) continue;  // keep the run short
+          Problem pr(type, N, test_k(type, kv), T, seed++);
+          const auto want = pr.model();
+          const PackedWeight pw = PackedWeight::pack(pr.W, &pool3);
+          for (cpu::Isa isa : isas()) {
+            for (ThreadPool* pool : {&pool1, &pool3}) {
+              std::vector<float> y(static_cast<size_t>(N * T), -7.0f), y2(y);
+              cpu::matmul_isa(isa, *pool, pw, pr.x.data(), pr.K, y.data(), N, T, scratch);
+              cpu::matmul_isa(isa, *pool, pr.W, pr.x.data(), pr.K, y2.data(), N, T, scratch);
+              const std::string what = std::string(dtype_name(type)) + " N=" + std::to_string(N) +
+                                       " K=" + std::to_string(pr.K) + " T=" + std::to_string(T) + " " +
+                                       isa_name(isa) + " threads=" + std::to_string(pool->size());
+              expect_bits_equal(want, y, what + " packed");
+              expect_bits_equal(want, y2, what + " tensor");
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The kernels' result is within the stated bound of the exact product of the
+// dequantized weights with the (unquantized) activations.
+TEST(Matmul, WithinActivationRoundingBoundOfDoubleReference) {
+  ThreadPool pool(2);
+  MatmulScratch scratch;
+  for (DType type : kAllTypes) {
+    Problem pr(type, 33, test_k(type, 1), 5, 4242);
+    std::vector<float> y(static_cast<size_t>(pr.N * pr.T));
+    matmul(pool, pr.W, pr.x.data(), y.data(), pr.T, scratch);
+    std::vector<float> wf(static_cast<size_t>(pr.K));
+    for (int64_t t = 0; t < pr.T; ++t) {
+      const float* xt = pr.x.data() + t * pr.K;
+      for (int64_t n = 0; n < pr.N; ++n) {
+        dequantize_row_ref(type, pr.row(n), wf.data(), pr.K);
+        double exact = 0.0;
+        for (int64_t k = 0; k < pr.K; ++k) exact += static_cast<double>(wf[static_cast<size_t>(k)]) * xt[k];
+        const double tol = matmul_tolerance(type, pr.row(n), xt, pr.K);
+        EXPECT_LE(std::fabs(y[static_cast<size_t>(t * pr.N + n)] - exact), tol)
+            << dtype_name(type) << " t=" << t << " n=" << n << " exact=" << exact;
+      }
+    }
+  }
+}
+
+// A row's result does not depend on the batch it is computed in.
+TEST(Matmul, BatchInvariant) {
+  ThreadPool pool(2);
+  MatmulScratch scratch;
+  for (DType type : {DType::q4_1, DType::q8_0, DType::f16, DType::q4_k, DType::q6_k, DType::bf16}) {
+    Problem pr(type, 70, test_k(type, 1), 29, 5);
+    const PackedWeight pw = PackedWeight::pack(pr.W);
+    for (cpu::Isa isa : isas()) {
+      std::vector<float> batch(static_cast<size_t>(pr.N * pr.T));
+      cpu::matmul_isa(isa, pool, pw, pr.x.data(), pr.K, batch.data(), pr.N, pr.T, scratch);
+      for (int64_t t = 0; t < pr.T; ++t) {
+        std::vector<float> one(static_cast<size_t>(pr.N));
+        cpu::matmul_isa(isa, pool, pw, pr.x.data() + t * pr.K, pr.K, one.data(), pr.N, 1, scratch);
+        for (int64_t n = 0; n < pr.N; ++n)
+          ASSERT_EQ(float_to_bits(one[static_cast<size_t>(n)]), float_to_bits(batch[static_cast<size_t>(t * pr.N + n)]))
+              << dtype_name(type) << " " << isa_name(isa) << " t=" << t << " n=" << n;
+      }
+    }
+  }
+}
+
+// Results do not depend on the number of threads, nor on the instruction set.
+TEST(Matmul, ThreadCountAndIsaInvariant) {
+  ThreadPool p1(1), p2(2), p4(4);
+  MatmulScratch scratch;
+  for (DType type : {DType::q4_1, DType::q8_0, DType::f16, DType::q5_k, DType::q3_k}) {
+    for (int64_t T : {int64_t{1}, int64_t{9}}) {
+      Problem pr(type, 100, test_k(type, 1), T, 11);
+      const PackedWeight pw = PackedWeight::pack(pr.W);
+      std::vector<float> first;
+      for (cpu::Isa isa : isas()) {
+        for (ThreadPool* pool : {&p1, &p2, &p4}) {
+          std::vector<float> y(static_cast<size_t>(pr.N * T));
+          cpu::matmul_isa(isa, *pool, pw, pr.x.data(), pr.K, y.data(), pr.N, T, scratch);
+          if (first.empty())
+            first = y;
+          else
+            expect_bits_equal(first, y, std::string(dtype_name(type)) + " " + isa_name(isa) + " threads=" +
+                                            std::to_string(pool->size()));
+        }
+      }
+    }
+  }
+}
+
+// Row strides: x rows and y rows inside larger buffers; nothing outside is touched.
+TEST(Matmul, StridedInputAndOutput) {
+  ThreadPool pool(2);
+  MatmulScratch scratch;
+  for (DType type : {DType::q4_1, DType::f16, DType::q6_k}) {
+    Problem pr(type, 21, test_k(type, 1), 6, 8);
+    const int64_t ldx = pr.K + 13, ldy = pr.N + 5;
+    std::vector<float> xs(static_cast<size_t>(pr.T * ldx), 1e30f);
+    for (int64_t t = 0; t < pr.T; ++t)
+      std::copy(pr.x.begin() + t * pr.K, pr.x.begin() + (t + 1) * pr.K, xs.begin() + t * ldx);
+    std::vector<float> y(static_cast<size_t>(pr.T * ldy), -3.0f);
+    matmul(pool, PackedWeight::pack(pr.W), xs.data(), ldx, y.data(), ldy, pr.T, scratch);
+    const auto want = pr.model();
+    for (int64_t t = 0; t < pr.T; ++t) {
+      for (int64_t n = 0; n < ldy; ++n) {
+        const float got = y[static_cast<size_t>(t * ldy + n)];
+        if (n < pr.N)
+          EXPECT_EQ(float_to_bits(want[static_cast<size_t>(t * pr.N + n)]), float_to_bits(got)) << t << "," << n;
+        else
+          EXPECT_EQ(got, -3.0f) << "wrote outside row " << t;
+      }
+    }
+  }
+}
+
+TEST(Matmul, RejectsBadWeights) {
+  ThreadPool pool(1);
+  MatmulScratch scratch;
+  std::vector<uint8_t> buf(4096);
+  std::vector<float> x(256), y(16);
+  const Tensor i8 = make_tensor(buf.data(), DType::i8, {2, 64});
+  EXPECT_THROW(matmul(pool, i8, x.data(), y.data(), 1, scratch), Error);
+  EXPECT_THROW(PackedWeight::pack(i8), Error);
+  const Tensor q4 = make_tensor(buf.data(), DType::q4_1, {2, 48});  // K not a multiple of 32
+  EXPECT_THROW(matmul(pool, q4, x.data(), y.data(), 1, scratch), Error);
+  const Tensor ok = make_tensor(buf.data(), DType::q4_1, {2, 64});
+  EXPECT_THROW(matmul(pool, ok, x.data(), 10, y.data(), 2, 1, scratch), Error);  // ldx < K
+  EXPECT_FALSE(matmul_supports(DType::q8_k));
+  EXPECT_TRUE(matmul_supports(DType::q4_1));
+  try {
+    PackedWeight::pack(i8, nullptr, "blk.0.attn_q.weight");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("blk.0.attn_q.weight"), std::string::npos);
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+  }
+}
+
+TEST(Matmul, ZeroTokensIsANoOp) {
+  ThreadPool pool(2);
+  MatmulScratch scratch;
+  Problem pr(DType::q8_0, 4, 64, 1, 3);
+  float y = 5.0f;
+  matmul(pool, pr.W, pr.x.data(), &y, 0, scratch);
+  EXPECT_EQ(y, 5.0f);
+}
+
+}  // namespace
+}  // namespace loom
