@@ -27,10 +27,10 @@ struct Node {
   const std::string& file;
 
   [[noreturn]] void error(std::string_view what) const {
-    fail(ErrorKind::invalid_input, "{}: {}: {}", file, path, what);
+    fail(ErrorKind::invalid_input, "{}: {}{}", file, path.empty() ? "" : path + ": ", what);
   }
   [[noreturn]] void unsupported(std::string_view what) const {
-    fail(ErrorKind::unsupported, "{}: {}: {}", file, path, what);
+    fail(ErrorKind::unsupported, "{}: {}{}", file, path.empty() ? "" : path + ": ", what);
   }
   Node at(std::string_view key) const { return Node{v.at(std::string(key)), child(key), file}; }
   Node at(size_t i) const { return Node{v.at(i), fmt::format("{}[{}]", path, i), file}; }

@@ -4,7 +4,10 @@
 
 #include <functional>
 
+#include "core/half.h"
+#include "core/mapped_file.h"
 #include "io/hf_folder.h"
+#include "model/config_load.h"
 #include "safetensors_test_util.h"
 
 namespace loom {
@@ -146,6 +149,31 @@ TEST(HfFolder, ShardedWeights) {
   const auto* ref = f->find_weight("lm_head.weight");
   ASSERT_NE(ref, nullptr);
   EXPECT_EQ(ref->file->path(), s.dir.file("model-00002-of-00002.safetensors"));
+}
+
+// A folder written by transformers' save_pretrained (4 shards, BF16).
+TEST(HfFolder, TransformersShardedFixture) {
+  const std::string root = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/hf_folder/";
+  const auto f = HfFolder::open(root + "tiny_sharded");
+  const json expected = json::parse(read_text_file(root + "tiny_sharded_expected.json"));
+  EXPECT_TRUE(f->sharded());
+  EXPECT_EQ(f->shards().size(), 4u);
+  EXPECT_EQ(static_cast<int64_t>(f->tensor_names().size()), expected["n_tensors"].get<int64_t>());
+  for (const auto& [name, values] : expected["first_values"].items()) {
+    const Tensor& t = f->tensor(name);
+    ASSERT_EQ(t.dtype, DType::bf16) << name;
+    for (size_t i = 0; i < values.size(); ++i)
+      EXPECT_EQ(bf16_to_fp32(t.as<uint16_t>()[i]), values[i].get<float>()) << name << " @" << i;
+  }
+  EXPECT_EQ(f->tensor("model.layers.1.mlp.down_proj.weight").shape_string(), "[16, 24]");
+  const GenerationDefaults g = f->generation_defaults();
+  EXPECT_EQ(g.eos_token_ids, (std::vector<int64_t>{2, 3}));
+  EXPECT_DOUBLE_EQ(*g.top_p, 0.95);
+  const ModelConfig c = config_from_hf(f->config(), f->path_of("config.json"));
+  EXPECT_EQ(c.n_layers, 2);
+  EXPECT_EQ(c.head_dim, 4);
+  EXPECT_EQ(c.torch_dtype, "bfloat16");
+  EXPECT_FALSE(c.tied_embeddings);
 }
 
 TEST(HfFolder, SingleFilePreferredOverIndex) {

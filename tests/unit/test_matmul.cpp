@@ -27,10 +27,13 @@ const DType kAllTypes[] = {DType::q4_1, DType::q8_0, DType::f16, DType::q4_k, DT
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
   if (cpu_features().has_avx512_kernels()) v.push_back(cpu::Isa::avx512);
+  if (cpu_features().has_avx512_kernels() && cpu::amx_available()) v.push_back(cpu::Isa::amx);
   return v;
 }
 
-const char* isa_name(cpu::Isa isa) { return isa == cpu::Isa::avx2 ? "avx2" : "avx512"; }
+const char* isa_name(cpu::Isa isa) {
+  return isa == cpu::Isa::avx2 ? "avx2" : isa == cpu::Isa::avx512 ? "avx512" : "amx";
+}
 
 struct Problem {
   DType type;

@@ -100,6 +100,7 @@ TEST(QuantAct, TiesRoundAsSpecified) {
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
   if (cpu_features().has_avx512_kernels()) v.push_back(cpu::Isa::avx512);
+  if (cpu_features().has_avx512_kernels() && cpu::amx_available()) v.push_back(cpu::Isa::amx);
   return v;
 }
 

@@ -2,6 +2,9 @@
 // panels (or tokens) over the pool and picks the AVX2 or AVX-512 kernels.
 #include "kernels/matmul.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -15,6 +18,7 @@ namespace {
 using cpu::kPanelRows;
 
 constexpr int64_t kFlyGroup = 4;  // panels packed at a time by matmul(Tensor)
+constexpr int64_t kAmxMinT = 8;   // AMX tiles pay off from about this many tokens
 
 inline size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -58,10 +62,15 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, const Source& s, const float* x,
   const bool raw_type = cpu::panel_is_raw(s.type);
   const cpu::ActKind kind = cpu::act_kind(s.type);
   const size_t arb = cpu::act_row_bytes(s.type, s.K);
+  // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
+  const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(s.type) &&
+                       cpu::amx_available();
+  const int64_t t_alloc = use_amx ? (T + 15) / 16 * 16 : T;
 
   // Per-worker scratch (grown here, on the calling thread, before any worker runs).
   const size_t fly_bytes = fly ? static_cast<size_t>(kFlyGroup) * s.pstride : 0;
-  const size_t tmp_bytes = raw_type ? static_cast<size_t>(s.K) * kPanelRows * sizeof(float) : 0;
+  size_t tmp_bytes = raw_type ? static_cast<size_t>(s.K) * kPanelRows * sizeof(float) : 0;
+  if (use_amx) tmp_bytes = static_cast<size_t>(s.K) * kPanelRows;  // unpacked 8-bit panel
   if (fly_bytes + tmp_bytes > 0)
     for (int i = 0; i < nt; ++i) scratch.get(1 + static_cast<size_t>(i), fly_bytes + tmp_bytes);
 
@@ -69,7 +78,8 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, const Source& s, const float* x,
   size_t astride = static_cast<size_t>(ldx) * sizeof(float);
   uint8_t* qbuf = nullptr;
   if (kind != cpu::ActKind::f32) {
-    qbuf = scratch.get(0, arb * static_cast<size_t>(T));
+    qbuf = scratch.get(0, arb * static_cast<size_t>(t_alloc));
+    if (t_alloc > T) std::memset(qbuf + arb * static_cast<size_t>(T), 0, arb * static_cast<size_t>(t_alloc - T));
     act = qbuf;
     astride = arb;
     // Token-split workers quantize their own rows; otherwise quantize up front.
@@ -84,7 +94,9 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, const Source& s, const float* x,
     }
   }
 
-  const cpu::PanelKernel kernel = isa == cpu::Isa::avx512 ? cpu::panel_kernel_avx512 : cpu::panel_kernel_avx2;
+  const cpu::PanelKernel kernel = use_amx                   ? cpu::panel_kernel_amx
+                                  : isa == cpu::Isa::avx2 ? cpu::panel_kernel_avx2
+                                                          : cpu::panel_kernel_avx512;
 
   auto work = [&](int ti, int tn) {
     int64_t p0 = 0, p1 = np, t0 = 0, t1 = T;
@@ -105,7 +117,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, const Source& s, const float* x,
     a.act_stride = astride;
     a.T = t1 - t0;
     a.ldy = ldy;
-    a.tmp = raw_type ? reinterpret_cast<float*>(wb + fly_bytes) : nullptr;
+    a.tmp = tmp_bytes > 0 ? reinterpret_cast<float*>(wb + fly_bytes) : nullptr;
     const int64_t group = fly ? kFlyGroup : p1 - p0;
     for (int64_t p = p0; p < p1; p += group) {
       const int64_t pn = p + group < p1 ? group : p1 - p;
@@ -215,6 +227,16 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
 
 namespace cpu {
 
+bool amx_available() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+    // Linux hands out the (8 KB) tile state only on request, once per process.
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
 void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
                 int64_t T, MatmulScratch& scratch) {
   if (W.empty()) fail(ErrorKind::invalid_input, "matmul: empty PackedWeight");
@@ -233,7 +255,17 @@ void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int6
 }  // namespace cpu
 
 namespace {
-cpu::Isa default_isa() { return use_avx512_kernels() ? cpu::Isa::avx512 : cpu::Isa::avx2; }
+// LOOM_CPU=avx2 (checked by use_avx512_kernels) forces AVX2; LOOM_CPU=avx512
+// keeps AVX-512 but leaves AMX unused.
+cpu::Isa default_isa() {
+  static const cpu::Isa isa = [] {
+    if (!use_avx512_kernels()) return cpu::Isa::avx2;
+    const char* force = std::getenv("LOOM_CPU");
+    if (force != nullptr && std::strcmp(force, "avx512") == 0) return cpu::Isa::avx512;
+    return cpu::amx_available() ? cpu::Isa::amx : cpu::Isa::avx512;
+  }();
+  return isa;
+}
 }  // namespace
 
 void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t T,

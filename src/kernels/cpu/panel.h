@@ -110,11 +110,19 @@ void panel_kernel_avx512(DType type, const KernelArgs& a);
 // matmul with an explicit kernel set (tests and benchmarks run both paths on one
 // machine; the public matmul picks by use_avx512_kernels()). avx512 needs
 // cpu_features().has_avx512_kernels().
-enum class Isa { avx2, avx512 };
+// amx: AVX-512 plus AMX-INT8 tiles for batches of 32-element block types.
+enum class Isa { avx2, avx512, amx };
 void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
                 int64_t T, MatmulScratch& scratch);
 void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
                 int64_t T, MatmulScratch& scratch);
+
+// AMX: usable on this CPU and OS (requests the tile state once per process);
+// types with an AMX kernel; the kernel (needs act rows padded to a multiple of 16
+// tokens and a.tmp of K*16 bytes).
+bool amx_available();
+bool amx_supports(DType type);
+void panel_kernel_amx(DType type, const KernelArgs& a);
 
 // Dequantizes a raw (q2_k/q3_k) panel into f32 panel layout [K][16].
 void unpack_raw_panel(DType type, const uint8_t* panel, int64_t K, float* out);
