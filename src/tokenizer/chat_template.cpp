@@ -81,6 +81,8 @@ std::string render_llama3(const ChatTemplate& t, std::span<const ChatMessage> ms
 }
 
 std::string render_llama2(const ChatTemplate& t, std::span<const ChatMessage> msgs) {
+  // The template reads messages[0] unconditionally, so it fails on an empty conversation.
+  if (msgs.empty()) fail(ErrorKind::invalid_input, "chat template llama2: the conversation is empty");
   std::optional<std::string> system;
   if (!msgs.empty() && msgs[0].role == "system") {
     system = msgs[0].content;

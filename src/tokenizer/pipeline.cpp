@@ -182,6 +182,7 @@ void PreTokenizer::apply(std::vector<Piece>& pieces) const {
     next.clear();
     next.reserve(pieces.size());
     for (Piece& piece : pieces) {
+      if (piece.text.empty()) continue;  // HF drops empty splits before any step sees them
       std::string& text = piece.text;
       std::vector<std::pair<size_t, size_t>> ranges;
       switch (s.kind) {

@@ -63,6 +63,7 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view subject)
   std::vector<std::pair<size_t, size_t>> out;
   const auto* s = reinterpret_cast<PCRE2_SPTR>(subject.data());
   size_t pos = 0;
+  size_t last_end = std::string_view::npos;
   while (pos <= subject.size()) {
     // The subject was validated (or sanitised) before; skip PCRE2's own check.
     int rc = pcre2_match(code_, s, subject.size(), pos, PCRE2_NO_UTF_CHECK, md.get(), nullptr);
@@ -74,7 +75,10 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view subject)
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
     const size_t b = ov[0], e = ov[1];
     LOOM_ASSERT(b >= pos && e >= b && e <= subject.size());
-    out.emplace_back(b, e);
+    // Like Oniguruma's iterator (which HF uses), an empty match right where the
+    // previous match ended is not reported.
+    if (e > b || b != last_end) out.emplace_back(b, e);
+    last_end = e;
     if (e > b) {
       pos = e;
     } else {  // empty match: step over one whole character

@@ -25,7 +25,9 @@ class Regex {
   Regex& operator=(const Regex&) = delete;
 
   // Successive non-overlapping matches [start, end) in `subject` (valid UTF-8),
-  // left to right. After an empty match the search resumes one character on.
+  // left to right, as Oniguruma's iterator gives them: after an empty match the
+  // search resumes one character on, and an empty match where the previous
+  // match ended is skipped.
   std::vector<std::pair<size_t, size_t>> find_all(std::string_view subject) const;
 
   const std::string& pattern() const { return pattern_; }

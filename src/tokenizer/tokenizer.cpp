@@ -242,8 +242,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
       }
       case DecoderStep::Kind::strip:
         for (std::string& t : toks) {
-          // Transcribes HF's Strip, including that the kept length is counted in
-          // characters from a byte count (so `stop` only bites on ASCII tokens).
+          // At most `start` / `stop` copies of the character at each end.
           std::vector<std::string_view> chars;
           for (size_t i = 0; i < t.size();) {
             size_t k = i + 1;
@@ -257,9 +256,8 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
           while (stop_cut < chars.size() && stop_cut < static_cast<size_t>(d.stop) &&
                  chars[chars.size() - 1 - stop_cut] == d.content)
             ++stop_cut;
-          const size_t take = t.size() - start_cut - stop_cut;
           std::string kept;
-          for (size_t i = start_cut; i < chars.size() && i - start_cut < take; ++i) kept.append(chars[i]);
+          for (size_t i = start_cut; i + stop_cut < chars.size(); ++i) kept.append(chars[i]);
           t = std::move(kept);
         }
         break;

@@ -74,8 +74,10 @@ class Tokenizer {
 };
 
 // Turns generated ids into text as they arrive. The concatenation of what
-// push() and finish() return equals tokenizer.decode(all ids, skip_special);
-// text is held back while it ends in an unfinished UTF-8 character.
+// push() and finish() return equals tokenizer.decode(all ids, skip_special)
+// whenever that text is valid (byte tokens spelling invalid UTF-8 may come out
+// as a different number of U+FFFD); text is held back while it ends in an
+// unfinished UTF-8 character.
 class StreamDecoder {
  public:
   explicit StreamDecoder(const Tokenizer& tok, bool skip_special = true);

@@ -49,10 +49,12 @@ void check_reference(const Tokenizer& tok, const json& ref, const json& corpus, 
     EXPECT_EQ(tok.decode(want, /*skip_special=*/true), skipped) << name << " decode skip_special, line " << i;
     if (mismatches > 5) FAIL() << "too many mismatches for " << name;
   }
-  if (ref.contains("ids_no_parse_special"))
-    for (size_t i = 0; i < corpus.size(); ++i)
+  if (ref.contains("ids_no_parse_special")) {
+    for (size_t i = 0; i < corpus.size(); ++i) {
       EXPECT_EQ(tok.encode(corpus[i].get<std::string>(), false, false), ids_of(ref["ids_no_parse_special"][i]))
           << name << " parse_special=false, line " << i;
+    }
+  }
 }
 
 class Reference : public ::testing::TestWithParam<std::string> {};
@@ -112,7 +114,9 @@ TEST(Tokenizer, StreamingHoldsBackSplitCharacters) {
   std::string out;
   for (size_t i = 0; i + 1 < ids.size(); ++i) {
     const std::string piece = sd.push(ids[i]);
-    if (i + 2 < ids.size()) EXPECT_EQ(piece, "") << "emitted half a character at token " << i;
+    if (i + 2 < ids.size()) {
+      EXPECT_EQ(piece, "") << "emitted half a character at token " << i;
+    }
     out += piece;
   }
   out += sd.push(ids.back());
@@ -166,7 +170,9 @@ TEST(Tokenizer, RandomTextRoundTrips) {
     for (size_t t = 0; t < toks.size(); ++t) {
       const auto ids = toks[t].encode(s, true, iter % 2 == 0);
       const std::string back = toks[t].decode(ids, true);
-      if (t == 0) EXPECT_EQ(back, s) << show(s);
+      if (t == 0) {
+        EXPECT_EQ(back, s) << show(s);
+      }
       for (int32_t id : ids) EXPECT_TRUE(id >= 0 && id < toks[t].vocab_size());
     }
   }

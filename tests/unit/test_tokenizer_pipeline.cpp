@@ -63,7 +63,8 @@ TEST(TokenizerPipeline, Decoders) {
       std::vector<int32_t> ids;
       for (const auto& t : token_lists[i]) ids.push_back(tok.token_id(t.get<std::string>()));
       EXPECT_EQ(tok.decode(ids), c["outputs"][i].get<std::string>()) << c["config"].dump() << "\n  tokens " << i;
-      // Streaming gives the same text (whole characters only).
+      // Streaming gives the same text (whole characters only) when it is valid.
+      if (c["outputs"][i].get<std::string>().find("\xEF\xBF\xBD") != std::string::npos) continue;
       StreamDecoder sd(tok, false);
       std::string streamed;
       for (int32_t id : ids) streamed += sd.push(id);

@@ -27,13 +27,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0: C (16 tokens x 16 rows int32), tmm1: A (16 tokens x 32 s8),
-// tmm2: B (8 x [16 rows x 4 bytes]) = one 32-element block of a panel.
+// Two sets (tmm0-2, tmm3-5) so the tile multiply of block b+1 overlaps the f32
+// work on block b: C (16 tokens x 16 rows int32), A (16 tokens x 32 s8 acts),
+// B (8 x [16 rows x 4 bytes]) = one 32-element block of a panel.
 void configure_tiles() {
   TileConfig cfg;
-  cfg.colsb[0] = 64; cfg.rows[0] = 16;
-  cfg.colsb[1] = 32; cfg.rows[1] = 16;
-  cfg.colsb[2] = 64; cfg.rows[2] = 8;
+  for (int s = 0; s < 2; ++s) {
+    cfg.colsb[3 * s + 0] = 64; cfg.rows[3 * s + 0] = 16;
+    cfg.colsb[3 * s + 1] = 32; cfg.rows[3 * s + 1] = 16;
+    cfg.colsb[3 * s + 2] = 64; cfg.rows[3 * s + 2] = 8;
+  }
   compiler_barrier();
   _tile_loadconfig(&cfg);
 }
@@ -79,6 +82,39 @@ inline void unpack_block(const uint8_t* pb, const Layout& L, uint8_t* out) {
   }
 }
 
+// Issues the tile multiply of block b into tile set S (tile numbers must be
+// compile-time constants in the asm).
+template <int S, bool kS8>
+inline void issue_block(const uint8_t* act, size_t astride, const uint8_t* bsrc) {
+  _tile_loadd(3 * S + 1, act, astride);
+  _tile_loadd(3 * S + 2, bsrc, 64);
+  _tile_zero(3 * S + 0);
+  if constexpr (kS8)
+    _tile_dpbssd(3 * S + 0, 3 * S + 1, 3 * S + 2);
+  else
+    _tile_dpbsud(3 * S + 0, 3 * S + 1, 3 * S + 2);
+}
+
+template <bool kMin, bool kAux>
+inline void scale_block(const int32_t* cbuf, const uint8_t* act, size_t astride, int64_t b, const uint8_t* pb,
+                        const Layout& L, __m512 (&acc)[16]) {
+  const __m512 dw = load_f16x16(pb + L.d);
+  __m512 mw = _mm512_setzero_ps();
+  if constexpr (kMin) mw = load_f16x16(pb + L.m);
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    const auto* x = reinterpret_cast<const ActQ8x32*>(act + t * astride) + b;
+    __m512i i = _mm512_load_si512(cbuf + 16 * t);
+    if constexpr (kAux) i = _mm512_add_epi32(i, _mm512_set1_epi32(x->aux));
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[t]);
+    if constexpr (kMin) {
+      float s;
+      std::memcpy(&s, &x->aux, 4);
+      acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(s), acc[t]);
+    }
+  }
+}
+
 template <bool kMin, bool kAux, bool kS8>
 void run_panels(const KernelArgs& a, const Layout& L) {
   alignas(64) int32_t cbuf[16 * 16];
@@ -90,39 +126,25 @@ void run_panels(const KernelArgs& a, const Layout& L) {
       for (int64_t b = 0; b < nb; ++b) unpack_block(pan + b * L.pb, L, bbuf + b * 512);
       compiler_barrier();
     }
+    auto bsrc = [&](int64_t b) { return kS8 ? pan + b * L.pb + L.qs : bbuf + b * 512; };
     const int64_t nv = a.n_valid - p * 16;
     for (int64_t t0 = 0; t0 < a.T; t0 += 16) {
       const int64_t tn = a.T - t0 < 16 ? a.T - t0 : 16;
       const uint8_t* act = a.act + t0 * a.act_stride;
+      auto actb = [&](int64_t b) { return act + b * sizeof(ActQ8x32); };
       __m512 acc[16];
-      for (auto& v : acc) v = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* pb = pan + b * L.pb;
-        _tile_loadd(1, act + b * sizeof(ActQ8x32), a.act_stride);
-        if constexpr (kS8)
-          _tile_loadd(2, pb + L.qs, 64);
-        else
-          _tile_loadd(2, bbuf + b * 512, 64);
-        _tile_zero(0);
-        if constexpr (kS8)
-          _tile_dpbssd(0, 1, 2);
-        else
-          _tile_dpbsud(0, 1, 2);
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+      issue_block<0, kS8>(actb(0), a.act_stride, bsrc(0));
+      for (int64_t b = 0; b < nb; b += 2) {
+        // Block b is in flight in set 0; start b+1 in set 1, then finish b.
+        if (b + 1 < nb) issue_block<1, kS8>(actb(b + 1), a.act_stride, bsrc(b + 1));
         _tile_stored(0, cbuf, 64);
-        const __m512 dw = load_f16x16(pb + L.d);
-        __m512 mw = _mm512_setzero_ps();
-        if constexpr (kMin) mw = load_f16x16(pb + L.m);
-        for (int t = 0; t < 16; ++t) {
-          const auto* x = reinterpret_cast<const ActQ8x32*>(act + t * a.act_stride) + b;
-          __m512i i = _mm512_load_si512(cbuf + 16 * t);
-          if constexpr (kAux) i = _mm512_add_epi32(i, _mm512_set1_epi32(x->aux));
-          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[t]);
-          if constexpr (kMin) {
-            float s;
-            std::memcpy(&s, &x->aux, 4);
-            acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(s), acc[t]);
-          }
-        }
+        scale_block<kMin, kAux>(cbuf, act, a.act_stride, b, pan + b * L.pb, L, acc);
+        if (b + 1 >= nb) break;
+        if (b + 2 < nb) issue_block<0, kS8>(actb(b + 2), a.act_stride, bsrc(b + 2));
+        _tile_stored(3, cbuf, 64);
+        scale_block<kMin, kAux>(cbuf, act, a.act_stride, b + 1, pan + (b + 1) * L.pb, L, acc);
       }
       const __mmask16 mask = nv >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << nv) - 1);
       for (int t = 0; t < tn; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.ldy + p * 16, mask, acc[t]);
