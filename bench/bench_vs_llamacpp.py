@@ -15,6 +15,9 @@ the last line, after other output) with at least:
 
     {"pp_tokens_per_s": <float>, "tg_tokens_per_s": <float>}
 
+(optional: "pp_samples_tokens_per_s"/"tg_samples_tokens_per_s": per-repetition lists, used by
+--stat best; "pp_stddev"/"tg_stddev").
+
 pp = processing a P-token prompt in one batch, tg = generating N tokens one at a time,
 both averaged over R repetitions - the same tests llama-bench calls ppP and tgN.
 If loom fails or prints no such object, its column shows the reason and the run goes on.
@@ -89,9 +92,11 @@ def llama_bench(llama_bin, model, a):
         return res
     for row in rows:
         if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
-            res["pp"] = {"avg": row["avg_ts"], "stddev": row.get("stddev_ts")}
+            res["pp"] = {"avg": row["avg_ts"], "stddev": row.get("stddev_ts"),
+                         "best": max(row.get("samples_ts") or [row["avg_ts"]])}
         elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
-            res["tg"] = {"avg": row["avg_ts"], "stddev": row.get("stddev_ts")}
+            res["tg"] = {"avg": row["avg_ts"], "stddev": row.get("stddev_ts"),
+                         "best": max(row.get("samples_ts") or [row["avg_ts"]])}
         res.setdefault("build_commit", row.get("build_commit"))
         res.setdefault("cpu_info", row.get("cpu_info"))
     return res
@@ -133,14 +138,16 @@ def loom_bench(loom, model, a):
     for key, test in (("pp_tokens_per_s", "pp"), ("tg_tokens_per_s", "tg")):
         v = obj.get(key)
         if isinstance(v, (int, float)):
-            res[test] = {"avg": float(v), "stddev": obj.get(key.replace("tokens_per_s", "stddev"))}
+            samples = obj.get(f"{test}_samples_tokens_per_s")
+            best = max(samples) if isinstance(samples, list) and samples else float(v)
+            res[test] = {"avg": float(v), "stddev": obj.get(f"{test}_stddev"), "best": best}
         else:
             res.setdefault("error", f"loom JSON lacks numeric '{key}'")
     return res
 
 
-def fmt_ts(r):
-    return f"{r['avg']:.2f}" if r else "-"
+def fmt_ts(r, stat):
+    return f"{r[stat]:.2f}" if r else "-"
 
 
 def main():
@@ -157,6 +164,9 @@ def main():
     ap.add_argument("--no-llama", action="store_true", help="skip llama-bench runs")
     ap.add_argument("--no-loom", action="store_true", help="skip loom runs")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per command")
+    ap.add_argument("--stat", choices=("avg", "best"), default="avg",
+                    help="avg of the repetitions (default) or the fastest one, which is less "
+                         "disturbed by other load on a shared machine")
     a = ap.parse_args()
 
     if not os.path.isfile(a.model):
@@ -185,32 +195,31 @@ def main():
         for test, label in (("pp", f"pp{a.prompt}"), ("tg", f"tg{a.gen}")):
             lr = e["llama"][test] if e["llama"] else None
             mr = e["loom"][test] if e["loom"] else None
-            if lr and mr and lr["avg"] > 0:
-                ratio = f"{mr['avg'] / lr['avg']:.2f}"
+            if lr and mr and lr[a.stat] > 0:
+                ratio = f"{mr[a.stat] / lr[a.stat]:.2f}"
             else:
                 ratio = "-"
-            note = ""
-            for side in ("llama", "loom"):
-                if e[side] and e[side].get("error") and not e[side][test]:
-                    note = e[side]["error"]
-            rows.append((e["type"], label, fmt_ts(lr), fmt_ts(mr), ratio, note))
+            note = "; ".join(e[side]["error"] for side in ("llama", "loom")
+                             if e[side] and e[side].get("error") and not e[side][test])
+            rows.append((e["type"], label, fmt_ts(lr, a.stat), fmt_ts(mr, a.stat), ratio, note))
     head = ("model", "test", "llama.cpp t/s", "loom t/s", "loom/llama.cpp", "note")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in [head] + rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     table = "\n".join(lines)
-    print(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps}")
+    print(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps} stat={a.stat}")
     print(table)
 
     os.makedirs(RESULTS_DIR, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = os.path.join(RESULTS_DIR, f"{stamp}-t{a.threads}")
     meta = {"date": stamp, "threads": a.threads, "prompt": a.prompt, "gen": a.gen, "reps": a.reps,
+            "stat": a.stat, "loadavg": os.getloadavg(),
             "host": platform.node(), "nproc": os.cpu_count(), "results": results}
     with open(base + ".json", "w") as f:
         json.dump(meta, f, indent=1)
     with open(base + ".md", "w") as f:
-        f.write(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps}\n\n{table}\n")
+        f.write(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps} stat={a.stat}\n\n{table}\n")
     log(f"raw results: {os.path.relpath(base, ROOT)}.json / .md")
 
 

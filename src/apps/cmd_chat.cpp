@@ -22,8 +22,8 @@ int run_chat(int argc, char** argv) {
   GenerateOptions opts;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
   app.add_option("--system", system_prompt, "system message for the conversation");
-  app.add_option("--chat-template", template_name, "chatml, llama3 or llama2 (default: from the model's metadata)")
-      ->check(CLI::IsMember({"chatml", "llama3", "llama2"}));
+  app.add_option("--chat-template", template_name, "chatml, llama3, llama2 or mistral (default: from the model's metadata)")
+      ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral"}));
   app.add_option("-p,--prompt", one_prompt, "ask one question, print the answer and exit");
   app.add_option("-n,--n-predict", n_predict, "most tokens per answer; -1 = until end of turn")->capture_default_str();
   app.add_option("-c,--ctx-size", ctx, "context size in tokens (0 = min(model, 4096))")->capture_default_str();
@@ -49,7 +49,7 @@ int run_chat(int argc, char** argv) {
     tmpl = ChatTemplate::from_text(*model->chat_template_text(), bos, eos);
   } else {
     fail(ErrorKind::invalid_input, "{}: the model has no chat template in its metadata; choose one with "
-         "--chat-template chatml|llama3|llama2", model_path);
+         "--chat-template chatml|llama3|llama2|mistral", model_path);
   }
   InferenceSession session(model->config(), model->weights(), pool, resolve_context(model->config(), ctx));
 
@@ -77,7 +77,8 @@ int run_chat(int argc, char** argv) {
     }
     messages.push_back({"user", line});
     const std::string text = apply_chat_template(tmpl, messages, /*add_generation_prompt=*/true);
-    const auto ids = tok.encode(text, /*add_special=*/true, /*parse_special=*/true);
+    // The rendered template already holds BOS where the format wants it.
+    const auto ids = tok.encode(text, /*add_special=*/false, /*parse_special=*/true);
     // Reuse the cached prefix; evaluate only what changed.
     size_t common = 0;
     while (common < evaluated.size() && common < ids.size() && evaluated[common] == ids[common]) ++common;

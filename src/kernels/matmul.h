@@ -18,35 +18,43 @@ namespace loom {
 //
 // Weights are used in "panels": 16 consecutive rows of W interleaved so that one
 // vector lane holds one output row (lane n computes y[t, n0 + n]). Quantized types
-// keep their quants and scales (same size as the GGUF data, a few % more for the
-// k-quants); f16/bf16/f32 keep their element type. Activations are quantized once
+// keep their quants and scales (about the GGUF size: +3% q4_k/q5_k, +4% q3_k,
+// +19% q2_k); f16/bf16/f32 keep their element type. Activations are quantized once
 // per call the way llama.cpp does it (q8_0 for q4_0/q5_0/q8_0, q8_1 for q4_1/q5_1,
-// q8_K for q4_k/q5_k/q6_k; bit-identical to kernels/ref/dequant_ref.h) and each
-// block's integer dot product is exact; f16/bf16/f32 weights use f32 activations.
-// q2_k and q3_k are dequantized to f32 panels on the fly (correct, slower).
+// q8_K for the k-quants; bit-identical to kernels/ref/dequant_ref.h) and each
+// block's integer dot product is exact (vpdpbusd on AVX-512, vpmaddubsw on AVX2,
+// AMX-INT8 tiles for batches of >= 8 tokens of q4_0/q4_1/q5_0/q5_1/q8_0 where the
+// CPU has them); f16/bf16/f32 weights use f32 activations and f32 FMA.
 //
-// Every output element is one fixed sequence of float operations over the K axis
-// (per block: acc = fma(float(int_dot), d_w * d_x, acc), plus the block's min or
-// offset term; for float weights acc = fma(x[k], w[k], acc) for k = 0, 1, ...).
+// Every output element is one fixed sequence of float operations over the K axis:
+//   32-blocks: acc = fma(float(idot), d_w * d_x, acc); q4_1/q5_1 then
+//              acc = fma(m_w, s_x, acc)   (idot includes the -8/-16 offsets)
+//   q4_k/q5_k: per 256: acc = fma(float(sum_g sc_g idot_g), d * d_x, acc);
+//              acc = fma(-float(sum_g m_g xsum_g), dmin * d_x, acc)
+//   q6_k/q3_k: per 256: acc = fma(float(sum_j sc_j idot_j), d * d_x, acc)
+//   q2_k:      as q6_k, then acc = fma(-float(sum_j m_j xsum_j), dmin * d_x, acc)
+//   float:     acc = fma(w[k], x[k], acc) for k = 0, 1, ...
 // Hence results are
 //  - deterministic: independent of the thread count (threads split output rows);
 //  - batch invariant: row t of y is bit-identical whether computed with T = 1 or in
 //    any batch, and whether W is a Tensor or a PackedWeight;
-//  - the same on the AVX2 and AVX-512 paths (they differ only in the order of
-//    exact integer adds).
-// They differ from a double-precision dot product of dequantized W with x by the
-// activation rounding (|error| <= sum_k |w_k| * d_x(k) / 2 for the q8 types) plus
-// f32 accumulation rounding.
+//  - identical on the AVX2, AVX-512 and AMX paths (they differ only in the order
+//    of exact integer adds).
+// They differ from the exact product of dequantized W with x by the activation
+// rounding (sum_k |w_k| |x_k - xq_k| <= sum_k |w_k| d_x(k) / 2 for the q8 types,
+// plus |m_w| |s - d_x sum(qs)| per q4_1/q5_1 block) plus f32 rounding.
+//
+// LOOM_CPU=avx2 selects the AVX2 kernels, LOOM_CPU=avx512 AVX-512 without AMX.
 
-// A weight matrix rearranged once into panels (see above). Owns its memory; the
-// source tensor may be released afterwards. Use it for every weight that is
-// multiplied more than once: matmul() on a plain Tensor repacks panels on the fly
-// each call, which costs about as much as the product itself at T = 1.
 // 64-byte aligned heap memory.
 struct AlignedFree { void operator()(uint8_t* p) const; };
 using AlignedBytes = std::unique_ptr<uint8_t, AlignedFree>;
 AlignedBytes alloc_aligned(size_t bytes);
 
+// A weight matrix rearranged once into panels (see above). Owns its memory; the
+// source tensor may be released afterwards. Use it for every weight that is
+// multiplied more than once: matmul() on a plain Tensor repacks panels on the fly
+// each call, which costs several times the product itself at T = 1.
 class PackedWeight {
  public:
   PackedWeight() = default;
@@ -113,6 +121,18 @@ inline void matmul(ThreadPool& pool, const Tensor& W, const float* x, float* y, 
                    MatmulScratch& scratch) {
   matmul(pool, W, x, W.cols(), y, W.rows(), T, scratch);
 }
+
+// Several products of the same activations in one call (e.g. q, k and v, or gate
+// and up): the activations are quantized once and one thread dispatch covers all
+// weights, which must share dtype and K. Each result is bit-identical to its own
+// matmul call. ldy < 0 means W.rows(). At most 16 weights.
+struct MatmulOut {
+  const PackedWeight* W;
+  float* y;
+  int64_t ldy = -1;
+};
+void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float* x, int64_t ldx, int64_t T,
+                  MatmulScratch& scratch);
 
 // Whether matmul accepts weights of this dtype.
 bool matmul_supports(DType type);

@@ -16,7 +16,8 @@ size_t prev_char_start(std::string_view s, size_t pos) {
 }  // namespace
 
 AddedTokenMatcher::AddedTokenMatcher()
-    : trie_(1), word_char_(R"(^[\p{L}\p{M}\p{Nd}\p{Nl}\p{Pc}\x{200C}\x{200D}])", false, "added-token word class") {}
+    : trie_(1),
+      word_char_(R"(^[\p{L}\p{M}\p{Nd}\p{Nl}\p{Pc}\x{200C}\x{200D}])", false, "added-token word class") {}
 
 void AddedTokenMatcher::add(std::string pattern, const AddedToken* token) {
   if (pattern.empty()) return;  // HF ignores empty added tokens
@@ -108,6 +109,7 @@ void AddedTokenMatcher::split(std::string_view text, bool parse_special, std::ve
       size_t n;
       while (stop < text.size() && space_at(stop, n)) stop += n;
     }
+    if (start < covered) continue;  // only possible inside white space an rstrip token took
     if (covered < start) out.push_back(TextSpan{covered, start, nullptr});
     out.push_back(TextSpan{start, stop, tok});
     covered = stop;

@@ -11,7 +11,9 @@ namespace {
 
 // Printable Latin-1 bytes keep their own code point; the other 68 bytes take
 // 256, 257, ... in byte order.
-constexpr bool printable(int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF); }
+constexpr bool printable(int b) {
+  return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+}
 
 struct Tables {
   std::array<char32_t, 256> to_char{};

@@ -25,9 +25,12 @@ std::string chatml_default_system(std::string_view t) {
   constexpr std::string_view kHead = "<|im_start|>system";
   for (size_t at = t.find(kHead); at != std::string_view::npos; at = t.find(kHead, at + 1)) {
     size_t p = at + kHead.size();
-    if (t.compare(p, 2, "\\n") == 0) p += 2;
-    else if (t.compare(p, 1, "\n") == 0) p += 1;
-    else continue;
+    if (t.compare(p, 2, "\\n") == 0)
+      p += 2;
+    else if (t.compare(p, 1, "\n") == 0)
+      p += 1;
+    else
+      continue;
     std::string text;
     bool literal = true;
     while (p < t.size() && t.compare(p, 10, "<|im_end|>") != 0) {
@@ -53,8 +56,10 @@ std::string chatml_default_system(std::string_view t) {
 void check_alternation(const std::span<const ChatMessage> loop, const char* format) {
   for (size_t i = 0; i < loop.size(); ++i)
     if ((loop[i].role == "user") != (i % 2 == 0))
-      fail(ErrorKind::invalid_input, "chat template {}: conversation roles must alternate user/assistant/user/... "
-           "(message {} is '{}')", format, i, loop[i].role);
+      fail(ErrorKind::invalid_input,
+           "chat template {}: conversation roles must alternate user/assistant/user/... "
+           "(message {} is '{}')",
+           format, i, loop[i].role);
 }
 
 std::string render_chatml(const ChatTemplate& t, std::span<const ChatMessage> msgs, bool gen) {
@@ -110,11 +115,15 @@ std::string render_mistral(const ChatTemplate& t, std::span<const ChatMessage> m
   std::string out = t.bos;
   for (size_t i = 0; i < msgs.size(); ++i) {
     if ((msgs[i].role == "user") != (i % 2 == 0)) check_alternation(msgs.subspan(0, i + 1), "mistral");
-    if (msgs[i].role == "user") out += "[INST] " + msgs[i].content + " [/INST]";
-    else if (msgs[i].role == "assistant") out += msgs[i].content + t.eos;
+    if (msgs[i].role == "user")
+      out += "[INST] " + msgs[i].content + " [/INST]";
+    else if (msgs[i].role == "assistant")
+      out += msgs[i].content + t.eos;
     else
-      fail(ErrorKind::invalid_input, "chat template mistral: only user and assistant roles are supported (message {} "
-           "is '{}')", i, msgs[i].role);
+      fail(ErrorKind::invalid_input,
+           "chat template mistral: only user and assistant roles are supported (message {} "
+           "is '{}')",
+           i, msgs[i].role);
   }
   return out;
 }
@@ -123,17 +132,21 @@ std::string render_mistral(const ChatTemplate& t, std::span<const ChatMessage> m
 
 const char* chat_template_kind_name(ChatTemplateKind kind) {
   switch (kind) {
-    case ChatTemplateKind::chatml: return "chatml";
-    case ChatTemplateKind::llama3: return "llama3";
-    case ChatTemplateKind::llama2: return "llama2";
-    case ChatTemplateKind::mistral: return "mistral";
+    case ChatTemplateKind::chatml:
+      return "chatml";
+    case ChatTemplateKind::llama3:
+      return "llama3";
+    case ChatTemplateKind::llama2:
+      return "llama2";
+    case ChatTemplateKind::mistral:
+      return "mistral";
   }
   return "?";
 }
 
 std::optional<ChatTemplateKind> chat_template_kind_from_name(std::string_view name) {
-  for (ChatTemplateKind k :
-       {ChatTemplateKind::chatml, ChatTemplateKind::llama3, ChatTemplateKind::llama2, ChatTemplateKind::mistral})
+  for (ChatTemplateKind k : {ChatTemplateKind::chatml, ChatTemplateKind::llama3, ChatTemplateKind::llama2,
+                             ChatTemplateKind::mistral})
     if (name == chat_template_kind_name(k)) return k;
   return std::nullopt;
 }
@@ -144,8 +157,10 @@ ChatTemplateKind detect_chat_template(std::string_view t) {
   if (has("<|start_header_id|>")) {
     // Llama 3.1+ templates always write a dated system block and tool text.
     if (has("Cutting Knowledge Date"))
-      fail(ErrorKind::unsupported, "the chat template is Llama 3.1-style (dated system block), which loom does not "
-           "reproduce; {} (llama3 gives the plain Llama 3 format)", kSuggestion);
+      fail(ErrorKind::unsupported,
+           "the chat template is Llama 3.1-style (dated system block), which loom does not "
+           "reproduce; {} (llama3 gives the plain Llama 3 format)",
+           kSuggestion);
     return ChatTemplateKind::llama3;
   }
   if (has("[INST]")) return has("<<SYS>>") ? ChatTemplateKind::llama2 : ChatTemplateKind::mistral;
@@ -174,10 +189,14 @@ ChatTemplate ChatTemplate::from_text(std::string_view template_text, std::string
 std::string apply_chat_template(const ChatTemplate& t, std::span<const ChatMessage> messages,
                                 bool add_generation_prompt) {
   switch (t.kind) {
-    case ChatTemplateKind::chatml: return render_chatml(t, messages, add_generation_prompt);
-    case ChatTemplateKind::llama3: return render_llama3(t, messages, add_generation_prompt);
-    case ChatTemplateKind::llama2: return render_llama2(t, messages);
-    case ChatTemplateKind::mistral: return render_mistral(t, messages);
+    case ChatTemplateKind::chatml:
+      return render_chatml(t, messages, add_generation_prompt);
+    case ChatTemplateKind::llama3:
+      return render_llama3(t, messages, add_generation_prompt);
+    case ChatTemplateKind::llama2:
+      return render_llama2(t, messages);
+    case ChatTemplateKind::mistral:
+      return render_mistral(t, messages);
   }
   return {};
 }

@@ -17,7 +17,14 @@
 namespace loom {
 namespace {
 
-enum TokenType : int32_t { kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6 };
+enum TokenType : int32_t {
+  kNormal = 1,
+  kUnknown = 2,
+  kControl = 3,
+  kUserDefined = 4,
+  kUnused = 5,
+  kByte = 6
+};
 
 const std::string kMetaspace = "\xE2\x96\x81";  // U+2581
 
@@ -64,15 +71,18 @@ void set_byte_level_pre(TokenizerSpec& spec, const std::string& pre, const std::
 // best score first, then longer left part, then longer right part; ties keep
 // token order, and the splits of one token are ordered by the two parts' ids.
 std::vector<std::pair<std::string, std::string>> merges_from_scores(const std::vector<std::string>& tokens,
-                                                                   const std::vector<float>& scores) {
+                                                                    const std::vector<float>& scores) {
   std::unordered_map<std::string_view, int32_t> id_of;  // last duplicate wins
   for (size_t i = 0; i < tokens.size(); ++i) id_of[tokens[i]] = static_cast<int32_t>(i);
-  std::unordered_map<std::string_view, float> score_of;  // dict(zip(tokens, scores)): last score, first position
+  std::unordered_map<std::string_view, float>
+      score_of;  // dict(zip(tokens, scores)): last score, first position
   std::vector<size_t> order;
   for (size_t i = 0; i < tokens.size(); ++i) {
     auto [it, fresh] = score_of.emplace(tokens[i], scores[i]);
-    if (fresh) order.push_back(i);
-    else it->second = scores[i];
+    if (fresh)
+      order.push_back(i);
+    else
+      it->second = scores[i];
   }
   struct Cand {
     int32_t l, r;
@@ -92,7 +102,8 @@ std::vector<std::pair<std::string, std::string>> merges_from_scores(const std::v
       while (next < t.size() && (static_cast<uint8_t>(t[next]) & 0xC0) == 0x80) ++next;
       if (cut > 0) {
         auto l = id_of.find(t.substr(0, cut)), r = id_of.find(t.substr(cut));
-        if (l != id_of.end() && r != id_of.end()) local.push_back({l->second, r->second, score, len_l, total - len_l});
+        if (l != id_of.end() && r != id_of.end())
+          local.push_back({l->second, r->second, score, len_l, total - len_l});
       }
       ++len_l;
       cut = next;
@@ -108,14 +119,17 @@ std::vector<std::pair<std::string, std::string>> merges_from_scores(const std::v
   });
   std::vector<std::pair<std::string, std::string>> merges;
   merges.reserve(all.size());
-  for (const Cand& c : all) merges.emplace_back(tokens[static_cast<size_t>(c.l)], tokens[static_cast<size_t>(c.r)]);
+  for (const Cand& c : all)
+    merges.emplace_back(tokens[static_cast<size_t>(c.l)], tokens[static_cast<size_t>(c.r)]);
   return merges;
 }
 
 int32_t opt_id(const gguf::File& f, const char* key, size_t n) {
   const auto v = f.opt_uint(key);
   if (!v) return -1;
-  if (*v >= n) fail(ErrorKind::invalid_input, "{}: key '{}': id {} is outside the vocabulary of {}", f.path(), key, *v, n);
+  if (*v >= n)
+    fail(ErrorKind::invalid_input, "{}: key '{}': id {} is outside the vocabulary of {}", f.path(), key, *v,
+         n);
   return static_cast<int32_t>(*v);
 }
 
@@ -126,21 +140,22 @@ TokenizerSpec Tokenizer::spec_from_gguf(const gguf::File& f) {
   spec.name = f.path();
   const std::string model = f.get_string("tokenizer.ggml.model");
   if (model != "gpt2" && model != "llama")
-    fail(ErrorKind::unsupported, "{}: tokenizer.ggml.model '{}' is not supported (loom reads gpt2 and llama)", f.path(),
-         model);
+    fail(ErrorKind::unsupported, "{}: tokenizer.ggml.model '{}' is not supported (loom reads gpt2 and llama)",
+         f.path(), model);
   const bool byte_level = model == "gpt2";
   std::vector<std::string> tokens = f.get_string_array("tokenizer.ggml.tokens");
   const size_t n = tokens.size();
   if (n == 0) fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.tokens': empty vocabulary", f.path());
   for (size_t i = 0; i < n; ++i)
     if (!tok::utf8_valid(tokens[i]))
-      fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.tokens': token {} is not valid UTF-8", f.path(), i);
+      fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.tokens': token {} is not valid UTF-8", f.path(),
+           i);
   std::vector<int32_t> types(n, kNormal);
   if (f.find("tokenizer.ggml.token_type")) {
     types = f.get_i32_array("tokenizer.ggml.token_type");
     if (types.size() != n)
-      fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.token_type': {} entries for {} tokens", f.path(),
-           types.size(), n);
+      fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.token_type': {} entries for {} tokens",
+           f.path(), types.size(), n);
   }
   spec.bos_id = opt_id(f, "tokenizer.ggml.bos_token_id", n);
   spec.eos_id = opt_id(f, "tokenizer.ggml.eos_token_id", n);
@@ -186,9 +201,12 @@ TokenizerSpec Tokenizer::spec_from_gguf(const gguf::File& f) {
     for (size_t i = 0; i < merges.size(); ++i) {
       const std::string& m = merges[i];
       const size_t sp = m.find(' ');
-      if (sp == std::string::npos || sp == 0 || sp + 1 >= m.size() || m.find(' ', sp + 1) != std::string::npos)
-        fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.merges': entry {} ({:?}) is not two tokens separated by "
-             "one space", f.path(), i, m);
+      if (sp == std::string::npos || sp == 0 || sp + 1 >= m.size() ||
+          m.find(' ', sp + 1) != std::string::npos)
+        fail(ErrorKind::invalid_input,
+             "{}: key 'tokenizer.ggml.merges': entry {} ({:?}) is not two tokens separated by "
+             "one space",
+             f.path(), i, m);
       spec.merges.emplace_back(m.substr(0, sp), m.substr(sp + 1));
     }
     set_byte_level_pre(spec, f.opt_string("tokenizer.ggml.pre").value_or("default"), f.path());
@@ -202,7 +220,8 @@ TokenizerSpec Tokenizer::spec_from_gguf(const gguf::File& f) {
       for (size_t i = 0; i < merges.size(); ++i) {
         const size_t sp = merges[i].find(' ');
         if (sp == std::string::npos)
-          fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.merges': entry {} has no space", f.path(), i);
+          fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.merges': entry {} has no space", f.path(),
+               i);
         spec.merges.emplace_back(merges[i].substr(0, sp), merges[i].substr(sp + 1));
       }
     } else {
@@ -212,7 +231,8 @@ TokenizerSpec Tokenizer::spec_from_gguf(const gguf::File& f) {
              scores.size(), n);
       for (size_t i = 0; i < n; ++i)
         if (!std::isfinite(scores[i]))
-          fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.scores': entry {} is not finite", f.path(), i);
+          fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.scores': entry {} is not finite", f.path(),
+               i);
       spec.merges = merges_from_scores(tokens, scores);
     }
     spec.byte_fallback = true;

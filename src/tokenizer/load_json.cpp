@@ -1,9 +1,8 @@
 // Reads a Hugging Face tokenizer.json (an untrusted file) into a TokenizerSpec.
 // Every field is type-checked; anything loom does not implement exactly is
 // refused with an error naming the field, rather than tokenized differently.
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <unordered_map>
 
 #include "core/error.h"
@@ -18,6 +17,7 @@ namespace {
 using nlohmann::json;
 
 constexpr int64_t kMaxId = (1 << 24) - 1;
+constexpr int kMaxDepth = 16;  // nested Sequence steps (the recursion is bounded for hostile files)
 
 // A JSON value with its dotted path, for messages like
 // "tokenizer.json: model.merges[3]: expected a string".
@@ -34,7 +34,9 @@ struct Node {
   }
   Node at(std::string_view key) const { return Node{v.at(std::string(key)), child(key), file}; }
   Node at(size_t i) const { return Node{v.at(i), fmt::format("{}[{}]", path, i), file}; }
-  std::string child(std::string_view key) const { return path.empty() ? std::string(key) : path + "." + std::string(key); }
+  std::string child(std::string_view key) const {
+    return path.empty() ? std::string(key) : path + "." + std::string(key);
+  }
 
   bool has(std::string_view key) const {  // present and not null
     auto it = v.find(std::string(key));
@@ -63,12 +65,14 @@ struct Node {
   }
   int64_t integer(int64_t lo, int64_t hi) const {
     if (!v.is_number_integer()) error(fmt::format("expected an integer, got {}", v.type_name()));
-    if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi) : v.get<int64_t>() < lo ||
-                                                                                   v.get<int64_t>() > hi)
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi)
+                               : v.get<int64_t>() < lo || v.get<int64_t>() > hi)
       error(fmt::format("{} is outside [{}, {}]", v.dump(), lo, hi));
     return v.is_number_unsigned() ? static_cast<int64_t>(v.get<uint64_t>()) : v.get<int64_t>();
   }
-  std::string opt_str(std::string_view key, std::string dflt) const { return has(key) ? at(key).str() : dflt; }
+  std::string opt_str(std::string_view key, std::string dflt) const {
+    return has(key) ? at(key).str() : dflt;
+  }
   bool opt_bool(std::string_view key, bool dflt) const { return has(key) ? at(key).boolean() : dflt; }
   std::string type() const { return field("type").str(); }
 };
@@ -99,13 +103,14 @@ PrependScheme prepend_scheme_of(const Node& n) {
   return n.opt_bool("add_prefix_space", true) ? PrependScheme::always : PrependScheme::never;
 }
 
-void parse_normalizer(const Node& n, std::vector<NormalizerStep>& out) {
+void parse_normalizer(const Node& n, std::vector<NormalizerStep>& out, int depth = 0) {
   if (n.v.is_null()) return;
+  if (depth > kMaxDepth) n.error("too deeply nested");
   const std::string type = n.type();
   if (type == "Sequence") {
     const Node list = n.field("normalizers");
     list.array();
-    for (size_t i = 0; i < list.v.size(); ++i) parse_normalizer(list.at(i), out);
+    for (size_t i = 0; i < list.v.size(); ++i) parse_normalizer(list.at(i), out, depth + 1);
   } else if (type == "Prepend") {
     out.push_back({NormalizerStep::Kind::prepend, n.field("prepend").str(), false, {}});
   } else if (type == "Replace") {
@@ -114,7 +119,8 @@ void parse_normalizer(const Node& n, std::vector<NormalizerStep>& out) {
   } else if (type == "NFC") {
     out.push_back({NormalizerStep::Kind::nfc, {}, false, {}});
   } else {
-    n.unsupported(fmt::format("normalizer type '{}' is not supported (loom has Sequence, Prepend, Replace, NFC)", type));
+    n.unsupported(fmt::format(
+        "normalizer type '{}' is not supported (loom has Sequence, Prepend, Replace, NFC)", type));
   }
 }
 
@@ -128,14 +134,15 @@ SplitBehavior behavior_of(const Node& n) {
   n.error(fmt::format("unknown split behavior '{}'", s));
 }
 
-void parse_pre_tokenizer(const Node& n, std::vector<PreTokenizerStep>& out) {
+void parse_pre_tokenizer(const Node& n, std::vector<PreTokenizerStep>& out, int depth = 0) {
   if (n.v.is_null()) return;
+  if (depth > kMaxDepth) n.error("too deeply nested");
   const std::string type = n.type();
   PreTokenizerStep s;
   if (type == "Sequence") {
     const Node list = n.field("pretokenizers");
     list.array();
-    for (size_t i = 0; i < list.v.size(); ++i) parse_pre_tokenizer(list.at(i), out);
+    for (size_t i = 0; i < list.v.size(); ++i) parse_pre_tokenizer(list.at(i), out, depth + 1);
     return;
   } else if (type == "ByteLevel") {
     s.kind = PreTokenizerStep::Kind::byte_level;
@@ -156,18 +163,20 @@ void parse_pre_tokenizer(const Node& n, std::vector<PreTokenizerStep>& out) {
     s.split = n.opt_bool("split", true);
   } else {
     n.unsupported(fmt::format(
-        "pre-tokenizer type '{}' is not supported (loom has Sequence, ByteLevel, Split, Digits, Metaspace)", type));
+        "pre-tokenizer type '{}' is not supported (loom has Sequence, ByteLevel, Split, Digits, Metaspace)",
+        type));
   }
   out.push_back(std::move(s));
 }
 
-void parse_decoder(const Node& n, std::vector<DecoderStep>& out) {
+void parse_decoder(const Node& n, std::vector<DecoderStep>& out, int depth = 0) {
+  if (depth > kMaxDepth) n.error("too deeply nested");
   const std::string type = n.type();
   DecoderStep d;
   if (type == "Sequence") {
     const Node list = n.field("decoders");
     list.array();
-    for (size_t i = 0; i < list.v.size(); ++i) parse_decoder(list.at(i), out);
+    for (size_t i = 0; i < list.v.size(); ++i) parse_decoder(list.at(i), out, depth + 1);
     return;
   } else if (type == "ByteLevel") {
     d.kind = DecoderStep::Kind::byte_level;
@@ -189,23 +198,25 @@ void parse_decoder(const Node& n, std::vector<DecoderStep>& out) {
     d.replacement = one_char(n.field("replacement"));
     d.prepend_scheme = prepend_scheme_of(n);
   } else {
-    n.unsupported(fmt::format(
-        "decoder type '{}' is not supported (loom has Sequence, ByteLevel, Replace, ByteFallback, Fuse, Strip, "
-        "Metaspace)",
-        type));
+    n.unsupported(
+        fmt::format("decoder type '{}' is not supported (loom has Sequence, ByteLevel, Replace, "
+                    "ByteFallback, Fuse, Strip, "
+                    "Metaspace)",
+                    type));
   }
   out.push_back(std::move(d));
 }
 
 // TemplateProcessing's "single" template: special tokens around $A become BOS/EOS.
-void parse_post_processor(const Node& n, TokenizerSpec& spec, std::vector<int32_t>& prefix,
-                          std::vector<int32_t>& suffix) {
+void parse_post_processor(const Node& n, std::vector<int32_t>& prefix, std::vector<int32_t>& suffix,
+                          int depth = 0) {
   if (n.v.is_null()) return;
+  if (depth > kMaxDepth) n.error("too deeply nested");
   const std::string type = n.type();
   if (type == "Sequence") {
     const Node list = n.field("processors");
     list.array();
-    for (size_t i = 0; i < list.v.size(); ++i) parse_post_processor(list.at(i), spec, prefix, suffix);
+    for (size_t i = 0; i < list.v.size(); ++i) parse_post_processor(list.at(i), prefix, suffix, depth + 1);
   } else if (type == "ByteLevel") {
     // Only adjusts offsets; ids are unchanged.
   } else if (type == "TemplateProcessing") {
@@ -237,14 +248,16 @@ void parse_post_processor(const Node& n, TokenizerSpec& spec, std::vector<int32_
     if (!seen_a) single.error("the template has no $A sequence");
   } else {
     n.unsupported(fmt::format(
-        "post-processor type '{}' is not supported (loom has TemplateProcessing, ByteLevel, Sequence)", type));
+        "post-processor type '{}' is not supported (loom has TemplateProcessing, ByteLevel, Sequence)",
+        type));
   }
 }
 
 void parse_model(const Node& model, TokenizerSpec& spec) {
   model.object();
   if (model.has("type") && model.at("type").str() != "BPE")
-    model.at("type").unsupported(fmt::format("model type '{}' is not supported (only BPE)", model.at("type").str()));
+    model.at("type").unsupported(
+        fmt::format("model type '{}' is not supported (only BPE)", model.at("type").str()));
   // vocab: token -> id; ids may leave holes (filled by added tokens).
   const Node vocab = model.field("vocab");
   vocab.object();
@@ -274,11 +287,14 @@ void parse_model(const Node& model, TokenizerSpec& spec) {
     if (m.v.is_string()) {
       const std::string s = m.str();
       const size_t sp = s.find(' ');
-      if (sp == std::string::npos || sp == 0 || sp + 1 >= s.size() || s.find(' ', sp + 1) != std::string::npos)
+      if (sp == std::string::npos || sp == 0 || sp + 1 >= s.size() ||
+          s.find(' ', sp + 1) != std::string::npos)
         m.error(fmt::format("{:?} is not two tokens separated by one space", s));
       spec.merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
     } else if (m.v.is_array() && m.v.size() == 2) {
-      spec.merges.emplace_back(m.at(size_t{0}).str(), m.at(size_t{1}).str());
+      std::string a = m.at(size_t{0}).str();
+      std::string b = m.at(size_t{1}).str();
+      spec.merges.emplace_back(std::move(a), std::move(b));
     } else {
       m.error("expected \"a b\" or [\"a\", \"b\"]");
     }
@@ -339,8 +355,10 @@ TokenizerSpec Tokenizer::spec_from_tokenizer_json(const nlohmann::json& j,
         *same = std::move(a);
         continue;
       }
-      if (auto it = model_ids.find(a.content); it != model_ids.end()) a.id = it->second;
-      else a.id = static_cast<int32_t>(std::min<int64_t>(model_size + n_new++, kMaxId));
+      if (auto it = model_ids.find(a.content); it != model_ids.end())
+        a.id = it->second;
+      else
+        a.id = static_cast<int32_t>(std::min<int64_t>(model_size + n_new++, kMaxId));
       spec.added_tokens.push_back(std::move(a));
     }
   }
@@ -349,7 +367,7 @@ TokenizerSpec Tokenizer::spec_from_tokenizer_json(const nlohmann::json& j,
   spec.has_decoder = root.has("decoder");
   if (spec.has_decoder) parse_decoder(root.at("decoder"), spec.decoders);
   std::vector<int32_t> prefix, suffix;
-  if (root.has("post_processor")) parse_post_processor(root.at("post_processor"), spec, prefix, suffix);
+  if (root.has("post_processor")) parse_post_processor(root.at("post_processor"), prefix, suffix);
   if (prefix.size() > 1 || suffix.size() > 1)
     root.at("post_processor").unsupported("only one special token before and after the text is supported");
   if (!prefix.empty()) {
@@ -368,7 +386,8 @@ TokenizerSpec Tokenizer::spec_from_tokenizer_json(const nlohmann::json& j,
     const auto id_of = [&](const std::optional<std::string>& text, const char* key) {
       if (!text) return int32_t{-1};
       const int32_t id = tok::find_token(spec, *text);
-      if (id < 0) fail(ErrorKind::invalid_input, "{}: {} {:?} is not a token of {}", cfg_name, key, *text, name);
+      if (id < 0)
+        fail(ErrorKind::invalid_input, "{}: {} {:?} is not a token of {}", cfg_name, key, *text, name);
       return id;
     };
     if (st.bos_token) spec.bos_id = id_of(st.bos_token, "bos_token");
@@ -391,7 +410,8 @@ TokenizerSpec Tokenizer::spec_from_tokenizer_json(const nlohmann::json& j,
   return spec;
 }
 
-Tokenizer Tokenizer::from_tokenizer_json(const std::string& path, const std::optional<nlohmann::json>& tokenizer_config) {
+Tokenizer Tokenizer::from_tokenizer_json(const std::string& path,
+                                         const std::optional<nlohmann::json>& tokenizer_config) {
   return from_spec(spec_from_tokenizer_json(read_json_file(path), tokenizer_config, path));
 }
 

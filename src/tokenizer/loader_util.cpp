@@ -16,11 +16,13 @@ int32_t find_token(const TokenizerSpec& spec, std::string_view text) {
 
 void add_known_eog_tokens(TokenizerSpec& spec) {
   static constexpr std::array<std::string_view, 8> kEndTokens = {
-      "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "</s>"};
+      "<|im_end|>",      "<|eot_id|>",    "<|eom_id|>", "<|endoftext|>",
+      "<|end_of_text|>", "<end_of_turn>", "<|end|>",    "</s>"};
   for (const AddedToken& t : spec.added_tokens) {
     if (!t.special) continue;
     if (std::find(kEndTokens.begin(), kEndTokens.end(), t.content) == kEndTokens.end()) continue;
-    if (std::find(spec.eog_ids.begin(), spec.eog_ids.end(), t.id) == spec.eog_ids.end()) spec.eog_ids.push_back(t.id);
+    if (std::find(spec.eog_ids.begin(), spec.eog_ids.end(), t.id) == spec.eog_ids.end())
+      spec.eog_ids.push_back(t.id);
   }
 }
 

@@ -32,7 +32,8 @@ std::string replace_all(std::string_view text, const std::vector<std::pair<size_
 std::vector<std::pair<size_t, size_t>> literal_matches(std::string_view text, std::string_view needle) {
   std::vector<std::pair<size_t, size_t>> out;
   if (needle.empty()) return out;
-  for (size_t at = text.find(needle); at != std::string_view::npos; at = text.find(needle, at + needle.size()))
+  for (size_t at = text.find(needle); at != std::string_view::npos;
+       at = text.find(needle, at + needle.size()))
     out.emplace_back(at, at + needle.size());
   return out;
 }
@@ -72,22 +73,28 @@ std::vector<std::pair<size_t, size_t>> split_ranges(size_t text_size,
       break;
     case SplitBehavior::contiguous:
       for (const auto& p : parts) {
-        if (p.match == prev_match && !out.empty()) out.back().e = p.e;
-        else out.push_back({p.b, p.e, false});
+        if (p.match == prev_match && !out.empty())
+          out.back().e = p.e;
+        else
+          out.push_back({p.b, p.e, false});
         prev_match = p.match;
       }
       break;
     case SplitBehavior::merged_with_previous:
       for (const auto& p : parts) {
-        if (p.match && !prev_match && !out.empty()) out.back().e = p.e;
-        else out.push_back({p.b, p.e, false});
+        if (p.match && !prev_match && !out.empty())
+          out.back().e = p.e;
+        else
+          out.push_back({p.b, p.e, false});
         prev_match = p.match;
       }
       break;
     case SplitBehavior::merged_with_next:
       for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
-        if (it->match && !prev_match && !out.empty()) out.back().b = it->b;
-        else out.push_back({it->b, it->e, false});
+        if (it->match && !prev_match && !out.empty())
+          out.back().b = it->b;
+        else
+          out.push_back({it->b, it->e, false});
         prev_match = it->match;
       }
       std::reverse(out.begin(), out.end());
@@ -110,15 +117,16 @@ std::string nfc(std::string_view text) {
   if (U_FAILURE(err)) fail(ErrorKind::internal, "ICU NFC normalizer unavailable: {}", u_errorName(err));
   std::u16string src(text.size(), u'\0');
   int32_t n16 = 0;
-  u_strFromUTF8(src.data(), static_cast<int32_t>(src.size()), &n16, text.data(), static_cast<int32_t>(text.size()),
-                &err);
+  u_strFromUTF8(src.data(), static_cast<int32_t>(src.size()), &n16, text.data(),
+                static_cast<int32_t>(text.size()), &err);
   if (U_FAILURE(err)) fail(ErrorKind::internal, "ICU UTF-8 conversion failed: {}", u_errorName(err));
   src.resize(static_cast<size_t>(n16));
   if (unorm2_isNormalized(norm, src.data(), n16, &err) && U_SUCCESS(err)) return std::string(text);
   err = U_ZERO_ERROR;
   // NFC never grows text by more than a factor of 3 (Unicode stability guarantee).
   std::u16string dst(src.size() * 3 + 16, u'\0');
-  const int32_t nd = unorm2_normalize(norm, src.data(), n16, dst.data(), static_cast<int32_t>(dst.size()), &err);
+  const int32_t nd =
+      unorm2_normalize(norm, src.data(), n16, dst.data(), static_cast<int32_t>(dst.size()), &err);
   if (U_FAILURE(err)) fail(ErrorKind::internal, "ICU NFC failed: {}", u_errorName(err));
   std::string out(static_cast<size_t>(nd) * 3, '\0');
   int32_t n8 = 0;
@@ -146,7 +154,7 @@ std::string Normalizer::apply(std::string_view text) const {
         if (!cur.empty()) cur.insert(0, s.text);
         break;
       case NormalizerStep::Kind::replace:
-        cur = replace_all(cur, s.re->find_all(cur), s.content);
+        if (!cur.empty()) cur = replace_all(cur, s.re->find_all(cur), s.content);  // HF finds nothing in ""
         break;
       case NormalizerStep::Kind::nfc:
         cur = nfc(cur);
@@ -162,11 +170,15 @@ PreTokenizer::PreTokenizer(const std::vector<PreTokenizerStep>& steps, const std
     Step c{s, std::nullopt};
     const std::string where = fmt::format("{}: pre_tokenizer step {}", what, i);
     switch (s.kind) {
-      case PreTokenizerStep::Kind::split: c.re.emplace(s.pattern, !s.pattern_is_regex, where + " (Split)"); break;
+      case PreTokenizerStep::Kind::split:
+        c.re.emplace(s.pattern, !s.pattern_is_regex, where + " (Split)");
+        break;
       case PreTokenizerStep::Kind::byte_level:
         if (s.use_regex) c.re.emplace(kGpt2Pattern, false, where + " (ByteLevel)");
         break;
-      case PreTokenizerStep::Kind::digits: c.re.emplace(R"(\p{N})", false, where + " (Digits)"); break;
+      case PreTokenizerStep::Kind::digits:
+        c.re.emplace(R"(\p{N})", false, where + " (Digits)");
+        break;
       case PreTokenizerStep::Kind::metaspace:
         if (s.replacement.empty()) fail(ErrorKind::invalid_input, "{} (Metaspace): empty replacement", where);
         break;
@@ -190,13 +202,16 @@ void PreTokenizer::apply(std::vector<Piece>& pieces) const {
           ranges = split_ranges(text.size(), st.re->find_all(text), s.behavior, s.invert);
           break;
         case PreTokenizerStep::Kind::digits:
-          ranges = split_ranges(text.size(), st.re->find_all(text),
-                                s.individual_digits ? SplitBehavior::isolated : SplitBehavior::contiguous, false);
+          ranges =
+              split_ranges(text.size(), st.re->find_all(text),
+                           s.individual_digits ? SplitBehavior::isolated : SplitBehavior::contiguous, false);
           break;
         case PreTokenizerStep::Kind::byte_level:
           if (s.add_prefix_space && (text.empty() || text[0] != ' ')) text.insert(text.begin(), ' ');
-          if (st.re) ranges = split_ranges(text.size(), st.re->find_all(text), SplitBehavior::isolated, false);
-          else if (!text.empty()) ranges.emplace_back(0, text.size());
+          if (st.re)
+            ranges = split_ranges(text.size(), st.re->find_all(text), SplitBehavior::isolated, false);
+          else if (!text.empty())
+            ranges.emplace_back(0, text.size());
           break;
         case PreTokenizerStep::Kind::metaspace: {
           text = replace_all(text, literal_matches(text, " "), s.replacement);
@@ -205,8 +220,8 @@ void PreTokenizer::apply(std::vector<Piece>& pieces) const {
                           (s.prepend_scheme == PrependScheme::first && piece.at_start)))
             text.insert(0, s.replacement);
           if (s.split)
-            ranges = split_ranges(text.size(), literal_matches(text, s.replacement), SplitBehavior::merged_with_next,
-                                  false);
+            ranges = split_ranges(text.size(), literal_matches(text, s.replacement),
+                                  SplitBehavior::merged_with_next, false);
           else if (!text.empty())
             ranges.emplace_back(0, text.size());
           break;
@@ -214,8 +229,10 @@ void PreTokenizer::apply(std::vector<Piece>& pieces) const {
       }
       for (const auto& [b, e] : ranges) {
         Piece out{std::string(), piece.at_start && b == 0};
-        if (s.kind == PreTokenizerStep::Kind::byte_level) bytes_to_chars(std::string_view(text).substr(b, e - b), out.text);
-        else out.text.assign(text, b, e - b);
+        if (s.kind == PreTokenizerStep::Kind::byte_level)
+          bytes_to_chars(std::string_view(text).substr(b, e - b), out.text);
+        else
+          out.text.assign(text, b, e - b);
         next.push_back(std::move(out));
       }
     }

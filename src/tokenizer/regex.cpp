@@ -30,10 +30,11 @@ Regex::Regex(std::string_view pattern, bool literal, const std::string& what) : 
   PCRE2_SIZE err_off = 0;
   // PCRE2 refuses UCP together with LITERAL (it has no meaning there).
   const uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
-  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), opts, &err, &err_off, nullptr);
+  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), opts, &err, &err_off,
+                        nullptr);
   if (!code_)
-    fail(ErrorKind::invalid_input, "{}: regex {:?} is not supported: {} at offset {}", what, std::string(pattern),
-         pcre2_message(err), static_cast<size_t>(err_off));
+    fail(ErrorKind::invalid_input, "{}: regex {:?} is not supported: {} at offset {}", what,
+         std::string(pattern), pcre2_message(err), static_cast<size_t>(err_off));
   jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
 }
 
@@ -41,7 +42,8 @@ Regex::~Regex() {
   if (code_) pcre2_code_free(code_);
 }
 
-Regex::Regex(Regex&& other) noexcept : code_(other.code_), jit_(other.jit_), pattern_(std::move(other.pattern_)) {
+Regex::Regex(Regex&& other) noexcept
+    : code_(other.code_), jit_(other.jit_), pattern_(std::move(other.pattern_)) {
   other.code_ = nullptr;
 }
 
@@ -58,7 +60,8 @@ Regex& Regex::operator=(Regex&& other) noexcept {
 
 std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view subject) const {
   LOOM_ASSERT(code_ != nullptr);
-  std::unique_ptr<pcre2_match_data, MatchDataDeleter> md(pcre2_match_data_create_from_pattern(code_, nullptr));
+  std::unique_ptr<pcre2_match_data, MatchDataDeleter> md(
+      pcre2_match_data_create_from_pattern(code_, nullptr));
   if (!md) fail(ErrorKind::internal, "out of memory for a regex match");
   std::vector<std::pair<size_t, size_t>> out;
   const auto* s = reinterpret_cast<PCRE2_SPTR>(subject.data());
@@ -71,7 +74,8 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view subject)
       rc = pcre2_match(code_, s, subject.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md.get(), nullptr);
     if (rc == PCRE2_ERROR_NOMATCH) break;
     if (rc < 0)
-      fail(ErrorKind::internal, "regex {:?} failed on a {}-byte text: {}", pattern_, subject.size(), pcre2_message(rc));
+      fail(ErrorKind::internal, "regex {:?} failed on a {}-byte text: {}", pattern_, subject.size(),
+           pcre2_message(rc));
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
     const size_t b = ov[0], e = ov[1];
     LOOM_ASSERT(b >= pos && e >= b && e <= subject.size());

@@ -20,9 +20,9 @@ enum class PrependScheme { always, first, never };
 struct NormalizerStep {
   enum class Kind { prepend, replace, nfc };
   Kind kind = Kind::prepend;
-  std::string pattern;        // replace: what to find; prepend: the text to put in front
+  std::string pattern;  // replace: what to find; prepend: the text to put in front
   bool pattern_is_regex = false;
-  std::string content;        // replace: the replacement
+  std::string content;  // replace: the replacement
 };
 
 struct PreTokenizerStep {
@@ -35,7 +35,7 @@ struct PreTokenizerStep {
   bool invert = false;
   // byte_level
   bool add_prefix_space = false;
-  bool use_regex = true;       // split with the GPT-2 pattern first
+  bool use_regex = true;  // split with the GPT-2 pattern first
   // digits
   bool individual_digits = false;
   // metaspace
@@ -49,7 +49,7 @@ struct DecoderStep {
   Kind kind = Kind::byte_level;
   std::string pattern, content;  // replace; strip: content is the character stripped
   bool pattern_is_regex = false;
-  int start = 0, stop = 0;       // strip: at most this many characters at each end of every token
+  int start = 0, stop = 0;                   // strip: at most this many characters at each end of every token
   std::string replacement = "\xE2\x96\x81";  // metaspace
   PrependScheme prepend_scheme = PrependScheme::always;
 };
@@ -74,7 +74,7 @@ struct TokenizerSpec {
   // Model: BPE over `vocab` (id -> token text; empty string = unused id).
   std::vector<std::string> vocab;
   std::vector<std::pair<std::string, std::string>> merges;  // by rank, best first
-  bool byte_fallback = false;  // unknown characters become <0xXX> byte tokens
+  bool byte_fallback = false;                               // unknown characters become <0xXX> byte tokens
   bool fuse_unk = false;
   bool ignore_merges = false;  // a word already in the vocabulary is one token
   std::optional<std::string> unk_token;

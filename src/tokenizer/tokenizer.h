@@ -6,13 +6,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/spec.h"
 
@@ -77,7 +76,7 @@ class Tokenizer {
 // push() and finish() return equals tokenizer.decode(all ids, skip_special)
 // whenever that text is valid (byte tokens spelling invalid UTF-8 may come out
 // as a different number of U+FFFD); text is held back while it ends in an
-// unfinished UTF-8 character.
+// unfinished UTF-8 character. Keeps a reference to `tok`.
 class StreamDecoder {
  public:
   explicit StreamDecoder(const Tokenizer& tok, bool skip_special = true);

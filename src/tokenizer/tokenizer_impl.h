@@ -15,17 +15,17 @@ namespace loom {
 struct Tokenizer::Impl {
   TokenizerSpec spec;
   int32_t n_vocab = 0;
-  std::vector<const std::string*> text_of;     // id -> token text (added tokens override the model)
-  std::vector<const AddedToken*> added_of;     // id -> added token, nullptr if none
-  std::vector<uint8_t> eog;                    // id -> end of generation
-  tok::TokenIndex added_index;                 // added token content -> id
+  std::vector<const std::string*> text_of;  // id -> token text (added tokens override the model)
+  std::vector<const AddedToken*> added_of;  // id -> added token, nullptr if none
+  std::vector<uint8_t> eog;                 // id -> end of generation
+  tok::TokenIndex added_index;              // added token content -> id
   tok::BpeModel bpe;
-  tok::AddedTokenMatcher raw_matcher;          // tokens matched before normalization
-  tok::AddedTokenMatcher normalized_matcher;   // tokens matched in normalized text
+  tok::AddedTokenMatcher raw_matcher;         // tokens matched before normalization
+  tok::AddedTokenMatcher normalized_matcher;  // tokens matched in normalized text
   tok::Normalizer normalizer;
   tok::PreTokenizer pre_tokenizer;
   std::vector<std::optional<tok::Regex>> decoder_regex;  // per decoder step (Replace)
-  bool byte_level_pieces = false;              // token_to_piece maps byte-level spelling back
+  bool byte_level_pieces = false;                        // token_to_piece maps byte-level spelling back
 };
 
 }  // namespace loom

@@ -122,14 +122,48 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
       }
       return acc;
     }
-    case DType::q4_k: case DType::q5_k: case DType::q6_k: {
+    case DType::q2_k: case DType::q3_k: case DType::q4_k: case DType::q5_k: case DType::q6_k: {
       std::vector<BlockQ8_K> xq(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, xq.data(), K);
       const size_t bb = dtype_traits(type).block_bytes;
       for (int64_t sb = 0; sb < K / QK_K; ++sb) {
         const uint8_t* wb = w + sb * bb;
         const BlockQ8_K& a = xq[static_cast<size_t>(sb)];
-        if (type == DType::q6_k) {
+        if (type == DType::q2_k) {
+          BlockQ2_K b;
+          std::memcpy(&b, wb, sizeof b);
+          int64_t I1 = 0, I2 = 0;
+          for (int j = 0; j < 16; ++j) {
+            int64_t s = 0, xs = 0;
+            for (int e = 16 * j; e < 16 * j + 16; ++e) {
+              const int h = e / 128, q = (e / 32) % 4, l = e % 32;
+              s += static_cast<int64_t>((b.qs[32 * h + l] >> (2 * q)) & 3) * a.qs[e];
+              xs += a.qs[e];
+            }
+            I1 += s * (b.scales[j] & 15);
+            I2 += xs * (b.scales[j] >> 4);
+          }
+          acc = std::fma(static_cast<float>(I1), fp16_to_fp32(b.d) * a.d, acc);
+          acc = std::fma(-static_cast<float>(I2), fp16_to_fp32(b.dmin) * a.d, acc);
+        } else if (type == DType::q3_k) {
+          BlockQ3_K b;
+          std::memcpy(&b, wb, sizeof b);
+          int64_t I = 0;
+          for (int j = 0; j < 16; ++j) {
+            const int lo = j < 8 ? (b.scales[j] & 15) : (b.scales[j - 8] >> 4);
+            const int hi = (b.scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+            const int sc = (lo | (hi << 4)) - 32;
+            int64_t s = 0;
+            for (int e = 16 * j; e < 16 * j + 16; ++e) {
+              const int h = e / 128, q = (e / 32) % 4, l = e % 32;
+              const int low = (b.qs[32 * h + l] >> (2 * q)) & 3;
+              const int v = low - (((b.hmask[l] >> (e / 32)) & 1) ? 0 : 4);
+              s += static_cast<int64_t>(v) * a.qs[e];
+            }
+            I += s * sc;
+          }
+          acc = std::fma(static_cast<float>(I), fp16_to_fp32(b.d) * a.d, acc);
+        } else if (type == DType::q6_k) {
           BlockQ6_K b;
           std::memcpy(&b, wb, sizeof b);
           int64_t I = 0;
@@ -207,7 +241,7 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
       }
       break;
     }
-    case DType::q4_k: case DType::q5_k: case DType::q6_k: {
+    case DType::q2_k: case DType::q3_k: case DType::q4_k: case DType::q5_k: case DType::q6_k: {
       std::vector<BlockQ8_K> b(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_k, b.data(), xq.data(), K);

@@ -138,8 +138,8 @@ TEST(QuantDot, ExtremeValuesDoNotSaturate) {
   const int64_t K = 256;
   std::vector<float> x(K);
   for (int64_t k = 0; k < K; ++k) x[static_cast<size_t>(k)] = (k % 3 == 0) ? -1.0f : 1.0f;
-  for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q8_0, DType::q4_k, DType::q5_k,
-                     DType::q6_k}) {
+  for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q8_0, DType::q2_k, DType::q3_k,
+                     DType::q4_k, DType::q5_k, DType::q6_k}) {
     auto w = random_weights(type, 1, K, 5);
     const size_t bb = dtype_traits(type).block_bytes;
     for (size_t off = 0; off < w.size(); off += bb) {
@@ -153,6 +153,8 @@ TEST(QuantDot, ExtremeValuesDoNotSaturate) {
         case DType::q4_k: std::memset(b + 4, 0xff, 140); break;
         case DType::q5_k: std::memset(b + 4, 0xff, 172); break;
         case DType::q6_k: std::memset(b, 0xff, 192); break;  // q = 63, scales random
+        case DType::q3_k: std::memset(b, 0x00, 96); std::memset(b + 96, 0x00, 12); break;  // q = -4, scale -32
+        case DType::q2_k: std::memset(b, 0xff, 80); break;  // q = 3, scale and min 15
         default: break;
       }
     }

@@ -44,14 +44,16 @@ void check_reference(const Tokenizer& tok, const json& ref, const json& corpus, 
     EXPECT_EQ(tok.encode(line, true, true), with) << name << " add_special, line " << i;
     const std::string decoded = ref["decoded"][i].is_null() ? line : ref["decoded"][i].get<std::string>();
     EXPECT_EQ(tok.decode(want), decoded) << name << " decode, line " << i;
-    const std::string skipped =
-        ref["decoded_skip_special"][i].is_null() ? decoded : ref["decoded_skip_special"][i].get<std::string>();
+    const std::string skipped = ref["decoded_skip_special"][i].is_null()
+                                    ? decoded
+                                    : ref["decoded_skip_special"][i].get<std::string>();
     EXPECT_EQ(tok.decode(want, /*skip_special=*/true), skipped) << name << " decode skip_special, line " << i;
     if (mismatches > 5) FAIL() << "too many mismatches for " << name;
   }
   if (ref.contains("ids_no_parse_special")) {
     for (size_t i = 0; i < corpus.size(); ++i) {
-      EXPECT_EQ(tok.encode(corpus[i].get<std::string>(), false, false), ids_of(ref["ids_no_parse_special"][i]))
+      EXPECT_EQ(tok.encode(corpus[i].get<std::string>(), false, false),
+                ids_of(ref["ids_no_parse_special"][i]))
           << name << " parse_special=false, line " << i;
     }
   }
@@ -155,13 +157,34 @@ TEST(Tokenizer, SpmPieces) {
 TEST(Tokenizer, RandomTextRoundTrips) {
   // Awkward fragments glued at random (fixed seed): byte-level BPE must give
   // back exactly the input, and every tokenizer must survive it.
-  const std::vector<std::string> frags = {" ", "  ", "\n", "\r\n", "\t", "a", "Z", "'s", "'S", "1", "23", "456",
-                                          "\xC3\xA9", "e\xCC\x81", "\xE4\xB8\xAD", "\xF0\x9F\x98\x80", "<|im_end|>",
-                                          "<s>", "\xE2\x96\x81", "!", "...", "x", "\xEF\xBF\xBD", "\xC2\xA0"};
+  const std::vector<std::string> frags = {" ",
+                                          "  ",
+                                          "\n",
+                                          "\r\n",
+                                          "\t",
+                                          "a",
+                                          "Z",
+                                          "'s",
+                                          "'S",
+                                          "1",
+                                          "23",
+                                          "456",
+                                          "\xC3\xA9",
+                                          "e\xCC\x81",
+                                          "\xE4\xB8\xAD",
+                                          "\xF0\x9F\x98\x80",
+                                          "<|im_end|>",
+                                          "<s>",
+                                          "\xE2\x96\x81",
+                                          "!",
+                                          "...",
+                                          "x",
+                                          "\xEF\xBF\xBD",
+                                          "\xC2\xA0"};
   std::mt19937 rng(1234);
   std::vector<Tokenizer> toks;
-  for (const char* n : {"llama3_style", "qwen2_style", "spm_style", "spm_style+metaspace", "llama3_style+added",
-                        "spm_style.gguf"})
+  for (const char* n : {"llama3_style", "qwen2_style", "spm_style", "spm_style+metaspace",
+                        "llama3_style+added", "spm_style.gguf"})
     toks.push_back(load_named(n));
   for (int iter = 0; iter < 300; ++iter) {
     std::string s;
@@ -180,7 +203,12 @@ TEST(Tokenizer, RandomTextRoundTrips) {
 
 TEST(Tokenizer, InvalidUtf8ReadsAsReplacementCharacter) {
   const Tokenizer tok = json_variant("llama3_style");
-  EXPECT_EQ(tok.encode("a\xFF" "b\xE4\xB8", false, true), tok.encode("a\xEF\xBF\xBD" "b\xEF\xBF\xBD", false, true));
+  EXPECT_EQ(tok.encode("a\xFF"
+                       "b\xE4\xB8",
+                       false, true),
+            tok.encode("a\xEF\xBF\xBD"
+                       "b\xEF\xBF\xBD",
+                       false, true));
   EXPECT_EQ(tok.encode("\xC0\x80", false, true), tok.encode("\xEF\xBF\xBD\xEF\xBF\xBD", false, true));
 }
 
@@ -195,7 +223,8 @@ TEST(Tokenizer, Accessors) {
   EXPECT_TRUE(tok.is_eog(tok.token_id("<|end_of_text|>")));
   EXPECT_FALSE(tok.is_eog(tok.token_id("<|start_header_id|>")));
   EXPECT_EQ(tok.token_id("no such token"), -1);
-  expect_error([&] { tok.decode(std::vector<int32_t>{tok.vocab_size()}); }, ErrorKind::invalid_input, {"token id"});
+  expect_error([&] { tok.decode(std::vector<int32_t>{tok.vocab_size()}); }, ErrorKind::invalid_input,
+               {"token id"});
   expect_error([&] { tok.token_to_piece(-1); }, ErrorKind::invalid_input, {"-1"});
   const Tokenizer spm = json_variant("spm_style");
   EXPECT_EQ(spm.kind(), TokenizerKind::spm_bpe);
@@ -206,8 +235,10 @@ TEST(Tokenizer, Accessors) {
 
 TEST(Tokenizer, ConfigOverridesSpecialTokens) {
   const json j = read_json_file(fixture("llama3_style.json"));
-  const json cfg = {{"bos_token", "<|begin_of_text|>"}, {"eos_token", {{"content", "<|eot_id|>"}}},
-                    {"add_bos_token", false}, {"chat_template", "{{ x }}"}};
+  const json cfg = {{"bos_token", "<|begin_of_text|>"},
+                    {"eos_token", {{"content", "<|eot_id|>"}}},
+                    {"add_bos_token", false},
+                    {"chat_template", "{{ x }}"}};
   const Tokenizer tok = Tokenizer::from_spec(Tokenizer::spec_from_tokenizer_json(j, cfg, "cfg"));
   EXPECT_FALSE(tok.add_bos());
   EXPECT_EQ(tok.eos(), tok.token_id("<|eot_id|>"));
@@ -267,7 +298,8 @@ TEST(Tokenizer, SmolLM2EncodeSpeed) {
   auto f = gguf::File::open(smollm2_path());
   const auto t0 = std::chrono::steady_clock::now();
   const Tokenizer tok = Tokenizer::from_gguf(*f);
-  const double load_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double load_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::string text;
   const json& corpus = references()["corpus"];
   while (text.size() < 60000)
@@ -277,8 +309,8 @@ TEST(Tokenizer, SmolLM2EncodeSpeed) {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
   EXPECT_GT(ids.size(), 10000u);
   EXPECT_LT(ms, 500.0);
-  std::printf("[ info ] SmolLM2: load %.1f ms; %zu tokens (%zu bytes) in %.2f ms\n", load_ms, ids.size(), text.size(),
-              ms);
+  std::printf("[ info ] SmolLM2: load %.1f ms; %zu tokens (%zu bytes) in %.2f ms\n", load_ms, ids.size(),
+              text.size(), ms);
 }
 
 }  // namespace

@@ -4,9 +4,9 @@
 // (chat_templates.json), including the conversations those templates refuse.
 #include <gtest/gtest.h>
 
-#include "test_tokenizer_util.h"
 #include <algorithm>
 
+#include "test_tokenizer_util.h"
 #include "tokenizer/chat_template.h"
 
 namespace loom {
@@ -31,11 +31,12 @@ TEST(ChatTemplate, MatchesJinjaRendering) {
   int checked = 0;
   for (const auto& c : chat()["cases"]) {
     const std::string name = c["template"].get<std::string>();
-    const ChatTemplate t =
-        ChatTemplate::from_text(templates[name].get<std::string>(), c["bos"].get<std::string>(), c["eos"].get<std::string>());
+    const ChatTemplate t = ChatTemplate::from_text(templates[name].get<std::string>(),
+                                                   c["bos"].get<std::string>(), c["eos"].get<std::string>());
     const auto msgs = conversation(chat()["conversations"][c["conversation"].get<size_t>()]);
     const bool gen = c["add_generation_prompt"].get<bool>();
-    SCOPED_TRACE(name + " conversation " + std::to_string(c["conversation"].get<int>()) + (gen ? " +gen" : ""));
+    SCOPED_TRACE(name + " conversation " + std::to_string(c["conversation"].get<int>()) +
+                 (gen ? " +gen" : ""));
     if (c["error"].is_null()) {
       EXPECT_EQ(apply_chat_template(t, msgs, gen), c["text"].get<std::string>());
     } else {
@@ -58,8 +59,9 @@ TEST(ChatTemplate, Detection) {
   EXPECT_EQ(ChatTemplate::from_text(t["chatml_plain"].get<std::string>(), "", "").default_system, "");
   expect_error([] { detect_chat_template("{% for m in messages %}<<{{ m.content }}>>{% endfor %}"); },
                ErrorKind::unsupported, {"--chat-template chatml|llama3|llama2"});
-  expect_error([] { detect_chat_template("<|start_header_id|>system<|end_header_id|>Cutting Knowledge Date: x"); },
-               ErrorKind::unsupported, {"--chat-template"});
+  expect_error(
+      [] { detect_chat_template("<|start_header_id|>system<|end_header_id|>Cutting Knowledge Date: x"); },
+      ErrorKind::unsupported, {"--chat-template"});
 }
 
 TEST(ChatTemplate, DefaultSystemOnlyFromAPlainLiteral) {
@@ -68,7 +70,8 @@ TEST(ChatTemplate, DefaultSystemOnlyFromAPlainLiteral) {
   const std::string t =
       "{%- if tools %}{{- '<|im_start|>system\\n' }}{{- messages[0]['content'] }}{%- else %}"
       "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
-      "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You\\'re "
+      "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
+      "You\\'re "
       "helpful.<|im_end|>\\n' }}{%- endif %}{%- endif %}";
   const ChatTemplate ct = ChatTemplate::from_text(t, "", "");
   EXPECT_EQ(ct.kind, ChatTemplateKind::chatml);
@@ -76,8 +79,8 @@ TEST(ChatTemplate, DefaultSystemOnlyFromAPlainLiteral) {
 }
 
 TEST(ChatTemplate, Names) {
-  for (ChatTemplateKind k :
-       {ChatTemplateKind::chatml, ChatTemplateKind::llama3, ChatTemplateKind::llama2, ChatTemplateKind::mistral})
+  for (ChatTemplateKind k : {ChatTemplateKind::chatml, ChatTemplateKind::llama3, ChatTemplateKind::llama2,
+                             ChatTemplateKind::mistral})
     EXPECT_EQ(chat_template_kind_from_name(chat_template_kind_name(k)), k);
   EXPECT_FALSE(chat_template_kind_from_name("vicuna"));
   // A forced format uses its usual BOS/EOS and no default system message.

@@ -1,7 +1,7 @@
 // Single pipeline steps against Hugging Face `tokenizers`: every pre-tokenizer,
 // normalizer and decoder configuration in pipeline_cases.json (split
 // behaviours, inverted and empty matches, Metaspace schemes, Strip counts,
-// byte fallback runs) must give HF's pieces / text.
+// byte fallback runs) and the BPE model corner cases must give HF's output.
 #include <gtest/gtest.h>
 
 #include "test_tokenizer_util.h"
@@ -62,7 +62,8 @@ TEST(TokenizerPipeline, Decoders) {
     for (size_t i = 0; i < token_lists.size(); ++i) {
       std::vector<int32_t> ids;
       for (const auto& t : token_lists[i]) ids.push_back(tok.token_id(t.get<std::string>()));
-      EXPECT_EQ(tok.decode(ids), c["outputs"][i].get<std::string>()) << c["config"].dump() << "\n  tokens " << i;
+      EXPECT_EQ(tok.decode(ids), c["outputs"][i].get<std::string>())
+          << c["config"].dump() << "\n  tokens " << i;
       // Streaming gives the same text (whole characters only) when it is valid.
       if (c["outputs"][i].get<std::string>().find("\xEF\xBF\xBD") != std::string::npos) continue;
       StreamDecoder sd(tok, false);
@@ -74,6 +75,20 @@ TEST(TokenizerPipeline, Decoders) {
   }
 }
 
+TEST(TokenizerPipeline, BpeModelCorners) {
+  // ignore_merges, unknown characters (fused or not), partial byte fallback,
+  // equal-rank ties and repeated merges, each against HF.
+  for (const auto& c : cases()["models"]) {
+    const Tokenizer tok =
+        Tokenizer::from_spec(Tokenizer::spec_from_tokenizer_json(c["tokenizer"], std::nullopt, "case"));
+    for (size_t i = 0; i < c["inputs"].size(); ++i)
+      EXPECT_EQ(tok.encode(c["inputs"][i].get<std::string>(), false, true),
+                c["ids"][i].get<std::vector<int32_t>>())
+          << c["tokenizer"]["model"].dump() << "\n  input: " << c["inputs"][i].get<std::string>();
+  }
+  EXPECT_GE(cases()["models"].size(), 9u);
+}
+
 TEST(TokenizerPipeline, SplitRangesEdgeCases) {
   using tok::split_ranges;
   using R = std::vector<std::pair<size_t, size_t>>;
@@ -82,8 +97,10 @@ TEST(TokenizerPipeline, SplitRangesEdgeCases) {
   EXPECT_EQ(split_ranges(3, {}, SplitBehavior::removed, true), R{});  // everything is a "match" when inverted
   EXPECT_EQ(split_ranges(4, {{0, 4}}, SplitBehavior::removed, false), R{});
   EXPECT_EQ(split_ranges(5, {{1, 2}, {2, 3}}, SplitBehavior::contiguous, false), (R{{0, 1}, {1, 3}, {3, 5}}));
-  EXPECT_EQ(split_ranges(5, {{1, 2}, {2, 3}}, SplitBehavior::merged_with_previous, false), (R{{0, 2}, {2, 3}, {3, 5}}));
-  EXPECT_EQ(split_ranges(5, {{1, 2}, {2, 3}}, SplitBehavior::merged_with_next, false), (R{{0, 1}, {1, 2}, {2, 5}}));
+  EXPECT_EQ(split_ranges(5, {{1, 2}, {2, 3}}, SplitBehavior::merged_with_previous, false),
+            (R{{0, 2}, {2, 3}, {3, 5}}));
+  EXPECT_EQ(split_ranges(5, {{1, 2}, {2, 3}}, SplitBehavior::merged_with_next, false),
+            (R{{0, 1}, {1, 2}, {2, 5}}));
 }
 
 TEST(TokenizerPipeline, NfcComposesAndKeepsComposedText) {

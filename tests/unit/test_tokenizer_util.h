@@ -5,10 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "io/hf_folder.h"
@@ -18,8 +17,12 @@ namespace loom::tok_test {
 
 using json = nlohmann::json;
 
-inline std::string fixture(const std::string& file) { return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/tokenizer/" + file; }
-inline std::string smollm2_path() { return std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+inline std::string fixture(const std::string& file) {
+  return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/tokenizer/" + file;
+}
+inline std::string smollm2_path() {
+  return std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
 
 inline const json& references() {
   static const json j = read_json_file(fixture("reference_ids.json"));
@@ -46,7 +49,8 @@ inline json with_extra_added(json j) {
 // spm_metaspace_variant(): no normalizer, Metaspace prepending at the very start only.
 inline json spm_metaspace_variant(json j) {
   j["normalizer"] = nullptr;
-  j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", "first"}, {"split", false}};
+  j["pre_tokenizer"] = {
+      {"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", "first"}, {"split", false}};
   return j;
 }
 
@@ -57,14 +61,18 @@ inline Tokenizer json_variant(const std::string& name) {
   json j = read_json_file(fixture(base + ".json"));
   if (plus != std::string::npos) {
     const std::string v = name.substr(plus + 1);
-    if (v == "added") j = with_extra_added(std::move(j));
-    else if (v == "metaspace") j = spm_metaspace_variant(std::move(j));
-    else ADD_FAILURE() << "unknown variant " << v;
+    if (v == "added")
+      j = with_extra_added(std::move(j));
+    else if (v == "metaspace")
+      j = spm_metaspace_variant(std::move(j));
+    else
+      ADD_FAILURE() << "unknown variant " << v;
   }
   return Tokenizer::from_spec(Tokenizer::spec_from_tokenizer_json(j, std::nullopt, name));
 }
 
-inline void expect_error(const std::function<void()>& fn, ErrorKind kind, const std::vector<std::string>& needles) {
+inline void expect_error(const std::function<void()>& fn, ErrorKind kind,
+                         const std::vector<std::string>& needles) {
   try {
     fn();
   } catch (const Error& e) {
@@ -79,9 +87,12 @@ inline void expect_error(const std::function<void()>& fn, ErrorKind kind, const 
 inline std::string show(std::string_view s) {
   std::string out;
   for (unsigned char c : s) {
-    if (c == '\n') out += "\\n";
-    else if (c < 0x20 || c == 0x7f) out += fmt::format("\\x{:02x}", c);
-    else out += static_cast<char>(c);
+    if (c == '\n')
+      out += "\\n";
+    else if (c < 0x20 || c == 0x7f)
+      out += fmt::format("\\x{:02x}", c);
+    else
+      out += static_cast<char>(c);
   }
   return out;
 }

@@ -37,40 +37,44 @@ void check_weight(const Tensor& W, const char* name) {
          name, dtype_name(W.dtype), W.cols(), bs);
 }
 
-// What matmul needs to know about W, packed or not.
-struct Source {
-  DType type;
-  int64_t N, K;
+// One weight matrix of a matmul call (several share the activations in
+// matmul_multi), packed or to be packed on the fly, and where its output goes.
+struct Segment {
+  int64_t N;
   const uint8_t* packed;  // null: pack on the fly from raw
   size_t pstride;
   const uint8_t* raw;
   size_t row_bytes;
+  float* y;
+  int64_t ldy;
 };
 
-void run_matmul(cpu::Isa isa, ThreadPool& pool, const Source& s, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t T,
-                MatmulScratch& scratch) {
+void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span<const Segment> segs, const float* x,
+                int64_t ldx, int64_t T, MatmulScratch& scratch) {
   if (T < 0) fail(ErrorKind::invalid_input, "matmul: negative token count {}", T);
-  if (ldx < s.K || ldy < s.N)
-    fail(ErrorKind::invalid_input, "matmul: strides ldx={} ldy={} smaller than K={} N={}", ldx, ldy, s.K, s.N);
-  if (T == 0 || s.N == 0) return;
+  if (ldx < K) fail(ErrorKind::invalid_input, "matmul: input stride ldx={} smaller than K={}", ldx, K);
+  int64_t np = 0;  // panels of all segments
+  for (const Segment& g : segs) {
+    if (g.ldy < g.N) fail(ErrorKind::invalid_input, "matmul: output stride ldy={} smaller than N={}", g.ldy, g.N);
+    np += (g.N + kPanelRows - 1) / kPanelRows;
+  }
+  if (T == 0 || np == 0) return;
 
   const int nt = pool.size();
-  const int64_t np = (s.N + kPanelRows - 1) / kPanelRows;
   // Split panels when there are enough of them; otherwise split tokens.
   const bool split_tokens = T > 1 && np < 2 * nt;
-  const bool fly = s.packed == nullptr;
-  const bool raw_type = cpu::panel_is_raw(s.type);
-  const cpu::ActKind kind = cpu::act_kind(s.type);
-  const size_t arb = cpu::act_row_bytes(s.type, s.K);
+  const bool fly = segs[0].packed == nullptr;
+  LOOM_ASSERT(!fly || segs.size() == 1);
+  const cpu::ActKind kind = cpu::act_kind(type);
+  const size_t arb = cpu::act_row_bytes(type, K);
   // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
-  const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(s.type) &&
-                       cpu::amx_available();
+  const bool use_amx =
+      isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) && cpu::amx_available();
   const int64_t t_alloc = use_amx ? (T + 15) / 16 * 16 : T;
 
   // Per-worker scratch (grown here, on the calling thread, before any worker runs).
-  const size_t fly_bytes = fly ? static_cast<size_t>(kFlyGroup) * s.pstride : 0;
-  size_t tmp_bytes = raw_type ? static_cast<size_t>(s.K) * kPanelRows * sizeof(float) : 0;
-  if (use_amx) tmp_bytes = static_cast<size_t>(s.K) * kPanelRows;  // unpacked 8-bit panel
+  const size_t fly_bytes = fly ? static_cast<size_t>(kFlyGroup) * segs[0].pstride : 0;
+  const size_t tmp_bytes = use_amx ? static_cast<size_t>(K) * kPanelRows : 0;  // AMX: unpacked 8-bit panel
   if (fly_bytes + tmp_bytes > 0)
     for (int i = 0; i < nt; ++i) scratch.get(1 + static_cast<size_t>(i), fly_bytes + tmp_bytes);
 
@@ -85,7 +89,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, const Source& s, const float* x,
     // Token-split workers quantize their own rows; otherwise quantize up front.
     if (!split_tokens) {
       auto quant = [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(s.type, x + t * ldx, s.K, qbuf + t * arb);
+        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(type, x + t * ldx, K, qbuf + t * arb);
       };
       if (T >= 4 && nt > 1)
         pool.parallel_for(T, quant);
@@ -99,51 +103,63 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, const Source& s, const float* x,
                                                           : cpu::panel_kernel_avx512;
 
   auto work = [&](int ti, int tn) {
-    int64_t p0 = 0, p1 = np, t0 = 0, t1 = T;
+    int64_t g0 = 0, g1 = np, t0 = 0, t1 = T;  // global panel range, token range
     if (split_tokens) {
       t0 = T * ti / tn;
       t1 = T * (ti + 1) / tn;
       if (qbuf != nullptr)
-        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(s.type, x + t * ldx, s.K, qbuf + t * arb);
+        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(type, x + t * ldx, K, qbuf + t * arb);
     } else {
-      p0 = np * ti / tn;
-      p1 = np * (ti + 1) / tn;
+      g0 = np * ti / tn;
+      g1 = np * (ti + 1) / tn;
     }
-    if (p0 >= p1 || t0 >= t1) return;
+    if (g0 >= g1 || t0 >= t1) return;
     uint8_t* wb = fly_bytes + tmp_bytes > 0 ? scratch.ptr(1 + static_cast<size_t>(ti)) : nullptr;
     cpu::KernelArgs a;
-    a.K = s.K;
+    a.K = K;
     a.act = act + static_cast<size_t>(t0) * astride;
     a.act_stride = astride;
     a.T = t1 - t0;
-    a.ldy = ldy;
-    a.tmp = tmp_bytes > 0 ? reinterpret_cast<float*>(wb + fly_bytes) : nullptr;
-    const int64_t group = fly ? kFlyGroup : p1 - p0;
-    for (int64_t p = p0; p < p1; p += group) {
-      const int64_t pn = p + group < p1 ? group : p1 - p;
-      if (fly) {
-        for (int64_t i = 0; i < pn; ++i) {
-          const int64_t r0 = (p + i) * kPanelRows;
-          const int rows = static_cast<int>(s.N - r0 < kPanelRows ? s.N - r0 : kPanelRows);
-          const uint8_t* rp[kPanelRows];
-          for (int r = 0; r < rows; ++r) rp[r] = s.raw + static_cast<size_t>(r0 + r) * s.row_bytes;
-          cpu::pack_panel(s.type, rp, rows, s.K, wb + static_cast<size_t>(i) * s.pstride);
+    a.tmp = tmp_bytes > 0 ? wb + fly_bytes : nullptr;
+    int64_t base = 0;  // global index of the segment's first panel
+    for (const Segment& g : segs) {
+      const int64_t gnp = (g.N + kPanelRows - 1) / kPanelRows;
+      const int64_t p0 = g0 > base ? g0 - base : 0, p1 = g1 - base < gnp ? g1 - base : gnp;
+      base += gnp;
+      if (p0 >= p1) continue;
+      a.ldy = g.ldy;
+      a.panel_stride = g.pstride;
+      const int64_t group = fly ? kFlyGroup : p1 - p0;
+      for (int64_t p = p0; p < p1; p += group) {
+        const int64_t pn = p + group < p1 ? group : p1 - p;
+        if (fly) {
+          for (int64_t i = 0; i < pn; ++i) {
+            const int64_t r0 = (p + i) * kPanelRows;
+            const int rows = static_cast<int>(g.N - r0 < kPanelRows ? g.N - r0 : kPanelRows);
+            const uint8_t* rp[kPanelRows];
+            for (int r = 0; r < rows; ++r) rp[r] = g.raw + static_cast<size_t>(r0 + r) * g.row_bytes;
+            cpu::pack_panel(type, rp, rows, K, wb + static_cast<size_t>(i) * g.pstride);
+          }
+          a.panels = wb;
+        } else {
+          a.panels = g.packed + static_cast<size_t>(p) * g.pstride;
         }
-        a.panels = wb;
-      } else {
-        a.panels = s.packed + static_cast<size_t>(p) * s.pstride;
+        a.n_panels = pn;
+        a.y = g.y + t0 * g.ldy + p * kPanelRows;
+        a.n_valid = g.N - p * kPanelRows;
+        kernel(type, a);
       }
-      a.panel_stride = s.pstride;
-      a.n_panels = pn;
-      a.y = y + t0 * ldy + p * kPanelRows;
-      a.n_valid = s.N - p * kPanelRows;
-      kernel(s.type, a);
     }
   };
   if (nt == 1)
     work(0, 1);
   else
     pool.run(work);
+}
+
+Segment packed_segment(const PackedWeight& W, float* y, int64_t ldy) {
+  if (W.empty()) fail(ErrorKind::invalid_input, "matmul: empty PackedWeight");
+  return Segment{W.rows(), W.panel(0), W.panel_bytes(), nullptr, 0, y, ldy};
 }
 
 }  // namespace
@@ -237,19 +253,40 @@ bool amx_available() {
   return ok;
 }
 
+bool amx_supports(DType type) {
+  return type == DType::q4_0 || type == DType::q4_1 || type == DType::q5_0 || type == DType::q5_1 ||
+         type == DType::q8_0;
+}
+
 void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
                 int64_t T, MatmulScratch& scratch) {
-  if (W.empty()) fail(ErrorKind::invalid_input, "matmul: empty PackedWeight");
-  const Source s{W.dtype(), W.rows(), W.cols(), W.panel(0), W.panel_bytes(), nullptr, 0};
-  run_matmul(isa, pool, s, x, ldx, y, ldy, T, scratch);
+  const Segment seg = packed_segment(W, y, ldy);
+  run_matmul(isa, pool, W.dtype(), W.cols(), std::span<const Segment>(&seg, 1), x, ldx, T, scratch);
 }
 
 void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
                 int64_t T, MatmulScratch& scratch) {
   check_weight(W, "W");
-  const Source s{W.dtype, W.rows(), W.cols(), nullptr, panel_stride(W.dtype, W.cols()),
-                 static_cast<const uint8_t*>(W.data), W.row_bytes()};
-  run_matmul(isa, pool, s, x, ldx, y, ldy, T, scratch);
+  const Segment seg{W.rows(), nullptr, panel_stride(W.dtype, W.cols()), static_cast<const uint8_t*>(W.data),
+                    W.row_bytes(), y, ldy};
+  run_matmul(isa, pool, W.dtype, W.cols(), std::span<const Segment>(&seg, 1), x, ldx, T, scratch);
+}
+
+void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs, const float* x, int64_t ldx,
+                      int64_t T, MatmulScratch& scratch) {
+  constexpr size_t kMax = 16;
+  if (outs.empty()) return;
+  if (outs.size() > kMax) fail(ErrorKind::invalid_input, "matmul_multi: {} weights, at most {}", outs.size(), kMax);
+  Segment segs[kMax];
+  const PackedWeight& W0 = *outs[0].W;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const PackedWeight& W = *outs[i].W;
+    if (W.dtype() != W0.dtype() || W.cols() != W0.cols())
+      fail(ErrorKind::invalid_input, "matmul_multi: weight {} is {} x {} of {}, weight 0 is {} x {} of {}", i,
+           W.rows(), W.cols(), dtype_name(W.dtype()), W0.rows(), W0.cols(), dtype_name(W0.dtype()));
+    segs[i] = packed_segment(W, outs[i].y, outs[i].ldy < 0 ? W.rows() : outs[i].ldy);
+  }
+  run_matmul(isa, pool, W0.dtype(), W0.cols(), std::span<const Segment>(segs, outs.size()), x, ldx, T, scratch);
 }
 
 }  // namespace cpu
@@ -276,6 +313,11 @@ void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx
 void matmul(ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t T,
             MatmulScratch& scratch) {
   cpu::matmul_isa(default_isa(), pool, W, x, ldx, y, ldy, T, scratch);
+}
+
+void matmul_multi(ThreadPool& pool, std::span<const MatmulOut> outs, const float* x, int64_t ldx, int64_t T,
+                  MatmulScratch& scratch) {
+  cpu::matmul_multi_isa(default_isa(), pool, outs, x, ldx, T, scratch);
 }
 
 }  // namespace loom

@@ -7,7 +7,6 @@
 #include "core/half.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/quant_blocks.h"
-#include "kernels/ref/dequant_ref.h"
 
 namespace loom::cpu {
 namespace {
@@ -46,6 +45,32 @@ void put_bit45_words(const uint8_t* v, int r, uint8_t* dst) {
       for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>((v[4 * (4 * h + s) + i] >> 4) & 3) << (8 * i + 2 * s);
     store_u32(dst + h * 64 + r * 4, w);
   }
+}
+
+// Two 2-bit words of the low 2 bits: word h, bits 2s..2s+1 of byte i = bits
+// 0..1 of v[4(4h+s)+i] (q2_k, q3_k).
+void put_bit01_words(const uint8_t* v, int r, uint8_t* dst) {
+  for (int h = 0; h < 2; ++h) {
+    uint32_t w = 0;
+    for (int s = 0; s < 4; ++s)
+      for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(v[4 * (4 * h + s) + i] & 3) << (8 * i + 2 * s);
+    store_u32(dst + h * 64 + r * 4, w);
+  }
+}
+
+// Bit 2 word (q3_k): bit o of byte i = bit 2 of v[4o+i].
+void put_bit2_word(const uint8_t* v, int r, uint8_t* dst) {
+  uint32_t w = 0;
+  for (int o = 0; o < 8; ++o)
+    for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>((v[4 * o + i] >> 2) & 1) << (8 * i + o);
+  store_u32(dst + r * 4, w);
+}
+
+// q3_k's 6-bit signed scale of sub-block g (16 elements), as in the reference.
+int q3_k_scale(const uint8_t* scales, int g) {
+  const int lo = g < 8 ? (scales[g] & 0x0f) : (scales[g - 8] >> 4);
+  const int hi = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
+  return (lo | (hi << 4)) - 32;
 }
 
 // 5-bit values of a q5_0/q5_1 block.
@@ -156,6 +181,41 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       }
       return;
     }
+    case DType::q2_k: {
+      BlockQ2_K b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      store_u16(pb + 32 + 2 * r, b.dmin);
+      for (int j = 0; j < 16; ++j) {
+        pb[64 + j * 16 + r] = static_cast<uint8_t>(b.scales[j] & 0x0f);
+        pb[320 + (j / 2) * 32 + r * 2 + (j % 2)] = static_cast<uint8_t>(b.scales[j] >> 4);
+      }
+      for (int g = 0; g < 8; ++g) {
+        for (int j = 0; j < 32; ++j) {
+          const int e = 32 * g + j, h = e / 128, s = (e / 32) % 4, l = e % 32;
+          v[j] = static_cast<uint8_t>((b.qs[32 * h + l] >> (2 * s)) & 3);
+        }
+        put_bit01_words(v, r, pb + 576 + g * 128);
+      }
+      return;
+    }
+    case DType::q3_k: {
+      BlockQ3_K b; std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      for (int j = 0; j < 16; ++j) pb[32 + j * 16 + r] = static_cast<uint8_t>(static_cast<int8_t>(q3_k_scale(b.scales, j)));
+      for (int g = 0; g < 8; ++g) {
+        // u = q3 + 4 in 0..7: low 2 bits from qs, bit 2 = the hmask bit.
+        for (int j = 0; j < 32; ++j) {
+          const int e = 32 * g + j, h = e / 128, s = (e / 32) % 4, l = e % 32;
+          const int low = (b.qs[32 * h + l] >> (2 * s)) & 3;
+          const int high = (b.hmask[l] >> (e / 32)) & 1;
+          v[j] = static_cast<uint8_t>(low | (high << 2));
+        }
+        uint8_t* gp = pb + 288 + g * 192;
+        put_bit01_words(v, r, gp);
+        put_bit2_word(v, r, gp + 128);
+      }
+      return;
+    }
     default: break;
   }
   LOOM_ASSERT(false && "pack_block: unhandled dtype");
@@ -175,7 +235,8 @@ size_t panel_block_bytes(DType type) {
     case DType::q4_k: return 2368;
     case DType::q5_k: return 2880;
     case DType::q6_k: return 3360;
-    case DType::q2_k: case DType::q3_k: return R * dtype_traits(type).block_bytes;
+    case DType::q2_k: return 1600;
+    case DType::q3_k: return 1824;
     default: break;
   }
   LOOM_ASSERT(false && "panel_block_bytes: unsupported dtype");
@@ -184,8 +245,6 @@ size_t panel_block_bytes(DType type) {
 
 int64_t panel_block_elems(DType type) { return dtype_block_size(type); }
 
-bool panel_is_raw(DType type) { return type == DType::q2_k || type == DType::q3_k; }
-
 size_t panel_bytes(DType type, int64_t K) {
   return static_cast<size_t>(K / panel_block_elems(type)) * panel_block_bytes(type);
 }
@@ -193,12 +252,6 @@ size_t panel_bytes(DType type, int64_t K) {
 void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, uint8_t* dst) {
   LOOM_ASSERT(nrows >= 0 && nrows <= R);
   const size_t pbytes = panel_bytes(type, K);
-  if (panel_is_raw(type)) {
-    const size_t row_bytes = dtype_row_bytes(type, K);
-    for (int r = 0; r < nrows; ++r) std::memcpy(dst + r * row_bytes, rows[r], row_bytes);
-    std::memset(dst + nrows * row_bytes, 0, (R - nrows) * row_bytes);
-    return;
-  }
   if (nrows < R) std::memset(dst, 0, pbytes);
   switch (type) {
     case DType::f32:
@@ -216,20 +269,6 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
   const size_t bb = dtype_traits(type).block_bytes, pbb = panel_block_bytes(type);
   for (int r = 0; r < nrows; ++r)
     for (int64_t b = 0; b < nb; ++b) pack_block(type, rows[r] + b * bb, r, dst + b * pbb);
-}
-
-void unpack_raw_panel(DType type, const uint8_t* panel, int64_t K, float* out) {
-  const size_t row_bytes = dtype_row_bytes(type, K);
-  float row[QK_K];
-  const int64_t nb = K / QK_K;
-  const size_t bb = dtype_traits(type).block_bytes;
-  for (int r = 0; r < R; ++r) {
-    for (int64_t b = 0; b < nb; ++b) {
-      dequantize_row_ref(type, panel + r * row_bytes + b * bb, row, QK_K);
-      float* o = out + b * QK_K * R + r;
-      for (int j = 0; j < QK_K; ++j) o[j * R] = row[j];
-    }
-  }
 }
 
 }  // namespace loom::cpu

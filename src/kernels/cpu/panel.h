@@ -4,9 +4,19 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "core/dtype.h"
-#include "kernels/matmul.h"
+
+// Forward declarations only: this header is also included by files built with
+// AVX-512 flags, which must not instantiate inline code shared with other files.
+namespace loom {
+class ThreadPool;
+class PackedWeight;
+class MatmulScratch;
+struct Tensor;
+struct MatmulOut;
+}  // namespace loom
 
 namespace loom::cpu {
 
@@ -37,12 +47,15 @@ constexpr int kPanelRows = 16;
 //  q5_k (2880): as q4_k, groups @320 of 320 bytes: nibbles then 5th-bit word
 //  q6_k (3360): d @0, scale i8[16][16] @32, 8 groups @288 of 384 bytes: nibbles
 //               then the two 2-bit words
+//  q2_k (1600): d @0, dmin @32, scale u8[16][16] @64, min pairs u8[8][16][2] @320,
+//               8 groups @576 of 128 bytes: the two 2-bit words of q (0..3)
+//  q3_k (1824): d @0, scale i8[16][16] @32, 8 groups @288 of 192 bytes: the two
+//               2-bit words, then the bit-2 word, of u = q + 4 (0..7)
 //  f32 / f16 / bf16: element k of rows 0..15 contiguous (64 / 32 / 32 bytes)
-//  q2_k / q3_k ("raw"): the 16 GGUF rows one after another, dequantized by the
-//               kernel into a per-thread f32 panel.
+// (2-bit words: word h, bits 2s..2s+1 of byte i = bits 0..1 of element 4(4h+s)+i;
+//  bit-2 word: bit o of byte i = bit 2 of element 4o+i.)
 size_t panel_block_bytes(DType type);
 int64_t panel_block_elems(DType type);  // 32, 256 or 1
-bool panel_is_raw(DType type);          // q2_k, q3_k
 
 // Bytes of one panel of K columns.
 size_t panel_bytes(DType type, int64_t K);
@@ -63,16 +76,18 @@ struct ActQ8x32 {
 };
 static_assert(sizeof(ActQ8x32) == 40);
 
-// For k-quant weights: a q8_K block plus per-group sums. b16[j] = -32 * (sum of
-// the 16 qs of sub-block j) (q6_k), s32[g] = sum of the 32 qs of group g (q4_k/q5_k).
+// For k-quant weights: a q8_K block plus per-group sums. s16[j] = sum of the 16
+// qs of sub-block j (q8_K's bsums), b16[j] = -32 * s16[j] (q6_k's offset; q3_k
+// uses b16 / 8), s32[g] = sum of the 32 qs of group g (q4_k/q5_k).
 struct ActQ8K {
   int8_t qs[256];
   int32_t b16[16];
+  int16_t s16[16];
   int16_t s32[8];
   float d;
   int32_t pad[3];
 };
-static_assert(sizeof(ActQ8K) == 352);
+static_assert(sizeof(ActQ8K) == 384);
 
 enum class ActKind { q8x32, q8k, f32 };
 ActKind act_kind(DType type);
@@ -100,7 +115,7 @@ struct KernelArgs {
   float* y = nullptr;               // y[t*ldy + 16*p + r] for panel p, token t, row r
   int64_t ldy = 0;
   int64_t n_valid = 0;              // rows beyond this (counted from panel 0) are not stored
-  float* tmp = nullptr;             // K*16 floats of per-thread scratch (raw panels)
+  void* tmp = nullptr;              // per-thread scratch (AMX: K*16 bytes)
 };
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
@@ -116,6 +131,8 @@ void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x
                 int64_t T, MatmulScratch& scratch);
 void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
                 int64_t T, MatmulScratch& scratch);
+void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs, const float* x, int64_t ldx,
+                      int64_t T, MatmulScratch& scratch);
 
 // AMX: usable on this CPU and OS (requests the tile state once per process);
 // types with an AMX kernel; the kernel (needs act rows padded to a multiple of 16
@@ -124,7 +141,5 @@ bool amx_available();
 bool amx_supports(DType type);
 void panel_kernel_amx(DType type, const KernelArgs& a);
 
-// Dequantizes a raw (q2_k/q3_k) panel into f32 panel layout [K][16].
-void unpack_raw_panel(DType type, const uint8_t* panel, int64_t K, float* out);
 
 }  // namespace loom::cpu

@@ -64,21 +64,5 @@ void drive_tiles(const KernelArgs& a) {
   }
 }
 
-// q2_k / q3_k: dequantize each raw panel into a.tmp (f32 panel), then run the
-// f32 kernel FloatImpl on it.
-template <class FloatImpl>
-void drive_raw(DType type, const KernelArgs& a) {
-  for (int64_t p = 0; p < a.n_panels; ++p) {
-    unpack_raw_panel(type, a.panels + p * a.panel_stride, a.K, a.tmp);
-    KernelArgs f = a;
-    f.panels = reinterpret_cast<const uint8_t*>(a.tmp);
-    f.panel_stride = 0;
-    f.n_panels = 1;
-    f.y = a.y + p * kPanelRows;
-    f.n_valid = a.n_valid - p * kPanelRows;
-    drive_tiles<FloatImpl>(f);
-  }
-}
-
 }  // namespace
 }  // namespace loom::cpu

@@ -82,18 +82,24 @@ inline void unpack_block(const uint8_t* pb, const Layout& L, uint8_t* out) {
   }
 }
 
-// Issues the tile multiply of block b into tile set S (tile numbers must be
-// compile-time constants in the asm).
-template <int S, bool kS8>
-inline void issue_block(const uint8_t* act, size_t astride, const uint8_t* bsrc) {
-  _tile_loadd(3 * S + 1, act, astride);
-  _tile_loadd(3 * S + 2, bsrc, 64);
-  _tile_zero(3 * S + 0);
-  if constexpr (kS8)
-    _tile_dpbssd(3 * S + 0, 3 * S + 1, 3 * S + 2);
-  else
-    _tile_dpbsud(3 * S + 0, 3 * S + 1, 3 * S + 2);
-}
+// Stores C tile `t` into a 16x16 int32 buffer. Unlike _tile_stored (which clobbers
+// all memory and so forces the accumulators out of registers) this names
+// exactly the memory it writes.
+#define LOOM_AMX_STORE_C(t, buf) \
+  __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*reinterpret_cast<int32_t(*)[256]>(buf)) : "r"(buf), "r"(64L))
+
+// Issues the tile multiply of one block into tile set 0 (tmm0-2) or 1 (tmm3-5);
+// the asm needs literal tile numbers, hence the macro.
+#define LOOM_AMX_ISSUE(C, A, B, act, astride, bsrc, s8) \
+  do {                                                  \
+    _tile_loadd(A, act, astride);                       \
+    _tile_loadd(B, bsrc, 64);                           \
+    _tile_zero(C);                                      \
+    if (s8)                                             \
+      _tile_dpbssd(C, A, B);                            \
+    else                                                \
+      _tile_dpbsud(C, A, B);                            \
+  } while (0)
 
 template <bool kMin, bool kAux>
 inline void scale_block(const int32_t* cbuf, const uint8_t* act, size_t astride, int64_t b, const uint8_t* pb,
@@ -119,7 +125,7 @@ template <bool kMin, bool kAux, bool kS8>
 void run_panels(const KernelArgs& a, const Layout& L) {
   alignas(64) int32_t cbuf[16 * 16];
   const int64_t nb = a.K / 32;
-  auto* bbuf = reinterpret_cast<uint8_t*>(a.tmp);
+  auto* bbuf = static_cast<uint8_t*>(a.tmp);
   for (int64_t p = 0; p < a.n_panels; ++p) {
     const uint8_t* pan = a.panels + p * a.panel_stride;
     if constexpr (!kS8) {
@@ -135,29 +141,27 @@ void run_panels(const KernelArgs& a, const Layout& L) {
       __m512 acc[16];
 #pragma GCC unroll 16
       for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-      issue_block<0, kS8>(actb(0), a.act_stride, bsrc(0));
+      LOOM_AMX_ISSUE(0, 1, 2, actb(0), a.act_stride, bsrc(0), kS8);
       for (int64_t b = 0; b < nb; b += 2) {
         // Block b is in flight in set 0; start b+1 in set 1, then finish b.
-        if (b + 1 < nb) issue_block<1, kS8>(actb(b + 1), a.act_stride, bsrc(b + 1));
-        _tile_stored(0, cbuf, 64);
+        if (b + 1 < nb) LOOM_AMX_ISSUE(3, 4, 5, actb(b + 1), a.act_stride, bsrc(b + 1), kS8);
+        LOOM_AMX_STORE_C(0, cbuf);
         scale_block<kMin, kAux>(cbuf, act, a.act_stride, b, pan + b * L.pb, L, acc);
         if (b + 1 >= nb) break;
-        if (b + 2 < nb) issue_block<0, kS8>(actb(b + 2), a.act_stride, bsrc(b + 2));
-        _tile_stored(3, cbuf, 64);
+        if (b + 2 < nb) LOOM_AMX_ISSUE(0, 1, 2, actb(b + 2), a.act_stride, bsrc(b + 2), kS8);
+        LOOM_AMX_STORE_C(3, cbuf);
         scale_block<kMin, kAux>(cbuf, act, a.act_stride, b + 1, pan + (b + 1) * L.pb, L, acc);
       }
       const __mmask16 mask = nv >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << nv) - 1);
-      for (int t = 0; t < tn; ++t) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.ldy + p * 16, mask, acc[t]);
+      // Constant indices keep acc[] in registers (a runtime bound would not).
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t)
+        if (t < tn) _mm512_mask_storeu_ps(a.y + (t0 + t) * a.ldy + p * 16, mask, acc[t]);
     }
   }
 }
 
 }  // namespace
-
-bool amx_supports(DType type) {
-  return type == DType::q4_0 || type == DType::q4_1 || type == DType::q5_0 || type == DType::q5_1 ||
-         type == DType::q8_0;
-}
 
 void panel_kernel_amx(DType type, const KernelArgs& a) {
   configure_tiles();

@@ -69,8 +69,8 @@ inline void add_bits45(const uint8_t* p, int h, __m256i (&ops)[8]) {
 inline __m256i madd1(__m256i v16) { return _mm256_madd_epi16(v16, _mm256_set1_epi16(1)); }
 
 // Sum over operands [O0, O1) of ops[o] . x[4o..], u8 values below 2^kBits. Partial
-// int16 sums hold at most 2^15 / (2 * 127 * (2^kBits - 1)) operands: 8 for 4-bit,
-// 4 for 5-bit, 2 for 6-bit values.
+// int16 sums hold at most 2^15 / (2 * 128 * (2^kBits - 1)) operands: 8 for 4-bit
+// (or fewer bits), 4 for 5-bit, 2 for 6-bit values.
 template <int kBits, int O0, int O1>
 inline __m256i idot(const __m256i (&ops)[8], const int8_t* x) {
   constexpr int kRun = kBits == 4 ? 8 : kBits == 5 ? 4 : 2;
@@ -229,10 +229,46 @@ struct Q45KImpl {
   }
 };
 
-// ---- q6_k ----
+// ---- q6_k, q3_k, q2_k ----
 
-struct Q6KImpl {
+inline void unpack_crumbs(const uint8_t* p, int h, __m256i (&ops)[8]) {
+  const __m256i m = _mm256_set1_epi8(0x03);
+  for (int j = 0; j < 2; ++j) {
+    const __m256i w = load256(p + 64 * j + 32 * h);
+    for (int s = 0; s < 4; ++s) ops[4 * j + s] = _mm256_and_si256(_mm256_srli_epi32(w, 2 * s), m);
+  }
+}
+
+inline void add_bit2(const uint8_t* p, int h, __m256i (&ops)[8]) {
+  const __m256i w = load256(p + 32 * h), m = _mm256_set1_epi8(0x04);
+  for (int o = 0; o < 8; ++o) ops[o] = _mm256_or_si256(ops[o], _mm256_and_si256(shift_bits(w, 2 - o), m));
+}
+
+enum class K16 { q6, q3, q2 };
+
+template <K16 kKind>
+struct K16Impl {
   static constexpr int kP1 = 2, kPB = 1, kCB = 4;
+  static constexpr bool kMin = kKind == K16::q2;
+  static constexpr int kBits = kKind == K16::q6 ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
+  static constexpr size_t kPBB = kKind == K16::q6 ? 3360 : kKind == K16::q3 ? 1824 : 1600;
+  static constexpr size_t kScales = kMin ? 64 : 32;
+  static constexpr size_t kGroups = kMin ? 576 : 288;
+  static constexpr size_t kGroup = kKind == K16::q6 ? 384 : kKind == K16::q3 ? 192 : 128;
+  static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
+    if constexpr (kKind == K16::q6) {
+      unpack_nibbles(gp, h, ops);
+      add_bits45(gp + 256, h, ops);
+    } else {
+      unpack_crumbs(gp, h, ops);
+      if constexpr (kKind == K16::q3) add_bit2(gp + 128, h, ops);
+    }
+  }
+  static int32_t offset(const ActQ8K* x, int j) {
+    if constexpr (kKind == K16::q6) return x->b16[j];
+    if constexpr (kKind == K16::q3) return x->b16[j] >> 3;  // -4 * xsum, exact
+    return 0;
+  }
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
@@ -242,32 +278,45 @@ struct Q6KImpl {
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
-        const uint8_t* pb = ta.pan + p * ta.pstride + sb * 3360;
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
         for (int h = 0; h < 2; ++h) {
           __m256i isc[C];
           for (int c = 0; c < C; ++c) isc[c] = _mm256_setzero_si256();
           for (int g = 0; g < 8; ++g) {
             __m128i s0, s1;
-            std::memcpy(&s0, pb + 32 + 32 * g + 8 * h, 8);
-            std::memcpy(&s1, pb + 32 + 32 * g + 16 + 8 * h, 8);
+            std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
+            std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
             const __m256i sc0 = _mm256_cvtepi8_epi32(s0), sc1 = _mm256_cvtepi8_epi32(s1);
             __m256i ops[8];
-            unpack_nibbles(pb + 288 + g * 384, h, ops);
-            add_bits45(pb + 288 + g * 384 + 256, h, ops);
+            unpack(pb + kGroups + g * kGroup, h, ops);
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-              const __m256i d0 = _mm256_add_epi32(idot<6, 0, 4>(ops, x->qs + 32 * g), _mm256_set1_epi32(x->b16[2 * g]));
+              const __m256i d0 =
+                  _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g), _mm256_set1_epi32(offset(x, 2 * g)));
               const __m256i d1 =
-                  _mm256_add_epi32(idot<6, 4, 8>(ops, x->qs + 32 * g), _mm256_set1_epi32(x->b16[2 * g + 1]));
+                  _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g), _mm256_set1_epi32(offset(x, 2 * g + 1)));
               isc[c] = _mm256_add_epi32(isc[c],
                                         _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
             }
           }
           const __m256 dw = load_f16x8(pb + 16 * h);
+          __m256 dm = _mm256_setzero_ps();
+          __m256i mins[8];
+          if constexpr (kMin) {
+            dm = load_f16x8(pb + 32 + 16 * h);
+            for (int q = 0; q < 8; ++q)
+              mins[q] =
+                  _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
+          }
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            acc[p][h][c] =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, _mm256_set1_ps(x->d)), acc[p][h][c]);
+            const __m256 xd = _mm256_set1_ps(x->d);
+            acc[p][h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
+            if constexpr (kMin) {
+              __m256i im = _mm256_setzero_si256();
+              for (int q = 0; q < 8; ++q) im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
+              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
+            }
           }
         }
       }
@@ -321,12 +370,12 @@ void panel_kernel_avx2(DType type, const KernelArgs& a) {
     case DType::q8_0: drive_tiles<Q32Impl<Q8_0>>(a); return;
     case DType::q4_k: drive_tiles<Q45KImpl<false>>(a); return;
     case DType::q5_k: drive_tiles<Q45KImpl<true>>(a); return;
-    case DType::q6_k: drive_tiles<Q6KImpl>(a); return;
+    case DType::q6_k: drive_tiles<K16Impl<K16::q6>>(a); return;
+    case DType::q3_k: drive_tiles<K16Impl<K16::q3>>(a); return;
+    case DType::q2_k: drive_tiles<K16Impl<K16::q2>>(a); return;
     case DType::f32: drive_tiles<FloatImpl<FloatKind::f32>>(a); return;
     case DType::f16: drive_tiles<FloatImpl<FloatKind::f16>>(a); return;
     case DType::bf16: drive_tiles<FloatImpl<FloatKind::bf16>>(a); return;
-    case DType::q2_k:
-    case DType::q3_k: drive_raw<FloatImpl<FloatKind::f32>>(type, a); return;
     default: break;
   }
   __builtin_trap();

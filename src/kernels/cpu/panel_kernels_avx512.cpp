@@ -75,16 +75,23 @@ inline void add_bits45(const uint8_t* p, __m512i (&ops)[8]) {
   }
 }
 
-// sum over operands o in [O0, O1) of ops[o] . x[4o..4o+3], starting from `init`;
-// two chains for latency (integer adds are exact, the order is free).
-template <int O0, int O1>
+// sum over operands o in [O0, O1) of ops[o] . x[4o..4o+3], starting from `init`.
+// kChains = 2 splits the dependency chain for latency when a tile has few
+// independent outputs (integer adds are exact, so the order is free).
+template <int O0, int O1, int kChains = 2>
 inline __m512i idot(__m512i init, const __m512i (&ops)[8], const int8_t* x) {
-  __m512i a0 = init, a1 = _mm512_setzero_si512();
-  for (int o = O0; o < O1; o += 2) {
-    a0 = _mm512_dpbusd_epi32(a0, ops[o], bcast32(x + 4 * o));
-    a1 = _mm512_dpbusd_epi32(a1, ops[o + 1], bcast32(x + 4 * (o + 1)));
+  if constexpr (kChains == 1) {
+    __m512i a = init;
+    for (int o = O0; o < O1; ++o) a = _mm512_dpbusd_epi32(a, ops[o], bcast32(x + 4 * o));
+    return a;
+  } else {
+    __m512i a0 = init, a1 = _mm512_setzero_si512();
+    for (int o = O0; o < O1; o += 2) {
+      a0 = _mm512_dpbusd_epi32(a0, ops[o], bcast32(x + 4 * o));
+      a1 = _mm512_dpbusd_epi32(a1, ops[o + 1], bcast32(x + 4 * (o + 1)));
+    }
+    return _mm512_add_epi32(a0, a1);
   }
-  return _mm512_add_epi32(a0, a1);
 }
 
 // ---- 32-element block types: q4_0, q4_1, q5_0, q5_1, q8_0 ----
@@ -145,7 +152,7 @@ struct Q32Impl {
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
           const __m512i init = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(x->aux);
-          const __m512 f = _mm512_cvtepi32_ps(idot<0, 8>(init, ops, x->qs));
+          const __m512 f = _mm512_cvtepi32_ps(idot<0, 8, (P * C >= 4 ? 1 : 2)>(init, ops, x->qs));
           acc[p][c] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[p][c]);
           if constexpr (Q::kMin) {
             float s;
@@ -209,10 +216,60 @@ struct Q45KImpl {
   }
 };
 
-// ---- q6_k: 16 sub-blocks of 16 with i8 scales, values q - 32 ----
+// ---- q6_k, q3_k, q2_k: 16 sub-blocks of 16 with 8-bit scales ----
 
-struct Q6KImpl {
+// Low 2 bits from the two 2-bit words (q2_k, q3_k).
+inline void unpack_crumbs(const uint8_t* p, __m512i (&ops)[8]) {
+  const __m512i m = _mm512_set1_epi8(0x03);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i w = load512(p + 64 * h);
+    ops[4 * h + 0] = _mm512_and_si512(w, m);
+    ops[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi32(w, 2), m);
+    ops[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi32(w, 4), m);
+    ops[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi32(w, 6), m);
+  }
+}
+
+// Adds bit 2 from the bit-2 word (q3_k; bit o of byte i belongs to operand o).
+inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
+  const __m512i h = load512(p), m = _mm512_set1_epi8(0x04);
+  ops[0] = _mm512_ternarylogic_epi32(ops[0], _mm512_slli_epi32(h, 2), m, kOrAnd);
+  ops[1] = _mm512_ternarylogic_epi32(ops[1], _mm512_slli_epi32(h, 1), m, kOrAnd);
+  ops[2] = _mm512_ternarylogic_epi32(ops[2], h, m, kOrAnd);
+  ops[3] = _mm512_ternarylogic_epi32(ops[3], _mm512_srli_epi32(h, 1), m, kOrAnd);
+  ops[4] = _mm512_ternarylogic_epi32(ops[4], _mm512_srli_epi32(h, 2), m, kOrAnd);
+  ops[5] = _mm512_ternarylogic_epi32(ops[5], _mm512_srli_epi32(h, 3), m, kOrAnd);
+  ops[6] = _mm512_ternarylogic_epi32(ops[6], _mm512_srli_epi32(h, 4), m, kOrAnd);
+  ops[7] = _mm512_ternarylogic_epi32(ops[7], _mm512_srli_epi32(h, 5), m, kOrAnd);
+}
+
+enum class K16 { q6, q3, q2 };
+
+// Per 256: I = sum_j sc_j * (sum_{16} u x + offset_j) with u = q (q2_k), q + 4
+// (q3_k, offset -4 * xsum_j) or the 6-bit value (q6_k, offset -32 * xsum_j);
+// acc = fma(float(I), d * d_x, acc); q2_k then acc -= float(sum_j m_j xsum_j) * dmin * d_x.
+template <K16 kKind>
+struct K16Impl {
   static constexpr int kP1 = 4, kPB = 1, kCB = 8;
+  static constexpr bool kMin = kKind == K16::q2;
+  static constexpr size_t kPBB = kKind == K16::q6 ? 3360 : kKind == K16::q3 ? 1824 : 1600;
+  static constexpr size_t kScales = kMin ? 64 : 32;
+  static constexpr size_t kGroups = kMin ? 576 : 288;
+  static constexpr size_t kGroup = kKind == K16::q6 ? 384 : kKind == K16::q3 ? 192 : 128;
+  static void unpack(const uint8_t* gp, __m512i (&ops)[8]) {
+    if constexpr (kKind == K16::q6) {
+      unpack_nibbles(gp, ops);
+      add_bits45(gp + 256, ops);
+    } else {
+      unpack_crumbs(gp, ops);
+      if constexpr (kKind == K16::q3) add_bit2(gp + 128, ops);
+    }
+  }
+  static __m512i offset(const ActQ8K* x, int j) {
+    if constexpr (kKind == K16::q6) return _mm512_set1_epi32(x->b16[j]);
+    if constexpr (kKind == K16::q3) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
+    return _mm512_setzero_si512();
+  }
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
@@ -225,27 +282,40 @@ struct Q6KImpl {
         for (int c = 0; c < C; ++c) isc[p][c] = _mm512_setzero_si512();
       for (int g = 0; g < 8; ++g) {
         for (int p = 0; p < P; ++p) {
-          const uint8_t* pb = ta.pan + p * ta.pstride + sb * 3360;
-          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32 + 32 * g)));
-          const __m512i sc1 =
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 32 + 32 * g + 16)));
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+          const uint8_t* sp = pb + kScales + 32 * g;
+          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+          const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
           __m512i ops[8];
-          unpack_nibbles(pb + 288 + g * 384, ops);
-          add_bits45(pb + 288 + g * 384 + 256, ops);
+          unpack(pb + kGroups + g * kGroup, ops);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m512i d0 = idot<0, 4>(_mm512_set1_epi32(x->b16[2 * g]), ops, x->qs + 32 * g);
-            const __m512i d1 = idot<4, 8>(_mm512_set1_epi32(x->b16[2 * g + 1]), ops, x->qs + 32 * g);
+            const __m512i d0 = idot<0, 4>(offset(x, 2 * g), ops, x->qs + 32 * g);
+            const __m512i d1 = idot<4, 8>(offset(x, 2 * g + 1), ops, x->qs + 32 * g);
             isc[p][c] = _mm512_add_epi32(isc[p][c],
                                          _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
           }
         }
       }
       for (int p = 0; p < P; ++p) {
-        const __m512 dw = load_f16x16(ta.pan + p * ta.pstride + sb * 3360);
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+        const __m512 dw = load_f16x16(pb);
+        __m512 dm = _mm512_setzero_ps();
+        __m512i mins[8];
+        if constexpr (kMin) {
+          dm = load_f16x16(pb + 32);
+          for (int q = 0; q < 8; ++q)
+            mins[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 320 + 32 * q)));
+        }
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-          acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[p][c]);
+          const __m512 xd = _mm512_set1_ps(x->d);
+          acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc[p][c]);
+          if constexpr (kMin) {
+            __m512i im = _mm512_setzero_si512();
+            for (int q = 0; q < 8; ++q) im = _mm512_dpwssd_epi32(im, mins[q], bcast32(x->s16 + 2 * q));
+            acc[p][c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), acc[p][c]);
+          }
         }
       }
     }
@@ -295,12 +365,12 @@ void panel_kernel_avx512(DType type, const KernelArgs& a) {
     case DType::q8_0: drive_tiles<Q32Impl<Q8_0>>(a); return;
     case DType::q4_k: drive_tiles<Q45KImpl<false>>(a); return;
     case DType::q5_k: drive_tiles<Q45KImpl<true>>(a); return;
-    case DType::q6_k: drive_tiles<Q6KImpl>(a); return;
+    case DType::q6_k: drive_tiles<K16Impl<K16::q6>>(a); return;
+    case DType::q3_k: drive_tiles<K16Impl<K16::q3>>(a); return;
+    case DType::q2_k: drive_tiles<K16Impl<K16::q2>>(a); return;
     case DType::f32: drive_tiles<FloatImpl<FloatKind::f32>>(a); return;
     case DType::f16: drive_tiles<FloatImpl<FloatKind::f16>>(a); return;
     case DType::bf16: drive_tiles<FloatImpl<FloatKind::bf16>>(a); return;
-    case DType::q2_k:
-    case DType::q3_k: drive_raw<FloatImpl<FloatKind::f32>>(type, a); return;
     default: break;
   }
   __builtin_trap();  // the driver only passes supported types

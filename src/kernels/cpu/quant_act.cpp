@@ -29,8 +29,6 @@ inline float absmax(const float* x, int n) {
   return _mm_cvtss_f32(m);
 }
 
-inline float hmax_scalar_check(float v) { return v; }
-
 // 32 floats (already scaled and rounded to integers, NaN-free) -> int8 in order.
 inline void store_i8x32(__m256i i0, __m256i i1, __m256i i2, __m256i i3, int8_t* dst) {
   const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
@@ -116,7 +114,7 @@ ActKind act_kind(DType type) {
   switch (type) {
     case DType::q4_0: case DType::q4_1: case DType::q5_0: case DType::q5_1: case DType::q8_0:
       return ActKind::q8x32;
-    case DType::q4_k: case DType::q5_k: case DType::q6_k:
+    case DType::q2_k: case DType::q3_k: case DType::q4_k: case DType::q5_k: case DType::q6_k:
       return ActKind::q8k;
     default:
       return ActKind::f32;
@@ -156,7 +154,10 @@ void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst) {
       for (int64_t b = 0; b < K / QK_K; ++b, x += QK_K, ++a) {
         int16_t bs[16];
         a->d = quantize_block_q8_k(x, a->qs, bs);
-        for (int j = 0; j < 16; ++j) a->b16[j] = -32 * bs[j];
+        for (int j = 0; j < 16; ++j) {
+          a->s16[j] = bs[j];
+          a->b16[j] = -32 * bs[j];
+        }
         for (int g = 0; g < 8; ++g) a->s32[g] = static_cast<int16_t>(bs[2 * g] + bs[2 * g + 1]);
         a->pad[0] = a->pad[1] = a->pad[2] = 0;
       }
