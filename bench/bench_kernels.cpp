@@ -39,13 +39,28 @@ std::vector<uint8_t> make_weights(DType type, int64_t N, int64_t K) {
   const size_t bb = dtype_traits(type).block_bytes;
   for (size_t off = 0; off < w.size(); off += bb) {
     uint8_t* b = w.data() + off;
-    auto put = [&](size_t at) { b[at] = 0x00; b[at + 1] = 0x20; };
+    auto put = [&](size_t at) {
+      b[at] = 0x00;
+      b[at + 1] = 0x20;
+    };
     switch (type) {
-      case DType::q2_k: put(80); put(82); break;
-      case DType::q3_k: put(108); break;
-      case DType::q4_k: case DType::q5_k: put(0); put(2); break;
-      case DType::q6_k: put(208); break;
-      default: break;
+      case DType::q2_k:
+        put(80);
+        put(82);
+        break;
+      case DType::q3_k:
+        put(108);
+        break;
+      case DType::q4_k:
+      case DType::q5_k:
+        put(0);
+        put(2);
+        break;
+      case DType::q6_k:
+        put(208);
+        break;
+      default:
+        break;
     }
   }
   return w;
@@ -79,13 +94,14 @@ void run_case(benchmark::State& state, Case c) {
   }
   const double flops = 2.0 * static_cast<double>(c.N) * static_cast<double>(c.K) * static_cast<double>(c.T);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["wGB/s"] =
-      benchmark::Counter(static_cast<double>(W.nbytes()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["wGB/s"] = benchmark::Counter(static_cast<double>(W.nbytes()) * 1e-9,
+                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void register_all() {
-  const DType types[] = {DType::q4_1, DType::q8_0, DType::f16, DType::q4_k, DType::q6_k, DType::q4_0, DType::q5_k,
-                         DType::bf16, DType::f32,  DType::q5_0, DType::q5_1, DType::q2_k, DType::q3_k};
+  const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k, DType::q6_k,
+                         DType::q4_0, DType::q5_k, DType::bf16, DType::f32,  DType::q5_0,
+                         DType::q5_1, DType::q2_k, DType::q3_k};
   for (DType t : types) {
     const std::string name = std::string("Matmul/") + dtype_name(t);
     for (int threads : {1, 2}) {
@@ -93,8 +109,8 @@ void register_all() {
       // k-quants need K % 256 == 0: they run with K = 768 instead of 576.
       const int64_t K = dtype_block_size(t) == 256 ? 768 : 576;
       const std::string k = "x" + std::to_string(K);
-      const Case cases[] = {{t, 1536, K, 1, threads, true}, {t, 49152, K, 1, threads, true},
-                            {t, 1536, K, 512, threads, true}};
+      const Case cases[] = {
+          {t, 1536, K, 1, threads, true}, {t, 49152, K, 1, threads, true}, {t, 1536, K, 512, threads, true}};
       const std::string names[] = {"/matvec_1536" + k, "/matvec_49152" + k, "/T512_1536" + k};
       for (int i = 0; i < 3; ++i) {
         auto* b = benchmark::RegisterBenchmark((name + names[i] + th).c_str(), run_case, cases[i]);
@@ -105,9 +121,10 @@ void register_all() {
     }
     // Plain-Tensor weights (panels packed on the fly each call).
     const int64_t K = dtype_block_size(t) == 256 ? 768 : 576;
-    benchmark::RegisterBenchmark((name + "/unpacked_matvec_1536x" + std::to_string(K) + "/t2").c_str(), run_case,
-                                 Case{t, 1536, K, 1, 2, false})
-        ->Unit(benchmark::kMicrosecond)->UseRealTime();
+    benchmark::RegisterBenchmark((name + "/unpacked_matvec_1536x" + std::to_string(K) + "/t2").c_str(),
+                                 run_case, Case{t, 1536, K, 1, 2, false})
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
   }
 }
 

@@ -47,7 +47,9 @@ namespace loom {
 // LOOM_CPU=avx2 selects the AVX2 kernels, LOOM_CPU=avx512 AVX-512 without AMX.
 
 // 64-byte aligned heap memory.
-struct AlignedFree { void operator()(uint8_t* p) const; };
+struct AlignedFree {
+  void operator()(uint8_t* p) const;
+};
 using AlignedBytes = std::unique_ptr<uint8_t, AlignedFree>;
 AlignedBytes alloc_aligned(size_t bytes);
 
@@ -109,8 +111,8 @@ class MatmulScratch {
 // x and y must not overlap. ldx >= K, ldy >= N.
 void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
             int64_t T, MatmulScratch& scratch);
-void matmul(ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
-            int64_t T, MatmulScratch& scratch);
+void matmul(ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t T,
+            MatmulScratch& scratch);
 
 // Contiguous x [T, K] and y [T, N].
 inline void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, float* y, int64_t T,

@@ -30,8 +30,11 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   std::unique_ptr<Model> m(new Model());
   m->path_ = path;
   if (is_directory(path)) {
+    // The architecture is checked before the weights so that an unsupported
+    // model says so, rather than complaining about its files.
+    const std::string config_path = path + "/config.json";
+    m->config_ = config_from_hf(read_json_file(config_path), config_path);
     m->hf_ = HfFolder::open(path);
-    m->config_ = config_from_hf(m->hf_->config(), m->hf_->path_of("config.json"));
     const HfFolder& hf = *m->hf_;
     m->weights_ = bind_weights(
         m->config_, WeightNaming::hugging_face,

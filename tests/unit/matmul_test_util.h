@@ -52,12 +52,23 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
   for (size_t off = 0; off < w.size(); off += bb) {
     uint8_t* blk = w.data() + off;
     switch (type) {
-      case DType::q2_k: put_f16(blk + 80, scale(rng)); put_f16(blk + 82, scale(rng)); break;
-      case DType::q3_k: put_f16(blk + 108, scale(rng)); break;
+      case DType::q2_k:
+        put_f16(blk + 80, scale(rng));
+        put_f16(blk + 82, scale(rng));
+        break;
+      case DType::q3_k:
+        put_f16(blk + 108, scale(rng));
+        break;
       case DType::q4_k:
-      case DType::q5_k: put_f16(blk, scale(rng)); put_f16(blk + 2, scale(rng)); break;
-      case DType::q6_k: put_f16(blk + 208, scale(rng)); break;
-      default: break;
+      case DType::q5_k:
+        put_f16(blk, scale(rng));
+        put_f16(blk + 2, scale(rng));
+        break;
+      case DType::q6_k:
+        put_f16(blk + 208, scale(rng));
+        break;
+      default:
+        break;
     }
   }
   return w;
@@ -83,10 +94,17 @@ inline void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
 inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) {
   float acc = 0.0f;
   switch (type) {
-    case DType::q4_0: case DType::q4_1: case DType::q5_0: case DType::q5_1: case DType::q8_0: {
+    case DType::q4_0:
+    case DType::q4_1:
+    case DType::q5_0:
+    case DType::q5_1:
+    case DType::q8_0: {
       const bool q81 = type == DType::q4_1 || type == DType::q5_1;
       std::vector<uint8_t> xq(static_cast<size_t>(K / 32) * (q81 ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0)));
-      if (q81) quantize_row_q8_1_ref(x, xq.data(), K); else quantize_row_q8_0_ref(x, xq.data(), K);
+      if (q81)
+        quantize_row_q8_1_ref(x, xq.data(), K);
+      else
+        quantize_row_q8_0_ref(x, xq.data(), K);
       const size_t bb = dtype_traits(type).block_bytes;
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* wb = w + b * bb;
@@ -95,7 +113,10 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
         if (type == DType::q4_0 || type == DType::q4_1) {
           const uint8_t* qs = wb + (type == DType::q4_0 ? 2 : 4);
           const int off = type == DType::q4_0 ? 8 : 0;
-          for (int j = 0; j < 16; ++j) { v[j] = (qs[j] & 15) - off; v[j + 16] = (qs[j] >> 4) - off; }
+          for (int j = 0; j < 16; ++j) {
+            v[j] = (qs[j] & 15) - off;
+            v[j + 16] = (qs[j] >> 4) - off;
+          }
           if (type == DType::q4_1) mw = f16(wb + 2);
         } else if (type == DType::q5_0 || type == DType::q5_1) {
           const int hoff = type == DType::q5_0 ? 2 : 4;
@@ -122,7 +143,11 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
       }
       return acc;
     }
-    case DType::q2_k: case DType::q3_k: case DType::q4_k: case DType::q5_k: case DType::q6_k: {
+    case DType::q2_k:
+    case DType::q3_k:
+    case DType::q4_k:
+    case DType::q5_k:
+    case DType::q6_k: {
       std::vector<BlockQ8_K> xq(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, xq.data(), K);
       const size_t bb = dtype_traits(type).block_bytes;
@@ -222,13 +247,16 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
   dequantize_row_ref(type, w, wf.data(), K);
   double act_err = 0.0, mag = 0.0, s_err = 0.0;
   switch (type) {
-    case DType::q4_0: case DType::q5_0: case DType::q8_0: {
+    case DType::q4_0:
+    case DType::q5_0:
+    case DType::q8_0: {
       std::vector<BlockQ8_0> b(static_cast<size_t>(K / 32));
       quantize_row_q8_0_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_0, b.data(), xq.data(), K);
       break;
     }
-    case DType::q4_1: case DType::q5_1: {
+    case DType::q4_1:
+    case DType::q5_1: {
       std::vector<BlockQ8_1> b(static_cast<size_t>(K / 32));
       quantize_row_q8_1_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_1, b.data(), xq.data(), K);
@@ -241,7 +269,11 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
       }
       break;
     }
-    case DType::q2_k: case DType::q3_k: case DType::q4_k: case DType::q5_k: case DType::q6_k: {
+    case DType::q2_k:
+    case DType::q3_k:
+    case DType::q4_k:
+    case DType::q5_k:
+    case DType::q6_k: {
       std::vector<BlockQ8_K> b(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_k, b.data(), xq.data(), K);

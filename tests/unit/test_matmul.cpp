@@ -22,8 +22,9 @@ using testing::model_dot;
 using testing::random_floats;
 using testing::random_weights;
 
-const DType kAllTypes[] = {DType::q4_1, DType::q8_0, DType::f16, DType::q4_k, DType::q6_k, DType::q4_0, DType::q5_k,
-                           DType::bf16, DType::f32,  DType::q5_0, DType::q5_1, DType::q2_k, DType::q3_k};
+const DType kAllTypes[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k, DType::q6_k,
+                           DType::q4_0, DType::q5_k, DType::bf16, DType::f32,  DType::q5_0,
+                           DType::q5_1, DType::q2_k, DType::q3_k};
 
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
@@ -50,7 +51,8 @@ struct Problem {
   std::vector<float> model() const {
     std::vector<float> y(static_cast<size_t>(N * T));
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t n = 0; n < N; ++n) y[static_cast<size_t>(t * N + n)] = model_dot(type, row(n), x.data() + t * K, K);
+      for (int64_t n = 0; n < N; ++n)
+        y[static_cast<size_t>(t * N + n)] = model_dot(type, row(n), x.data() + t * K, K);
     return y;
   }
 };
@@ -62,7 +64,8 @@ int64_t test_k(DType type, int variant) {
   return variant == 0 ? 5 : 203;  // float types: any K
 }
 
-void expect_bits_equal(const std::vector<float>& want, const std::vector<float>& got, const std::string& what) {
+void expect_bits_equal(const std::vector<float>& want, const std::vector<float>& got,
+                       const std::string& what) {
   ASSERT_EQ(want.size(), got.size());
   int bad = 0;
   for (size_t i = 0; i < want.size() && bad < 5; ++i) {
@@ -149,7 +152,8 @@ TEST(Matmul, BatchInvariant) {
         std::vector<float> one(static_cast<size_t>(pr.N));
         cpu::matmul_isa(isa, pool, pw, pr.x.data() + t * pr.K, pr.K, one.data(), pr.N, 1, scratch);
         for (int64_t n = 0; n < pr.N; ++n)
-          ASSERT_EQ(float_to_bits(one[static_cast<size_t>(n)]), float_to_bits(batch[static_cast<size_t>(t * pr.N + n)]))
+          ASSERT_EQ(float_to_bits(one[static_cast<size_t>(n)]),
+                    float_to_bits(batch[static_cast<size_t>(t * pr.N + n)]))
               << dtype_name(type) << " " << isa_name(isa) << " t=" << t << " n=" << n;
       }
     }
@@ -172,8 +176,9 @@ TEST(Matmul, ThreadCountAndIsaInvariant) {
           if (first.empty())
             first = y;
           else
-            expect_bits_equal(first, y, std::string(dtype_name(type)) + " " + isa_name(isa) + " threads=" +
-                                            std::to_string(pool->size()));
+            expect_bits_equal(first, y,
+                              std::string(dtype_name(type)) + " " + isa_name(isa) +
+                                  " threads=" + std::to_string(pool->size()));
         }
       }
     }
@@ -197,7 +202,8 @@ TEST(Matmul, StridedInputAndOutput) {
       for (int64_t n = 0; n < ldy; ++n) {
         const float got = y[static_cast<size_t>(t * ldy + n)];
         if (n < pr.N)
-          EXPECT_EQ(float_to_bits(want[static_cast<size_t>(t * pr.N + n)]), float_to_bits(got)) << t << "," << n;
+          EXPECT_EQ(float_to_bits(want[static_cast<size_t>(t * pr.N + n)]), float_to_bits(got))
+              << t << "," << n;
         else
           EXPECT_EQ(got, -3.0f) << "wrote outside row " << t;
       }
@@ -231,7 +237,8 @@ TEST(Matmul, PackConcatEqualsSeparateProducts) {
     }
   }
   std::vector<uint8_t> buf(4096);
-  const Tensor parts[] = {make_tensor(buf.data(), DType::q4_1, {2, 64}), make_tensor(buf.data(), DType::q8_0, {2, 64})};
+  const Tensor parts[] = {make_tensor(buf.data(), DType::q4_1, {2, 64}),
+                          make_tensor(buf.data(), DType::q8_0, {2, 64})};
   EXPECT_THROW(PackedWeight::pack_concat(parts), Error);
 }
 
@@ -244,7 +251,8 @@ TEST(Matmul, MultiEqualsSeparateCalls) {
     for (int64_t T : {int64_t{1}, int64_t{3}, int64_t{20}}) {
       const int64_t K = test_k(type, 1);
       Problem a(type, 40, K, T, 51), b(type, 17, K, T, 52), c(type, 9, K, T, 53);
-      const PackedWeight pa = PackedWeight::pack(a.W), pb = PackedWeight::pack(b.W), pc = PackedWeight::pack(c.W);
+      const PackedWeight pa = PackedWeight::pack(a.W), pb = PackedWeight::pack(b.W),
+                         pc = PackedWeight::pack(c.W);
       for (cpu::Isa isa : isas()) {
         std::vector<float> ya(static_cast<size_t>(T * 40)), yb(static_cast<size_t>(T * 20), -1.0f),
             yc(static_cast<size_t>(T * 9));
@@ -254,8 +262,9 @@ TEST(Matmul, MultiEqualsSeparateCalls) {
                                         std::tuple{&pc, &yc, int64_t{9}}}) {
           std::vector<float> want(static_cast<size_t>(T * ld), -1.0f);
           cpu::matmul_isa(isa, pool, *pw, a.x.data(), K, want.data(), ld, T, scratch);
-          expect_bits_equal(want, *y, std::string(dtype_name(type)) + " multi " + isa_name(isa) + " T=" +
-                                          std::to_string(T) + " N=" + std::to_string(pw->rows()));
+          expect_bits_equal(want, *y,
+                            std::string(dtype_name(type)) + " multi " + isa_name(isa) +
+                                " T=" + std::to_string(T) + " N=" + std::to_string(pw->rows()));
         }
       }
     }

@@ -28,7 +28,8 @@ std::vector<std::vector<float>> quantizer_inputs(int64_t n) {
   }
   // Block maximum 127 gives scale 1 (q8_0) / -1 (q8_K): x.5 values are ties.
   std::vector<float> ties(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) ties[static_cast<size_t>(i)] = (i % 32 == 0) ? 127.0f : static_cast<float>(i % 60) - 29.5f;
+  for (int64_t i = 0; i < n; ++i)
+    ties[static_cast<size_t>(i)] = (i % 32 == 0) ? 127.0f : static_cast<float>(i % 60) - 29.5f;
   cases.push_back(ties);
   for (auto& v : ties) v = -v;
   cases.push_back(ties);
@@ -124,7 +125,8 @@ TEST(QuantDot, SingleDotMatchesScalarModelExactly) {
         float y = -1.0f;
         cpu::matmul_isa(isa, pool, W, x.data(), K, &y, 1, 1, scratch);
         EXPECT_EQ(float_to_bits(expect), float_to_bits(y))
-            << dtype_name(type) << " seed " << seed << " isa " << static_cast<int>(isa) << ": " << expect << " vs " << y;
+            << dtype_name(type) << " seed " << seed << " isa " << static_cast<int>(isa) << ": " << expect
+            << " vs " << y;
       }
     }
   }
@@ -138,24 +140,46 @@ TEST(QuantDot, ExtremeValuesDoNotSaturate) {
   const int64_t K = 256;
   std::vector<float> x(K);
   for (int64_t k = 0; k < K; ++k) x[static_cast<size_t>(k)] = (k % 3 == 0) ? -1.0f : 1.0f;
-  for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q8_0, DType::q2_k, DType::q3_k,
-                     DType::q4_k, DType::q5_k, DType::q6_k}) {
+  for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q8_0, DType::q2_k,
+                     DType::q3_k, DType::q4_k, DType::q5_k, DType::q6_k}) {
     auto w = random_weights(type, 1, K, 5);
     const size_t bb = dtype_traits(type).block_bytes;
     for (size_t off = 0; off < w.size(); off += bb) {
       uint8_t* b = w.data() + off;
       switch (type) {
-        case DType::q4_0: std::memset(b + 2, 0xff, 16); break;
-        case DType::q4_1: std::memset(b + 4, 0xff, 16); break;
-        case DType::q5_0: std::memset(b + 2, 0xff, 20); break;
-        case DType::q5_1: std::memset(b + 4, 0xff, 20); break;
-        case DType::q8_0: std::memset(b + 2, 0x80, 32); break;  // -128
-        case DType::q4_k: std::memset(b + 4, 0xff, 140); break;
-        case DType::q5_k: std::memset(b + 4, 0xff, 172); break;
-        case DType::q6_k: std::memset(b, 0xff, 192); break;  // q = 63, scales random
-        case DType::q3_k: std::memset(b, 0x00, 96); std::memset(b + 96, 0x00, 12); break;  // q = -4, scale -32
-        case DType::q2_k: std::memset(b, 0xff, 80); break;  // q = 3, scale and min 15
-        default: break;
+        case DType::q4_0:
+          std::memset(b + 2, 0xff, 16);
+          break;
+        case DType::q4_1:
+          std::memset(b + 4, 0xff, 16);
+          break;
+        case DType::q5_0:
+          std::memset(b + 2, 0xff, 20);
+          break;
+        case DType::q5_1:
+          std::memset(b + 4, 0xff, 20);
+          break;
+        case DType::q8_0:
+          std::memset(b + 2, 0x80, 32);
+          break;  // -128
+        case DType::q4_k:
+          std::memset(b + 4, 0xff, 140);
+          break;
+        case DType::q5_k:
+          std::memset(b + 4, 0xff, 172);
+          break;
+        case DType::q6_k:
+          std::memset(b, 0xff, 192);
+          break;  // q = 63, scales random
+        case DType::q3_k:
+          std::memset(b, 0x00, 96);
+          std::memset(b + 96, 0x00, 12);
+          break;  // q = -4, scale -32
+        case DType::q2_k:
+          std::memset(b, 0xff, 80);
+          break;  // q = 3, scale and min 15
+        default:
+          break;
       }
     }
     const float expect = model_dot(type, w.data(), x.data(), K);
@@ -163,7 +187,8 @@ TEST(QuantDot, ExtremeValuesDoNotSaturate) {
     for (cpu::Isa isa : isas()) {
       float y = 0.0f;
       cpu::matmul_isa(isa, pool, W, x.data(), K, &y, 1, 1, scratch);
-      EXPECT_EQ(float_to_bits(expect), float_to_bits(y)) << dtype_name(type) << " isa " << static_cast<int>(isa);
+      EXPECT_EQ(float_to_bits(expect), float_to_bits(y))
+          << dtype_name(type) << " isa " << static_cast<int>(isa);
     }
   }
 }

@@ -33,8 +33,9 @@ void check_weight(const Tensor& W, const char* name) {
     fail(ErrorKind::invalid_input, "matmul: weight '{}' is empty (shape {})", name, W.shape_string());
   const int64_t bs = dtype_block_size(W.dtype);
   if (W.cols() <= 0 || W.cols() % bs != 0)
-    fail(ErrorKind::invalid_input, "matmul: weight '{}' of type {} has {} columns, not a positive multiple of {}",
-         name, dtype_name(W.dtype), W.cols(), bs);
+    fail(ErrorKind::invalid_input,
+         "matmul: weight '{}' of type {} has {} columns, not a positive multiple of {}", name,
+         dtype_name(W.dtype), W.cols(), bs);
 }
 
 // One weight matrix of a matmul call (several share the activations in
@@ -49,13 +50,14 @@ struct Segment {
   int64_t ldy;
 };
 
-void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span<const Segment> segs, const float* x,
-                int64_t ldx, int64_t T, MatmulScratch& scratch) {
+void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span<const Segment> segs,
+                const float* x, int64_t ldx, int64_t T, MatmulScratch& scratch) {
   if (T < 0) fail(ErrorKind::invalid_input, "matmul: negative token count {}", T);
   if (ldx < K) fail(ErrorKind::invalid_input, "matmul: input stride ldx={} smaller than K={}", ldx, K);
   int64_t np = 0;  // panels of all segments
   for (const Segment& g : segs) {
-    if (g.ldy < g.N) fail(ErrorKind::invalid_input, "matmul: output stride ldy={} smaller than N={}", g.ldy, g.N);
+    if (g.ldy < g.N)
+      fail(ErrorKind::invalid_input, "matmul: output stride ldy={} smaller than N={}", g.ldy, g.N);
     np += (g.N + kPanelRows - 1) / kPanelRows;
   }
   if (T == 0 || np == 0) return;
@@ -68,8 +70,8 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   const cpu::ActKind kind = cpu::act_kind(type);
   const size_t arb = cpu::act_row_bytes(type, K);
   // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
-  const bool use_amx =
-      isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) && cpu::amx_available();
+  const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) &&
+                       cpu::amx_available();
   const int64_t t_alloc = use_amx ? (T + 15) / 16 * 16 : T;
 
   // Per-worker scratch (grown here, on the calling thread, before any worker runs).
@@ -83,7 +85,8 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   uint8_t* qbuf = nullptr;
   if (kind != cpu::ActKind::f32) {
     qbuf = scratch.get(0, arb * static_cast<size_t>(t_alloc));
-    if (t_alloc > T) std::memset(qbuf + arb * static_cast<size_t>(T), 0, arb * static_cast<size_t>(t_alloc - T));
+    if (t_alloc > T)
+      std::memset(qbuf + arb * static_cast<size_t>(T), 0, arb * static_cast<size_t>(t_alloc - T));
     act = qbuf;
     astride = arb;
     // Token-split workers quantize their own rows; otherwise quantize up front.
@@ -98,7 +101,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     }
   }
 
-  const cpu::PanelKernel kernel = use_amx                   ? cpu::panel_kernel_amx
+  const cpu::PanelKernel kernel = use_amx                 ? cpu::panel_kernel_amx
                                   : isa == cpu::Isa::avx2 ? cpu::panel_kernel_avx2
                                                           : cpu::panel_kernel_avx512;
 
@@ -184,9 +187,19 @@ uint8_t* MatmulScratch::get(size_t slot, size_t bytes) {
 
 bool matmul_supports(DType type) {
   switch (type) {
-    case DType::f32: case DType::f16: case DType::bf16:
-    case DType::q4_0: case DType::q4_1: case DType::q5_0: case DType::q5_1: case DType::q8_0:
-    case DType::q2_k: case DType::q3_k: case DType::q4_k: case DType::q5_k: case DType::q6_k:
+    case DType::f32:
+    case DType::f16:
+    case DType::bf16:
+    case DType::q4_0:
+    case DType::q4_1:
+    case DType::q5_0:
+    case DType::q5_1:
+    case DType::q8_0:
+    case DType::q2_k:
+    case DType::q3_k:
+    case DType::q4_k:
+    case DType::q5_k:
+    case DType::q6_k:
       return true;
     default:
       return false;
@@ -203,7 +216,8 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
   for (const Tensor& W : parts) {
     check_weight(W, name);
     if (W.dtype != parts[0].dtype || W.cols() != parts[0].cols())
-      fail(ErrorKind::invalid_input, "matmul: '{}' stacks tensors of different type or width ({} {} vs {} {})", name,
+      fail(ErrorKind::invalid_input,
+           "matmul: '{}' stacks tensors of different type or width ({} {} vs {} {})", name,
            dtype_name(W.dtype), W.shape_string(), dtype_name(parts[0].dtype), parts[0].shape_string());
     N += W.rows();
   }
@@ -258,17 +272,18 @@ bool amx_supports(DType type) {
          type == DType::q8_0;
 }
 
-void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
-                int64_t T, MatmulScratch& scratch) {
+void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y,
+                int64_t ldy, int64_t T, MatmulScratch& scratch) {
   const Segment seg = packed_segment(W, y, ldy);
   run_matmul(isa, pool, W.dtype(), W.cols(), std::span<const Segment>(&seg, 1), x, ldx, T, scratch);
 }
 
-void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
-                int64_t T, MatmulScratch& scratch) {
+void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y,
+                int64_t ldy, int64_t T, MatmulScratch& scratch) {
   check_weight(W, "W");
-  const Segment seg{W.rows(), nullptr, panel_stride(W.dtype, W.cols()), static_cast<const uint8_t*>(W.data),
-                    W.row_bytes(), y, ldy};
+  const Segment seg{
+      W.rows(), nullptr, panel_stride(W.dtype, W.cols()), static_cast<const uint8_t*>(W.data), W.row_bytes(),
+      y,        ldy};
   run_matmul(isa, pool, W.dtype, W.cols(), std::span<const Segment>(&seg, 1), x, ldx, T, scratch);
 }
 
@@ -276,7 +291,8 @@ void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs
                       int64_t T, MatmulScratch& scratch) {
   constexpr size_t kMax = 16;
   if (outs.empty()) return;
-  if (outs.size() > kMax) fail(ErrorKind::invalid_input, "matmul_multi: {} weights, at most {}", outs.size(), kMax);
+  if (outs.size() > kMax)
+    fail(ErrorKind::invalid_input, "matmul_multi: {} weights, at most {}", outs.size(), kMax);
   Segment segs[kMax];
   const PackedWeight& W0 = *outs[0].W;
   for (size_t i = 0; i < outs.size(); ++i) {
@@ -286,7 +302,8 @@ void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs
            W.rows(), W.cols(), dtype_name(W.dtype()), W0.rows(), W0.cols(), dtype_name(W0.dtype()));
     segs[i] = packed_segment(W, outs[i].y, outs[i].ldy < 0 ? W.rows() : outs[i].ldy);
   }
-  run_matmul(isa, pool, W0.dtype(), W0.cols(), std::span<const Segment>(segs, outs.size()), x, ldx, T, scratch);
+  run_matmul(isa, pool, W0.dtype(), W0.cols(), std::span<const Segment>(segs, outs.size()), x, ldx, T,
+             scratch);
 }
 
 }  // namespace cpu
@@ -305,8 +322,8 @@ cpu::Isa default_isa() {
 }
 }  // namespace
 
-void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t T,
-            MatmulScratch& scratch) {
+void matmul(ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+            int64_t T, MatmulScratch& scratch) {
   cpu::matmul_isa(default_isa(), pool, W, x, ldx, y, ldy, T, scratch);
 }
 

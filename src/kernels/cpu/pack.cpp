@@ -13,9 +13,17 @@ namespace {
 
 constexpr int R = kPanelRows;
 
-inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
 inline void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
-inline uint32_t load_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 inline void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
 
 // Writes a nibble group: v[0..31] are the 4-bit values (low 4 bits used) of a
@@ -42,7 +50,8 @@ void put_bit45_words(const uint8_t* v, int r, uint8_t* dst) {
   for (int h = 0; h < 2; ++h) {
     uint32_t w = 0;
     for (int s = 0; s < 4; ++s)
-      for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>((v[4 * (4 * h + s) + i] >> 4) & 3) << (8 * i + 2 * s);
+      for (int i = 0; i < 4; ++i)
+        w |= static_cast<uint32_t>((v[4 * (4 * h + s) + i] >> 4) & 3) << (8 * i + 2 * s);
     store_u32(dst + h * 64 + r * 4, w);
   }
 }
@@ -96,20 +105,23 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
   uint8_t v[32];
   switch (type) {
     case DType::q4_0: {
-      BlockQ4_0 b; std::memcpy(&b, blk, sizeof b);
+      BlockQ4_0 b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       for (int o = 0; o < 4; ++o) store_u32(pb + 32 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
       return;
     }
     case DType::q4_1: {
-      BlockQ4_1 b; std::memcpy(&b, blk, sizeof b);
+      BlockQ4_1 b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       store_u16(pb + 32 + 2 * r, b.m);
       for (int o = 0; o < 4; ++o) store_u32(pb + 64 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
       return;
     }
     case DType::q5_0: {
-      BlockQ5_0 b; std::memcpy(&b, blk, sizeof b);
+      BlockQ5_0 b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       q5_values(b.qs, b.qh, v);
       put_bit4_word(v, r, pb + 32);
@@ -117,7 +129,8 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       return;
     }
     case DType::q5_1: {
-      BlockQ5_1 b; std::memcpy(&b, blk, sizeof b);
+      BlockQ5_1 b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       store_u16(pb + 32 + 2 * r, b.m);
       q5_values(b.qs, b.qh, v);
@@ -126,7 +139,8 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       return;
     }
     case DType::q8_0: {
-      BlockQ8_0 b; std::memcpy(&b, blk, sizeof b);
+      BlockQ8_0 b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       for (int o = 0; o < 8; ++o) std::memcpy(pb + 32 + o * 64 + r * 4, b.qs + 4 * o, 4);
       return;
@@ -140,10 +154,16 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       uint16_t d, dmin;
       if (five) {
         std::memcpy(&b5, blk, sizeof b5);
-        scales = b5.scales; qs = b5.qs; d = b5.d; dmin = b5.dmin;
+        scales = b5.scales;
+        qs = b5.qs;
+        d = b5.d;
+        dmin = b5.dmin;
       } else {
         std::memcpy(&b4, blk, sizeof b4);
-        scales = b4.scales; qs = b4.qs; d = b4.d; dmin = b4.dmin;
+        scales = b4.scales;
+        qs = b4.qs;
+        d = b4.d;
+        dmin = b4.dmin;
       }
       store_u16(pb + 2 * r, d);
       store_u16(pb + 32 + 2 * r, dmin);
@@ -165,7 +185,8 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       return;
     }
     case DType::q6_k: {
-      BlockQ6_K b; std::memcpy(&b, blk, sizeof b);
+      BlockQ6_K b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       for (int j = 0; j < 16; ++j) pb[32 + j * 16 + r] = static_cast<uint8_t>(b.scales[j]);
       for (int g = 0; g < 8; ++g) {
@@ -182,7 +203,8 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       return;
     }
     case DType::q2_k: {
-      BlockQ2_K b; std::memcpy(&b, blk, sizeof b);
+      BlockQ2_K b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       store_u16(pb + 32 + 2 * r, b.dmin);
       for (int j = 0; j < 16; ++j) {
@@ -199,9 +221,11 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       return;
     }
     case DType::q3_k: {
-      BlockQ3_K b; std::memcpy(&b, blk, sizeof b);
+      BlockQ3_K b;
+      std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
-      for (int j = 0; j < 16; ++j) pb[32 + j * 16 + r] = static_cast<uint8_t>(static_cast<int8_t>(q3_k_scale(b.scales, j)));
+      for (int j = 0; j < 16; ++j)
+        pb[32 + j * 16 + r] = static_cast<uint8_t>(static_cast<int8_t>(q3_k_scale(b.scales, j)));
       for (int g = 0; g < 8; ++g) {
         // u = q3 + 4 in 0..7: low 2 bits from qs, bit 2 = the hmask bit.
         for (int j = 0; j < 32; ++j) {
@@ -216,7 +240,8 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       }
       return;
     }
-    default: break;
+    default:
+      break;
   }
   LOOM_ASSERT(false && "pack_block: unhandled dtype");
 }
@@ -225,19 +250,33 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
 
 size_t panel_block_bytes(DType type) {
   switch (type) {
-    case DType::f32: return 64;
-    case DType::f16: case DType::bf16: return 32;
-    case DType::q4_0: return 288;
-    case DType::q4_1: return 320;
-    case DType::q5_0: return 352;
-    case DType::q5_1: return 384;
-    case DType::q8_0: return 544;
-    case DType::q4_k: return 2368;
-    case DType::q5_k: return 2880;
-    case DType::q6_k: return 3360;
-    case DType::q2_k: return 1600;
-    case DType::q3_k: return 1824;
-    default: break;
+    case DType::f32:
+      return 64;
+    case DType::f16:
+    case DType::bf16:
+      return 32;
+    case DType::q4_0:
+      return 288;
+    case DType::q4_1:
+      return 320;
+    case DType::q5_0:
+      return 352;
+    case DType::q5_1:
+      return 384;
+    case DType::q8_0:
+      return 544;
+    case DType::q4_k:
+      return 2368;
+    case DType::q5_k:
+      return 2880;
+    case DType::q6_k:
+      return 3360;
+    case DType::q2_k:
+      return 1600;
+    case DType::q3_k:
+      return 1824;
+    default:
+      break;
   }
   LOOM_ASSERT(false && "panel_block_bytes: unsupported dtype");
   return 0;
@@ -263,7 +302,8 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
       for (int r = 0; r < nrows; ++r)
         for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * 32 + r * 2, rows[r] + k * 2, 2);
       return;
-    default: break;
+    default:
+      break;
   }
   const int64_t nb = K / panel_block_elems(type);
   const size_t bb = dtype_traits(type).block_bytes, pbb = panel_block_bytes(type);

@@ -109,13 +109,13 @@ struct KernelArgs {
   size_t panel_stride = 0;          // bytes between panels
   int64_t n_panels = 0;
   int64_t K = 0;
-  const uint8_t* act = nullptr;     // token 0's act row (f32 x for float panels)
-  size_t act_stride = 0;            // bytes between tokens' act rows
+  const uint8_t* act = nullptr;  // token 0's act row (f32 x for float panels)
+  size_t act_stride = 0;         // bytes between tokens' act rows
   int64_t T = 0;
-  float* y = nullptr;               // y[t*ldy + 16*p + r] for panel p, token t, row r
+  float* y = nullptr;  // y[t*ldy + 16*p + r] for panel p, token t, row r
   int64_t ldy = 0;
-  int64_t n_valid = 0;              // rows beyond this (counted from panel 0) are not stored
-  void* tmp = nullptr;              // per-thread scratch (AMX: K*16 bytes)
+  int64_t n_valid = 0;  // rows beyond this (counted from panel 0) are not stored
+  void* tmp = nullptr;  // per-thread scratch (AMX: K*16 bytes)
 };
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
@@ -127,10 +127,10 @@ void panel_kernel_avx512(DType type, const KernelArgs& a);
 // cpu_features().has_avx512_kernels().
 // amx: AVX-512 plus AMX-INT8 tiles for batches of 32-element block types.
 enum class Isa { avx2, avx512, amx };
-void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
-                int64_t T, MatmulScratch& scratch);
-void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y, int64_t ldy,
-                int64_t T, MatmulScratch& scratch);
+void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y,
+                int64_t ldy, int64_t T, MatmulScratch& scratch);
+void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y,
+                int64_t ldy, int64_t T, MatmulScratch& scratch);
 void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs, const float* x, int64_t ldx,
                       int64_t T, MatmulScratch& scratch);
 
@@ -140,6 +140,5 @@ void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs
 bool amx_available();
 bool amx_supports(DType type);
 void panel_kernel_amx(DType type, const KernelArgs& a);
-
 
 }  // namespace loom::cpu

@@ -19,15 +19,18 @@ struct TileArgs {
   const uint8_t* act;  // first token's act row
   size_t astride;
   int64_t K;
-  float* y;            // y of (first token, first row of first panel)
+  float* y;  // y of (first token, first row of first panel)
   int64_t ldy;
-  int64_t nv;          // valid rows counted from the first panel (may exceed 16*P)
+  int64_t nv;  // valid rows counted from the first panel (may exceed 16*P)
 };
 
 template <class Impl, int P, int C>
 inline void dispatch_c(int cn, const TileArgs& ta) {
   if constexpr (C >= 1) {
-    if (cn == C) { Impl::template run<P, C>(ta); return; }
+    if (cn == C) {
+      Impl::template run<P, C>(ta);
+      return;
+    }
     dispatch_c<Impl, P, C - 1>(cn, ta);
   }
 }
@@ -35,7 +38,10 @@ inline void dispatch_c(int cn, const TileArgs& ta) {
 template <class Impl, int P, int C>
 inline void dispatch_pc(int pn, int cn, const TileArgs& ta) {
   if constexpr (P >= 1) {
-    if (pn == P) { dispatch_c<Impl, P, C>(cn, ta); return; }
+    if (pn == P) {
+      dispatch_c<Impl, P, C>(cn, ta);
+      return;
+    }
     dispatch_pc<Impl, P - 1, C>(pn, cn, ta);
   }
 }
@@ -54,8 +60,9 @@ void drive_tiles(const KernelArgs& a) {
     const int pn = static_cast<int>(min_i64(PT, a.n_panels - p));
     for (int64_t t = 0; t < a.T; t += CT) {
       const int cn = static_cast<int>(min_i64(CT, a.T - t));
-      TileArgs ta{a.panels + p * a.panel_stride, a.panel_stride, a.act + t * a.act_stride, a.act_stride,
-                  a.K, a.y + t * a.ldy + p * kPanelRows, a.ldy, a.n_valid - p * kPanelRows};
+      TileArgs ta{
+          a.panels + p * a.panel_stride,    a.panel_stride, a.act + t * a.act_stride,  a.act_stride, a.K,
+          a.y + t * a.ldy + p * kPanelRows, a.ldy,          a.n_valid - p * kPanelRows};
       if (decode)
         dispatch_pc<Impl, Impl::kP1, 1>(pn, 1, ta);
       else

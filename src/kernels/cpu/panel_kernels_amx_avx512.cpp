@@ -33,9 +33,12 @@ struct alignas(64) TileConfig {
 void configure_tiles() {
   TileConfig cfg;
   for (int s = 0; s < 2; ++s) {
-    cfg.colsb[3 * s + 0] = 64; cfg.rows[3 * s + 0] = 16;
-    cfg.colsb[3 * s + 1] = 32; cfg.rows[3 * s + 1] = 16;
-    cfg.colsb[3 * s + 2] = 64; cfg.rows[3 * s + 2] = 8;
+    cfg.colsb[3 * s + 0] = 64;
+    cfg.rows[3 * s + 0] = 16;
+    cfg.colsb[3 * s + 1] = 32;
+    cfg.rows[3 * s + 1] = 16;
+    cfg.colsb[3 * s + 2] = 64;
+    cfg.rows[3 * s + 2] = 8;
   }
   compiler_barrier();
   _tile_loadconfig(&cfg);
@@ -46,20 +49,25 @@ inline __m512 load_f16x16(const uint8_t* p) {
 }
 
 struct Layout {
-  size_t pb;        // panel block bytes
-  size_t d, m;      // offsets of scales, mins (m unused without mins)
-  size_t qs;        // nibbles or q8 words
-  int64_t bit4;     // offset of the 5th-bit word, -1 if none
-  bool min, s8;     // has mins (q8_1 acts); s8 weights (q8_0)
+  size_t pb;     // panel block bytes
+  size_t d, m;   // offsets of scales, mins (m unused without mins)
+  size_t qs;     // nibbles or q8 words
+  int64_t bit4;  // offset of the 5th-bit word, -1 if none
+  bool min, s8;  // has mins (q8_1 acts); s8 weights (q8_0)
 };
 
 Layout layout_of(DType type) {
   switch (type) {
-    case DType::q4_0: return {288, 0, 0, 32, -1, false, false};
-    case DType::q4_1: return {320, 0, 32, 64, -1, true, false};
-    case DType::q5_0: return {352, 0, 0, 96, 32, false, false};
-    case DType::q5_1: return {384, 0, 32, 128, 64, true, false};
-    default: return {544, 0, 0, 32, -1, false, true};  // q8_0
+    case DType::q4_0:
+      return {288, 0, 0, 32, -1, false, false};
+    case DType::q4_1:
+      return {320, 0, 32, 64, -1, true, false};
+    case DType::q5_0:
+      return {352, 0, 0, 96, 32, false, false};
+    case DType::q5_1:
+      return {384, 0, 32, 128, 64, true, false};
+    default:
+      return {544, 0, 0, 32, -1, false, true};  // q8_0
   }
 }
 
@@ -85,8 +93,10 @@ inline void unpack_block(const uint8_t* pb, const Layout& L, uint8_t* out) {
 // Stores C tile `t` into a 16x16 int32 buffer. Unlike _tile_stored (which clobbers
 // all memory and so forces the accumulators out of registers) this names
 // exactly the memory it writes.
-#define LOOM_AMX_STORE_C(t, buf) \
-  __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*reinterpret_cast<int32_t(*)[256]>(buf)) : "r"(buf), "r"(64L))
+#define LOOM_AMX_STORE_C(t, buf)                                   \
+  __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)"             \
+                   : "=m"(*reinterpret_cast<int32_t(*)[256]>(buf)) \
+                   : "r"(buf), "r"(64L))
 
 // Issues the tile multiply of one block into tile set 0 (tmm0-2) or 1 (tmm3-5);
 // the asm needs literal tile numbers, hence the macro.
@@ -152,7 +162,8 @@ void run_panels(const KernelArgs& a, const Layout& L) {
         LOOM_AMX_STORE_C(3, cbuf);
         scale_block<kMin, kAux>(cbuf, act, a.act_stride, b + 1, pan + (b + 1) * L.pb, L, acc);
       }
-      const __mmask16 mask = nv >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << nv) - 1);
+      const __mmask16 mask =
+          nv >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << nv) - 1);
       // Constant indices keep acc[] in registers (a runtime bound would not).
 #pragma GCC unroll 16
       for (int t = 0; t < 16; ++t)
@@ -167,10 +178,19 @@ void panel_kernel_amx(DType type, const KernelArgs& a) {
   configure_tiles();
   const Layout L = layout_of(type);
   switch (type) {
-    case DType::q4_0: case DType::q5_0: run_panels<false, true, false>(a, L); break;
-    case DType::q4_1: case DType::q5_1: run_panels<true, false, false>(a, L); break;
-    case DType::q8_0: run_panels<false, false, true>(a, L); break;
-    default: __builtin_trap();
+    case DType::q4_0:
+    case DType::q5_0:
+      run_panels<false, true, false>(a, L);
+      break;
+    case DType::q4_1:
+    case DType::q5_1:
+      run_panels<true, false, false>(a, L);
+      break;
+    case DType::q8_0:
+      run_panels<false, false, true>(a, L);
+      break;
+    default:
+      __builtin_trap();
   }
   _tile_release();
 }

@@ -35,7 +35,8 @@ template <int P, int C>
 inline void store_tile(const TileArgs& ta, __m256 (&acc)[P][2][C]) {
   for (int c = 0; c < C; ++c)
     for (int p = 0; p < P; ++p)
-      for (int h = 0; h < 2; ++h) store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[p][h][c], ta.nv - p * 16 - h * 8);
+      for (int h = 0; h < 2; ++h)
+        store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[p][h][c], ta.nv - p * 16 - h * 8);
 }
 
 // ops[o] = elements 4o..4o+3 of a nibble group for the 8 rows of half h.
@@ -88,7 +89,8 @@ inline __m256i idot(const __m256i (&ops)[8], const int8_t* x) {
 inline __m256i idot_s8(const __m256i (&absw)[8], const __m256i (&w)[8], const int8_t* x) {
   __m256i total = _mm256_setzero_si256();
   for (int o = 0; o < 8; ++o)
-    total = _mm256_add_epi32(total, madd1(_mm256_maddubs_epi16(absw[o], _mm256_sign_epi8(bcast32(x + 4 * o), w[o]))));
+    total = _mm256_add_epi32(
+        total, madd1(_mm256_maddubs_epi16(absw[o], _mm256_sign_epi8(bcast32(x + 4 * o), w[o]))));
   return total;
 }
 
@@ -206,18 +208,20 @@ struct Q45KImpl {
             if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, h, ops);
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-              const __m256i d = idot<kFive ? 5 : 4, 0, 8>(ops, x->qs + 32 * g);
+              const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
               isc[c] = _mm256_add_epi32(isc[c], _mm256_mullo_epi32(d, sc));
             }
           }
           const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
           __m256i mins[4];
           for (int q = 0; q < 4; ++q)
-            mins[q] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
+            mins[q] = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
             __m256i im = _mm256_setzero_si256();
-            for (int q = 0; q < 4; ++q) im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
+            for (int q = 0; q < 4; ++q)
+              im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
             const __m256 xd = _mm256_set1_ps(x->d);
             acc[p][h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
             acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
@@ -291,12 +295,12 @@ struct K16Impl {
             unpack(pb + kGroups + g * kGroup, h, ops);
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-              const __m256i d0 =
-                  _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g), _mm256_set1_epi32(offset(x, 2 * g)));
-              const __m256i d1 =
-                  _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g), _mm256_set1_epi32(offset(x, 2 * g + 1)));
-              isc[c] = _mm256_add_epi32(isc[c],
-                                        _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
+              const __m256i d0 = _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g),
+                                                  _mm256_set1_epi32(offset(x, 2 * g)));
+              const __m256i d1 = _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g),
+                                                  _mm256_set1_epi32(offset(x, 2 * g + 1)));
+              isc[c] = _mm256_add_epi32(
+                  isc[c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
             }
           }
           const __m256 dw = load_f16x8(pb + 16 * h);
@@ -305,8 +309,8 @@ struct K16Impl {
           if constexpr (kMin) {
             dm = load_f16x8(pb + 32 + 16 * h);
             for (int q = 0; q < 8; ++q)
-              mins[q] =
-                  _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
+              mins[q] = _mm256_cvtepu8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
           }
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
@@ -314,7 +318,8 @@ struct K16Impl {
             acc[p][h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
             if constexpr (kMin) {
               __m256i im = _mm256_setzero_si256();
-              for (int q = 0; q < 8; ++q) im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
+              for (int q = 0; q < 8; ++q)
+                im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
               acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
             }
           }
@@ -351,7 +356,8 @@ struct FloatImpl {
       for (int p = 0; p < P; ++p) {
         for (int h = 0; h < 2; ++h) {
           const __m256 w = load(ta.pan + p * ta.pstride + k * kStep, h);
-          for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][k]), acc[p][h][c]);
+          for (int c = 0; c < C; ++c)
+            acc[p][h][c] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][k]), acc[p][h][c]);
         }
       }
     }
@@ -363,20 +369,47 @@ struct FloatImpl {
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
   switch (type) {
-    case DType::q4_0: drive_tiles<Q32Impl<Q4_0>>(a); return;
-    case DType::q4_1: drive_tiles<Q32Impl<Q4_1>>(a); return;
-    case DType::q5_0: drive_tiles<Q32Impl<Q5_0>>(a); return;
-    case DType::q5_1: drive_tiles<Q32Impl<Q5_1>>(a); return;
-    case DType::q8_0: drive_tiles<Q32Impl<Q8_0>>(a); return;
-    case DType::q4_k: drive_tiles<Q45KImpl<false>>(a); return;
-    case DType::q5_k: drive_tiles<Q45KImpl<true>>(a); return;
-    case DType::q6_k: drive_tiles<K16Impl<K16::q6>>(a); return;
-    case DType::q3_k: drive_tiles<K16Impl<K16::q3>>(a); return;
-    case DType::q2_k: drive_tiles<K16Impl<K16::q2>>(a); return;
-    case DType::f32: drive_tiles<FloatImpl<FloatKind::f32>>(a); return;
-    case DType::f16: drive_tiles<FloatImpl<FloatKind::f16>>(a); return;
-    case DType::bf16: drive_tiles<FloatImpl<FloatKind::bf16>>(a); return;
-    default: break;
+    case DType::q4_0:
+      drive_tiles<Q32Impl<Q4_0>>(a);
+      return;
+    case DType::q4_1:
+      drive_tiles<Q32Impl<Q4_1>>(a);
+      return;
+    case DType::q5_0:
+      drive_tiles<Q32Impl<Q5_0>>(a);
+      return;
+    case DType::q5_1:
+      drive_tiles<Q32Impl<Q5_1>>(a);
+      return;
+    case DType::q8_0:
+      drive_tiles<Q32Impl<Q8_0>>(a);
+      return;
+    case DType::q4_k:
+      drive_tiles<Q45KImpl<false>>(a);
+      return;
+    case DType::q5_k:
+      drive_tiles<Q45KImpl<true>>(a);
+      return;
+    case DType::q6_k:
+      drive_tiles<K16Impl<K16::q6>>(a);
+      return;
+    case DType::q3_k:
+      drive_tiles<K16Impl<K16::q3>>(a);
+      return;
+    case DType::q2_k:
+      drive_tiles<K16Impl<K16::q2>>(a);
+      return;
+    case DType::f32:
+      drive_tiles<FloatImpl<FloatKind::f32>>(a);
+      return;
+    case DType::f16:
+      drive_tiles<FloatImpl<FloatKind::f16>>(a);
+      return;
+    case DType::bf16:
+      drive_tiles<FloatImpl<FloatKind::bf16>>(a);
+      return;
+    default:
+      break;
   }
   __builtin_trap();
 }

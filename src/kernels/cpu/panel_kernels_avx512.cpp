@@ -185,7 +185,8 @@ struct Q45KImpl {
       for (int g = 0; g < 8; ++g) {
         for (int p = 0; p < P; ++p) {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
-          const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 64 + 16 * g)));
+          const __m512i sc =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 64 + 16 * g)));
           __m512i ops[8];
           unpack_nibbles(pb + 320 + g * kGroup, ops);
           if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, ops);
@@ -201,7 +202,8 @@ struct Q45KImpl {
         const __m512 dw = load_f16x16(pb), dm = load_f16x16(pb + 32);
         __m512i mins[4];
         for (int q = 0; q < 4; ++q)
-          mins[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 192 + 32 * q)));
+          mins[q] =
+              _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 192 + 32 * q)));
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
           __m512i im = _mm512_setzero_si512();
@@ -285,15 +287,16 @@ struct K16Impl {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
           const uint8_t* sp = pb + kScales + 32 * g;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-          const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+          const __m512i sc1 =
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
           __m512i ops[8];
           unpack(pb + kGroups + g * kGroup, ops);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
             const __m512i d0 = idot<0, 4>(offset(x, 2 * g), ops, x->qs + 32 * g);
             const __m512i d1 = idot<4, 8>(offset(x, 2 * g + 1), ops, x->qs + 32 * g);
-            isc[p][c] = _mm512_add_epi32(isc[p][c],
-                                         _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
+            isc[p][c] = _mm512_add_epi32(
+                isc[p][c], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
           }
         }
       }
@@ -305,7 +308,8 @@ struct K16Impl {
         if constexpr (kMin) {
           dm = load_f16x16(pb + 32);
           for (int q = 0; q < 8; ++q)
-            mins[q] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 320 + 32 * q)));
+            mins[q] =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + 320 + 32 * q)));
         }
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
@@ -358,20 +362,47 @@ struct FloatImpl {
 
 void panel_kernel_avx512(DType type, const KernelArgs& a) {
   switch (type) {
-    case DType::q4_0: drive_tiles<Q32Impl<Q4_0>>(a); return;
-    case DType::q4_1: drive_tiles<Q32Impl<Q4_1>>(a); return;
-    case DType::q5_0: drive_tiles<Q32Impl<Q5_0>>(a); return;
-    case DType::q5_1: drive_tiles<Q32Impl<Q5_1>>(a); return;
-    case DType::q8_0: drive_tiles<Q32Impl<Q8_0>>(a); return;
-    case DType::q4_k: drive_tiles<Q45KImpl<false>>(a); return;
-    case DType::q5_k: drive_tiles<Q45KImpl<true>>(a); return;
-    case DType::q6_k: drive_tiles<K16Impl<K16::q6>>(a); return;
-    case DType::q3_k: drive_tiles<K16Impl<K16::q3>>(a); return;
-    case DType::q2_k: drive_tiles<K16Impl<K16::q2>>(a); return;
-    case DType::f32: drive_tiles<FloatImpl<FloatKind::f32>>(a); return;
-    case DType::f16: drive_tiles<FloatImpl<FloatKind::f16>>(a); return;
-    case DType::bf16: drive_tiles<FloatImpl<FloatKind::bf16>>(a); return;
-    default: break;
+    case DType::q4_0:
+      drive_tiles<Q32Impl<Q4_0>>(a);
+      return;
+    case DType::q4_1:
+      drive_tiles<Q32Impl<Q4_1>>(a);
+      return;
+    case DType::q5_0:
+      drive_tiles<Q32Impl<Q5_0>>(a);
+      return;
+    case DType::q5_1:
+      drive_tiles<Q32Impl<Q5_1>>(a);
+      return;
+    case DType::q8_0:
+      drive_tiles<Q32Impl<Q8_0>>(a);
+      return;
+    case DType::q4_k:
+      drive_tiles<Q45KImpl<false>>(a);
+      return;
+    case DType::q5_k:
+      drive_tiles<Q45KImpl<true>>(a);
+      return;
+    case DType::q6_k:
+      drive_tiles<K16Impl<K16::q6>>(a);
+      return;
+    case DType::q3_k:
+      drive_tiles<K16Impl<K16::q3>>(a);
+      return;
+    case DType::q2_k:
+      drive_tiles<K16Impl<K16::q2>>(a);
+      return;
+    case DType::f32:
+      drive_tiles<FloatImpl<FloatKind::f32>>(a);
+      return;
+    case DType::f16:
+      drive_tiles<FloatImpl<FloatKind::f16>>(a);
+      return;
+    case DType::bf16:
+      drive_tiles<FloatImpl<FloatKind::bf16>>(a);
+      return;
+    default:
+      break;
   }
   __builtin_trap();  // the driver only passes supported types
 }

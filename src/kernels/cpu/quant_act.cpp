@@ -95,7 +95,10 @@ float quantize_block_q8_k(const float* x, int8_t* qs, int16_t* bsums) {
   const __m256 va = _mm256_set1_ps(amax);
   for (int i = 0; i < QK_K; i += 8) {
     const int m = _mm256_movemask_ps(_mm256_cmp_ps(abs_ps(_mm256_loadu_ps(x + i)), va, _CMP_EQ_OQ));
-    if (m != 0) { max = x[i + __builtin_ctz(static_cast<unsigned>(m))]; break; }
+    if (m != 0) {
+      max = x[i + __builtin_ctz(static_cast<unsigned>(m))];
+      break;
+    }
   }
   const float iscale = -127.0f / max;
   const __m256 vs = _mm256_set1_ps(iscale);
@@ -112,9 +115,17 @@ float quantize_block_q8_k(const float* x, int8_t* qs, int16_t* bsums) {
 
 ActKind act_kind(DType type) {
   switch (type) {
-    case DType::q4_0: case DType::q4_1: case DType::q5_0: case DType::q5_1: case DType::q8_0:
+    case DType::q4_0:
+    case DType::q4_1:
+    case DType::q5_0:
+    case DType::q5_1:
+    case DType::q8_0:
       return ActKind::q8x32;
-    case DType::q2_k: case DType::q3_k: case DType::q4_k: case DType::q5_k: case DType::q6_k:
+    case DType::q2_k:
+    case DType::q3_k:
+    case DType::q4_k:
+    case DType::q5_k:
+    case DType::q6_k:
       return ActKind::q8k;
     default:
       return ActKind::f32;
@@ -123,9 +134,12 @@ ActKind act_kind(DType type) {
 
 size_t act_row_bytes(DType type, int64_t K) {
   switch (act_kind(type)) {
-    case ActKind::q8x32: return static_cast<size_t>(K / 32) * sizeof(ActQ8x32);
-    case ActKind::q8k: return static_cast<size_t>(K / QK_K) * sizeof(ActQ8K);
-    case ActKind::f32: return static_cast<size_t>(K) * sizeof(float);
+    case ActKind::q8x32:
+      return static_cast<size_t>(K / 32) * sizeof(ActQ8x32);
+    case ActKind::q8k:
+      return static_cast<size_t>(K / QK_K) * sizeof(ActQ8K);
+    case ActKind::f32:
+      return static_cast<size_t>(K) * sizeof(float);
   }
   return 0;
 }
@@ -163,7 +177,8 @@ void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst) {
       }
       return;
     }
-    case ActKind::f32: break;
+    case ActKind::f32:
+      break;
   }
   LOOM_ASSERT(false && "quantize_act_row: float weights take f32 activations");
 }
