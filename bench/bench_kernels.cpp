@@ -4,6 +4,7 @@
 // the 1-thread cases and wall time for the 2-thread ones.
 //   loom_bench --benchmark_filter=Matmul/q4_1     (LOOM_CPU=avx2 for the AVX2 path)
 #include <benchmark/benchmark.h>
+#include <fmt/format.h>
 
 #include <memory>
 #include <random>
@@ -103,26 +104,23 @@ void register_all() {
                          DType::q4_0, DType::q5_k, DType::bf16, DType::f32,  DType::q5_0,
                          DType::q5_1, DType::q2_k, DType::q3_k};
   for (DType t : types) {
-    const std::string name = std::string("Matmul/") + dtype_name(t);
+    // k-quants need K % 256 == 0: they run with K = 768 instead of 576.
+    const int64_t K = dtype_block_size(t) == 256 ? 768 : 576;
     for (int threads : {1, 2}) {
-      const std::string th = "/t" + std::to_string(threads);
-      // k-quants need K % 256 == 0: they run with K = 768 instead of 576.
-      const int64_t K = dtype_block_size(t) == 256 ? 768 : 576;
-      const std::string k = "x" + std::to_string(K);
       const Case cases[] = {
           {t, 1536, K, 1, threads, true}, {t, 49152, K, 1, threads, true}, {t, 1536, K, 512, threads, true}};
-      const std::string names[] = {"/matvec_1536" + k, "/matvec_49152" + k, "/T512_1536" + k};
+      const char* shapes[] = {"matvec_1536", "matvec_49152", "T512_1536"};
       for (int i = 0; i < 3; ++i) {
-        auto* b = benchmark::RegisterBenchmark((name + names[i] + th).c_str(), run_case, cases[i]);
+        const std::string bname = fmt::format("Matmul/{}/{}x{}/t{}", dtype_name(t), shapes[i], K, threads);
+        auto* b = benchmark::RegisterBenchmark(bname.c_str(), run_case, cases[i]);
         b->Unit(benchmark::kMicrosecond);
         // One thread: CPU time (robust on a busy machine); two: wall time.
         if (threads > 1) b->UseRealTime();
       }
     }
     // Plain-Tensor weights (panels packed on the fly each call).
-    const int64_t K = dtype_block_size(t) == 256 ? 768 : 576;
-    benchmark::RegisterBenchmark((name + "/unpacked_matvec_1536x" + std::to_string(K) + "/t2").c_str(),
-                                 run_case, Case{t, 1536, K, 1, 2, false})
+    const std::string uname = fmt::format("Matmul/{}/unpacked_matvec_1536x{}/t2", dtype_name(t), K);
+    benchmark::RegisterBenchmark(uname.c_str(), run_case, Case{t, 1536, K, 1, 2, false})
         ->Unit(benchmark::kMicrosecond)
         ->UseRealTime();
   }
