@@ -43,7 +43,12 @@ void ThreadPool::run_impl(Trampoline tramp, void* ctx) {
   generation_.fetch_add(1, std::memory_order_release);
   generation_.notify_all();
   tramp(ctx, 0, n_threads_);
-  while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
+  // Spin briefly, then yield: when a worker has been descheduled (a busy
+  // machine), spinning would only keep it from running.
+  for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < kSpinIterations) cpu_relax();
+    else std::this_thread::yield();
+  }
 }
 
 void ThreadPool::worker_loop(int index) {

@@ -69,9 +69,10 @@ void InferenceSession::forward_batch(const int32_t* tokens, int64_t T, bool all_
     rmsnorm(xn, x, L.attn_norm, T, H, eps);
     float* kc = cache_.keys(l) + n_past_ * KV;
     float* vc = cache_.values(l) + n_past_ * KV;
-    matmul(pool_, P.wq, xn, q_.data(), T, scratch_);
-    matmul(pool_, P.wk, xn, kc, T, scratch_);  // keys/values land in the cache directly
-    matmul(pool_, P.wv, xn, vc, T, scratch_);
+    // One activation quantization and one dispatch for q, k and v; keys and
+    // values land in the cache rows directly.
+    const MatmulOut qkv[] = {{&P.wq, q_.data(), Q}, {&P.wk, kc, KV}, {&P.wv, vc, KV}};
+    matmul_multi(pool_, qkv, xn, H, T, scratch_);
     if (L.bq != nullptr) {
       for (int64_t t = 0; t < T; ++t) {
         add_inplace(q_.data() + t * Q, L.bq, Q);
@@ -86,8 +87,8 @@ void InferenceSession::forward_batch(const int32_t* tokens, int64_t T, bool all_
     add_inplace(x, xn, T * H);
 
     rmsnorm(xn, x, L.ffn_norm, T, H, eps);
-    matmul(pool_, P.w_gate, xn, gate_.data(), T, scratch_);
-    matmul(pool_, P.w_up, xn, up_.data(), T, scratch_);
+    const MatmulOut gate_up[] = {{&P.w_gate, gate_.data(), F}, {&P.w_up, up_.data(), F}};
+    matmul_multi(pool_, gate_up, xn, H, T, scratch_);
     pool_.parallel_for(T * F, [&](int64_t b, int64_t e) { swiglu(gate_.data() + b, gate_.data() + b, up_.data() + b, e - b); }, 64);
     matmul(pool_, P.w_down, gate_.data(), xn, T, scratch_);
     add_inplace(x, xn, T * H);
