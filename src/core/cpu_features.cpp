@@ -19,13 +19,15 @@ const CpuFeatures& cpu_features() {
     c.avx512vl = __builtin_cpu_supports("avx512vl");
     c.avx512vnni = __builtin_cpu_supports("avx512vnni");
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
-#if defined(__clang__) && __clang_major__ < 15
-    // clang 14 (the fuzz build) lacks "avxvnni" in __builtin_cpu_supports: CPUID.(7,1):EAX bit 4.
+    // AVX-VNNI (CPUID.(7,1):EAX bit 4), AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX
+    // bits 24, 25) are read directly: not every compiler knows these names in
+    // __builtin_cpu_supports (clang 14, used for the fuzz build, does not).
     unsigned a = 0, b = 0, cx = 0, d = 0;
     c.avxvnni = c.avx2 && __get_cpuid_count(7, 1, &a, &b, &cx, &d) && (a & (1u << 4)) != 0;
-#else
-    c.avxvnni = __builtin_cpu_supports("avxvnni");
-#endif
+    if (__get_cpuid_count(7, 0, &a, &b, &cx, &d)) {
+      c.amx_tile = (d & (1u << 24)) != 0;
+      c.amx_int8 = (d & (1u << 25)) != 0;
+    }
     return c;
   }();
   return f;

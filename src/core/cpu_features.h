@@ -13,6 +13,8 @@ struct CpuFeatures {
   bool avx512vnni = false;
   bool avx512bf16 = false;
   bool avxvnni = false;
+  bool amx_tile = false;  // the OS must still grant tile state (arch_prctl) before use
+  bool amx_int8 = false;
 
   // The AVX-512 kernels need F, BW, VL and VNNI together.
   bool has_avx512_kernels() const { return avx512f && avx512bw && avx512vl && avx512vnni; }

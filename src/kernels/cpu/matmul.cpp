@@ -259,7 +259,7 @@ namespace cpu {
 
 bool amx_available() {
   static const bool ok = [] {
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+    if (!cpu_features().amx_tile || !cpu_features().amx_int8) return false;
     // Linux hands out the (8 KB) tile state only on request, once per process.
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
