@@ -1,0 +1,46 @@
+// Causal-LM cross-entropy fused with the output projection, computed a chunk of
+// rows at a time so the [T, vocab] logits never exist at once (vocab up to ~150k).
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+#include "kernels/matmul.h"
+
+namespace loom {
+
+struct LossResult {
+  double loss_sum = 0;  // sum over unmasked rows of -log softmax(logits)[label]
+  int64_t n_tokens = 0;  // unmasked rows
+};
+
+struct ChunkedLossArgs {
+  const Tensor* W = nullptr;            // output projection [V, H], any dtype (read for dh)
+  const PackedWeight* W_packed = nullptr;  // the same weight packed for matmul; nullptr: pack per chunk
+  const float* h = nullptr;             // [T, H] final-norm output
+  const int32_t* labels = nullptr;      // [T]: target of row t (already shifted), -100 = ignore
+  int64_t T = 0;
+  // Scale of the gradient: 1 / (unmasked tokens of the whole optimizer step, all
+  // micro-batches), so that summing micro-batch gradients gives the gradient of
+  // the step's mean loss.
+  float grad_scale = 1.0f;
+  float* dh = nullptr;   // [T, H] +=; nullptr: loss only (evaluation)
+  float* dW = nullptr;   // [V, H] f32 +=; only for a trainable (f32) output projection
+  int64_t chunk_rows = 64;
+};
+
+// For every chunk of unmasked rows: logits = h W^T (kernels/matmul.h), softmax,
+// loss, dlogits = (softmax - onehot) * grad_scale, dh += dlogits W
+// (linear_backward_input) and, if dW, dW += dlogits^T h.
+//
+// Numerics: with a quantized W the logits carry matmul's q8 activation rounding
+// (exactly the logits inference produces), while dh uses the dequantized W
+// exactly. The gradient is thus that of the unrounded product (a straight-through
+// estimate); the relative mismatch is ~1e-3 of the logits, well below the noise
+// of a stochastic gradient. With f32 W both are exact f32 products.
+// Deterministic: independent of the thread count. Throws loom::Error(invalid_input)
+// for a label outside [0, V) other than -100, or a dW with a non-f32 W.
+LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, MatmulScratch& scratch);
+
+}  // namespace loom
