@@ -1,0 +1,74 @@
+// Training forward and backward of a Llama/Qwen2 decoder with LoRA adapters:
+// frozen base weights in their stored dtype, trainable adapters in f32. The
+// forward keeps every activation the backward needs; the backward runs the
+// layers in reverse down to the (frozen) embedding.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/loss.h"
+#include "kernels/matmul.h"
+#include "model/config.h"
+#include "model/weights.h"
+#include "train/data.h"
+#include "train/lora.h"
+
+namespace loom {
+
+class TrainSession {
+ public:
+  // `weights` must be packed (pack_weights). Keeps references to all arguments.
+  TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora, ThreadPool& pool);
+
+  // Loss of one micro-batch and, accumulated (+=) into lora.grads(), the gradient
+  // of loss_sum * grad_scale. grad_scale = 1 / (target tokens of the whole
+  // optimizer step), so summing micro-batches gives the gradient of the step's
+  // mean loss. `step` selects the dropout masks (counter-based: same step, same
+  // masks). Rows never attend to each other (batch.seq_start restarts per row).
+  // Throws invalid_input for a malformed batch (sizes, token ids, seq_start).
+  LossResult forward_backward(const Batch& batch, float grad_scale, uint64_t step = 0);
+  // Loss only, without dropout and without gradients (evaluation).
+  LossResult forward_loss(const Batch& batch);
+
+  // Bytes of saved activations for the last batch shape.
+  size_t activation_bytes() const { return acts_.size() * sizeof(float); }
+
+ private:
+  struct LayerActs {
+    float *x, *rstd1, *xn1, *q, *k, *v, *att, *lse, *xmid, *rstd2, *xn2, *gate, *up;
+    std::array<float*, kLoraTargetCount> ax{};  // scale * A x (dropped x), [T, r]
+    std::array<float*, kLoraTargetCount> xd{};  // dropped adapter input (dropout > 0 only)
+  };
+
+  LossResult run(const Batch& batch, float grad_scale, uint64_t step, bool backward);
+  void check_batch(const Batch& batch) const;
+  void layout(int64_t T, bool dropout);
+  void forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step);
+  void backward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* dx);
+  // y [T, out] += scale * B (A x) for one adapter; saves what its backward needs.
+  void lora_forward(int64_t l, LoraTarget t, const float* x, float* y, int64_t T, bool dropout,
+                    uint64_t step);
+  // From dy [T, out]: dA +=, dB +=, dx [T, in] +=.
+  void lora_backward(int64_t l, LoraTarget t, const float* x, const float* dy, float* dx, int64_t T,
+                     bool dropout, uint64_t step);
+
+  const ModelConfig& c_;
+  const ModelWeights& w_;
+  LoraModel& lora_;
+  ThreadPool& pool_;
+  MatmulScratch scratch_;
+  int64_t T_ = -1;
+  bool dropout_layout_ = false;
+  std::vector<float> acts_;  // every saved activation, carved into layers_ and the views below
+  std::vector<LayerActs> layers_;
+  float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr;
+  std::vector<float> work_;  // backward / temporary buffers (not saved)
+  float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,
+        *dup_ = nullptr, *dgate_ = nullptr, *dres_ = nullptr, *tmp_ = nullptr, *dax_ = nullptr;
+  std::vector<int32_t> pos_, seq_start_, targets_;
+};
+
+}  // namespace loom
