@@ -54,6 +54,8 @@ TEST(LlamaCppAgreement, GreedyQ4_1MatchesLlamaCpp) {
       if (want.compare(0, next.size(), next) != 0) {
         // Diverged: allowed only where the decision was a near tie.
         const float m = margin(logits, s.vocab_size());
+        std::printf("[ llama.cpp agreement ] '%s': diverges at token %d (top-2 logit margin %.4f)\n",
+                    prompt.c_str(), i, m);
         EXPECT_LT(m, 0.1f) << "token " << i << ": loom continues '" << next << "', llama.cpp '" << want
                            << "' with a top-2 margin of " << m;
         got.clear();

@@ -65,9 +65,13 @@ TEST(SmolLM2Reference, F32LogitsTokensAndGreedyMatchTransformers) {
     for (size_t i = 0; i < want.size(); ++i) {
       const int32_t id = sampler.sample(logits, {});
       if (id != want[i]) {
+        std::printf("[ smollm2 greedy ] %s: diverges at token %zu (reference margin %.4f)\n",
+                    p["name"].get<std::string>().c_str(), i, margins[i]);
         EXPECT_LT(margins[i], min_margin) << "greedy token " << i << ": " << id << " vs " << want[i];
         break;
       }
+      if (i + 1 == want.size()) std::printf("[ smollm2 greedy ] %s: all %zu tokens identical\n",
+                                            p["name"].get<std::string>().c_str(), want.size());
       logits = s.eval(std::span<const int32_t>(&id, 1));
     }
   }
