@@ -1,0 +1,341 @@
+// PEFT adapter folders (see peft_adapter.h). The config is checked field by
+// field against what loom's LoRA implements; anything that would change the
+// math silently (DoRA, fan_in_fan_out, per-layer ranks, ...) is refused.
+#include "train/peft_adapter.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/half.h"
+#include "core/mapped_file.h"
+#include "io/file_write.h"
+#include "io/safetensors_writer.h"
+#include "model/config.h"
+
+namespace loom::peft {
+namespace {
+
+constexpr std::string_view kPrefix = "base_model.model.model.layers.";
+
+std::pair<int64_t, int64_t> model_in_out(Target t, const ModelConfig& m) {
+  switch (t) {
+    case Target::q_proj: return {m.hidden, m.q_dim()};
+    case Target::k_proj:
+    case Target::v_proj: return {m.hidden, m.kv_dim()};
+    case Target::o_proj: return {m.q_dim(), m.hidden};
+    case Target::gate_proj:
+    case Target::up_proj: return {m.hidden, m.intermediate};
+    case Target::down_proj: return {m.intermediate, m.hidden};
+  }
+  return {0, 0};
+}
+
+// Parses "<layer>.<self_attn|mlp>.<target>.lora_<A|B>.weight" after the prefix.
+struct ParsedName {
+  int layer;
+  Target target;
+  bool lora_b;
+};
+std::optional<ParsedName> parse_tensor_name(std::string_view name) {
+  if (!name.starts_with(kPrefix)) return std::nullopt;
+  name.remove_prefix(kPrefix.size());
+  int layer = -1;
+  const auto [ptr, ec] = std::from_chars(name.data(), name.data() + name.size(), layer);
+  if (ec != std::errc() || layer < 0 || ptr == name.data() || (name[0] == '0' && ptr - name.data() > 1))
+    return std::nullopt;
+  name.remove_prefix(static_cast<size_t>(ptr - name.data()));
+  for (Target t : kAllTargets)
+    for (bool b : {false, true})
+      if (name == tensor_name(layer, t, b).substr(tensor_name(layer, t, b).find('.', kPrefix.size())))
+        return ParsedName{layer, t, b};
+  return std::nullopt;
+}
+
+[[noreturn]] void unsupported_field(const std::string& file, std::string_view field, const nlohmann::json& v,
+                                    std::string_view why) {
+  fail(ErrorKind::unsupported, "{}: field '{}' = {} is not supported ({})", file, field, v.dump(), why);
+}
+
+// A field that must be absent, null, false, or an empty container.
+void require_unset(const std::string& file, const nlohmann::json& cfg, std::string_view field,
+                   std::string_view why) {
+  const auto it = cfg.find(field);
+  if (it == cfg.end() || it->is_null()) return;
+  if (it->is_boolean() && !it->get<bool>()) return;
+  if ((it->is_object() || it->is_array()) && it->empty()) return;
+  unsupported_field(file, field, *it, why);
+}
+
+AdapterConfig parse_config(const std::string& file, const nlohmann::json& cfg) {
+  if (!cfg.is_object()) fail(ErrorKind::invalid_input, "{}: not a JSON object", file);
+  AdapterConfig c;
+  const auto str_field = [&](std::string_view k) -> std::string {
+    const auto it = cfg.find(k);
+    if (it == cfg.end()) fail(ErrorKind::invalid_input, "{}: missing field '{}'", file, k);
+    if (!it->is_string()) fail(ErrorKind::invalid_input, "{}: field '{}' must be a string, got {}", file, k, it->dump());
+    return it->get<std::string>();
+  };
+  const std::string type = str_field("peft_type");
+  if (type != "LORA") unsupported_field(file, "peft_type", type, "loom reads LORA adapters only");
+  const auto r = cfg.find("r");
+  if (r == cfg.end() || !r->is_number_integer() || r->get<int64_t>() < 1 || r->get<int64_t>() > 65536)
+    fail(ErrorKind::invalid_input, "{}: field 'r' must be a positive integer, got {}", file,
+         r == cfg.end() ? "nothing" : r->dump());
+  c.r = r->get<int>();
+  const auto alpha = cfg.find("lora_alpha");
+  if (alpha == cfg.end() || !alpha->is_number() || !(alpha->get<double>() > 0))
+    fail(ErrorKind::invalid_input, "{}: field 'lora_alpha' must be a positive number, got {}", file,
+         alpha == cfg.end() ? "nothing" : alpha->dump());
+  c.lora_alpha = alpha->get<double>();
+  if (const auto d = cfg.find("lora_dropout"); d != cfg.end() && !d->is_null()) {
+    if (!d->is_number() || d->get<double>() < 0 || d->get<double>() >= 1)
+      fail(ErrorKind::invalid_input, "{}: field 'lora_dropout' must be in [0, 1), got {}", file, d->dump());
+    c.lora_dropout = d->get<double>();
+  }
+  if (const auto rs = cfg.find("use_rslora"); rs != cfg.end() && !rs->is_null()) {
+    if (!rs->is_boolean()) fail(ErrorKind::invalid_input, "{}: field 'use_rslora' must be a boolean", file);
+    c.use_rslora = rs->get<bool>();
+  }
+  if (const auto b = cfg.find("base_model_name_or_path"); b != cfg.end() && b->is_string())
+    c.base_model_name_or_path = b->get<std::string>();
+  if (const auto v = cfg.find("peft_version"); v != cfg.end() && v->is_string()) c.peft_version = v->get<std::string>();
+  if (const auto b = cfg.find("bias"); b != cfg.end() && !b->is_null() && *b != "none")
+    unsupported_field(file, "bias", *b, "only bias \"none\"");
+  require_unset(file, cfg, "use_dora", "DoRA");
+  require_unset(file, cfg, "fan_in_fan_out", "transposed (Conv1D) weights");
+  require_unset(file, cfg, "layers_to_transform", "all layers must be adapted");
+  require_unset(file, cfg, "layers_pattern", "all layers must be adapted");
+  require_unset(file, cfg, "rank_pattern", "one rank for every layer");
+  require_unset(file, cfg, "alpha_pattern", "one alpha for every layer");
+  require_unset(file, cfg, "modules_to_save", "fully trained extra modules");
+  require_unset(file, cfg, "lora_bias", "LoRA B biases");
+  require_unset(file, cfg, "use_qalora", "QALoRA");
+  require_unset(file, cfg, "layer_replication", "layer replication");
+  require_unset(file, cfg, "target_parameters", "parameter targeting");
+  require_unset(file, cfg, "trainable_token_indices", "trainable tokens");
+  require_unset(file, cfg, "use_bdlora", "BD-LoRA");
+  const auto tm = cfg.find("target_modules");
+  if (tm == cfg.end() || !tm->is_array() || tm->empty())
+    fail(tm != cfg.end() && tm->is_string() ? ErrorKind::unsupported : ErrorKind::invalid_input,
+         "{}: field 'target_modules' must be a non-empty list of module names, got {}", file,
+         tm == cfg.end() ? "nothing" : tm->dump());
+  std::set<Target> seen;
+  for (const auto& m : *tm) {
+    const auto t = m.is_string() ? target_from_name(m.get<std::string>()) : std::nullopt;
+    if (!t)
+      fail(ErrorKind::unsupported, "{}: field 'target_modules': {} is not one of q_proj, k_proj, v_proj, o_proj, "
+           "gate_proj, up_proj, down_proj", file, m.dump());
+    seen.insert(*t);
+  }
+  for (Target t : kAllTargets)
+    if (seen.count(t)) c.target_modules.push_back(t);
+  return c;
+}
+
+std::vector<float> to_f32(const safetensors::TensorInfo& info) {
+  std::vector<float> out(static_cast<size_t>(info.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (info.st_dtype == safetensors::StDType::f32) {
+      std::memcpy(&out[i], info.data + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, info.data + 2 * i, 2);
+      out[i] = info.st_dtype == safetensors::StDType::f16 ? fp16_to_fp32(h) : bf16_to_fp32(h);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* target_name(Target t) {
+  switch (t) {
+    case Target::q_proj: return "q_proj";
+    case Target::k_proj: return "k_proj";
+    case Target::v_proj: return "v_proj";
+    case Target::o_proj: return "o_proj";
+    case Target::gate_proj: return "gate_proj";
+    case Target::up_proj: return "up_proj";
+    case Target::down_proj: return "down_proj";
+  }
+  return "?";
+}
+
+std::optional<Target> target_from_name(std::string_view name) {
+  for (Target t : kAllTargets)
+    if (name == target_name(t)) return t;
+  return std::nullopt;
+}
+
+bool target_is_attention(Target t) {
+  return t == Target::q_proj || t == Target::k_proj || t == Target::v_proj || t == Target::o_proj;
+}
+
+std::string tensor_name(int layer, Target t, bool lora_b) {
+  return fmt::format("{}{}.{}.{}.lora_{}.weight", kPrefix, layer, target_is_attention(t) ? "self_attn" : "mlp",
+                     target_name(t), lora_b ? 'B' : 'A');
+}
+
+double AdapterConfig::scaling() const {
+  return use_rslora ? lora_alpha / std::sqrt(static_cast<double>(r)) : lora_alpha / r;
+}
+
+const LoraPair* AdapterTensors::find(int layer, Target t) const {
+  const auto it = pairs.find({layer, t});
+  return it == pairs.end() ? nullptr : &it->second;
+}
+
+int AdapterTensors::n_layers() const {
+  int n = 0;
+  for (const auto& [key, pair] : pairs) n = std::max(n, key.first + 1);
+  return n;
+}
+
+void write_adapter(const std::string& dir, const AdapterTensors& adapter, safetensors::StDType dtype) {
+  const AdapterConfig& c = adapter.config;
+  const std::string cfg_path = (std::filesystem::path(dir) / "adapter_config.json").string();
+  const std::string st_path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
+  if (c.r < 1 || !(c.lora_alpha > 0))
+    fail(ErrorKind::invalid_input, "{}: r {} and lora_alpha {} must be positive", cfg_path, c.r, c.lora_alpha);
+  safetensors::Writer w(st_path);
+  w.set_metadata("format", "pt");
+  for (const auto& [key, p] : adapter.pairs) {
+    const auto [layer, t] = key;
+    const std::string a_name = tensor_name(layer, t, false);
+    if (std::find(c.target_modules.begin(), c.target_modules.end(), t) == c.target_modules.end())
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' targets {}, which is not in target_modules", st_path, a_name,
+           target_name(t));
+    const size_t r = static_cast<size_t>(c.r);
+    if (p.in < 1 || p.out < 1 || p.a.size() != r * static_cast<size_t>(p.in) ||
+        p.b.size() != static_cast<size_t>(p.out) * r)
+      fail(ErrorKind::invalid_input, "{}: layer {} {}: A has {} values, B {}; expected [{}, {}] and [{}, {}]", st_path,
+           layer, target_name(t), p.a.size(), p.b.size(), r, p.in, p.out, r);
+    w.add(a_name, p.a, {c.r, p.in}, dtype);
+    w.add(tensor_name(layer, t, true), p.b, {p.out, c.r}, dtype);
+  }
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  std::vector<std::string> targets;
+  for (Target t : c.target_modules) targets.push_back(target_name(t));
+  // Keys sorted as PEFT writes them; the fields PEFT needs to load the adapter.
+  j["alpha_pattern"] = nlohmann::ordered_json::object();
+  j["base_model_name_or_path"] = c.base_model_name_or_path;
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["inference_mode"] = true;
+  j["init_lora_weights"] = true;
+  j["layers_pattern"] = nullptr;
+  j["layers_to_transform"] = nullptr;
+  // PEFT writes an integer alpha as an integer; keep files diffable with its output.
+  if (c.lora_alpha == std::floor(c.lora_alpha) && c.lora_alpha < 1e9)
+    j["lora_alpha"] = static_cast<int64_t>(c.lora_alpha);
+  else
+    j["lora_alpha"] = c.lora_alpha;
+  j["lora_dropout"] = c.lora_dropout;
+  j["modules_to_save"] = nullptr;
+  j["peft_type"] = "LORA";
+  j["peft_version"] = c.peft_version;
+  j["r"] = c.r;
+  j["rank_pattern"] = nlohmann::ordered_json::object();
+  j["target_modules"] = targets;
+  j["task_type"] = "CAUSAL_LM";
+  j["use_dora"] = false;
+  j["use_rslora"] = c.use_rslora;
+  w.write(safetensors::WriteOrder::reference);
+  write_file_atomic(cfg_path, j.dump(2) + "\n");
+}
+
+AdapterTensors read_adapter(const std::string& dir) {
+  const std::string cfg_path = (std::filesystem::path(dir) / "adapter_config.json").string();
+  const std::string st_path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
+  AdapterTensors out;
+  {
+    const std::string text = read_text_file(cfg_path);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      fail(ErrorKind::invalid_input, "{}: invalid JSON: {}", cfg_path, e.what());
+    }
+    out.config = parse_config(cfg_path, j);
+  }
+  const AdapterConfig& c = out.config;
+  if (!std::filesystem::exists(st_path)) {
+    if (std::filesystem::exists(std::filesystem::path(dir) / "adapter_model.bin"))
+      fail(ErrorKind::unsupported, "{}: missing; adapter_model.bin (pickle) is not read, convert it to safetensors",
+           st_path);
+    fail(ErrorKind::not_found, "{}: no such file", st_path);
+  }
+  const auto file = safetensors::File::open(st_path);
+  std::map<std::pair<int, Target>, std::pair<const safetensors::TensorInfo*, const safetensors::TensorInfo*>> found;
+  for (const auto& info : file->tensors()) {
+    const auto parsed = parse_tensor_name(info.name);
+    if (!parsed)
+      fail(ErrorKind::unsupported, "{}: unexpected tensor '{}' (only PEFT LoRA A/B weights of the seven Llama "
+           "projections are read)", st_path, info.name);
+    if (std::find(c.target_modules.begin(), c.target_modules.end(), parsed->target) == c.target_modules.end())
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' targets {}, which is not in target_modules of {}", st_path,
+           info.name, target_name(parsed->target), cfg_path);
+    if (info.st_dtype != safetensors::StDType::f32 && info.st_dtype != safetensors::StDType::f16 &&
+        info.st_dtype != safetensors::StDType::bf16)
+      fail(ErrorKind::unsupported, "{}: tensor '{}' has dtype {} (F32, F16 or BF16 expected)", st_path, info.name,
+           safetensors::st_dtype_name(info.st_dtype));
+    if (info.ndim != 2)
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {} (2 dimensions expected)", st_path, info.name,
+           info.shape_string());
+    const int64_t r_dim = parsed->lora_b ? info.shape[1] : info.shape[0];
+    const int64_t other = parsed->lora_b ? info.shape[0] : info.shape[1];
+    if (r_dim != c.r || other < 1)
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {}; expected {} with r = {} from {}", st_path,
+           info.name, info.shape_string(), parsed->lora_b ? "[out, r]" : "[r, in]", c.r, cfg_path);
+    auto& slot = found[{parsed->layer, parsed->target}];
+    (parsed->lora_b ? slot.second : slot.first) = &info;
+  }
+  if (found.empty()) fail(ErrorKind::invalid_input, "{}: no LoRA tensors", st_path);
+  std::set<int> layers;
+  for (const auto& [key, ab] : found) layers.insert(key.first);
+  for (int layer : layers)
+    for (Target t : c.target_modules) {
+      const auto it = found.find({layer, t});
+      const bool has_a = it != found.end() && it->second.first, has_b = it != found.end() && it->second.second;
+      if (!has_a || !has_b)
+        fail(ErrorKind::invalid_input, "{}: missing tensor '{}'", st_path, tensor_name(layer, t, has_a));
+      LoraPair p;
+      p.in = it->second.first->shape[1];
+      p.out = it->second.second->shape[0];
+      p.a = to_f32(*it->second.first);
+      p.b = to_f32(*it->second.second);
+      out.pairs.emplace(it->first, std::move(p));
+    }
+  if (static_cast<int>(layers.size()) != out.n_layers())
+    fail(ErrorKind::invalid_input, "{}: layers are not numbered 0..{} (found {} layers)", st_path,
+         out.n_layers() - 1, layers.size());
+  // Every layer of one target has the same in/out (the model's layers are identical).
+  for (const auto& [key, p] : out.pairs) {
+    const LoraPair& first = out.pairs.at({0, key.second});
+    if (p.in != first.in || p.out != first.out)
+      fail(ErrorKind::invalid_input, "{}: layer {} {}: A/B shapes [{}, {}]/[{}, {}] differ from layer 0's", st_path,
+           key.first, target_name(key.second), c.r, p.in, p.out, c.r);
+  }
+  return out;
+}
+
+void check_adapter_fits(const AdapterTensors& adapter, const ModelConfig& model, std::string_view what) {
+  if (adapter.n_layers() > model.n_layers)
+    fail(ErrorKind::invalid_input, "{}: adapter has {} layers, the model {}", what, adapter.n_layers(), model.n_layers);
+  for (const auto& [key, p] : adapter.pairs) {
+    const auto [in, out] = model_in_out(key.second, model);
+    if (p.in != in || p.out != out)
+      fail(ErrorKind::invalid_input, "{}: '{}' is [{}, {}] and its B [{}, {}]; the model needs [{}, {}] and [{}, {}]",
+           what, tensor_name(key.first, key.second, false), adapter.config.r, p.in, p.out, adapter.config.r,
+           adapter.config.r, in, out, adapter.config.r);
+  }
+}
+
+}  // namespace loom::peft

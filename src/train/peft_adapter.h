@@ -1,0 +1,75 @@
+// PEFT LoRA adapter folders (adapter_config.json + adapter_model.safetensors):
+// a neutral in-memory form, a writer that PEFT's loader accepts, and a reader
+// that validates folders written by loom or by PEFT itself.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "io/safetensors.h"
+
+namespace loom {
+struct ModelConfig;
+}
+
+namespace loom::peft {
+
+// The seven Llama linear layers PEFT can target, by their PEFT module names.
+enum class Target { q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj };
+inline constexpr Target kAllTargets[] = {Target::q_proj,    Target::k_proj,  Target::v_proj,   Target::o_proj,
+                                         Target::gate_proj, Target::up_proj, Target::down_proj};
+const char* target_name(Target t);                        // "q_proj", ...
+std::optional<Target> target_from_name(std::string_view name);
+bool target_is_attention(Target t);                       // q/k/v/o (self_attn) vs MLP
+// PEFT's tensor name, e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight.
+std::string tensor_name(int layer, Target t, bool lora_b);
+
+struct AdapterConfig {
+  int r = 8;
+  double lora_alpha = 16;
+  double lora_dropout = 0;
+  bool use_rslora = false;
+  std::vector<Target> target_modules;  // in kAllTargets order when written
+  std::string base_model_name_or_path;
+  std::string peft_version = "0.21.2";  // written as is; any version is read
+  // The factor multiplying B·A in the forward pass (alpha/r, or alpha/sqrt(r) with rsLoRA).
+  double scaling() const;
+};
+
+// One adapted linear layer: A is [r, in], B is [out, r], row-major fp32.
+struct LoraPair {
+  int64_t in = 0, out = 0;
+  std::vector<float> a, b;
+};
+
+struct AdapterTensors {
+  AdapterConfig config;
+  std::map<std::pair<int, Target>, LoraPair> pairs;  // (layer, target)
+
+  const LoraPair* find(int layer, Target t) const;
+  int n_layers() const;  // 1 + the largest layer index, 0 when empty
+};
+
+// Writes `dir`/adapter_config.json and `dir`/adapter_model.safetensors (each via
+// temp file + rename; the folder is created). `dtype`: F32, F16 or BF16.
+// Throws invalid_input when a pair's sizes disagree with r / in / out or a pair's
+// target is not in config.target_modules.
+void write_adapter(const std::string& dir, const AdapterTensors& adapter,
+                   safetensors::StDType dtype = safetensors::StDType::f32);
+
+// Reads and validates a PEFT LoRA folder. Unsupported options (DoRA,
+// fan_in_fan_out, non-LORA peft_type, layers_to_transform, rank/alpha patterns,
+// biases, modules_to_save, unknown targets, ...) and malformed or missing
+// tensors throw loom::Error naming the file and the field or tensor.
+AdapterTensors read_adapter(const std::string& dir);
+
+// Checks layer count and every pair's in/out against the model; throws
+// invalid_input naming `what` (e.g. the adapter folder) and the tensor.
+void check_adapter_fits(const AdapterTensors& adapter, const ModelConfig& model, std::string_view what);
+
+}  // namespace loom::peft
