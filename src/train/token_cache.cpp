@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/mapped_file.h"
 #include "core/rng.h"
+#include "io/file_write.h"
 #include "train/data.h"
 
 namespace loom {
@@ -205,20 +206,6 @@ std::optional<SampleSet> deserialize(std::string_view b, const Key& key, const T
 std::string key_hex(const Key& k) { return fmt::format("{:016x}{:016x}", k.first, k.second); }
 
 // Writes through a temporary file and a rename, so a reader never sees half a file.
-std::string write_atomically(const std::string& path, const std::string& bytes) {
-  std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  if (ec) return fmt::format("cannot create {}: {}", std::filesystem::path(path).parent_path().string(), ec.message());
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!f.flush()) return fmt::format("cannot write {}", tmp);
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message());
-  return {};
-}
 
 }  // namespace
 
@@ -300,8 +287,11 @@ SampleSet load_jsonl_dataset(const std::string& path, const Tokenizer& tok, cons
     cache.reason = why;
   }
   SampleSet set = read_jsonl_text(bytes, path, tok, tmpl, opt, stats);
-  if (std::string err = write_atomically(cache.path, serialize(key, set, stats)); !err.empty())
-    cache.reason += (cache.reason.empty() ? "" : "; ") + err;
+  try {
+    write_file_atomic(cache.path, serialize(key, set, stats));
+  } catch (const Error& e) {  // an unwritable cache is reported, not fatal
+    cache.reason += (cache.reason.empty() ? "" : "; ") + std::string(e.what());
+  }
   return set;
 }
 
