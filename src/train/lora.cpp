@@ -1,6 +1,8 @@
 // LoRA configuration, arena layout and PEFT-compatible initialization.
 #include "train/lora.h"
 
+#include "train/peft_adapter.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -150,9 +152,7 @@ void lora_permute_qk_rows(LoraModel& lora, float* arena, const ModelConfig& mode
 }
 
 std::string LoraModel::peft_name(int64_t layer, LoraTarget t, bool is_a) {
-  const bool attn = t == LoraTarget::q || t == LoraTarget::k || t == LoraTarget::v || t == LoraTarget::o;
-  return fmt::format("base_model.model.model.layers.{}.{}.{}.lora_{}.weight", layer,
-                     attn ? "self_attn" : "mlp", lora_target_peft_name(t), is_a ? "A" : "B");
+  return peft::tensor_name(static_cast<int>(layer), t, /*lora_b=*/!is_a);
 }
 
 }  // namespace loom

@@ -19,6 +19,10 @@ namespace loom {
 // The seven linear layers of a decoder layer that can carry an adapter.
 enum class LoraTarget { q, k, v, o, gate, up, down };
 inline constexpr int kLoraTargetCount = 7;
+inline constexpr LoraTarget kAllLoraTargets[] = {LoraTarget::q,    LoraTarget::k,  LoraTarget::v,   LoraTarget::o,
+                                                 LoraTarget::gate, LoraTarget::up, LoraTarget::down};
+// q/k/v/o live under self_attn, the others under mlp.
+inline bool lora_target_is_attention(LoraTarget t) { return static_cast<int>(t) < 4; }
 
 // "q_proj", ..., "down_proj" (PEFT / Hugging Face module names).
 const char* lora_target_peft_name(LoraTarget t);

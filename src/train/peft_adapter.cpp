@@ -24,15 +24,15 @@ namespace {
 
 constexpr std::string_view kPrefix = "base_model.model.model.layers.";
 
-std::pair<int64_t, int64_t> model_in_out(Target t, const ModelConfig& m) {
+std::pair<int64_t, int64_t> model_in_out(LoraTarget t, const ModelConfig& m) {
   switch (t) {
-    case Target::q_proj: return {m.hidden, m.q_dim()};
-    case Target::k_proj:
-    case Target::v_proj: return {m.hidden, m.kv_dim()};
-    case Target::o_proj: return {m.q_dim(), m.hidden};
-    case Target::gate_proj:
-    case Target::up_proj: return {m.hidden, m.intermediate};
-    case Target::down_proj: return {m.intermediate, m.hidden};
+    case LoraTarget::q: return {m.hidden, m.q_dim()};
+    case LoraTarget::k:
+    case LoraTarget::v: return {m.hidden, m.kv_dim()};
+    case LoraTarget::o: return {m.q_dim(), m.hidden};
+    case LoraTarget::gate:
+    case LoraTarget::up: return {m.hidden, m.intermediate};
+    case LoraTarget::down: return {m.intermediate, m.hidden};
   }
   return {0, 0};
 }
@@ -40,7 +40,7 @@ std::pair<int64_t, int64_t> model_in_out(Target t, const ModelConfig& m) {
 // Parses "<layer>.<self_attn|mlp>.<target>.lora_<A|B>.weight" after the prefix.
 struct ParsedName {
   int layer;
-  Target target;
+  LoraTarget target;
   bool lora_b;
 };
 std::optional<ParsedName> parse_tensor_name(std::string_view name) {
@@ -51,7 +51,7 @@ std::optional<ParsedName> parse_tensor_name(std::string_view name) {
   if (ec != std::errc() || layer < 0 || ptr == name.data() || (name[0] == '0' && ptr - name.data() > 1))
     return std::nullopt;
   name.remove_prefix(static_cast<size_t>(ptr - name.data()));
-  for (Target t : kAllTargets)
+  for (LoraTarget t : kAllLoraTargets)
     for (bool b : {false, true})
       if (name == tensor_name(layer, t, b).substr(tensor_name(layer, t, b).find('.', kPrefix.size())))
         return ParsedName{layer, t, b};
@@ -126,15 +126,16 @@ AdapterConfig parse_config(const std::string& file, const nlohmann::json& cfg) {
     fail(tm != cfg.end() && tm->is_string() ? ErrorKind::unsupported : ErrorKind::invalid_input,
          "{}: field 'target_modules' must be a non-empty list of module names, got {}", file,
          tm == cfg.end() ? "nothing" : tm->dump());
-  std::set<Target> seen;
+  std::set<LoraTarget> seen;
   for (const auto& m : *tm) {
-    const auto t = m.is_string() ? target_from_name(m.get<std::string>()) : std::nullopt;
+    auto t = m.is_string() ? lora_target_from_name(m.get<std::string>()) : std::nullopt;
+    if (t && m.get<std::string>() != lora_target_peft_name(*t)) t = std::nullopt;  // PEFT spells q_proj, ...
     if (!t)
       fail(ErrorKind::unsupported, "{}: field 'target_modules': {} is not one of q_proj, k_proj, v_proj, o_proj, "
            "gate_proj, up_proj, down_proj", file, m.dump());
     seen.insert(*t);
   }
-  for (Target t : kAllTargets)
+  for (LoraTarget t : kAllLoraTargets)
     if (seen.count(t)) c.target_modules.push_back(t);
   return c;
 }
@@ -155,39 +156,19 @@ std::vector<float> to_f32(const safetensors::TensorInfo& info) {
 
 }  // namespace
 
-const char* target_name(Target t) {
-  switch (t) {
-    case Target::q_proj: return "q_proj";
-    case Target::k_proj: return "k_proj";
-    case Target::v_proj: return "v_proj";
-    case Target::o_proj: return "o_proj";
-    case Target::gate_proj: return "gate_proj";
-    case Target::up_proj: return "up_proj";
-    case Target::down_proj: return "down_proj";
-  }
-  return "?";
-}
 
-std::optional<Target> target_from_name(std::string_view name) {
-  for (Target t : kAllTargets)
-    if (name == target_name(t)) return t;
-  return std::nullopt;
-}
 
-bool target_is_attention(Target t) {
-  return t == Target::q_proj || t == Target::k_proj || t == Target::v_proj || t == Target::o_proj;
-}
 
-std::string tensor_name(int layer, Target t, bool lora_b) {
-  return fmt::format("{}{}.{}.{}.lora_{}.weight", kPrefix, layer, target_is_attention(t) ? "self_attn" : "mlp",
-                     target_name(t), lora_b ? 'B' : 'A');
+std::string tensor_name(int layer, LoraTarget t, bool lora_b) {
+  return fmt::format("{}{}.{}.{}.lora_{}.weight", kPrefix, layer, lora_target_is_attention(t) ? "self_attn" : "mlp",
+                     lora_target_peft_name(t), lora_b ? 'B' : 'A');
 }
 
 double AdapterConfig::scaling() const {
   return use_rslora ? lora_alpha / std::sqrt(static_cast<double>(r)) : lora_alpha / r;
 }
 
-const LoraPair* AdapterTensors::find(int layer, Target t) const {
+const LoraPair* AdapterTensors::find(int layer, LoraTarget t) const {
   const auto it = pairs.find({layer, t});
   return it == pairs.end() ? nullptr : &it->second;
 }
@@ -211,18 +192,18 @@ void write_adapter(const std::string& dir, const AdapterTensors& adapter, safete
     const std::string a_name = tensor_name(layer, t, false);
     if (std::find(c.target_modules.begin(), c.target_modules.end(), t) == c.target_modules.end())
       fail(ErrorKind::invalid_input, "{}: tensor '{}' targets {}, which is not in target_modules", st_path, a_name,
-           target_name(t));
+           lora_target_peft_name(t));
     const size_t r = static_cast<size_t>(c.r);
     if (p.in < 1 || p.out < 1 || p.a.size() != r * static_cast<size_t>(p.in) ||
         p.b.size() != static_cast<size_t>(p.out) * r)
       fail(ErrorKind::invalid_input, "{}: layer {} {}: A has {} values, B {}; expected [{}, {}] and [{}, {}]", st_path,
-           layer, target_name(t), p.a.size(), p.b.size(), r, p.in, p.out, r);
+           layer, lora_target_peft_name(t), p.a.size(), p.b.size(), r, p.in, p.out, r);
     w.add(a_name, p.a, {c.r, p.in}, dtype);
     w.add(tensor_name(layer, t, true), p.b, {p.out, c.r}, dtype);
   }
   nlohmann::ordered_json j = nlohmann::ordered_json::object();
   std::vector<std::string> targets;
-  for (Target t : c.target_modules) targets.push_back(target_name(t));
+  for (LoraTarget t : c.target_modules) targets.push_back(lora_target_peft_name(t));
   // Keys sorted as PEFT writes them; the fields PEFT needs to load the adapter.
   j["alpha_pattern"] = nlohmann::ordered_json::object();
   j["base_model_name_or_path"] = c.base_model_name_or_path;
@@ -273,7 +254,7 @@ AdapterTensors read_adapter(const std::string& dir) {
     fail(ErrorKind::not_found, "{}: no such file", st_path);
   }
   const auto file = safetensors::File::open(st_path);
-  std::map<std::pair<int, Target>, std::pair<const safetensors::TensorInfo*, const safetensors::TensorInfo*>> found;
+  std::map<std::pair<int, LoraTarget>, std::pair<const safetensors::TensorInfo*, const safetensors::TensorInfo*>> found;
   for (const auto& info : file->tensors()) {
     const auto parsed = parse_tensor_name(info.name);
     if (!parsed)
@@ -281,7 +262,7 @@ AdapterTensors read_adapter(const std::string& dir) {
            "projections are read)", st_path, info.name);
     if (std::find(c.target_modules.begin(), c.target_modules.end(), parsed->target) == c.target_modules.end())
       fail(ErrorKind::invalid_input, "{}: tensor '{}' targets {}, which is not in target_modules of {}", st_path,
-           info.name, target_name(parsed->target), cfg_path);
+           info.name, lora_target_peft_name(parsed->target), cfg_path);
     if (info.st_dtype != safetensors::StDType::f32 && info.st_dtype != safetensors::StDType::f16 &&
         info.st_dtype != safetensors::StDType::bf16)
       fail(ErrorKind::unsupported, "{}: tensor '{}' has dtype {} (F32, F16 or BF16 expected)", st_path, info.name,
@@ -301,7 +282,7 @@ AdapterTensors read_adapter(const std::string& dir) {
   std::set<int> layers;
   for (const auto& [key, ab] : found) layers.insert(key.first);
   for (int layer : layers)
-    for (Target t : c.target_modules) {
+    for (LoraTarget t : c.target_modules) {
       const auto it = found.find({layer, t});
       const bool has_a = it != found.end() && it->second.first, has_b = it != found.end() && it->second.second;
       if (!has_a || !has_b)
@@ -321,7 +302,7 @@ AdapterTensors read_adapter(const std::string& dir) {
     const LoraPair& first = out.pairs.at({0, key.second});
     if (p.in != first.in || p.out != first.out)
       fail(ErrorKind::invalid_input, "{}: layer {} {}: A/B shapes [{}, {}]/[{}, {}] differ from layer 0's", st_path,
-           key.first, target_name(key.second), c.r, p.in, p.out, c.r);
+           key.first, lora_target_peft_name(key.second), c.r, p.in, p.out, c.r);
   }
   return out;
 }

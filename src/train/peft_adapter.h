@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "io/safetensors.h"
+#include "train/lora.h"
 
 namespace loom {
 struct ModelConfig;
@@ -19,22 +20,15 @@ struct ModelConfig;
 
 namespace loom::peft {
 
-// The seven Llama linear layers PEFT can target, by their PEFT module names.
-enum class Target { q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj };
-inline constexpr Target kAllTargets[] = {Target::q_proj,    Target::k_proj,  Target::v_proj,   Target::o_proj,
-                                         Target::gate_proj, Target::up_proj, Target::down_proj};
-const char* target_name(Target t);                        // "q_proj", ...
-std::optional<Target> target_from_name(std::string_view name);
-bool target_is_attention(Target t);                       // q/k/v/o (self_attn) vs MLP
 // PEFT's tensor name, e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight.
-std::string tensor_name(int layer, Target t, bool lora_b);
+std::string tensor_name(int layer, LoraTarget t, bool lora_b);
 
 struct AdapterConfig {
   int r = 8;
   double lora_alpha = 16;
   double lora_dropout = 0;
   bool use_rslora = false;
-  std::vector<Target> target_modules;  // in kAllTargets order when written
+  std::vector<LoraTarget> target_modules;  // in kAllLoraTargets order when written
   std::string base_model_name_or_path;
   std::string peft_version = "0.21.2";  // written as is; any version is read
   // The factor multiplying B·A in the forward pass (alpha/r, or alpha/sqrt(r) with rsLoRA).
@@ -49,9 +43,9 @@ struct LoraPair {
 
 struct AdapterTensors {
   AdapterConfig config;
-  std::map<std::pair<int, Target>, LoraPair> pairs;  // (layer, target)
+  std::map<std::pair<int, LoraTarget>, LoraPair> pairs;  // (layer, target)
 
-  const LoraPair* find(int layer, Target t) const;
+  const LoraPair* find(int layer, LoraTarget t) const;
   int n_layers() const;  // 1 + the largest layer index, 0 when empty
 };
 

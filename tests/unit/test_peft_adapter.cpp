@@ -57,11 +57,11 @@ TEST(PeftAdapter, ReadsFolderWrittenByPeft) {
   EXPECT_EQ(ad.n_layers(), 2);
   EXPECT_EQ(ad.pairs.size(), 14u);
   check_adapter_fits(ad, tiny_llama(), kFixture);
-  const LoraPair* k = ad.find(1, Target::k_proj);
+  const LoraPair* k = ad.find(1, LoraTarget::k);
   ASSERT_NE(k, nullptr);
   EXPECT_EQ(k->in, 64);
   EXPECT_EQ(k->out, 32);
-  const LoraPair* down = ad.find(0, Target::down_proj);
+  const LoraPair* down = ad.find(0, LoraTarget::down);
   ASSERT_NE(down, nullptr);
   EXPECT_EQ(down->in, 176);
   EXPECT_EQ(down->out, 64);
@@ -69,7 +69,7 @@ TEST(PeftAdapter, ReadsFolderWrittenByPeft) {
   const auto expected = nlohmann::json::parse(read_text_file(kFixture + "-expected.json"));
   ASSERT_EQ(expected.size(), 28u);
   for (int layer = 0; layer < 2; ++layer)
-    for (Target t : kAllTargets)
+    for (LoraTarget t : kAllLoraTargets)
       for (bool b : {false, true}) {
         const std::string name = tensor_name(layer, t, b);
         ASSERT_TRUE(expected.contains(name)) << name;
@@ -87,7 +87,7 @@ TEST(PeftAdapter, ReadsFolderWrittenByPeft) {
       }
 }
 
-AdapterTensors random_adapter(int r, int layers, std::vector<Target> targets, uint64_t seed) {
+AdapterTensors random_adapter(int r, int layers, std::vector<LoraTarget> targets, uint64_t seed) {
   AdapterTensors ad;
   ad.config.r = r;
   ad.config.lora_alpha = 3 * r;
@@ -97,7 +97,7 @@ AdapterTensors random_adapter(int r, int layers, std::vector<Target> targets, ui
   ad.config.base_model_name_or_path = "some/model";
   CounterRng rng(seed);
   for (int l = 0; l < layers; ++l)
-    for (Target t : targets) {
+    for (LoraTarget t : targets) {
       LoraPair p;
       p.in = 13 + static_cast<int64_t>(t);
       p.out = 7 + 2 * static_cast<int64_t>(t);
@@ -111,7 +111,7 @@ AdapterTensors random_adapter(int r, int layers, std::vector<Target> targets, ui
 }
 
 TEST(PeftAdapter, RoundTripF32F16Bf16) {
-  const AdapterTensors ad = random_adapter(3, 3, {Target::q_proj, Target::v_proj, Target::down_proj}, 11);
+  const AdapterTensors ad = random_adapter(3, 3, {LoraTarget::q, LoraTarget::v, LoraTarget::down}, 11);
   for (auto [dtype, tol] : {std::pair{safetensors::StDType::f32, 0.0}, std::pair{safetensors::StDType::f16, 1e-3},
                             std::pair{safetensors::StDType::bf16, 4e-3}}) {
     TempDir dir(safetensors::st_dtype_name(dtype));
@@ -144,17 +144,17 @@ TEST(PeftAdapter, RoundTripF32F16Bf16) {
 }
 
 TEST(PeftAdapter, WriteRejectsInconsistentPairs) {
-  AdapterTensors ad = random_adapter(2, 1, {Target::q_proj}, 3);
+  AdapterTensors ad = random_adapter(2, 1, {LoraTarget::q}, 3);
   ad.pairs.begin()->second.a.pop_back();
   TempDir dir("badwrite");
   EXPECT_THROW(write_adapter(dir.str(), ad), Error);
-  ad = random_adapter(2, 1, {Target::q_proj}, 3);
-  ad.config.target_modules = {Target::k_proj};
+  ad = random_adapter(2, 1, {LoraTarget::q}, 3);
+  ad.config.target_modules = {LoraTarget::k};
   EXPECT_THROW(write_adapter(dir.str(), ad), Error);
 }
 
 TEST(PeftAdapter, ModelMismatchNamesTensor) {
-  const AdapterTensors ad = random_adapter(2, 1, {Target::q_proj}, 3);
+  const AdapterTensors ad = random_adapter(2, 1, {LoraTarget::q}, 3);
   try {
     check_adapter_fits(ad, tiny_llama(), "my-adapter");
     ADD_FAILURE() << "no error";
@@ -221,7 +221,7 @@ void expect_tensor_error(const std::string& tag, const std::function<void(safete
 
 TEST(PeftAdapter, RejectsBadTensors) {
   const std::vector<float> a(4 * 64, 0.5f), b(64 * 4, 0.25f);
-  const std::string qa = tensor_name(0, Target::q_proj, false), qb = tensor_name(0, Target::q_proj, true);
+  const std::string qa = tensor_name(0, LoraTarget::q, false), qb = tensor_name(0, LoraTarget::q, true);
   expect_tensor_error("missingB", [&](auto& w) { w.add(qa, a, {4, 64}); }, qb);
   expect_tensor_error("extra", [&](auto& w) {
     w.add(qa, a, {4, 64});
@@ -244,14 +244,14 @@ TEST(PeftAdapter, RejectsBadTensors) {
   expect_tensor_error("dtype", [&](auto& w) {
     w.add_raw(qa, safetensors::StDType::f32, {4, 64}, std::string(4 * 64 * 4, '\0'));
     w.add(qb, b, {64, 4});
-    w.add_raw(tensor_name(1, Target::q_proj, false), safetensors::StDType::f16, {4, 64},
+    w.add_raw(tensor_name(1, LoraTarget::q, false), safetensors::StDType::f16, {4, 64},
               std::string(4 * 64 * 2, '\0'));
-  }, tensor_name(1, Target::q_proj, true));  // layer 1 lacks B
+  }, tensor_name(1, LoraTarget::q, true));  // layer 1 lacks B
   expect_tensor_error("gap", [&](auto& w) {
     w.add(qa, a, {4, 64});
     w.add(qb, b, {64, 4});
-    w.add(tensor_name(2, Target::q_proj, false), a, {4, 64});
-    w.add(tensor_name(2, Target::q_proj, true), b, {64, 4});
+    w.add(tensor_name(2, LoraTarget::q, false), a, {4, 64});
+    w.add(tensor_name(2, LoraTarget::q, true), b, {64, 4});
   }, "numbered");
   expect_tensor_error("wrongparent", [&](auto& w) {
     w.add("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", a, {4, 64});
