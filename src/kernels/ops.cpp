@@ -41,7 +41,7 @@ void add_inplace(float* y, const float* x, int64_t n) {
   for (; i < n; ++i) y[i] += x[i];
 }
 
-void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, const int32_t* pos) {
+void rope_rotate(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, const int32_t* pos, float direction) {
   const int64_t d = rope.head_dim, half = d / 2;
   std::vector<float> cs(static_cast<size_t>(d));  // cos | sin per pair
   for (int64_t t = 0; t < T; ++t) {
@@ -49,7 +49,7 @@ void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, con
       // angle in double: positions up to 1e5+ times small frequencies lose bits in float
       const double a = static_cast<double>(pos[t]) * rope.inv_freq[static_cast<size_t>(i)];
       cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(a));
-      cs[static_cast<size_t>(half + i)] = static_cast<float>(std::sin(a));
+      cs[static_cast<size_t>(half + i)] = direction * static_cast<float>(std::sin(a));
     }
     for (int64_t h = 0; h < n_heads; ++h) {
       float* v = x + (t * n_heads + h) * d;
@@ -63,6 +63,10 @@ void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, con
       }
     }
   }
+}
+
+void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, const int32_t* pos) {
+  rope_rotate(rope, x, T, n_heads, pos, 1.0f);
 }
 
 void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k, const float* v,

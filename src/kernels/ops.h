@@ -30,6 +30,9 @@ struct RopeTable {
 
 // Rotates x[t, h, :] for t < T, h < n_heads by angle pos[t] * inv_freq.
 void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, const int32_t* pos);
+// Rotation by direction * angle: +1 is rope_apply, -1 its inverse (= transpose,
+// which is also RoPE's backward).
+void rope_rotate(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, const int32_t* pos, float direction);
 
 // Causal GQA attention of T query rows against a KV store.
 //   q:   [T, n_heads * head_dim], query row t sits at position pos[t]

@@ -67,27 +67,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, c
 }
 
 void rope_backward(const RopeTable& rope, float* d, int64_t T, int64_t n_heads, const int32_t* pos) {
-  const int64_t hd = rope.head_dim, half = hd / 2;
-  std::vector<float> cs(static_cast<size_t>(hd));  // cos | sin per pair
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < half; ++i) {
-      const double a = static_cast<double>(pos[t]) * rope.inv_freq[static_cast<size_t>(i)];
-      cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(a));
-      cs[static_cast<size_t>(half + i)] = static_cast<float>(std::sin(a));
-    }
-    for (int64_t h = 0; h < n_heads; ++h) {
-      float* v = d + (t * n_heads + h) * hd;
-      for (int64_t i = 0; i < half; ++i) {
-        const int64_t i0 = rope.interleaved ? 2 * i : i;
-        const int64_t i1 = rope.interleaved ? 2 * i + 1 : i + half;
-        const float c = cs[static_cast<size_t>(i)], s = cs[static_cast<size_t>(half + i)];
-        const float g0 = v[i0], g1 = v[i1];
-        // transpose of [[c, -s], [s, c]]
-        v[i0] = g0 * c + g1 * s;
-        v[i1] = -g0 * s + g1 * c;
-      }
-    }
-  }
+  rope_rotate(rope, d, T, n_heads, pos, -1.0f);  // the rotation is orthogonal: backward = inverse
 }
 
 void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n) {
