@@ -2,6 +2,8 @@
 // config.json files written by transformers, and the validation errors.
 #include <gtest/gtest.h>
 
+#include "expect_error.h"
+
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -15,17 +17,7 @@ namespace {
 
 using json = nlohmann::json;
 
-void expect_error(const std::function<void()>& fn, ErrorKind kind, std::vector<std::string> needles) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    for (const auto& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what() << "\n  missing: " << n;
-    return;
-  }
-  ADD_FAILURE() << "no loom::Error thrown";
-}
+using test_util::expect_error;
 
 // ---- a minimal GGUF v3 writer ----------------------------------------------
 

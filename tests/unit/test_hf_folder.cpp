@@ -2,6 +2,8 @@
 // tokenizer / generation files, and the index validation errors.
 #include <gtest/gtest.h>
 
+#include "expect_error.h"
+
 #include <functional>
 
 #include "core/half.h"
@@ -16,17 +18,7 @@ namespace {
 using namespace loom::testing_util;
 using json = nlohmann::json;
 
-void expect_error(const std::function<void()>& fn, ErrorKind kind, std::vector<std::string> needles) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    for (const auto& n : needles)
-      EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what() << "\n  missing: " << n;
-    return;
-  }
-  ADD_FAILURE() << "no loom::Error thrown";
-}
+using test_util::expect_error;
 
 StEntry f32_entry(const std::string& name, std::vector<int64_t> shape, float base) {
   int64_t n = 1;

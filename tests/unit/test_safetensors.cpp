@@ -3,6 +3,8 @@
 // field must give a typed error naming the file and tensor.
 #include <gtest/gtest.h>
 
+#include "expect_error.h"
+
 #include <cmath>
 #include <functional>
 #include <random>
@@ -25,16 +27,7 @@ std::unique_ptr<File> parse_string(const std::string& s, const std::string& name
 }
 
 // Runs `fn`, expects a loom::Error of `kind` whose message contains every needle.
-void expect_error(const std::function<void()>& fn, ErrorKind kind, std::vector<std::string> needles) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what() << "\n  missing: " << n;
-    return;
-  }
-  ADD_FAILURE() << "no loom::Error thrown";
-}
+using test_util::expect_error;
 
 void expect_parse_error(const std::string& image, ErrorKind kind, std::vector<std::string> needles) {
   needles.push_back(kName);
