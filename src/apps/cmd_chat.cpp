@@ -7,6 +7,7 @@
 #include "apps/cli_common.h"
 #include "apps/commands.h"
 #include "model/model.h"
+#include "train/adapter_merge.h"
 #include "tokenizer/chat_template.h"
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
@@ -21,6 +22,8 @@ int run_chat(int argc, char** argv) {
   int threads = 1;
   GenerateOptions opts;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
+  std::string adapter_dir;
+  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder, merged into the weights at load");
   app.add_option("--system", system_prompt, "system message for the conversation");
   app.add_option("--chat-template", template_name, "chatml, llama3, llama2 or mistral (default: from the model's metadata)")
       ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral"}));
@@ -37,7 +40,9 @@ int run_chat(int argc, char** argv) {
   validate_sampling(opts.sampling);
 
   ThreadPool pool(threads);
-  auto model = Model::load(model_path, {.tokenizer = true, .pack = true, .pool = &pool});
+  Model::LoadOptions load{.tokenizer = true, .pack = true, .pool = &pool};
+  if (!adapter_dir.empty()) load.before_pack = adapter_merge_hook(adapter_dir);
+  auto model = Model::load(model_path, load);
   const Tokenizer& tok = model->tokenizer();
   opts.extra_eos = model->extra_eos_ids();
   const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();

@@ -7,6 +7,7 @@
 #include "core/mapped_file.h"
 #include "model/generate.h"
 #include "model/model.h"
+#include "train/adapter_merge.h"
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
 
@@ -22,6 +23,8 @@ int run_generate(int argc, char** argv) {
   bool no_special = false;
   GenerateOptions opts;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
+  std::string adapter_dir;
+  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder, merged into the weights at load");
   auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text");
   auto* f_opt = app.add_option("-f,--file", prompt_file, "read the prompt from a file");
   p_opt->excludes(f_opt);
@@ -41,7 +44,9 @@ int run_generate(int argc, char** argv) {
   validate_sampling(opts.sampling);
 
   ThreadPool pool(threads);
-  auto model = Model::load(model_path, {.tokenizer = true, .pack = true, .pool = &pool});
+  Model::LoadOptions load{.tokenizer = true, .pack = true, .pool = &pool};
+  if (!adapter_dir.empty()) load.before_pack = adapter_merge_hook(adapter_dir);
+  auto model = Model::load(model_path, load);
   const Tokenizer& tok = model->tokenizer();
   opts.extra_eos = model->extra_eos_ids();
   const auto ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/!no_special);

@@ -7,10 +7,12 @@ extern const Command kTokenizeCommand;
 extern const Command kGenerateCommand;
 extern const Command kChatCommand;
 extern const Command kBenchCommand;
+extern const Command kMergeCommand;
+extern const Command kTrainCommand;
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {kInfoCommand, kTokenizeCommand, kGenerateCommand, kChatCommand,
-                                             kBenchCommand};
+                                             kBenchCommand, kMergeCommand, kTrainCommand};
   return table;
 }
 

@@ -16,6 +16,8 @@ void print_usage() {
       "  tokenize   print the tokens of a text\n"
       "  generate   continue a prompt\n"
       "  chat       interactive chat using the model's chat template\n"
+      "  merge      merge a LoRA adapter into a model, write a Hugging Face folder\n"
+      "  train      fine-tune a LoRA adapter from a YAML config\n"
       "  bench      measure prompt processing and generation speed\n\n"
       "Run 'loom <command> --help' for a command's options.\n",
       stdout);

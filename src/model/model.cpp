@@ -67,6 +67,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     if (with_tokenizer) m->tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_gguf(g));
   }
   if (options.dequantize) dequantize_weights(m->weights_);
+  if (options.before_pack) options.before_pack(m->weights_, m->config_);
   if (options.pack) pack_weights(m->weights_, options.pool);
   return m;
 }

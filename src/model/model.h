@@ -3,6 +3,7 @@
 // folder with config.json.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +26,9 @@ class Model {
     bool pack = true;            // false: no matmul panels (inspection only: `loom info`)
     ThreadPool* pool = nullptr;  // speeds up packing
     bool dequantize = false;     // expand every matrix to f32 first (reference checks, --f32)
+    // Runs after the weights are bound (and dequantized) and before packing, e.g.
+    // to merge an adapter into f32 copies of some matrices (train/adapter_merge.h).
+    std::function<void(ModelWeights&, const ModelConfig&)> before_pack = nullptr;
   };
   // Loads weights and tokenizer. Throws loom::Error naming the path.
   static std::unique_ptr<Model> load(const std::string& path, const LoadOptions& options);

@@ -52,6 +52,16 @@ expect "non-numeric n" 2 "n-predict|could not be converted|invalid" -- "$loom" g
 expect "empty prompt" 1 "prompt is empty" -- "$loom" generate -m "$tiny" -p ""
 expect "prompt file missing" 1 "nofile.txt" -- "$loom" generate -m "$tiny" -f "$tmp/nofile.txt"
 
+# loom train: config keys are checked before anything is loaded.
+expect "help train" 0 "usage|options" -- "$loom" train --help
+printf 'model: %s\ndata:\n  train: %s\nsteps: 2\noutput_dir: %s\n' \
+  "$tiny" "$src/tests/fixtures/train_data/text.jsonl" "$tmp/adapter" >"$tmp/train.yaml"
+{ cat "$tmp/train.yaml"; echo 'batchsize: 2'; } >"$tmp/bad_train.yaml"
+expect "train unknown key" 1 "bad_train.yaml:6:1: unknown key 'batchsize'" -- "$loom" train "$tmp/bad_train.yaml"
+expect "train bad --set" 1 "unknown key 'optim.lrr'" -- "$loom" train "$tmp/train.yaml" --set optim.lrr=1
+expect "train bad type" 1 "'steps'.*expected an integer" -- "$loom" train "$tmp/train.yaml" --set steps=many
+expect "train tiny" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 -t 1
+
 if [ -f "$model" ]; then
   expect "info smollm2" 0 "architecture: +llama" -- "$loom" info -m "$model"
   expect "tokenize ids" 0 '^\[504, 3575, 282, 4649, 314\]$' -- "$loom" tokenize -m "$model" --text "The capital of France is" --ids

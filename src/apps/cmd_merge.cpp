@@ -1,0 +1,49 @@
+// `loom merge`: merges a PEFT LoRA adapter into a model and writes the result
+// as a Hugging Face folder (config.json, model.safetensors, generation_config.json).
+#include <cstdio>
+#include <filesystem>
+
+#include "apps/cli_common.h"
+#include "apps/commands.h"
+#include "model/model.h"
+#include "train/adapter_merge.h"
+
+namespace loom::app {
+
+namespace {
+
+int run_merge(int argc, char** argv) {
+  CLI::App app("Merge a LoRA adapter into a model and write a Hugging Face folder.", "merge");
+  std::string model_path, adapter_dir, out_dir, dtype = "f32";
+  int threads = 1;
+  app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
+  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder")->required();
+  app.add_option("-o,--output", out_dir, "the folder to write")->required();
+  app.add_option("--dtype", dtype, "storage type of the written weights")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
+  add_threads_flag(app, threads);
+  int code = 0;
+  if (!parse_cli(app, argc, argv, code)) return code;
+  const safetensors::StDType st = dtype == "bf16"  ? safetensors::StDType::bf16
+                                  : dtype == "f16" ? safetensors::StDType::f16
+                                                   : safetensors::StDType::f32;
+
+  ThreadPool pool(threads);
+  // A GGUF file's tokenizer supplies the bos/eos ids for config.json; an HF
+  // folder's are copied from its config.json, and it may have no tokenizer.json.
+  const bool gguf = !std::filesystem::is_directory(model_path);
+  Model::LoadOptions load{.tokenizer = gguf, .pack = false, .pool = &pool};
+  load.before_pack = adapter_merge_hook(adapter_dir);
+  auto model = Model::load(model_path, load);
+  write_hf_folder(*model, out_dir, st);
+  std::fprintf(stderr, "wrote %s (%s)%s\n", out_dir.c_str(), dtype.c_str(),
+               model->is_gguf() ? "; no tokenizer files: the source is a GGUF file" : "");
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kMergeCommand = {"merge", run_merge};
+
+}  // namespace loom::app

@@ -1,0 +1,37 @@
+// `loom train CONFIG.yaml [--set key=value ...]`: LoRA fine-tuning described by
+// a YAML file (keys in docs/training.md), writing a PEFT adapter folder.
+#include <string>
+#include <vector>
+
+#include "apps/cli_common.h"
+#include "apps/commands.h"
+#include "train/train_config.h"
+#include "train/trainer.h"
+
+namespace loom::app {
+
+namespace {
+
+int run_train(int argc, char** argv) {
+  CLI::App app("Fine-tune a LoRA adapter from a YAML config (see docs/training.md).", "train");
+  std::string config_path;
+  std::vector<std::string> overrides;
+  int threads = 0;
+  app.add_option("config", config_path, "the YAML training config")->required();
+  app.add_option("--set", overrides, "override a config key, e.g. --set optim.lr=1e-4 (repeatable)")
+      ->allow_extra_args(false);  // one value per --set, so the config may follow
+  app.add_option("-t,--threads", threads, "threads (overrides the config's threads; default: physical cores)")
+      ->check(CLI::Range(1, 1024));
+  int code = 0;
+  if (!parse_cli(app, argc, argv, code)) return code;
+  TrainConfig config = load_train_config(config_path, overrides);
+  if (threads > 0) config.threads = threads;
+  run_training(config, stderr);
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kTrainCommand = {"train", run_train};
+
+}  // namespace loom::app

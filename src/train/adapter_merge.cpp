@@ -1,0 +1,272 @@
+#include "train/adapter_merge.h"
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "io/file_write.h"
+#include "io/safetensors_writer.h"
+#include "kernels/ref/dequant_ref.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+namespace loom {
+namespace {
+
+Tensor* target_matrix(LayerWeights& L, LoraTarget t) {
+  switch (t) {
+    case LoraTarget::q: return &L.wq;
+    case LoraTarget::k: return &L.wk;
+    case LoraTarget::v: return &L.wv;
+    case LoraTarget::o: return &L.wo;
+    case LoraTarget::gate: return &L.w_gate;
+    case LoraTarget::up: return &L.w_up;
+    case LoraTarget::down: return &L.w_down;
+  }
+  LOOM_ASSERT(false);
+  return nullptr;
+}
+
+// An f32 row-major copy of any matrix the loader accepts.
+std::vector<float> to_f32(const Tensor& t) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row_ref(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
+  return out;
+}
+
+// Reorders q/k rows from the RoPE-interleaved model order back to HF order.
+void unpermute_rows(std::vector<float>& m, int64_t n_heads, int64_t head_dim, int64_t cols) {
+  const int64_t half = head_dim / 2;
+  std::vector<float> head(static_cast<size_t>(head_dim * cols));
+  for (int64_t h = 0; h < n_heads; ++h) {
+    float* rows = m.data() + h * head_dim * cols;
+    std::memcpy(head.data(), rows, head.size() * sizeof(float));
+    for (int64_t j = 0; j < half; ++j)
+      for (int64_t s = 0; s < 2; ++s)
+        std::memcpy(rows + (s * half + j) * cols, head.data() + (2 * j + s) * cols,
+                    static_cast<size_t>(cols) * sizeof(float));
+  }
+}
+
+std::string read_file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail(ErrorKind::io, "{}: cannot read", path);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+const char* torch_dtype_name(safetensors::StDType d) {
+  switch (d) {
+    case safetensors::StDType::bf16: return "bfloat16";
+    case safetensors::StDType::f16: return "float16";
+    default: return "float32";
+  }
+}
+
+
+bool same_rope(const RopeTable& a, const RopeTable& b) {
+  if (a.inv_freq.size() != b.inv_freq.size()) return false;
+  for (size_t i = 0; i < a.inv_freq.size(); ++i)
+    if (std::fabs(a.inv_freq[i] - b.inv_freq[i]) > 1e-5f * std::fabs(b.inv_freq[i])) return false;
+  return true;
+}
+
+// GGUF llama files carry Llama-3 scaling only as per-pair divisors
+// (rope_freqs.weight), which config_from_gguf leaves out of the config. A
+// config.json needs the llama3 parameters: the divisors d satisfy
+// 1/d = (1 - s)/factor + s with s linear in the frequency between the two
+// wavelength bounds, so two points inside that band fix them (low_freq_factor
+// is taken as 1; only the ratios matter). Anything else cannot be expressed.
+ModelConfig config_with_rope_table(const ModelConfig& c, const RopeTable& rope, const std::string& source) {
+  if (same_rope(make_rope_table(c), rope)) return c;
+  ModelConfig plain = c;
+  plain.rope_scaling = RopeScaling{};
+  const RopeTable base = make_rope_table(plain);
+  auto unsupported = [&] {
+    fail(ErrorKind::unsupported,
+         "{}: the RoPE frequencies (rope_freqs.weight) are not Llama-3 scaling of rope_theta; "
+         "a config.json cannot express them",
+         source);
+  };
+  if (base.inv_freq.size() != rope.inv_freq.size()) unsupported();
+  double factor = 1;
+  for (size_t i = 0; i < rope.inv_freq.size(); ++i)
+    factor = std::max(factor, static_cast<double>(base.inv_freq[i]) / rope.inv_freq[i]);
+  std::vector<std::pair<double, double>> band;  // (frequency, s)
+  for (size_t i = 0; i < rope.inv_freq.size(); ++i) {
+    const double d = static_cast<double>(base.inv_freq[i]) / rope.inv_freq[i];
+    if (d > 1 + 1e-4 && d < factor * (1 - 1e-4))
+      band.emplace_back(base.inv_freq[i], (1 / d - 1 / factor) / (1 - 1 / factor));
+  }
+  if (band.size() < 2) unsupported();
+  // s = a f - b with a = old_ctx / (2 pi (high - low)) and b = low / (high - low).
+  const auto [f0, s0] = band.front();
+  const auto [f1, s1] = band.back();
+  const double a = (s1 - s0) / (f1 - f0), b = a * f0 - s0;
+  if (!(a > 0) || !(b > 0)) unsupported();
+  plain.rope_scaling.low_freq_factor = 1;
+  // The fit carries f32 rounding of the stored table: keep 4 decimals.
+  plain.rope_scaling.factor = std::round(factor * 1e4) / 1e4;
+  plain.rope_scaling.high_freq_factor = std::round((1 + 1 / b) * 1e4) / 1e4;
+  plain.rope_scaling.original_max_position = std::llround(a * 2 * M_PI / b);
+  if (!same_rope(make_rope_table(plain), rope)) unsupported();
+  return plain;
+}
+
+}  // namespace
+
+void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTensors& a, bool permute_qk,
+                   std::string_view what) {
+  for (const auto& [key, pair] : a.pairs)  // named per tensor: check_adapter_fits only counts layers
+    if (key.first >= c.n_layers)
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' is for layer {}, the model has {} layers", what,
+           peft::tensor_name(key.first, key.second, false), key.first, c.n_layers);
+  peft::check_adapter_fits(a, c, what);
+  const double scale = a.config.scaling();
+  for (const auto& [key, pair] : a.pairs) {
+    const auto [layer, target] = key;
+    LOOM_ASSERT(layer >= 0 && static_cast<size_t>(layer) < w.layers.size());
+    Tensor& t = *target_matrix(w.layers[static_cast<size_t>(layer)], target);
+    LOOM_ASSERT(t.rows() == pair.out && t.cols() == pair.in);
+    const int64_t r = static_cast<int64_t>(pair.a.size()) / pair.in;
+    std::vector<float> b = pair.b;
+    if (permute_qk && (target == LoraTarget::q || target == LoraTarget::k))
+      lora_permute_qk_rows(make_tensor(b.data(), DType::f32, {pair.out, r}),
+                           target == LoraTarget::q ? c.n_heads : c.n_kv_heads, c.head_dim, /*hf_to_model=*/true);
+    auto& m = w.owned.emplace_back(to_f32(t));
+    std::vector<double> row(static_cast<size_t>(pair.in));
+    for (int64_t o = 0; o < pair.out; ++o) {
+      std::fill(row.begin(), row.end(), 0.0);
+      for (int64_t k = 0; k < r; ++k) {
+        const double bk = b[static_cast<size_t>(o * r + k)];
+        const float* ak = pair.a.data() + k * pair.in;
+        for (int64_t i = 0; i < pair.in; ++i) row[static_cast<size_t>(i)] += bk * ak[i];
+      }
+      float* dst = m.data() + o * pair.in;
+      for (int64_t i = 0; i < pair.in; ++i) dst[i] = static_cast<float>(dst[i] + scale * row[static_cast<size_t>(i)]);
+    }
+    t.data = m.data();
+    t.dtype = DType::f32;
+  }
+}
+
+std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::string dir) {
+  return [dir = std::move(dir)](ModelWeights& w, const ModelConfig& c) {
+    const peft::AdapterTensors a = peft::read_adapter(dir);
+    merge_adapter(w, c, a, lora_needs_qk_permutation(c), fmt::format("adapter {}", dir));
+  };
+}
+
+void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype) {
+  const ModelWeights& w = model.weights();
+  const ModelConfig c = config_with_rope_table(model.config(), w.rope, model.path());
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) fail(ErrorKind::io, "{}: cannot create the folder: {}", out_dir, ec.message());
+
+  const bool permuted = lora_needs_qk_permutation(c);
+  safetensors::Writer st(out_dir + "/model.safetensors");
+  auto add_matrix = [&](const std::string& name, const Tensor& t, int64_t unpermute_heads) {
+    std::vector<float> m = to_f32(t);
+    if (permuted && unpermute_heads > 0) unpermute_rows(m, unpermute_heads, c.head_dim, t.cols());
+    st.add(name, m, {t.rows(), t.cols()}, dtype);
+  };
+  auto add_vector = [&](const std::string& name, const float* v, int64_t n) {
+    st.add(name, std::span<const float>(v, static_cast<size_t>(n)), {n}, dtype);
+  };
+  const bool tied = w.output.data == w.token_embd.data;
+  add_matrix("model.embed_tokens.weight", w.token_embd, 0);
+  add_vector("model.norm.weight", w.output_norm, c.hidden);
+  if (!tied) add_matrix("lm_head.weight", w.output, 0);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = fmt::format("model.layers.{}.", l);
+    add_vector(p + "input_layernorm.weight", L.attn_norm, c.hidden);
+    add_vector(p + "post_attention_layernorm.weight", L.ffn_norm, c.hidden);
+    add_matrix(p + "self_attn.q_proj.weight", L.wq, c.n_heads);
+    add_matrix(p + "self_attn.k_proj.weight", L.wk, c.n_kv_heads);
+    add_matrix(p + "self_attn.v_proj.weight", L.wv, 0);
+    add_matrix(p + "self_attn.o_proj.weight", L.wo, 0);
+    if (L.bq) {  // biases are per row: q/k ones are permuted like the rows
+      std::vector<float> bq(L.bq, L.bq + c.q_dim()), bk(L.bk, L.bk + c.kv_dim());
+      if (permuted) {
+        unpermute_rows(bq, c.n_heads, c.head_dim, 1);
+        unpermute_rows(bk, c.n_kv_heads, c.head_dim, 1);
+      }
+      add_vector(p + "self_attn.q_proj.bias", bq.data(), c.q_dim());
+      add_vector(p + "self_attn.k_proj.bias", bk.data(), c.kv_dim());
+      add_vector(p + "self_attn.v_proj.bias", L.bv, c.kv_dim());
+    }
+    add_matrix(p + "mlp.gate_proj.weight", L.w_gate, 0);
+    add_matrix(p + "mlp.up_proj.weight", L.w_up, 0);
+    add_matrix(p + "mlp.down_proj.weight", L.w_down, 0);
+  }
+  st.set_metadata("format", "pt");
+  st.write(safetensors::WriteOrder::reference);
+
+  const bool qwen = c.arch == Arch::qwen2;
+  nlohmann::ordered_json cfg;
+  cfg["architectures"] = {qwen ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+  cfg["model_type"] = qwen ? "qwen2" : "llama";
+  cfg["hidden_size"] = c.hidden;
+  cfg["intermediate_size"] = c.intermediate;
+  cfg["num_hidden_layers"] = c.n_layers;
+  cfg["num_attention_heads"] = c.n_heads;
+  cfg["num_key_value_heads"] = c.n_kv_heads;
+  cfg["head_dim"] = c.head_dim;
+  cfg["hidden_act"] = "silu";
+  // GGUF stores eps as f32: write its shortest f32 spelling (1e-05, not 9.99999974e-06).
+  cfg["rms_norm_eps"] = model.is_gguf() ? std::stod(fmt::format("{}", static_cast<float>(c.rms_eps))) : c.rms_eps;
+  cfg["rope_theta"] = c.rope_theta;
+  if (c.rope_scaling.factor > 0)
+    cfg["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", c.rope_scaling.factor},
+                           {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                           {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                           {"original_max_position_embeddings", c.rope_scaling.original_max_position}};
+  else
+    cfg["rope_scaling"] = nullptr;
+  cfg["max_position_embeddings"] = c.max_context;
+  cfg["vocab_size"] = c.vocab_size;
+  cfg["tie_word_embeddings"] = tied;
+  if (!qwen) {
+    cfg["attention_bias"] = false;
+    cfg["mlp_bias"] = false;
+  }
+  cfg["torch_dtype"] = torch_dtype_name(dtype);
+  nlohmann::ordered_json gen = nlohmann::ordered_json::object();
+  if (!model.is_gguf()) {  // an HF source: keep its special ids
+    const auto src = nlohmann::json::parse(read_file_bytes(model.path() + "/config.json"), nullptr, false);
+    for (const char* k : {"bos_token_id", "eos_token_id", "pad_token_id"})
+      if (src.is_object() && src.contains(k) && !src[k].is_null()) cfg[k] = src[k];
+  } else if (model.has_tokenizer()) {
+    const Tokenizer& tok = model.tokenizer();
+    if (tok.bos() >= 0) cfg["bos_token_id"] = gen["bos_token_id"] = tok.bos();
+    if (tok.eos() >= 0) cfg["eos_token_id"] = tok.eos();
+  }
+  std::vector<int32_t> eos = model.extra_eos_ids();
+  if (model.has_tokenizer() && model.tokenizer().eos() >= 0 &&
+      std::find(eos.begin(), eos.end(), model.tokenizer().eos()) == eos.end())
+    eos.insert(eos.begin(), model.tokenizer().eos());
+  if (eos.size() == 1) gen["eos_token_id"] = eos[0];
+  else if (!eos.empty()) gen["eos_token_id"] = eos;
+  write_file_atomic(out_dir + "/config.json", cfg.dump(2) + "\n");
+  if (model.is_gguf()) write_file_atomic(out_dir + "/generation_config.json", gen.dump(2) + "\n");
+
+  if (!model.is_gguf())
+    for (const char* f : {"generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                          "special_tokens_map.json"}) {
+      const std::string src = model.path() + "/" + f;
+      struct stat sb {};
+      if (::stat(src.c_str(), &sb) == 0) write_file_atomic(out_dir + "/" + f, read_file_bytes(src));
+    }
+}
+
+}  // namespace loom

@@ -1,0 +1,287 @@
+// TrainConfig from YAML: the document is flattened to dotted keys ("optim.lr"),
+// each checked against the schema below, then read with its type and range.
+#include "train/train_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <vector>
+
+#include "core/error.h"
+#include "core/mapped_file.h"
+
+namespace loom {
+
+namespace {
+
+// Groups whose children are keys; everything else is a leaf.
+const char* const kGroups[] = {"data", "lora", "optim", "schedule"};
+const char* const kLeaves[] = {
+    "model",          "data.train",         "data.eval",           "data.eval_fraction", "data.format",
+    "data.seq_len",   "data.pack",          "data.train_on_prompt", "data.skip_bad_lines", "data.cache_dir",
+    "lora.r",         "lora.alpha",         "lora.dropout",        "lora.target_modules", "lora.use_rslora",
+    "optim.lr",       "optim.weight_decay", "optim.betas",         "optim.eps",          "optim.max_grad_norm",
+    "optim.lora_plus_ratio", "optim.mlp_lr", "schedule.kind",      "schedule.warmup_steps", "batch_size",
+    "grad_accum",     "steps",              "epochs",              "eval_interval",      "log_interval",
+    "output_dir",     "seed",               "threads"};
+
+bool is_group(const std::string& k) {
+  for (const char* g : kGroups)
+    if (k == g) return true;
+  return false;
+}
+bool is_leaf(const std::string& k) {
+  for (const char* l : kLeaves)
+    if (k == l) return true;
+  return false;
+}
+
+struct Entry {
+  YAML::Node node;
+  std::string where;  // "file:line:col" or "--set k=v"
+};
+using Entries = std::map<std::string, Entry>;
+
+std::string mark_of(const std::string& name, const YAML::Node& n) {
+  const YAML::Mark m = n.Mark();
+  if (m.line < 0) return name;
+  return fmt::format("{}:{}:{}", name, m.line + 1, m.column + 1);
+}
+
+void flatten(const YAML::Node& map, const std::string& prefix, const std::string& name, Entries& out) {
+  for (const auto& kv : map) {
+    if (!kv.first.IsScalar())
+      fail(ErrorKind::invalid_input, "{}: keys must be plain names", mark_of(name, kv.first));
+    const std::string key = prefix.empty() ? kv.first.Scalar() : prefix + "." + kv.first.Scalar();
+    const std::string where = mark_of(name, kv.first);
+    if (is_group(key)) {
+      if (kv.second.IsNull()) continue;
+      if (!kv.second.IsMap())
+        fail(ErrorKind::invalid_input, "{}: key '{}' must be a mapping of {}.* keys", where, key, key);
+      flatten(kv.second, key, name, out);
+      continue;
+    }
+    if (!is_leaf(key)) fail(ErrorKind::invalid_input, "{}: unknown key '{}'", where, key);
+    if (out.count(key)) fail(ErrorKind::invalid_input, "{}: key '{}' is given twice", where, key);
+    out[key] = {kv.second, where};
+  }
+}
+
+// Typed reads of one entry; every failure names key and location.
+class Reader {
+ public:
+  explicit Reader(const Entries& e) : e_(e) {}
+
+  const Entry* find(const std::string& key) const {
+    auto it = e_.find(key);
+    if (it == e_.end() || it->second.node.IsNull()) return nullptr;  // null: keep the default
+    return &it->second;
+  }
+  [[noreturn]] void bad(const std::string& key, const std::string& what) const {
+    const Entry& en = e_.at(key);
+    fail(ErrorKind::invalid_input, "{}: key '{}': {}", en.where, key, what);
+  }
+  std::string where(const std::string& key) const {
+    auto it = e_.find(key);
+    return it == e_.end() ? std::string() : it->second.where;
+  }
+
+  template <typename T>
+  bool get(const std::string& key, T& out, const char* type_name) const {
+    const Entry* en = find(key);
+    if (!en) return false;
+    if (!en->node.IsScalar()) bad(key, fmt::format("expected {}, got a {}", type_name, kind(en->node)));
+    try {
+      out = en->node.as<T>();
+    } catch (const YAML::Exception&) {
+      bad(key, fmt::format("expected {}, got '{}'", type_name, en->node.Scalar()));
+    }
+    return true;
+  }
+  bool str(const std::string& key, std::string& out) const {
+    if (!get(key, out, "a string")) return false;
+    if (out.empty()) bad(key, "must not be empty");
+    return true;
+  }
+  bool boolean(const std::string& key, bool& out) const { return get(key, out, "true or false"); }
+  bool integer(const std::string& key, int64_t& out, int64_t lo, int64_t hi) const {
+    if (!get(key, out, "an integer")) return false;
+    if (out < lo || out > hi) bad(key, fmt::format("{} is out of range [{}, {}]", out, lo, hi));
+    return true;
+  }
+  // `lo_open`: the lower bound is excluded.
+  bool number(const std::string& key, double& out, double lo, bool lo_open, double hi, bool hi_open) const {
+    if (!get(key, out, "a number")) return false;
+    const bool ok = std::isfinite(out) && (lo_open ? out > lo : out >= lo) && (hi_open ? out < hi : out <= hi);
+    if (!ok)
+      bad(key, fmt::format("{} is out of range {}{}, {}{}", out, lo_open ? "(" : "[", lo, hi, hi_open ? ")" : "]"));
+    return true;
+  }
+  bool string_list(const std::string& key, std::vector<std::string>& out) const {
+    const Entry* en = find(key);
+    if (!en) return false;
+    if (!en->node.IsSequence()) bad(key, fmt::format("expected a list of strings, got a {}", kind(en->node)));
+    out.clear();
+    for (const auto& item : en->node) {
+      if (!item.IsScalar()) bad(key, "expected a list of strings");
+      out.push_back(item.Scalar());
+    }
+    return true;
+  }
+  bool number_list(const std::string& key, std::vector<double>& out) const {
+    const Entry* en = find(key);
+    if (!en) return false;
+    if (!en->node.IsSequence()) bad(key, fmt::format("expected a list of numbers, got a {}", kind(en->node)));
+    out.clear();
+    for (const auto& item : en->node) {
+      try {
+        if (!item.IsScalar()) throw YAML::Exception(YAML::Mark::null_mark(), "");
+        out.push_back(item.as<double>());
+      } catch (const YAML::Exception&) {
+        bad(key, "expected a list of numbers");
+      }
+    }
+    return true;
+  }
+
+ private:
+  static const char* kind(const YAML::Node& n) {
+    if (n.IsSequence()) return "list";
+    if (n.IsMap()) return "mapping";
+    return "scalar";
+  }
+  const Entries& e_;
+};
+
+YAML::Node parse_yaml(std::string_view text, const std::string& name) {
+  try {
+    return YAML::Load(std::string(text));
+  } catch (const YAML::Exception& e) {
+    fail(ErrorKind::invalid_input, "{}:{}:{}: invalid YAML: {}", name, e.mark.line + 1, e.mark.column + 1, e.msg);
+  }
+}
+
+void apply_override(const std::string& arg, Entries& entries) {
+  const auto eq = arg.find('=');
+  if (eq == std::string::npos || eq == 0)
+    fail(ErrorKind::invalid_input, "--set {}: expected key=value (e.g. optim.lr=1e-4)", arg);
+  const std::string key = arg.substr(0, eq);
+  const std::string where = "--set " + arg;
+  if (!is_leaf(key)) fail(ErrorKind::invalid_input, "{}: unknown key '{}'", where, key);
+  YAML::Node value;
+  try {
+    value = YAML::Load(arg.substr(eq + 1));
+  } catch (const YAML::Exception& e) {
+    fail(ErrorKind::invalid_input, "{}: invalid YAML value: {}", where, e.msg);
+  }
+  entries[key] = {value, where};
+}
+
+TrainConfig read_config(const Entries& e, const std::string& name) {
+  const Reader r(e);
+  TrainConfig c;
+  c.source = name;
+  constexpr int64_t kMax = int64_t{1} << 40;
+
+  r.str("model", c.model);
+  r.str("data.train", c.train_file);
+  r.str("data.eval", c.eval_file);
+  r.number("data.eval_fraction", c.eval_fraction, 0, false, 1, true);
+  std::string s;
+  if (r.str("data.format", s)) {
+    const auto f = data_format_from_name(s);
+    if (!f) r.bad("data.format", fmt::format("unknown format '{}' (expected auto, text, prompt_completion, messages or alpaca)", s));
+    c.format = *f;
+  }
+  r.integer("data.seq_len", c.seq_len, 2, 1 << 20);
+  r.boolean("data.pack", c.pack);
+  r.boolean("data.train_on_prompt", c.train_on_prompt);
+  r.boolean("data.skip_bad_lines", c.skip_bad_lines);
+  r.str("data.cache_dir", c.cache_dir);
+  if (!c.eval_file.empty() && c.eval_fraction > 0)
+    r.bad("data.eval_fraction", "set either data.eval or data.eval_fraction, not both");
+
+  r.integer("lora.r", c.lora.r, 1, 1 << 16);
+  r.number("lora.alpha", c.lora.alpha, 0, true, 1e9, false);
+  r.number("lora.dropout", c.lora.dropout, 0, false, 1, true);
+  std::vector<std::string> names;
+  if (r.string_list("lora.target_modules", names)) {
+    try {
+      c.lora.set_targets(names);
+    } catch (const Error& err) {
+      r.bad("lora.target_modules", err.what());
+    }
+  }
+  r.boolean("lora.use_rslora", c.lora.use_rslora);
+
+  r.number("optim.lr", c.lr, 0, true, 1, false);
+  r.number("optim.weight_decay", c.weight_decay, 0, false, 1e6, false);
+  std::vector<double> betas;
+  if (r.number_list("optim.betas", betas)) {
+    if (betas.size() != 2) r.bad("optim.betas", fmt::format("expected 2 numbers [beta1, beta2], got {}", betas.size()));
+    for (double b : betas)
+      if (!(b >= 0 && b < 1)) r.bad("optim.betas", fmt::format("{} is out of range [0, 1)", b));
+    c.adam.beta1 = betas[0];
+    c.adam.beta2 = betas[1];
+  }
+  r.number("optim.eps", c.adam.eps, 0, true, 1, false);
+  r.number("optim.max_grad_norm", c.adam.max_grad_norm, 0, false, 1e12, false);
+  double v = 0;
+  if (r.number("optim.lora_plus_ratio", v, 0, true, 1e6, false)) c.lora_plus_ratio = v;
+  if (r.number("optim.mlp_lr", v, 0, true, 1, false)) c.mlp_lr = v;
+
+  if (r.str("schedule.kind", s)) {
+    try {
+      c.schedule = lr_schedule_from_name(s);
+    } catch (const Error& err) {
+      r.bad("schedule.kind", err.what());
+    }
+  }
+  r.integer("schedule.warmup_steps", c.warmup_steps, 0, kMax);
+
+  r.integer("batch_size", c.batch_size, 1, 1 << 20);
+  r.integer("grad_accum", c.grad_accum, 1, 1 << 20);
+  r.integer("steps", c.steps, 1, kMax);
+  r.number("epochs", c.epochs, 0, true, 1e6, false);
+  r.integer("eval_interval", c.eval_interval, 0, kMax);
+  r.integer("log_interval", c.log_interval, 1, kMax);
+  r.str("output_dir", c.output_dir);
+  int64_t n = 0;
+  if (r.integer("seed", n, 0, kMax)) c.seed = static_cast<uint64_t>(n);
+  if (r.integer("threads", n, 0, 1024)) c.threads = static_cast<int>(n);
+  c.lora.seed = c.seed;
+
+  if (c.steps > 0 && c.epochs > 0) r.bad("epochs", "set either steps or epochs, not both");
+  const auto required = [&](const std::string& value, const char* key) {
+    if (value.empty()) fail(ErrorKind::invalid_input, "{}: missing required key '{}'", name, key);
+  };
+  required(c.model, "model");
+  required(c.train_file, "data.train");
+  required(c.output_dir, "output_dir");
+  if (c.steps == 0 && c.epochs == 0)
+    fail(ErrorKind::invalid_input, "{}: missing required key 'steps' or 'epochs' (how long to train)", name);
+  return c;
+}
+
+}  // namespace
+
+TrainConfig parse_train_config(std::string_view yaml, const std::string& name,
+                               std::span<const std::string> overrides) {
+  const YAML::Node root = parse_yaml(yaml, name);
+  Entries entries;
+  if (root.IsMap()) {
+    flatten(root, "", name, entries);
+  } else if (!root.IsNull()) {
+    fail(ErrorKind::invalid_input, "{}: the config must be a mapping of keys (model:, data:, ...)", name);
+  }
+  for (const std::string& o : overrides) apply_override(o, entries);
+  return read_config(entries, name);
+}
+
+TrainConfig load_train_config(const std::string& path, std::span<const std::string> overrides) {
+  return parse_train_config(read_text_file(path), path, overrides);
+}
+
+}  // namespace loom

@@ -1,0 +1,72 @@
+// `loom train` configuration: a YAML file (plus `--set key=value` overrides)
+// read into TrainConfig, with every key and value checked; errors name the key
+// and where it came from (file:line:column or the --set argument).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "train/data.h"
+#include "train/lora.h"
+#include "train/optimizer.h"
+
+namespace loom {
+
+struct TrainConfig {
+  std::string model;  // a .gguf file or a Hugging Face folder
+
+  // data.*
+  std::string train_file;          // data.train
+  std::string eval_file;           // data.eval (optional)
+  double eval_fraction = 0;        // data.eval_fraction: split off the train file when data.eval is unset
+  DataFormat format = DataFormat::auto_detect;  // data.format
+  int64_t seq_len = 512;           // data.seq_len
+  bool pack = true;                // data.pack
+  bool train_on_prompt = false;    // data.train_on_prompt
+  bool skip_bad_lines = false;     // data.skip_bad_lines
+  std::string cache_dir;           // data.cache_dir (optional token cache)
+
+  // lora.* (seed comes from the top-level seed). PEFT's default dropout here.
+  LoraConfig lora = [] {
+    LoraConfig c;
+    c.dropout = 0.05;
+    return c;
+  }();
+
+  // optim.*
+  double lr = 2e-4;
+  double weight_decay = 0;
+  AdamWConfig adam;                        // betas, eps, max_grad_norm
+  std::optional<double> lora_plus_ratio;   // LoRA+: lr of B = ratio * lr
+  std::optional<double> mlp_lr;            // lr of the MLP adapters (default: lr)
+
+  // schedule.*
+  LrScheduleKind schedule = LrScheduleKind::linear;
+  int64_t warmup_steps = 0;
+
+  int64_t batch_size = 4;   // rows per micro-batch
+  int64_t grad_accum = 1;   // micro-batches per optimizer step
+  int64_t steps = 0;        // optimizer steps; 0: from epochs
+  double epochs = 0;        // passes over the training rows (may be fractional)
+  int64_t eval_interval = 0;  // steps between evaluations; 0: only at the end
+  int64_t log_interval = 10;  // steps between log lines (non-terminal output)
+  std::string output_dir;
+  uint64_t seed = 0;
+  int threads = 0;          // 0: physical cores
+
+  std::string source;  // the config file name, for messages
+};
+
+// Reads `path` and applies `overrides` ("a.b=value", the value read as YAML).
+// Throws loom::Error (invalid_input; not_found/io for the file) naming the key
+// and its location for unknown keys, wrong types, values out of range and
+// missing required keys (model, data.train, output_dir, steps or epochs).
+TrainConfig load_train_config(const std::string& path, std::span<const std::string> overrides = {});
+// Same from YAML text; `name` stands for the file in messages.
+TrainConfig parse_train_config(std::string_view yaml, const std::string& name,
+                               std::span<const std::string> overrides = {});
+
+}  // namespace loom

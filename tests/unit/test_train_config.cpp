@@ -1,0 +1,230 @@
+// `loom train` YAML config: defaults, every key's type and range check, unknown
+// keys, --set overrides, and error messages naming the key and file:line.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "expect_error.h"
+#include "train/train_config.h"
+
+namespace loom {
+namespace {
+
+using test_util::expect_error;
+
+const std::string kMinimal =
+    "model: m.gguf\n"
+    "data:\n"
+    "  train: t.jsonl\n"
+    "steps: 10\n"
+    "output_dir: out\n";
+
+TrainConfig parse(const std::string& yaml, std::vector<std::string> sets = {}) {
+  return parse_train_config(yaml, "cfg.yaml", sets);
+}
+
+void expect_bad(const std::string& yaml, const std::vector<std::string>& needles, std::vector<std::string> sets = {}) {
+  SCOPED_TRACE(yaml);
+  expect_error([&] { parse(yaml, sets); }, ErrorKind::invalid_input, needles);
+}
+
+TEST(TrainConfig, MinimalGetsDefaults) {
+  const TrainConfig c = parse(kMinimal);
+  EXPECT_EQ(c.model, "m.gguf");
+  EXPECT_EQ(c.train_file, "t.jsonl");
+  EXPECT_EQ(c.steps, 10);
+  EXPECT_EQ(c.output_dir, "out");
+  EXPECT_EQ(c.seq_len, 512);
+  EXPECT_TRUE(c.pack);
+  EXPECT_FALSE(c.train_on_prompt);
+  EXPECT_FALSE(c.skip_bad_lines);
+  EXPECT_EQ(c.lora.r, 8);
+  EXPECT_DOUBLE_EQ(c.lora.alpha, 16);
+  EXPECT_DOUBLE_EQ(c.lora.dropout, 0.05);
+  for (bool t : c.lora.targets) EXPECT_TRUE(t);
+  EXPECT_DOUBLE_EQ(c.lr, 2e-4);
+  EXPECT_DOUBLE_EQ(c.weight_decay, 0);
+  EXPECT_DOUBLE_EQ(c.adam.max_grad_norm, 1.0);
+  EXPECT_FALSE(c.lora_plus_ratio);
+  EXPECT_FALSE(c.mlp_lr);
+  EXPECT_EQ(c.grad_accum, 1);
+  EXPECT_EQ(c.format, DataFormat::auto_detect);
+}
+
+TEST(TrainConfig, EveryKeyRead) {
+  const std::string yaml =
+      "model: /m\n"
+      "data:\n"
+      "  train: a.jsonl\n"
+      "  eval: b.jsonl\n"
+      "  format: messages\n"
+      "  seq_len: 77\n"
+      "  pack: false\n"
+      "  train_on_prompt: yes\n"
+      "  skip_bad_lines: true\n"
+      "  cache_dir: cache\n"
+      "lora:\n"
+      "  r: 4\n"
+      "  alpha: 8.5\n"
+      "  dropout: 0\n"
+      "  target_modules: [q, v_proj, down_proj]\n"
+      "  use_rslora: true\n"
+      "optim:\n"
+      "  lr: 1e-3\n"
+      "  weight_decay: 0.01\n"
+      "  betas: [0.8, 0.95]\n"
+      "  eps: 1.0e-6\n"
+      "  max_grad_norm: 0\n"
+      "  lora_plus_ratio: 16\n"
+      "  mlp_lr: 5e-4\n"
+      "schedule:\n"
+      "  kind: cosine\n"
+      "  warmup_steps: 3\n"
+      "batch_size: 3\n"
+      "grad_accum: 5\n"
+      "epochs: 1.5\n"
+      "eval_interval: 7\n"
+      "log_interval: 2\n"
+      "output_dir: o\n"
+      "seed: 42\n"
+      "threads: 3\n";
+  const TrainConfig c = parse(yaml);
+  EXPECT_EQ(c.eval_file, "b.jsonl");
+  EXPECT_EQ(c.format, DataFormat::messages);
+  EXPECT_EQ(c.seq_len, 77);
+  EXPECT_FALSE(c.pack);
+  EXPECT_TRUE(c.train_on_prompt);
+  EXPECT_TRUE(c.skip_bad_lines);
+  EXPECT_EQ(c.cache_dir, "cache");
+  EXPECT_EQ(c.lora.r, 4);
+  EXPECT_DOUBLE_EQ(c.lora.alpha, 8.5);
+  EXPECT_DOUBLE_EQ(c.lora.dropout, 0);
+  EXPECT_TRUE(c.lora.targets_module(LoraTarget::q));
+  EXPECT_FALSE(c.lora.targets_module(LoraTarget::k));
+  EXPECT_TRUE(c.lora.targets_module(LoraTarget::v));
+  EXPECT_TRUE(c.lora.targets_module(LoraTarget::down));
+  EXPECT_FALSE(c.lora.targets_module(LoraTarget::gate));
+  EXPECT_TRUE(c.lora.use_rslora);
+  EXPECT_EQ(c.lora.seed, 42u);
+  EXPECT_DOUBLE_EQ(c.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(c.weight_decay, 0.01);
+  EXPECT_DOUBLE_EQ(c.adam.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(c.adam.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(c.adam.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.adam.max_grad_norm, 0);
+  EXPECT_DOUBLE_EQ(*c.lora_plus_ratio, 16);
+  EXPECT_DOUBLE_EQ(*c.mlp_lr, 5e-4);
+  EXPECT_EQ(c.schedule, LrScheduleKind::cosine);
+  EXPECT_EQ(c.warmup_steps, 3);
+  EXPECT_EQ(c.batch_size, 3);
+  EXPECT_EQ(c.grad_accum, 5);
+  EXPECT_EQ(c.steps, 0);
+  EXPECT_DOUBLE_EQ(c.epochs, 1.5);
+  EXPECT_EQ(c.eval_interval, 7);
+  EXPECT_EQ(c.log_interval, 2);
+  EXPECT_EQ(c.seed, 42u);
+  EXPECT_EQ(c.threads, 3);
+}
+
+TEST(TrainConfig, UnknownKeysNamedWithLine) {
+  expect_bad(kMinimal + "lerning_rate: 1\n", {"cfg.yaml:6:1", "unknown key 'lerning_rate'"});
+  expect_bad(kMinimal + "optim:\n  lrr: 1\n", {"cfg.yaml:7:3", "unknown key 'optim.lrr'"});
+  expect_bad(kMinimal + "data2:\n  x: 1\n", {"unknown key 'data2'"});
+  expect_bad(kMinimal + "optim: 3\n", {"cfg.yaml:6:1", "'optim' must be a mapping"});
+}
+
+TEST(TrainConfig, WrongTypesNamed) {
+  expect_bad(kMinimal + "batch_size: four\n", {"cfg.yaml:6:1", "'batch_size'", "expected an integer", "four"});
+  expect_bad(kMinimal + "grad_accum: 1.5\n", {"'grad_accum'", "expected an integer"});
+  expect_bad(kMinimal + "optim:\n  lr: fast\n", {"cfg.yaml:7:3", "'optim.lr'", "expected a number"});
+  expect_bad(kMinimal + "data:\n  pack: maybe\n", {"'data.pack'", "true or false"});
+  expect_bad(kMinimal + "lora:\n  target_modules: q_proj\n", {"'lora.target_modules'", "list of strings"});
+  expect_bad(kMinimal + "lora:\n  target_modules: [[q]]\n", {"'lora.target_modules'", "list of strings"});
+  expect_bad(kMinimal + "optim:\n  betas: 0.9\n", {"'optim.betas'", "list of numbers"});
+  expect_bad(kMinimal + "optim:\n  betas: [0.9, x]\n", {"'optim.betas'", "list of numbers"});
+  expect_bad(kMinimal + "epochs: [1]\n", {"'epochs'", "expected a number, got a list"});
+  expect_bad(kMinimal + "seed: {a: 1}\n", {"'seed'", "got a mapping"});
+}
+
+TEST(TrainConfig, RangesAndValues) {
+  expect_bad(kMinimal + "data:\n  seq_len: 1\n", {"'data.seq_len'", "out of range"});
+  expect_bad(kMinimal + "data:\n  eval_fraction: 1\n", {"'data.eval_fraction'", "out of range"});
+  expect_bad(kMinimal + "data:\n  format: csv\n", {"'data.format'", "unknown format 'csv'"});
+  expect_bad(kMinimal + "data:\n  eval: e.jsonl\n  eval_fraction: 0.1\n", {"'data.eval_fraction'", "not both"});
+  expect_bad(kMinimal + "data:\n  cache_dir: ''\n", {"'data.cache_dir'", "must not be empty"});
+  expect_bad(kMinimal + "lora:\n  r: 0\n", {"'lora.r'", "out of range"});
+  expect_bad(kMinimal + "lora:\n  alpha: 0\n", {"'lora.alpha'", "out of range"});
+  expect_bad(kMinimal + "lora:\n  dropout: 1\n", {"'lora.dropout'", "out of range"});
+  expect_bad(kMinimal + "lora:\n  target_modules: [q_proj, lm_head]\n", {"'lora.target_modules'", "lm_head"});
+  expect_bad(kMinimal + "lora:\n  target_modules: []\n", {"'lora.target_modules'", "empty"});
+  expect_bad(kMinimal + "optim:\n  lr: 0\n", {"'optim.lr'", "out of range"});
+  expect_bad(kMinimal + "optim:\n  lr: .nan\n", {"'optim.lr'", "out of range"});
+  expect_bad(kMinimal + "optim:\n  weight_decay: -1\n", {"'optim.weight_decay'"});
+  expect_bad(kMinimal + "optim:\n  betas: [0.9]\n", {"'optim.betas'", "expected 2 numbers"});
+  expect_bad(kMinimal + "optim:\n  betas: [0.9, 1.0]\n", {"'optim.betas'", "[0, 1)"});
+  expect_bad(kMinimal + "optim:\n  eps: 0\n", {"'optim.eps'"});
+  expect_bad(kMinimal + "optim:\n  max_grad_norm: -1\n", {"'optim.max_grad_norm'"});
+  expect_bad(kMinimal + "optim:\n  lora_plus_ratio: 0\n", {"'optim.lora_plus_ratio'"});
+  expect_bad(kMinimal + "optim:\n  mlp_lr: -1e-4\n", {"'optim.mlp_lr'"});
+  expect_bad(kMinimal + "schedule:\n  kind: step\n", {"'schedule.kind'", "step"});
+  expect_bad(kMinimal + "schedule:\n  warmup_steps: -1\n", {"'schedule.warmup_steps'"});
+  expect_bad(kMinimal + "batch_size: 0\n", {"'batch_size'"});
+  expect_bad(kMinimal + "grad_accum: 0\n", {"'grad_accum'"});
+  expect_bad(kMinimal + "eval_interval: -2\n", {"'eval_interval'"});
+  expect_bad(kMinimal + "log_interval: 0\n", {"'log_interval'"});
+  expect_bad(kMinimal + "seed: -1\n", {"'seed'"});
+  expect_bad(kMinimal + "threads: 5000\n", {"'threads'"});
+  expect_bad(kMinimal + "epochs: 2\n", {"'epochs'", "not both"});
+  expect_bad(kMinimal + "epochs: 0\n", {"'epochs'", "out of range"});
+}
+
+TEST(TrainConfig, RequiredKeys) {
+  expect_bad("data: {train: t}\nsteps: 1\noutput_dir: o\n", {"cfg.yaml", "missing required key 'model'"});
+  expect_bad("model: m\nsteps: 1\noutput_dir: o\n", {"missing required key 'data.train'"});
+  expect_bad("model: m\ndata: {train: t}\nsteps: 1\n", {"missing required key 'output_dir'"});
+  expect_bad("model: m\ndata: {train: t}\noutput_dir: o\n", {"'steps' or 'epochs'"});
+  expect_bad("", {"missing required key 'model'"});
+  expect_bad("- a\n- b\n", {"cfg.yaml", "must be a mapping"});
+  expect_bad("model: [unclosed\n", {"cfg.yaml:", "invalid YAML"});
+  expect_bad(kMinimal + "model: again\n", {"cfg.yaml:6:1", "'model'", "twice"});
+}
+
+TEST(TrainConfig, NullKeepsDefault) {
+  const TrainConfig c = parse(kMinimal + "data:\n  seq_len:\n");
+  EXPECT_EQ(c.seq_len, 512);
+}
+
+TEST(TrainConfig, FlatDottedKeysInFile) {
+  const TrainConfig c = parse(kMinimal + "optim.lr: 0.5\n");
+  EXPECT_DOUBLE_EQ(c.lr, 0.5);
+}
+
+TEST(TrainConfig, SetOverrides) {
+  const TrainConfig c = parse(kMinimal, {"optim.lr=1e-5", "lora.target_modules=[gate, up]", "data.pack=false",
+                                         "steps=3", "model=other.gguf"});
+  EXPECT_DOUBLE_EQ(c.lr, 1e-5);
+  EXPECT_TRUE(c.lora.targets_module(LoraTarget::gate));
+  EXPECT_FALSE(c.lora.targets_module(LoraTarget::q));
+  EXPECT_FALSE(c.pack);
+  EXPECT_EQ(c.steps, 3);
+  EXPECT_EQ(c.model, "other.gguf");
+  // A --set may supply a required key.
+  EXPECT_EQ(parse("model: m\ndata: {train: t}\nsteps: 1\n", {"output_dir=x"}).output_dir, "x");
+}
+
+TEST(TrainConfig, SetErrorsNamed) {
+  expect_bad(kMinimal, {"--set optim.lrr=1", "unknown key 'optim.lrr'"}, {"optim.lrr=1"});
+  expect_bad(kMinimal, {"--set optim=1", "unknown key 'optim'"}, {"optim=1"});
+  expect_bad(kMinimal, {"--set batch_size=big", "'batch_size'", "expected an integer"}, {"batch_size=big"});
+  expect_bad(kMinimal, {"--set steps", "key=value"}, {"steps"});
+  expect_bad(kMinimal, {"--set =3", "key=value"}, {"=3"});
+  expect_bad(kMinimal, {"--set lora.target_modules=[q", "invalid YAML"}, {"lora.target_modules=[q"});
+}
+
+TEST(TrainConfig, MissingFile) {
+  expect_error([] { load_train_config("/nonexistent/cfg.yaml"); }, ErrorKind::not_found, {"/nonexistent/cfg.yaml"});
+}
+
+}  // namespace
+}  // namespace loom
