@@ -2,14 +2,17 @@
 // repeated dataset, evaluation runs, and the adapter folder reads back (PEFT form).
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "expect_error.h"
 #include "model/model.h"
+#include "core/thread_pool.h"
 #include "train/peft_adapter.h"
+#include "train/train_step.h"
 #include "train/trainer.h"
 
 namespace loom {
@@ -82,6 +85,34 @@ TEST(Trainer, LossFallsAndAdapterReadsBack) {
   EXPECT_EQ(ad.pairs.size(), 2u * 7u);
   auto model = Model::load(c.model, {.tokenizer = false, .pack = false});
   peft::check_adapter_fits(ad, model->config(), r.adapter_dir);
+  // Loaded back into the model's row order (q/k permuted for a GGUF llama), the
+  // adapter gives the eval loss the trainer measured: the file is in PEFT order.
+  ThreadPool pool(2);
+  auto packed = Model::load(c.model, {.tokenizer = true, .pack = true, .pool = &pool});
+  ASSERT_TRUE(lora_needs_qk_permutation(packed->config()));
+  LoraModel lora(packed->config(), c.lora);
+  for (const auto& [key, pair] : ad.pairs) {
+    const LoraSlot& s = lora.slot(key.first, key.second);
+    std::copy(pair.a.begin(), pair.a.end(), lora.params() + s.a_offset);
+    std::copy(pair.b.begin(), pair.b.end(), lora.params() + s.b_offset);
+  }
+  lora_permute_qk_rows(lora, lora.params(), packed->config(), /*hf_to_model=*/true);
+  DataOptions dopt;
+  dopt.seq_len = c.seq_len;
+  dopt.shuffle = false;
+  const TrainData data = prepare_train_data(c.eval_file, packed->tokenizer(), nullptr, dopt);
+  TrainSession session(packed->config(), packed->weights(), lora, pool);
+  double sum = 0;
+  int64_t n = 0;
+  DataLoader loader(data.train, data.pad_id, c.batch_size, /*shuffle=*/false, 0);
+  for (int64_t i = 0; i < loader.batches_per_epoch(); ++i) {
+    const LossResult lr = session.forward_loss(loader.next());
+    sum += lr.loss_sum;
+    n += lr.n_tokens;
+  }
+  ASSERT_GT(n, 0);
+  EXPECT_NEAR(sum / static_cast<double>(n), *r.final_eval_loss, 1e-4);
+
   // Training moved B away from its zero init.
   const peft::LoraPair* q = ad.find(1, LoraTarget::q);
   ASSERT_NE(q, nullptr);
