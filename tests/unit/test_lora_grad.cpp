@@ -3,6 +3,8 @@
 // against finite differences of loom's own loss.
 #include <gtest/gtest.h>
 
+#include "peft_fixture_util.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -22,6 +24,9 @@
 namespace loom {
 namespace {
 
+using test_util::batch_from_hf;
+using test_util::read_f32;
+
 std::string fixture(const std::string& rel) {
   return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/" + rel;
 }
@@ -30,23 +35,6 @@ std::unique_ptr<Model> load_tiny(const std::string& name, ThreadPool& pool) {
   return Model::load(fixture("model/" + name), {.tokenizer = false, .pack = true, .pool = &pool});
 }
 
-// HF rows (labels unshifted, one sample per row) -> loom's Batch (targets[t] is the label of t + 1).
-Batch batch_from_hf(const std::vector<std::vector<int32_t>>& ids,
-                    const std::vector<std::vector<int32_t>>& labels) {
-  Batch b;
-  b.rows = static_cast<int64_t>(ids.size());
-  b.seq_len = static_cast<int64_t>(ids[0].size());
-  for (size_t r = 0; r < ids.size(); ++r)
-    for (int64_t t = 0; t < b.seq_len; ++t) {
-      b.tokens.push_back(ids[r][static_cast<size_t>(t)]);
-      const int32_t y = t + 1 < b.seq_len ? labels[r][static_cast<size_t>(t + 1)] : kIgnoreLabel;
-      b.targets.push_back(y);
-      b.positions.push_back(static_cast<int32_t>(t));
-      b.seq_start.push_back(0);
-      b.target_tokens += y != kIgnoreLabel;
-    }
-  return b;
-}
 
 struct PeftCase {
   nlohmann::json meta;
@@ -65,14 +53,6 @@ PeftCase load_peft(const std::string& name) {
   return c;
 }
 
-std::vector<float> read_f32(const safetensors::File& f, const std::string& name, int64_t numel) {
-  const Tensor t = f.view(name);
-  EXPECT_EQ(t.dtype, DType::f32) << name;
-  EXPECT_EQ(t.numel(), numel) << name;
-  std::vector<float> v(static_cast<size_t>(numel));
-  std::memcpy(v.data(), t.data, v.size() * sizeof(float));
-  return v;
-}
 
 void set_adapter(LoraModel& lora, const safetensors::File& f) {
   for (int64_t l = 0; l < lora.n_layers(); ++l)

@@ -4,6 +4,8 @@
 // with the adapter_config.json fields PEFT needs to load it.
 #include <gtest/gtest.h>
 
+#include "peft_fixture_util.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -28,35 +30,15 @@
 namespace loom {
 namespace {
 
+using test_util::read_f32;
+
 const std::string kDir = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/";
 
-// HF rows (labels unshifted, one sample per row) -> loom's Batch (targets[t] is the label of t + 1).
 Batch batch_from_hf(const nlohmann::json& j) {
-  const auto ids = j["input_ids"].get<std::vector<std::vector<int32_t>>>();
-  const auto labels = j["labels"].get<std::vector<std::vector<int32_t>>>();
-  Batch b;
-  b.rows = static_cast<int64_t>(ids.size());
-  b.seq_len = static_cast<int64_t>(ids[0].size());
-  for (size_t r = 0; r < ids.size(); ++r)
-    for (int64_t t = 0; t < b.seq_len; ++t) {
-      b.tokens.push_back(ids[r][static_cast<size_t>(t)]);
-      const int32_t y = t + 1 < b.seq_len ? labels[r][static_cast<size_t>(t + 1)] : kIgnoreLabel;
-      b.targets.push_back(y);
-      b.positions.push_back(static_cast<int32_t>(t));
-      b.seq_start.push_back(0);
-      b.target_tokens += y != kIgnoreLabel;
-    }
-  return b;
+  return test_util::batch_from_hf(j["input_ids"].get<std::vector<std::vector<int32_t>>>(),
+                                  j["labels"].get<std::vector<std::vector<int32_t>>>());
 }
 
-std::vector<float> read_f32(const safetensors::File& f, const std::string& name, int64_t numel) {
-  const Tensor t = f.view(name);
-  EXPECT_EQ(t.dtype, DType::f32) << name;
-  EXPECT_EQ(t.numel(), numel) << name;
-  std::vector<float> v(static_cast<size_t>(numel));
-  if (t.numel() == numel) std::memcpy(v.data(), t.data, v.size() * sizeof(float));
-  return v;
-}
 
 // max|got - want| / max|want| over one tensor.
 double rel_max_err(const float* got, const std::vector<float>& want) {
