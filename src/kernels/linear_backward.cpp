@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/half.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -104,6 +106,15 @@ void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, f
 void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
                             int64_t K) {
   if (T <= 0 || N <= 0 || K <= 0) return;
+  if (K < 16 && N >= 16) {
+    // Narrow dW (e.g. a LoRA B [out, r]): the column tiles would be scalar, so
+    // compute dW^T = x^T dy with the wide kernel and add it transposed.
+    std::vector<float> dWt(static_cast<size_t>(K * N), 0.0f);
+    linear_backward_weight(pool, x, dy, dWt.data(), T, K, N);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) dW[n * K + k] += dWt[static_cast<size_t>(k * N + n)];
+    return;
+  }
   // Units of 16 dW rows (dy's 16 columns transposed in one cache line per t) by
   // column slices; slices only when there are too few row blocks (small N, e.g. LoRA).
   constexpr int64_t kRows = 16;
@@ -129,6 +140,130 @@ void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, f
 void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t n = 0; n < N; ++n) db[n] += dy[t * N + n];
+}
+
+}  // namespace loom
+
+namespace loom {
+
+DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p) {
+  if (w == DType::f32 || w == DType::f16 || w == DType::bf16) return w;
+  if (p == TransposedPrecision::f16) return DType::f16;
+  return n_total % 32 == 0 ? DType::q8_0 : DType::f16;
+}
+
+PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
+                            const char* name) {
+  if (parts.empty()) fail(ErrorKind::invalid_input, "pack_transposed({}): no tensors", name);
+  const DType src = parts[0].dtype;
+  const int64_t K = parts[0].cols();
+  int64_t N = 0;
+  for (const Tensor& p : parts) {
+    if (p.cols() != K || p.dtype != src)
+      fail(ErrorKind::invalid_input, "pack_transposed({}): parts differ in width or dtype ({} {} vs {} {})", name,
+           dtype_name(p.dtype), p.cols(), dtype_name(src), K);
+    N += p.rows();
+  }
+  const DType dst = transposed_weight_dtype(src, N, precision);
+  const size_t out_row = dtype_row_bytes(dst, N);
+  std::vector<uint8_t> out(out_row * static_cast<size_t>(K));
+  if (src == dst && src != DType::f32 && dtype_block_size(src) == 1) {
+    // f16 / bf16: move the 2-byte elements as they are (exact).
+    auto* o = reinterpret_cast<uint16_t*>(out.data());
+    int64_t n0 = 0;
+    for (const Tensor& p : parts) {
+      const auto* w = p.as<const uint16_t>();
+      pool.parallel_for(K, [&](int64_t k0, int64_t k1) {
+        for (int64_t n = 0; n < p.rows(); ++n)
+          for (int64_t k = k0; k < k1; ++k) o[k * N + n0 + n] = w[n * K + k];
+      });
+      n0 += p.rows();
+    }
+  } else {
+    // Dequantize column slices of every part (block aligned: 256 covers the
+    // 32- and 256-element blocks), transpose, and store rows of W^T as dst.
+    const int64_t bs = dtype_block_size(src), kc = std::max<int64_t>(bs, 256) / bs * bs;
+    const int64_t n_slices = (K + kc - 1) / kc;
+    pool.parallel_for(n_slices, [&](int64_t s0, int64_t s1) {
+      std::vector<float> wt(static_cast<size_t>(kc * N)), row(static_cast<size_t>(kc));
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t k0 = s * kc, cols = std::min(kc, K - k0);
+        int64_t n0 = 0;
+        for (const Tensor& p : parts) {
+          const size_t col_off = dtype_row_bytes(src, k0);
+          for (int64_t n = 0; n < p.rows(); ++n) {
+            dequantize_row_ref(src, p.row_ptr(n) + col_off, row.data(), cols);
+            for (int64_t c = 0; c < cols; ++c) wt[static_cast<size_t>(c * N + n0 + n)] = row[static_cast<size_t>(c)];
+          }
+          n0 += p.rows();
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          uint8_t* o = out.data() + static_cast<size_t>(k0 + c) * out_row;
+          if (dst == DType::q8_0) {
+            quantize_row_q8_0(wt.data() + c * N, o, N);
+          } else if (dst == DType::f16) {
+            auto* h = reinterpret_cast<uint16_t*>(o);
+            for (int64_t n = 0; n < N; ++n) h[n] = fp32_to_fp16(wt[static_cast<size_t>(c * N + n)]);
+          } else {
+            LOOM_ASSERT(dst == DType::f32);
+            std::memcpy(o, wt.data() + c * N, static_cast<size_t>(N) * sizeof(float));
+          }
+        }
+      }
+    });
+  }
+  Tensor t;
+  t.data = out.data();
+  t.dtype = dst;
+  t.ndim = 2;
+  t.shape = {K, N, 0, 0};
+  return PackedWeight::pack(t, &pool, name);
+}
+
+void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy, float* dx,
+                                  int64_t T, bool accumulate, PackedBackwardScratch& scratch) {
+  if (T <= 0) return;
+  const int64_t K = Wt.rows(), N = Wt.cols();
+  const bool rescale = Wt.dtype() == DType::q8_0;
+  std::vector<float> inv_scale(rescale ? static_cast<size_t>(T) : 0);
+  const float* x = dy;
+  int64_t ldx = ldy;
+  if (rescale) {
+    scratch.dy.resize(static_cast<size_t>(T * N));
+    pool.parallel_for(T, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* src = dy + t * ldy;
+        float amax = 0;
+        for (int64_t n = 0; n < N; ++n) amax = std::max(amax, std::fabs(src[n]));
+        int e = 0;
+        if (amax > 0 && std::isfinite(amax)) std::frexp(amax, &e);
+        const float s = std::ldexp(1.0f, 16 - e);
+        inv_scale[static_cast<size_t>(t)] = std::ldexp(1.0f, e - 16);
+        float* d = scratch.dy.data() + t * N;
+        for (int64_t n = 0; n < N; ++n) d[n] = src[n] * s;
+      }
+    });
+    x = scratch.dy.data();
+    ldx = N;
+  }
+  if (!accumulate && !rescale) {
+    matmul(pool, Wt, x, ldx, dx, K, T, scratch.matmul);
+    return;
+  }
+  scratch.prod.resize(static_cast<size_t>(T * K));
+  float* prod = scratch.prod.data();
+  matmul(pool, Wt, x, ldx, prod, K, T, scratch.matmul);
+  pool.parallel_for(T, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float s = rescale ? inv_scale[static_cast<size_t>(t)] : 1.0f;
+      float* o = dx + t * K;
+      const float* p = prod + t * K;
+      if (accumulate)
+        for (int64_t k = 0; k < K; ++k) o[k] += p[k] * s;
+      else
+        for (int64_t k = 0; k < K; ++k) o[k] = p[k] * s;
+    }
+  });
 }
 
 }  // namespace loom

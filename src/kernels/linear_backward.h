@@ -6,8 +6,12 @@
 
 #include <cstdint>
 
+#include <span>
+#include <vector>
+
 #include "core/tensor.h"
 #include "core/thread_pool.h"
+#include "kernels/matmul.h"
 
 namespace loom {
 
@@ -18,6 +22,37 @@ namespace loom {
 // (Tiles use the scalar dequantize_row_ref for now: simple and exact, but it is a
 // visible share of the time for small T.)
 void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, float* dx, int64_t T);
+
+// Fast input gradients through frozen weights: W^T packed once for the inference
+// matmul kernels, so dx = dy W runs at matmul speed (the tile path above is
+// several times slower). f32, f16 and bf16 weights keep their dtype (exact: the
+// same products in another summation order). Quantized weights become
+//  - f16 (TransposedPrecision::f16): each dequantized weight rounded to 11
+//    significant bits; on SmolLM2 Q4_1 the LoRA gradients differ from the exact
+//    path by 7e-4 relative (tests/model/test_training_default_model.cpp);
+//  - q8_0 along N (::int8), with dy quantized to q8_0 by matmul like forward
+//    activations: faster, but the gradients differ by ~3e-2 relative (cosine
+//    0.9996), about what bf16 compute gives.
+enum class TransposedPrecision { f16, int8 };
+DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p);
+// Packs [W_0; W_1; ...]^T: the parts share K (their cols()) and are stacked by
+// rows (N_total = sum of rows), so one product covers e.g. q, k and v:
+// dx = [dq | dk | dv] [Wq; Wk; Wv]. Throws loom::Error naming `name` for parts
+// that do not share K or have an unsupported dtype.
+PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
+                            const char* name = "weight");
+// Working memory of linear_backward_input_packed; reuse it across calls.
+struct PackedBackwardScratch {
+  std::vector<float> dy, prod;
+  MatmulScratch matmul;
+};
+// dx [T, K] (+)= dy [T, N] W with Wt = pack_transposed(W), dy rows ldy floats
+// apart; accumulate = false overwrites dx. For a q8_0 Wt each dy row is first
+// scaled by a power of two that brings its largest magnitude to ~2^16 (and the
+// product scaled back, both exact): gradients are often ~1e-6, where q8_0's f16
+// block scales would be subnormal and lose their precision.
+void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy, float* dx,
+                                  int64_t T, bool accumulate, PackedBackwardScratch& scratch);
 
 // dW [N, K] += dy^T [N, T] x [T, K]   (f32; a trainable weight's gradient).
 // Each element is one FMA chain over t = 0..T-1 (thread-count independent).

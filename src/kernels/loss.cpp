@@ -34,6 +34,7 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
   std::vector<float> hc(static_cast<size_t>(C * H)), logits(static_cast<size_t>(C * V));
   std::vector<float> dhc(a.dh ? static_cast<size_t>(C * H) : 0);
   std::vector<double> row_loss(static_cast<size_t>(C));
+  PackedBackwardScratch bwd;
   for (int64_t r0 = 0; r0 < res.n_tokens; r0 += C) {
     const int64_t n = std::min(C, res.n_tokens - r0);
     for (int64_t i = 0; i < n; ++i)
@@ -72,8 +73,12 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
     });
     for (int64_t i = 0; i < n; ++i) res.loss_sum += row_loss[static_cast<size_t>(i)];
     if (a.dh) {
-      std::fill(dhc.begin(), dhc.begin() + n * H, 0.0f);
-      linear_backward_input(pool, W, logits.data(), dhc.data(), n);
+      if (a.Wt_packed) {
+        linear_backward_input_packed(pool, *a.Wt_packed, logits.data(), V, dhc.data(), n, false, bwd);
+      } else {
+        std::fill(dhc.begin(), dhc.begin() + n * H, 0.0f);
+        linear_backward_input(pool, W, logits.data(), dhc.data(), n);
+      }
       for (int64_t i = 0; i < n; ++i)
         simd::axpy(a.dh + rows[static_cast<size_t>(r0 + i)] * H, 1.0f, dhc.data() + i * H, H);
     }

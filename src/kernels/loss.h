@@ -6,6 +6,7 @@
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
+#include "kernels/linear_backward.h"
 #include "kernels/matmul.h"
 
 namespace loom {
@@ -18,6 +19,9 @@ struct LossResult {
 struct ChunkedLossArgs {
   const Tensor* W = nullptr;            // output projection [V, H], any dtype (read for dh)
   const PackedWeight* W_packed = nullptr;  // the same weight packed for matmul; nullptr: pack per chunk
+  // W^T from pack_transposed (kernels/linear_backward.h): dh through the fast
+  // matmul kernels instead of the exact tile path; nullptr: exact.
+  const PackedWeight* Wt_packed = nullptr;
   const float* h = nullptr;             // [T, H] final-norm output
   const int32_t* labels = nullptr;      // [T]: target of row t (already shifted), -100 = ignore
   int64_t T = 0;

@@ -2,6 +2,8 @@
 // each checked against the schema below, then read with its type and range.
 #include "train/train_config.h"
 
+#include "tokenizer/chat_template.h"
+
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -21,6 +23,7 @@ const char* const kGroups[] = {"data", "lora", "optim", "schedule"};
 const char* const kLeaves[] = {
     "model",          "data.train",         "data.eval",           "data.eval_fraction", "data.format",
     "data.seq_len",   "data.pack",          "data.train_on_prompt", "data.skip_bad_lines", "data.cache_dir",
+    "data.chat_template", "method",         "backward",            "metrics_file",       "eval_at_start",
     "lora.r",         "lora.alpha",         "lora.dropout",        "lora.target_modules", "lora.use_rslora",
     "optim.lr",       "optim.weight_decay", "optim.betas",         "optim.eps",          "optim.max_grad_norm",
     "optim.lora_plus_ratio", "optim.mlp_lr", "schedule.kind",      "schedule.warmup_steps", "batch_size",
@@ -200,6 +203,26 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   r.boolean("data.train_on_prompt", c.train_on_prompt);
   r.boolean("data.skip_bad_lines", c.skip_bad_lines);
   r.str("data.cache_dir", c.cache_dir);
+  if (r.str("data.chat_template", s)) {
+    if (!chat_template_kind_from_name(s))
+      r.bad("data.chat_template", fmt::format("unknown template '{}' (expected chatml, llama3, llama2 or mistral)", s));
+    c.chat_template = s;
+  }
+  if (r.str("method", s)) {
+    if (s == "lora")
+      c.method = TrainMethod::lora;
+    else if (s == "full")
+      c.method = TrainMethod::full;
+    else
+      r.bad("method", fmt::format("unknown method '{}' (expected lora or full)", s));
+  }
+  if (r.str("backward", s)) {
+    if (const auto m = backward_mode_from_name(s))
+      c.backward = *m;
+    else
+      r.bad("backward", fmt::format("unknown value '{}' (expected exact, f16 or int8)", s));
+  }
+  r.str("metrics_file", c.metrics_file);
   if (!c.eval_file.empty() && c.eval_fraction > 0)
     r.bad("data.eval_fraction", "set either data.eval or data.eval_fraction, not both");
 
@@ -246,6 +269,7 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   r.integer("steps", c.steps, 1, kMax);
   r.number("epochs", c.epochs, 0, true, 1e6, false);
   r.integer("eval_interval", c.eval_interval, 0, kMax);
+  r.boolean("eval_at_start", c.eval_at_start);
   r.integer("log_interval", c.log_interval, 1, kMax);
   r.str("output_dir", c.output_dir);
   int64_t n = 0;

@@ -12,11 +12,18 @@
 #include "train/data.h"
 #include "train/lora.h"
 #include "train/optimizer.h"
+#include "train/train_step.h"
 
 namespace loom {
 
+// What is trained: LoRA adapters on frozen weights, or every weight (f32).
+enum class TrainMethod { lora, full };
+
 struct TrainConfig {
   std::string model;  // a .gguf file or a Hugging Face folder
+  TrainMethod method = TrainMethod::lora;  // method
+  BackwardMode backward = BackwardMode::f16;  // backward: exact | f16 | int8 (train_step.h)
+  std::string metrics_file;   // metrics_file: one JSON object per optimizer step (JSONL)
 
   // data.*
   std::string train_file;          // data.train
@@ -28,6 +35,7 @@ struct TrainConfig {
   bool train_on_prompt = false;    // data.train_on_prompt
   bool skip_bad_lines = false;     // data.skip_bad_lines
   std::string cache_dir;           // data.cache_dir (optional token cache)
+  std::string chat_template;       // data.chat_template: chatml|llama3|llama2|mistral (default: the model's)
 
   // lora.* (seed comes from the top-level seed). PEFT's default dropout here.
   LoraConfig lora = [] {
@@ -52,6 +60,7 @@ struct TrainConfig {
   int64_t steps = 0;        // optimizer steps; 0: from epochs
   double epochs = 0;        // passes over the training rows (may be fractional)
   int64_t eval_interval = 0;  // steps between evaluations; 0: only at the end
+  bool eval_at_start = false;  // also evaluate the untrained model (step 0)
   int64_t log_interval = 10;  // steps between log lines (non-terminal output)
   std::string output_dir;
   uint64_t seed = 0;

@@ -27,11 +27,51 @@ void apply_dropout(float* dst, const float* src, int64_t n, double p, uint64_t s
 
 }  // namespace
 
+const char* backward_mode_name(BackwardMode m) {
+  switch (m) {
+    case BackwardMode::exact: return "exact";
+    case BackwardMode::f16: return "f16";
+    case BackwardMode::int8: return "int8";
+  }
+  return "?";
+}
+
+std::optional<BackwardMode> backward_mode_from_name(std::string_view name) {
+  for (BackwardMode m : {BackwardMode::exact, BackwardMode::f16, BackwardMode::int8})
+    if (name == backward_mode_name(m)) return m;
+  return std::nullopt;
+}
+
 TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora,
-                           ThreadPool& pool)
+                           ThreadPool& pool, BackwardMode backward)
     : c_(config), w_(weights), lora_(lora), pool_(pool) {
   LOOM_ASSERT(weights.packed.size() == weights.layers.size() && !weights.output_packed.empty());
   LOOM_ASSERT(lora.n_layers() == config.n_layers);
+  if (backward == BackwardMode::exact) return;
+  const auto prec = backward == BackwardMode::int8 ? TransposedPrecision::int8 : TransposedPrecision::f16;
+  auto t = [&](const Tensor& W) {
+    return pack_transposed(pool, std::span<const Tensor>(&W, 1), prec, "backward weight");
+  };
+  wt_.reserve(weights.layers.size());
+  for (const LayerWeights& L : weights.layers)
+    wt_.push_back({t(L.wq), t(L.wk), t(L.wv), t(L.wo), t(L.w_gate), t(L.w_up), t(L.w_down)});
+  output_t_ = t(weights.output);
+}
+
+void TrainSession::input_grad(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {
+  if (Wt != nullptr) {
+    linear_backward_input_packed(pool_, *Wt, dy, W.rows(), dx, T, false, bwd_scratch_);
+    return;
+  }
+  std::memset(dx, 0, static_cast<size_t>(T * W.cols()) * sizeof(float));
+  linear_backward_input(pool_, W, dy, dx, T);
+}
+
+void TrainSession::input_grad_add(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {
+  if (Wt != nullptr)
+    linear_backward_input_packed(pool_, *Wt, dy, W.rows(), dx, T, true, bwd_scratch_);
+  else
+    linear_backward_input(pool_, W, dy, dx, T);
 }
 
 void TrainSession::check_batch(const Batch& b) const {
@@ -153,11 +193,17 @@ void TrainSession::lora_backward(int64_t l, LoraTarget t, const float* x, const 
   const float* xin = dropout ? a.xd[ti] : x;
   // y = B u with u = scale * A xin saved as ax: dB += dy^T u; du = dy B; d(A xin) = scale * du.
   linear_backward_weight(pool_, dy, a.ax[ti], lora_.grad_b(l, t).as<float>(), T, s.out, r);
-  std::memset(dax_, 0, static_cast<size_t>(T * r) * sizeof(float));
-  linear_backward_input(pool_, lora_.b(l, t), dy, dax_, T);
+  // du = dy B as a product with B^T [r, out] (B's r columns are too narrow for the
+  // input-gradient tiles).
+  const Tensor B = lora_.b(l, t);
+  bt_.resize(static_cast<size_t>(r * s.out));
+  for (int64_t n = 0; n < s.out; ++n)
+    for (int64_t j = 0; j < r; ++j) bt_[static_cast<size_t>(j * s.out + n)] = B.as<const float>()[n * r + j];
+  matmul(pool_, make_tensor(bt_.data(), DType::f32, {r, s.out}), dy, dax_, T, scratch_);
   const float sc = lora_.scale();
   for (int64_t i = 0; i < T * r; ++i) dax_[i] *= sc;
   linear_backward_weight(pool_, dax_, xin, lora_.grad_a(l, t).as<float>(), T, r, s.in);
+  if (dx == nullptr) return;
   if (!dropout) {
     linear_backward_input(pool_, lora_.a(l, t), dax_, dx, T);
     return;
@@ -218,24 +264,22 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
   auto zero = [](float* p, int64_t n) { std::memset(p, 0, static_cast<size_t>(n) * sizeof(float)); };
 
+  const TransposedLayer* Wt = wt_.empty() ? nullptr : &wt_[static_cast<size_t>(l)];
   // x_next = xmid + down(h): dx is also d(xmid)'s residual part, kept in place.
   float* h = dup_;  // h = silu(gate) * up recomputed; dup_ is free until swiglu_backward
   swiglu(h, a.gate, a.up, T * F);
-  zero(dff_, T * F);
-  linear_backward_input(pool_, L.w_down, dx, dff_, T);
+  input_grad(L.w_down, Wt ? &Wt->w_down : nullptr, dx, dff_, T);
   lora_backward(l, LoraTarget::down, h, dx, dff_, T, dropout, step);
   // dgate -> dgate_, dup -> dup_ (h is no longer needed).
   swiglu_backward(dgate_, dup_, dff_, a.gate, a.up, T * F);
-  zero(dxn_, T * H);
-  linear_backward_input(pool_, L.w_gate, dgate_, dxn_, T);
-  linear_backward_input(pool_, L.w_up, dup_, dxn_, T);
+  input_grad(L.w_gate, Wt ? &Wt->w_gate : nullptr, dgate_, dxn_, T);
+  input_grad_add(L.w_up, Wt ? &Wt->w_up : nullptr, dup_, dxn_, T);
   lora_backward(l, LoraTarget::gate, a.xn2, dgate_, dxn_, T, dropout, step);
   lora_backward(l, LoraTarget::up, a.xn2, dup_, dxn_, T, dropout, step);
   rmsnorm_backward(dx, nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
 
   // xmid = x + o(att): dx now is d(xmid), which is also d(x)'s residual part.
-  zero(datt_, T * Q);
-  linear_backward_input(pool_, L.wo, dx, datt_, T);
+  input_grad(L.wo, Wt ? &Wt->wo : nullptr, dx, datt_, T);
   lora_backward(l, LoraTarget::o, a.att, dx, datt_, T, dropout, step);
   zero(dq_, T * Q);
   zero(dk_, T * KV);
@@ -243,12 +287,16 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   attention_backward(pool_, dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, shape, T, seq_start_.data());
   rope_backward(w_.rope, dq_, T, c_.n_heads, pos_.data());
   rope_backward(w_.rope, dk_, T, c_.n_kv_heads, pos_.data());
-  zero(dxn_, T * H);
-  linear_backward_input(pool_, L.wq, dq_, dxn_, T);
-  linear_backward_input(pool_, L.wk, dk_, dxn_, T);
-  linear_backward_input(pool_, L.wv, dv_, dxn_, T);
+  // The first layer's input is the frozen embedding: nothing below needs its gradient.
+  const bool need_dx = l > 0;
+  if (need_dx) {
+    input_grad(L.wq, Wt ? &Wt->wq : nullptr, dq_, dxn_, T);
+    input_grad_add(L.wk, Wt ? &Wt->wk : nullptr, dk_, dxn_, T);
+    input_grad_add(L.wv, Wt ? &Wt->wv : nullptr, dv_, dxn_, T);
+  }
   const float* dqkv[] = {dq_, dk_, dv_};
-  for (int i = 0; i < 3; ++i) lora_backward(l, kQkv[i], a.xn1, dqkv[i], dxn_, T, dropout, step);
+  for (int i = 0; i < 3; ++i) lora_backward(l, kQkv[i], a.xn1, dqkv[i], need_dx ? dxn_ : nullptr, T, dropout, step);
+  if (!need_dx) return;
   rmsnorm_backward(dx, nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
 }
 
@@ -275,6 +323,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   ChunkedLossArgs la;
   la.W = &w_.output;
   la.W_packed = &w_.output_packed;
+  la.Wt_packed = wt_.empty() ? nullptr : &output_t_;
   la.h = xn_final_;
   la.labels = batch.targets.data();
   la.T = T;

@@ -5,10 +5,13 @@
 #pragma once
 
 #include <array>
+#include <optional>
+#include <string_view>
 #include <cstdint>
 #include <vector>
 
 #include "core/thread_pool.h"
+#include "kernels/linear_backward.h"
 #include "kernels/loss.h"
 #include "kernels/matmul.h"
 #include "model/config.h"
@@ -18,10 +21,23 @@
 
 namespace loom {
 
+// Input gradients through frozen weights (kernels/linear_backward.h):
+//  exact: W dequantized tile by tile, exact products; no extra memory, slowest.
+//  f16:   W^T packed once for the matmul kernels, quantized weights as f16
+//         (~7e-4 relative gradient error on a Q4_1 model); one f16 copy of the
+//         weights. Exact for f32/f16/bf16 weights.
+//  int8:  as f16 but quantized weights as q8_0 and gradients quantized to q8_0:
+//         fastest, ~3e-2 relative gradient error.
+enum class BackwardMode { exact, f16, int8 };
+const char* backward_mode_name(BackwardMode m);
+std::optional<BackwardMode> backward_mode_from_name(std::string_view name);
+
 class TrainSession {
  public:
   // `weights` must be packed (pack_weights). Keeps references to all arguments.
-  TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora, ThreadPool& pool);
+  // backward: how input gradients pass the frozen weights (see BackwardMode).
+  TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora, ThreadPool& pool,
+               BackwardMode backward = BackwardMode::f16);
 
   // Loss of one micro-batch and, accumulated (+=) into lora.grads(), the gradient
   // of loss_sum * grad_scale. grad_scale = 1 / (target tokens of the whole
@@ -51,9 +67,17 @@ class TrainSession {
   // y [T, out] += scale * B (A x) for one adapter; saves what its backward needs.
   void lora_forward(int64_t l, LoraTarget t, const float* x, float* y, int64_t T, bool dropout,
                     uint64_t step);
-  // From dy [T, out]: dA +=, dB +=, dx [T, in] +=.
+  // From dy [T, out]: dA +=, dB +=, dx [T, in] += (dx nullptr: not needed).
   void lora_backward(int64_t l, LoraTarget t, const float* x, const float* dy, float* dx, int64_t T,
                      bool dropout, uint64_t step);
+
+  // dx [T, in] = dy [T, out] W of a frozen weight (overwrites dx).
+  void input_grad(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T);
+  void input_grad_add(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T);
+
+  struct TransposedLayer {
+    PackedWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
 
   const ModelConfig& c_;
   const ModelWeights& w_;
@@ -64,8 +88,12 @@ class TrainSession {
   bool dropout_layout_ = false;
   std::vector<float> acts_;  // every saved activation, carved into layers_ and the views below
   std::vector<LayerActs> layers_;
+  std::vector<TransposedLayer> wt_;  // empty unless fast_backward
+  PackedWeight output_t_;
   float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr;
   std::vector<float> work_;  // backward / temporary buffers (not saved)
+  PackedBackwardScratch bwd_scratch_;
+  std::vector<float> bt_;  // a LoRA B transposed
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,
         *dup_ = nullptr, *dgate_ = nullptr, *dres_ = nullptr, *tmp_ = nullptr, *dax_ = nullptr;
   std::vector<int32_t> pos_, seq_start_, targets_;

@@ -8,7 +8,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <memory>
 
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -180,11 +183,12 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   const Tokenizer& tok = model->tokenizer();
 
   std::optional<ChatTemplate> tmpl;
-  if (model->chat_template_text()) {
-    const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
-    const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
+  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
+  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
+  if (!c.chat_template.empty())
+    tmpl = ChatTemplate::from_kind(*chat_template_kind_from_name(c.chat_template), bos, eos);
+  else if (model->chat_template_text())
     tmpl = ChatTemplate::from_text(*model->chat_template_text(), bos, eos);
-  }
 
   DataOptions dopt;
   dopt.format = c.format;
@@ -203,7 +207,7 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
                   c.eval_file.empty() ? " (split from the train file)" : " from " + c.eval_file);
 
   LoraModel lora(mc, c.lora);
-  TrainSession session(mc, model->weights(), lora, pool);
+  TrainSession session(mc, model->weights(), lora, pool, c.backward);
   DataLoader loader(data.train, data.pad_id, c.batch_size, /*shuffle=*/true, c.seed);
   int64_t total_steps = c.steps;
   if (total_steps == 0) {
@@ -223,6 +227,16 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   progress.line("training: {} steps of {} x {} rows x {} tokens ({} rows per epoch)", total_steps, c.grad_accum,
                 c.batch_size, c.seq_len, data.train.rows.rows());
 
+  // metrics_file: one JSON object per optimizer step and per evaluation (loss curves, benchmarks).
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(nullptr, &std::fclose);
+  if (!c.metrics_file.empty()) {
+    metrics.reset(std::fopen(c.metrics_file.c_str(), "w"));
+    if (!metrics)
+      fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c.source, c.metrics_file,
+           std::strerror(errno));
+  }
+  const auto json_number = [](double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string("null"); };
+
   progress = Progress(log, total_steps, c.log_interval);
   const auto t0 = Clock::now();
   double train_seconds = 0;
@@ -234,7 +248,13 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
     res.eval_losses.push_back(loss);
     res.final_eval_loss = loss;
     progress.line("eval at step {}: loss {:.4f} (ppl {:.2f})", step, loss, std::exp(loss));
+    if (metrics) {
+      std::fprintf(metrics.get(), "{\"step\":%lld,\"eval_loss\":%s,\"elapsed_seconds\":%.3f}\n",
+                   static_cast<long long>(step), json_number(loss).c_str(), seconds_since(t0));
+      std::fflush(metrics.get());
+    }
   };
+  if (c.eval_at_start) run_eval(0);
   for (int64_t step = 0; step < total_steps; ++step) {
     const auto ts = Clock::now();
     // Peek the whole step first: the gradient scale needs its total target tokens.
@@ -264,6 +284,15 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
     train_seconds += seconds_since(ts);
     const double tok_s = train_seconds > 0 ? static_cast<double>(input_tokens) / train_seconds : 0;
     progress.step(step + 1, loss, lr, st.grad_norm, tok_s, seconds_since(t0));
+    if (metrics) {
+      std::fprintf(metrics.get(),
+                   "{\"step\":%lld,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"target_tokens\":%lld,"
+                   "\"input_tokens\":%lld,\"step_seconds\":%.4f,\"elapsed_seconds\":%.3f,\"tokens_per_s\":%.2f}\n",
+                   static_cast<long long>(step + 1), json_number(loss).c_str(), json_number(lr).c_str(),
+                   json_number(st.grad_norm).c_str(), static_cast<long long>(step_tokens),
+                   static_cast<long long>(input_tokens), seconds_since(ts), seconds_since(t0), tok_s);
+      std::fflush(metrics.get());
+    }
     if (c.eval_interval > 0 && (step + 1) % c.eval_interval == 0 && step + 1 < total_steps) run_eval(step + 1);
   }
   res.steps = total_steps;
