@@ -38,6 +38,8 @@ class Model {
   const std::string& path() const { return path_; }
   const ModelConfig& config() const { return config_; }
   const ModelWeights& weights() const { return weights_; }
+  // For full fine-tuning, which updates the weights in place and repacks them.
+  ModelWeights& mutable_weights() { return weights_; }
   bool has_tokenizer() const { return tokenizer_ != nullptr; }
   const Tokenizer& tokenizer() const;
   // The chat template text from the model's metadata, if any.

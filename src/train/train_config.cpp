@@ -23,7 +23,7 @@ const char* const kGroups[] = {"data", "lora", "optim", "schedule"};
 const char* const kLeaves[] = {
     "model",          "data.train",         "data.eval",           "data.eval_fraction", "data.format",
     "data.seq_len",   "data.pack",          "data.train_on_prompt", "data.skip_bad_lines", "data.cache_dir",
-    "data.chat_template", "method",         "backward",            "metrics_file",       "eval_at_start",
+    "data.chat_template", "method",         "backward",            "metrics_file",       "eval_at_start",      "output_dtype",
     "lora.r",         "lora.alpha",         "lora.dropout",        "lora.target_modules", "lora.use_rslora",
     "optim.lr",       "optim.weight_decay", "optim.betas",         "optim.eps",          "optim.max_grad_norm",
     "optim.lora_plus_ratio", "optim.mlp_lr", "schedule.kind",      "schedule.warmup_steps", "batch_size",
@@ -223,6 +223,16 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
       r.bad("backward", fmt::format("unknown value '{}' (expected exact, f16 or int8)", s));
   }
   r.str("metrics_file", c.metrics_file);
+  if (r.str("output_dtype", s)) {
+    if (s == "f32" || s == "float32")
+      c.output_dtype = safetensors::StDType::f32;
+    else if (s == "bf16" || s == "bfloat16")
+      c.output_dtype = safetensors::StDType::bf16;
+    else if (s == "f16" || s == "float16")
+      c.output_dtype = safetensors::StDType::f16;
+    else
+      r.bad("output_dtype", fmt::format("unknown dtype '{}' (expected f32, bf16 or f16)", s));
+  }
   if (!c.eval_file.empty() && c.eval_fraction > 0)
     r.bad("data.eval_fraction", "set either data.eval or data.eval_fraction, not both");
 

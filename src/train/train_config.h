@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "io/safetensors.h"
 #include "train/data.h"
 #include "train/lora.h"
 #include "train/optimizer.h"
@@ -63,6 +64,8 @@ struct TrainConfig {
   bool eval_at_start = false;  // also evaluate the untrained model (step 0)
   int64_t log_interval = 10;  // steps between log lines (non-terminal output)
   std::string output_dir;
+  // output_dtype: dtype of a full fine-tune's model.safetensors (f32, bf16, f16).
+  safetensors::StDType output_dtype = safetensors::StDType::f32;
   uint64_t seed = 0;
   int threads = 0;          // 0: physical cores
 

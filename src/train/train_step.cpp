@@ -44,18 +44,29 @@ std::optional<BackwardMode> backward_mode_from_name(std::string_view name) {
 
 TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora,
                            ThreadPool& pool, BackwardMode backward)
-    : c_(config), w_(weights), lora_(lora), pool_(pool) {
-  LOOM_ASSERT(weights.packed.size() == weights.layers.size() && !weights.output_packed.empty());
+    : c_(config), w_(weights), lora_(&lora), pool_(pool), backward_(backward) {
   LOOM_ASSERT(lora.n_layers() == config.n_layers);
-  if (backward == BackwardMode::exact) return;
-  const auto prec = backward == BackwardMode::int8 ? TransposedPrecision::int8 : TransposedPrecision::f16;
+  refresh_weights();
+}
+
+TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, FullParams& full,
+                           ThreadPool& pool, BackwardMode backward)
+    : c_(config), w_(weights), full_(&full), pool_(pool), backward_(backward) {
+  refresh_weights();
+}
+
+void TrainSession::refresh_weights() {
+  LOOM_ASSERT(w_.packed.size() == w_.layers.size() && !w_.output_packed.empty());
+  wt_.clear();
+  if (backward_ == BackwardMode::exact) return;
+  const auto prec = backward_ == BackwardMode::int8 ? TransposedPrecision::int8 : TransposedPrecision::f16;
   auto t = [&](const Tensor& W) {
-    return pack_transposed(pool, std::span<const Tensor>(&W, 1), prec, "backward weight");
+    return pack_transposed(pool_, std::span<const Tensor>(&W, 1), prec, "backward weight");
   };
-  wt_.reserve(weights.layers.size());
-  for (const LayerWeights& L : weights.layers)
+  wt_.reserve(w_.layers.size());
+  for (const LayerWeights& L : w_.layers)
     wt_.push_back({t(L.wq), t(L.wk), t(L.wv), t(L.wo), t(L.w_gate), t(L.w_up), t(L.w_down)});
-  output_t_ = t(weights.output);
+  output_t_ = t(w_.output);
 }
 
 void TrainSession::input_grad(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {
@@ -98,7 +109,7 @@ void TrainSession::layout(int64_t T, bool dropout) {
   if (T == T_ && dropout == dropout_layout_) return;
   T_ = T;
   dropout_layout_ = dropout;
-  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_.config().r;
+  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_ ? lora_->config().r : 0;
   // Two passes over the same carving: count, then assign.
   size_t total = 0;
   float* base = nullptr;
@@ -126,9 +137,10 @@ void TrainSession::layout(int64_t T, bool dropout) {
       a.gate = carve(T * F);
       a.up = carve(T * F);
       for (int t = 0; t < kLoraTargetCount; ++t) {
-        const LoraSlot& s = lora_.slot(l, static_cast<LoraTarget>(t));
-        a.ax[static_cast<size_t>(t)] = s.active ? carve(T * r) : nullptr;
-        a.xd[static_cast<size_t>(t)] = s.active && dropout ? carve(T * s.in) : nullptr;
+        const bool active = lora_ && lora_->slot(l, static_cast<LoraTarget>(t)).active;
+        a.ax[static_cast<size_t>(t)] = active ? carve(T * r) : nullptr;
+        a.xd[static_cast<size_t>(t)] =
+            active && dropout ? carve(T * lora_->slot(l, static_cast<LoraTarget>(t)).in) : nullptr;
       }
     }
     x_final_ = carve(T * H);
@@ -164,54 +176,56 @@ void TrainSession::layout(int64_t T, bool dropout) {
 
 void TrainSession::lora_forward(int64_t l, LoraTarget t, const float* x, float* y, int64_t T, bool dropout,
                                 uint64_t step) {
-  const LoraSlot& s = lora_.slot(l, t);
+  if (!lora_) return;
+  const LoraSlot& s = lora_->slot(l, t);
   if (!s.active) return;
   LayerActs& a = layers_[static_cast<size_t>(l)];
   const auto ti = static_cast<size_t>(t);
   const float* xin = x;
   if (dropout) {
-    apply_dropout(a.xd[ti], x, T * s.in, lora_.config().dropout, lora_.config().seed, step,
+    apply_dropout(a.xd[ti], x, T * s.in, lora_->config().dropout, lora_->config().seed, step,
                   static_cast<uint64_t>(l * kLoraTargetCount) + ti);
     xin = a.xd[ti];
   }
-  const int64_t r = lora_.config().r;
+  const int64_t r = lora_->config().r;
   float* ax = a.ax[ti];
-  matmul(pool_, lora_.a(l, t), xin, ax, T, scratch_);
-  const float sc = lora_.scale();
+  matmul(pool_, lora_->a(l, t), xin, ax, T, scratch_);
+  const float sc = lora_->scale();
   for (int64_t i = 0; i < T * r; ++i) ax[i] *= sc;
-  matmul(pool_, lora_.b(l, t), ax, tmp_, T, scratch_);
+  matmul(pool_, lora_->b(l, t), ax, tmp_, T, scratch_);
   add_inplace(y, tmp_, T * s.out);
 }
 
 void TrainSession::lora_backward(int64_t l, LoraTarget t, const float* x, const float* dy, float* dx,
                                  int64_t T, bool dropout, uint64_t step) {
-  const LoraSlot& s = lora_.slot(l, t);
+  if (!lora_) return;
+  const LoraSlot& s = lora_->slot(l, t);
   if (!s.active) return;
   const LayerActs& a = layers_[static_cast<size_t>(l)];
   const auto ti = static_cast<size_t>(t);
-  const int64_t r = lora_.config().r;
+  const int64_t r = lora_->config().r;
   const float* xin = dropout ? a.xd[ti] : x;
   // y = B u with u = scale * A xin saved as ax: dB += dy^T u; du = dy B; d(A xin) = scale * du.
-  linear_backward_weight(pool_, dy, a.ax[ti], lora_.grad_b(l, t).as<float>(), T, s.out, r);
+  linear_backward_weight(pool_, dy, a.ax[ti], lora_->grad_b(l, t).as<float>(), T, s.out, r);
   // du = dy B as a product with B^T [r, out] (B's r columns are too narrow for the
   // input-gradient tiles).
-  const Tensor B = lora_.b(l, t);
+  const Tensor B = lora_->b(l, t);
   bt_.resize(static_cast<size_t>(r * s.out));
   for (int64_t n = 0; n < s.out; ++n)
     for (int64_t j = 0; j < r; ++j) bt_[static_cast<size_t>(j * s.out + n)] = B.as<const float>()[n * r + j];
   matmul(pool_, make_tensor(bt_.data(), DType::f32, {r, s.out}), dy, dax_, T, scratch_);
-  const float sc = lora_.scale();
+  const float sc = lora_->scale();
   for (int64_t i = 0; i < T * r; ++i) dax_[i] *= sc;
-  linear_backward_weight(pool_, dax_, xin, lora_.grad_a(l, t).as<float>(), T, r, s.in);
+  linear_backward_weight(pool_, dax_, xin, lora_->grad_a(l, t).as<float>(), T, r, s.in);
   if (dx == nullptr) return;
   if (!dropout) {
-    linear_backward_input(pool_, lora_.a(l, t), dax_, dx, T);
+    linear_backward_input(pool_, lora_->a(l, t), dax_, dx, T);
     return;
   }
   // Through the dropout: the same mask (regenerated) and scale apply to the gradient.
   std::memset(tmp_, 0, static_cast<size_t>(T * s.in) * sizeof(float));
-  linear_backward_input(pool_, lora_.a(l, t), dax_, tmp_, T);
-  apply_dropout(tmp_, tmp_, T * s.in, lora_.config().dropout, lora_.config().seed, step,
+  linear_backward_input(pool_, lora_->a(l, t), dax_, tmp_, T);
+  apply_dropout(tmp_, tmp_, T * s.in, lora_->config().dropout, lora_->config().seed, step,
                 static_cast<uint64_t>(l * kLoraTargetCount) + ti);
   add_inplace(dx, tmp_, T * s.in);
 }
@@ -263,22 +277,29 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const LayerActs& a = layers_[static_cast<size_t>(l)];
   const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
   auto zero = [](float* p, int64_t n) { std::memset(p, 0, static_cast<size_t>(n) * sizeof(float)); };
-
   const TransposedLayer* Wt = wt_.empty() ? nullptr : &wt_[static_cast<size_t>(l)];
+  const LayerGrads* G = full_ ? &full_->layer_grads(l) : nullptr;
+
   // x_next = xmid + down(h): dx is also d(xmid)'s residual part, kept in place.
   float* h = dup_;  // h = silu(gate) * up recomputed; dup_ is free until swiglu_backward
   swiglu(h, a.gate, a.up, T * F);
+  if (G) linear_backward_weight(pool_, dx, h, G->w_down, T, H, F);
   input_grad(L.w_down, Wt ? &Wt->w_down : nullptr, dx, dff_, T);
   lora_backward(l, LoraTarget::down, h, dx, dff_, T, dropout, step);
   // dgate -> dgate_, dup -> dup_ (h is no longer needed).
   swiglu_backward(dgate_, dup_, dff_, a.gate, a.up, T * F);
+  if (G) {
+    linear_backward_weight(pool_, dgate_, a.xn2, G->w_gate, T, F, H);
+    linear_backward_weight(pool_, dup_, a.xn2, G->w_up, T, F, H);
+  }
   input_grad(L.w_gate, Wt ? &Wt->w_gate : nullptr, dgate_, dxn_, T);
   input_grad_add(L.w_up, Wt ? &Wt->w_up : nullptr, dup_, dxn_, T);
   lora_backward(l, LoraTarget::gate, a.xn2, dgate_, dxn_, T, dropout, step);
   lora_backward(l, LoraTarget::up, a.xn2, dup_, dxn_, T, dropout, step);
-  rmsnorm_backward(dx, nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
+  rmsnorm_backward(dx, G ? G->ffn_norm : nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
 
   // xmid = x + o(att): dx now is d(xmid), which is also d(x)'s residual part.
+  if (G) linear_backward_weight(pool_, dx, a.att, G->wo, T, H, Q);
   input_grad(L.wo, Wt ? &Wt->wo : nullptr, dx, datt_, T);
   lora_backward(l, LoraTarget::o, a.att, dx, datt_, T, dropout, step);
   zero(dq_, T * Q);
@@ -287,8 +308,19 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   attention_backward(pool_, dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, shape, T, seq_start_.data());
   rope_backward(w_.rope, dq_, T, c_.n_heads, pos_.data());
   rope_backward(w_.rope, dk_, T, c_.n_kv_heads, pos_.data());
-  // The first layer's input is the frozen embedding: nothing below needs its gradient.
-  const bool need_dx = l > 0;
+  if (G) {
+    linear_backward_weight(pool_, dq_, a.xn1, G->wq, T, Q, H);
+    linear_backward_weight(pool_, dk_, a.xn1, G->wk, T, KV, H);
+    linear_backward_weight(pool_, dv_, a.xn1, G->wv, T, KV, H);
+    if (G->bq) {
+      linear_backward_bias(dq_, G->bq, T, Q);
+      linear_backward_bias(dk_, G->bk, T, KV);
+      linear_backward_bias(dv_, G->bv, T, KV);
+    }
+  }
+  // With LoRA the first layer's input is the frozen embedding: nothing below
+  // needs its gradient.
+  const bool need_dx = l > 0 || full_ != nullptr;
   if (need_dx) {
     input_grad(L.wq, Wt ? &Wt->wq : nullptr, dq_, dxn_, T);
     input_grad_add(L.wk, Wt ? &Wt->wk : nullptr, dk_, dxn_, T);
@@ -297,13 +329,13 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const float* dqkv[] = {dq_, dk_, dv_};
   for (int i = 0; i < 3; ++i) lora_backward(l, kQkv[i], a.xn1, dqkv[i], need_dx ? dxn_ : nullptr, T, dropout, step);
   if (!need_dx) return;
-  rmsnorm_backward(dx, nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
+  rmsnorm_backward(dx, G ? G->attn_norm : nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
 }
 
 LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step, bool backward) {
   check_batch(batch);
   const int64_t T = batch.rows * batch.seq_len, H = c_.hidden;
-  const bool dropout = backward && lora_.config().dropout > 0;
+  const bool dropout = backward && lora_ && lora_->config().dropout > 0;
   layout(T, dropout);
   pos_.assign(batch.positions.begin(), batch.positions.end());
   seq_start_.resize(static_cast<size_t>(T));
@@ -321,6 +353,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
 
   // d(final-norm output) lands in tmp_; d(residual stream) in dres_.
   ChunkedLossArgs la;
+  la.dW = backward && full_ ? full_->output_grad() : nullptr;
   la.W = &w_.output;
   la.W_packed = &w_.output_packed;
   la.Wt_packed = wt_.empty() ? nullptr : &output_t_;
@@ -337,9 +370,12 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   if (!backward) return res;
 
   std::memset(dres_, 0, static_cast<size_t>(T * H) * sizeof(float));
-  rmsnorm_backward(dres_, nullptr, dh, x_final_, w_.output_norm, rstd_final_, T, H);
+  rmsnorm_backward(dres_, full_ ? full_->output_norm_grad() : nullptr, dh, x_final_, w_.output_norm, rstd_final_, T,
+                   H);
   for (int64_t l = c_.n_layers - 1; l >= 0; --l) backward_layer(l, T, dropout, step, dres_);
-  return res;  // d(embedding) is dx: the embedding is frozen, so it stops here
+  // dres_ is now d(embedding rows); with LoRA the embedding is frozen and it stops here.
+  if (full_) embedding_backward(pool_, full_->token_embd_grad(), dres_, batch.tokens.data(), T, c_.vocab_size, H);
+  return res;
 }
 
 LossResult TrainSession::forward_backward(const Batch& batch, float grad_scale, uint64_t step) {

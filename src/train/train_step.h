@@ -17,6 +17,7 @@
 #include "model/config.h"
 #include "model/weights.h"
 #include "train/data.h"
+#include "train/full_params.h"
 #include "train/lora.h"
 
 namespace loom {
@@ -38,6 +39,14 @@ class TrainSession {
   // backward: how input gradients pass the frozen weights (see BackwardMode).
   TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora, ThreadPool& pool,
                BackwardMode backward = BackwardMode::f16);
+  // Full fine-tuning: `weights` point into `full` (FullParams re-points them);
+  // every weight gets its gradient in full.grads().
+  TrainSession(const ModelConfig& config, const ModelWeights& weights, FullParams& full, ThreadPool& pool,
+               BackwardMode backward = BackwardMode::f16);
+
+  // Call after the weights changed (an optimizer step of full fine-tuning) and
+  // were repacked (pack_weights): rebuilds the transposed backward weights.
+  void refresh_weights();
 
   // Loss of one micro-batch and, accumulated (+=) into lora.grads(), the gradient
   // of loss_sum * grad_scale. grad_scale = 1 / (target tokens of the whole
@@ -81,8 +90,10 @@ class TrainSession {
 
   const ModelConfig& c_;
   const ModelWeights& w_;
-  LoraModel& lora_;
+  LoraModel* lora_ = nullptr;  // exactly one of lora_ and full_ is set
+  FullParams* full_ = nullptr;
   ThreadPool& pool_;
+  BackwardMode backward_;
   MatmulScratch scratch_;
   int64_t T_ = -1;
   bool dropout_layout_ = false;

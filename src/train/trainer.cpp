@@ -18,6 +18,8 @@
 #include "model/model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
+#include "train/adapter_merge.h"
+#include "train/full_params.h"
 #include "train/peft_adapter.h"
 #include "train/train_step.h"
 
@@ -175,7 +177,15 @@ class Progress {
 TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   Progress progress(log, 1, 1);
   ThreadPool pool(c.threads > 0 ? c.threads : default_thread_count());
-  auto model = Model::load(c.model, {.tokenizer = true, .pack = true, .pool = &pool});
+  const bool full_ft = c.method == TrainMethod::full;
+  if (full_ft && (c.lora_plus_ratio || c.mlp_lr))
+    fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c.source);
+  // Full fine-tuning moves every weight into an f32 arena before packing.
+  std::unique_ptr<FullParams> full;
+  Model::LoadOptions lo{.tokenizer = true, .pack = true, .pool = &pool};
+  if (full_ft)
+    lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) { full = std::make_unique<FullParams>(w, mc, pool); };
+  auto model = Model::load(c.model, lo);
   const ModelConfig& mc = model->config();
   if (c.seq_len > mc.max_context)
     fail(ErrorKind::invalid_input, "{}: data.seq_len {} exceeds the model's context length {}", c.source, c.seq_len,
@@ -206,8 +216,18 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
     progress.line("eval data: {} samples, {} rows{}", data.eval->n_samples, data.eval->rows.rows(),
                   c.eval_file.empty() ? " (split from the train file)" : " from " + c.eval_file);
 
-  LoraModel lora(mc, c.lora);
-  TrainSession session(mc, model->weights(), lora, pool, c.backward);
+  std::optional<LoraModel> lora_storage;
+  if (!full_ft) lora_storage.emplace(mc, c.lora);
+  LoraModel* lora = lora_storage ? &*lora_storage : nullptr;
+  std::optional<TrainSession> session_storage;
+  if (full_ft)
+    session_storage.emplace(mc, model->weights(), *full, pool, c.backward);
+  else
+    session_storage.emplace(mc, model->weights(), *lora, pool, c.backward);
+  TrainSession& session = *session_storage;
+  const int64_t n_trainable = full_ft ? full->param_count() : lora->param_count();
+  float* const params = full_ft ? full->params() : lora->params();
+  float* const grads = full_ft ? full->grads() : lora->grads();
   DataLoader loader(data.train, data.pad_id, c.batch_size, /*shuffle=*/true, c.seed);
   int64_t total_steps = c.steps;
   if (total_steps == 0) {
@@ -215,15 +235,18 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
     total_steps = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(micro / static_cast<double>(c.grad_accum))));
   }
   LrSchedule sched{.kind = c.schedule, .warmup_steps = c.warmup_steps, .total_steps = total_steps};
-  AdamW opt(c.adam, lora_param_groups(lora, c), static_cast<size_t>(lora.param_count()), sched);
+  AdamW opt(c.adam, full_ft ? full->param_groups(c.lr, c.weight_decay) : lora_param_groups(*lora, c),
+            static_cast<size_t>(n_trainable), sched);
 
   TrainResult res;
-  res.trainable_params = lora.param_count();
-  res.total_params = model->parameter_count() + lora.param_count();
-  progress.line("model: {} ({} layers, hidden {}), {} parameters; LoRA r={} alpha={}: {} trainable ({:.3f}%)",
-                c.model, mc.n_layers, mc.hidden, format_count(res.total_params), c.lora.r, c.lora.alpha,
-                format_count(res.trainable_params),
-                100.0 * static_cast<double>(res.trainable_params) / static_cast<double>(res.total_params));
+  res.trainable_params = n_trainable;
+  res.total_params = model->parameter_count() + (full_ft ? 0 : n_trainable);
+  const std::string method = full_ft ? std::string("full fine-tuning (f32)")
+                                     : fmt::format("LoRA r={} alpha={}", c.lora.r, c.lora.alpha);
+  progress.line("model: {} ({} layers, hidden {}), {} parameters; {}: {} trainable ({:.3f}%); backward {}", c.model,
+                mc.n_layers, mc.hidden, format_count(res.total_params), method, format_count(res.trainable_params),
+                100.0 * static_cast<double>(res.trainable_params) / static_cast<double>(res.total_params),
+                backward_mode_name(c.backward));
   progress.line("training: {} steps of {} x {} rows x {} tokens ({} rows per epoch)", total_steps, c.grad_accum,
                 c.batch_size, c.seq_len, data.train.rows.rows());
 
@@ -263,7 +286,10 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
       b = loader.next();
       step_tokens += b.target_tokens;
     }
-    lora.zero_grads();
+    if (full_ft)
+      full->zero_grads();
+    else
+      lora->zero_grads();
     double loss_sum = 0;
     if (step_tokens > 0) {
       const float scale = 1.0f / static_cast<float>(step_tokens);
@@ -274,8 +300,11 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
       }
     }
     const double lr = opt.current_lr(0);
-    const StepStats st = opt.step({lora.params(), static_cast<size_t>(lora.param_count())},
-                                  {lora.grads(), static_cast<size_t>(lora.param_count())});
+    const StepStats st = opt.step({params, static_cast<size_t>(n_trainable)}, {grads, static_cast<size_t>(n_trainable)});
+    if (full_ft) {  // the forward multiplies packed copies: refresh them
+      pack_weights(model->mutable_weights(), &pool);
+      session.refresh_weights();
+    }
     const double loss = step_tokens > 0 ? loss_sum / static_cast<double>(step_tokens) : std::nan("");
     if (step_tokens > 0 && !std::isfinite(loss))
       fail(ErrorKind::invalid_input, "training diverged at step {}: loss is {} (lower optim.lr?)", step + 1, loss);
@@ -299,11 +328,14 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   res.tokens_per_s = train_seconds > 0 ? static_cast<double>(input_tokens) / train_seconds : 0;
   run_eval(total_steps);
 
-  peft::write_adapter(c.output_dir, adapter_tensors(lora, mc, c));
+  if (full_ft)
+    write_hf_folder(*model, c.output_dir, c.output_dtype);
+  else
+    peft::write_adapter(c.output_dir, adapter_tensors(*lora, mc, c));
   res.adapter_dir = c.output_dir;
-  progress.line("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; adapter written to {}", total_steps,
+  progress.line("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", total_steps,
                 res.trained_tokens, format_duration(seconds_since(t0)), res.tokens_per_s,
-                std::filesystem::absolute(c.output_dir).string());
+                full_ft ? "Hugging Face model folder" : "adapter", std::filesystem::absolute(c.output_dir).string());
   return res;
 }
 

@@ -1,0 +1,130 @@
+// The f32 parameter and gradient arenas of full fine-tuning.
+#include "train/full_params.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/ref/dequant_ref.h"
+
+namespace loom {
+
+FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) {
+  tied_ = w.output.data == w.token_embd.data;
+  // Pass 1: sizes and offsets, in a fixed order; pass 2 copies and re-points.
+  size_t total = 0;
+  auto add = [&](int64_t n, bool decay) {
+    spans_.push_back({total, static_cast<size_t>(n), decay});
+    total += static_cast<size_t>(n);
+    return spans_.size() - 1;
+  };
+  const int64_t H = c.hidden;
+  const size_t embd = add(w.token_embd.numel(), true);
+  struct LayerSpans {
+    size_t attn_norm, wq, wk, wv, wo, bq = SIZE_MAX, bk = SIZE_MAX, bv = SIZE_MAX, ffn_norm, gate, up, down;
+  };
+  std::vector<LayerSpans> ls;
+  for (const LayerWeights& L : w.layers) {
+    LayerSpans s{};
+    s.attn_norm = add(H, false);
+    s.wq = add(L.wq.numel(), true);
+    s.wk = add(L.wk.numel(), true);
+    s.wv = add(L.wv.numel(), true);
+    s.wo = add(L.wo.numel(), true);
+    if (L.bq != nullptr) {
+      s.bq = add(L.wq.rows(), false);
+      s.bk = add(L.wk.rows(), false);
+      s.bv = add(L.wv.rows(), false);
+    }
+    s.ffn_norm = add(H, false);
+    s.gate = add(L.w_gate.numel(), true);
+    s.up = add(L.w_up.numel(), true);
+    s.down = add(L.w_down.numel(), true);
+    ls.push_back(s);
+  }
+  const size_t out_norm = add(H, false);
+  const size_t output = tied_ ? embd : add(w.output.numel(), true);
+
+  params_.assign(total, 0.0f);
+  grads_.assign(total, 0.0f);
+  auto p = [&](size_t span) { return params_.data() + spans_[span].offset; };
+  auto g = [&](size_t span) { return grads_.data() + spans_[span].offset; };
+  // Matrices: dequantize rows in parallel into the arena, then point the tensor there.
+  auto take_matrix = [&](Tensor& t, size_t span) {
+    float* dst = p(span);
+    const Tensor src = t;
+    pool.parallel_for(src.rows(), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) dequantize_row_ref(src.dtype, src.row_ptr(r), dst + r * src.cols(), src.cols());
+    });
+    t.data = dst;
+    t.dtype = DType::f32;
+  };
+  auto take_vector = [&](const float*& v, size_t span) {
+    std::memcpy(p(span), v, spans_[span].size * sizeof(float));
+    v = p(span);
+  };
+  take_matrix(w.token_embd, embd);
+  if (tied_)
+    w.output = w.token_embd;
+  else
+    take_matrix(w.output, output);
+  embd_grad_ = g(embd);
+  output_grad_ = g(output);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    LayerWeights& L = w.layers[l];
+    const LayerSpans& s = ls[l];
+    LayerGrads lg;
+    take_vector(L.attn_norm, s.attn_norm);
+    take_matrix(L.wq, s.wq);
+    take_matrix(L.wk, s.wk);
+    take_matrix(L.wv, s.wv);
+    take_matrix(L.wo, s.wo);
+    lg.attn_norm = g(s.attn_norm);
+    lg.wq = g(s.wq);
+    lg.wk = g(s.wk);
+    lg.wv = g(s.wv);
+    lg.wo = g(s.wo);
+    if (s.bq != SIZE_MAX) {
+      take_vector(L.bq, s.bq);
+      take_vector(L.bk, s.bk);
+      take_vector(L.bv, s.bv);
+      lg.bq = g(s.bq);
+      lg.bk = g(s.bk);
+      lg.bv = g(s.bv);
+    }
+    take_vector(L.ffn_norm, s.ffn_norm);
+    take_matrix(L.w_gate, s.gate);
+    take_matrix(L.w_up, s.up);
+    take_matrix(L.w_down, s.down);
+    lg.ffn_norm = g(s.ffn_norm);
+    lg.w_gate = g(s.gate);
+    lg.w_up = g(s.up);
+    lg.w_down = g(s.down);
+    layers_.push_back(lg);
+  }
+  take_vector(w.output_norm, out_norm);
+  output_norm_grad_ = g(out_norm);
+}
+
+void FullParams::zero_grads() { std::memset(grads_.data(), 0, grads_.size() * sizeof(float)); }
+
+std::vector<ParamGroup> FullParams::param_groups(double lr, double weight_decay) const {
+  // Runs of equal decay become one group each (groups must be contiguous).
+  std::vector<ParamGroup> groups;
+  for (const Span& s : spans_) {
+    if (!groups.empty() && groups.back().decay == s.decay && groups.back().offset + groups.back().size == s.offset) {
+      groups.back().size += s.size;
+      continue;
+    }
+    ParamGroup pg;
+    pg.name = s.decay ? "weights" : "norms_and_biases";
+    pg.offset = s.offset;
+    pg.size = s.size;
+    pg.lr = lr;
+    pg.weight_decay = weight_decay;
+    pg.decay = s.decay;
+    groups.push_back(pg);
+  }
+  return groups;
+}
+
+}  // namespace loom

@@ -1,0 +1,60 @@
+// Full fine-tuning: every weight of the model as f32 in one parameter arena,
+// with a gradient arena of the same layout (zeroing is one memset). The model's
+// ModelWeights are re-pointed into the arena, so the forward reads the weights
+// being trained and write_hf_folder exports them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "model/config.h"
+#include "model/weights.h"
+#include "train/optimizer.h"
+
+namespace loom {
+
+// Gradients of one layer, pointers into FullParams::grads() (nullptr: absent, e.g. biases of llama).
+struct LayerGrads {
+  float *attn_norm = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+  float *bq = nullptr, *bk = nullptr, *bv = nullptr;
+  float *ffn_norm = nullptr, *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;
+};
+
+class FullParams {
+ public:
+  // Copies every weight of `w` (dequantized to f32) into the arena and points
+  // `w`'s tensors and vectors at it; `w` must then be (re)packed. Tied output
+  // and embedding stay one tensor (one parameter, both gradients summed).
+  FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool);
+
+  int64_t param_count() const { return static_cast<int64_t>(params_.size()); }
+  float* params() { return params_.data(); }
+  float* grads() { return grads_.data(); }
+  const float* grads() const { return grads_.data(); }
+  void zero_grads();
+
+  const LayerGrads& layer_grads(int64_t l) const { return layers_[static_cast<size_t>(l)]; }
+  float* token_embd_grad() const { return embd_grad_; }
+  float* output_grad() const { return output_grad_; }  // == token_embd_grad() when tied
+  float* output_norm_grad() const { return output_norm_grad_; }
+  bool tied() const { return tied_; }
+
+  // Two groups like transformers' Trainer: matrices and embeddings decay,
+  // norms and biases do not.
+  std::vector<ParamGroup> param_groups(double lr, double weight_decay) const;
+
+ private:
+  struct Span {
+    size_t offset, size;
+    bool decay;
+  };
+  std::vector<Span> spans_;
+  std::vector<float> params_, grads_;
+  std::vector<LayerGrads> layers_;
+  float *embd_grad_ = nullptr, *output_grad_ = nullptr, *output_norm_grad_ = nullptr;
+  bool tied_ = false;
+};
+
+}  // namespace loom
