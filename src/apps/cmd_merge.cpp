@@ -30,15 +30,16 @@ int run_merge(int argc, char** argv) {
                                                    : safetensors::StDType::f32;
 
   ThreadPool pool(threads);
-  // A GGUF file's tokenizer supplies the bos/eos ids for config.json; an HF
-  // folder's are copied from its config.json, and it may have no tokenizer.json.
+  // A GGUF file's tokenizer supplies the bos/eos ids for config.json and the
+  // tokenizer files (tokenizer/tokenizer_export.h); an HF folder's are copied
+  // from its config.json, and it may have no tokenizer.json.
   const bool gguf = !std::filesystem::is_directory(model_path);
   Model::LoadOptions load{.tokenizer = gguf, .pack = false, .pool = &pool};
   load.before_pack = adapter_merge_hook(adapter_dir);
   auto model = Model::load(model_path, load);
   write_hf_folder(*model, out_dir, st);
   std::fprintf(stderr, "wrote %s (%s)%s\n", out_dir.c_str(), dtype.c_str(),
-               model->is_gguf() ? "; no tokenizer files: the source is a GGUF file" : "");
+               model->is_gguf() ? "; tokenizer files written from the GGUF tokenizer" : "");
   return 0;
 }
 

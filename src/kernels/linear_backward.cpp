@@ -153,7 +153,7 @@ DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p) {
 }
 
 PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
-                            const char* name) {
+                            const char* name, PackedWeight* recycle) {
   if (parts.empty()) fail(ErrorKind::invalid_input, "pack_transposed({}): no tensors", name);
   const DType src = parts[0].dtype;
   const int64_t K = parts[0].cols();
@@ -217,7 +217,7 @@ PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, Tr
   t.dtype = dst;
   t.ndim = 2;
   t.shape = {K, N, 0, 0};
-  return PackedWeight::pack(t, &pool, name);
+  return PackedWeight::pack(t, &pool, name, recycle);
 }
 
 void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy, float* dx,

@@ -39,8 +39,9 @@ DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p);
 // rows (N_total = sum of rows), so one product covers e.g. q, k and v:
 // dx = [dq | dk | dv] [Wq; Wk; Wv]. Throws loom::Error naming `name` for parts
 // that do not share K or have an unsupported dtype.
+// `recycle` as for PackedWeight::pack.
 PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
-                            const char* name = "weight");
+                            const char* name = "weight", PackedWeight* recycle = nullptr);
 // Working memory of linear_backward_input_packed; reuse it across calls.
 struct PackedBackwardScratch {
   std::vector<float> dy, prod;

@@ -62,13 +62,16 @@ class PackedWeight {
   PackedWeight() = default;
   // W: {N, K} (or any tensor viewed as rows() x cols()) of a supported dtype.
   // Throws loom::Error(unsupported / invalid_input) naming `name` for a bad tensor.
-  static PackedWeight pack(const Tensor& W, ThreadPool* pool = nullptr, const char* name = "weight");
+  // `recycle`: a PackedWeight no longer needed whose memory is reused when it has
+  // the same size (repacking weights that training changed, without page faults).
+  static PackedWeight pack(const Tensor& W, ThreadPool* pool = nullptr, const char* name = "weight",
+                           PackedWeight* recycle = nullptr);
   // Stacks the rows of several tensors of one dtype and width (e.g. Wq, Wk, Wv, or
   // Wgate, Wup) into one matrix, so one matmul call computes all of them: y row t
   // is then [x Wq^T | x Wk^T | x Wv^T]. Saves a thread dispatch and an activation
   // quantization per extra tensor.
   static PackedWeight pack_concat(std::span<const Tensor> parts, ThreadPool* pool = nullptr,
-                                  const char* name = "weight");
+                                  const char* name = "weight", PackedWeight* recycle = nullptr);
 
   DType dtype() const { return dtype_; }
   int64_t rows() const { return n_; }

@@ -73,20 +73,24 @@ void dequantize_weights(ModelWeights& w) {
 }
 
 void pack_weights(ModelWeights& w, ThreadPool* pool) {
+  // Repacking (full fine-tuning) reuses the previous panels' memory.
+  std::vector<PackedLayer> old = std::move(w.packed);
+  old.resize(w.layers.size());
   w.packed.clear();
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
+    PackedLayer& O = old[l];
     PackedLayer P;
-    P.wq = PackedWeight::pack(L.wq, pool, "attn_q");
-    P.wk = PackedWeight::pack(L.wk, pool, "attn_k");
-    P.wv = PackedWeight::pack(L.wv, pool, "attn_v");
-    P.wo = PackedWeight::pack(L.wo, pool, "attn_output");
-    P.w_gate = PackedWeight::pack(L.w_gate, pool, "ffn_gate");
-    P.w_up = PackedWeight::pack(L.w_up, pool, "ffn_up");
-    P.w_down = PackedWeight::pack(L.w_down, pool, "ffn_down");
+    P.wq = PackedWeight::pack(L.wq, pool, "attn_q", &O.wq);
+    P.wk = PackedWeight::pack(L.wk, pool, "attn_k", &O.wk);
+    P.wv = PackedWeight::pack(L.wv, pool, "attn_v", &O.wv);
+    P.wo = PackedWeight::pack(L.wo, pool, "attn_output", &O.wo);
+    P.w_gate = PackedWeight::pack(L.w_gate, pool, "ffn_gate", &O.w_gate);
+    P.w_up = PackedWeight::pack(L.w_up, pool, "ffn_up", &O.w_up);
+    P.w_down = PackedWeight::pack(L.w_down, pool, "ffn_down", &O.w_down);
     w.packed.push_back(std::move(P));
   }
-  w.output_packed = PackedWeight::pack(w.output, pool, "output");
+  w.output_packed = PackedWeight::pack(w.output, pool, "output", &w.output_packed);
 }
 
 RopeTable make_rope_table(const ModelConfig& c) {

@@ -15,6 +15,7 @@
 #include "kernels/ref/dequant_ref.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer_export.h"
 
 namespace loom {
 namespace {
@@ -260,13 +261,16 @@ void write_hf_folder(const Model& model, const std::string& out_dir, safetensors
   write_file_atomic(out_dir + "/config.json", cfg.dump(2) + "\n");
   if (model.is_gguf()) write_file_atomic(out_dir + "/generation_config.json", gen.dump(2) + "\n");
 
-  if (!model.is_gguf())
+  if (!model.is_gguf()) {
     for (const char* f : {"generation_config.json", "tokenizer.json", "tokenizer_config.json",
                           "special_tokens_map.json"}) {
       const std::string src = model.path() + "/" + f;
       struct stat sb {};
       if (::stat(src.c_str(), &sb) == 0) write_file_atomic(out_dir + "/" + f, read_file_bytes(src));
     }
+  } else if (model.has_tokenizer()) {  // a GGUF has no tokenizer files to copy: write them from its tokenizer
+    write_tokenizer_files(model.tokenizer(), model.chat_template_text(), c.max_context, out_dir);
+  }
 }
 
 }  // namespace loom

@@ -31,7 +31,8 @@ std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::s
 // Writes `out_dir` (created) as a Hugging Face folder: config.json,
 // generation_config.json, model.safetensors (every tensor dequantized, HF
 // names, HF q/k row order; `dtype` F32, BF16 or F16), and copies
-// tokenizer.json / tokenizer_config.json when the model is an HF folder.
+// tokenizer.json / tokenizer_config.json when the model is an HF folder, or
+// writes them from a GGUF model's tokenizer (tokenizer/tokenizer_export.h).
 // The model must have been loaded unpacked or packed, either is fine.
 // Throws unsupported for what a config.json cannot express (e.g. a GGUF
 // rope_freqs table that does not match the config's RoPE frequencies).

@@ -57,16 +57,19 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
 
 void TrainSession::refresh_weights() {
   LOOM_ASSERT(w_.packed.size() == w_.layers.size() && !w_.output_packed.empty());
-  wt_.clear();
   if (backward_ == BackwardMode::exact) return;
   const auto prec = backward_ == BackwardMode::int8 ? TransposedPrecision::int8 : TransposedPrecision::f16;
-  auto t = [&](const Tensor& W) {
-    return pack_transposed(pool_, std::span<const Tensor>(&W, 1), prec, "backward weight");
+  auto t = [&](const Tensor& W, PackedWeight& old) {
+    return pack_transposed(pool_, std::span<const Tensor>(&W, 1), prec, "backward weight", &old);
   };
-  wt_.reserve(w_.layers.size());
-  for (const LayerWeights& L : w_.layers)
-    wt_.push_back({t(L.wq), t(L.wk), t(L.wv), t(L.wo), t(L.w_gate), t(L.w_up), t(L.w_down)});
-  output_t_ = t(w_.output);
+  wt_.resize(w_.layers.size());
+  for (size_t l = 0; l < w_.layers.size(); ++l) {
+    const LayerWeights& L = w_.layers[l];
+    TransposedLayer& O = wt_[l];
+    O = {t(L.wq, O.wq), t(L.wk, O.wk), t(L.wv, O.wv), t(L.wo, O.wo), t(L.w_gate, O.w_gate), t(L.w_up, O.w_up),
+         t(L.w_down, O.w_down)};
+  }
+  output_t_ = t(w_.output, output_t_);
 }
 
 void TrainSession::input_grad(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {

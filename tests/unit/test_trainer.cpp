@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "expect_error.h"
 #include "model/model.h"
@@ -141,6 +143,66 @@ TEST(Trainer, BadDataNamesFile) {
   c = tiny_config(tmp);
   c.seq_len = 100000;
   test_util::expect_error([&] { run_training(c, nullptr); }, ErrorKind::invalid_input, {"data.seq_len"});
+}
+
+}  // namespace
+}  // namespace loom
+
+namespace loom {
+namespace {
+
+// method: full trains every weight; the output is a Hugging Face folder whose
+// weights (loaded back, q/k in HF order from the GGUF's permuted rows) give the
+// trained model's eval loss, and metrics_file has one JSON line per step.
+TEST(Trainer, FullFineTuneWritesAModelFolderThatReloads) {
+  TempDir tmp;
+  std::vector<std::string> overrides = {"method=full", "optim.lr=1e-3", "eval_interval=0", "eval_at_start=true",
+                                        "metrics_file=" + (tmp.path / "metrics.jsonl").string(),
+                                        "output_dir=" + (tmp.path / "full").string()};
+  std::string yaml = fmt::format(
+      "model: {}\ndata:\n  train: {}\n  eval: {}\n  seq_len: 48\nbatch_size: 2\nsteps: 8\nthreads: 2\n"
+      "output_dir: x\n",
+      src("tests/fixtures/model/tiny-llama.f32.gguf"), src("tests/fixtures/train_data/text.jsonl"),
+      src("tests/fixtures/train_data/eval.jsonl"));
+  const TrainConfig c = parse_train_config(yaml, "full.yaml", overrides);
+  const TrainResult r = run_training(c, nullptr);
+  ASSERT_EQ(r.eval_losses.size(), 2u);
+  EXPECT_LT(r.eval_losses[1], r.eval_losses[0]);
+  EXPECT_EQ(r.trainable_params, r.total_params);
+  EXPECT_LT(r.step_losses.back(), r.step_losses.front());
+
+  // The exported folder evaluates to the final eval loss of the run.
+  std::string yaml2 = fmt::format(
+      "model: {}\ndata:\n  train: {}\n  eval: {}\n  seq_len: 48\nbatch_size: 2\nsteps: 1\nthreads: 2\n"
+      "eval_at_start: true\noutput_dir: {}\nmethod: full\noptim:\n  lr: 1e-9\n",
+      (tmp.path / "full").string(), src("tests/fixtures/train_data/text.jsonl"),
+      src("tests/fixtures/train_data/eval.jsonl"), (tmp.path / "again").string());
+  const TrainResult again = run_training(parse_train_config(yaml2, "again.yaml"), nullptr);
+  EXPECT_NEAR(again.eval_losses[0], r.eval_losses[1], 1e-4 * r.eval_losses[1]);
+
+  std::ifstream m(tmp.path / "metrics.jsonl");
+  int steps = 0, evals = 0;
+  for (std::string line; std::getline(m, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("eval_loss")) ++evals;
+    if (j.contains("loss")) {
+      ++steps;
+      EXPECT_EQ(j["step"].get<int>(), steps);
+      EXPECT_GT(j["tokens_per_s"].get<double>(), 0);
+    }
+  }
+  EXPECT_EQ(steps, 8);
+  EXPECT_EQ(evals, 2);
+}
+
+TEST(Trainer, FullFineTuneRejectsLoraOnlyOptions) {
+  TempDir tmp;
+  std::string yaml = fmt::format(
+      "model: {}\ndata:\n  train: {}\nsteps: 1\nmethod: full\noptim:\n  lora_plus_ratio: 4\noutput_dir: {}\n",
+      src("tests/fixtures/model/tiny-llama.f32.gguf"), src("tests/fixtures/train_data/text.jsonl"),
+      (tmp.path / "x").string());
+  test_util::expect_error([&] { run_training(parse_train_config(yaml, "bad.yaml"), nullptr); },
+                          ErrorKind::invalid_input, {"bad.yaml", "lora_plus_ratio", "method: lora"});
 }
 
 }  // namespace

@@ -206,11 +206,12 @@ bool matmul_supports(DType type) {
   }
 }
 
-PackedWeight PackedWeight::pack(const Tensor& W, ThreadPool* pool, const char* name) {
-  return pack_concat(std::span<const Tensor>(&W, 1), pool, name);
+PackedWeight PackedWeight::pack(const Tensor& W, ThreadPool* pool, const char* name, PackedWeight* recycle) {
+  return pack_concat(std::span<const Tensor>(&W, 1), pool, name, recycle);
 }
 
-PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool* pool, const char* name) {
+PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool* pool, const char* name,
+                                       PackedWeight* recycle) {
   if (parts.empty()) fail(ErrorKind::invalid_input, "matmul: no tensors to pack for '{}'", name);
   int64_t N = 0;
   for (const Tensor& W : parts) {
@@ -227,7 +228,10 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
   pw.k_ = parts[0].cols();
   pw.panel_bytes_ = panel_stride(pw.dtype_, pw.k_);
   pw.n_panels_ = static_cast<size_t>((N + kPanelRows - 1) / kPanelRows);
-  pw.data_ = alloc_aligned(pw.n_panels_ * pw.panel_bytes_);
+  if (recycle && recycle->data_ && recycle->nbytes() == pw.n_panels_ * pw.panel_bytes_)
+    pw.data_ = std::move(recycle->data_);
+  else
+    pw.data_ = alloc_aligned(pw.n_panels_ * pw.panel_bytes_);
   const size_t used = cpu::panel_bytes(pw.dtype_, pw.k_);
   auto row_ptr = [&](int64_t n) {
     for (const Tensor& W : parts) {
