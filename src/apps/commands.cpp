@@ -9,10 +9,11 @@ extern const Command kChatCommand;
 extern const Command kBenchCommand;
 extern const Command kMergeCommand;
 extern const Command kTrainCommand;
+extern const Command kServeCommand;
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {kInfoCommand, kTokenizeCommand, kGenerateCommand, kChatCommand,
-                                             kBenchCommand, kMergeCommand, kTrainCommand};
+                                             kBenchCommand, kMergeCommand, kTrainCommand, kServeCommand};
   return table;
 }
 

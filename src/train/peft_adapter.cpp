@@ -232,7 +232,7 @@ void write_adapter(const std::string& dir, const AdapterTensors& adapter, safete
   write_file_atomic(cfg_path, j.dump(2) + "\n");
 }
 
-AdapterTensors read_adapter(const std::string& dir) {
+AdapterTensors read_adapter(const std::string& dir, bool map_f32) {
   const std::string cfg_path = (std::filesystem::path(dir) / "adapter_config.json").string();
   const std::string st_path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
   AdapterTensors out;
@@ -253,7 +253,7 @@ AdapterTensors read_adapter(const std::string& dir) {
            st_path);
     fail(ErrorKind::not_found, "{}: no such file", st_path);
   }
-  const auto file = safetensors::File::open(st_path);
+  std::shared_ptr<const safetensors::File> file = safetensors::File::open(st_path);
   std::map<std::pair<int, LoraTarget>, std::pair<const safetensors::TensorInfo*, const safetensors::TensorInfo*>> found;
   for (const auto& info : file->tensors()) {
     const auto parsed = parse_tensor_name(info.name);
@@ -290,8 +290,17 @@ AdapterTensors read_adapter(const std::string& dir) {
       LoraPair p;
       p.in = it->second.first->shape[1];
       p.out = it->second.second->shape[0];
-      p.a = to_f32(*it->second.first);
-      p.b = to_f32(*it->second.second);
+      auto mappable = [&](const safetensors::TensorInfo& info) {
+        return map_f32 && info.st_dtype == safetensors::StDType::f32 && info.aligned;
+      };
+      if (mappable(*it->second.first))
+        p.a_map = reinterpret_cast<const float*>(it->second.first->data);
+      else
+        p.a = to_f32(*it->second.first);
+      if (mappable(*it->second.second))
+        p.b_map = reinterpret_cast<const float*>(it->second.second->data);
+      else
+        p.b = to_f32(*it->second.second);
       out.pairs.emplace(it->first, std::move(p));
     }
   if (static_cast<int>(layers.size()) != out.n_layers())
@@ -304,6 +313,7 @@ AdapterTensors read_adapter(const std::string& dir) {
       fail(ErrorKind::invalid_input, "{}: layer {} {}: A/B shapes [{}, {}]/[{}, {}] differ from layer 0's", st_path,
            key.first, lora_target_peft_name(key.second), c.r, p.in, p.out, c.r);
   }
+  if (map_f32) out.mapping = std::move(file);
   return out;
 }
 

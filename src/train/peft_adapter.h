@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -36,14 +37,21 @@ struct AdapterConfig {
 };
 
 // One adapted linear layer: A is [r, in], B is [out, r], row-major fp32.
+// Read with map_f32, an aligned F32 tensor is not copied: a_map / b_map point
+// into the file's mapping (AdapterTensors::mapping) and a / b stay empty.
 struct LoraPair {
   int64_t in = 0, out = 0;
   std::vector<float> a, b;
+  const float* a_map = nullptr;
+  const float* b_map = nullptr;
+  const float* a_data() const { return a_map ? a_map : a.data(); }
+  const float* b_data() const { return b_map ? b_map : b.data(); }
 };
 
 struct AdapterTensors {
   AdapterConfig config;
   std::map<std::pair<int, LoraTarget>, LoraPair> pairs;  // (layer, target)
+  std::shared_ptr<const safetensors::File> mapping;     // set by read_adapter(dir, true)
 
   const LoraPair* find(int layer, LoraTarget t) const;
   int n_layers() const;  // 1 + the largest layer index, 0 when empty
@@ -60,7 +68,10 @@ void write_adapter(const std::string& dir, const AdapterTensors& adapter,
 // fan_in_fan_out, non-LORA peft_type, layers_to_transform, rank/alpha patterns,
 // biases, modules_to_save, unknown targets, ...) and malformed or missing
 // tensors throw loom::Error naming the file and the field or tensor.
-AdapterTensors read_adapter(const std::string& dir);
+// map_f32: keep the safetensors file mapped and point at its aligned F32
+// tensors instead of copying them (the server's adapters); F16/BF16 are
+// converted either way.
+AdapterTensors read_adapter(const std::string& dir, bool map_f32 = false);
 
 // Checks layer count and every pair's in/out against the model; throws
 // invalid_input naming `what` (e.g. the adapter folder) and the tensor.

@@ -1,0 +1,134 @@
+// `loom serve -m MODEL [--adapter NAME=DIR ...] [...]`: the OpenAI-compatible
+// server (serve/http_server.h) over the continuous-batching engine
+// (serve/scheduler.h). Stops cleanly on SIGINT/SIGTERM.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "apps/cli_common.h"
+#include "apps/commands.h"
+#include "serve/http_server.h"
+#include "serve/scheduler.h"
+
+namespace loom::app {
+
+namespace {
+
+// Parses "4G", "512M", "1048576" (bytes; K/M/G/T are powers of 1024).
+size_t parse_bytes(const std::string& s) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &pos);
+  } catch (const std::exception&) {
+    fail(ErrorKind::invalid_input, "--kv-cache-memory '{}': expected a size such as 2G, 512M or 1073741824", s);
+  }
+  double mul = 1;
+  const std::string unit = s.substr(pos);
+  if (unit == "K" || unit == "KiB" || unit == "k") mul = 1024.0;
+  else if (unit == "M" || unit == "MiB") mul = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB") mul = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "TiB") mul = 1024.0 * 1024 * 1024 * 1024;
+  else if (!unit.empty())
+    fail(ErrorKind::invalid_input, "--kv-cache-memory '{}': unknown unit '{}' (K, M, G or T)", s, unit);
+  if (!(v > 0)) fail(ErrorKind::invalid_input, "--kv-cache-memory '{}' must be positive", s);
+  return static_cast<size_t>(v * mul);
+}
+
+// The signal handler only flips this; the main thread polls it (no work in the handler).
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+int run_serve(int argc, char** argv) {
+  CLI::App app("Serve a model over an OpenAI-compatible HTTP API with continuous batching and multi-LoRA.", "serve");
+  ServeOptions so;
+  HttpServerOptions ho;
+  std::vector<std::string> adapter_specs;
+  std::string api_key_file, kv_memory, kv_dtype = "f16", log_path;
+  int grace_s = 30;
+  app.add_option("-m,--model", so.model_path, "GGUF file or Hugging Face model folder")->required();
+  app.add_option("--served-model-name", so.model_name, "the model id clients use (default: the file name)");
+  app.add_option("--adapter", adapter_specs, "NAME=DIR: a PEFT LoRA adapter served as model NAME (repeatable)");
+  app.add_option("--adapter-dir", so.adapter_dirs,
+                 "folder that POST /v1/load_lora_adapter may load from (repeatable; none: run-time loading off)");
+  app.add_option("--host", ho.host, "address to bind")->capture_default_str();
+  app.add_option("--port", ho.port, "port to bind (0: any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
+  app.add_option("--api-key", ho.api_key, "require Authorization: Bearer KEY on every endpoint but /health");
+  app.add_option("--api-key-file", api_key_file, "read the API key from this file (first line)");
+  app.add_option("--max-seqs", so.max_seqs, "sequences decoding at once")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--max-model-len", so.max_model_len, "context length per request (0: min(model, 4096))")
+      ->capture_default_str();
+  app.add_option("--kv-cache-memory", kv_memory, "bytes for the paged KV cache, e.g. 2G (default: max-seqs full "
+                 "contexts, at most 2G)");
+  app.add_option("--kv-cache-dtype", kv_dtype, "f16 or f32")->capture_default_str()->check(CLI::IsMember({"f16", "f32"}));
+  app.add_option("--max-loras", so.max_loras, "adapters resident in memory at once (LRU)")->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--max-batch-tokens", so.max_batch_tokens, "token rows per step (decodes + prefill chunks)")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  app.add_option("--http-threads", ho.threads, "HTTP connection threads")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--log-file", log_path, "request log, one JSON line per request (default: stderr)");
+  app.add_option("--shutdown-grace", grace_s, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
+      ->capture_default_str()->check(CLI::Range(0, 3600));
+  add_threads_flag(app, so.threads);
+  int code = 0;
+  if (!parse_cli(app, argc, argv, code)) return code;
+
+  for (const std::string& spec : adapter_specs) {
+    const auto eq = spec.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
+      fail(ErrorKind::invalid_input, "--adapter '{}': expected NAME=DIR", spec);
+    so.adapters.emplace_back(spec.substr(0, eq), spec.substr(eq + 1));
+  }
+  if (!api_key_file.empty()) {
+    if (!ho.api_key.empty()) fail(ErrorKind::invalid_input, "give --api-key or --api-key-file, not both");
+    std::ifstream f(api_key_file);
+    if (!f) fail(ErrorKind::not_found, "--api-key-file {}: cannot read", api_key_file);
+    std::getline(f, ho.api_key);
+    while (!ho.api_key.empty() && (ho.api_key.back() == '\r' || ho.api_key.back() == ' ')) ho.api_key.pop_back();
+    if (ho.api_key.empty()) fail(ErrorKind::invalid_input, "--api-key-file {}: the first line is empty", api_key_file);
+  }
+  if (!kv_memory.empty()) so.kv_cache_memory = parse_bytes(kv_memory);
+  so.kv_dtype = kv_dtype == "f32" ? DType::f32 : DType::f16;
+  std::FILE* log = stderr;
+  if (!log_path.empty()) {
+    log = std::fopen(log_path.c_str(), "a");
+    if (!log) fail(ErrorKind::io, "--log-file {}: cannot open for appending", log_path);
+  }
+
+  ServingEngine engine(so);
+  MetricsRegistry registry;
+  ServeMetrics metrics(registry);
+  ho.log = log;
+  ho.limits.max_model_len = engine.max_model_len();
+  HttpServer server(engine, metrics, ho);
+  server.start();
+  std::fprintf(stderr,
+               "loom serve: %s as '%s' (%lld KV blocks of %lld tokens, max %lld sequences, context %lld) on "
+               "http://%s:%d%s\n",
+               so.model_path.c_str(), engine.model_name().c_str(), static_cast<long long>(engine.kv_blocks()),
+               static_cast<long long>(so.block_size), static_cast<long long>(so.max_seqs),
+               static_cast<long long>(engine.max_model_len()), ho.host.c_str(), server.port(),
+               ho.api_key.empty() ? "" : " (API key required)");
+  std::fflush(stderr);
+
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+  while (g_stop_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::fprintf(stderr, "loom serve: signal %d: stopping (in-flight requests get %d s)\n",
+               static_cast<int>(g_stop_signal), grace_s);
+  std::fflush(stderr);
+  engine.shutdown();
+  server.stop(std::chrono::seconds(grace_s));
+  if (log != stderr) std::fclose(log);
+  std::fprintf(stderr, "loom serve: stopped\n");
+  return 0;
+}
+
+}  // namespace
+
+extern const Command kServeCommand = {"serve", run_serve};
+
+}  // namespace loom::app

@@ -1,0 +1,82 @@
+// The server's LoRA adapters: names registered at start-up or at run time
+// (POST /v1/load_lora_adapter), each loaded from a PEFT folder with its F32
+// tensors memory-mapped, at most `max_resident` in memory (least recently used
+// evicted and reloaded on demand). Thread-safe: HTTP threads register and
+// unregister, the scheduler thread acquires.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "serve/lora_set.h"
+#include "train/peft_adapter.h"
+
+namespace loom {
+
+// One loaded copy of an adapter. Running sequences hold a shared_ptr, so
+// unloading or evicting never pulls weights from under a running request.
+struct LoadedAdapter {
+  std::string name, path;
+  // Unique per load (never reused): the prefix cache keys blocks by it, so a
+  // prefix computed under one adapter is never reused under another.
+  int64_t id = 0;
+  peft::AdapterTensors tensors;             // keeps the file mapping alive
+  std::vector<std::vector<float>> owned;    // q/k B rows permuted for the model
+  ServeAdapter view;
+};
+
+struct AdapterInfo {
+  std::string name, path;
+  int64_t created = 0;  // unix seconds of registration
+  bool resident = false;
+};
+
+class AdapterRegistry {
+ public:
+  // allowed_dirs: run-time loads must name a folder inside one of them
+  // (checked after resolving symlinks and ".."); empty: run-time loading is off.
+  AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs, int64_t max_resident);
+
+  // Loads and validates `path` and registers it as `name`. `runtime`: the
+  // request came over HTTP, so the path must be inside an allowed folder.
+  // Throws EngineError (adapter_exists, adapter_load_failed, invalid_request).
+  void add(const std::string& name, const std::string& path, bool runtime);
+  // Throws EngineError(adapter_not_found).
+  void remove(const std::string& name);
+  bool contains(const std::string& name) const;
+  std::vector<AdapterInfo> list() const;
+  int64_t resident_count() const;
+
+  // The loaded adapter for `name`, loading it again if it was evicted (evicting
+  // the least recently used adapter no running sequence holds). nullopt when
+  // the name is unknown (unloaded meanwhile); throws EngineError when a reload
+  // fails. Returns null inside the optional when every resident adapter is in
+  // use and max_resident is reached (the caller waits).
+  std::optional<std::shared_ptr<const LoadedAdapter>> acquire(const std::string& name);
+
+ private:
+  struct Entry {
+    std::string name, path;
+    int64_t created = 0;
+    std::shared_ptr<const LoadedAdapter> loaded;
+    uint64_t last_used = 0;
+  };
+  std::shared_ptr<const LoadedAdapter> load(const std::string& name, const std::string& path);
+  // Drops the least recently used resident adapter that no one else holds; false if none.
+  bool evict_one();
+
+  const ModelConfig& config_;
+  std::vector<std::string> allowed_;
+  int64_t max_resident_;
+  mutable std::mutex mu_;
+  std::vector<Entry> entries_;
+  int64_t next_id_ = 1;
+  uint64_t clock_ = 0;
+};
+
+}  // namespace loom

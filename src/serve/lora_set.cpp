@@ -1,0 +1,69 @@
+// Shape checks of ServeAdapter views (see lora_set.h).
+#include "serve/lora_set.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace loom {
+
+ServeAdapter ServeAdapter::empty(const ModelConfig& config, float scale) {
+  ServeAdapter a;
+  a.scale = scale;
+  a.pairs.resize(static_cast<size_t>(config.n_layers * kLoraTargetCount));
+  return a;
+}
+
+int64_t ServeAdapter::max_rank() const {
+  int64_t r = 0;
+  for (const ServeLoraPair& p : pairs)
+    if (p.present()) r = std::max(r, p.rank());
+  return r;
+}
+
+int64_t lora_target_in(const ModelConfig& c, LoraTarget t) {
+  switch (t) {
+    case LoraTarget::o:
+      return c.q_dim();
+    case LoraTarget::down:
+      return c.intermediate;
+    default:
+      return c.hidden;
+  }
+}
+
+int64_t lora_target_out(const ModelConfig& c, LoraTarget t) {
+  switch (t) {
+    case LoraTarget::q:
+      return c.q_dim();
+    case LoraTarget::k:
+    case LoraTarget::v:
+      return c.kv_dim();
+    case LoraTarget::gate:
+    case LoraTarget::up:
+      return c.intermediate;
+    default:
+      return c.hidden;
+  }
+}
+
+void ServeAdapter::validate(const ModelConfig& config, std::string_view what) const {
+  if (pairs.size() != static_cast<size_t>(config.n_layers * kLoraTargetCount))
+    fail(ErrorKind::invalid_input, "{}: {} adapter slots, the model needs {} layers x {} targets", what,
+         pairs.size(), config.n_layers, kLoraTargetCount);
+  for (int64_t l = 0; l < config.n_layers; ++l)
+    for (LoraTarget t : kAllLoraTargets) {
+      const ServeLoraPair& p = pair(l, t);
+      if (!p.present()) continue;
+      const char* name = lora_target_peft_name(t);
+      const int64_t in = lora_target_in(config, t), out = lora_target_out(config, t);
+      if (p.a.dtype != DType::f32 || p.b.dtype != DType::f32 || p.b.data == nullptr)
+        fail(ErrorKind::invalid_input, "{}: layer {} {}: lora_A and lora_B must both be f32", what, l, name);
+      if (p.a.ndim != 2 || p.b.ndim != 2 || p.a.dim(0) < 1 || p.a.dim(1) != in || p.b.dim(0) != out ||
+          p.b.dim(1) != p.a.dim(0))
+        fail(ErrorKind::invalid_input, "{}: layer {} {}: lora_A {} and lora_B {} do not fit in={} out={}",
+             what, l, name, p.a.shape_string(), p.b.shape_string(), in, out);
+    }
+}
+
+}  // namespace loom

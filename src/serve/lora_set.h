@@ -1,0 +1,51 @@
+// Read-only views of the LoRA adapters the server applies per request
+// (multi-LoRA: rows of one batch may use different adapters). Whoever loads an
+// adapter owns its memory; a ServeAdapter only points into it.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+#include "train/lora.h"
+
+namespace loom {
+
+// One adapted linear layer: y += scale * B (A x), A f32 [r, in], B f32 [out, r]
+// (PEFT's shapes, B's rows in the model's row order, i.e. q/k already permuted
+// for RopeLayout::interleaved models). A null A.data means "not adapted".
+struct ServeLoraPair {
+  Tensor a;
+  Tensor b;
+  bool present() const { return a.data != nullptr; }
+  int64_t rank() const { return a.dim(0); }
+};
+
+struct ServeAdapter {
+  float scale = 1.0f;
+  // [layer * kLoraTargetCount + target]; size n_layers * kLoraTargetCount.
+  std::vector<ServeLoraPair> pairs;
+
+  // An adapter with no pairs yet, sized for `config`.
+  static ServeAdapter empty(const ModelConfig& config, float scale);
+  const ServeLoraPair& pair(int64_t layer, LoraTarget t) const {
+    return pairs[static_cast<size_t>(layer * kLoraTargetCount + static_cast<int64_t>(t))];
+  }
+  ServeLoraPair& pair(int64_t layer, LoraTarget t) {
+    return pairs[static_cast<size_t>(layer * kLoraTargetCount + static_cast<int64_t>(t))];
+  }
+  // Largest rank of any pair (0 when none).
+  int64_t max_rank() const;
+  // Throws invalid_input naming `what`, the layer and target when the layout
+  // or a pair's dtype or shape does not fit `config`.
+  void validate(const ModelConfig& config, std::string_view what) const;
+};
+
+// The input and output widths of a target's linear layer.
+int64_t lora_target_in(const ModelConfig& c, LoraTarget t);
+int64_t lora_target_out(const ModelConfig& c, LoraTarget t);
+
+}  // namespace loom

@@ -1,0 +1,116 @@
+// The serving engine behind `loom serve`: one scheduler thread owns the model,
+// the paged KV cache and every running sequence, and runs continuous batching:
+// each step, every running sequence decodes one token and waiting prompts are
+// prefilled in chunks within a token budget, all in one BatchForward step.
+// HTTP threads talk to it only through the Engine interface (engine_api.h).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "model/model.h"
+#include "serve/adapter_registry.h"
+#include "serve/batch_forward.h"
+#include "serve/engine_api.h"
+#include "serve/kv_pool.h"
+
+namespace loom {
+
+struct ServeOptions {
+  std::string model_path;
+  std::string model_name;  // the id clients use; default: the file or folder name
+  std::vector<std::pair<std::string, std::string>> adapters;  // (name, folder) loaded at start
+  std::vector<std::string> adapter_dirs;  // folders run-time loads may read from
+  int64_t max_seqs = 64;                  // sequences decoding at once
+  int64_t max_model_len = 0;              // 0: min(model context, 4096)
+  size_t kv_cache_memory = 0;             // bytes of KV blocks; 0: max_seqs * max_model_len positions (capped at 2 GiB)
+  DType kv_dtype = DType::f16;
+  int64_t block_size = 16;
+  int64_t max_loras = 8;                  // adapters resident at once
+  int64_t max_batch_tokens = 256;         // rows per step (decodes + prefill chunks)
+  int threads = 0;                        // 0: physical cores
+  size_t max_waiting = 4096;              // queued requests before 503 overloaded
+};
+
+class ServingEngine : public Engine {
+ public:
+  // Loads the model and the start-up adapters and starts the scheduler thread.
+  // Throws loom::Error for a bad model, adapter or option.
+  explicit ServingEngine(ServeOptions options);
+  ~ServingEngine() override;  // stops the scheduler; queued and running requests end with an error
+
+  void submit(GenerationRequest request, std::shared_ptr<RequestStream> stream) override;
+  std::vector<ModelInfo> list_models() override;
+  void load_adapter(const std::string& name, const std::string& path) override;
+  void unload_adapter(const std::string& name) override;
+  std::vector<int32_t> tokenize(const TokenizeRequest& request) override;
+  std::string detokenize(const std::string& model, const std::vector<int32_t>& tokens) override;
+  EngineHealth health() override;
+  EngineStats stats() override;
+  int64_t max_model_len() const override { return max_len_; }
+
+  // Stops taking requests; the scheduler finishes what runs. Returns at once.
+  void shutdown();
+  const std::string& model_name() const { return name_; }
+  const Model& model() const { return *model_; }
+  int64_t kv_blocks() const { return kv_->n_blocks(); }
+  // Sequences preempted (blocks dropped, recomputed later) since start.
+  int64_t preemptions() const { return preemptions_.load(); }
+
+ private:
+  struct Request;
+  struct Sequence;
+
+  void loop();
+  // One scheduler iteration; false when there was nothing to do.
+  bool step();
+  void admit();
+  void cancel_requests();
+  bool schedule_decode(std::vector<Sequence*>& batch);
+  void preempt(Sequence* s);
+  void finish(Sequence* s, FinishKind kind);
+  void sample_and_emit(Sequence* s, const float* logits);
+  void publish_stats();
+  std::vector<int32_t> render_prompt(const GenerationRequest& r) const;
+
+  ServeOptions opt_;
+  std::string name_;
+  int64_t created_ = 0;
+  ThreadPool pool_;
+  std::unique_ptr<Model> model_;
+  int64_t max_len_ = 0;
+  std::vector<int32_t> eos_ids_;
+  std::unique_ptr<ChatTemplate> template_;
+  std::unique_ptr<KvPool> kv_;
+  std::unique_ptr<BatchForward> forward_;
+  AdapterRegistry adapters_;
+
+  // HTTP threads -> scheduler
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Request>> incoming_;
+  bool stopping_ = false;
+
+  // Scheduler thread only
+  std::vector<std::unique_ptr<Request>> requests_;  // admitted or waiting, in arrival order
+  std::deque<Sequence*> waiting_;                   // not running: new, or preempted (front)
+  std::vector<Sequence*> running_;                  // in admission order (the newest last)
+  uint64_t admit_counter_ = 0;
+
+  std::atomic<bool> abort_{false};
+  std::atomic<int64_t> preemptions_{0};  // end every request now (destructor)
+  std::atomic<int64_t> n_running_{0}, n_waiting_{0};
+  std::atomic<double> kv_usage_{0};
+  std::thread thread_;
+};
+
+}  // namespace loom
