@@ -62,6 +62,17 @@ expect "train bad --set" 1 "unknown key 'optim.lrr'" -- "$loom" train "$tmp/trai
 expect "train bad type" 1 "'steps'.*expected an integer" -- "$loom" train "$tmp/train.yaml" --set steps=many
 expect "train tiny" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 -t 1
 
+# loom serve: bad flags and files fail before binding, with the flag or file named.
+expect "help serve" 0 "usage|options" -- "$loom" serve --help
+expect "serve missing -m" 2 "model.*required" -- "$loom" serve
+expect "serve bad adapter spec" 1 "--adapter 'nodir': expected NAME=DIR" -- "$loom" serve -m "$tiny" --adapter nodir
+expect "serve missing adapter" 1 "adapter 'a'.*missing-adapter" -- "$loom" serve -m "$tiny" --adapter a="$tmp/missing-adapter" --port 0
+expect "serve bad kv size" 1 "kv-cache-memory '12X'" -- "$loom" serve -m "$tiny" --kv-cache-memory 12X
+expect "serve kv too small" 1 "fewer than one sequence" -- "$loom" serve -m "$tiny" --kv-cache-memory 1K --port 0
+expect "serve context too long" 1 "max-model-len 100000 exceeds" -- "$loom" serve -m "$tiny" --max-model-len 100000
+expect "serve bad adapter dir" 1 "adapter-dir.*not a directory" -- "$loom" serve -m "$tiny" --adapter-dir "$tmp/nope" --port 0
+expect "serve key file missing" 1 "api-key-file" -- "$loom" serve -m "$tiny" --api-key-file "$tmp/nokey" --port 0
+
 if [ -f "$model" ]; then
   expect "info smollm2" 0 "architecture: +llama" -- "$loom" info -m "$model"
   expect "tokenize ids" 0 '^\[504, 3575, 282, 4649, 314\]$' -- "$loom" tokenize -m "$model" --text "The capital of France is" --ids

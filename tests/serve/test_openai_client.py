@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""`loom serve` through the official `openai` Python client (and raw HTTP for what the SDK hides).
+
+Starts the server on the default model with a random LoRA adapter and an API key, then checks models,
+completions and chat (plain and streamed, usage, n, logprobs, seeds), adapters per request and loaded /
+unloaded at run time, tokenize/detokenize, metrics, the OpenAI error objects of bad input, cancellation
+on disconnect, and a clean stop on SIGTERM.
+
+Usage: test_openai_client.py --loom build/loom --model models/SmolLM2-135M-Instruct.Q4_1.gguf
+Exit code 77 (ctest: skipped) when the `openai` package or the model is missing.
+"""
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.request
+
+try:
+    import openai
+except ImportError:  # reported by main()
+    openai = None
+
+ARGS = None
+SERVER = None
+API_KEY = "test-key-123"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(path, seed, r=8, layers=30, scale=0.05):
+    """A random PEFT LoRA folder for SmolLM2-135M (plain Python: no numpy/torch)."""
+    os.makedirs(path, exist_ok=True)
+    io = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
+          "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
+    rng = random.Random(seed)
+    header, blobs, off = {}, [], 0
+    for layer in range(layers):
+        for t in TARGETS:
+            inp, out = io[t]
+            part = "self_attn" if t[0] in "qkvo" else "mlp"
+            for ab, shape in (("A", [r, inp]), ("B", [out, r])):
+                n = shape[0] * shape[1]
+                data = struct.pack(f"<{n}f", *(rng.gauss(0, scale) for _ in range(n)))
+                name = f"base_model.model.model.layers.{layer}.{part}.{t}.lora_{ab}.weight"
+                header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [off, off + len(data)]}
+                blobs.append(data)
+                off += len(data)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": TARGETS,
+                   "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": "SmolLM2-135M-Instruct"}, f)
+
+
+class Server:
+    def __init__(self, loom, model, adapter_root):
+        self.adapter_root = adapter_root
+        write_adapter(os.path.join(adapter_root, "style"), 1)
+        write_adapter(os.path.join(adapter_root, "late"), 2)
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        cmd = [loom, "serve", "-m", model, "--port", "0", "-t", "2", "--api-key", API_KEY,
+               "--served-model-name", "smol", "--adapter", f"style={adapter_root}/style",
+               "--adapter-dir", adapter_root, "--max-model-len", "1024", "--log-file", self.log.name,
+               "--shutdown-grace", "5"]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()
+        m = re.search(r"http://([\d.]+):(\d+)", line)
+        if not m:
+            raise RuntimeError(f"loom serve did not start: {line}{self.proc.stderr.read()}")
+        self.port = int(m.group(2))
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    def raw(self, method, path, body=None, key=API_KEY, raw_body=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        data = raw_body if raw_body is not None else (json.dumps(body) if body is not None else None)
+        c.request(method, path, body=data, headers=headers)
+        r = c.getresponse()
+        text = r.read().decode()
+        c.close()
+        return r.status, text
+
+    def metric(self, name):
+        status, text = self.raw("GET", "/metrics")
+        assert status == 200
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+
+class OpenAIClientTest(unittest.TestCase):
+    @property
+    def c(self):
+        return SERVER.client
+
+    def test_models_lists_base_and_adapters(self):
+        ids = [m.id for m in self.c.models.list().data]
+        self.assertEqual(ids[0], "smol")
+        self.assertIn("style", ids)
+
+    def test_chat_completion(self):
+        r = self.c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hello."}],
+                                           max_tokens=12, temperature=0)
+        self.assertEqual(r.object, "chat.completion")
+        self.assertEqual(r.choices[0].message.role, "assistant")
+        self.assertTrue(r.choices[0].message.content)
+        self.assertIn(r.choices[0].finish_reason, ("stop", "length"))
+        self.assertGreater(r.usage.prompt_tokens, 5)
+        self.assertEqual(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens)
+
+    def test_streamed_chat_equals_plain_and_reports_usage(self):
+        msgs = [{"role": "user", "content": "List three colours."}]
+        plain = self.c.chat.completions.create(model="smol", messages=msgs, max_tokens=20, temperature=0)
+        chunks = list(self.c.chat.completions.create(model="smol", messages=msgs, max_tokens=20, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        self.assertEqual(text, plain.choices[0].message.content)
+        self.assertGreater(len(chunks), 3, "tokens arrive as separate chunks")
+        self.assertEqual(chunks[-1].usage.completion_tokens, plain.usage.completion_tokens)
+        finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        self.assertEqual(finals, [plain.choices[0].finish_reason])
+
+    def test_completion_n_logprobs_and_seed(self):
+        kw = dict(model="smol", prompt="Once upon a time", max_tokens=10, temperature=1.0, n=2, seed=42,
+                  logprobs=3)
+        a, b = self.c.completions.create(**kw), self.c.completions.create(**kw)
+        self.assertEqual(len(a.choices), 2)
+        self.assertEqual([ch.text for ch in a.choices], [ch.text for ch in b.choices], "same seed, same text")
+        lp = a.choices[0].logprobs
+        self.assertEqual(len(lp.tokens), len(lp.token_logprobs))
+        # OpenAI's legacy format: the top 3, plus the sampled token when it is not among them.
+        self.assertTrue(all(len(t) in (3, 4) for t in lp.top_logprobs))
+        self.assertTrue(all(tok in top for tok, top in zip(lp.tokens, lp.top_logprobs)))
+        self.assertTrue(all(x <= 0 for x in lp.token_logprobs))
+        self.assertEqual(a.usage.completion_tokens, sum(len(ch.logprobs.tokens) for ch in a.choices))
+
+    def test_adapter_per_request_and_runtime_load_unload(self):
+        prompt = "The weather today is"
+        base = self.c.completions.create(model="smol", prompt=prompt, max_tokens=12, temperature=0)
+        styled = self.c.completions.create(model="style", prompt=prompt, max_tokens=12, temperature=0)
+        self.assertNotEqual(base.choices[0].text, styled.choices[0].text, "the adapter changes the output")
+        self.assertEqual(styled.model, "style")
+        status, body = SERVER.raw("POST", "/v1/load_lora_adapter",
+                                  {"lora_name": "late", "lora_path": os.path.join(SERVER.adapter_root, "late")})
+        self.assertEqual(status, 200, body)
+        late = self.c.completions.create(model="late", prompt=prompt, max_tokens=4, temperature=0)
+        self.assertEqual(late.model, "late")
+        status, body = SERVER.raw("POST", "/v1/unload_lora_adapter", {"lora_name": "late"})
+        self.assertEqual(status, 200, body)
+        with self.assertRaises(openai.NotFoundError):
+            self.c.completions.create(model="late", prompt=prompt, max_tokens=4)
+        # Paths outside --adapter-dir are refused whatever they contain.
+        status, body = SERVER.raw("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"})
+        self.assertEqual(status, 400, body)
+        self.assertEqual(json.loads(body)["error"]["param"], "lora_path")
+
+    def test_bad_input_gets_openai_errors_and_server_keeps_serving(self):
+        cases = [
+            (dict(temperature=-1), "temperature"),
+            (dict(top_p=1.5), "top_p"),
+            (dict(n=1000), "n"),
+            (dict(max_tokens=100000), "max_tokens"),
+            (dict(logprobs=50), "logprobs"),
+        ]
+        for extra, param in cases:
+            with self.subTest(param=param):
+                with self.assertRaises(openai.BadRequestError) as cm:
+                    self.c.completions.create(model="smol", prompt="hi", **{"max_tokens": 4, **extra})
+                self.assertEqual(cm.exception.body.get("param"), param)
+        with self.assertRaises(openai.NotFoundError):
+            self.c.completions.create(model="nope", prompt="hi", max_tokens=4)
+        with self.assertRaises(openai.BadRequestError):  # prompt over --max-model-len
+            self.c.completions.create(model="smol", prompt="word " * 3000, max_tokens=4)
+        status, body = SERVER.raw("POST", "/v1/completions", raw_body="{not json")
+        self.assertEqual(status, 400)
+        self.assertIn("error", json.loads(body))
+        status, _ = SERVER.raw("POST", "/v1/completions", raw_body="x" * (17 << 20))
+        self.assertEqual(status, 413)
+        # Still serving.
+        self.assertTrue(self.c.completions.create(model="smol", prompt="hi", max_tokens=2).choices)
+
+    def test_api_key_required_except_health(self):
+        self.assertEqual(SERVER.raw("GET", "/health", key=None)[0], 200)
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
+                             ("POST", "/tokenize")):
+            self.assertEqual(SERVER.raw(method, path, {"model": "smol", "prompt": "x"}, key=None)[0], 401, path)
+        bad = openai.OpenAI(base_url=SERVER.base + "/v1", api_key="wrong", max_retries=0)
+        with self.assertRaises(openai.AuthenticationError):
+            bad.models.list()
+
+    def test_tokenize_detokenize(self):
+        status, body = SERVER.raw("POST", "/tokenize", {"model": "smol", "prompt": "Hello world"})
+        self.assertEqual(status, 200, body)
+        toks = json.loads(body)["tokens"]
+        status, body = SERVER.raw("POST", "/detokenize", {"model": "smol", "tokens": toks})
+        self.assertEqual(status, 200, body)
+        self.assertTrue(json.loads(body)["prompt"].endswith("Hello world"))
+
+    def test_disconnect_mid_stream_frees_kv_cache(self):
+        idle = SERVER.metric("loom_kv_cache_usage_ratio")
+        c = http.client.HTTPConnection("127.0.0.1", SERVER.port, timeout=60)
+        c.request("POST", "/v1/completions", body=json.dumps(
+            {"model": "smol", "prompt": "Count: 1, 2, 3,", "max_tokens": 900, "stream": True, "ignore_eos": True}),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        r = c.getresponse()
+        for _ in range(5):
+            r.readline()
+        self.assertGreater(SERVER.metric("loom_kv_cache_usage_ratio"), idle)
+        c.sock.close()  # the client goes away mid-stream
+        c.close()
+        deadline = time.time() + 10
+        while time.time() < deadline and SERVER.metric("loom_kv_cache_usage_ratio") > idle:
+            time.sleep(0.1)
+        self.assertEqual(SERVER.metric("loom_kv_cache_usage_ratio"), idle)
+        self.assertEqual(SERVER.metric("loom_requests_running"), 0)
+
+    def test_concurrent_streams(self):
+        results = {}
+
+        def one(i):
+            r = self.c.completions.create(model="style" if i % 2 else "smol", prompt=f"Item {i}:", max_tokens=8,
+                                          temperature=0)
+            results[i] = r.choices[0].text
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(len(results), 8)
+        # Each equals the same request made alone.
+        for i in (0, 1):
+            alone = self.c.completions.create(model="style" if i % 2 else "smol", prompt=f"Item {i}:",
+                                              max_tokens=8, temperature=0)
+            self.assertEqual(alone.choices[0].text, results[i])
+
+    def test_metrics_names(self):
+        status, text = SERVER.raw("GET", "/metrics")
+        self.assertEqual(status, 200)
+        for name in ("loom_requests_running", "loom_requests_waiting", "loom_kv_cache_usage_ratio",
+                     "loom_prompt_tokens_total", "loom_generation_tokens_total", "loom_requests_finished_total",
+                     "loom_time_to_first_token_seconds_bucket", "loom_inter_token_latency_seconds_bucket",
+                     "loom_e2e_request_latency_seconds_bucket", "loom_adapters_loaded"):
+            self.assertIn(name, text)
+
+
+def main():
+    global ARGS, SERVER
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--model", required=True)
+    ARGS, rest = ap.parse_known_args()
+    if openai is None:
+        print("SKIP: the `openai` package is not installed (scripts/test installs it into build/test-venv)")
+        return 77
+    if not os.path.exists(ARGS.model):
+        print(f"SKIP: {ARGS.model} is missing (run scripts/fetch_model)")
+        return 77
+    with tempfile.TemporaryDirectory() as root:
+        SERVER = Server(ARGS.loom, ARGS.model, root)
+        try:
+            prog = unittest.main(argv=[sys.argv[0]] + rest, exit=False, verbosity=2)
+            ok = prog.result.wasSuccessful()
+        finally:
+            SERVER.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = SERVER.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                SERVER.proc.kill()
+                rc = -1
+            print(f"loom serve exited with {rc} after SIGTERM")
+            with open(SERVER.log.name) as f:
+                lines = f.read().splitlines()
+            print(f"request log: {len(lines)} JSON lines")
+            ok = ok and rc == 0 and all(json.loads(l) for l in lines if l.startswith("{"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
