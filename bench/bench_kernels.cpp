@@ -3,6 +3,7 @@
 // (2*N*K*T) and weight GB/s; the time column is per call. Rates use CPU time for
 // the 1-thread cases and wall time for the 2-thread ones.
 //   loom_bench --benchmark_filter=Matmul/q4_1     (LOOM_CPU=avx2 for the AVX2 path)
+// Also the training attention (forward with lse, backward) at the SmolLM2 shape.
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
@@ -14,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "kernels/matmul.h"
+#include "kernels/ops_backward.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -99,7 +101,60 @@ void run_case(benchmark::State& state, Case c) {
                                                benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// Training attention at SmolLM2-135M's shape (9 heads, 3 kv heads, head_dim 64)
+// over T packed rows cut into samples of `sample` rows. GFLOP/s counts the
+// causal half of the dense work: 4 T*T/2*d*H (fwd), 10 T*T/2*d*H (bwd).
+struct AttnBenchCase {
+  int64_t T, sample;
+  int threads;
+  bool backward;
+};
+
+void run_attention(benchmark::State& state, AttnBenchCase c) {
+  const AttentionShape s{9, 3, 64, 3 * 64};
+  const int64_t qn = c.T * s.n_heads * s.head_dim, kn = c.T * s.kv_stride;
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  auto rnd = [&](int64_t n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (auto& v : x) v = dist(rng);
+    return x;
+  };
+  const auto q = rnd(qn), k = rnd(kn), v = rnd(kn), dout = rnd(qn);
+  std::vector<float> out(static_cast<size_t>(qn)), lse(static_cast<size_t>(c.T * s.n_heads));
+  std::vector<float> dq(static_cast<size_t>(qn)), dk(static_cast<size_t>(kn)), dv(static_cast<size_t>(kn));
+  std::vector<int32_t> start(static_cast<size_t>(c.T));
+  for (int64_t t = 0; t < c.T; ++t) start[static_cast<size_t>(t)] = static_cast<int32_t>(t / c.sample * c.sample);
+  ThreadPool pool(c.threads);
+  attention_forward_train(pool, out.data(), lse.data(), q.data(), k.data(), v.data(), s, c.T, start.data());
+  for (auto _ : state) {
+    if (c.backward)
+      attention_backward(pool, dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                         out.data(), lse.data(), s, c.T, start.data());
+    else
+      attention_forward_train(pool, out.data(), lse.data(), q.data(), k.data(), v.data(), s, c.T, start.data());
+    benchmark::ClobberMemory();
+  }
+  const double pairs = static_cast<double>(c.T / c.sample) * static_cast<double>(c.sample) *
+                       static_cast<double>(c.sample + 1) / 2.0;
+  const double flops = (c.backward ? 10.0 : 4.0) * pairs * static_cast<double>(s.head_dim * s.n_heads);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_attention() {
+  for (bool bwd : {false, true})
+    for (int64_t sample : {512, 1024})
+      for (int threads : {1, 2}) {
+        const std::string name =
+            fmt::format("AttentionTrain/{}/T1024_s{}/t{}", bwd ? "backward" : "forward", sample, threads);
+        auto* b = benchmark::RegisterBenchmark(name.c_str(), run_attention, AttnBenchCase{1024, sample, threads, bwd});
+        b->Unit(benchmark::kMillisecond);
+        if (threads > 1) b->UseRealTime();
+      }
+}
+
 void register_all() {
+  register_attention();
   const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k, DType::q6_k,
                          DType::q4_0, DType::q5_k, DType::bf16, DType::f32,  DType::q5_0,
                          DType::q5_1, DType::q2_k, DType::q3_k};

@@ -1,9 +1,7 @@
 // Training forwards and backward passes of the row-wise decoder operators (AVX2).
 #include "kernels/ops_backward.h"
 
-#include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "core/error.h"
 #include "kernels/simd_avx2.h"
@@ -90,117 +88,7 @@ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* g
   }
 }
 
-namespace {
-
-int64_t row_start(const int32_t* seq_start, int64_t t) { return seq_start ? seq_start[t] : 0; }
-
-void check_packing(const AttentionShape& s, int64_t T, const int32_t* seq_start) {
-  LOOM_ASSERT(s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0 && s.head_dim > 0);
-  LOOM_ASSERT(s.kv_stride >= s.n_kv_heads * s.head_dim);
-  if (!seq_start) return;
-  for (int64_t t = 0; t < T; ++t) {
-    // Samples are contiguous runs of rows: start <= t and starts never go back.
-    LOOM_ASSERT(seq_start[t] >= 0 && seq_start[t] <= t);
-    LOOM_ASSERT(t == 0 || seq_start[t] >= seq_start[t - 1]);
-    LOOM_ASSERT(seq_start[t] == t || seq_start[t] == seq_start[t > 0 ? t - 1 : 0]);
-  }
-}
-
-int64_t max_span(int64_t T, const int32_t* seq_start) {
-  int64_t m = 0;
-  for (int64_t t = 0; t < T; ++t) m = std::max(m, t - row_start(seq_start, t) + 1);
-  return m;
-}
-
-}  // namespace
-
-void attention_forward_train(ThreadPool& pool, float* out, float* lse, const float* q, const float* k,
-                             const float* v, const AttentionShape& s, int64_t T, const int32_t* seq_start) {
-  check_packing(s, T, seq_start);
-  const int64_t d = s.head_dim, H = s.n_heads, group = s.n_heads / s.n_kv_heads, ldq = H * d;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const int64_t span = max_span(T, seq_start), units = T * H;
-  pool.run([&](int ti, int tn) {
-    std::vector<float> w(static_cast<size_t>(span) + 8);
-    // Strided units: later rows have longer spans, so this balances the threads.
-    for (int64_t u = ti; u < units; u += tn) {
-      const int64_t t = u / H, h = u % H, g = h / group;
-      const float* qv = q + t * ldq + h * d;
-      const int64_t first = row_start(seq_start, t), n = t - first + 1;
-      const float* kb = k + first * s.kv_stride + g * d;
-      const float* vb = v + first * s.kv_stride + g * d;
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < n; ++p) {
-        const float sc = simd::dot(qv, kb + p * s.kv_stride, d) * scale;
-        w[static_cast<size_t>(p)] = sc;
-        mx = std::max(mx, sc);
-      }
-      float sum = 0;
-      for (int64_t p = 0; p < n; ++p) {
-        w[static_cast<size_t>(p)] = std::exp(w[static_cast<size_t>(p)] - mx);
-        sum += w[static_cast<size_t>(p)];
-      }
-      float* o = out + t * ldq + h * d;
-      std::fill(o, o + d, 0.0f);
-      const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < n; ++j) simd::axpy(o, w[static_cast<size_t>(j)] * inv, vb + j * s.kv_stride, d);
-      lse[u] = mx + std::log(sum);
-    }
-  });
-}
-
-// With P = softmax(S), S = scale q k^T, O = P V and D = rowsum(dO * O):
-//   dS = P * (dO V^T - D);  dq = scale dS k;  dk = scale dS^T q;  dv = P^T dO.
-void attention_backward(ThreadPool& pool, float* dq, float* dk, float* dv, const float* dout, const float* q,
-                        const float* k, const float* v, const float* out, const float* lse,
-                        const AttentionShape& s, int64_t T, const int32_t* seq_start) {
-  check_packing(s, T, seq_start);
-  const int64_t d = s.head_dim, H = s.n_heads, G = s.n_kv_heads, group = H / G, ldq = H * d;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<float> D(static_cast<size_t>(T * H));
-  for (int64_t u = 0; u < T * H; ++u) D[static_cast<size_t>(u)] = simd::dot(dout + u * d, out + u * d, d);
-
-  // Pass 1: dq, one unit per (query row, head).
-  pool.run([&](int ti, int tn) {
-    for (int64_t u = ti; u < T * H; u += tn) {
-      const int64_t t = u / H, h = u % H, g = h / group;
-      const float* qv = q + t * ldq + h * d;
-      const float* dy = dout + t * ldq + h * d;
-      float* dqv = dq + t * ldq + h * d;
-      const float l = lse[u], Du = D[static_cast<size_t>(u)];
-      for (int64_t j = row_start(seq_start, t); j <= t; ++j) {
-        const float* kj = k + j * s.kv_stride + g * d;
-        const float p = std::exp(simd::dot(qv, kj, d) * scale - l);
-        const float ds = p * (simd::dot(dy, v + j * s.kv_stride + g * d, d) - Du);
-        simd::axpy(dqv, scale * ds, kj, d);
-      }
-    }
-  });
-
-  // Pass 2: dk and dv, one unit per (key row, kv head); sums over the later query
-  // rows of the same sample and the group's query heads, in a fixed order.
-  pool.run([&](int ti, int tn) {
-    std::vector<float> ak(static_cast<size_t>(d)), av(static_cast<size_t>(d));
-    for (int64_t u = ti; u < T * G; u += tn) {
-      const int64_t j = u / G, g = u % G;
-      const float* kj = k + j * s.kv_stride + g * d;
-      const float* vj = v + j * s.kv_stride + g * d;
-      std::fill(ak.begin(), ak.end(), 0.0f);
-      std::fill(av.begin(), av.end(), 0.0f);
-      for (int64_t t = j; t < T && row_start(seq_start, t) <= j; ++t)
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const float* qv = q + t * ldq + h * d;
-          const float* dy = dout + t * ldq + h * d;
-          const float p = std::exp(simd::dot(qv, kj, d) * scale - lse[t * H + h]);
-          const float ds = p * (simd::dot(dy, vj, d) - D[static_cast<size_t>(t * H + h)]);
-          simd::axpy(ak.data(), scale * ds, qv, d);
-          simd::axpy(av.data(), p, dy, d);
-        }
-      simd::axpy(dk + j * s.kv_stride + g * d, 1.0f, ak.data(), d);
-      simd::axpy(dv + j * s.kv_stride + g * d, 1.0f, av.data(), d);
-    }
-  });
-}
+// attention_forward_train and attention_backward: kernels/attention_train.cpp.
 
 void embedding_backward(ThreadPool& pool, float* dW, const float* dout, const int32_t* tokens, int64_t T,
                         int64_t vocab, int64_t H) {

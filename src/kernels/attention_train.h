@@ -1,0 +1,47 @@
+// Training attention behind attention_forward_train / attention_backward, with the
+// ISA and the backward work split exposed for tests and benchmarks.
+//
+// Flash-attention style: 64 x 64 tiles of (query rows, key rows) per head, blocks
+// starting at each sample's first row, so fully masked tiles (other samples, the
+// causal upper triangle) are never visited and only diagonal tiles are masked.
+// The forward keeps an online softmax per query row; the backward recomputes P
+// from lse once per tile (one exp per score when fused). Work units are fixed by
+// the shapes alone and each output element is summed by one thread in a fixed
+// order, so results never depend on the thread count. AVX2 and AVX-512 differ in
+// their lane reductions (row max, row sums), so their results may differ slightly.
+#pragma once
+
+#include <cstdint>
+
+#include "core/thread_pool.h"
+#include "kernels/ops.h"
+
+namespace loom {
+
+enum class AttnIsa { avx2, avx512 };
+
+// The ISA the plain entry points use: AVX-512 where the CPU has it, unless
+// LOOM_CPU=avx2.
+AttnIsa default_attention_isa();
+bool attention_isa_supported(AttnIsa isa);
+
+struct AttnTrainOptions {
+  AttnIsa isa = default_attention_isa();  // throws Error(unsupported) if the CPU lacks it
+  // Backward work split. A unit is (sample, kv head): run fused, one thread owns
+  // its dk, dv and the dq of the group's query heads. The `split_units` costliest
+  // units are instead cut into dq pieces (one per query block and head) and dk/dv
+  // pieces (one per key block), which recompute the probabilities once more but
+  // spread over more threads. -1: chosen from the thread count. Every value gives
+  // bit-identical results (same per-element summation order).
+  int64_t split_units = -1;
+};
+
+// Same contracts as the overloads in kernels/ops_backward.h.
+void attention_forward_train(ThreadPool& pool, const AttnTrainOptions& opt, float* out, float* lse, const float* q,
+                             const float* k, const float* v, const AttentionShape& s, int64_t T,
+                             const int32_t* seq_start);
+void attention_backward(ThreadPool& pool, const AttnTrainOptions& opt, float* dq, float* dk, float* dv,
+                        const float* dout, const float* q, const float* k, const float* v, const float* out,
+                        const float* lse, const AttentionShape& s, int64_t T, const int32_t* seq_start);
+
+}  // namespace loom
