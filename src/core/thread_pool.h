@@ -53,6 +53,7 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   alignas(64) std::atomic<uint32_t> generation_{0};
   alignas(64) std::atomic<int> pending_{0};
+  std::atomic<bool> caller_waiting_{false};  // run_impl sleeps on pending_
   Trampoline tramp_ = nullptr;
   void* ctx_ = nullptr;
   std::atomic<bool> stop_{false};

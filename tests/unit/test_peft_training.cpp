@@ -21,6 +21,8 @@
 #include "io/safetensors.h"
 #include "model/model.h"
 #include "safetensors_test_util.h"
+#include "model/forward.h"
+#include "train/adapter_merge.h"
 #include "train/data.h"
 #include "train/lora.h"
 #include "train/optimizer.h"
@@ -223,6 +225,50 @@ TEST(PeftTraining, WrittenAdapterHoldsPeftWeightsAndConfig) {
   const Tensor b = run.lora->b(1, LoraTarget::q);
   ASSERT_EQ(q1->b.size(), static_cast<size_t>(b.numel()));
   EXPECT_EQ(std::memcmp(q1->b.data(), b.data, q1->b.size() * sizeof(float)), 0);
+}
+
+// Round trip loom -> PEFT: the adapter loom trains here equals the committed
+// loom_adapter/ (made by this test, see scripts/fixtures/make_peft_training_fixture.py
+// --loom-adapter-fixture), and PEFT's logits with that folder (PeftModel.from_pretrained,
+// committed) equal loom's with it.
+TEST(PeftTraining, LoomTrainedAdapterInPeftGivesLoomLogits) {
+  const std::string dir = kDir + "peft_training/tiny-llama/loom_adapter";
+  ThreadPool pool(2);
+  TrainedRun run = train_like_peft(pool);
+  const peft::AdapterTensors committed = peft::read_adapter(dir);
+  const peft::AdapterTensors now = to_peft(*run.lora);
+  double worst_w = 0;
+  for (const auto& [key, p] : committed.pairs) {
+    const peft::LoraPair* q = now.find(key.first, key.second);
+    ASSERT_NE(q, nullptr);
+    worst_w = std::max({worst_w, rel_max_err(q->a.data(), p.a), rel_max_err(q->b.data(), p.b)});
+  }
+  EXPECT_LE(worst_w, 1e-5) << "loom no longer trains the committed adapter";
+
+  auto model = Model::load(kDir + "model/tiny-llama",
+                           {.tokenizer = false, .pack = true, .pool = &pool, .before_pack = adapter_merge_hook(dir)});
+  std::vector<float> ref;
+  {
+    std::ifstream g(kDir + "peft_training/tiny-llama/loom_adapter_logits.f32", std::ios::binary);
+    g.seekg(0, std::ios::end);
+    ref.resize(static_cast<size_t>(g.tellg()) / sizeof(float));
+    g.seekg(0);
+    g.read(reinterpret_cast<char*>(ref.data()), static_cast<std::streamsize>(ref.size() * sizeof(float)));
+  }
+  const int64_t V = model->config().vocab_size;
+  std::vector<float> got;
+  for (const auto& b : run.meta["batches"])
+    for (const auto& row : b["input_ids"]) {
+      const auto ids = row.get<std::vector<int32_t>>();
+      InferenceSession s(model->config(), model->weights(), pool, 64);
+      s.eval(ids, /*all_logits=*/true);
+      got.insert(got.end(), s.logits().begin(), s.logits().begin() + static_cast<int64_t>(ids.size()) * V);
+    }
+  ASSERT_EQ(got.size(), ref.size());
+  const double e = rel_max_err(got.data(), ref);
+  std::printf("loom-trained adapter: loom logits vs PEFT's with the same folder: max|d|/max|ref| %.2e over %zu\n", e,
+              ref.size());
+  EXPECT_LE(e, 1e-4);
 }
 
 }  // namespace
