@@ -3,7 +3,9 @@
 // (2*N*K*T) and weight GB/s; the time column is per call. Rates use CPU time for
 // the 1-thread cases and wall time for the 2-thread ones.
 //   loom_bench --benchmark_filter=Matmul/q4_1     (LOOM_CPU=avx2 for the AVX2 path)
-// Also the training attention (forward with lse, backward) at the SmolLM2 shape.
+// Also the training attention (forward with lse, backward) at the SmolLM2 shape,
+// and the input gradients through frozen weights (BackwardInput/...: W^T packed
+// as f16 for the matmul kernels vs bf16 tiles for AMX / AVX512-BF16 / AVX2).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
@@ -14,6 +16,7 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
+#include "kernels/linear_backward.h"
 #include "kernels/matmul.h"
 #include "kernels/ops_backward.h"
 #include "kernels/ref/dequant_ref.h"
@@ -153,7 +156,72 @@ void register_attention() {
       }
 }
 
+// dx [T, K] = dy [T, N] W [N, K] for a random Q4_1 W (SmolLM2's frozen weights)
+// with W^T from pack_transposed. GFLOP/s counts 2 T N K.
+struct BackwardCase {
+  int64_t T, N, K;
+  TransposedPrecision prec;
+  Bf16Kernel kernel;
+  int threads;
+};
+
+void run_backward_input(benchmark::State& state, BackwardCase c) {
+  if (c.prec == TransposedPrecision::bf16 && !bf16_kernel_available(c.kernel)) {
+    state.SkipWithError("bf16 kernel not available on this CPU");
+    return;
+  }
+  auto w = make_weights(DType::q4_1, c.N, c.K);
+  const Tensor W = make_tensor(w.data(), DType::q4_1, {c.N, c.K});
+  ThreadPool pool(c.threads);
+  const PackedWeight Wt = pack_transposed(pool, std::span<const Tensor>(&W, 1), c.prec);
+  std::vector<float> dy(static_cast<size_t>(c.T * c.N)), dx(static_cast<size_t>(c.T * c.K));
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> dist(0.0f, 1e-4f);
+  for (auto& v : dy) v = dist(rng);
+  PackedBackwardScratch scratch;
+  for (auto _ : state) {
+    linear_backward_input_packed(pool, Wt, dy.data(), c.N, dx.data(), c.T, false, scratch, c.kernel);
+    benchmark::DoNotOptimize(dx.data());
+    benchmark::ClobberMemory();
+  }
+  const double flops = 2.0 * static_cast<double>(c.T) * static_cast<double>(c.N) * static_cast<double>(c.K);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// SmolLM2-135M's backward products at T = 1024 (the loss projection per 64-row
+// chunk): dy [T, N] W [N, K].
+void register_backward_input() {
+  struct Shape {
+    const char* name;
+    int64_t T, N, K;
+  };
+  const Shape shapes[] = {{"gate_up_T1024_N1536_K576", 1024, 1536, 576},
+                          {"down_T1024_N576_K1536", 1024, 576, 1536},
+                          {"q_o_T1024_N576_K576", 1024, 576, 576},
+                          {"k_v_T1024_N192_K576", 1024, 192, 576},
+                          {"loss_T64_N49152_K576", 64, 49152, 576}};
+  struct Variant {
+    const char* name;
+    TransposedPrecision prec;
+    Bf16Kernel kernel;
+  };
+  const Variant variants[] = {{"f16", TransposedPrecision::f16, Bf16Kernel::automatic},
+                              {"bf16_amx", TransposedPrecision::bf16, Bf16Kernel::amx},
+                              {"bf16_avx512", TransposedPrecision::bf16, Bf16Kernel::avx512},
+                              {"bf16_avx2", TransposedPrecision::bf16, Bf16Kernel::avx2}};
+  for (const Shape& sh : shapes)
+    for (const Variant& v : variants)
+      for (int threads : {1, 2}) {
+        const std::string name = fmt::format("BackwardInput/{}/{}/t{}", sh.name, v.name, threads);
+        auto* b = benchmark::RegisterBenchmark(name.c_str(), run_backward_input,
+                                               BackwardCase{sh.T, sh.N, sh.K, v.prec, v.kernel, threads});
+        b->Unit(benchmark::kMillisecond);
+        if (threads > 1) b->UseRealTime();
+      }
+}
+
 void register_all() {
+  register_backward_input();
   register_attention();
   const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k, DType::q6_k,
                          DType::q4_0, DType::q5_k, DType::bf16, DType::f32,  DType::q5_0,

@@ -11,6 +11,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/bf16_gemm.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -147,6 +148,7 @@ void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) {
 namespace loom {
 
 DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p) {
+  if (p == TransposedPrecision::bf16) return DType::bf16;
   if (w == DType::f32 || w == DType::f16 || w == DType::bf16) return w;
   if (p == TransposedPrecision::f16) return DType::f16;
   return n_total % 32 == 0 ? DType::q8_0 : DType::f16;
@@ -165,9 +167,14 @@ PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, Tr
     N += p.rows();
   }
   const DType dst = transposed_weight_dtype(src, N, precision);
-  const size_t out_row = dtype_row_bytes(dst, N);
+  const bool pairs = precision == TransposedPrecision::bf16;
+  PackedWeight packed;
+  if (pairs)
+    packed = PackedWeight::allocate(PackedLayout::bf16_pairs, DType::bf16, K, N, cpu::bf16_panel_bytes(N),
+                                    recycle);
+  const size_t out_row = pairs ? 0 : dtype_row_bytes(dst, N);
   std::vector<uint8_t> out(out_row * static_cast<size_t>(K));
-  if (src == dst && src != DType::f32 && dtype_block_size(src) == 1) {
+  if (!pairs && src == dst && src != DType::f32 && dtype_block_size(src) == 1) {
     // f16 / bf16: move the 2-byte elements as they are (exact).
     auto* o = reinterpret_cast<uint16_t*>(out.data());
     int64_t n0 = 0;
@@ -197,6 +204,10 @@ PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, Tr
           }
           n0 += p.rows();
         }
+        if (pairs) {
+          cpu::store_bf16_pairs(packed, k0, cols, wt.data(), N);
+          continue;
+        }
         for (int64_t c = 0; c < cols; ++c) {
           uint8_t* o = out.data() + static_cast<size_t>(k0 + c) * out_row;
           if (dst == DType::q8_0) {
@@ -212,6 +223,7 @@ PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, Tr
       }
     });
   }
+  if (pairs) return packed;
   Tensor t;
   t.data = out.data();
   t.dtype = dst;
@@ -220,8 +232,13 @@ PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, Tr
   return PackedWeight::pack(t, &pool, name, recycle);
 }
 
-void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy, float* dx,
-                                  int64_t T, bool accumulate, PackedBackwardScratch& scratch) {
+void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy,
+                                  float* dx, int64_t T, bool accumulate, PackedBackwardScratch& scratch,
+                                  Bf16Kernel kernel) {
+  if (Wt.layout() == PackedLayout::bf16_pairs) {
+    cpu::bf16_gemm(pool, kernel, Wt, dy, ldy, dx, T, accumulate, scratch.matmul);
+    return;
+  }
   if (T <= 0) return;
   const int64_t K = Wt.rows(), N = Wt.cols();
   const bool rescale = Wt.dtype() == DType::q8_0;

@@ -32,8 +32,18 @@ void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, f
 //    path by 7e-4 relative (tests/model/test_training_default_model.cpp);
 //  - q8_0 along N (::int8), with dy quantized to q8_0 by matmul like forward
 //    activations: faster, but the gradients differ by ~3e-2 relative (cosine
-//    0.9996), about what bf16 compute gives.
-enum class TransposedPrecision { f16, int8 };
+//    0.9996).
+//  - bf16 (::bf16): every weight (f32/f16 ones too) rounded to bf16 (8
+//    significant bits, to nearest even, f32 subnormals to zero) in the tile
+//    layout of kernels/cpu/bf16_gemm.h; linear_backward_input_packed rounds dy
+//    the same way and multiplies with AMX-BF16 tiles, else AVX512-BF16
+//    vdpbf16ps, else bf16 -> f32 and AVX2 FMA (Bf16Kernel), always with f32
+//    sums. Each dx element is one chain over n in order: thread-count
+//    independent. One product is ~2e-3 off the exact one, the LoRA gradients of
+//    SmolLM2 Q4_1 ~1e-2 (cosine 0.99994). The fastest mode where AMX exists:
+//    ~7x the f16 path's GFLOP/s at SmolLM2's shapes (bench_kernels
+//    BackwardInput/...). matmul() rejects such a PackedWeight.
+enum class TransposedPrecision { f16, int8, bf16 };
 DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p);
 // Packs [W_0; W_1; ...]^T: the parts share K (their cols()) and are stacked by
 // rows (N_total = sum of rows), so one product covers e.g. q, k and v:
@@ -42,6 +52,14 @@ DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p);
 // `recycle` as for PackedWeight::pack.
 PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
                             const char* name = "weight", PackedWeight* recycle = nullptr);
+// Which kernel multiplies a bf16 W^T: automatic takes AMX, then AVX512-BF16,
+// then AVX2 as the CPU, the OS and LOOM_CPU (avx2 / avx512 disable AMX) allow;
+// tests and benchmarks force one (loom::Error(unsupported) if the CPU lacks it).
+// The three differ only in the f32 rounding of the sums.
+enum class Bf16Kernel { automatic, amx, avx512, avx2 };
+// Whether a forced kernel can run here (automatic: always).
+bool bf16_kernel_available(Bf16Kernel k);
+
 // Working memory of linear_backward_input_packed; reuse it across calls.
 struct PackedBackwardScratch {
   std::vector<float> dy, prod;
@@ -51,9 +69,11 @@ struct PackedBackwardScratch {
 // apart; accumulate = false overwrites dx. For a q8_0 Wt each dy row is first
 // scaled by a power of two that brings its largest magnitude to ~2^16 (and the
 // product scaled back, both exact): gradients are often ~1e-6, where q8_0's f16
-// block scales would be subnormal and lose their precision.
-void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy, float* dx,
-                                  int64_t T, bool accumulate, PackedBackwardScratch& scratch);
+// block scales would be subnormal and lose their precision. `kernel` matters only
+// for a bf16 Wt.
+void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy,
+                                  float* dx, int64_t T, bool accumulate, PackedBackwardScratch& scratch,
+                                  Bf16Kernel kernel = Bf16Kernel::automatic);
 
 // dW [N, K] += dy^T [N, T] x [T, K]   (f32; a trainable weight's gradient).
 // Each element is one FMA chain over t = 0..T-1 (thread-count independent).

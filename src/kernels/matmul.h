@@ -53,6 +53,11 @@ struct AlignedFree {
 using AlignedBytes = std::unique_ptr<uint8_t, AlignedFree>;
 AlignedBytes alloc_aligned(size_t bytes);
 
+// How a PackedWeight's bytes are arranged: `panels` for matmul (above); or
+// `bf16_pairs`, W^T for bf16 input gradients (kernels/cpu/bf16_gemm.h), which
+// only linear_backward_input_packed reads (matmul rejects it).
+enum class PackedLayout : uint8_t { panels, bf16_pairs };
+
 // A weight matrix rearranged once into panels (see above). Owns its memory; the
 // source tensor may be released afterwards. Use it for every weight that is
 // multiplied more than once: matmul() on a plain Tensor repacks panels on the fly
@@ -73,6 +78,12 @@ class PackedWeight {
   static PackedWeight pack_concat(std::span<const Tensor> parts, ThreadPool* pool = nullptr,
                                   const char* name = "weight", PackedWeight* recycle = nullptr);
 
+  // Uninitialised storage of n_panels(rows) panels of `panel_bytes` for a packer
+  // of another layout to fill (through mutable_panel); `recycle` as for pack.
+  static PackedWeight allocate(PackedLayout layout, DType dtype, int64_t rows, int64_t cols,
+                               size_t panel_bytes, PackedWeight* recycle = nullptr);
+
+  PackedLayout layout() const { return layout_; }
   DType dtype() const { return dtype_; }
   int64_t rows() const { return n_; }
   int64_t cols() const { return k_; }
@@ -83,9 +94,11 @@ class PackedWeight {
   const uint8_t* panel(int64_t p) const { return data_.get() + static_cast<size_t>(p) * panel_bytes_; }
   size_t panel_bytes() const { return panel_bytes_; }
   int64_t n_panels() const { return static_cast<int64_t>(n_panels_); }
+  uint8_t* mutable_panel(int64_t p) { return data_.get() + static_cast<size_t>(p) * panel_bytes_; }
 
  private:
   AlignedBytes data_;
+  PackedLayout layout_ = PackedLayout::panels;
   DType dtype_ = DType::f32;
   int64_t n_ = 0, k_ = 0;
   size_t n_panels_ = 0, panel_bytes_ = 0;

@@ -220,7 +220,7 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
     if (const auto m = backward_mode_from_name(s))
       c.backward = *m;
     else
-      r.bad("backward", fmt::format("unknown value '{}' (expected exact, f16 or int8)", s));
+      r.bad("backward", fmt::format("unknown value '{}' (expected auto, exact, f16, int8 or bf16)", s));
   }
   r.str("metrics_file", c.metrics_file);
   if (r.str("output_dtype", s)) {

@@ -23,7 +23,7 @@ enum class TrainMethod { lora, full };
 struct TrainConfig {
   std::string model;  // a .gguf file or a Hugging Face folder
   TrainMethod method = TrainMethod::lora;  // method
-  BackwardMode backward = BackwardMode::f16;  // backward: exact | f16 | int8 (train_step.h)
+  BackwardMode backward = default_backward_mode();  // backward: auto | exact | f16 | int8 | bf16 (train_step.h)
   std::string metrics_file;   // metrics_file: one JSON object per optimizer step (JSONL)
 
   // data.*

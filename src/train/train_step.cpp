@@ -32,12 +32,18 @@ const char* backward_mode_name(BackwardMode m) {
     case BackwardMode::exact: return "exact";
     case BackwardMode::f16: return "f16";
     case BackwardMode::int8: return "int8";
+    case BackwardMode::bf16: return "bf16";
   }
   return "?";
 }
 
+BackwardMode default_backward_mode() {
+  return bf16_kernel_available(Bf16Kernel::amx) ? BackwardMode::bf16 : BackwardMode::f16;
+}
+
 std::optional<BackwardMode> backward_mode_from_name(std::string_view name) {
-  for (BackwardMode m : {BackwardMode::exact, BackwardMode::f16, BackwardMode::int8})
+  if (name == "auto") return default_backward_mode();
+  for (BackwardMode m : {BackwardMode::exact, BackwardMode::f16, BackwardMode::int8, BackwardMode::bf16})
     if (name == backward_mode_name(m)) return m;
   return std::nullopt;
 }
@@ -58,7 +64,9 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
 void TrainSession::refresh_weights() {
   LOOM_ASSERT(w_.packed.size() == w_.layers.size() && !w_.output_packed.empty());
   if (backward_ == BackwardMode::exact) return;
-  const auto prec = backward_ == BackwardMode::int8 ? TransposedPrecision::int8 : TransposedPrecision::f16;
+  const auto prec = backward_ == BackwardMode::int8   ? TransposedPrecision::int8
+                    : backward_ == BackwardMode::bf16 ? TransposedPrecision::bf16
+                                                      : TransposedPrecision::f16;
   auto t = [&](const Tensor& W, PackedWeight& old) {
     return pack_transposed(pool_, std::span<const Tensor>(&W, 1), prec, "backward weight", &old);
   };

@@ -28,10 +28,18 @@ namespace loom {
 //         (~7e-4 relative gradient error on a Q4_1 model); one f16 copy of the
 //         weights. Exact for f32/f16/bf16 weights.
 //  int8:  as f16 but quantized weights as q8_0 and gradients quantized to q8_0:
-//         fastest, ~3e-2 relative gradient error.
-enum class BackwardMode { exact, f16, int8 };
+//         ~3e-2 relative gradient error.
+//  bf16:  W^T and the gradients rounded to bf16, products with AMX-BF16 tiles
+//         (else AVX512-BF16, else f32 FMA) and f32 sums: the fastest where AMX
+//         exists; ~1e-2 relative gradient error (cosine 0.99994) on a Q4_1
+//         model; one bf16 copy of the weights. Rounds f32/f16 weights too.
+enum class BackwardMode { exact, f16, int8, bf16 };
 const char* backward_mode_name(BackwardMode m);
+// Also accepts "auto": default_backward_mode().
 std::optional<BackwardMode> backward_mode_from_name(std::string_view name);
+// `loom train`'s default: bf16 where AMX-BF16 runs it (several times faster than
+// f16, the precision of bf16 mixed-precision training), else f16.
+BackwardMode default_backward_mode();
 
 class TrainSession {
  public:

@@ -2,9 +2,6 @@
 // panels (or tokens) over the pool and picks the AVX2 or AVX-512 kernels.
 #include "kernels/matmul.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #include <cstring>
 
@@ -162,6 +159,10 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
 
 Segment packed_segment(const PackedWeight& W, float* y, int64_t ldy) {
   if (W.empty()) fail(ErrorKind::invalid_input, "matmul: empty PackedWeight");
+  if (W.layout() != PackedLayout::panels)
+    fail(ErrorKind::unsupported,
+         "matmul: a {} x {} weight packed as bf16 pairs (for linear_backward_input_packed)", W.rows(),
+         W.cols());
   return Segment{W.rows(), W.panel(0), W.panel_bytes(), nullptr, 0, y, ldy};
 }
 
@@ -210,6 +211,22 @@ PackedWeight PackedWeight::pack(const Tensor& W, ThreadPool* pool, const char* n
   return pack_concat(std::span<const Tensor>(&W, 1), pool, name, recycle);
 }
 
+PackedWeight PackedWeight::allocate(PackedLayout layout, DType dtype, int64_t rows, int64_t cols,
+                                    size_t panel_bytes, PackedWeight* recycle) {
+  PackedWeight pw;
+  pw.layout_ = layout;
+  pw.dtype_ = dtype;
+  pw.n_ = rows;
+  pw.k_ = cols;
+  pw.panel_bytes_ = panel_bytes;
+  pw.n_panels_ = static_cast<size_t>((rows + kPanelRows - 1) / kPanelRows);
+  if (recycle && recycle->data_ && recycle->nbytes() == pw.n_panels_ * pw.panel_bytes_)
+    pw.data_ = std::move(recycle->data_);
+  else
+    pw.data_ = alloc_aligned(pw.n_panels_ * pw.panel_bytes_);
+  return pw;
+}
+
 PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool* pool, const char* name,
                                        PackedWeight* recycle) {
   if (parts.empty()) fail(ErrorKind::invalid_input, "matmul: no tensors to pack for '{}'", name);
@@ -222,16 +239,8 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
            dtype_name(W.dtype), W.shape_string(), dtype_name(parts[0].dtype), parts[0].shape_string());
     N += W.rows();
   }
-  PackedWeight pw;
-  pw.dtype_ = parts[0].dtype;
-  pw.n_ = N;
-  pw.k_ = parts[0].cols();
-  pw.panel_bytes_ = panel_stride(pw.dtype_, pw.k_);
-  pw.n_panels_ = static_cast<size_t>((N + kPanelRows - 1) / kPanelRows);
-  if (recycle && recycle->data_ && recycle->nbytes() == pw.n_panels_ * pw.panel_bytes_)
-    pw.data_ = std::move(recycle->data_);
-  else
-    pw.data_ = alloc_aligned(pw.n_panels_ * pw.panel_bytes_);
+  PackedWeight pw = allocate(PackedLayout::panels, parts[0].dtype, N, parts[0].cols(),
+                             panel_stride(parts[0].dtype, parts[0].cols()), recycle);
   const size_t used = cpu::panel_bytes(pw.dtype_, pw.k_);
   auto row_ptr = [&](int64_t n) {
     for (const Tensor& W : parts) {
@@ -261,15 +270,7 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
 
 namespace cpu {
 
-bool amx_available() {
-  static const bool ok = [] {
-    if (!cpu_features().amx_tile || !cpu_features().amx_int8) return false;
-    // Linux hands out the (8 KB) tile state only on request, once per process.
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+bool amx_available() { return cpu_features().amx_int8 && amx_tile_state_granted(); }
 
 bool amx_supports(DType type) {
   return type == DType::q4_0 || type == DType::q4_1 || type == DType::q5_0 || type == DType::q5_1 ||
@@ -316,13 +317,8 @@ namespace {
 // LOOM_CPU=avx2 (checked by use_avx512_kernels) forces AVX2; LOOM_CPU=avx512
 // keeps AVX-512 but leaves AMX unused.
 cpu::Isa default_isa() {
-  static const cpu::Isa isa = [] {
-    if (!use_avx512_kernels()) return cpu::Isa::avx2;
-    const char* force = std::getenv("LOOM_CPU");
-    if (force != nullptr && std::strcmp(force, "avx512") == 0) return cpu::Isa::avx512;
-    return cpu::amx_available() ? cpu::Isa::amx : cpu::Isa::avx512;
-  }();
-  return isa;
+  if (!use_avx512_kernels()) return cpu::Isa::avx2;
+  return use_amx_kernels() && cpu::amx_available() ? cpu::Isa::amx : cpu::Isa::avx512;
 }
 }  // namespace
 
