@@ -7,20 +7,13 @@
 
 #include "kernels/cpu/bf16_gemm.h"
 
+#include "kernels/cpu/amx_tiles.h"
+
 namespace loom::cpu {
 namespace {
 
-// The tile intrinsics are asm statements without memory operands: keep plain
-// stores and loads from moving across them.
-inline void compiler_barrier() { __asm__ volatile("" ::: "memory"); }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using TileConfig = AmxTileConfig;
+inline void compiler_barrier() { amx_compiler_barrier(); }
 
 // Every tile is 16 rows of 64 bytes: C 16 x 16 f32, A 16 rows x 32 bf16, B 16
 // pair rows x 16 lanes x 2 bf16.

@@ -12,20 +12,13 @@
 
 #pragma GCC target("amx-tile,amx-int8")
 
+#include "kernels/cpu/amx_tiles.h"
+
 namespace loom::cpu {
 namespace {
 
-// The tile intrinsics are asm statements without a memory operand: this keeps
-// the compiler from moving plain stores (unpacked weights) past a tile load.
-inline void compiler_barrier() { __asm__ volatile("" ::: "memory"); }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using TileConfig = AmxTileConfig;
+inline void compiler_barrier() { amx_compiler_barrier(); }
 
 // Two sets (tmm0-2, tmm3-5) so the tile multiply of block b+1 overlaps the f32
 // work on block b: C (16 tokens x 16 rows int32), A (16 tokens x 32 s8 acts),
