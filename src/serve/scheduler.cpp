@@ -31,8 +31,7 @@ struct ServingEngine::Sequence {
   Sampler sampler;
   StreamDecoder decoder;
   StopStreamer stop;
-  bool running = false, finished = false;
-  int64_t n_preempted = 0;
+  bool finished = false;
 
   Sequence(Request* r, int32_t c, const SamplingParams& sp, int64_t vocab, const Tokenizer& tok,
            std::vector<std::string> stops)
@@ -302,13 +301,11 @@ void ServingEngine::loop() {
   publish_stats();
 }
 
-void ServingEngine::finish(Sequence* s, FinishKind kind) {
+void ServingEngine::retire(Sequence* s) {
   if (s->finished) return;
   s->finished = true;
   kv_->release(s->table);
-  Request* r = s->req;
-  --r->open;
-  (void)kind;
+  --s->req->open;
 }
 
 void ServingEngine::cancel_requests() {
@@ -317,7 +314,7 @@ void ServingEngine::cancel_requests() {
   const bool abort_all = abort_.load();
   for (auto& r : requests_) {
     if (r->ended || !(abort_all || r->stream->cancelled())) continue;
-    for (auto& s : r->seqs) finish(s.get(), FinishKind::abort);
+    for (auto& s : r->seqs) retire(s.get());
   }
 }
 
@@ -326,8 +323,6 @@ void ServingEngine::preempt(Sequence* s) {
   // are likely matched again on readmission), keep tokens and sampler state.
   kv_->release(s->table);
   s->n_computed = 0;
-  s->running = false;
-  ++s->n_preempted;
   preemptions_.fetch_add(1);
   running_.erase(std::find(running_.begin(), running_.end(), s));
   waiting_.push_front(s);
@@ -357,7 +352,7 @@ void ServingEngine::admit() {
       } catch (const EngineError& e) {
         r->stream->push(GenerationEvent::make_error(e));
         r->ended = true;
-        for (auto& q : r->seqs) finish(q.get(), FinishKind::abort);
+        for (auto& q : r->seqs) retire(q.get());
         it = waiting_.erase(it);
         continue;
       }
@@ -365,7 +360,7 @@ void ServingEngine::admit() {
         r->stream->push(GenerationEvent::make_error(
             EngineError(EngineErrc::model_not_found, "the adapter '" + r->g.model + "' was unloaded", "model")));
         r->ended = true;
-        for (auto& q : r->seqs) finish(q.get(), FinishKind::abort);
+        for (auto& q : r->seqs) retire(q.get());
         it = waiting_.erase(it);
         continue;
       }
@@ -382,7 +377,6 @@ void ServingEngine::admit() {
       break;
     }
     s->n_computed = cached;
-    s->running = true;
     running_.push_back(s);
     it = waiting_.erase(it);
   }
@@ -446,7 +440,7 @@ void ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
   }
   const bool done = d.finish.has_value();
   r->stream->push(GenerationEvent::make_delta(std::move(d)));
-  if (done) finish(s, FinishKind::stop);
+  if (done) retire(s);
 }
 
 bool ServingEngine::step() {

@@ -77,7 +77,8 @@ class ServingEngine : public Engine {
   void cancel_requests();
   bool schedule_decode(std::vector<Sequence*>& batch);
   void preempt(Sequence* s);
-  void finish(Sequence* s, FinishKind kind);
+  // A sequence is done (finished, cancelled or failed): frees its blocks.
+  void retire(Sequence* s);
   void sample_and_emit(Sequence* s, const float* logits);
   void publish_stats();
   std::vector<int32_t> render_prompt(const GenerationRequest& r) const;
