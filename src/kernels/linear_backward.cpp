@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "kernels/cpu/bf16_gemm.h"
+#include "kernels/cpu/bf16_gemm_direct.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -281,6 +282,15 @@ void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, cons
         for (int64_t k = 0; k < K; ++k) o[k] = p[k] * s;
     }
   });
+}
+
+bool bf16_direct_available(DType w) {
+  return cpu::bf16_direct_type(w, nullptr) && cpu::resolve_bf16_kernel(Bf16Kernel::automatic) == Bf16Kernel::amx;
+}
+
+void linear_backward_input_bf16_direct(ThreadPool& pool, const Tensor& W, const float* dy, int64_t ldy, float* dx,
+                                       int64_t T, bool accumulate, PackedBackwardScratch& scratch) {
+  cpu::bf16_gemm_direct(pool, W, dy, ldy, dx, T, accumulate, scratch.matmul);
 }
 
 }  // namespace loom

@@ -75,6 +75,17 @@ void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, cons
                                   float* dx, int64_t T, bool accumulate, PackedBackwardScratch& scratch,
                                   Bf16Kernel kernel = Bf16Kernel::automatic);
 
+// The same bf16 products without any copy of W: W {N, K} is read in its own
+// type (q4_0, q4_1, q5_0, q5_1, q8_0, f16, bf16, f32) and dequantized with
+// AVX-512 into AMX B tiles right before use (kernels/cpu/bf16_gemm_direct.h).
+// The operands are rounded exactly as pack_transposed(::bf16) and
+// linear_backward_input_packed round them; only the f32 sums' grouping may differ
+// (thread-count independent all the same). bf16_direct_available says whether
+// this runs here: AMX usable (LOOM_CPU allowing) and a supported type.
+bool bf16_direct_available(DType w);
+void linear_backward_input_bf16_direct(ThreadPool& pool, const Tensor& W, const float* dy, int64_t ldy, float* dx,
+                                       int64_t T, bool accumulate, PackedBackwardScratch& scratch);
+
 // dW [N, K] += dy^T [N, T] x [T, K]   (f32; a trainable weight's gradient).
 // Each element is one FMA chain over t = 0..T-1 (thread-count independent).
 void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,

@@ -73,7 +73,9 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
     });
     for (int64_t i = 0; i < n; ++i) res.loss_sum += row_loss[static_cast<size_t>(i)];
     if (a.dh) {
-      if (a.Wt_packed) {
+      if (a.Wt_packed && a.Wt_packed->empty()) {
+        linear_backward_input_bf16_direct(pool, W, logits.data(), V, dhc.data(), n, false, bwd);
+      } else if (a.Wt_packed) {
         linear_backward_input_packed(pool, *a.Wt_packed, logits.data(), V, dhc.data(), n, false, bwd);
       } else {
         std::fill(dhc.begin(), dhc.begin() + n * H, 0.0f);

@@ -20,7 +20,8 @@ struct ChunkedLossArgs {
   const Tensor* W = nullptr;            // output projection [V, H], any dtype (read for dh)
   const PackedWeight* W_packed = nullptr;  // the same weight packed for matmul; nullptr: pack per chunk
   // W^T from pack_transposed (kernels/linear_backward.h): dh through the fast
-  // matmul kernels instead of the exact tile path; nullptr: exact.
+  // matmul kernels instead of the exact tile path; nullptr: exact; an empty
+  // PackedWeight: bf16 products reading W itself (linear_backward_input_bf16_direct).
   const PackedWeight* Wt_packed = nullptr;
   const float* h = nullptr;             // [T, H] final-norm output
   const int32_t* labels = nullptr;      // [T]: target of row t (already shifted), -100 = ignore

@@ -67,7 +67,10 @@ void TrainSession::refresh_weights() {
   const auto prec = backward_ == BackwardMode::int8   ? TransposedPrecision::int8
                     : backward_ == BackwardMode::bf16 ? TransposedPrecision::bf16
                                                       : TransposedPrecision::f16;
+  // bf16 with AMX: supported weight types need no copy at all (an empty
+  // PackedWeight tells input_grad to read W itself, dequantizing tile by tile).
   auto t = [&](const Tensor& W, PackedWeight& old) {
+    if (prec == TransposedPrecision::bf16 && bf16_direct_available(W.dtype)) return PackedWeight();
     return pack_transposed(pool_, std::span<const Tensor>(&W, 1), prec, "backward weight", &old);
   };
   wt_.resize(w_.layers.size());
@@ -81,6 +84,10 @@ void TrainSession::refresh_weights() {
 }
 
 void TrainSession::input_grad(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {
+  if (Wt != nullptr && Wt->empty()) {
+    linear_backward_input_bf16_direct(pool_, W, dy, W.rows(), dx, T, false, bwd_scratch_);
+    return;
+  }
   if (Wt != nullptr) {
     linear_backward_input_packed(pool_, *Wt, dy, W.rows(), dx, T, false, bwd_scratch_);
     return;
@@ -90,7 +97,9 @@ void TrainSession::input_grad(const Tensor& W, const PackedWeight* Wt, const flo
 }
 
 void TrainSession::input_grad_add(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {
-  if (Wt != nullptr)
+  if (Wt != nullptr && Wt->empty())
+    linear_backward_input_bf16_direct(pool_, W, dy, W.rows(), dx, T, true, bwd_scratch_);
+  else if (Wt != nullptr)
     linear_backward_input_packed(pool_, *Wt, dy, W.rows(), dx, T, true, bwd_scratch_);
   else
     linear_backward_input(pool_, W, dy, dx, T);

@@ -107,7 +107,7 @@ class TrainSession {
   bool dropout_layout_ = false;
   std::vector<float> acts_;  // every saved activation, carved into layers_ and the views below
   std::vector<LayerActs> layers_;
-  std::vector<TransposedLayer> wt_;  // empty unless fast_backward
+  std::vector<TransposedLayer> wt_;  // empty unless fast_backward; an empty entry: W read directly (bf16 + AMX)
   PackedWeight output_t_;
   float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr;
   std::vector<float> work_;  // backward / temporary buffers (not saved)
