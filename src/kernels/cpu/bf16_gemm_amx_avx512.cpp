@@ -15,30 +15,10 @@ namespace {
 using TileConfig = AmxTileConfig;
 inline void compiler_barrier() { amx_compiler_barrier(); }
 
-// Every tile is 16 rows of 64 bytes: C 16 x 16 f32, A 16 rows x 32 bf16, B 16
-// pair rows x 16 lanes x 2 bf16.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  compiler_barrier();
-  _tile_loadconfig(&cfg);
-}
+void configure_tiles() { amx_configure_16x64(); }
 
-// Adds / stores a finished 16 x 16 result (in buf) to dx.
 void write_dx(const Bf16Work& w, const float* buf, int64_t tt, int64_t p) {
-  const int64_t k0 = 16 * p, cols = w.K - k0 < 16 ? w.K - k0 : 16;
-  const auto mask = static_cast<__mmask16>((1u << cols) - 1);
-  for (int r = 0; r < 16; ++r) {
-    const int64_t t = 16 * tt + r;
-    if (t >= w.T) break;
-    float* o = w.dx + t * w.ldx + k0;
-    __m512 v = _mm512_load_ps(buf + 16 * r);
-    if (w.accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v);
-    _mm512_mask_storeu_ps(o, mask, v);
-  }
+  amx_write_dx_tile(w.dx, w.ldx, w.T, w.K, w.accumulate, buf, tt, p);
 }
 
 // Result tile C (a tmm number) of t-tile tt and panel p: start or finish a chunk.
