@@ -527,17 +527,17 @@ def make_body_fn(a, kind, pool, models, max_tokens=None):
 def warm_up(a, kind, port, pool, models, conc):
     """One short request per model (every adapter gets loaded and touched), `conc` at a time;
     not measured. Raises RuntimeError when one fails."""
-    todo = list(models)
+    pending = list(models)
     errors = []
     lock = threading.Lock()
 
     def worker():
         while True:
             with lock:
-                if not todo or errors:
+                if not pending or errors:
                     return
-                m = todo.pop()
-            body = make_body_fn(a, kind, pool, [m], max_tokens=8)(-1, len(todo))
+                m = pending.pop()
+            body = make_body_fn(a, kind, pool, [m], max_tokens=8)(-1, len(pending))
             conn = connect(port, a.request_timeout)
             try:
                 r = one_request(conn, body)

@@ -51,4 +51,27 @@ inline void amx_write_dx_tile(float* dx, int64_t ldx, int64_t T, int64_t K, bool
   }
 }
 
+// The inner loop of the bf16 kernels: accumulators tmm0..3 (TT x PP: tmm0 =
+// (a0, b0), tmm1 = (a0, b1), tmm2 = (a1, b0), tmm3 = (a1, b1)), A tiles in
+// tmm4/5, B tiles in tmm6/7; `n` steps over consecutive 1 KiB tiles.
+template <int TT, int PP>
+inline void amx_bf16_dot_steps(const uint8_t* a0, const uint8_t* a1, const uint8_t* b0, const uint8_t* b1,
+                               int64_t n) {
+  for (int64_t s = 0; s < n; ++s) {
+    const size_t off = static_cast<size_t>(s) * 1024;
+    _tile_loadd(4, a0 + off, 64);
+    _tile_loadd(6, b0 + off, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PP == 2) {
+      _tile_loadd(7, b1 + off, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (TT == 2) {
+      _tile_loadd(5, a1 + off, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (PP == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
 }  // namespace loom::cpu

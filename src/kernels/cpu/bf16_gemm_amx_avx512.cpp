@@ -55,21 +55,8 @@ void micro(const Bf16Work& w, int64_t tt, int64_t p, int64_t s0, int64_t s1, boo
   [[maybe_unused]] const uint8_t* a1 = a0 + static_cast<size_t>(w.n_steps) * kBf16TileBytes;
   const uint8_t* b0 = b_tile(w, p, 0);
   [[maybe_unused]] const uint8_t* b1 = b0 + w.pstride;
-  for (int64_t s = s0; s < s1; ++s) {
-    const size_t off = static_cast<size_t>(s) * kBf16TileBytes;
-    _tile_loadd(4, a0 + off, 64);
-    _tile_loadd(6, b0 + off, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (PP == 2) {
-      _tile_loadd(7, b1 + off, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (TT == 2) {
-      _tile_loadd(5, a1 + off, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (PP == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
+  const size_t off = static_cast<size_t>(s0) * kBf16TileBytes;
+  amx_bf16_dot_steps<TT, PP>(a0 + off, a1 + off, b0 + off, b1 + off, s1 - s0);
   LOOM_BF16_FINISH(0, tt, p);
   if constexpr (PP == 2) LOOM_BF16_FINISH(1, tt, p + 1);
   if constexpr (TT == 2) LOOM_BF16_FINISH(2, tt + 1, p);

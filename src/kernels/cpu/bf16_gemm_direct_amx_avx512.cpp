@@ -207,21 +207,7 @@ void micro(const Bf16DirectWork& w, const Pos& q, int64_t tt, int64_t p) {
   [[maybe_unused]] const uint8_t* a1 = a0 + static_cast<size_t>(w.n_steps) * kTile;
   const uint8_t* b0 = w.bbuf;
   [[maybe_unused]] const uint8_t* b1 = w.bbuf + static_cast<size_t>(w.chunk) * kTile;
-  for (int64_t i = 0; i < q.s1 - q.s0; ++i) {
-    const size_t off = static_cast<size_t>(i) * kTile;
-    _tile_loadd(4, a0 + off, 64);
-    _tile_loadd(6, b0 + off, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (PP == 2) {
-      _tile_loadd(7, b1 + off, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (TT == 2) {
-      _tile_loadd(5, a1 + off, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (PP == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
+  amx_bf16_dot_steps<TT, PP>(a0, a1, b0, b1, q.s1 - q.s0);
   LOOM_DIRECT_FINISH(0, tt, p);
   if constexpr (PP == 2) LOOM_DIRECT_FINISH(1, tt, p + 1);
   if constexpr (TT == 2) LOOM_DIRECT_FINISH(2, tt + 1, p);
