@@ -1,13 +1,11 @@
 #include "core/thread_pool.h"
 
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
-#include <fstream>
-#include <set>
-#include <string>
-#include <utility>
-
-#include "core/error.h"
+#include <chrono>
+#include <climits>
 
 namespace loom {
 namespace {
@@ -18,80 +16,114 @@ inline void cpu_relax() {
 #endif
 }
 
-// Iterations a worker spins before it sleeps; roughly 50-100 us.
-constexpr int kSpinIterations = 20000;
+// How long a thread spins for the next run (a worker) or for the last index to
+// finish (the caller) before it sleeps. Decode dispatches an op every few tens
+// of microseconds, so this covers the gaps of a quiet machine; on a busy one a
+// thread gives its CPU back after at most this long.
+constexpr int64_t kSpinNanoseconds = 50'000;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Spins until done() or `budget_ns` have passed; says whether done() held.
+template <class Done>
+bool spin_until(Done done, int64_t budget_ns) {
+  if (done()) return true;
+  if (budget_ns <= 0) return false;
+  const int64_t end = now_ns() + budget_ns;
+  for (;;) {
+    for (int i = 0; i < 32; ++i) {  // the clock is read once per 32 pauses
+      cpu_relax();
+      if (done()) return true;
+    }
+    if (now_ns() >= end) return false;
+  }
+}
+
+// Private futexes on 32-bit atomics (std::atomic::wait would add its own
+// spinning and sched_yield loop before sleeping).
+template <class T>
+void futex_wait(std::atomic<T>& word, T expected) {
+  static_assert(sizeof(T) == 4);
+  syscall(SYS_futex, reinterpret_cast<T*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+template <class T>
+void futex_wake(std::atomic<T>& word, int n) {
+  static_assert(sizeof(T) == 4);
+  syscall(SYS_futex, reinterpret_cast<T*>(&word), FUTEX_WAKE_PRIVATE, n, nullptr, nullptr, 0);
+}
 
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+ThreadPool::ThreadPool(int n_threads)
+    : n_threads_(n_threads < 1 ? 1 : n_threads),
+      // More threads than CPUs: a spinning thread only keeps a descheduled one
+      // from running, so threads sleep at once.
+      spin_ns_(n_threads_ <= cpu_budget().usable ? kSpinNanoseconds : 0) {
   workers_.reserve(static_cast<size_t>(n_threads_ - 1));
-  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
 ThreadPool::~ThreadPool() {
-  stop_.store(true, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
-  generation_.notify_all();
+  stop_.store(true, std::memory_order_seq_cst);
+  generation_.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake(generation_, INT_MAX);
   for (auto& w : workers_) w.join();
 }
 
 void ThreadPool::run_impl(Trampoline tramp, void* ctx) {
   if (n_threads_ == 1) { tramp(ctx, 0, 1); return; }
+  // The previous run is complete (every index done), so no thread reads these now.
   tramp_ = tramp;
   ctx_ = ctx;
-  pending_.store(n_threads_ - 1, std::memory_order_relaxed);
-  generation_.fetch_add(1, std::memory_order_release);
-  generation_.notify_all();
-  tramp(ctx, 0, n_threads_);
-  // Spin briefly, then sleep until the last worker wakes us: when a worker has
-  // been descheduled (a busy machine), spinning or yielding would only keep it
-  // from running (a yield loop made tiny models ~100x slower under load).
-  for (int spins = 0; spins < kSpinIterations; ++spins) {
-    if (pending_.load(std::memory_order_acquire) == 0) return;
-    cpu_relax();
+  done_.store(0, std::memory_order_relaxed);
+  next_.store(0, std::memory_order_release);  // claims acquire this (and the two lines above)
+  // Dekker-style with worker_loop (seq_cst both sides): either a worker going to
+  // sleep sees the new generation, or we see it in sleepers_ and wake it.
+  generation_.fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) != 0) futex_wake(generation_, INT_MAX);
+  run_claimed();
+  wait_all_done();
+}
+
+void ThreadPool::run_claimed() {
+  const int n = n_threads_;
+  for (int i; (i = next_.fetch_add(1, std::memory_order_acquire)) < n;) {
+    // A claimed index keeps the run from completing, so tramp_/ctx_ are this run's.
+    tramp_(ctx_, i, n);
+    if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == static_cast<uint32_t>(n) &&
+        caller_waiting_.load(std::memory_order_seq_cst))
+      futex_wake(done_, 1);
   }
-  // Dekker-style handshake (seq_cst on both sides): either the last worker sees
-  // caller_waiting_ and notifies, or we see pending_ == 0 before sleeping.
+}
+
+void ThreadPool::wait_all_done() {
+  const auto n = static_cast<uint32_t>(n_threads_);
+  if (spin_until([&] { return done_.load(std::memory_order_acquire) == n; }, spin_ns_)) return;
+  // Sleep until the last index finishes (its thread may have been descheduled:
+  // spinning or yielding would only keep it from running). Dekker-style with
+  // run_claimed: either it sees caller_waiting_ and wakes us, or we see done_ == n.
   caller_waiting_.store(true, std::memory_order_seq_cst);
-  for (int p; (p = pending_.load(std::memory_order_seq_cst)) != 0;) pending_.wait(p, std::memory_order_seq_cst);
+  for (uint32_t d; (d = done_.load(std::memory_order_seq_cst)) != n;) futex_wait(done_, d);
   caller_waiting_.store(false, std::memory_order_relaxed);
 }
 
-void ThreadPool::worker_loop(int index) {
+void ThreadPool::worker_loop() {
   uint32_t seen = 0;  // the value before any run(); reading it here could miss the first run
   for (;;) {
-    uint32_t g;
-    int spins = 0;
-    while ((g = generation_.load(std::memory_order_acquire)) == seen) {
-      if (++spins < kSpinIterations) { cpu_relax(); continue; }
-      generation_.wait(seen, std::memory_order_acquire);
-      spins = 0;
+    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_ns_)) {
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      while (generation_.load(std::memory_order_seq_cst) == seen) futex_wait(generation_, seen);
+      sleepers_.fetch_sub(1, std::memory_order_relaxed);
     }
-    seen = g;
+    // Runs seen..now are all complete except possibly the latest: claiming finds
+    // only its indices (or none, if others took them all).
+    seen = generation_.load(std::memory_order_acquire);
     if (stop_.load(std::memory_order_acquire)) return;
-    tramp_(ctx_, index, n_threads_);
-    if (pending_.fetch_sub(1, std::memory_order_seq_cst) == 1 && caller_waiting_.load(std::memory_order_seq_cst))
-      pending_.notify_one();
+    run_claimed();
   }
-}
-
-int default_thread_count() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
-  std::set<std::pair<int, int>> cores;  // (package, core) pairs
-  int logical = 0;
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-    if (!CPU_ISSET(cpu, &set)) continue;
-    ++logical;
-    const std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
-    std::ifstream core_f(base + "core_id"), pkg_f(base + "physical_package_id");
-    int core = -1, pkg = -1;
-    if (!(core_f >> core) || !(pkg_f >> pkg)) { cores.insert({-1, cpu}); continue; }
-    cores.insert({pkg, core});
-  }
-  const int n = static_cast<int>(cores.size());
-  return n > 0 ? n : (logical > 0 ? logical : 1);
 }
 
 }  // namespace loom

@@ -1,13 +1,19 @@
-// A fork-join pool tuned for per-op dispatch during decoding: workers spin
-// briefly on a generation counter before sleeping, so a parallel op costs a
-// few microseconds, not a condition-variable round trip. The calling thread
-// takes part as worker 0. Passed explicitly; there is no global pool.
+// A fork-join pool tuned for per-op dispatch during decoding: workers spin for a
+// bounded time (kSpinNanoseconds) on a generation counter, then sleep on a futex,
+// so a parallel op costs a few microseconds on a quiet machine and a busy one
+// loses no more than that spin. run(fn) calls fn(i, n) once for every index i
+// in [0, n), n = size(); the threads (the caller among them) claim indices as
+// they arrive, so the split of the work stays the same (results do not change)
+// while an index whose thread has been descheduled is run by another. Passed
+// explicitly; there is no global pool.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <thread>
 #include <vector>
+
+#include "core/cpu_budget.h"  // default_thread_count, resolve_thread_count
 
 namespace loom {
 
@@ -20,7 +26,9 @@ class ThreadPool {
 
   int size() const { return n_threads_; }
 
-  // Calls fn(thread_index, n_threads) on every thread; returns when all are done.
+  // Calls fn(index, size()) once for each index in [0, size()), each on some
+  // thread of the pool (one thread may run several indices, one after another);
+  // returns when all are done.
   template <typename F>
   void run(F&& fn) {
     run_impl(&invoke<std::remove_reference_t<F>>, static_cast<void*>(&fn));
@@ -47,19 +55,22 @@ class ThreadPool {
   static void invoke(void* ctx, int ti, int tn) { (*static_cast<F*>(ctx))(ti, tn); }
 
   void run_impl(Trampoline tramp, void* ctx);
-  void worker_loop(int index);
+  void worker_loop();
+  void run_claimed();  // claims and runs indices of the current run until none is left
+  void wait_all_done();
 
   int n_threads_;
+  int64_t spin_ns_;  // 0 when the pool has more threads than usable CPUs
   std::vector<std::thread> workers_;
-  alignas(64) std::atomic<uint32_t> generation_{0};
-  alignas(64) std::atomic<int> pending_{0};
-  std::atomic<bool> caller_waiting_{false};  // run_impl sleeps on pending_
+  // Futex words are 32-bit (generation_, done_).
+  alignas(64) std::atomic<uint32_t> generation_{0};  // bumped by each run; workers sleep on it
+  std::atomic<uint32_t> sleepers_{0};                // workers asleep on generation_
+  alignas(64) std::atomic<int> next_{0};             // next unclaimed index (>= n: none)
+  alignas(64) std::atomic<uint32_t> done_{0};        // indices finished; the caller sleeps on it
+  std::atomic<bool> caller_waiting_{false};
   Trampoline tramp_ = nullptr;
   void* ctx_ = nullptr;
   std::atomic<bool> stop_{false};
 };
-
-// Physical cores available to this process (what -t defaults to).
-int default_thread_count();
 
 }  // namespace loom

@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "core/dtype.h"
@@ -56,14 +58,76 @@ TEST(ThreadPool, ParallelForCoversRangeExactlyOnce) {
   }
 }
 
-TEST(ThreadPool, RunGivesEachThreadItsIndex) {
-  ThreadPool pool(4);
-  std::vector<std::atomic<int>> seen(4);
-  pool.run([&](int ti, int tn) {
-    EXPECT_EQ(tn, 4);
-    seen[static_cast<size_t>(ti)]++;
-  });
-  for (auto& s : seen) EXPECT_EQ(s.load(), 1);
+TEST(ThreadPool, RunCallsEachIndexOnce) {
+  for (int nt : {2, 4, 7}) {
+    ThreadPool pool(nt);
+    std::vector<std::atomic<int>> seen(static_cast<size_t>(nt));
+    for (int rep = 0; rep < 200; ++rep)
+      pool.run([&](int ti, int tn) {
+        EXPECT_EQ(tn, nt);
+        seen[static_cast<size_t>(ti)]++;
+      });
+    for (auto& s : seen) EXPECT_EQ(s.load(), 200);
+  }
+}
+
+// Workers that went to sleep (longer than the spin) are woken by the next run;
+// a pool destroyed at once, or while its workers sleep, joins them.
+TEST(ThreadPool, WakesSleepingWorkersAndStops) {
+  { ThreadPool fresh(3); }
+  ThreadPool pool(3);
+  for (int rep = 0; rep < 5; ++rep) {
+    std::atomic<int> sum{0};
+    pool.run([&](int ti, int) { sum += ti + 1; });
+    EXPECT_EQ(sum.load(), 6);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }
+}
+
+// Far more threads than CPUs (64 on a 2-core machine): every run still calls
+// each index exactly once and results add up; threads that arrive late find
+// their indices taken and must not run them again. The bound is generous (a
+// spinning pool took minutes here); it guards against hangs, not speed.
+TEST(ThreadPool, OversubscribedPoolCompletesCorrectly) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ThreadPool pool(64);
+  constexpr int64_t kN = 10000;
+  std::vector<int64_t> data(kN);
+  for (int64_t i = 0; i < kN; ++i) data[static_cast<size_t>(i)] = i;
+  std::vector<std::atomic<int>> hits(64);
+  for (int rep = 0; rep < 300; ++rep) {
+    std::vector<int64_t> partial(64, 0);
+    pool.run([&](int ti, int tn) {
+      hits[static_cast<size_t>(ti)]++;
+      for (int64_t i = ti; i < kN; i += tn) partial[static_cast<size_t>(ti)] += data[static_cast<size_t>(i)];
+    });
+    int64_t total = 0;
+    for (int64_t p : partial) total += p;
+    ASSERT_EQ(total, kN * (kN - 1) / 2) << "run " << rep;
+    std::atomic<int64_t> covered{0};
+    pool.parallel_for(kN, [&](int64_t b, int64_t e) { covered += e - b; }, 16);
+    ASSERT_EQ(covered.load(), kN);
+  }
+  for (auto& h : hits) EXPECT_EQ(h.load(), 300);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60.0);
+}
+
+// Several pools used at once from different threads (serve's scheduler and a
+// training run in one test binary, say) stay independent.
+TEST(ThreadPool, ConcurrentPoolsStayIndependent) {
+  std::vector<std::thread> users;
+  std::atomic<int> bad{0};
+  for (int u = 0; u < 3; ++u)
+    users.emplace_back([&] {
+      ThreadPool pool(3);
+      for (int rep = 0; rep < 300; ++rep) {
+        std::atomic<int> mask{0};
+        pool.run([&](int ti, int) { mask |= 1 << ti; });
+        if (mask.load() != 7) ++bad;
+      }
+    });
+  for (auto& t : users) t.join();
+  EXPECT_EQ(bad.load(), 0);
 }
 
 }  // namespace loom
