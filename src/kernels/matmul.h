@@ -142,8 +142,9 @@ inline void matmul(ThreadPool& pool, const Tensor& W, const float* x, float* y, 
 
 // Several products of the same activations in one call (e.g. q, k and v, or gate
 // and up): the activations are quantized once and one thread dispatch covers all
-// weights, which must share dtype and K. Each result is bit-identical to its own
-// matmul call. ldy < 0 means W.rows(). At most 16 weights.
+// weights of one dtype; weights of other dtypes (mixed GGUF files, adapters merged
+// into some matrices only) run as their own groups. All must share K. Each result
+// is bit-identical to its own matmul call. ldy < 0 means W.rows(). At most 16.
 struct MatmulOut {
   const PackedWeight* W;
   float* y;

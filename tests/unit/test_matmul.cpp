@@ -269,11 +269,44 @@ TEST(Matmul, MultiEqualsSeparateCalls) {
       }
     }
   }
-  Problem a(DType::q4_1, 4, 64, 1, 1), b(DType::q8_0, 4, 64, 1, 2);
+  Problem a(DType::q4_1, 4, 64, 1, 1), b(DType::q8_0, 4, 128, 1, 2);
   const PackedWeight pa = PackedWeight::pack(a.W), pb = PackedWeight::pack(b.W);
   std::vector<float> y(8);
-  const MatmulOut mixed[] = {{&pa, y.data()}, {&pb, y.data() + 4}};
-  EXPECT_THROW(matmul_multi(pool, mixed, a.x.data(), 64, 1, scratch), Error);
+  const MatmulOut widths[] = {{&pa, y.data()}, {&pb, y.data() + 4}};
+  EXPECT_THROW(matmul_multi(pool, widths, a.x.data(), 128, 1, scratch), Error);
+}
+
+// Mixed dtypes in one call (Q4_K_M-style q4_k/q6_k/q5_0/q8_0 layers, f32 adapter
+// merges beside quantized weights): each output bit-identical to its own call,
+// whatever the order of the types.
+TEST(Matmul, MultiMixedTypesEqualsSeparateCalls) {
+  ThreadPool pool(2);
+  MatmulScratch scratch;
+  const DType mixes[][3] = {{DType::q4_k, DType::q4_k, DType::q6_k},
+                            {DType::q5_0, DType::q8_0, DType::q5_0},
+                            {DType::f32, DType::q4_1, DType::q4_1},
+                            {DType::q4_1, DType::f32, DType::q8_0}};
+  for (const auto& mix : mixes) {
+    for (int64_t T : {int64_t{1}, int64_t{3}, int64_t{20}}) {
+      const int64_t K = 256;
+      Problem a(mix[0], 40, K, T, 61), b(mix[1], 17, K, T, 62), c(mix[2], 9, K, T, 63);
+      const PackedWeight pa = PackedWeight::pack(a.W), pb = PackedWeight::pack(b.W),
+                         pc = PackedWeight::pack(c.W);
+      for (cpu::Isa isa : isas()) {
+        std::vector<float> ya(static_cast<size_t>(T * 40)), yb(static_cast<size_t>(T * 17)),
+            yc(static_cast<size_t>(T * 9));
+        const MatmulOut outs[] = {{&pa, ya.data()}, {&pb, yb.data()}, {&pc, yc.data()}};
+        cpu::matmul_multi_isa(isa, pool, outs, a.x.data(), K, T, scratch);
+        for (const auto& [pw, y] : {std::pair{&pa, &ya}, std::pair{&pb, &yb}, std::pair{&pc, &yc}}) {
+          std::vector<float> want(y->size());
+          cpu::matmul_isa(isa, pool, *pw, a.x.data(), K, want.data(), pw->rows(), T, scratch);
+          expect_bits_equal(want, *y,
+                            std::string(dtype_name(pw->dtype())) + " in a mixed multi " + isa_name(isa) +
+                                " T=" + std::to_string(T));
+        }
+      }
+    }
+  }
 }
 
 TEST(Matmul, RejectsBadWeights) {

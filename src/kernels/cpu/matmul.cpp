@@ -298,17 +298,30 @@ void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs
   if (outs.empty()) return;
   if (outs.size() > kMax)
     fail(ErrorKind::invalid_input, "matmul_multi: {} weights, at most {}", outs.size(), kMax);
-  Segment segs[kMax];
   const PackedWeight& W0 = *outs[0].W;
+  for (size_t i = 0; i < outs.size(); ++i)
+    if (outs[i].W->cols() != W0.cols())
+      fail(ErrorKind::invalid_input, "matmul_multi: weight {} is {} x {}, weight 0 is {} x {}: widths differ", i,
+           outs[i].W->rows(), outs[i].W->cols(), W0.rows(), W0.cols());
+  // Real GGUF files mix types inside a layer (Q4_K_M keeps attn_v in q6_k, and
+  // rows that are not a multiple of 256 fall back to q5_0/q8_0), and adapters
+  // merge into f32 copies of some matrices only. Weights of one dtype share one
+  // activation quantization and one dispatch; each dtype group runs on its own.
+  // Each result is still bit-identical to its own matmul call.
+  bool done[kMax] = {};
   for (size_t i = 0; i < outs.size(); ++i) {
-    const PackedWeight& W = *outs[i].W;
-    if (W.dtype() != W0.dtype() || W.cols() != W0.cols())
-      fail(ErrorKind::invalid_input, "matmul_multi: weight {} is {} x {} of {}, weight 0 is {} x {} of {}", i,
-           W.rows(), W.cols(), dtype_name(W.dtype()), W0.rows(), W0.cols(), dtype_name(W0.dtype()));
-    segs[i] = packed_segment(W, outs[i].y, outs[i].ldy < 0 ? W.rows() : outs[i].ldy);
+    if (done[i]) continue;
+    const DType type = outs[i].W->dtype();
+    Segment segs[kMax];
+    size_t n = 0;
+    for (size_t j = i; j < outs.size(); ++j) {
+      if (done[j] || outs[j].W->dtype() != type) continue;
+      const PackedWeight& W = *outs[j].W;
+      segs[n++] = packed_segment(W, outs[j].y, outs[j].ldy < 0 ? W.rows() : outs[j].ldy);
+      done[j] = true;
+    }
+    run_matmul(isa, pool, type, W0.cols(), std::span<const Segment>(segs, n), x, ldx, T, scratch);
   }
-  run_matmul(isa, pool, W0.dtype(), W0.cols(), std::span<const Segment>(segs, outs.size()), x, ldx, T,
-             scratch);
 }
 
 }  // namespace cpu
