@@ -4,7 +4,7 @@
 Runs with plain python3 (standard library only). Needs llama.cpp's tools from
 scripts/build_llamacpp and loom built in build/. See bench/README.md.
 
-For each model type (Q4_1 = the default model, plus Q8_0 and F16 made from it with
+For each model type (Q4_1 = the default model, plus Q4_K_M, Q6_K, Q8_0 and F16 made from it with
 llama-quantize --allow-requantize) it runs
 
     llama-bench -m F -t T -p P -n N -r R -o json
@@ -157,7 +157,7 @@ def main():
     ap.add_argument("-n", "--gen", type=int, default=128, help="generated tokens for tg test")
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="base (Q4_1) GGUF")
-    ap.add_argument("--types", default="Q4_1,Q8_0,F16",
+    ap.add_argument("--types", default="Q4_1,Q4_K_M,Q6_K,Q8_0,F16",
                     help="comma list; Q4_1 = the base model, others are made from it")
     ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN)
     ap.add_argument("--loom", default=DEFAULT_LOOM)

@@ -1,0 +1,88 @@
+// The default model in every llama.cpp file type loom reads, made by
+// llama-quantize (scripts/make_gguf_variants, which scripts/test runs): each file
+// loads and its greedy continuations agree with llama.cpp's on the same file for
+// 16 tokens, except at named near ties (greedy_agreement.h). Most prompts must
+// agree exactly. Each file also trains two LoRA steps.
+//
+// Without models/variants/ the test skips, unless LOOM_REQUIRE_GGUF_VARIANTS=1
+// (set by scripts/test), where a missing file fails.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <nlohmann/json.hpp>
+
+#include "greedy_agreement.h"
+#include "train/trainer.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+const std::string kRoot = std::string(LOOM_SOURCE_DIR) + "/";
+
+bool required() {
+  const char* v = std::getenv("LOOM_REQUIRE_GGUF_VARIANTS");
+  return v != nullptr && std::string(v) == "1";
+}
+
+nlohmann::json variants_or_skip() {
+  std::ifstream in(kRoot + "models/variants/llamacpp_greedy.json");
+  if (!in) return nullptr;
+  return nlohmann::json::parse(in);
+}
+
+#define LOAD_VARIANTS_OR_SKIP(fx)                                                                  \
+  const auto fx = variants_or_skip();                                                              \
+  if (fx.is_null()) {                                                                              \
+    if (required()) FAIL() << "models/variants/llamacpp_greedy.json is missing: run scripts/make_gguf_variants"; \
+    GTEST_SKIP() << "models/variants/ is missing: run scripts/make_gguf_variants (scripts/test does)"; \
+  }
+
+TEST(GgufVariants, EveryFileTypeAgreesWithLlamaCpp) {
+  LOAD_VARIANTS_OR_SKIP(fx);
+  ThreadPool pool(2);
+  std::set<std::string> types;
+  int exact = 0, cases = 0;
+  for (const auto& f : fx["files"]) {
+    const std::string t = f["file_type"];
+    types.insert(t);
+    auto model = Model::load(kRoot + f["path"].get<std::string>(), {.tokenizer = true, .pool = &pool});
+    const int e = expect_greedy_agreement(*model, pool, f["cases"], fx["n_predict"].get<int>(), t);
+    // "most prompts": at least 4 of the 6 identical for all 16 tokens on every file.
+    EXPECT_GE(e, static_cast<int>(f["cases"].size()) - 2) << t;
+    exact += e;
+    cases += static_cast<int>(f["cases"].size());
+  }
+  std::printf("[ llama.cpp agreement ] all variants: %d of %d prompts identical\n", exact, cases);
+  if (required())
+    for (const char* t : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
+                          "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "F16", "BF16"})
+      EXPECT_TRUE(types.count(t)) << t << " is not in models/variants/llamacpp_greedy.json";
+}
+
+TEST(GgufVariants, EveryFileTypeTrainsTwoSteps) {
+  LOAD_VARIANTS_OR_SKIP(fx);
+  const fs::path tmp = fs::temp_directory_path() / ("loom_variants_" + std::to_string(::getpid()));
+  for (const auto& f : fx["files"]) {
+    const std::string t = f["file_type"];
+    SCOPED_TRACE(t);
+    const std::string yaml = fmt::format(
+        "model: {}\ndata:\n  train: {}\n  seq_len: 64\nlora:\n  r: 4\noptim:\n  lr: 1e-3\n"
+        "batch_size: 1\nsteps: 2\noutput_dir: {}\nseed: 1\nthreads: 2\n",
+        kRoot + f["path"].get<std::string>(), kRoot + "tests/fixtures/train_data/text.jsonl",
+        (tmp / t).string());
+    const TrainResult r = run_training(parse_train_config(yaml, "variants.yaml"), nullptr);
+    ASSERT_EQ(r.step_losses.size(), 2u);
+    for (double l : r.step_losses) EXPECT_TRUE(std::isfinite(l)) << l;
+  }
+  fs::remove_all(tmp);
+}
+
+}  // namespace
+}  // namespace loom
