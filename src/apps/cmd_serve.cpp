@@ -1,6 +1,7 @@
 // `loom serve -m MODEL [--adapter NAME=DIR ...] [...]`: the OpenAI-compatible
 // server (serve/http_server.h) over the continuous-batching engine
 // (serve/scheduler.h). Stops cleanly on SIGINT/SIGTERM.
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -56,8 +57,10 @@ int run_serve(int argc, char** argv) {
                  "folder that POST /v1/load_lora_adapter may load from (repeatable; none: run-time loading off)");
   app.add_option("--host", ho.host, "address to bind")->capture_default_str();
   app.add_option("--port", ho.port, "port to bind (0: any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
-  app.add_option("--api-key", ho.api_key, "require Authorization: Bearer KEY on every endpoint but /health");
-  app.add_option("--api-key-file", api_key_file, "read the API key from this file (first line)");
+  auto* api_key_opt =
+      app.add_option("--api-key", ho.api_key, "require Authorization: Bearer KEY on every endpoint but /health");
+  auto* api_key_file_opt =
+      app.add_option("--api-key-file", api_key_file, "read the API key from this file (first line)");
   app.add_option("--max-seqs", so.max_seqs, "sequences decoding at once")->capture_default_str()->check(CLI::Range(1, 4096));
   app.add_option("--max-model-len", so.max_model_len, "context length per request (0: min(model, 4096))")
       ->capture_default_str();
@@ -68,7 +71,19 @@ int run_serve(int argc, char** argv) {
       ->check(CLI::Range(1, 4096));
   app.add_option("--max-batch-tokens", so.max_batch_tokens, "token rows per step (decodes + prefill chunks)")
       ->capture_default_str()->check(CLI::Range(1, 1 << 20));
-  app.add_option("--http-threads", ho.threads, "HTTP connection threads")->capture_default_str()->check(CLI::Range(1, 4096));
+  int64_t header_timeout_s = 10, body_timeout_s = 60;
+  app.add_option("--http-threads", ho.connections.keep_threads,
+                 "idle HTTP connection threads kept for reuse (more start on demand, up to --max-connections)")
+      ->capture_default_str()->check(CLI::Range(1, 65536));
+  app.add_option("--max-connections", ho.connections.max_connections,
+                 "open HTTP connections at most (each has a thread); more get 503")
+      ->capture_default_str()->check(CLI::Range(1, 65536));
+  app.add_option("--http-header-timeout", header_timeout_s,
+                 "seconds a client has to send a request's line and headers (else 408, connection closed)")
+      ->capture_default_str()->check(CLI::Range(1, 3600));
+  app.add_option("--http-body-timeout", body_timeout_s,
+                 "seconds a client has to send a request's body after its headers (else 408, connection closed)")
+      ->capture_default_str()->check(CLI::Range(1, 3600));
   app.add_option("--log-file", log_path, "request log, one JSON line per request (default: stderr)");
   app.add_option("--shutdown-grace", grace_s, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
       ->capture_default_str()->check(CLI::Range(0, 3600));
@@ -82,8 +97,15 @@ int run_serve(int argc, char** argv) {
       fail(ErrorKind::invalid_input, "--adapter '{}': expected NAME=DIR", spec);
     so.adapters.emplace_back(spec.substr(0, eq), spec.substr(eq + 1));
   }
-  if (!api_key_file.empty()) {
-    if (!ho.api_key.empty()) fail(ErrorKind::invalid_input, "give --api-key or --api-key-file, not both");
+  ho.connections.header_timeout = std::chrono::seconds(header_timeout_s);
+  ho.connections.body_timeout = std::chrono::seconds(body_timeout_s);
+  // An empty key (say --api-key "$UNSET_VARIABLE") would silently mean no authentication at all.
+  if (api_key_opt->count() > 0 && ho.api_key.find_first_not_of(" \t\r\n") == std::string::npos)
+    fail(ErrorKind::invalid_input,
+         "--api-key is empty: give a non-empty key, or leave the flag out to serve without authentication");
+  if (api_key_file_opt->count() > 0) {
+    if (api_key_file.empty()) fail(ErrorKind::invalid_input, "--api-key-file is empty: give the key file's path");
+    if (api_key_opt->count() > 0) fail(ErrorKind::invalid_input, "give --api-key or --api-key-file, not both");
     std::ifstream f(api_key_file);
     if (!f) fail(ErrorKind::not_found, "--api-key-file {}: cannot read", api_key_file);
     std::getline(f, ho.api_key);

@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
+#include <limits>
 
 #include "serve/engine_api.h"
 
@@ -25,7 +27,78 @@ bool inside(const fs::path& path, const fs::path& root) {
   return true;
 }
 
+// The files read_adapter opens in an adapter folder.
+constexpr const char* kAdapterFiles[] = {"adapter_config.json", "adapter_model.safetensors"};
+
+EngineError load_failed(const std::string& name, const std::string& message) {
+  return EngineError(EngineErrc::adapter_load_failed, fmt::format("adapter '{}': {}", name, message), "lora_path");
+}
+
+// The first non-finite value of n floats, as (index, value); nullopt when all are finite. Also the largest |v|.
+std::optional<std::pair<int64_t, float>> first_non_finite(const float* v, int64_t n, float& max_abs) {
+  max_abs = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(v[i])) return std::make_pair(i, v[i]);
+    max_abs = std::max(max_abs, std::fabs(v[i]));
+  }
+  return std::nullopt;
+}
+
+// NaN / Inf weights, or a scale that makes scale * B * A overflow float32, would turn every output of the
+// requests using the adapter into NaN: refuse the adapter instead, naming the tensor.
+void check_finite(const std::string& name, const std::string& path, const peft::AdapterTensors& t) {
+  const double scale = t.config.scaling();
+  if (!std::isfinite(scale) || !std::isfinite(static_cast<float>(scale)))
+    throw load_failed(name, fmt::format("{}/adapter_config.json: lora_alpha {} with r {} gives the scale {}, which is "
+                                        "not a finite float32",
+                                        path, t.config.lora_alpha, t.config.r, scale));
+  const std::string file = path + "/adapter_model.safetensors";
+  for (const auto& [key, pair] : t.pairs) {
+    const auto [layer, target] = key;
+    const int64_t r = t.config.r;
+    float max_a = 0, max_b = 0;
+    const struct {
+      bool is_b;
+      const float* data;
+      int64_t n;
+      float* max_abs;
+    } tensors[] = {{false, pair.a_data(), r * pair.in, &max_a}, {true, pair.b_data(), pair.out * r, &max_b}};
+    for (const auto& x : tensors)
+      if (const auto bad = first_non_finite(x.data, x.n, *x.max_abs))
+        throw load_failed(name, fmt::format("{}: tensor '{}' has the non-finite value {} at element {}", file,
+                                            peft::tensor_name(layer, target, x.is_b), bad->second, bad->first));
+    // Every element of scale * B * A is at most this in magnitude.
+    const double bound = std::fabs(scale) * static_cast<double>(r) * max_a * max_b;
+    if (!(bound <= std::numeric_limits<float>::max()))
+      throw load_failed(name, fmt::format("{}: layer {} {}: the scale {} times B·A reaches {:g}, beyond float32 "
+                                          "(lora_alpha {} with r {})",
+                                          file, layer, lora_target_peft_name(target), scale, bound,
+                                          t.config.lora_alpha, r));
+  }
+}
+
 }  // namespace
+
+void AdapterRegistry::check_contained(const std::string& path) const {
+  // Every file the loader opens must resolve (symlinks followed) to a place inside an allowed folder; the
+  // message names the file inside the adapter folder, never where it points.
+  auto contained = [&](const fs::path& p) {
+    std::error_code ec;
+    const fs::path canon = fs::canonical(p, ec);
+    if (ec) return true;  // missing: the loader reports it
+    return std::any_of(allowed_.begin(), allowed_.end(), [&](const std::string& root) { return inside(canon, root); });
+  };
+  if (!contained(path))
+    throw EngineError(EngineErrc::invalid_request,
+                      "lora_path '" + path + "' is not inside an allowed adapter folder (--adapter-dir)", "lora_path");
+  for (const char* f : kAdapterFiles)
+    if (!contained(fs::path(path) / f))
+      throw EngineError(EngineErrc::invalid_request,
+                        fmt::format("{}/{} resolves to a file outside the allowed adapter folders (--adapter-dir); "
+                                    "a symlink out of the folder is not followed",
+                                    path, f),
+                        "lora_path");
+}
 
 AdapterRegistry::AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs,
                                  int64_t max_resident)
@@ -39,7 +112,10 @@ AdapterRegistry::AdapterRegistry(const ModelConfig& config, std::vector<std::str
   }
 }
 
-std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& name, const std::string& path) {
+std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& name, const std::string& path,
+                                                           bool runtime) {
+  // Checked at every load, reloads after eviction included: the folder may have changed meanwhile.
+  if (runtime) check_contained(path);
   auto a = std::make_shared<LoadedAdapter>();
   a->name = name;
   a->path = path;
@@ -47,8 +123,9 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
     a->tensors = peft::read_adapter(path, /*map_f32=*/true);
     peft::check_adapter_fits(a->tensors, config_, path);
   } catch (const Error& e) {
-    throw EngineError(EngineErrc::adapter_load_failed, fmt::format("adapter '{}': {}", name, e.what()), "lora_path");
+    throw load_failed(name, e.what());
   }
+  check_finite(name, path, a->tensors);
   a->view = ServeAdapter::empty(config_, static_cast<float>(a->tensors.config.scaling()));
   const int64_t r = a->tensors.config.r;
   for (auto& [key, pair] : a->tensors.pairs) {
@@ -69,7 +146,7 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
   try {
     a->view.validate(config_, path);
   } catch (const Error& e) {
-    throw EngineError(EngineErrc::adapter_load_failed, fmt::format("adapter '{}': {}", name, e.what()), "lora_path");
+    throw load_failed(name, e.what());
   }
   return a;
 }
@@ -103,7 +180,7 @@ void AdapterRegistry::add(const std::string& name, const std::string& path, bool
         throw EngineError(EngineErrc::adapter_exists, "an adapter named '" + name + "' is already loaded",
                           "lora_name");
   }
-  auto loaded = load(name, resolved);  // outside the lock: disk and parsing
+  auto loaded = load(name, resolved, runtime);  // outside the lock: disk and parsing
   std::lock_guard lock(mu_);
   for (const Entry& e : entries_)
     if (e.name == name)
@@ -111,7 +188,7 @@ void AdapterRegistry::add(const std::string& name, const std::string& path, bool
   std::const_pointer_cast<LoadedAdapter>(loaded)->id = next_id_++;
   int64_t resident = 0;
   for (const Entry& e : entries_) resident += e.loaded != nullptr;
-  Entry e{name, resolved, unix_now(), nullptr, ++clock_};
+  Entry e{name, resolved, runtime, unix_now(), nullptr, ++clock_};
   if (resident < max_resident_ || evict_one()) e.loaded = std::move(loaded);
   entries_.push_back(std::move(e));
 }
@@ -161,7 +238,7 @@ std::optional<std::shared_ptr<const LoadedAdapter>> AdapterRegistry::acquire(con
   int64_t resident = 0;
   for (const Entry& e : entries_) resident += e.loaded != nullptr;
   if (resident >= max_resident_ && !evict_one()) return std::shared_ptr<const LoadedAdapter>();
-  auto loaded = load(it->name, it->path);
+  auto loaded = load(it->name, it->path, it->runtime);
   std::const_pointer_cast<LoadedAdapter>(loaded)->id = next_id_++;
   it->loaded = loaded;
   return loaded;

@@ -43,7 +43,9 @@ class AdapterRegistry {
   AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs, int64_t max_resident);
 
   // Loads and validates `path` and registers it as `name`. `runtime`: the
-  // request came over HTTP, so the path must be inside an allowed folder.
+  // request came over HTTP, so the path and every file read from it (symlinks
+  // resolved) must be inside an allowed folder. Adapters whose weights or scale
+  // are not finite are refused.
   // Throws EngineError (adapter_exists, adapter_load_failed, invalid_request).
   void add(const std::string& name, const std::string& path, bool runtime);
   // Throws EngineError(adapter_not_found).
@@ -62,11 +64,16 @@ class AdapterRegistry {
  private:
   struct Entry {
     std::string name, path;
+    bool runtime = false;  // loaded over HTTP: its files must stay inside an allowed folder
     int64_t created = 0;
     std::shared_ptr<const LoadedAdapter> loaded;
     uint64_t last_used = 0;
   };
-  std::shared_ptr<const LoadedAdapter> load(const std::string& name, const std::string& path);
+  // Reads, validates (shapes, finite weights and scale) and prepares an adapter; `runtime`: first checks
+  // that the folder and every file read from it resolve to places inside an allowed folder.
+  std::shared_ptr<const LoadedAdapter> load(const std::string& name, const std::string& path, bool runtime);
+  // Throws EngineError(invalid_request) naming the folder or the file that resolves outside them.
+  void check_contained(const std::string& path) const;
   // Drops the least recently used resident adapter that no one else holds; false if none.
   bool evict_one();
 

@@ -91,24 +91,13 @@ struct GenerationState {
   }
 };
 
-// httplib listens with a backlog of 5, so a burst of clients connecting at once gets SYNs dropped and waits
-// out a 1 s retransmit. Linux lets listen() be called again on a listening socket to raise the backlog;
-// the subclass reaches the protected socket to do so.
-class BacklogServer : public httplib::Server {
- public:
-  void raise_backlog(int backlog) {
-    const socket_t fd = svr_sock_;
-    if (fd != INVALID_SOCKET) ::listen(fd, backlog);
-  }
-};
-
 }  // namespace
 
 struct HttpServer::Impl {
   Engine& engine;
   ServeMetrics& metrics;
   HttpServerOptions opt;
-  BacklogServer svr;
+  ConnectionServer svr;
   std::thread listener;
   std::atomic<bool> listen_done{false};
   int bound_port = -1;
@@ -129,7 +118,8 @@ struct HttpServer::Impl {
   uint32_t id_nonce = 0;
   std::atomic<uint64_t> id_counter{0};
 
-  Impl(Engine& e, ServeMetrics& m, HttpServerOptions o) : engine(e), metrics(m), opt(std::move(o)) {
+  Impl(Engine& e, ServeMetrics& m, HttpServerOptions o)
+      : engine(e), metrics(m), opt(std::move(o)), svr(opt.connections) {
     opt.limits.max_model_len = engine.max_model_len();
     id_nonce = std::random_device{}();
   }
@@ -236,9 +226,7 @@ struct HttpServer::Impl {
   }
 
   void setup() {
-    svr.new_task_queue = [n = std::max(1, opt.threads)] {
-      return new httplib::ThreadPool(static_cast<size_t>(n));
-    };
+    svr.on_refused = [this] { metrics.http_requests(503).inc(); };
     svr.set_payload_max_length(opt.max_body_bytes);
     svr.set_keep_alive_timeout(opt.keep_alive_timeout_s);
     svr.set_tcp_nodelay(true);  // SSE sends many small chunks; Nagle + delayed ACK would hold each ~40 ms
@@ -255,7 +243,15 @@ struct HttpServer::Impl {
           if (!res.body.empty() || res.content_provider_) return httplib::Server::HandlerResponse::Unhandled;
           const auto rec = record_of(req);
           res.set_header("X-Request-Id", rec->id);
-          if (res.status == 413)
+          if (res.status == 400 && svr.request_timed_out())
+            reply_error(res,
+                        ApiError(408, "invalid_request_error", "request_timeout", "",
+                                 fmt::format("The request did not arrive within the time allowed (headers {} "
+                                             "ms, body {} ms).",
+                                             opt.connections.header_timeout.count(),
+                                             opt.connections.body_timeout.count())),
+                        rec.get());
+          else if (res.status == 413)
             reply_error(res,
                         ApiError(413, "invalid_request_error", "request_too_large", "",
                                  fmt::format("The request body is larger than the limit of {} bytes.",
@@ -483,9 +479,18 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
   if (!stream) {
     ResponseAccumulator acc(meta);
     try {
+      auto checked = Clock::now();
       while (!st->ended()) {
         auto ev = next_event(*st);
         if (ev && ev->kind == GenerationEvent::Kind::delta) acc.add(ev->delta);
+        // Nothing is written until the end, so look at the socket: a client that left cancels the work.
+        if (!st->cancelled_at && Clock::now() - checked >= opt.poll_interval) {
+          checked = Clock::now();
+          if (svr.client_gone()) {
+            st->cancel();
+            st->rec->disconnected = true;
+          }
+        }
       }
     } catch (...) {  // a malformed event: stop the engine's work before answering 500
       st->cancel();

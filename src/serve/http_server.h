@@ -1,5 +1,6 @@
 // The OpenAI-compatible HTTP front end of `loom serve` (cpp-httplib): routes, API key, body limit, SSE
-// streaming with cancellation on disconnect, /metrics, one JSON log line per request, graceful stop.
+// streaming, cancellation when a client disconnects (streamed or not), request deadlines and a connection
+// cap, /metrics, one JSON log line per request, graceful stop.
 // HTTP threads only parse, talk to the Engine through its queues, and format.
 #pragma once
 
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "serve/engine_api.h"
+#include "serve/http_connection.h"
 #include "serve/metrics.h"
 #include "serve/openai_protocol.h"
 
@@ -18,9 +20,10 @@ namespace loom {
 struct HttpServerOptions {
   std::string host = "127.0.0.1";
   int port = 8080;  // 0: any free port; HttpServer::port() says which
-  // HTTP worker threads. httplib gives each connection a thread for its whole life, idle keep-alive time
-  // included, so size this for the expected concurrent connections, not CPU cores; they mostly sleep.
-  int threads = 64;
+  // Each connection has a thread for its whole life (idle keep-alive time included); threads start on
+  // demand up to connections.max_connections. Header and body deadlines keep slow clients from holding
+  // them (http_connection.h).
+  ConnectionLimits connections;
   std::string api_key;  // non-empty: every endpoint but /health needs "Authorization: Bearer <key>"
   size_t max_body_bytes = 16u << 20;  // larger bodies get 413
   // Request limits; max_model_len is taken from the engine.

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <filesystem>
 #include <random>
+#include <stdexcept>
 
 #include "model/generate.h"
 #include "model/sampler.h"
@@ -292,7 +293,17 @@ void ServingEngine::loop() {
       }
       if (stopping_ && requests_.empty()) break;
     }
-    if (!step()) {
+    bool worked = true;
+    try {
+      worked = step();
+    } catch (const std::exception& e) {
+      // A failure outside any one request's rows (admission, the KV pool, ...): end every request with an
+      // error rather than the process; the requests that come next are served as usual.
+      recover(e);
+    } catch (...) {
+      recover(std::runtime_error("unknown exception"));
+    }
+    if (!worked) {
       std::unique_lock lock(mu_);
       // Wake for new work; poll a few times a second for cancelled waits.
       cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return !incoming_.empty() || stopping_; });
@@ -367,6 +378,7 @@ void ServingEngine::admit() {
       if (!*a) break;  // every resident adapter is busy: wait (FIFO)
       r->adapter = *a;
     }
+    if (opt_.fault_hook) opt_.fault_hook(FaultPoint::admit, r->g);
     s->table.adapter_id = r->adapter ? r->adapter->id : 0;
     const auto n = static_cast<int64_t>(s->tokens.size());
     const int64_t cached = kv_->match_prefix(s->table, std::span<const int32_t>(s->tokens.data(), n - 1));
@@ -443,14 +455,9 @@ void ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
   if (done) retire(s);
 }
 
-bool ServingEngine::step() {
-  cancel_requests();
-  admit();
-
+void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Sequence*>& owners) {
   // Decode rows first (one per sequence whose only missing position is its
   // last token); a sequence that cannot get a block preempts the newest.
-  std::vector<BatchChunk> chunks;
-  std::vector<Sequence*> owners;
   for (size_t i = 0; i < running_.size();) {
     Sequence* s = running_[i];
     const auto n = static_cast<int64_t>(s->tokens.size());
@@ -497,17 +504,88 @@ bool ServingEngine::step() {
     owners.push_back(s);
     budget -= len;
   }
+}
 
-  const bool worked = !chunks.empty();
-  if (worked) {
-    forward_->step(chunks);
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      Sequence* s = owners[i];
-      s->n_computed += static_cast<int64_t>(chunks[i].tokens.size());
-      kv_->commit_full_blocks(s->table, s->tokens, s->n_computed);
-      if (chunks[i].want_logits) sample_and_emit(s, forward_->logits(i));
+void ServingEngine::fail_request(Request* r, const std::exception& e) {
+  if (r->ended) return;
+  const auto* engine_error = dynamic_cast<const EngineError*>(&e);
+  r->stream->push(GenerationEvent::make_error(
+      engine_error ? *engine_error
+                   : EngineError(EngineErrc::internal, fmt::format("generation failed: {}", e.what()))));
+  r->ended = true;
+  for (auto& s : r->seqs) retire(s.get());
+}
+
+void ServingEngine::recover(const std::exception& e) {
+  for (auto& r : requests_) fail_request(r.get(), e);
+  running_.clear();
+  waiting_.clear();
+  requests_.clear();
+  publish_stats();
+}
+
+void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, const std::vector<Sequence*>& owners) {
+  if (opt_.fault_hook) {
+    const Request* last = nullptr;
+    for (const Sequence* s : owners)
+      if (s->req != last) opt_.fault_hook(FaultPoint::forward, (last = s->req)->g);
+  }
+  forward_->step(chunks);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    Sequence* s = owners[i];
+    if (s->finished) continue;  // its request failed at an earlier row of this step
+    s->n_computed += static_cast<int64_t>(chunks[i].tokens.size());
+    kv_->commit_full_blocks(s->table, s->tokens, s->n_computed);
+    if (!chunks[i].want_logits) continue;
+    try {
+      if (opt_.fault_hook) opt_.fault_hook(FaultPoint::sample, s->req->g);
+      sample_and_emit(s, forward_->logits(i));
+    } catch (const std::exception& e) {
+      fail_request(s->req, e);
     }
   }
+}
+
+void ServingEngine::run_batch(const std::vector<BatchChunk>& chunks, const std::vector<Sequence*>& owners) {
+  try {
+    forward_and_sample(chunks, owners);
+    return;
+  } catch (const std::exception& e) {
+    // Nothing was advanced. With one request in the step, it is the one that failed.
+    if (std::all_of(owners.begin(), owners.end(), [&](const Sequence* s) { return s->req == owners[0]->req; })) {
+      fail_request(owners[0]->req, e);
+      return;
+    }
+  }
+  // Several requests: run each alone (results do not depend on the batch), so that only those that fail by
+  // themselves get the error. Rewriting the K/V of positions the failed step may have written is harmless.
+  std::vector<Request*> reqs;
+  for (const Sequence* s : owners)
+    if (std::find(reqs.begin(), reqs.end(), s->req) == reqs.end()) reqs.push_back(s->req);
+  for (Request* r : reqs) {
+    std::vector<BatchChunk> sub;
+    std::vector<Sequence*> sub_owners;
+    for (size_t i = 0; i < owners.size(); ++i)
+      if (owners[i]->req == r) {
+        sub.push_back(chunks[i]);
+        sub_owners.push_back(owners[i]);
+      }
+    try {
+      forward_and_sample(sub, sub_owners);
+    } catch (const std::exception& e) {
+      fail_request(r, e);
+    }
+  }
+}
+
+bool ServingEngine::step() {
+  cancel_requests();
+  admit();
+  std::vector<BatchChunk> chunks;
+  std::vector<Sequence*> owners;
+  build_batch(chunks, owners);
+  const bool worked = !chunks.empty();
+  if (worked) run_batch(chunks, owners);
 
   // Retire finished sequences and requests.
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](Sequence* s) { return s->finished; }),

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,6 +26,9 @@
 
 namespace loom {
 
+// Where ServeOptions::fault_hook is called.
+enum class FaultPoint { admit, forward, sample };
+
 struct ServeOptions {
   std::string model_path;
   std::string model_name;  // the id clients use; default: the file or folder name
@@ -39,6 +43,13 @@ struct ServeOptions {
   int64_t max_batch_tokens = 256;         // rows per step (decodes + prefill chunks)
   int threads = 0;                        // 0: physical cores
   size_t max_waiting = 4096;              // queued requests before 503 overloaded
+  // Fault injection for tests: when set, called on the scheduler thread when a sequence is admitted
+  // (FaultPoint::admit), once per request in a forward step before the step runs (FaultPoint::forward) and
+  // before each token of a sequence is sampled (FaultPoint::sample). An exception it throws is handled
+  // exactly like a failure there: admission failing is a scheduler failure (every request in flight ends
+  // with an error), a forward failure fails the requests that fail when run alone, a sampling failure fails
+  // that request.
+  std::function<void(FaultPoint, const GenerationRequest&)> fault_hook;
 };
 
 class ServingEngine : public Engine {
@@ -75,7 +86,19 @@ class ServingEngine : public Engine {
   bool step();
   void admit();
   void cancel_requests();
-  bool schedule_decode(std::vector<Sequence*>& batch);
+  // Chooses this step's rows: one decode row per running sequence (preempting when out of blocks), then
+  // prefill chunks in what is left of the token budget.
+  void build_batch(std::vector<BatchChunk>& chunks, std::vector<Sequence*>& owners);
+  // Runs the rows and samples; a failure fails the requests it concerns, never the scheduler (below).
+  void run_batch(const std::vector<BatchChunk>& chunks, const std::vector<Sequence*>& owners);
+  // One forward over `chunks`, then per row: positions committed, and a token sampled where asked.
+  // Throws what the forward throws (before any row was advanced); a failing sample fails its request only.
+  void forward_and_sample(const std::vector<BatchChunk>& chunks, const std::vector<Sequence*>& owners);
+  // Ends a request with an error event (EngineError as is, anything else as internal) and frees its blocks.
+  void fail_request(Request* r, const std::exception& e);
+  // Last resort when a step fails outside any one request: every request ends with an error and the
+  // scheduler starts from an empty state (the KV pool keeps only its prefix cache).
+  void recover(const std::exception& e);
   void preempt(Sequence* s);
   // A sequence is done (finished, cancelled or failed): frees its blocks.
   void retire(Sequence* s);

@@ -7,19 +7,24 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <poll.h>
+
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 
 #include "serve/http_server.h"
+#include "serve_socket_util.h"
 
 namespace loom {
 namespace {
 
 using json = nlohmann::json;
 using namespace std::chrono_literals;
+using test::connect_to, test::post_message, test::read_until_closed, test::send_all;
 
 // A stand-in for the scheduler: one thread owns all requests and, every `step`, emits the next character of
 // the prompt (completions) or of the last message (chat) for each choice. Token id = the byte.
@@ -209,14 +214,16 @@ struct Fixture {
   FILE* log = std::tmpfile();
   std::unique_ptr<HttpServer> server;
 
-  explicit Fixture(std::string api_key = "", size_t max_body = 1 << 20) {
+  explicit Fixture(std::string api_key = "", size_t max_body = 1 << 20,
+                   const std::function<void(HttpServerOptions&)>& adjust = {}) {
     HttpServerOptions o;
     o.port = 0;
-    o.threads = 16;
+    o.connections.keep_threads = 16;
     o.api_key = std::move(api_key);
     o.max_body_bytes = max_body;
     o.log = log;
     o.poll_interval = 5ms;
+    if (adjust) adjust(o);
     server = std::make_unique<HttpServer>(engine, metrics, o);
     server->start();
   }
@@ -549,6 +556,133 @@ TEST(HttpServer, ClientDisconnectMidStreamCancelsTheEngineRequest) {
   EXPECT_TRUE(found);
   EXPECT_NE(f.registry.render().find("loom_requests_finished_total{finished_reason=\"abort\"} 1\n"),
             std::string::npos);
+}
+
+// A non-streaming request writes nothing until it ends, so only the socket tells that the client left: the
+// engine request must be cancelled within a few scheduler steps, not run to max_tokens.
+TEST(HttpServer, ClientDisconnectDuringNonStreamingRequestCancelsIt) {
+  Fixture f;
+  f.engine.set_step(10ms);
+  const int fd = connect_to(f.server->port());
+  ASSERT_GE(fd, 0);
+  const std::string prompt(400, 'z');  // 400 steps: 4 s if never cancelled
+  ASSERT_TRUE(send_all(fd, post_message("/v1/completions", json{{"prompt", prompt}, {"max_tokens", 400}}.dump())));
+  while (f.engine.submitted() == 0) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(f.engine.stats().requests_running, 1);
+  ::close(fd);  // an orderly close (FIN), as a client that gives up does
+  const auto t0 = std::chrono::steady_clock::now();
+  while (f.engine.stats().requests_running > 0 && std::chrono::steady_clock::now() - t0 < 2s)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 500ms);
+  EXPECT_EQ(f.engine.stats().requests_running, 0);
+  EXPECT_EQ(f.engine.cancelled(), 1);
+  EXPECT_LT(f.engine.tokens_emitted(), 100);
+  bool found = false;
+  for (int i = 0; i < 100 && !found; ++i) {
+    for (const auto& l : f.log_lines()) found = found || l.value("disconnected", false);
+    if (!found) std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(found);
+  auto c = f.client();
+  EXPECT_EQ(post(c, "/v1/completions", {{"prompt", "ok"}})->status, 200);
+}
+
+// 200 clients that trickle their headers, one line every 200 ms (bounded: they stop after 3 s), hold their
+// connections open; a normal request is still answered at once.
+TEST(HttpServer, SlowClientsDoNotStarveOthers) {
+  Fixture f;
+  constexpr int kSlow = 200;
+  std::vector<int> fds;
+  for (int i = 0; i < kSlow; ++i) {
+    const int fd = connect_to(f.server->port());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(send_all(fd, "POST /v1/completions HTTP/1.1\r\n"));
+    fds.push_back(fd);
+  }
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    const auto until = std::chrono::steady_clock::now() + 3s;
+    for (int line = 0; !stop && std::chrono::steady_clock::now() < until; ++line) {
+      for (int fd : fds) send_all(fd, "X-Slow-" + std::to_string(line) + ": 1\r\n");
+      std::this_thread::sleep_for(200ms);
+    }
+  });
+  std::this_thread::sleep_for(300ms);  // every slow connection has been accepted and is mid-headers
+  for (int i = 0; i < 3; ++i) {
+    auto c = f.client();
+    c.set_read_timeout(5, 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = c.Get("/health");
+    const auto dt = std::chrono::steady_clock::now() - t0;
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200);
+    EXPECT_LT(dt, 1s) << "request " << i;
+    auto p = post(c, "/v1/completions", {{"prompt", "ok"}});
+    ASSERT_TRUE(p);
+    EXPECT_EQ(p->status, 200);
+  }
+  stop = true;
+  trickle.join();
+  for (int fd : fds) ::close(fd);
+}
+
+// Headers or a body that do not arrive in time get 408 and the connection is closed; a connection that
+// sends nothing is closed silently after the header timeout.
+TEST(HttpServer, HeaderAndBodyTimeouts) {
+  Fixture f("", 1 << 20, [](HttpServerOptions& o) {
+    o.connections.header_timeout = 300ms;
+    o.connections.body_timeout = 300ms;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const int slow_headers = connect_to(f.server->port());
+  const int slow_body = connect_to(f.server->port());
+  const int silent = connect_to(f.server->port());
+  ASSERT_GE(slow_headers, 0);
+  ASSERT_GE(slow_body, 0);
+  ASSERT_GE(silent, 0);
+  ASSERT_TRUE(send_all(slow_headers, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"));
+  ASSERT_TRUE(send_all(slow_body, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  "Content-Length: 100\r\n\r\n{\"prompt\": "));
+  const std::string a = read_until_closed(slow_headers, 3s);
+  const std::string b = read_until_closed(slow_body, 3s);
+  const std::string c = read_until_closed(silent, 3s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  EXPECT_NE(a.find("HTTP/1.1 408"), std::string::npos) << a;
+  EXPECT_NE(a.find("request_timeout"), std::string::npos) << a;
+  EXPECT_NE(b.find("HTTP/1.1 408"), std::string::npos) << b;
+  EXPECT_EQ(c, "");
+  for (int fd : {slow_headers, slow_body, silent}) ::close(fd);
+  EXPECT_EQ(f.engine.submitted(), 0);
+  // A request sent promptly on a fresh connection is unaffected.
+  auto cl = f.client();
+  EXPECT_EQ(post(cl, "/v1/completions", {{"prompt", "ok"}})->status, 200);
+}
+
+// Over --max-connections a new connection gets 503 with an OpenAI error object; once others close, new ones
+// are served again.
+TEST(HttpServer, ConnectionCapRefusesWith503) {
+  Fixture f("", 1 << 20, [](HttpServerOptions& o) { o.connections.max_connections = 4; });
+  std::vector<int> idle;
+  for (int i = 0; i < 4; ++i) {
+    idle.push_back(connect_to(f.server->port()));
+    ASSERT_GE(idle.back(), 0);
+  }
+  std::this_thread::sleep_for(100ms);  // accepted: each holds its slot
+  const int extra = connect_to(f.server->port());
+  ASSERT_GE(extra, 0);
+  ASSERT_TRUE(send_all(extra, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"));
+  const std::string got = read_until_closed(extra, 3s);
+  ::close(extra);
+  EXPECT_NE(got.find("HTTP/1.1 503"), std::string::npos) << got;
+  EXPECT_NE(got.find("too_many_connections"), std::string::npos) << got;
+  for (int fd : idle) ::close(fd);
+  std::this_thread::sleep_for(300ms);  // the server sees the closes
+  auto c = f.client();
+  auto r = c.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_NE(f.registry.render().find("loom_http_requests_total{code=\"503\"} 1\n"), std::string::npos);
 }
 
 TEST(HttpServer, ConcurrentRequestsAreServedTogether) {

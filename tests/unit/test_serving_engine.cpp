@@ -7,7 +7,10 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <limits>
+#include <new>
 #include <random>
+#include <stdexcept>
 #include <thread>
 
 #include "serve/scheduler.h"
@@ -17,6 +20,7 @@ namespace loom {
 namespace {
 
 namespace fs = std::filesystem;
+using namespace std::chrono_literals;
 
 const std::string kModel = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/model/tiny-llama.f32.gguf";
 
@@ -319,6 +323,247 @@ TEST_F(ServingEngineTest, BadRequestsAreTypedErrors) {
   EXPECT_THROW(e.unload_adapter("never"), EngineError);
   // The engine still serves.
   EXPECT_FALSE(run_alone(e, greedy("base", {5, 6, 7}, 3)).error);
+}
+
+// ---- fault containment: a failure while serving one request ends that request with an error event; the
+// scheduler thread (and the process) lives on and serves the next requests.
+
+// Requests whose max_tokens is this are "poisoned" for the fault hook.
+constexpr int64_t kPoisoned = 13;
+
+TEST_F(ServingEngineTest, FailedForwardFailsOnlyItsRequest) {
+  ServeOptions o = options();
+  std::atomic<int> hits{0};
+  o.fault_hook = [&](FaultPoint p, const GenerationRequest& g) {
+    if (p == FaultPoint::forward && g.max_tokens == kPoisoned) {
+      ++hits;
+      throw std::runtime_error("injected forward failure");
+    }
+  };
+  ServingEngine e(o);
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 6; ++i) reqs.push_back(greedy(i % 2 ? "a0" : "base", random_prompt(300 + i, 9 + i), 16));
+  std::vector<Output> alone;
+  for (const auto& g : reqs) alone.push_back(run_alone(e, g));
+  // The poisoned request runs batched with the others.
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    streams.push_back(std::make_shared<RequestStream>());
+    e.submit(reqs[i], streams.back());
+    if (i == 2) {
+      streams.push_back(std::make_shared<RequestStream>());
+      e.submit(greedy("a1", random_prompt(7, 12), kPoisoned), streams.back());
+    }
+  }
+  for (size_t i = 0, k = 0; i < streams.size(); ++i) {
+    const Output out = collect(*streams[i]);
+    if (i == 3) {
+      ASSERT_TRUE(out.error) << "the poisoned request must fail";
+      EXPECT_EQ(out.error->code(), EngineErrc::internal);
+      EXPECT_NE(std::string(out.error->what()).find("injected forward failure"), std::string::npos)
+          << out.error->what();
+      continue;
+    }
+    ASSERT_FALSE(out.error) << "request " << k << ": " << out.error->what();
+    EXPECT_EQ(out.ids[0], alone[k].ids[0]) << "request " << k;
+    ++k;
+  }
+  EXPECT_GE(hits.load(), 2) << "batched, then alone";
+  // The engine still serves, and the failed request's blocks were freed.
+  EXPECT_FALSE(run_alone(e, greedy("base", {5, 6, 7}, 3)).error);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(e.stats().kv_cache_usage, 0.0);
+  EXPECT_EQ(e.stats().requests_running, 0);
+}
+
+TEST_F(ServingEngineTest, FailedSamplingMidStreamFailsThatRequest) {
+  ServeOptions o = options();
+  std::atomic<int> sampled{0};
+  o.fault_hook = [&](FaultPoint p, const GenerationRequest& g) {
+    if (p != FaultPoint::sample || g.max_tokens != kPoisoned) return;
+    if (++sampled == 5) throw EngineError(EngineErrc::invalid_request, "injected sampling failure", "logit_bias");
+  };
+  ServingEngine e(o);
+  auto bad = std::make_shared<RequestStream>();
+  auto good = std::make_shared<RequestStream>();
+  GenerationRequest poisoned = greedy("base", random_prompt(8, 10), kPoisoned);
+  poisoned.n = 2;  // both choices end with the request
+  e.submit(poisoned, bad);
+  e.submit(greedy("a2", random_prompt(9, 10), 20), good);
+  int deltas = 0;
+  std::optional<EngineError> err;
+  for (;;) {
+    auto ev = bad->pop(std::chrono::seconds(30));
+    ASSERT_TRUE(ev);
+    if (ev->kind == GenerationEvent::Kind::delta) ++deltas;
+    if (ev->kind == GenerationEvent::Kind::done) FAIL() << "done after a failure";
+    if (ev->kind == GenerationEvent::Kind::error) {
+      err = ev->error;
+      break;
+    }
+  }
+  EXPECT_EQ(deltas, 4) << "the tokens sampled before the failure were streamed";
+  ASSERT_TRUE(err);
+  EXPECT_EQ(err->code(), EngineErrc::invalid_request) << "an EngineError keeps its code";
+  EXPECT_EQ(err->param(), "logit_bias");
+  EXPECT_FALSE(bad->pop(std::chrono::milliseconds(100))) << "nothing after the error";
+  const Output g = collect(*good);
+  ASSERT_FALSE(g.error);
+  EXPECT_EQ(g.ids[0].size(), 20u);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(e.stats().kv_cache_usage, 0.0);
+}
+
+// A failure outside any one request's rows (here: admission) ends the requests in flight with errors and
+// the scheduler starts over; later requests are served.
+TEST_F(ServingEngineTest, SchedulerFailureEndsRequestsInFlightAndKeepsServing) {
+  ServeOptions o = options();
+  std::atomic<bool> armed{true};
+  o.fault_hook = [&](FaultPoint p, const GenerationRequest& g) {
+    if (p == FaultPoint::admit && g.max_tokens == kPoisoned && armed.exchange(false))
+      throw std::bad_alloc();
+  };
+  ServingEngine e(o);
+  auto running = std::make_shared<RequestStream>();
+  e.submit(greedy("base", random_prompt(10, 10), 200), running);
+  ASSERT_TRUE(running->pop(std::chrono::seconds(30)));  // it is decoding
+  auto bad = std::make_shared<RequestStream>();
+  e.submit(greedy("base", random_prompt(11, 10), kPoisoned), bad);
+  const Output b = collect(*bad);
+  ASSERT_TRUE(b.error);
+  EXPECT_EQ(b.error->code(), EngineErrc::internal);
+  EXPECT_NE(std::string(b.error->what()).find("bad_alloc"), std::string::npos) << b.error->what();
+  const Output r = collect(*running);
+  EXPECT_TRUE(r.error || r.ids[0].size() == 199u);  // ended by the failure, unless it had finished first
+  const Output after = run_alone(e, greedy("base", random_prompt(12, 10), kPoisoned));
+  ASSERT_FALSE(after.error) << after.error->what();
+  EXPECT_EQ(after.ids[0].size(), static_cast<size_t>(kPoisoned));
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(e.stats().kv_cache_usage, 0.0);
+  EXPECT_EQ(e.stats().requests_running, 0);
+  EXPECT_EQ(e.stats().requests_waiting, 0);
+}
+
+// ---- adapter containment
+
+// A temp folder outside the fixture's (the allowed --adapter-dir).
+struct OutsideDir {
+  fs::path path;
+  explicit OutsideDir(const std::string& tag) {
+    path = fs::temp_directory_path() / ("loom_serve_outside_" + tag + "_" + std::to_string(::getpid()));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~OutsideDir() { fs::remove_all(path); }
+};
+
+EngineErrc load_error(ServingEngine& e, const std::string& name, const std::string& path, std::string* message) {
+  try {
+    e.load_adapter(name, path);
+  } catch (const EngineError& err) {
+    if (message) *message = err.what();
+    return err.code();
+  }
+  return EngineErrc::internal;
+}
+
+// A file inside --adapter-dir that is a symlink out of it is refused, naming the file; a symlink that
+// stays inside is fine.
+TEST_F(ServingEngineTest, AdapterFileSymlinkedOutOfTheAllowedFolderIsRefused) {
+  const OutsideDir out("a");
+  const fs::path& outside = out.path;
+  write_random_adapter(outside / "real", 7);
+  ServeOptions o = options();
+  o.adapter_dirs = {(tmp.path / "allowed").string()};
+  fs::create_directories(tmp.path / "allowed");
+  ServingEngine e(o);
+  const fs::path bad = tmp.path / "allowed" / "bad";
+  fs::create_directories(bad);
+  fs::copy_file(outside / "real" / "adapter_config.json", bad / "adapter_config.json");
+  fs::create_symlink(outside / "real" / "adapter_model.safetensors", bad / "adapter_model.safetensors");
+  std::string msg;
+  EXPECT_EQ(load_error(e, "bad", bad.string(), &msg), EngineErrc::invalid_request);
+  EXPECT_NE(msg.find("adapter_model.safetensors"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("outside the allowed adapter folders"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find(outside.string()), std::string::npos) << "the target is not revealed: " << msg;
+  // The config file symlinked out: refused as well.
+  const fs::path bad2 = tmp.path / "allowed" / "bad2";
+  fs::create_directories(bad2);
+  fs::create_symlink(outside / "real" / "adapter_config.json", bad2 / "adapter_config.json");
+  fs::copy_file(outside / "real" / "adapter_model.safetensors", bad2 / "adapter_model.safetensors");
+  EXPECT_EQ(load_error(e, "bad2", bad2.string(), &msg), EngineErrc::invalid_request);
+  EXPECT_NE(msg.find("adapter_config.json"), std::string::npos) << msg;
+  // A symlink to a file inside the allowed folder loads.
+  const fs::path good = tmp.path / "allowed" / "good";
+  fs::create_directories(good);
+  fs::copy_file(outside / "real" / "adapter_config.json", good / "adapter_config.json");
+  fs::copy_file(outside / "real" / "adapter_model.safetensors", tmp.path / "allowed" / "weights.safetensors");
+  fs::create_symlink(tmp.path / "allowed" / "weights.safetensors", good / "adapter_model.safetensors");
+  EXPECT_NO_THROW(e.load_adapter("good", good.string()));
+  EXPECT_FALSE(run_alone(e, greedy("good", {5, 6, 7}, 3)).error);
+  EXPECT_FALSE(e.list_models().empty());
+}
+
+// The file is swapped for a symlink after the adapter was loaded: the reload after eviction is refused too.
+TEST_F(ServingEngineTest, AdapterReloadAfterEvictionChecksContainmentAgain) {
+  const OutsideDir out("b");
+  const fs::path& outside = out.path;
+  write_random_adapter(outside / "real", 8);
+  ServeOptions o = options();
+  o.max_loras = 1;
+  ServingEngine e(o);
+  write_random_adapter(tmp.path / "swap", 9);
+  e.load_adapter("swap", (tmp.path / "swap").string());
+  EXPECT_FALSE(run_alone(e, greedy("swap", {5, 6, 7}, 3)).error);
+  EXPECT_FALSE(run_alone(e, greedy("a0", {5, 6, 7}, 3)).error);  // evicts "swap" (max_loras 1)
+  fs::remove(tmp.path / "swap" / "adapter_model.safetensors");
+  fs::create_symlink(outside / "real" / "adapter_model.safetensors", tmp.path / "swap" / "adapter_model.safetensors");
+  try {
+    const Output out = run_alone(e, greedy("swap", {5, 6, 7}, 3));
+    ASSERT_TRUE(out.error) << "the reload read a file outside the allowed folder";
+    EXPECT_NE(std::string(out.error->what()).find("outside the allowed adapter folders"), std::string::npos);
+  } catch (const EngineError& err) {  // refused already at submit (the reload happens there)
+    EXPECT_NE(std::string(err.what()).find("outside the allowed adapter folders"), std::string::npos) << err.what();
+  }
+}
+
+// Writes the adapter of write_random_adapter with one value replaced and/or another lora_alpha.
+void write_adapter_with(const fs::path& dir, uint32_t seed, std::optional<float> poison, double alpha = 8) {
+  write_random_adapter(dir, seed);
+  peft::AdapterTensors ad = peft::read_adapter(dir.string());
+  ad.config.lora_alpha = alpha;
+  if (poison) ad.pairs.at({1, LoraTarget::v}).b[5] = *poison;
+  peft::write_adapter(dir.string(), ad);
+}
+
+TEST_F(ServingEngineTest, AdapterWithNonFiniteWeightsOrScaleIsRefused) {
+  ServingEngine e(options());
+  struct Case {
+    std::string name;
+    std::optional<float> poison;
+    double alpha;
+    std::string want;
+  };
+  const Case cases[] = {
+      {"nan", std::numeric_limits<float>::quiet_NaN(), 8, "layers.1.self_attn.v_proj.lora_B.weight"},
+      {"inf", -std::numeric_limits<float>::infinity(), 8, "non-finite value"},
+      {"huge_alpha", std::nullopt, 1e308, "not a finite float32"},
+      {"overflow", 100.0f, 1e37, "beyond float32"},
+  };
+  for (const Case& c : cases) {
+    write_adapter_with(tmp.path / c.name, 20, c.poison, c.alpha);
+    std::string msg;
+    EXPECT_EQ(load_error(e, c.name, (tmp.path / c.name).string(), &msg), EngineErrc::adapter_load_failed) << c.name;
+    EXPECT_NE(msg.find(c.want), std::string::npos) << c.name << ": " << msg;
+    EXPECT_NE(msg.find("adapter '" + c.name + "'"), std::string::npos) << msg;
+  }
+  // Also at start-up (--adapter).
+  ServeOptions o = options();
+  o.adapters.push_back({"nan", (tmp.path / "nan").string()});
+  EXPECT_THROW(ServingEngine bad(o), EngineError);
+  // A sound adapter with a large but finite scale loads.
+  write_adapter_with(tmp.path / "big", 21, std::nullopt, 1e4);
+  EXPECT_NO_THROW(e.load_adapter("big", (tmp.path / "big").string()));
 }
 
 }  // namespace
