@@ -23,9 +23,19 @@ bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code) {
 
 void add_threads_flag(CLI::App& app, int& threads) {
   threads = default_thread_count();
-  app.add_option("-t,--threads", threads, "threads to use (default: physical cores)")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
+  // More threads than this process may use are capped (with a warning) by
+  // resolve_thread_count, the one rule for every command.
+  app.add_option_function<int>(
+         "-t,--threads", [&threads](int n) { threads = resolve_thread_count(n, "-t"); },
+         "threads to use (default: physical cores; at most the CPUs this process may use)")
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            int n = 0;
+            if (CLI::detail::lexical_cast(in, n) && n < 1) return "thread count must be >= 1 (got " + in + ")";
+            return {};
+          },
+          "INT >= 1"))
+      ->default_str(std::to_string(threads));
 }
 
 void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed) {

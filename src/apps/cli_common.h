@@ -17,7 +17,8 @@ namespace loom::app {
 // flag prints the reason and returns 2. Returns true when the command should run.
 bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code);
 
-// Adds "-t,--threads" (default: physical cores) with a range check.
+// Adds "-t,--threads" (default: physical cores; >= 1, capped at the usable CPUs
+// by resolve_thread_count with a warning).
 void add_threads_flag(CLI::App& app, int& threads);
 
 // Sampling flags shared by generate and chat (--temp, --top-k, ..., --seed).

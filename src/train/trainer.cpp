@@ -176,7 +176,7 @@ class Progress {
 
 TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   Progress progress(log, 1, 1);
-  ThreadPool pool(c.threads > 0 ? c.threads : default_thread_count());
+  ThreadPool pool(resolve_thread_count(c.threads, "threads"));  // 0: the default
   const bool full_ft = c.method == TrainMethod::full;
   if (full_ft && (c.lora_plus_ratio || c.mlp_lr))
     fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c.source);

@@ -45,7 +45,11 @@ expect "truncated gguf" 1 "trunc.gguf" -- "$loom" info -m "$tmp/trunc.gguf"
 mkdir -p "$tmp/folder"
 echo '{"model_type": "gpt_neox", "hidden_size": 64}' >"$tmp/folder/config.json"
 expect "unknown architecture" 1 "gpt_neox" -- "$loom" info -m "$tmp/folder"
-expect "bad thread count" 2 "threads" -- "$loom" generate -m "$tiny" -p hi -t 0
+expect "bad thread count" 2 "thread count must be >= 1 \\(got 0\\)" -- "$loom" generate -m "$tiny" -p hi -t 0
+expect "negative thread count" 2 "thread count must be >= 1" -- "$loom" bench -m "$tiny" -p 4 -n 2 -r 1 -t -2
+# More threads than CPUs are capped with a warning (a spinning pool with 1024 threads never finished).
+expect "thread count capped" 0 "warning: -t 1024 asks for 1024 threads.*using [0-9]+ threads" -- \
+  timeout 60 "$loom" generate -m "$tiny" -p hi -n 2 -t 1024
 expect "negative temperature" 1 "temperature" -- "$loom" generate -m "$tiny" -p hi --temp -1
 expect "top-p out of range" 1 "top_p" -- "$loom" generate -m "$tiny" -p hi --top-p 1.5
 expect "non-numeric n" 2 "n-predict|could not be converted|invalid" -- "$loom" generate -m "$tiny" -p hi -n abc
@@ -61,6 +65,8 @@ expect "train unknown key" 1 "bad_train.yaml:6:1: unknown key 'batchsize'" -- "$
 expect "train bad --set" 1 "unknown key 'optim.lrr'" -- "$loom" train "$tmp/train.yaml" --set optim.lrr=1
 expect "train bad type" 1 "'steps'.*expected an integer" -- "$loom" train "$tmp/train.yaml" --set steps=many
 expect "train tiny" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 -t 1
+expect "train threads capped" 0 "warning: threads 1000 asks for 1000 threads" -- \
+  timeout 120 "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dir="$tmp/adapter-t" -t 1000
 
 # loom serve: bad flags and files fail before binding, with the flag or file named.
 expect "help serve" 0 "usage|options" -- "$loom" serve --help
