@@ -49,7 +49,7 @@ expect "bad thread count" 2 "thread count must be >= 1 \\(got 0\\)" -- "$loom" g
 expect "negative thread count" 2 "thread count must be >= 1" -- "$loom" bench -m "$tiny" -p 4 -n 2 -r 1 -t -2
 # More threads than CPUs are capped with a warning (a spinning pool with 1024 threads never finished).
 expect "thread count capped" 0 "warning: -t 1024 asks for 1024 threads.*using [0-9]+ threads" -- \
-  timeout 60 "$loom" generate -m "$tiny" -p hi -n 2 -t 1024
+  timeout 30 "$loom" generate -m "$tiny" -p hi -n 2 -t 1024
 expect "negative temperature" 1 "temperature" -- "$loom" generate -m "$tiny" -p hi --temp -1
 expect "top-p out of range" 1 "top_p" -- "$loom" generate -m "$tiny" -p hi --top-p 1.5
 expect "non-numeric n" 2 "n-predict|could not be converted|invalid" -- "$loom" generate -m "$tiny" -p hi -n abc
@@ -66,7 +66,7 @@ expect "train bad --set" 1 "unknown key 'optim.lrr'" -- "$loom" train "$tmp/trai
 expect "train bad type" 1 "'steps'.*expected an integer" -- "$loom" train "$tmp/train.yaml" --set steps=many
 expect "train tiny" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 -t 1
 expect "train threads capped" 0 "warning: threads 1000 asks for 1000 threads" -- \
-  timeout 120 "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dir="$tmp/adapter-t" -t 1000
+  timeout 30 "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dir="$tmp/adapter-t" -t 1000
 
 # loom serve: bad flags and files fail before binding, with the flag or file named.
 expect "help serve" 0 "usage|options" -- "$loom" serve --help
@@ -92,6 +92,15 @@ if [ -f "$model" ]; then
 else
   echo "note: $model missing (scripts/fetch_model); model-level CLI checks not run"
 fi
+
+# loom serve robustness flags (issue 8). `timeout`: a server that wrongly starts must not hang the test.
+expect "serve empty api key" 1 "--api-key is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key "" --port 0
+expect "serve blank api key" 1 "--api-key is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key "  " --port 0
+expect "serve empty api key file" 1 "--api-key-file is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key-file "" --port 0
+printf '\n' >"$tmp/emptykey"
+expect "serve api key file blank" 1 "first line is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key-file "$tmp/emptykey" --port 0
+expect "serve zero connections" 2 "max-connections" -- timeout 20 "$loom" serve -m "$tiny" --max-connections 0 --port 0
+expect "serve zero header timeout" 2 "http-header-timeout" -- timeout 20 "$loom" serve -m "$tiny" --http-header-timeout 0 --port 0
 
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
