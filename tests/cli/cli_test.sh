@@ -93,5 +93,14 @@ else
   echo "note: $model missing (scripts/fetch_model); model-level CLI checks not run"
 fi
 
+# loom serve robustness flags (issue 8). `timeout`: a server that wrongly starts must not hang the test.
+expect "serve empty api key" 1 "--api-key is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key "" --port 0
+expect "serve blank api key" 1 "--api-key is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key "  " --port 0
+expect "serve empty api key file" 1 "--api-key-file is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key-file "" --port 0
+printf '\n' >"$tmp/emptykey"
+expect "serve api key file blank" 1 "first line is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key-file "$tmp/emptykey" --port 0
+expect "serve zero connections" 2 "max-connections" -- timeout 20 "$loom" serve -m "$tiny" --max-connections 0 --port 0
+expect "serve zero header timeout" 2 "http-header-timeout" -- timeout 20 "$loom" serve -m "$tiny" --http-header-timeout 0 --port 0
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
