@@ -4,7 +4,8 @@
 Starts the server on the default model with a random LoRA adapter and an API key, then checks models,
 completions and chat (plain and streamed, usage, n, logprobs, seeds), adapters per request and loaded /
 unloaded at run time, tokenize/detokenize, metrics, the OpenAI error objects of bad input, cancellation
-on disconnect, and a clean stop on SIGTERM.
+on disconnect (streamed or not), slow clients that must not starve others, adapter files that escape
+--adapter-dir or hold non-finite weights, and a clean stop on SIGTERM.
 
 Usage: test_openai_client.py --loom build/loom --model models/SmolLM2-135M-Instruct.Q4_1.gguf
 Exit code 77 (ctest: skipped) when the `openai` package or the model is missing.
@@ -15,7 +16,9 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -228,6 +231,89 @@ class OpenAIClientTest(unittest.TestCase):
             time.sleep(0.1)
         self.assertEqual(SERVER.metric("loom_kv_cache_usage_ratio"), idle)
         self.assertEqual(SERVER.metric("loom_requests_running"), 0)
+
+    def test_client_gone_during_non_streaming_request_frees_engine(self):
+        idle = SERVER.metric("loom_kv_cache_usage_ratio")
+        body = json.dumps({"model": "smol", "prompt": "Count: 1, 2, 3,", "max_tokens": 900, "ignore_eos": True})
+        s = socket.create_connection(("127.0.0.1", SERVER.port))
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        deadline = time.time() + 10
+        while time.time() < deadline and SERVER.metric("loom_requests_running") == 0:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        self.assertEqual(SERVER.metric("loom_requests_running"), 1)
+        s.close()  # nothing was written yet: only the socket tells the server the client left
+        t0 = time.time()
+        while time.time() - t0 < 10 and (SERVER.metric("loom_requests_running") > 0 or
+                                         SERVER.metric("loom_kv_cache_usage_ratio") > idle):
+            time.sleep(0.02)
+        self.assertEqual(SERVER.metric("loom_requests_running"), 0)
+        self.assertEqual(SERVER.metric("loom_kv_cache_usage_ratio"), idle)
+        self.assertLess(time.time() - t0, 1.0, "cancelled within a few scheduler steps")
+
+    def test_slow_clients_do_not_starve_others(self):
+        # 70 connections trickling one header line every 0.5 s (stopping by themselves after 3 s).
+        socks = []
+        for _ in range(70):
+            s = socket.create_connection(("127.0.0.1", SERVER.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            socks.append(s)
+        stop = time.time() + 3
+
+        def trickle():
+            k = 0
+            while time.time() < stop:
+                for s in socks:
+                    try:
+                        s.sendall(f"X-Slow-{k}: 1\r\n".encode())
+                    except OSError:
+                        pass
+                k += 1
+                time.sleep(0.5)
+        t = threading.Thread(target=trickle)
+        t.start()
+        try:
+            time.sleep(0.3)
+            for _ in range(3):
+                t0 = time.time()
+                self.assertEqual(SERVER.raw("GET", "/health", key=None)[0], 200)
+                self.assertLess(time.time() - t0, 1.0)
+            self.assertTrue(self.c.completions.create(model="smol", prompt="hi", max_tokens=2).choices)
+        finally:
+            t.join()
+            for s in socks:
+                s.close()
+
+    def test_adapter_symlinked_out_of_adapter_dir_or_non_finite_is_refused(self):
+        style = os.path.join(SERVER.adapter_root, "style")
+        with tempfile.TemporaryDirectory() as outside:
+            shutil.copy(os.path.join(style, "adapter_model.safetensors"), outside)
+            escape = os.path.join(SERVER.adapter_root, "escape")
+            os.makedirs(escape, exist_ok=True)
+            shutil.copy(os.path.join(style, "adapter_config.json"), escape)
+            os.symlink(os.path.join(outside, "adapter_model.safetensors"),
+                       os.path.join(escape, "adapter_model.safetensors"))
+            status, body = SERVER.raw("POST", "/v1/load_lora_adapter", {"lora_name": "escape", "lora_path": escape})
+            self.assertEqual(status, 400, body)
+            err = json.loads(body)["error"]
+            self.assertIn("adapter_model.safetensors", err["message"])
+            self.assertNotIn(outside, err["message"])
+        huge = os.path.join(SERVER.adapter_root, "huge")
+        os.makedirs(huge, exist_ok=True)
+        shutil.copy(os.path.join(style, "adapter_model.safetensors"), huge)
+        with open(os.path.join(style, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        cfg["lora_alpha"] = 1e308
+        with open(os.path.join(huge, "adapter_config.json"), "w") as f:
+            json.dump(cfg, f)
+        status, body = SERVER.raw("POST", "/v1/load_lora_adapter", {"lora_name": "huge", "lora_path": huge})
+        self.assertEqual(status, 400, body)
+        self.assertEqual(json.loads(body)["error"]["code"], "adapter_load_failed")
+        self.assertIn("lora_alpha", json.loads(body)["error"]["message"])
+        ids = [m.id for m in self.c.models.list().data]
+        self.assertNotIn("escape", ids)
+        self.assertNotIn("huge", ids)
 
     def test_concurrent_streams(self):
         results = {}
