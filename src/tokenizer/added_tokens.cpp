@@ -2,6 +2,7 @@
 #include "tokenizer/added_tokens.h"
 
 #include "tokenizer/unicode.h"
+#include "tokenizer/unicode_classes.h"
 
 namespace loom::tok {
 namespace {
@@ -15,9 +16,7 @@ size_t prev_char_start(std::string_view s, size_t pos) {
 
 }  // namespace
 
-AddedTokenMatcher::AddedTokenMatcher()
-    : trie_(1),
-      word_char_(R"(^[\p{L}\p{M}\p{Nd}\p{Nl}\p{Pc}\x{200C}\x{200D}])", false, "added-token word class") {}
+AddedTokenMatcher::AddedTokenMatcher() : trie_(1) {}
 
 void AddedTokenMatcher::add(std::string pattern, const AddedToken* token) {
   if (pattern.empty()) return;  // HF ignores empty added tokens
@@ -58,13 +57,13 @@ int32_t AddedTokenMatcher::longest_at(std::string_view text, size_t pos, size_t&
 }
 
 void AddedTokenMatcher::split(std::string_view text, bool parse_special, std::vector<TextSpan>& out) const {
-  const auto is_word = [&](size_t b, size_t e) {
-    return !word_char_.find_all(text.substr(b, e - b)).empty();
-  };
-  const auto char_len = [&](size_t b) {
-    size_t e = b + 1;
-    while (e < text.size() && (static_cast<uint8_t>(text[e]) & 0xC0) == 0x80) ++e;
-    return e - b;
+  // HF's \w (Rust regex crate): Alphabetic (so also Other_Alphabetic symbols
+  // such as U+24B6 Ⓐ), marks, Nd, Pc, joiners, in HF's newer Unicode; not a
+  // PCRE2 class approximating it.
+  const auto is_word = [&](size_t b) {
+    char32_t cp;
+    size_t bad;
+    return utf8_decode(text, b, cp, bad) > 0 && is_hf_word_char(cp);
   };
   const auto space_at = [&](size_t b, size_t& n) {
     char32_t cp;
@@ -91,8 +90,8 @@ void AddedTokenMatcher::split(std::string_view text, bool parse_special, std::ve
     pos = stop;  // the search resumes after the match whether or not it is kept
     if (tok->special && !parse_special) continue;
     if (tok->single_word) {
-      const bool word_before = start > 0 && is_word(prev_char_start(text, start), start);
-      const bool word_after = stop < text.size() && is_word(stop, stop + char_len(stop));
+      const bool word_before = start > 0 && is_word(prev_char_start(text, start));
+      const bool word_after = stop < text.size() && is_word(stop);
       if (word_before || word_after) continue;
     }
     if (tok->lstrip) {

@@ -9,7 +9,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tokenizer/regex.h"
 #include "tokenizer/spec.h"
 
 namespace loom::tok {
@@ -41,7 +40,6 @@ class AddedTokenMatcher {
   std::vector<Node> trie_;
   std::vector<std::pair<std::string, const AddedToken*>> patterns_;
   bool first_byte_[256] = {};
-  Regex word_char_;  // a "word" character for single_word (Rust regex \w)
 };
 
 }  // namespace loom::tok

@@ -137,7 +137,9 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
            m.n_vocab);
     const AddedToken* added = m.added_of[static_cast<size_t>(id)];
     if (skip_special && added && added->special) continue;
-    const std::string& t = *m.text_of[static_cast<size_t>(id)];
+    const std::string& t = added
+                               ? m.added_decode_text[static_cast<size_t>(added - m.spec.added_tokens.data())]
+                               : *m.text_of[static_cast<size_t>(id)];
     if (t.empty()) continue;  // an unused id has no text (HF: id_to_token is None)
     toks.push_back(t);
   }

@@ -11,6 +11,8 @@
 
 #include "core/error.h"
 #include "tokenizer/byte_level.h"
+#include "tokenizer/unicode.h"
+#include "tokenizer/unicode_classes.h"
 
 namespace loom::tok {
 namespace {
@@ -35,6 +37,22 @@ std::vector<std::pair<size_t, size_t>> literal_matches(std::string_view text, st
   for (size_t at = text.find(needle); at != std::string_view::npos;
        at = text.find(needle, at + needle.size()))
     out.emplace_back(at, at + needle.size());
+  return out;
+}
+
+// One match per numeric character, as HF's Digits (Rust char::is_numeric)
+// splits. Not PCRE2's \p{N}: Rust's Unicode tables are newer than PCRE2's and
+// differ from Oniguruma's \p{N} too (unicode_classes.h).
+std::vector<std::pair<size_t, size_t>> numeric_matches(std::string_view text) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t i = 0; i < text.size();) {
+    char32_t cp = 0;
+    size_t bad = 0;
+    const size_t n = utf8_decode(text, i, cp, bad);
+    LOOM_ASSERT(n > 0);  // pre-tokenizer input is valid UTF-8
+    if (is_hf_numeric(cp)) out.emplace_back(i, i + n);
+    i += n;
+  }
   return out;
 }
 
@@ -176,8 +194,7 @@ PreTokenizer::PreTokenizer(const std::vector<PreTokenizerStep>& steps, const std
       case PreTokenizerStep::Kind::byte_level:
         if (s.use_regex) c.re.emplace(kGpt2Pattern, false, where + " (ByteLevel)");
         break;
-      case PreTokenizerStep::Kind::digits:
-        c.re.emplace(R"(\p{N})", false, where + " (Digits)");
+      case PreTokenizerStep::Kind::digits:  // no regex: see numeric_matches()
         break;
       case PreTokenizerStep::Kind::metaspace:
         if (s.replacement.empty()) fail(ErrorKind::invalid_input, "{} (Metaspace): empty replacement", where);
@@ -203,7 +220,7 @@ void PreTokenizer::apply(std::vector<Piece>& pieces) const {
           break;
         case PreTokenizerStep::Kind::digits:
           ranges =
-              split_ranges(text.size(), st.re->find_all(text),
+              split_ranges(text.size(), numeric_matches(text),
                            s.individual_digits ? SplitBehavior::isolated : SplitBehavior::contiguous, false);
           break;
         case PreTokenizerStep::Kind::byte_level:

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "tokenizer/unicode_classes.h"
 
 namespace loom::tok {
 namespace {
@@ -30,8 +31,13 @@ Regex::Regex(std::string_view pattern, bool literal, const std::string& what) : 
   PCRE2_SIZE err_off = 0;
   // PCRE2 refuses UCP together with LITERAL (it has no meaning there).
   const uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
-  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), opts, &err, &err_off,
-                        nullptr);
+  const auto compile = [&](std::string_view p) {
+    return pcre2_compile(reinterpret_cast<PCRE2_SPTR>(p.data()), p.size(), opts, &err, &err_off, nullptr);
+  };
+  // HF's Oniguruma knows a newer Unicode than the system PCRE2 may: \p{L} and
+  // \p{N} are widened to the code points HF gives them (unicode_classes.h).
+  code_ = compile(literal ? std::string(pattern) : widen_unicode_classes(pattern));
+  if (!code_ && !literal) code_ = compile(pattern);  // for the error message, about the pattern as written
   if (!code_)
     fail(ErrorKind::invalid_input, "{}: regex {:?} is not supported: {} at offset {}", what,
          std::string(pattern), pcre2_message(err), static_cast<size_t>(err_off));

@@ -80,8 +80,9 @@ Tokenizer Tokenizer::from_spec(TokenizerSpec spec) {
   impl->normalizer = tok::Normalizer(s.normalizers, name);
   impl->pre_tokenizer = tok::PreTokenizer(s.pre_tokenizers, name);
   for (const AddedToken& t : s.added_tokens) {
+    impl->added_decode_text.push_back(t.normalized ? impl->normalizer.apply(t.content) : t.content);
     if (t.normalized)
-      impl->normalized_matcher.add(impl->normalizer.apply(t.content), &t);
+      impl->normalized_matcher.add(impl->added_decode_text.back(), &t);
     else
       impl->raw_matcher.add(t.content, &t);
   }

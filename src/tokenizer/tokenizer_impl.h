@@ -17,8 +17,12 @@ struct Tokenizer::Impl {
   int32_t n_vocab = 0;
   std::vector<const std::string*> text_of;  // id -> token text (added tokens override the model)
   std::vector<const AddedToken*> added_of;  // id -> added token, nullptr if none
-  std::vector<uint8_t> eog;                 // id -> end of generation
-  tok::TokenIndex added_index;              // added token content -> id
+  // Per spec.added_tokens entry: the text decode() gives the decoder chain. HF reads
+  // a normalized added token as its normalized form ("▁<|im_end|>" after a
+  // Prepend("▁") normalizer), so decoding keeps the space that form stands for.
+  std::vector<std::string> added_decode_text;
+  std::vector<uint8_t> eog;     // id -> end of generation
+  tok::TokenIndex added_index;  // added token content -> id
   tok::BpeModel bpe;
   tok::AddedTokenMatcher raw_matcher;         // tokens matched before normalization
   tok::AddedTokenMatcher normalized_matcher;  // tokens matched in normalized text
