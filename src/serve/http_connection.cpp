@@ -138,7 +138,10 @@ void ConnectionPool::work() {
     auto fn = std::move(jobs_.front());
     jobs_.pop_front();
     lock.unlock();
-    fn();
+    try {
+      fn();
+    } catch (...) {  // a connection's failure must not end the process (process_and_close_socket closes it)
+    }
     lock.lock();
   }
 }
@@ -359,7 +362,11 @@ bool ConnectionServer::process_and_close_socket(socket_t sock) {
       conn.begin_request(first ? accepted : Clock::now());
       first = false;
       bool closed = false;
-      ret = process_request(conn, count == 1, closed, nullptr);
+      try {
+        ret = process_request(conn, count == 1, closed, nullptr);
+      } catch (...) {  // e.g. from a response's content provider, which runs outside httplib's handler try
+        ret = false;
+      }
       if (!ret || closed || conn.failed() || --count == 0) break;
     }
     std::lock_guard lock(mu_);

@@ -532,6 +532,10 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
               st->error = e;
               st->cancel();
               break;
+            } catch (const std::exception& e) {  // this runs after the handler: nothing else would catch it
+              st->error = ApiError(500, "server_error", "internal_error", "", e.what());
+              st->cancel();
+              break;
             }
             if (!write(event)) return gone();
           }

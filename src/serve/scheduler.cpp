@@ -526,9 +526,12 @@ void ServingEngine::recover(const std::exception& e) {
 
 void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, const std::vector<Sequence*>& owners) {
   if (opt_.fault_hook) {
-    const Request* last = nullptr;
+    std::vector<const Request*> seen;
     for (const Sequence* s : owners)
-      if (s->req != last) opt_.fault_hook(FaultPoint::forward, (last = s->req)->g);
+      if (std::find(seen.begin(), seen.end(), s->req) == seen.end()) {
+        seen.push_back(s->req);
+        opt_.fault_hook(FaultPoint::forward, s->req->g);
+      }
   }
   forward_->step(chunks);
   for (size_t i = 0; i < chunks.size(); ++i) {

@@ -14,6 +14,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <stdexcept>
 #include <thread>
 
 #include "serve/http_server.h"
@@ -683,6 +684,49 @@ TEST(HttpServer, ConnectionCapRefusesWith503) {
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
   EXPECT_NE(f.registry.render().find("loom_http_requests_total{code=\"503\"} 1\n"), std::string::npos);
+}
+
+// The connection pool starts a thread per waiting task up to its limit (then tasks queue), lets threads
+// beyond `keep` stop when idle, and survives a task that throws.
+TEST(ConnectionPool, GrowsOnDemandUpToItsLimitAndShrinksWhenIdle) {
+  ConnectionPool pool(1, 4, 100ms);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+  int running = 0, peak = 0, done = 0;
+  for (int i = 0; i < 6; ++i)
+    pool.enqueue([&] {
+      std::unique_lock lock(mu);
+      peak = std::max(peak, ++running);
+      cv.notify_all();
+      cv.wait(lock, [&] { return open; });
+      --running;
+      ++done;
+      cv.notify_all();
+    });
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 5s, [&] { return running == 4; }));
+  }
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(pool.threads(), 4u);
+  {
+    std::unique_lock lock(mu);
+    EXPECT_EQ(running, 4) << "two tasks wait for a thread";
+    open = true;
+    cv.notify_all();
+    ASSERT_TRUE(cv.wait_for(lock, 5s, [&] { return done == 6; }));
+  }
+  EXPECT_EQ(peak, 4);
+  for (int i = 0; i < 100 && pool.threads() > 1; ++i) std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(pool.threads(), 1u) << "idle threads beyond keep stop";
+  pool.enqueue([] { throw std::runtime_error("a failing connection"); });
+  std::atomic<bool> ran{false};
+  pool.enqueue([&] { ran = true; });
+  for (int i = 0; i < 500 && !ran; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(ran);
+  pool.shutdown();
+  EXPECT_EQ(pool.threads(), 0u);
 }
 
 TEST(HttpServer, ConcurrentRequestsAreServedTogether) {
