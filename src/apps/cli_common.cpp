@@ -1,5 +1,8 @@
 #include "apps/cli_common.h"
 
+#include <fmt/format.h>
+
+#include <limits>
 #include <random>
 
 #include "core/thread_pool.h"
@@ -38,16 +41,53 @@ void add_threads_flag(CLI::App& app, int& threads) {
       ->default_str(std::to_string(threads));
 }
 
+// The value, read as a number, lies in [lo, hi] (lo excluded when lo_open);
+// else "RULE (got VALUE)". Text that is no number is left to CLI11's conversion error.
+static CLI::Validator number_in(double lo, bool lo_open, double hi, const std::string& rule) {
+  return CLI::Validator(
+      [=](std::string& in) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(in, v)) return {};
+        if (lo_open ? v > lo && v <= hi : v >= lo && v <= hi) return {};
+        return rule + " (got " + in + ")";
+      },
+      rule.starts_with("must be ") ? rule.substr(8) : rule);
+}
+
 void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed) {
-  app.add_option("--temp", s.temperature, "temperature; 0 = greedy")->capture_default_str();
-  app.add_option("--top-k", s.top_k, "keep the k most likely tokens; 0 = all")->capture_default_str();
-  app.add_option("--top-p", s.top_p, "nucleus sampling threshold in (0, 1]")->capture_default_str();
-  app.add_option("--min-p", s.min_p, "drop tokens below min-p times the top probability")->capture_default_str();
-  app.add_option("--repeat-penalty", s.repeat_penalty, "penalty for repeated tokens; 1 = off")->capture_default_str();
-  app.add_option("--repeat-last-n", s.repeat_last_n, "history the penalty looks at; -1 = all")->capture_default_str();
-  app.add_option("--presence-penalty", s.presence_penalty, "OpenAI presence penalty")->capture_default_str();
-  app.add_option("--frequency-penalty", s.frequency_penalty, "OpenAI frequency penalty")->capture_default_str();
-  app.add_option("-s,--seed", seed, "random seed; -1 = random")->capture_default_str();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr double kInt = std::numeric_limits<int32_t>::max();
+  app.add_option("--temp", s.temperature, "temperature; 0 = greedy")
+      ->check(number_in(0, false, kInf, "must be >= 0"))->capture_default_str();
+  app.add_option("--top-k", s.top_k, "keep the k most likely tokens; 0 = all")
+      ->check(number_in(0, false, kInt, "must be >= 0"))->capture_default_str();
+  app.add_option("--top-p", s.top_p, "nucleus sampling threshold in (0, 1]")
+      ->check(number_in(0, true, 1, "must be in (0, 1]"))->capture_default_str();
+  app.add_option("--min-p", s.min_p, "drop tokens below min-p times the top probability")
+      ->check(number_in(0, false, 1, "must be in [0, 1]"))->capture_default_str();
+  app.add_option("--repeat-penalty", s.repeat_penalty, "penalty for repeated tokens; 1 = off")
+      ->check(number_in(0, true, kInf, "must be > 0"))->capture_default_str();
+  app.add_option("--repeat-last-n", s.repeat_last_n, "history the penalty looks at; -1 = all")
+      ->check(number_in(-1, false, kInt, "must be >= -1"))->capture_default_str();
+  app.add_option("--presence-penalty", s.presence_penalty, "OpenAI presence penalty")
+      ->check(number_in(-2, false, 2, "must be in [-2, 2]"))->capture_default_str();
+  app.add_option("--frequency-penalty", s.frequency_penalty, "OpenAI frequency penalty")
+      ->check(number_in(-2, false, 2, "must be in [-2, 2]"))->capture_default_str();
+  app.add_option("-s,--seed", seed, "random seed; -1 = random")
+      ->check(number_in(-1, false, kInf, "must be >= -1"))->capture_default_str();
+}
+
+void add_length_flags(CLI::App& app, int64_t& n_predict, int64_t& ctx, const char* n_help) {
+  app.add_option("-n,--n-predict", n_predict, n_help)
+      ->check(number_in(-1, false, std::numeric_limits<double>::infinity(), "must be >= -1"))
+      ->capture_default_str();
+  add_ctx_flag(app, ctx, "context size in tokens (0 = min(model, 4096))");
+}
+
+void add_ctx_flag(CLI::App& app, int64_t& ctx, const char* help) {
+  app.add_option("-c,--ctx-size", ctx, help)
+      ->check(number_in(0, false, std::numeric_limits<double>::infinity(), "must be >= 0"))
+      ->capture_default_str();
 }
 
 uint64_t resolve_seed(int64_t seed) {

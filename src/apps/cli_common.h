@@ -21,8 +21,13 @@ bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code);
 // by resolve_thread_count with a warning).
 void add_threads_flag(CLI::App& app, int& threads);
 
-// Sampling flags shared by generate and chat (--temp, --top-k, ..., --seed).
+// Sampling flags shared by generate and chat (--temp, --top-k, ..., --seed), each
+// range-checked like validate_sampling (a bad value: exit 2 naming the flag).
 void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed);
+// "-n,--n-predict" (>= -1) and "-c,--ctx-size" (>= 0), range-checked.
+void add_length_flags(CLI::App& app, int64_t& n_predict, int64_t& ctx, const char* n_help);
+// "-c,--ctx-size" (>= 0) with `help`.
+void add_ctx_flag(CLI::App& app, int64_t& ctx, const char* help);
 // -1 draws a random seed.
 uint64_t resolve_seed(int64_t seed);
 // --ctx-size: 0 means min(model context, 4096); larger than the model is an error.

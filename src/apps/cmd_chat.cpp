@@ -28,13 +28,11 @@ int run_chat(int argc, char** argv) {
   app.add_option("--chat-template", template_name, "chatml, llama3, llama2 or mistral (default: from the model's metadata)")
       ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral"}));
   app.add_option("-p,--prompt", one_prompt, "ask one question, print the answer and exit");
-  app.add_option("-n,--n-predict", n_predict, "most tokens per answer; -1 = until end of turn")->capture_default_str();
-  app.add_option("-c,--ctx-size", ctx, "context size in tokens (0 = min(model, 4096))")->capture_default_str();
+  add_length_flags(app, n_predict, ctx, "most tokens per answer; -1 = until end of turn");
   add_sampling_flags(app, opts.sampling, seed);
   add_threads_flag(app, threads);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
-  if (n_predict < -1) fail(ErrorKind::invalid_input, "-n must be >= -1 (got {})", n_predict);
   opts.max_tokens = n_predict;
   opts.sampling.seed = resolve_seed(seed);
   validate_sampling(opts.sampling);
@@ -56,7 +54,8 @@ int run_chat(int argc, char** argv) {
     fail(ErrorKind::invalid_input, "{}: the model has no chat template in its metadata; choose one with "
          "--chat-template chatml|llama3|llama2|mistral", model_path);
   }
-  InferenceSession session(model->config(), model->weights(), pool, resolve_context(model->config(), ctx));
+  const int64_t n_ctx = resolve_context(model->config(), ctx);
+  InferenceSession session(model->config(), model->weights(), pool, n_ctx);
 
   std::vector<ChatMessage> messages;
   if (!system_prompt.empty()) messages.push_back({"system", system_prompt});
@@ -84,6 +83,16 @@ int run_chat(int argc, char** argv) {
     const std::string text = apply_chat_template(tmpl, messages, /*add_generation_prompt=*/true);
     // The rendered template already holds BOS where the format wants it.
     const auto ids = tok.encode(text, /*add_special=*/false, /*parse_special=*/true);
+    if (static_cast<int64_t>(ids.size()) >= n_ctx) {  // no room to answer: keep the session, drop this message
+      messages.pop_back();
+      if (!interactive)
+        fail(ErrorKind::invalid_input, "the prompt is {} tokens, which leaves no room in the context of {} tokens "
+             "(see --ctx-size)", ids.size(), n_ctx);
+      std::fprintf(stderr, "loom chat: the conversation with this message is %zu tokens, the context holds %lld; "
+                   "the message was not sent. Type /reset to start a new conversation (or use a larger -c).\n",
+                   ids.size(), static_cast<long long>(n_ctx));
+      continue;
+    }
     // Reuse the cached prefix; evaluate only what changed.
     size_t common = 0;
     while (common < evaluated.size() && common < ids.size() && evaluated[common] == ids[common]) ++common;
@@ -104,6 +113,9 @@ int run_chat(int argc, char** argv) {
     evaluated.insert(evaluated.end(), r.tokens.begin(), r.tokens.end());
     evaluated.resize(static_cast<size_t>(session.n_past()));
     messages.push_back({"assistant", answer});
+    if (r.finish == FinishReason::context_full && interactive)
+      std::fprintf(stderr, "loom chat: the context (%lld tokens) is full; the answer was cut. Type /reset to start "
+                   "a new conversation.\n", static_cast<long long>(n_ctx));
     if (!interactive) {
       print_speed(r);
       break;

@@ -28,15 +28,13 @@ int run_generate(int argc, char** argv) {
   auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text");
   auto* f_opt = app.add_option("-f,--file", prompt_file, "read the prompt from a file");
   p_opt->excludes(f_opt);
-  app.add_option("-n,--n-predict", n_predict, "tokens to generate; -1 = until end of text")->capture_default_str();
-  app.add_option("-c,--ctx-size", ctx, "context size in tokens (0 = min(model, 4096))")->capture_default_str();
+  add_length_flags(app, n_predict, ctx, "tokens to generate; -1 = until end of text");
   app.add_option("--stop", opts.stop, "stop when this text is generated (repeatable)");
   app.add_flag("--no-special", no_special, "treat special-token text in the prompt as plain text");
   add_sampling_flags(app, opts.sampling, seed);
   add_threads_flag(app, threads);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
-  if (n_predict < -1) fail(ErrorKind::invalid_input, "-n must be >= -1 (got {})", n_predict);
   if (!prompt_file.empty()) prompt = read_text_file(prompt_file);
   if (prompt.empty()) fail(ErrorKind::invalid_input, "the prompt is empty: give -p TEXT or -f FILE");
   opts.max_tokens = n_predict;

@@ -23,7 +23,7 @@ int run_info(int argc, char** argv) {
   std::string model_path;
   int64_t ctx = 0;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
-  app.add_option("-c,--ctx-size", ctx, "context size used for the KV-cache estimate (0 = model's)");
+  add_ctx_flag(app, ctx, "context size used for the KV-cache estimate (0 = model's)");
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
@@ -36,6 +36,8 @@ int run_info(int argc, char** argv) {
   for (const auto& L : w.layers)
     for (const Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) count_tensor(types, *t);
 
+  if (c.max_context > 0 && ctx > c.max_context)
+    fail(ErrorKind::invalid_input, "--ctx-size {} exceeds the model's context length {}", ctx, c.max_context);
   const int64_t n_ctx = ctx > 0 ? ctx : c.max_context;
   const double kv_per_token = 2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * sizeof(float);
   std::printf("model:           %s\n", model_path.c_str());

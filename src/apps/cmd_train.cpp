@@ -1,5 +1,6 @@
-// `loom train CONFIG.yaml [--set key=value ...]`: LoRA fine-tuning described by
-// a YAML file (keys in docs/training.md), writing a PEFT adapter folder.
+// `loom train CONFIG.yaml [--set key=value ...]`: fine-tuning described by a
+// YAML file (keys in docs/training.md): LoRA (method: lora) writes a PEFT
+// adapter folder, full fine-tuning (method: full) a Hugging Face model folder.
 #include <string>
 #include <vector>
 
@@ -13,19 +14,26 @@ namespace loom::app {
 namespace {
 
 int run_train(int argc, char** argv) {
-  CLI::App app("Fine-tune a LoRA adapter from a YAML config (see docs/training.md).", "train");
+  CLI::App app("Fine-tune a model from a YAML config (see docs/training.md): a LoRA adapter (method: lora, the "
+               "default; writes a PEFT adapter folder) or every weight (method: full; writes a Hugging Face model "
+               "folder).", "train");
   std::string config_path;
   std::vector<std::string> overrides;
   int threads = 0;
+  bool overwrite = false;
   app.add_option("config", config_path, "the YAML training config")->required();
   app.add_option("--set", overrides, "override a config key, e.g. --set optim.lr=1e-4 (repeatable)")
       ->allow_extra_args(false);  // one value per --set, so the config may follow
   app.add_option("-t,--threads", threads, "threads (overrides the config's threads; default: physical cores)")
       ->check(CLI::Range(1, 1024));
+  app.add_flag("--overwrite", overwrite,
+               "output_dir may be a non-empty folder that is not a loom/PEFT output; it is replaced as a whole "
+               "(same as overwrite: true)");
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   TrainConfig config = load_train_config(config_path, overrides);
   if (threads > 0) config.threads = threads;
+  if (overwrite) config.overwrite = true;
   run_training(config, stderr);
   return 0;
 }

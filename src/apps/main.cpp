@@ -17,8 +17,9 @@ void print_usage() {
       "  generate   continue a prompt\n"
       "  chat       interactive chat using the model's chat template\n"
       "  merge      merge a LoRA adapter into a model, write a Hugging Face folder\n"
-      "  train      fine-tune a LoRA adapter from a YAML config\n"
-      "  bench      measure prompt processing and generation speed\n\n"
+      "  train      fine-tune a model (LoRA adapter or all weights) from a YAML config\n"
+      "  bench      measure prompt processing and generation speed\n"
+      "  serve      OpenAI-compatible HTTP server with continuous batching and multi-LoRA\n\n"
       "Run 'loom <command> --help' for a command's options.\n",
       stdout);
 }

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -43,6 +44,8 @@ MappedFile::~MappedFile() {
 }
 
 std::string read_text_file(const std::string& path) {
+  std::error_code ec;  // an ifstream "reads" a folder as empty
+  if (std::filesystem::is_directory(path, ec)) fail(ErrorKind::invalid_input, "{}: is a directory, not a file", path);
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(ErrorKind::not_found, "{}: cannot open file", path);
   std::ostringstream ss;

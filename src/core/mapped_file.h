@@ -25,7 +25,8 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// Reads a whole (small) file into a string; throws not_found / io naming it.
+// Reads a whole (small) file into a string; throws not_found / io (invalid_input
+// for a directory) naming it.
 std::string read_text_file(const std::string& path);
 
 }  // namespace loom

@@ -151,7 +151,15 @@ void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTen
         for (int64_t i = 0; i < pair.in; ++i) row[static_cast<size_t>(i)] += bk * ak[i];
       }
       float* dst = m.data() + o * pair.in;
-      for (int64_t i = 0; i < pair.in; ++i) dst[i] = static_cast<float>(dst[i] + scale * row[static_cast<size_t>(i)]);
+      bool finite = true;
+      for (int64_t i = 0; i < pair.in; ++i) {
+        dst[i] = static_cast<float>(dst[i] + scale * row[static_cast<size_t>(i)]);
+        finite &= std::isfinite(dst[i]);
+      }
+      if (!finite)  // e.g. a huge lora_alpha: scale * B A overflows f32
+        fail(ErrorKind::invalid_input, "{}: tensor '{}': the merged weight W + {:g} * B A is not finite (row {}); "
+             "check lora_alpha ({:g}) and r ({}) in adapter_config.json", what,
+             peft::tensor_name(layer, target, false), scale, o, a.config.lora_alpha, a.config.r);
     }
     t.data = m.data();
     t.dtype = DType::f32;
@@ -165,12 +173,11 @@ std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::s
   };
 }
 
-void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype) {
+namespace {
+
+// The files of write_hf_folder, written into the (staging) folder `out_dir`.
+void write_hf_files(const Model& model, const ModelConfig& c, const std::string& out_dir, safetensors::StDType dtype) {
   const ModelWeights& w = model.weights();
-  const ModelConfig c = config_with_rope_table(model.config(), w.rope, model.path());
-  std::error_code ec;
-  std::filesystem::create_directories(out_dir, ec);
-  if (ec) fail(ErrorKind::io, "{}: cannot create the folder: {}", out_dir, ec.message());
 
   const bool permuted = lora_needs_qk_permutation(c);
   safetensors::Writer st(out_dir + "/model.safetensors");
@@ -271,6 +278,14 @@ void write_hf_folder(const Model& model, const std::string& out_dir, safetensors
   } else if (model.has_tokenizer()) {  // a GGUF has no tokenizer files to copy: write them from its tokenizer
     write_tokenizer_files(model.tokenizer(), model.chat_template_text(), c.max_context, out_dir);
   }
+}
+
+}  // namespace
+
+void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype,
+                     const FolderWriteOptions& opt) {
+  const ModelConfig c = config_with_rope_table(model.config(), model.weights().rope, model.path());
+  write_folder_atomic(out_dir, [&](const std::string& staging) { write_hf_files(model, c, staging, dtype); }, opt);
 }
 
 }  // namespace loom

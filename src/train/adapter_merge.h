@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "io/file_write.h"
 #include "io/safetensors.h"
 #include "model/weights.h"
 #include "train/peft_adapter.h"
@@ -28,7 +29,9 @@ void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTen
 // (when the model is loaded) and merges it; errors name the folder.
 std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::string dir);
 
-// Writes `out_dir` (created) as a Hugging Face folder: config.json,
+// Writes the folder `out_dir` as a whole (write_folder_atomic, io/file_write.h:
+// a crash leaves the old folder or the new one; a non-empty folder that is not
+// a loom/PEFT output is refused unless opt.overwrite) as a Hugging Face folder: config.json,
 // generation_config.json, model.safetensors (every tensor dequantized, HF
 // names, HF q/k row order; `dtype` F32, BF16 or F16), and copies
 // tokenizer.json / tokenizer_config.json when the model is an HF folder, or
@@ -36,6 +39,7 @@ std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::s
 // The model must have been loaded unpacked or packed, either is fine.
 // Throws unsupported for what a config.json cannot express (e.g. a GGUF
 // rope_freqs table that does not match the config's RoPE frequencies).
-void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype);
+void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype,
+                     const FolderWriteOptions& opt = {});
 
 }  // namespace loom

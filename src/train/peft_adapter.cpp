@@ -73,6 +73,30 @@ void require_unset(const std::string& file, const nlohmann::json& cfg, std::stri
   unsupported_field(file, field, *it, why);
 }
 
+// PEFT's layers_to_transform: an index or a list of indices (null: every layer).
+// layers_pattern names the module list holding the layers; Llama-family models
+// have one, "layers", so only that (or nothing) is accepted.
+std::vector<int> parse_layers_to_transform(const std::string& file, const nlohmann::json& cfg) {
+  if (const auto lp = cfg.find("layers_pattern"); lp != cfg.end() && !lp->is_null()) {
+    const bool layers = (lp->is_string() && (*lp == "layers" || *lp == "")) ||
+                        (lp->is_array() && (lp->empty() || (lp->size() == 1 && (*lp)[0] == "layers")));
+    if (!layers) unsupported_field(file, "layers_pattern", *lp, "Llama-family layers are in \"layers\"");
+  }
+  const auto lt = cfg.find("layers_to_transform");
+  if (lt == cfg.end() || lt->is_null()) return {};
+  const nlohmann::json list = lt->is_array() ? *lt : nlohmann::json::array({*lt});
+  std::set<int> layers;
+  for (const auto& v : list) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 100000)
+      fail(ErrorKind::invalid_input, "{}: field 'layers_to_transform' must be a layer index or a list of them, got {}",
+           file, lt->dump());
+    layers.insert(v.get<int>());
+  }
+  if (layers.empty())
+    fail(ErrorKind::invalid_input, "{}: field 'layers_to_transform' is an empty list (no layer would be adapted)", file);
+  return {layers.begin(), layers.end()};
+}
+
 AdapterConfig parse_config(const std::string& file, const nlohmann::json& cfg) {
   if (!cfg.is_object()) fail(ErrorKind::invalid_input, "{}: not a JSON object", file);
   AdapterConfig c;
@@ -110,8 +134,7 @@ AdapterConfig parse_config(const std::string& file, const nlohmann::json& cfg) {
     unsupported_field(file, "bias", *b, "only bias \"none\"");
   require_unset(file, cfg, "use_dora", "DoRA");
   require_unset(file, cfg, "fan_in_fan_out", "transposed (Conv1D) weights");
-  require_unset(file, cfg, "layers_to_transform", "all layers must be adapted");
-  require_unset(file, cfg, "layers_pattern", "all layers must be adapted");
+  c.layers_to_transform = parse_layers_to_transform(file, cfg);
   require_unset(file, cfg, "rank_pattern", "one rank for every layer");
   require_unset(file, cfg, "alpha_pattern", "one alpha for every layer");
   require_unset(file, cfg, "modules_to_save", "fully trained extra modules");
@@ -140,6 +163,26 @@ AdapterConfig parse_config(const std::string& file, const nlohmann::json& cfg) {
   return c;
 }
 
+// The layers that have tensors must be exactly layers_to_transform, or 0..n-1
+// when the adapter adapts every layer.
+void check_adapted_layers(const AdapterConfig& c, const std::set<int>& layers, const std::string& st_path,
+                          const std::string& cfg_path, int n_layers) {
+  if (c.layers_to_transform.empty()) {
+    if (static_cast<int>(layers.size()) != n_layers)
+      fail(ErrorKind::invalid_input, "{}: layers are not numbered 0..{} (found {} layers) and {} has no "
+           "layers_to_transform", st_path, n_layers - 1, layers.size(), cfg_path);
+    return;
+  }
+  for (int layer : layers)
+    if (!std::binary_search(c.layers_to_transform.begin(), c.layers_to_transform.end(), layer))
+      fail(ErrorKind::invalid_input, "{}: has tensors for layer {}, which is not in layers_to_transform of {}",
+           st_path, layer, cfg_path);
+  for (int layer : c.layers_to_transform)
+    if (!layers.count(layer))
+      fail(ErrorKind::invalid_input, "{}: no tensors for layer {}, which layers_to_transform of {} lists", st_path,
+           layer, cfg_path);
+}
+
 std::vector<float> to_f32(const safetensors::TensorInfo& info) {
   std::vector<float> out(static_cast<size_t>(info.numel()));
   for (size_t i = 0; i < out.size(); ++i) {
@@ -154,10 +197,14 @@ std::vector<float> to_f32(const safetensors::TensorInfo& info) {
   return out;
 }
 
+void check_finite(const std::string& file, const std::string& tensor, const float* v, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (!std::isfinite(v[i]))
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' has the non-finite value {} at element {}", file, tensor, v[i],
+           i);
+}
+
 }  // namespace
-
-
-
 
 std::string tensor_name(int layer, LoraTarget t, bool lora_b) {
   return fmt::format("{}{}.{}.{}.lora_{}.weight", kPrefix, layer, lora_target_is_attention(t) ? "self_attn" : "mlp",
@@ -179,7 +226,8 @@ int AdapterTensors::n_layers() const {
   return n;
 }
 
-void write_adapter(const std::string& dir, const AdapterTensors& adapter, safetensors::StDType dtype) {
+void write_adapter(const std::string& dir, const AdapterTensors& adapter, safetensors::StDType dtype,
+                   const FolderWriteOptions& opt) {
   const AdapterConfig& c = adapter.config;
   const std::string cfg_path = (std::filesystem::path(dir) / "adapter_config.json").string();
   const std::string st_path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
@@ -212,7 +260,10 @@ void write_adapter(const std::string& dir, const AdapterTensors& adapter, safete
   j["inference_mode"] = true;
   j["init_lora_weights"] = true;
   j["layers_pattern"] = nullptr;
-  j["layers_to_transform"] = nullptr;
+  if (c.layers_to_transform.empty())
+    j["layers_to_transform"] = nullptr;
+  else
+    j["layers_to_transform"] = c.layers_to_transform;
   // PEFT writes an integer alpha as an integer; keep files diffable with its output.
   if (c.lora_alpha == std::floor(c.lora_alpha) && c.lora_alpha < 1e9)
     j["lora_alpha"] = static_cast<int64_t>(c.lora_alpha);
@@ -228,8 +279,12 @@ void write_adapter(const std::string& dir, const AdapterTensors& adapter, safete
   j["task_type"] = "CAUSAL_LM";
   j["use_dora"] = false;
   j["use_rslora"] = c.use_rslora;
-  w.write(safetensors::WriteOrder::reference);
-  write_file_atomic(cfg_path, j.dump(2) + "\n");
+  // Both files are staged and swapped in together: never new weights beside an old config.
+  const std::string image = w.serialize(safetensors::WriteOrder::reference);
+  write_folder_atomic(dir, [&](const std::string& staging) {
+    write_file_atomic(staging + "/adapter_model.safetensors", image);
+    write_file_atomic(staging + "/adapter_config.json", j.dump(2) + "\n");
+  }, opt);
 }
 
 AdapterTensors read_adapter(const std::string& dir, bool map_f32) {
@@ -303,15 +358,20 @@ AdapterTensors read_adapter(const std::string& dir, bool map_f32) {
         p.b = to_f32(*it->second.second);
       out.pairs.emplace(it->first, std::move(p));
     }
-  if (static_cast<int>(layers.size()) != out.n_layers())
-    fail(ErrorKind::invalid_input, "{}: layers are not numbered 0..{} (found {} layers)", st_path,
-         out.n_layers() - 1, layers.size());
+  check_adapted_layers(c, layers, st_path, cfg_path, out.n_layers());
   // Every layer of one target has the same in/out (the model's layers are identical).
   for (const auto& [key, p] : out.pairs) {
-    const LoraPair& first = out.pairs.at({0, key.second});
+    const int first_layer = *layers.begin();
+    const LoraPair& first = out.pairs.at({first_layer, key.second});
     if (p.in != first.in || p.out != first.out)
-      fail(ErrorKind::invalid_input, "{}: layer {} {}: A/B shapes [{}, {}]/[{}, {}] differ from layer 0's", st_path,
-           key.first, lora_target_peft_name(key.second), c.r, p.in, p.out, c.r);
+      fail(ErrorKind::invalid_input, "{}: layer {} {}: A/B shapes [{}, {}]/[{}, {}] differ from layer {}'s", st_path,
+           key.first, lora_target_peft_name(key.second), c.r, p.in, p.out, c.r, first_layer);
+  }
+  for (const auto& [key, p] : out.pairs) {  // a NaN/Inf weight would poison every output silently
+    const auto [layer, t] = key;
+    const size_t r = static_cast<size_t>(c.r);
+    check_finite(st_path, tensor_name(layer, t, false), p.a_data(), r * static_cast<size_t>(p.in));
+    check_finite(st_path, tensor_name(layer, t, true), p.b_data(), static_cast<size_t>(p.out) * r);
   }
   if (map_f32) out.mapping = std::move(file);
   return out;

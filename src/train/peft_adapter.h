@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "io/file_write.h"
 #include "io/safetensors.h"
 #include "train/lora.h"
 
@@ -30,6 +31,8 @@ struct AdapterConfig {
   double lora_dropout = 0;
   bool use_rslora = false;
   std::vector<LoraTarget> target_modules;  // in kAllLoraTargets order when written
+  // PEFT's layers_to_transform: the adapted layer indices, ascending; empty = all.
+  std::vector<int> layers_to_transform;
   std::string base_model_name_or_path;
   std::string peft_version = "0.21.2";  // written as is; any version is read
   // The factor multiplying B·A in the forward pass (alpha/r, or alpha/sqrt(r) with rsLoRA).
@@ -57,15 +60,17 @@ struct AdapterTensors {
   int n_layers() const;  // 1 + the largest layer index, 0 when empty
 };
 
-// Writes `dir`/adapter_config.json and `dir`/adapter_model.safetensors (each via
-// temp file + rename; the folder is created). `dtype`: F32, F16 or BF16.
+// Writes the folder `dir` (adapter_config.json + adapter_model.safetensors) as
+// a whole through write_folder_atomic (io/file_write.h): a crash leaves the old
+// folder or the new one. A non-empty `dir` that is not a loom/PEFT output is
+// refused unless opt.overwrite. `dtype`: F32, F16 or BF16.
 // Throws invalid_input when a pair's sizes disagree with r / in / out or a pair's
 // target is not in config.target_modules.
 void write_adapter(const std::string& dir, const AdapterTensors& adapter,
-                   safetensors::StDType dtype = safetensors::StDType::f32);
+                   safetensors::StDType dtype = safetensors::StDType::f32, const FolderWriteOptions& opt = {});
 
 // Reads and validates a PEFT LoRA folder. Unsupported options (DoRA,
-// fan_in_fan_out, non-LORA peft_type, layers_to_transform, rank/alpha patterns,
+// fan_in_fan_out, non-LORA peft_type, layers_pattern other than "layers", rank/alpha patterns,
 // biases, modules_to_save, unknown targets, ...) and malformed or missing
 // tensors throw loom::Error naming the file and the field or tensor.
 // map_f32: keep the safetensors file mapped and point at its aligned F32

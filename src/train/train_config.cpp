@@ -28,7 +28,7 @@ const char* const kLeaves[] = {
     "optim.lr",       "optim.weight_decay", "optim.betas",         "optim.eps",          "optim.max_grad_norm",
     "optim.lora_plus_ratio", "optim.mlp_lr", "schedule.kind",      "schedule.warmup_steps", "batch_size",
     "grad_accum",     "steps",              "epochs",              "eval_interval",      "log_interval",
-    "output_dir",     "seed",               "threads"};
+    "output_dir",     "overwrite",          "seed",               "threads"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -282,12 +282,22 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   r.boolean("eval_at_start", c.eval_at_start);
   r.integer("log_interval", c.log_interval, 1, kMax);
   r.str("output_dir", c.output_dir);
+  r.boolean("overwrite", c.overwrite);
   int64_t n = 0;
   if (r.integer("seed", n, 0, kMax)) c.seed = static_cast<uint64_t>(n);
   if (r.integer("threads", n, 0, 1024)) c.threads = static_cast<int>(n);
   c.lora.seed = c.seed;
 
   if (c.steps > 0 && c.epochs > 0) r.bad("epochs", "set either steps or epochs, not both");
+  // Evaluation needs an eval split; the trainer has one exactly when data.eval or data.eval_fraction is set.
+  const bool has_eval = !c.eval_file.empty() || c.eval_fraction > 0;
+  if (c.eval_interval > 0 && !has_eval)
+    r.bad("eval_interval", "there is no eval split to evaluate: set data.eval or data.eval_fraction");
+  if (c.eval_at_start && !has_eval)
+    r.bad("eval_at_start", "there is no eval split to evaluate: set data.eval or data.eval_fraction");
+  if (c.method == TrainMethod::lora && r.find("output_dtype"))
+    c.warnings.push_back(fmt::format("{}: key 'output_dtype' applies to method: full only; a LoRA adapter is "
+                                     "written in f32", r.where("output_dtype")));
   const auto required = [&](const std::string& value, const char* key) {
     if (value.empty()) fail(ErrorKind::invalid_input, "{}: missing required key '{}'", name, key);
   };

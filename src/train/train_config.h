@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "io/safetensors.h"
 #include "train/data.h"
@@ -64,12 +65,16 @@ struct TrainConfig {
   bool eval_at_start = false;  // also evaluate the untrained model (step 0)
   int64_t log_interval = 10;  // steps between log lines (non-terminal output)
   std::string output_dir;
+  // overwrite: output_dir may be a non-empty folder that is not a loom/PEFT
+  // output; it is replaced as a whole (io/file_write.h).
+  bool overwrite = false;
   // output_dtype: dtype of a full fine-tune's model.safetensors (f32, bf16, f16).
   safetensors::StDType output_dtype = safetensors::StDType::f32;
   uint64_t seed = 0;
   int threads = 0;          // 0: physical cores
 
   std::string source;  // the config file name, for messages
+  std::vector<std::string> warnings;  // settings that have no effect, "file:line:col: ..."; run_training prints them
 };
 
 // Reads `path` and applies `overrides` ("a.b=value", the value read as YAML).

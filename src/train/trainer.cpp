@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "io/file_write.h"
 #include "model/model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
@@ -172,10 +173,34 @@ class Progress {
   bool open_ = false;
 };
 
+// Everything the run will write is checked before the model loads, so a bad
+// output_dir or cache_dir never costs a whole run at the end.
+void check_outputs(const TrainConfig& c) {
+  const std::string where = fmt::format("{}: output_dir", c.source);
+  for (const auto& [input, key] : {std::pair{c.model, "model"}, {c.train_file, "data.train"}, {c.eval_file, "data.eval"},
+                             {c.cache_dir, "data.cache_dir"}, {c.metrics_file, "metrics_file"}})
+    if (!input.empty() && path_within(input, c.output_dir))
+      fail(ErrorKind::invalid_input, "{} '{}' holds the {} '{}'; writing the output would replace it", where,
+           c.output_dir, key, input);
+  check_folder_replaceable(c.output_dir, c.overwrite, where, "--overwrite (or overwrite: true)");
+  check_folder_writable(c.output_dir, where);
+  if (!c.cache_dir.empty()) check_dir_writable(c.cache_dir, fmt::format("{}: data.cache_dir", c.source));
+}
+
 }  // namespace
 
 TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   Progress progress(log, 1, 1);
+  check_outputs(c);
+  for (const std::string& w : c.warnings) progress.line("warning: {}", w);
+  // metrics_file: one JSON object per optimizer step and per evaluation (loss curves, benchmarks).
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(nullptr, &std::fclose);
+  if (!c.metrics_file.empty()) {
+    metrics.reset(std::fopen(c.metrics_file.c_str(), "w"));
+    if (!metrics)
+      fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c.source, c.metrics_file,
+           std::strerror(errno));
+  }
   ThreadPool pool(resolve_thread_count(c.threads, "threads"));  // 0: the default
   const bool full_ft = c.method == TrainMethod::full;
   if (full_ft && (c.lora_plus_ratio || c.mlp_lr))
@@ -250,14 +275,6 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   progress.line("training: {} steps of {} x {} rows x {} tokens ({} rows per epoch)", total_steps, c.grad_accum,
                 c.batch_size, c.seq_len, data.train.rows.rows());
 
-  // metrics_file: one JSON object per optimizer step and per evaluation (loss curves, benchmarks).
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(nullptr, &std::fclose);
-  if (!c.metrics_file.empty()) {
-    metrics.reset(std::fopen(c.metrics_file.c_str(), "w"));
-    if (!metrics)
-      fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c.source, c.metrics_file,
-           std::strerror(errno));
-  }
   const auto json_number = [](double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string("null"); };
 
   progress = Progress(log, total_steps, c.log_interval);
@@ -328,10 +345,14 @@ TrainResult run_training(const TrainConfig& c, std::FILE* log) {
   res.tokens_per_s = train_seconds > 0 ? static_cast<double>(input_tokens) / train_seconds : 0;
   run_eval(total_steps);
 
+  FolderWriteOptions out_opt;
+  out_opt.overwrite = c.overwrite;
+  out_opt.what = "output_dir";
+  out_opt.force = "--overwrite (or overwrite: true)";
   if (full_ft)
-    write_hf_folder(*model, c.output_dir, c.output_dtype);
+    write_hf_folder(*model, c.output_dir, c.output_dtype, out_opt);
   else
-    peft::write_adapter(c.output_dir, adapter_tensors(*lora, mc, c));
+    peft::write_adapter(c.output_dir, adapter_tensors(*lora, mc, c), safetensors::StDType::f32, out_opt);
   res.adapter_dir = c.output_dir;
   progress.line("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", total_steps,
                 res.trained_tokens, format_duration(seconds_since(t0)), res.tokens_per_s,

@@ -50,8 +50,8 @@ expect "negative thread count" 2 "thread count must be >= 1" -- "$loom" bench -m
 # More threads than CPUs are capped with a warning (a spinning pool with 1024 threads never finished).
 expect "thread count capped" 0 "warning: -t 1024 asks for 1024 threads.*using [0-9]+ threads" -- \
   timeout 30 "$loom" generate -m "$tiny" -p hi -n 2 -t 1024
-expect "negative temperature" 1 "temperature" -- "$loom" generate -m "$tiny" -p hi --temp -1
-expect "top-p out of range" 1 "top_p" -- "$loom" generate -m "$tiny" -p hi --top-p 1.5
+expect "negative temperature" 2 "--temp: must be >= 0" -- "$loom" generate -m "$tiny" -p hi --temp -1
+expect "top-p out of range" 2 "--top-p: must be in \\(0, 1\\] \\(got 1.5\\)" -- "$loom" generate -m "$tiny" -p hi --top-p 1.5
 expect "non-numeric n" 2 "n-predict|could not be converted|invalid" -- "$loom" generate -m "$tiny" -p hi -n abc
 expect "empty prompt" 1 "prompt is empty" -- "$loom" generate -m "$tiny" -p ""
 expect "prompt file missing" 1 "nofile.txt" -- "$loom" generate -m "$tiny" -f "$tmp/nofile.txt"
@@ -67,6 +67,71 @@ expect "train bad type" 1 "'steps'.*expected an integer" -- "$loom" train "$tmp/
 expect "train tiny" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 -t 1
 expect "train threads capped" 0 "warning: threads 1000 asks for 1000 threads" -- \
   timeout 30 "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dir="$tmp/adapter-t" -t 1000
+
+# Numeric flags out of range: exit 2 naming the flag (before anything is loaded).
+expect "generate top-k negative" 2 "--top-k: must be >= 0 \\(got -3\\)" -- "$loom" generate -m "$tiny" -p hi --top-k -3
+expect "chat top-k negative" 2 "--top-k: must be >= 0" -- "$loom" chat -m "$tiny" -p hi --top-k -1
+expect "generate n below -1" 2 "--n-predict: must be >= -1" -- "$loom" generate -m "$tiny" -p hi -n -2
+expect "generate negative ctx" 2 "--ctx-size: must be >= 0" -- "$loom" generate -m "$tiny" -p hi -c -1
+expect "generate seed below -1" 2 "--seed: must be >= -1" -- "$loom" generate -m "$tiny" -p hi -s -7
+expect "generate zero repeat penalty" 2 "--repeat-penalty: must be > 0" -- "$loom" generate -m "$tiny" -p hi --repeat-penalty 0
+expect "generate repeat-last-n" 2 "--repeat-last-n: must be >= -1" -- "$loom" generate -m "$tiny" -p hi --repeat-last-n -5
+expect "chat min-p" 2 "--min-p: must be in \\[0, 1\\]" -- "$loom" chat -m "$tiny" -p hi --min-p 2
+expect "chat presence penalty" 2 "--presence-penalty: must be in \\[-2, 2\\]" -- "$loom" chat -m "$tiny" -p hi --presence-penalty 3
+expect "generate nan temperature" 2 "--temp: must be >= 0 \\(got nan\\)" -- "$loom" generate -m "$tiny" -p hi --temp nan
+expect "info negative ctx" 2 "--ctx-size: must be >= 0 \\(got -5\\)" -- "$loom" info -m "$tiny" -c -5
+expect "info ctx beyond model" 1 "--ctx-size 100000 exceeds the model's context length 256" -- "$loom" info -m "$tiny" -c 100000
+expect "bench zero reps" 2 "--repetitions" -- "$loom" bench -m "$tiny" -r 0
+expect "merge zero threads" 2 "thread count must be >= 1" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/m0" -t 0
+
+# Directories where files belong, and files where folders belong.
+expect "tokenize file is a dir" 1 "is a directory, not a file" -- "$loom" tokenize -m "$tiny" --file "$tmp"
+expect "generate prompt file is a dir" 1 "is a directory, not a file" -- "$loom" generate -m "$tiny" -f "$tmp"
+mkdir -p "$tmp/config-dir"
+expect "train config is a dir" 1 "config-dir: is a directory, not a file" -- "$loom" train "$tmp/config-dir"
+expect "train data is a dir" 1 "config-dir: is a directory, not a file" -- "$loom" train "$tmp/train.yaml" --set data.train="$tmp/config-dir" --set data.seq_len=32 --set output_dir="$tmp/a-dd"
+
+# loom train checks everything it writes before training (the model path here does not even exist).
+echo x >"$tmp/a-file"
+expect "train output_dir is a file" 1 "output_dir '.*a-file': exists and is not a folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set output_dir="$tmp/a-file"
+expect "train output_dir not creatable" 1 "output_dir '.*a-file/out/adapter': cannot create its parent folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set output_dir="$tmp/a-file/out/adapter"
+expect "train cache_dir is a file" 1 "data.cache_dir '.*a-file': exists and is not a folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir="$tmp/a-file" --set output_dir="$tmp/a-c1"
+expect "train cache_dir not creatable" 1 "data.cache_dir '.*a-file/c': cannot create the folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir="$tmp/a-file/c" --set output_dir="$tmp/a-c2"
+if ! touch /sys/kernel/.loom-probe 2>/dev/null; then  # a folder even root cannot write in
+  expect "train cache_dir not writable" 1 "data.cache_dir '/sys/kernel': cannot write files" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir=/sys/kernel --set output_dir="$tmp/a-c3"
+fi
+expect "train output_dir holds the data" 1 "output_dir .*fixtures' holds the model" -- "$loom" train "$tmp/train.yaml" --set output_dir="$src/tests/fixtures"
+mkdir -p "$tmp/notes" && echo keep >"$tmp/notes/todo.txt"
+expect "train refuses a foreign folder" 1 "notes': a non-empty folder.*--overwrite" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set output_dir="$tmp/notes"
+expect "train --overwrite replaces it" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dir="$tmp/notes" --overwrite -t 1
+expect "train replaced the whole folder" 0 "^gone$" -- sh -c "test -e '$tmp/notes/todo.txt' || echo gone"
+expect "train rewrites its own output" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 -t 1
+expect "train eval_interval without eval" 1 "'eval_interval': there is no eval split" -- "$loom" train "$tmp/train.yaml" --set eval_interval=5
+expect "train output_dtype with lora warns" 0 "warning: .*'output_dtype' applies to method: full only" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dtype=bf16 --set output_dir="$tmp/a-dtype" -t 1
+expect "train help names full fine-tuning" 0 "method: full" -- "$loom" train --help
+
+# loom merge: foreign output folders are refused (before the merge), --overwrite replaces them.
+mkdir -p "$tmp/mnotes" && echo keep >"$tmp/mnotes/todo.txt"
+expect "merge refuses a foreign folder" 1 "-o '.*mnotes': a non-empty folder.*--overwrite" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/mnotes"
+expect "merge --overwrite" 0 "wrote" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/mnotes" --overwrite
+expect "merge into its adapter" 1 "holds the --adapter input" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/adapter"
+expect "merge over its own output" 0 "wrote" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/mnotes"
+
+# Adapters whose weights are not finite are refused, naming the file and tensor.
+mkdir -p "$tmp/huge"
+cp "$tmp/adapter/adapter_model.safetensors" "$tmp/huge/"
+sed 's/"lora_alpha": [0-9.e+]*/"lora_alpha": 1e308/' "$tmp/adapter/adapter_config.json" >"$tmp/huge/adapter_config.json"
+expect "generate huge lora_alpha" 1 "adapter .*huge: tensor '.*lora_A.weight': the merged weight .* is not finite" -- "$loom" generate -m "$tiny" --adapter "$tmp/huge" -p hi -n 2
+expect "chat huge lora_alpha" 1 "adapter .*huge: tensor '.*lora_A.weight': the merged weight .* is not finite" -- "$loom" chat -m "$tiny" --chat-template chatml --adapter "$tmp/huge" -p hi -n 2
+expect "merge huge lora_alpha" 1 "huge: tensor .* is not finite" -- "$loom" merge -m "$tiny" --adapter "$tmp/huge" -o "$tmp/m-huge"
+expect "merge huge wrote nothing" 0 "^absent$" -- sh -c "test -e '$tmp/m-huge' || echo absent"
+
+# loom chat keeps the session when the context is full (a pipe, a 64-token context).
+long=$(printf 'word %.0s' $(seq 1 100))
+expect "chat context full keeps the session" 0 "context holds 64.*Type /reset" -- \
+  sh -c "printf '%s\n/reset\nhi\n/exit\n' '$long' | '$loom' chat -m '$tiny' --chat-template chatml -c 64 -n 4 --temp 0 -t 1 | tee '$tmp/chat.out'"
+# four prompts: the long message, /reset, hi (answered), /exit
+expect "chat reads on after the full context" 0 "^4$" -- sh -c "grep -c '^> ' '$tmp/chat.out'"
 
 # loom serve: bad flags and files fail before binding, with the flag or file named.
 expect "help serve" 0 "usage|options" -- "$loom" serve --help
