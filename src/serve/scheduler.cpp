@@ -508,12 +508,13 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
 
 void ServingEngine::fail_request(Request* r, const std::exception& e) {
   if (r->ended) return;
+  r->ended = true;
+  for (auto& s : r->seqs) retire(s.get());
+  publish_stats();  // before the client can see the error
   const auto* engine_error = dynamic_cast<const EngineError*>(&e);
   r->stream->push(GenerationEvent::make_error(
       engine_error ? *engine_error
                    : EngineError(EngineErrc::internal, fmt::format("generation failed: {}", e.what()))));
-  r->ended = true;
-  for (auto& s : r->seqs) retire(s.get());
 }
 
 void ServingEngine::recover(const std::exception& e) {
@@ -595,6 +596,8 @@ bool ServingEngine::step() {
                  running_.end());
   waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), [](Sequence* s) { return s->finished; }),
                  waiting_.end());
+  // Published before the final events: a client that has its answer sees the engine's numbers without it.
+  publish_stats();
   bool retired = false;
   for (auto& r : requests_)
     if (r->open == 0 && !r->ended) {
@@ -611,8 +614,12 @@ bool ServingEngine::step() {
 }
 
 void ServingEngine::publish_stats() {
-  n_running_.store(static_cast<int64_t>(running_.size()));
-  n_waiting_.store(static_cast<int64_t>(waiting_.size()));
+  // Sequences retired in this step may still be listed until its end.
+  auto live = [](const auto& list) {
+    return static_cast<int64_t>(std::count_if(list.begin(), list.end(), [](const Sequence* s) { return !s->finished; }));
+  };
+  n_running_.store(live(running_));
+  n_waiting_.store(live(waiting_));
   kv_usage_.store(kv_->usage());
 }
 
