@@ -182,5 +182,41 @@ TEST(AdapterMerge, AdapterThatDoesNotFitNamesFolderAndTensor) {
                           ErrorKind::invalid_input, {layers.str(), "layers.2"});
 }
 
+// lora_alpha 1e308 keeps every adapter value finite but scale * B A overflows
+// f32: the merge (generate, chat, merge) refuses it, naming the adapter and tensor.
+TEST(AdapterMerge, OverflowingScaleNamesAdapterAndTensor) {
+  ThreadPool pool(1);
+  TempDir dir("huge");
+  fs::copy(kAdapter + "/adapter_model.safetensors", dir.path / "adapter_model.safetensors");
+  auto cfg = nlohmann::json::parse(std::ifstream(kAdapter + "/adapter_config.json"));
+  cfg["lora_alpha"] = 1e308;
+  std::ofstream(dir.path / "adapter_config.json") << cfg.dump();
+  test_util::expect_error([&] { load_merged(fixture("model/tiny-llama.f32.gguf"), pool, dir.str()); },
+                          ErrorKind::invalid_input,
+                          {"adapter " + dir.str(), "lora_A.weight", "is not finite", "lora_alpha (1e+308)"});
+}
+
+// write_hf_folder (loom merge, full fine-tuning) replaces its folder as a whole
+// and refuses a non-empty folder that is not a loom/PEFT output unless overwrite.
+TEST(AdapterMerge, ExportRefusesForeignFoldersUnlessOverwrite) {
+  ThreadPool pool(1);
+  TempDir out("foreign");
+  std::ofstream(out.path / "thesis.tex") << "keep";
+  auto base = Model::load(fixture("model/tiny-llama.f32.gguf"), {.tokenizer = true, .pack = false, .pool = &pool});
+  test_util::expect_error([&] { write_hf_folder(*base, out.str(), safetensors::StDType::f32); },
+                          ErrorKind::invalid_input, {out.str(), "thesis.tex", "--overwrite"});
+  EXPECT_FALSE(fs::exists(out.path / "config.json"));
+  FolderWriteOptions opt;
+  opt.overwrite = true;
+  write_hf_folder(*base, out.str(), safetensors::StDType::f32, opt);
+  EXPECT_FALSE(fs::exists(out.path / "thesis.tex"));
+  EXPECT_TRUE(fs::exists(out.path / "tokenizer.json"));
+  // Now a model folder: written again without overwrite, with nothing left beside it.
+  write_hf_folder(*base, out.str(), safetensors::StDType::bf16);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(out.path / "config.json")).at("torch_dtype"), "bfloat16");
+  for (const auto& e : fs::directory_iterator(out.path.parent_path()))
+    EXPECT_FALSE(e.path().filename().string().starts_with("." + out.path.filename().string() + ".loom-")) << e.path();
+}
+
 }  // namespace
 }  // namespace loom

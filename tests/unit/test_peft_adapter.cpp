@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -256,6 +257,39 @@ TEST(PeftAdapter, RejectsBadTensors) {
   expect_tensor_error("wrongparent", [&](auto& w) {
     w.add("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", a, {4, 64});
   }, "unexpected tensor");
+}
+
+// A NaN/Inf weight would make every adapted output non-finite: refused, naming file and tensor,
+// whatever the stored dtype and whether the tensor is copied or mapped.
+TEST(PeftAdapter, RejectsNonFiniteWeights) {
+  const std::string qa = tensor_name(0, LoraTarget::q, false), qb = tensor_name(0, LoraTarget::q, true);
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    std::vector<float> a(4 * 64, 0.5f), b(64 * 4, 0.25f);
+    b[77] = bad;
+    expect_tensor_error("nanB", [&](auto& w) {
+      w.add(qa, a, {4, 64});
+      w.add(qb, b, {64, 4});
+    }, "tensor '" + qb + "' has the non-finite value");
+    expect_tensor_error("nanB16", [&](auto& w) {
+      w.add(qa, a, {4, 64}, safetensors::StDType::bf16);
+      w.add(qb, b, {64, 4}, safetensors::StDType::f16);
+    }, "element 77");
+    a[3] = -bad;
+    b[77] = 0;
+    TempDir dir("nanA_mapped");
+    AdapterTensors ad = random_adapter(4, 1, {LoraTarget::q}, 5);
+    ad.pairs.begin()->second.a[3] = bad;
+    write_adapter(dir.str(), ad);
+    for (const bool mapped : {false, true}) {
+      try {
+        read_adapter(dir.str(), mapped);
+        ADD_FAILURE() << "no error";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(dir.str() + "/adapter_model.safetensors: tensor '" + qa + "'"),
+                  std::string::npos) << e.what();
+      }
+    }
+  }
 }
 
 TEST(PeftAdapter, MissingFilesAndBadJson) {

@@ -226,5 +226,36 @@ TEST(TrainConfig, MissingFile) {
   expect_error([] { load_train_config("/nonexistent/cfg.yaml"); }, ErrorKind::not_found, {"/nonexistent/cfg.yaml"});
 }
 
+TEST(TrainConfig, DirectoryIsNotAConfig) {
+  const std::string dir = std::string(LOOM_SOURCE_DIR) + "/tests";
+  expect_error([&] { load_train_config(dir); }, ErrorKind::invalid_input, {dir, "is a directory, not a file"});
+}
+
+// The trainer evaluates exactly when data.eval or data.eval_fraction gives an eval split.
+TEST(TrainConfig, EvaluationNeedsAnEvalSplit) {
+  expect_bad(kMinimal + "eval_interval: 5\n", {"cfg.yaml:6:1", "'eval_interval'", "no eval split", "data.eval"});
+  expect_bad(kMinimal + "eval_at_start: true\n", {"'eval_at_start'", "no eval split"});
+  expect_bad(kMinimal, {"--set eval_interval=2", "no eval split"}, {"eval_interval=2"});
+  EXPECT_EQ(parse(kMinimal + "eval_interval: 5\ndata.eval: e.jsonl\n").eval_interval, 5);
+  EXPECT_TRUE(parse(kMinimal + "eval_at_start: true\n", {"data.eval_fraction=0.1"}).eval_at_start);
+  EXPECT_EQ(parse(kMinimal + "eval_interval: 0\neval_at_start: false\n").eval_interval, 0);
+}
+
+TEST(TrainConfig, SettingsWithoutEffectWarn) {
+  EXPECT_TRUE(parse(kMinimal).warnings.empty());
+  const TrainConfig c = parse(kMinimal + "output_dtype: bf16\n");
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("cfg.yaml:6:1: key 'output_dtype' applies to method: full only"), std::string::npos)
+      << c.warnings[0];
+  EXPECT_TRUE(parse(kMinimal + "output_dtype: bf16\nmethod: full\n").warnings.empty());
+}
+
+TEST(TrainConfig, Overwrite) {
+  EXPECT_FALSE(parse(kMinimal).overwrite);
+  EXPECT_TRUE(parse(kMinimal + "overwrite: true\n").overwrite);
+  EXPECT_TRUE(parse(kMinimal, {"overwrite=true"}).overwrite);
+  expect_bad(kMinimal + "overwrite: please\n", {"'overwrite'", "true or false"});
+}
+
 }  // namespace
 }  // namespace loom

@@ -205,5 +205,83 @@ TEST(Trainer, FullFineTuneRejectsLoraOnlyOptions) {
                           ErrorKind::invalid_input, {"bad.yaml", "lora_plus_ratio", "method: lora"});
 }
 
+// Every output is checked before the model loads: the model path below does not exist,
+// so any error about the model would mean the check came too late.
+TEST(Trainer, OutputsAreCheckedBeforeTraining) {
+  TempDir tmp;
+  const auto config = [&](const std::vector<std::string>& sets) {
+    std::vector<std::string> all = {"model=" + (tmp.path / "missing.gguf").string()};
+    all.insert(all.end(), sets.begin(), sets.end());
+    return parse_train_config(fmt::format("data:\n  train: {}\nsteps: 1\noutput_dir: {}\n",
+                                          src("tests/fixtures/train_data/text.jsonl"), (tmp.path / "out").string()),
+                              "t.yaml", all);
+  };
+  std::ofstream(tmp.path / "file") << "x";
+  const std::string file = (tmp.path / "file").string();
+  using test_util::expect_error;
+  expect_error([&] { run_training(config({"output_dir=" + file}), nullptr); }, ErrorKind::invalid_input,
+               {"t.yaml: output_dir", file, "exists and is not a folder"});
+  expect_error([&] { run_training(config({"output_dir=" + file + "/sub/out"}), nullptr); }, ErrorKind::io,
+               {"t.yaml: output_dir", "cannot create its parent folder"});
+  expect_error([&] { run_training(config({"data.cache_dir=" + file}), nullptr); }, ErrorKind::io,
+               {"t.yaml: data.cache_dir", "exists and is not a folder"});
+  expect_error([&] { run_training(config({"data.cache_dir=" + file + "/c"}), nullptr); }, ErrorKind::io,
+               {"t.yaml: data.cache_dir", "cannot create the folder"});
+  // A folder that cannot be written in (as root, chmod does not stop writes: /sys/kernel does).
+  fs::create_directories(tmp.path / "ro");
+  fs::permissions(tmp.path / "ro", fs::perms::owner_read | fs::perms::owner_exec);
+  for (const std::string ro : {(tmp.path / "ro").string(), std::string("/sys/kernel")}) {
+    if (!fs::is_directory(ro) || std::ofstream(ro + "/.probe")) {  // writable after all (root): nothing to test
+      fs::remove(ro + "/.probe");
+      continue;
+    }
+    expect_error([&] { run_training(config({"data.cache_dir=" + ro}), nullptr); }, ErrorKind::io,
+                 {"t.yaml: data.cache_dir", ro, "cannot write files"});
+  }
+  fs::permissions(tmp.path / "ro", fs::perms::owner_all);
+  // A non-empty folder that is not a loom/PEFT output is refused unless overwrite: true.
+  fs::create_directories(tmp.path / "notes");
+  std::ofstream(tmp.path / "notes" / "todo.txt") << "keep";
+  const std::string notes = "output_dir=" + (tmp.path / "notes").string();
+  expect_error([&] { run_training(config({notes}), nullptr); }, ErrorKind::invalid_input,
+               {"t.yaml: output_dir", "todo.txt", "--overwrite (or overwrite: true)"});
+  // With overwrite the check passes and the run gets as far as the missing model.
+  expect_error([&] { run_training(config({notes, "overwrite=true"}), nullptr); }, ErrorKind::not_found,
+               {"missing.gguf"});
+  EXPECT_TRUE(fs::exists(tmp.path / "notes" / "todo.txt"));  // nothing written before training
+  // The output folder must not hold an input.
+  expect_error([&] { run_training(config({"output_dir=" + src("tests/fixtures/train_data")}), nullptr); },
+               ErrorKind::invalid_input, {"holds the data.train"});
+  expect_error([&] { run_training(config({"metrics_file=" + (tmp.path / "out" / "m.jsonl").string()}), nullptr); },
+               ErrorKind::invalid_input, {"holds the metrics_file"});
+}
+
+TEST(Trainer, OverwriteReplacesAForeignFolderAndWarningsArePrinted) {
+  TempDir tmp;
+  TrainConfig c = tiny_config(tmp);
+  c.steps = 1;
+  c.eval_interval = 0;
+  c.output_dir = (tmp.path / "notes").string();
+  fs::create_directories(c.output_dir);
+  std::ofstream(tmp.path / "notes" / "todo.txt") << "keep";
+  c.overwrite = true;
+  c.warnings = {"cfg.yaml:3:1: a warning"};
+  char* text = nullptr;
+  size_t size = 0;
+  std::FILE* log = open_memstream(&text, &size);
+  run_training(c, log);
+  std::fclose(log);
+  const std::string out(text, size);
+  std::free(text);
+  EXPECT_NE(out.find("warning: cfg.yaml:3:1: a warning"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(tmp.path / "notes" / "todo.txt"));
+  EXPECT_EQ(peft::read_adapter(c.output_dir).config.r, 4);
+  // Its own output is replaced without overwrite.
+  c.overwrite = false;
+  c.lora.r = 2;
+  run_training(c, nullptr);
+  EXPECT_EQ(peft::read_adapter(c.output_dir).config.r, 2);
+}
+
 }  // namespace
 }  // namespace loom
