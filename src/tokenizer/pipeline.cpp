@@ -4,6 +4,7 @@
 #include "tokenizer/pipeline.h"
 
 #include <unicode/unorm2.h>
+#include <unicode/uset.h>
 #include <unicode/ustring.h>
 
 #include <algorithm>
@@ -54,6 +55,37 @@ std::vector<std::pair<size_t, size_t>> numeric_matches(std::string_view text) {
     i += n;
   }
   return out;
+}
+
+// HF's NFC (the unicode-normalization-alignments crate) has Unicode 9.0 tables:
+// a mark added since counts as class 0 (never reordered) and the compositions
+// added since (U+11935 U+11930 -> U+11938) are not made. ICU's NFC restricted to
+// the code points assigned by Unicode 9.0 does exactly that: any other code
+// point is left as it is and ends a normalization run, as an unknown starter
+// does in HF. Built once, immutable (ICU's frozen set and normalizer are
+// thread-safe), released at exit.
+const UNormalizer2* hf_nfc(UErrorCode& err) {
+  struct Filtered {
+    USet* set = nullptr;
+    UNormalizer2* norm = nullptr;
+    UErrorCode err = U_ZERO_ERROR;
+    Filtered() {
+      const UNormalizer2* nfc = unorm2_getNFCInstance(&err);
+      static const UChar kPattern[] = u"[:age=9.0:]";
+      if (U_SUCCESS(err)) set = uset_openPattern(kPattern, -1, &err);
+      if (U_SUCCESS(err)) {
+        uset_freeze(set);
+        norm = unorm2_openFiltered(nfc, set, &err);
+      }
+    }
+    ~Filtered() {
+      if (norm) unorm2_close(norm);
+      if (set) uset_close(set);
+    }
+  };
+  static const Filtered f;
+  err = f.err;
+  return f.norm;
 }
 
 }  // namespace
@@ -131,7 +163,7 @@ std::string nfc(std::string_view text) {
   if (text.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max() / 4))
     fail(ErrorKind::invalid_input, "text of {} bytes is too long to normalize", text.size());
   UErrorCode err = U_ZERO_ERROR;
-  const UNormalizer2* norm = unorm2_getNFCInstance(&err);
+  const UNormalizer2* norm = hf_nfc(err);
   if (U_FAILURE(err)) fail(ErrorKind::internal, "ICU NFC normalizer unavailable: {}", u_errorName(err));
   std::u16string src(text.size(), u'\0');
   int32_t n16 = 0;

@@ -32,15 +32,9 @@ std::vector<bool> bitmap(std::span<const CodeRange> r) {
   return m;
 }
 
-// The code points the linked PCRE2 matches with `property` ("\\p{L}"), found by
-// running it over a text of every code point (surrogates excepted).
-std::vector<bool> pcre2_members(const char* property) {
-  std::string all;
-  all.reserve(4 * kCodeSpace);
-  for (char32_t c = 0; c < kCodeSpace; ++c) {
-    if (c >= 0xD800 && c <= 0xDFFF) continue;
-    utf8_append(all, c);
-  }
+// The code points the linked PCRE2 matches with `property` ("\\p{L}+"), found by
+// running it over `all`, a text of every code point (surrogates excepted).
+std::vector<bool> pcre2_members(const char* property, const std::string& all) {
   int err = 0;
   PCRE2_SIZE off = 0;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(property), PCRE2_ZERO_TERMINATED,
@@ -85,8 +79,8 @@ std::string class_items(const std::vector<bool>& m) {
 // What goes inside a character class in place of \p{X}: PCRE2's own property
 // (a fast table lookup) plus the code points it lacks; only if PCRE2 also has
 // code points HF does not (a PCRE2 newer than HF) the whole table is spelled out.
-std::string class_body(const char* property, std::span<const CodeRange> table) {
-  const std::vector<bool> hf = bitmap(table), pc = pcre2_members(fmt::format("{}+", property).c_str());
+std::string class_body(const char* property, std::span<const CodeRange> table, const std::string& all) {
+  const std::vector<bool> hf = bitmap(table), pc = pcre2_members(fmt::format("{}+", property).c_str(), all);
   std::vector<bool> extra(kCodeSpace, false);
   bool pcre2_has_more = false;
   for (char32_t c = 0; c < kCodeSpace; ++c) {
@@ -100,9 +94,17 @@ struct Widening {
   std::string letter, number;  // class bodies for \p{L}, \p{N}
 };
 
-// Computed once per process (~tens of ms) and immutable afterwards.
+Widening make_widening() {
+  std::string all;
+  all.reserve(4 * kCodeSpace);
+  for (char32_t c = 0; c < kCodeSpace; ++c)
+    if (c < 0xD800 || c > 0xDFFF) utf8_append(all, c);
+  return {class_body("\\p{L}", kLetterRanges, all), class_body("\\p{N}", kNumberRanges, all)};
+}
+
+// Computed once per process (about 50 ms) and immutable afterwards.
 const Widening& widening() {
-  static const Widening w{class_body("\\p{L}", hf_letter_ranges()), class_body("\\p{N}", hf_number_ranges())};
+  static const Widening w = make_widening();
   return w;
 }
 

@@ -140,6 +140,11 @@ TEST(TokenizerUnicode, EveryBlockIsTested) {
   EXPECT_EQ(unicode_refs()["tokenizers"].size(), 8u);
   // The category set holds every general category's sample (29 categories, 9 templates each).
   EXPECT_GT(unicode_refs()["sets"]["categories"].size(), 29u * 9u * 5u);
+  // Pre-tokenizer pieces are checked for every tokenizer that has a pre-tokenizer.
+  for (const char* name : {"smollm2", "llama3_style", "qwen2_style", "gpt2_style"})
+    for (const char* set : {"categories", "extra"})
+      EXPECT_TRUE(unicode_refs()["tokenizers"][name][set].contains("piece_lengths")) << name << "/" << set;
+  EXPECT_TRUE(unicode_refs()["tokenizers"]["spm_style+metaspace"]["extra"].contains("piece_lengths"));
 }
 
 }  // namespace
