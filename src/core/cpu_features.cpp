@@ -4,8 +4,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <string>
 
 namespace loom {
 
@@ -19,6 +20,7 @@ const CpuFeatures& cpu_features() {
     c.avx512f = __builtin_cpu_supports("avx512f");
     c.avx512bw = __builtin_cpu_supports("avx512bw");
     c.avx512vl = __builtin_cpu_supports("avx512vl");
+    c.avx512dq = __builtin_cpu_supports("avx512dq");
     c.avx512vnni = __builtin_cpu_supports("avx512vnni");
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
     // AVX-VNNI (CPUID.(7,1):EAX bit 4), AMX-BF16, AMX-TILE and AMX-INT8
@@ -37,14 +39,55 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
-bool use_avx512_kernels() {
-  static const bool use = [] {
-    const char* force = std::getenv("LOOM_CPU");
-    if (force != nullptr && std::strcmp(force, "avx2") == 0) return false;
-    return cpu_features().has_avx512_kernels();
-  }();
-  return use;
+std::optional<CpuFeatures> mask_cpu_features(const CpuFeatures& cpu, std::string_view loom_cpu) {
+  CpuFeatures f = cpu;
+  if (loom_cpu.empty() || loom_cpu == "native") return f;
+  if (loom_cpu != "avx2" && loom_cpu != "avx512f" && loom_cpu != "avx512-nobf16" && loom_cpu != "avx512")
+    return std::nullopt;
+  f.amx_tile = f.amx_int8 = f.amx_bf16 = false;
+  if (loom_cpu == "avx512") return f;
+  f.avx512bf16 = false;
+  if (loom_cpu == "avx512-nobf16") return f;
+  f.avx512vnni = false;
+  if (loom_cpu == "avx512f") return f;
+  f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512vnni = false;
+  return f;
 }
+
+const CpuFeatures& usable_cpu_features() {
+  static const CpuFeatures f = [] {
+    const char* env = std::getenv("LOOM_CPU");
+    std::optional<CpuFeatures> m = mask_cpu_features(cpu_features(), env != nullptr ? env : "");
+    if (!m) {
+      std::fprintf(stderr, "loom: warning: LOOM_CPU=%s is not one of avx2, avx512f, avx512-nobf16, avx512, native; ignored\n",
+                   env);
+      m = cpu_features();
+    }
+    if (m->amx_tile && !amx_tile_state_granted()) m->amx_tile = m->amx_int8 = m->amx_bf16 = false;
+    return *m;
+  }();
+  return f;
+}
+
+CpuClass cpu_class_of(const CpuFeatures& f) {
+  if (!f.has_avx512_kernels()) return CpuClass::avx2;
+  if (!f.avx512bf16) return CpuClass::avx512;
+  return f.amx_tile && f.amx_bf16 ? CpuClass::amx : CpuClass::avx512_bf16;
+}
+
+const char* cpu_class_name(CpuClass c) {
+  switch (c) {
+    case CpuClass::amx: return "AMX-BF16";
+    case CpuClass::avx512_bf16: return "AVX512-BF16";
+    case CpuClass::avx512: return "AVX-512 (no BF16)";
+    case CpuClass::avx2: return "AVX2";
+  }
+  return "?";
+}
+
+CpuClass cpu_class() { return cpu_class_of(usable_cpu_features()); }
+
+bool use_avx512_kernels() { return usable_cpu_features().has_avx512_kernels(); }
 
 bool amx_tile_state_granted() {
   static const bool ok = [] {
@@ -56,13 +99,8 @@ bool amx_tile_state_granted() {
 }
 
 bool use_amx_kernels() {
-  static const bool use = [] {
-    if (!use_avx512_kernels()) return false;  // also LOOM_CPU=avx2
-    const char* force = std::getenv("LOOM_CPU");
-    if (force != nullptr && std::strcmp(force, "avx512") == 0) return false;
-    return amx_tile_state_granted();
-  }();
-  return use;
+  const CpuFeatures& f = usable_cpu_features();
+  return f.has_avx512_kernels() && f.amx_tile;
 }
 
 }  // namespace loom

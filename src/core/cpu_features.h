@@ -1,5 +1,10 @@
-// Run-time CPU feature detection for choosing kernel variants.
+// Run-time CPU feature detection for choosing kernel variants. Every choice of
+// a code path is made from the instructions present (after LOOM_CPU's masks),
+// never from a CPU's name.
 #pragma once
+
+#include <optional>
+#include <string_view>
 
 namespace loom {
 
@@ -10,21 +15,50 @@ struct CpuFeatures {
   bool avx512f = false;
   bool avx512bw = false;
   bool avx512vl = false;
+  bool avx512dq = false;
   bool avx512vnni = false;
   bool avx512bf16 = false;
   bool avxvnni = false;
-  bool amx_tile = false;  // the OS must still grant tile state (arch_prctl) before use
+  bool amx_tile = false;  // in cpu_features(): the CPU has it; the OS must still grant tile state
   bool amx_int8 = false;
   bool amx_bf16 = false;
 
-  // The AVX-512 kernels need F, BW, VL and VNNI together.
+  // The AVX-512 matrix kernels (int8 dot products, bf16) need F, BW, VL and VNNI together.
   bool has_avx512_kernels() const { return avx512f && avx512bw && avx512vl && avx512vnni; }
+  // The f32 AVX-512 kernels (training attention, weight-gradient tiles; files
+  // *_avx512f.cpp) need F, BW, VL and DQ: Skylake-X has them, without VNNI.
+  bool has_avx512_f32() const { return avx512f && avx512bw && avx512vl && avx512dq; }
 };
 
+// What the CPU reports (CPUID), unmasked.
 const CpuFeatures& cpu_features();
 
-// LOOM_CPU=avx2 forces the AVX2 kernels on an AVX-512 machine (tests and
-// benchmarks use it to exercise both paths).
+// LOOM_CPU restricts the instructions loom's automatic choices may use, so one
+// machine can run (and test) the paths of smaller ones:
+//   avx2           no AVX-512, no AMX (a Haswell..Alder Lake class machine)
+//   avx512f        AVX-512 F/BW/VL/DQ only: no VNNI, BF16, AMX (Skylake-X)
+//   avx512-nobf16  AVX-512 with VNNI, no AVX512-BF16, no AMX (Ice Lake, Cascade Lake)
+//   avx512         AVX-512 with BF16 where present, no AMX (Zen 4, Cooper Lake)
+//   native / unset everything the CPU has.
+// Masks only remove instructions; an unknown value is nullopt.
+std::optional<CpuFeatures> mask_cpu_features(const CpuFeatures& cpu, std::string_view loom_cpu);
+
+// cpu_features() masked by LOOM_CPU (an unknown value warns once on stderr and
+// masks nothing), with the AMX bits cleared unless the OS granted the tile state:
+// what the automatic choices below use.
+const CpuFeatures& usable_cpu_features();
+
+// The classes of machine loom tells apart for its defaults, best first.
+enum class CpuClass { amx, avx512_bf16, avx512, avx2 };
+// amx: AMX-BF16 (with the AVX-512 kernels and AVX512-BF16); avx512_bf16:
+// AVX-512 kernels + AVX512-BF16; avx512: AVX-512 kernels; avx2: the rest.
+CpuClass cpu_class_of(const CpuFeatures& f);
+const char* cpu_class_name(CpuClass c);
+// cpu_class_of(usable_cpu_features()).
+CpuClass cpu_class();
+
+// usable_cpu_features().has_avx512_kernels(): LOOM_CPU=avx2 forces the AVX2
+// kernels on an AVX-512 machine (tests and benchmarks use it to exercise both paths).
 bool use_avx512_kernels();
 
 // Linux hands out the (8 KB) AMX tile state only on request (arch_prctl); asks
@@ -32,8 +66,8 @@ bool use_avx512_kernels();
 bool amx_tile_state_granted();
 
 // AMX kernels may run: AVX-512 kernels are in use, the CPU has AMX tiles, the OS
-// granted the tile state, and LOOM_CPU is not avx2 or avx512 (which disable AMX).
-// Callers still check the AMX extension they need (amx_int8, amx_bf16).
+// granted the tile state, and LOOM_CPU does not mask AMX. Callers still check
+// the AMX extension they need (amx_int8, amx_bf16 in usable_cpu_features()).
 bool use_amx_kernels();
 
 }  // namespace loom

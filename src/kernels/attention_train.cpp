@@ -239,10 +239,12 @@ Buffer alloc_floats(int64_t n) {
 }  // namespace attn
 
 bool attention_isa_supported(AttnIsa isa) {
-  return isa == AttnIsa::avx2 || cpu_features().has_avx512_kernels();
+  return isa == AttnIsa::avx2 || cpu_features().has_avx512_f32();
 }
 
-AttnIsa default_attention_isa() { return use_avx512_kernels() ? AttnIsa::avx512 : AttnIsa::avx2; }
+AttnIsa default_attention_isa() {
+  return usable_cpu_features().has_avx512_f32() ? AttnIsa::avx512 : AttnIsa::avx2;
+}
 
 void attention_forward_train(ThreadPool& pool, const AttnTrainOptions& opt, float* out, float* lse, const float* q,
                              const float* k, const float* v, const AttentionShape& s, int64_t T,

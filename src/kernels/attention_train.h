@@ -20,8 +20,8 @@ namespace loom {
 
 enum class AttnIsa { avx2, avx512 };
 
-// The ISA the plain entry points use: AVX-512 where the CPU has it, unless
-// LOOM_CPU=avx2.
+// The ISA the plain entry points use: AVX-512 where the CPU has AVX-512 F (the
+// f32 kernels need nothing else), unless LOOM_CPU=avx2.
 AttnIsa default_attention_isa();
 bool attention_isa_supported(AttnIsa isa);
 

@@ -1,5 +1,5 @@
 // Tile kernels of the training attention, written once over a vector-ISA traits
-// type V and included by attention_train_avx2.cpp and attention_train_avx512.cpp.
+// type V and included by attention_train_avx2.cpp and attention_train_avx512f.cpp.
 // Everything sits in an anonymous namespace so each ISA's instantiations stay in
 // its own file (no ODR mixing of code built with different flags).
 //

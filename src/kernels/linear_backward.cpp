@@ -18,7 +18,7 @@
 
 namespace loom {
 namespace detail {
-// linear_backward_avx512.cpp
+// linear_backward_avx512f.cpp
 void rows_fma_avx512(float* C, int64_t ldc, const float* a, int64_t lda_r, int64_t lda_i, const float* B,
                      int64_t ldb, int64_t n, int64_t cols, int64_t r0, int64_t r1);
 }  // namespace detail
@@ -60,11 +60,12 @@ void tile_fma(float* C, int64_t ldc, const float* a, int64_t lda_r, int64_t lda_
     }
 }
 
-// Rows [r0, r1) of C, 4 at a time (AVX-512 tiles where the CPU has them: the
-// same chains, so the same results).
+// Rows [r0, r1) of C, 4 at a time (AVX-512 tiles where the CPU has AVX-512 F:
+// the same chains, so the same results).
 void rows_fma(float* C, int64_t ldc, const float* a, int64_t lda_r, int64_t lda_i, const float* B, int64_t ldb,
               int64_t n, int64_t cols, int64_t r0, int64_t r1) {
-  if (use_avx512_kernels()) return detail::rows_fma_avx512(C, ldc, a, lda_r, lda_i, B, ldb, n, cols, r0, r1);
+  if (usable_cpu_features().has_avx512_f32())
+    return detail::rows_fma_avx512(C, ldc, a, lda_r, lda_i, B, ldb, n, cols, r0, r1);
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) tile_fma<4>(C + r * ldc, ldc, a + r * lda_r, lda_r, lda_i, B, ldb, n, cols);
   for (; r < r1; ++r) tile_fma<1>(C + r * ldc, ldc, a + r * lda_r, lda_r, lda_i, B, ldb, n, cols);

@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "kernels/matmul.h"
@@ -53,12 +54,16 @@ DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p);
 PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
                             const char* name = "weight", PackedWeight* recycle = nullptr);
 // Which kernel multiplies a bf16 W^T: automatic takes AMX, then AVX512-BF16,
-// then AVX2 as the CPU, the OS and LOOM_CPU (avx2 / avx512 disable AMX) allow;
-// tests and benchmarks force one (loom::Error(unsupported) if the CPU lacks it).
-// The three differ only in the f32 rounding of the sums.
+// then AVX2 as the instructions present allow (usable_cpu_features(): the CPU,
+// the OS and LOOM_CPU's masks); tests and benchmarks force one
+// (loom::Error(unsupported) if the CPU lacks it). The three differ only in the
+// f32 rounding of the sums.
 enum class Bf16Kernel { automatic, amx, avx512, avx2 };
-// Whether a forced kernel can run here (automatic: always).
+// Whether a forced kernel can run on this CPU (automatic: always); LOOM_CPU does
+// not limit forced kernels.
 bool bf16_kernel_available(Bf16Kernel k);
+// The kernel automatic picks on a CPU with features `f` (never automatic).
+Bf16Kernel automatic_bf16_kernel(const CpuFeatures& f);
 
 // Working memory of linear_backward_input_packed; reuse it across calls.
 struct PackedBackwardScratch {

@@ -37,9 +37,22 @@ const char* backward_mode_name(BackwardMode m) {
   return "?";
 }
 
-BackwardMode default_backward_mode() {
-  return bf16_kernel_available(Bf16Kernel::amx) ? BackwardMode::bf16 : BackwardMode::f16;
+BackwardMode backward_mode_for(CpuClass c) {
+  // From LoRA training tokens/s of SmolLM2-135M per class (docs/training.md,
+  // "Backward speed by CPU"): bf16 leads where AVX512-BF16 or AMX-BF16 multiply
+  // it; without them its products run as f32 FMA and f16 is used.
+  switch (c) {
+    case CpuClass::amx:
+    case CpuClass::avx512_bf16:
+      return BackwardMode::bf16;
+    case CpuClass::avx512:
+    case CpuClass::avx2:
+      return BackwardMode::f16;
+  }
+  return BackwardMode::f16;
 }
+
+BackwardMode default_backward_mode() { return backward_mode_for(cpu_class()); }
 
 std::optional<BackwardMode> backward_mode_from_name(std::string_view name) {
   if (name == "auto") return default_backward_mode();

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/thread_pool.h"
 #include "kernels/linear_backward.h"
 #include "kernels/loss.h"
@@ -37,8 +38,12 @@ enum class BackwardMode { exact, f16, int8, bf16 };
 const char* backward_mode_name(BackwardMode m);
 // Also accepts "auto": default_backward_mode().
 std::optional<BackwardMode> backward_mode_from_name(std::string_view name);
-// `loom train`'s default: bf16 where AMX-BF16 runs it (several times faster than
-// f16, the precision of bf16 mixed-precision training), else f16.
+// `loom train`'s default on a machine of class `c`: the fastest mode whose
+// gradient error is no worse than bf16 mixed-precision training's (so never
+// int8), from the measured table in docs/training.md.
+BackwardMode backward_mode_for(CpuClass c);
+// backward_mode_for(cpu_class()): decided by the instructions present, LOOM_CPU's
+// masks applied.
 BackwardMode default_backward_mode();
 
 class TrainSession {

@@ -167,11 +167,7 @@ void store_bf16_pairs(PackedWeight& Wt, int64_t k0, int64_t rows, const float* w
 }
 
 Bf16Kernel resolve_bf16_kernel(Bf16Kernel k) {
-  if (k == Bf16Kernel::automatic) {
-    if (use_amx_kernels() && bf16_kernel_available(Bf16Kernel::amx)) return Bf16Kernel::amx;
-    if (use_avx512_kernels() && bf16_kernel_available(Bf16Kernel::avx512)) return Bf16Kernel::avx512;
-    return Bf16Kernel::avx2;
-  }
+  if (k == Bf16Kernel::automatic) return automatic_bf16_kernel(usable_cpu_features());
   if (!bf16_kernel_available(k))
     fail(ErrorKind::unsupported, "bf16 input gradients: the {} kernel needs CPU features this machine lacks",
          k == Bf16Kernel::amx ? "AMX-BF16" : "AVX512-BF16");
@@ -258,6 +254,11 @@ void bf16_gemm(ThreadPool& pool, Bf16Kernel kernel, const PackedWeight& Wt, cons
 }  // namespace loom::cpu
 
 namespace loom {
+
+Bf16Kernel automatic_bf16_kernel(const CpuFeatures& f) {
+  if (!f.has_avx512_kernels() || !f.avx512bf16) return Bf16Kernel::avx2;
+  return f.amx_tile && f.amx_bf16 ? Bf16Kernel::amx : Bf16Kernel::avx512;
+}
 
 bool bf16_kernel_available(Bf16Kernel k) {
   const CpuFeatures& f = cpu_features();

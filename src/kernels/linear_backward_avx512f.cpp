@@ -1,6 +1,7 @@
 // AVX-512 register tiles (4 rows x 64 columns) for the linear-layer gradients
 // of linear_backward.cpp: the same per-element fma chains as its AVX2 tiles,
-// twice the width. Chosen at run time (use_avx512_kernels()).
+// twice the width. AVX-512 F only (Skylake-X and later); chosen at run time
+// (CpuFeatures::has_avx512_f32).
 #include <immintrin.h>
 
 #include <cstdint>

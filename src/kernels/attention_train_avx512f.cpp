@@ -1,4 +1,5 @@
-// AVX-512 instantiation of the training attention tile kernels (chosen at run time).
+// AVX-512 (F only: Skylake-X and later) instantiation of the training attention
+// tile kernels (chosen at run time by CpuFeatures::has_avx512_f32).
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized (a known false positive in
 // their undefined pass-through operands).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

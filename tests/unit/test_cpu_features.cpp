@@ -1,0 +1,121 @@
+// Choices made by instruction set: LOOM_CPU's masks, the CPU classes, and what
+// each class gets (the bf16 kernel, the default backward mode), for the
+// feature sets of the machines loom's users have, not only this one.
+#include <gtest/gtest.h>
+
+#include "core/cpu_features.h"
+#include "kernels/attention_train.h"
+#include "kernels/linear_backward.h"
+#include "train/train_step.h"
+
+namespace loom {
+namespace {
+
+CpuFeatures avx2_cpu() {  // Haswell .. Alder Lake, Zen 1-3
+  CpuFeatures f;
+  f.avx2 = f.fma = f.f16c = true;
+  return f;
+}
+CpuFeatures skylake_x() {  // AVX-512 without VNNI: loom's AVX-512 kernels need VNNI
+  CpuFeatures f = avx2_cpu();
+  f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = true;
+  return f;
+}
+CpuFeatures ice_lake() {
+  CpuFeatures f = skylake_x();
+  f.avx512vnni = true;
+  return f;
+}
+CpuFeatures zen4() {
+  CpuFeatures f = ice_lake();
+  f.avx512bf16 = true;
+  return f;
+}
+CpuFeatures sapphire_rapids() {
+  CpuFeatures f = zen4();
+  f.avxvnni = f.amx_tile = f.amx_int8 = f.amx_bf16 = true;
+  return f;
+}
+
+}  // namespace
+
+TEST(CpuFeatures, ClassesFollowTheInstructions) {
+  EXPECT_EQ(cpu_class_of(avx2_cpu()), CpuClass::avx2);
+  EXPECT_EQ(cpu_class_of(skylake_x()), CpuClass::avx2);
+  EXPECT_EQ(cpu_class_of(ice_lake()), CpuClass::avx512);
+  EXPECT_EQ(cpu_class_of(zen4()), CpuClass::avx512_bf16);
+  EXPECT_EQ(cpu_class_of(sapphire_rapids()), CpuClass::amx);
+  CpuFeatures amx_int8_only = sapphire_rapids();  // AMX tiles but no AMX-BF16
+  amx_int8_only.amx_bf16 = false;
+  EXPECT_EQ(cpu_class_of(amx_int8_only), CpuClass::avx512_bf16);
+}
+
+TEST(CpuFeatures, LoomCpuMasksOnlyRemove) {
+  const CpuFeatures spr = sapphire_rapids();
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(spr, "")), CpuClass::amx);
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(spr, "native")), CpuClass::amx);
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(spr, "avx512")), CpuClass::avx512_bf16);
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(spr, "avx512-nobf16")), CpuClass::avx512);
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(spr, "avx2")), CpuClass::avx2);
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(spr, "avx512f")), CpuClass::avx2);  // no VNNI: AVX2 matrix kernels
+  EXPECT_TRUE(mask_cpu_features(spr, "avx512f")->has_avx512_f32());
+  EXPECT_FALSE(mask_cpu_features(spr, "avx512f")->avx512vnni);
+  const CpuFeatures m = *mask_cpu_features(spr, "avx512-nobf16");
+  EXPECT_FALSE(m.amx_tile || m.amx_int8 || m.amx_bf16 || m.avx512bf16);
+  EXPECT_TRUE(m.has_avx512_kernels());
+  const CpuFeatures a = *mask_cpu_features(spr, "avx2");
+  EXPECT_FALSE(a.avx512f || a.avx512vnni || a.avx512bf16 || a.amx_tile);
+  EXPECT_TRUE(a.avx2 && a.fma && a.avxvnni);
+  // A mask never adds: an Ice Lake asked for avx512 stays without BF16.
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(ice_lake(), "avx512")), CpuClass::avx512);
+  EXPECT_EQ(cpu_class_of(*mask_cpu_features(avx2_cpu(), "avx512")), CpuClass::avx2);
+  EXPECT_FALSE(mask_cpu_features(spr, "avx512bf16").has_value());
+  EXPECT_FALSE(mask_cpu_features(spr, "AVX2").has_value());
+}
+
+// The f32 AVX-512 kernels (training attention, weight-gradient tiles) need
+// AVX-512 F/BW/VL/DQ only, so Skylake-X runs them though its matrix kernels are AVX2.
+TEST(CpuFeatures, F32Avx512KernelsNeedOnlyFoundation) {
+  EXPECT_FALSE(avx2_cpu().has_avx512_f32());
+  EXPECT_TRUE(skylake_x().has_avx512_f32());
+  EXPECT_FALSE(skylake_x().has_avx512_kernels());
+  EXPECT_TRUE(ice_lake().has_avx512_f32() && ice_lake().has_avx512_kernels());
+  EXPECT_FALSE(mask_cpu_features(sapphire_rapids(), "avx2")->has_avx512_f32());
+}
+
+TEST(CpuFeatures, Bf16KernelByInstructions) {
+  EXPECT_EQ(automatic_bf16_kernel(sapphire_rapids()), Bf16Kernel::amx);
+  EXPECT_EQ(automatic_bf16_kernel(zen4()), Bf16Kernel::avx512);
+  EXPECT_EQ(automatic_bf16_kernel(ice_lake()), Bf16Kernel::avx2);
+  EXPECT_EQ(automatic_bf16_kernel(skylake_x()), Bf16Kernel::avx2);
+  EXPECT_EQ(automatic_bf16_kernel(avx2_cpu()), Bf16Kernel::avx2);
+  EXPECT_EQ(automatic_bf16_kernel(*mask_cpu_features(sapphire_rapids(), "avx512")), Bf16Kernel::avx512);
+}
+
+// The measured choice per class (docs/training.md, "Backward speed by CPU").
+TEST(CpuFeatures, BackwardModeByClass) {
+  EXPECT_EQ(backward_mode_for(CpuClass::amx), BackwardMode::bf16);
+  EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16), BackwardMode::bf16);
+  EXPECT_EQ(backward_mode_for(CpuClass::avx512), BackwardMode::f16);
+  EXPECT_EQ(backward_mode_for(CpuClass::avx2), BackwardMode::f16);
+  for (CpuClass c : {CpuClass::amx, CpuClass::avx512_bf16, CpuClass::avx512, CpuClass::avx2})
+    EXPECT_NE(backward_mode_for(c), BackwardMode::int8) << cpu_class_name(c);  // int8's error is 3x bf16's
+}
+
+// This process: the automatic choices agree with its usable features.
+TEST(CpuFeatures, LiveChoicesAgree) {
+  const CpuFeatures& u = usable_cpu_features();
+  const CpuFeatures& raw = cpu_features();
+  EXPECT_LE(u.avx512f, raw.avx512f);
+  EXPECT_LE(u.avx512bf16, raw.avx512bf16);
+  EXPECT_LE(u.amx_bf16, raw.amx_bf16);
+  EXPECT_EQ(use_avx512_kernels(), u.has_avx512_kernels());
+  EXPECT_EQ(default_attention_isa() == AttnIsa::avx512, u.has_avx512_f32());
+  EXPECT_EQ(use_amx_kernels(), u.has_avx512_kernels() && u.amx_tile);
+  EXPECT_EQ(default_backward_mode(), backward_mode_for(cpu_class_of(u)));
+  EXPECT_EQ(backward_mode_from_name("auto"), default_backward_mode());
+  const Bf16Kernel k = automatic_bf16_kernel(u);
+  EXPECT_TRUE(bf16_kernel_available(k));
+}
+
+}  // namespace loom
