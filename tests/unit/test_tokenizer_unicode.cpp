@@ -13,7 +13,9 @@
 #include "io/gguf.h"
 #include "test_tokenizer_util.h"
 #include "tokenizer/pipeline.h"
+#include "tokenizer/regex.h"
 #include "tokenizer/unicode.h"
+#include "tokenizer/unicode_classes.h"
 
 namespace loom {
 namespace {
@@ -145,6 +147,36 @@ TEST(TokenizerUnicode, EveryBlockIsTested) {
     for (const char* set : {"categories", "extra"})
       EXPECT_TRUE(unicode_refs()["tokenizers"][name][set].contains("piece_lengths")) << name << "/" << set;
   EXPECT_TRUE(unicode_refs()["tokenizers"]["spm_style+metaspace"]["extra"].contains("piece_lengths"));
+}
+
+// Matches of `pattern` in `text`, as "b-e" byte ranges.
+std::string spans(std::string_view pattern, std::string_view text) {
+  std::string out;
+  for (const auto& [b, e] : tok::Regex(pattern, false, "test").find_all(text))
+    out += fmt::format("{}{}-{}", out.empty() ? "" : " ", b, e);
+  return out;
+}
+
+TEST(TokenizerUnicode, RegexClassesFollowHuggingFace) {
+  // U+1C89 (a letter) and U+10D40 (a digit) are Unicode 16: older PCRE2 tables lack them.
+  const std::string letter = "\xE1\xB2\x89", digit = "\xF0\x90\xB5\x80";
+  EXPECT_EQ(spans(R"(\p{L}+)", "a" + letter + "b"), "0-5");
+  EXPECT_EQ(spans(R"(\pL)", letter), "0-3");
+  EXPECT_EQ(spans(R"(\p{N})", digit), "0-4");
+  EXPECT_EQ(spans(R"([^\r\n\p{L}\p{N}]+)", " " + letter + digit + "!"), "0-1 8-9");
+  EXPECT_EQ(spans(R"(\P{L})", "a" + letter + "1"), "4-5");
+  EXPECT_EQ(spans(R"([\]\p{N}]+)", "]" + digit + "x"), "0-5");
+  EXPECT_EQ(spans(R"([[:alpha:]\p{N}]+)", "a" + digit), "0-5");
+  // Escaped backslashes and quoted text are not properties.
+  EXPECT_EQ(spans(R"(\\p{L})", "\\p{L}" + letter), "0-5");
+  EXPECT_EQ(spans(R"(\Q\p{L}\E)", letter + "\\p{L}"), "3-8");
+  // HF's Digits and single_word tables.
+  EXPECT_TRUE(tok::is_hf_numeric(0x10D40));
+  EXPECT_TRUE(tok::is_hf_numeric(0xBD));  // ½ (No)
+  EXPECT_FALSE(tok::is_hf_numeric('x'));
+  EXPECT_TRUE(tok::is_hf_word_char(0x24B6));  // Ⓐ: So but Alphabetic, so a word character
+  EXPECT_TRUE(tok::is_hf_word_char('_'));
+  EXPECT_FALSE(tok::is_hf_word_char(' '));
 }
 
 }  // namespace
