@@ -55,6 +55,9 @@ int run_serve(int argc, char** argv) {
   app.add_option("--adapter", adapter_specs, "NAME=DIR: a PEFT LoRA adapter served as model NAME (repeatable)");
   app.add_option("--adapter-dir", so.adapter_dirs,
                  "folder that POST /v1/load_lora_adapter may load from (repeatable; none: run-time loading off)");
+  app.add_option("--chat-template", so.chat_template,
+                 "chatml, llama3, llama2 or mistral for /v1/chat/completions (default: from the model's metadata)")
+      ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral"}));
   app.add_option("--host", ho.host, "address to bind")->capture_default_str();
   app.add_option("--port", ho.port, "port to bind (0: any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
   auto* api_key_opt =

@@ -88,9 +88,15 @@ ServingEngine::ServingEngine(ServeOptions options)
 
   const Tokenizer& tok = model_->tokenizer();
   eos_ids_ = model_->extra_eos_ids();
-  if (model_->chat_template_text()) {
-    const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
-    const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
+  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
+  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
+  if (!opt_.chat_template.empty()) {  // chosen by name, as `loom chat --chat-template`
+    const auto kind = chat_template_kind_from_name(opt_.chat_template);
+    if (!kind)
+      fail(ErrorKind::invalid_input, "--chat-template '{}': expected chatml, llama3, llama2 or mistral",
+           opt_.chat_template);
+    template_ = std::make_unique<ChatTemplate>(ChatTemplate::from_kind(*kind, bos, eos));
+  } else if (model_->chat_template_text()) {
     try {
       template_ = std::make_unique<ChatTemplate>(ChatTemplate::from_text(*model_->chat_template_text(), bos, eos));
     } catch (const Error&) {

@@ -34,6 +34,7 @@ struct ServeOptions {
   std::string model_name;  // the id clients use; default: the file or folder name
   std::vector<std::pair<std::string, std::string>> adapters;  // (name, folder) loaded at start
   std::vector<std::string> adapter_dirs;  // folders run-time loads may read from
+  std::string chat_template;              // chatml, llama3, llama2 or mistral; empty: the model's metadata
   int64_t max_seqs = 64;                  // sequences decoding at once
   int64_t max_model_len = 0;              // 0: min(model context, 4096)
   size_t kv_cache_memory = 0;             // bytes of KV blocks; 0: max_seqs * max_model_len positions (capped at 2 GiB)

@@ -136,6 +136,7 @@ expect "chat reads on after the full context" 0 "^4$" -- sh -c "grep -c '^> ' '$
 # loom serve: bad flags and files fail before binding, with the flag or file named.
 expect "help serve" 0 "usage|options" -- "$loom" serve --help
 expect "serve missing -m" 2 "model.*required" -- "$loom" serve
+expect "serve bad chat template" 2 "--chat-template: jinja not in" -- timeout 20 "$loom" serve -m "$tiny" --chat-template jinja --port 0
 expect "serve bad adapter spec" 1 "--adapter 'nodir': expected NAME=DIR" -- "$loom" serve -m "$tiny" --adapter nodir
 expect "serve missing adapter" 1 "adapter 'a'.*missing-adapter" -- "$loom" serve -m "$tiny" --adapter a="$tmp/missing-adapter" --port 0
 expect "serve bad kv size" 1 "kv-cache-memory '12X'" -- "$loom" serve -m "$tiny" --kv-cache-memory 12X
