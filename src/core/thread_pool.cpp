@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <algorithm>
 #include <climits>
 
 namespace loom {
@@ -17,10 +18,13 @@ inline void cpu_relax() {
 }
 
 // How long a thread spins for the next run (a worker) or for the last index to
-// finish (the caller) before it sleeps. Decode dispatches an op every few tens
-// of microseconds, so this covers the gaps of a quiet machine; on a busy one a
-// thread gives its CPU back after at most this long.
-constexpr int64_t kSpinNanoseconds = 50'000;
+// finish (the caller) before it sleeps: up to kMaxSpin on a quiet machine
+// (prompt batches leave workers idle for hundreds of microseconds between
+// ops; a futex wake-up costs tens), halved each time a spin runs out (the
+// thread waited for was descheduled: a busy machine, where spinning only keeps
+// it off the CPU) down to kMinSpin, and grown back by a sixteenth of kMaxSpin
+// after each spin that succeeds.
+constexpr int64_t kMaxSpin = 1'000'000, kMinSpin = 16'000;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -61,7 +65,8 @@ ThreadPool::ThreadPool(int n_threads)
     : n_threads_(n_threads < 1 ? 1 : n_threads),
       // More threads than CPUs: a spinning thread only keeps a descheduled one
       // from running, so threads sleep at once.
-      spin_ns_(n_threads_ <= cpu_budget().usable ? kSpinNanoseconds : 0) {
+      spin_max_(n_threads_ <= cpu_budget().usable ? kMaxSpin : 0),
+      spin_ns_(spin_max_) {
   workers_.reserve(static_cast<size_t>(n_threads_ - 1));
   for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
@@ -71,6 +76,17 @@ ThreadPool::~ThreadPool() {
   generation_.fetch_add(1, std::memory_order_seq_cst);
   futex_wake(generation_, INT_MAX);
   for (auto& w : workers_) w.join();
+}
+
+template <class Done>
+bool ThreadPool::spin(Done done) {
+  const int64_t budget = spin_ns_.load(std::memory_order_relaxed);
+  const bool ok = spin_until(done, budget);
+  if (spin_max_ == 0) return ok;
+  // Racy read-modify-write on purpose: the budget is a hint shared by all threads.
+  const int64_t next = ok ? std::min(spin_max_, budget + spin_max_ / 16) : std::max(kMinSpin, budget / 2);
+  if (next != budget) spin_ns_.store(next, std::memory_order_relaxed);
+  return ok;
 }
 
 void ThreadPool::run_impl(Trampoline tramp, void* ctx) {
@@ -101,7 +117,7 @@ void ThreadPool::run_claimed() {
 
 void ThreadPool::wait_all_done() {
   const auto n = static_cast<uint32_t>(n_threads_);
-  if (spin_until([&] { return done_.load(std::memory_order_acquire) == n; }, spin_ns_)) return;
+  if (spin([&] { return done_.load(std::memory_order_acquire) == n; })) return;
   // Sleep until the last index finishes (its thread may have been descheduled:
   // spinning or yielding would only keep it from running). Dekker-style with
   // run_claimed: either it sees caller_waiting_ and wakes us, or we see done_ == n.
@@ -113,7 +129,7 @@ void ThreadPool::wait_all_done() {
 void ThreadPool::worker_loop() {
   uint32_t seen = 0;  // the value before any run(); reading it here could miss the first run
   for (;;) {
-    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_ns_)) {
+    if (!spin([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       while (generation_.load(std::memory_order_seq_cst) == seen) futex_wait(generation_, seen);
       sleepers_.fetch_sub(1, std::memory_order_relaxed);

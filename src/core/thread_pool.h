@@ -1,7 +1,8 @@
 // A fork-join pool tuned for per-op dispatch during decoding: workers spin for a
-// bounded time (kSpinNanoseconds) on a generation counter, then sleep on a futex,
-// so a parallel op costs a few microseconds on a quiet machine and a busy one
-// loses no more than that spin. run(fn) calls fn(i, n) once for every index i
+// bounded time on a generation counter, then sleep on a futex, so a parallel op
+// costs a few microseconds on a quiet machine. The bound adapts (1 ms down to
+// 16 us): each spin that runs out halves it, so on a busy machine threads give
+// their CPU back quickly instead of keeping descheduled siblings off it. run(fn) calls fn(i, n) once for every index i
 // in [0, n), n = size(); the threads (the caller among them) claim indices as
 // they arrive, so the split of the work stays the same (results do not change)
 // while an index whose thread has been descheduled is run by another. Passed
@@ -60,7 +61,11 @@ class ThreadPool {
   void wait_all_done();
 
   int n_threads_;
-  int64_t spin_ns_;  // 0 when the pool has more threads than usable CPUs
+  template <class Done>
+  bool spin(Done done);  // spins up to the current budget and adapts it; says whether done()
+
+  int64_t spin_max_;  // 0 when the pool has more threads than usable CPUs: never spin
+  std::atomic<int64_t> spin_ns_;  // the current spin budget (see thread_pool.cpp)
   std::vector<std::thread> workers_;
   // Futex words are 32-bit (generation_, done_).
   alignas(64) std::atomic<uint32_t> generation_{0};  // bumped by each run; workers sleep on it
