@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "model/forward.h"
 #include "model/model.h"
@@ -35,9 +36,9 @@ inline float top2_margin(const float* logits, int64_t V) {
 }
 
 // Runs every case ({"prompt", "continuation"}) for n_predict greedy tokens; returns how
-// many were identical for all tokens. A divergence with a margin >= kNearTie fails.
+// many were identical for all tokens. A divergence with a margin >= near_tie fails.
 inline int expect_greedy_agreement(const Model& model, ThreadPool& pool, const nlohmann::json& cases,
-                                   int n_predict, const std::string& label) {
+                                   int n_predict, const std::string& label, float near_tie = kNearTie) {
   const Tokenizer& tok = model.tokenizer();
   int exact = 0;
   for (const auto& c : cases) {
@@ -49,15 +50,25 @@ inline int expect_greedy_agreement(const Model& model, ThreadPool& pool, const n
     sp.temperature = 0;
     Sampler sampler(sp, s.vocab_size());
     std::string got;
+    std::vector<float> margins;
     for (int i = 0; i < n_predict; ++i) {
       const int32_t id = sampler.sample(logits, {});
       if (tok.is_eog(id)) break;
+      margins.push_back(top2_margin(logits, s.vocab_size()));
       const std::string next = got + tok.token_to_piece(id);
       if (want.compare(0, next.size(), next) != 0) {
-        const float m = top2_margin(logits, s.vocab_size());
-        std::printf("[ llama.cpp agreement ] %s '%s': diverges at token %d (top-2 logit margin %.4f)\n",
-                    label.c_str(), prompt.c_str(), i, m);
-        EXPECT_LT(m, kNearTie) << "token " << i << ": loom continues '" << next << "', llama.cpp '" << want
+        // The texts are compared, not the tokens (llama-simple prints text): a token
+        // that is a strict prefix of llama.cpp's (' ' against ' approximately') only
+        // shows as a divergence at a later token, so the decision that split them is
+        // one of the last kSplitLag tokens: the one with the smallest margin.
+        constexpr int kSplitLag = 3;
+        int at = i;
+        for (int j = i; j >= 0 && j > i - kSplitLag; --j)
+          if (margins[static_cast<size_t>(j)] < margins[static_cast<size_t>(at)]) at = j;
+        const float m = margins[static_cast<size_t>(at)];
+        std::printf("[ llama.cpp agreement ] %s '%s': diverges by token %d (top-2 logit margin %.4f at token %d)\n",
+                    label.c_str(), prompt.c_str(), i, m, at);
+        EXPECT_LT(m, near_tie) << "token " << at << ": loom continues '" << next << "', llama.cpp '" << want
                                << "' with a top-2 margin of " << m;
         got.clear();
         break;
