@@ -202,7 +202,13 @@ TEST_F(ServingEngineTest, PreemptionRecomputesWithoutChangingOutputs) {
 
 // A cancelled request (client gone) ends with `done` and frees its blocks.
 TEST_F(ServingEngineTest, CancelFreesTheCache) {
-  ServingEngine e(options());
+  // 200 tokens of the tiny model take ~0.1 s: slow each step down (2 ms) so the
+  // request is still running when the test looks, even on a loaded machine.
+  ServeOptions o = options();
+  o.fault_hook = [](FaultPoint p, const GenerationRequest&) {
+    if (p == FaultPoint::forward) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  };
+  ServingEngine e(o);
   auto s = std::make_shared<RequestStream>();
   e.submit(greedy("a0", random_prompt(9, 30), 200), s);
   int deltas = 0;
@@ -213,6 +219,7 @@ TEST_F(ServingEngineTest, CancelFreesTheCache) {
     ++deltas;
   }
   EXPECT_GT(e.stats().kv_cache_usage, 0.0);
+  EXPECT_EQ(e.stats().requests_running, 1);
   s->cancel();
   for (;;) {
     auto ev = s->pop(std::chrono::seconds(30));
