@@ -19,6 +19,7 @@
 #include "serve/scheduler.h"
 #include "train/adapter_merge.h"
 #include "train/peft_adapter.h"
+#include "model_test_util.h"
 
 namespace loom {
 namespace {
@@ -40,28 +41,6 @@ std::vector<float> read_f32(const std::string& path) {
   std::vector<float> out(static_cast<size_t>(in.tellg()) / 4);
   in.seekg(0);
   in.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size() * 4));
-  return out;
-}
-
-double relative_error(const float* a, const float* b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    num = std::max(num, static_cast<double>(std::fabs(a[i] - b[i])));
-    den = std::max(den, static_cast<double>(std::fabs(b[i])));
-  }
-  return num / den;
-}
-
-std::vector<int32_t> greedy(InferenceSession& s, const float* logits, size_t n) {
-  SamplingParams p;
-  p.temperature = 0;
-  Sampler sampler(p, s.vocab_size());
-  std::vector<int32_t> out;
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t id = sampler.sample(logits, out);
-    out.push_back(id);
-    if (i + 1 < n) logits = s.eval(std::span<const int32_t>(&id, 1));
-  }
   return out;
 }
 
@@ -102,8 +81,8 @@ TEST(AdapterSubsets, MergedAtLoadMatchesPeft) {
       InferenceSession s(m->config(), m->weights(), pool, 64, /*micro_batch=*/4);
       s.eval(prompt, /*all_logits=*/true);
       for (size_t t = 0; t < prompt.size(); ++t)
-        EXPECT_LT(relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;
-      expect_greedy(greedy(s, s.logits().data() + (prompt.size() - 1) * V, a["greedy"].size()), a["greedy"], name);
+        EXPECT_LT(test::relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;
+      expect_greedy(test::greedy_ids(s, s.logits().data() + (prompt.size() - 1) * V, a["greedy"].size()), a["greedy"], name);
     }
   }
 }
@@ -127,31 +106,12 @@ TEST(AdapterSubsets, ServedPerRowMatchesMergedAtLoad) {
     ServingEngine e(o);
     for (const auto& [name, a] : ref["adapters"].items()) {
       SCOPED_TRACE(base + " " + name);
-      GenerationRequest g;
-      g.model = name;
-      g.prompt.is_tokens = true;
-      g.prompt.tokens = prompt;
-      g.sampling.temperature = 0;
-      g.sampling.top_k = 0;
-      g.sampling.top_p = 1;
-      g.sampling.min_p = 0;
-      g.max_tokens = static_cast<int64_t>(a["greedy"].size());
-      g.ignore_eos = true;
-      auto stream = std::make_shared<RequestStream>();
-      e.submit(std::move(g), stream);
-      std::vector<int32_t> served;
-      for (;;) {
-        auto ev = stream->pop(std::chrono::seconds(60));
-        ASSERT_TRUE(ev.has_value());
-        ASSERT_NE(ev->kind, GenerationEvent::Kind::error) << (ev->error ? ev->error->what() : "");
-        if (ev->kind == GenerationEvent::Kind::done) break;
-        served.insert(served.end(), ev->delta.token_ids.begin(), ev->delta.token_ids.end());
-      }
+      const auto served = test::serve_greedy_ids(e, name, prompt, static_cast<int64_t>(a["greedy"].size()));
       Model::LoadOptions lo{.tokenizer = false, .pool = &pool};
       lo.before_pack = adapter_merge_hook(kDir + name);
       auto m = Model::load(kFx + base, lo);
       InferenceSession s(m->config(), m->weights(), pool, 64);
-      const auto merged = greedy(s, s.eval(prompt), a["greedy"].size());
+      const auto merged = test::greedy_ids(s, s.eval(prompt), a["greedy"].size());
       if (base.find("f32") != std::string::npos) {
         // f32 base: both paths are f32 arithmetic, only the summation order differs.
         EXPECT_EQ(served, merged);
@@ -188,7 +148,7 @@ TEST(AdapterSubsets, MergedFolderMatchesPeft) {
     InferenceSession s(m->config(), m->weights(), pool, 64);
     s.eval(prompt, /*all_logits=*/true);
     for (size_t t = 0; t < prompt.size(); ++t)
-      EXPECT_LT(relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;
+      EXPECT_LT(test::relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;
   }
   fs::remove_all(tmp);
 }

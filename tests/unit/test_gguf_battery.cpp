@@ -19,6 +19,7 @@
 #include "model/sampler.h"
 #include "serve/scheduler.h"
 #include "train/trainer.h"
+#include "model_test_util.h"
 
 namespace loom {
 namespace {
@@ -33,29 +34,7 @@ nlohmann::json manifest() {
   return nlohmann::json::parse(in);
 }
 
-double relative_error(const float* a, const float* b, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    num = std::max(num, static_cast<double>(std::fabs(a[i] - b[i])));
-    den = std::max(den, static_cast<double>(std::fabs(b[i])));
-  }
-  return num / den;
-}
-
 const std::vector<int32_t> kPrompt = {1, 40, 77, 12, 250, 9, 101, 64, 33, 180, 7};
-
-std::vector<int32_t> greedy(InferenceSession& s, const float* logits, int n) {
-  SamplingParams p;
-  p.temperature = 0;
-  Sampler sampler(p, s.vocab_size());
-  std::vector<int32_t> out;
-  for (int i = 0; i < n; ++i) {
-    const int32_t id = sampler.sample(logits, out);
-    out.push_back(id);
-    if (i + 1 < n) logits = s.eval(std::span<const int32_t>(&id, 1));
-  }
-  return out;
-}
 
 struct TempDir {
   fs::path path;
@@ -113,8 +92,8 @@ TEST(GgufBattery, EveryFileLoadsAndMatchesItsDequantizedWeights) {
     const std::string ft = f["file_type"];
     const double tol = ft == "F16" || ft == "BF16" ? 1e-4 : 0.1;
     for (size_t t = 0; t < kPrompt.size(); ++t)
-      EXPECT_LT(relative_error(sq.logits().data() + t * V, sd.logits().data() + t * V, V), tol) << "position " << t;
-    const auto ids = greedy(sq, sq.logits().data() + (kPrompt.size() - 1) * V, 8);
+      EXPECT_LT(test::relative_error(sq.logits().data() + t * V, sd.logits().data() + t * V, V), tol) << "position " << t;
+    const auto ids = test::greedy_ids(sq, sq.logits().data() + (kPrompt.size() - 1) * V, 8);
     EXPECT_EQ(ids.size(), 8u);
   }
 }
@@ -153,29 +132,10 @@ TEST(GgufBattery, EveryFileServesARequest) {
     o.max_batch_tokens = 64;
     o.kv_dtype = DType::f32;  // as InferenceSession's cache: an f16 cache would flip near ties
     ServingEngine e(o);
-    GenerationRequest g;
-    g.model = "base";
-    g.prompt.is_tokens = true;
-    g.prompt.tokens = kPrompt;
-    g.sampling.temperature = 0;
-    g.sampling.top_k = 0;
-    g.sampling.top_p = 1;
-    g.sampling.min_p = 0;
-    g.max_tokens = 6;
-    g.ignore_eos = true;
-    auto stream = std::make_shared<RequestStream>();
-    e.submit(std::move(g), stream);
-    std::vector<int32_t> served;
-    for (;;) {
-      auto ev = stream->pop(std::chrono::seconds(60));
-      ASSERT_TRUE(ev.has_value()) << "no event within 60 s";
-      ASSERT_NE(ev->kind, GenerationEvent::Kind::error) << (ev->error ? ev->error->what() : "");
-      if (ev->kind == GenerationEvent::Kind::done) break;
-      served.insert(served.end(), ev->delta.token_ids.begin(), ev->delta.token_ids.end());
-    }
+    const auto served = test::serve_greedy_ids(e, "base", kPrompt, 6);
     auto m = Model::load(path, {.tokenizer = false, .pool = &pool});
     InferenceSession s(m->config(), m->weights(), pool, 64);
-    const auto want = greedy(s, s.eval(kPrompt), 6);
+    const auto want = test::greedy_ids(s, s.eval(kPrompt), 6);
     EXPECT_EQ(served, want);
   }
 }

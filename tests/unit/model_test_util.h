@@ -1,0 +1,77 @@
+// Helpers of the whole-model unit tests: logits comparison, greedy decoding through
+// InferenceSession, and one greedy request through the serving engine.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/forward.h"
+#include "model/sampler.h"
+#include "serve/scheduler.h"
+
+namespace loom::test {
+
+// max |a - b| / max |b|.
+inline double relative_error(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num = std::max(num, static_cast<double>(std::fabs(a[i] - b[i])));
+    den = std::max(den, static_cast<double>(std::fabs(b[i])));
+  }
+  return num / den;
+}
+
+// n greedy tokens from `logits` (the session's last position), fed back one by one.
+inline std::vector<int32_t> greedy_ids(InferenceSession& s, const float* logits, size_t n) {
+  SamplingParams p;
+  p.temperature = 0;
+  Sampler sampler(p, s.vocab_size());
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t id = sampler.sample(logits, out);
+    out.push_back(id);
+    if (i + 1 < n) logits = s.eval(std::span<const int32_t>(&id, 1));
+  }
+  return out;
+}
+
+// One greedy request of exactly n tokens for `model` (the base or an adapter name);
+// fails the test on an error event or when no event comes within 60 s.
+inline std::vector<int32_t> serve_greedy_ids(ServingEngine& e, const std::string& model,
+                                             const std::vector<int32_t>& prompt, int64_t n) {
+  GenerationRequest g;
+  g.model = model;
+  g.prompt.is_tokens = true;
+  g.prompt.tokens = prompt;
+  g.sampling.temperature = 0;
+  g.sampling.top_k = 0;
+  g.sampling.top_p = 1;
+  g.sampling.min_p = 0;
+  g.max_tokens = n;
+  g.ignore_eos = true;
+  auto stream = std::make_shared<RequestStream>();
+  e.submit(std::move(g), stream);
+  std::vector<int32_t> served;
+  for (;;) {
+    auto ev = stream->pop(std::chrono::seconds(60));
+    if (!ev) {
+      ADD_FAILURE() << "no event within 60 s";
+      break;
+    }
+    if (ev->kind == GenerationEvent::Kind::error) {
+      ADD_FAILURE() << (ev->error ? ev->error->what() : "error event");
+      break;
+    }
+    if (ev->kind == GenerationEvent::Kind::done) break;
+    served.insert(served.end(), ev->delta.token_ids.begin(), ev->delta.token_ids.end());
+  }
+  return served;
+}
+
+}  // namespace loom::test
