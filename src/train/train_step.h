@@ -31,8 +31,8 @@ namespace loom {
 //  int8:  as f16 but quantized weights as q8_0 and gradients quantized to q8_0:
 //         ~3e-2 relative gradient error.
 //  bf16:  W^T and the gradients rounded to bf16, products with AMX-BF16 tiles
-//         (else AVX512-BF16, else f32 FMA) and f32 sums: the fastest where AMX
-//         exists; ~1e-2 relative gradient error (cosine 0.99994) on a Q4_1
+//         (else AVX512-BF16, else f32 FMA) and f32 sums: the fastest with
+//         AMX-BF16, AVX512-BF16 or AVX2 alone; ~1e-2 relative gradient error (cosine 0.99994) on a Q4_1
 //         model; one bf16 copy of the weights. Rounds f32/f16 weights too.
 enum class BackwardMode { exact, f16, int8, bf16 };
 const char* backward_mode_name(BackwardMode m);
@@ -40,7 +40,8 @@ const char* backward_mode_name(BackwardMode m);
 std::optional<BackwardMode> backward_mode_from_name(std::string_view name);
 // `loom train`'s default on a machine of class `c`: the fastest mode whose
 // gradient error is no worse than bf16 mixed-precision training's (so never
-// int8), from the measured table in docs/training.md.
+// int8), from the measured table in docs/training.md; between modes of equal
+// speed the more exact one.
 BackwardMode backward_mode_for(CpuClass c);
 // backward_mode_for(cpu_class()): decided by the instructions present, LOOM_CPU's
 // masks applied.
