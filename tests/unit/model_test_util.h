@@ -41,22 +41,29 @@ inline std::vector<int32_t> greedy_ids(InferenceSession& s, const float* logits,
   return out;
 }
 
-// One greedy request of exactly n tokens for `model` (the base or an adapter name);
-// fails the test on an error event or when no event comes within 60 s.
-inline std::vector<int32_t> serve_greedy_ids(ServingEngine& e, const std::string& model,
-                                             const std::vector<int32_t>& prompt, int64_t n) {
+// A greedy request of exactly max_tokens tokens (EOS ignored) for `model`, the base
+// or an adapter name, with the prompt given as token ids.
+inline GenerationRequest greedy_request(const std::string& model, std::vector<int32_t> prompt,
+                                        int64_t max_tokens) {
   GenerationRequest g;
   g.model = model;
   g.prompt.is_tokens = true;
-  g.prompt.tokens = prompt;
+  g.prompt.tokens = std::move(prompt);
   g.sampling.temperature = 0;
   g.sampling.top_k = 0;
   g.sampling.top_p = 1;
   g.sampling.min_p = 0;
-  g.max_tokens = n;
+  g.max_tokens = max_tokens;
   g.ignore_eos = true;
+  return g;
+}
+
+// One greedy_request through the engine; fails the test on an error event or when
+// no event comes within 60 s.
+inline std::vector<int32_t> serve_greedy_ids(ServingEngine& e, const std::string& model,
+                                             const std::vector<int32_t>& prompt, int64_t n) {
   auto stream = std::make_shared<RequestStream>();
-  e.submit(std::move(g), stream);
+  e.submit(greedy_request(model, prompt, n), stream);
   std::vector<int32_t> served;
   for (;;) {
     auto ev = stream->pop(std::chrono::seconds(60));

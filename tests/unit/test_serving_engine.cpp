@@ -15,6 +15,7 @@
 
 #include "serve/scheduler.h"
 #include "train/peft_adapter.h"
+#include "model_test_util.h"
 
 namespace loom {
 namespace {
@@ -94,19 +95,7 @@ Output collect(RequestStream& s, int n = 1) {
   }
 }
 
-GenerationRequest greedy(const std::string& model, std::vector<int32_t> prompt, int64_t max_tokens) {
-  GenerationRequest g;
-  g.model = model;
-  g.prompt.is_tokens = true;
-  g.prompt.tokens = std::move(prompt);
-  g.sampling.temperature = 0;
-  g.sampling.top_k = 0;
-  g.sampling.top_p = 1;
-  g.sampling.min_p = 0;
-  g.max_tokens = max_tokens;
-  g.ignore_eos = true;
-  return g;
-}
+using test::greedy_request;
 
 std::vector<int32_t> random_prompt(uint32_t seed, int64_t len) {
   std::mt19937 rng(seed);
@@ -148,12 +137,13 @@ TEST_F(ServingEngineTest, BatchInvarianceAcrossRequestsAndAdapters) {
   const std::string models[] = {"base", "a0", "a1", "a2"};
   std::vector<GenerationRequest> reqs;
   for (int i = 0; i < 32; ++i)
-    reqs.push_back(greedy(models[i % 4], random_prompt(static_cast<uint32_t>(i), 5 + (i * 7) % 40), 10 + i % 7));
+    reqs.push_back(
+        greedy_request(models[i % 4], random_prompt(static_cast<uint32_t>(i), 5 + (i * 7) % 40), 10 + i % 7));
   std::vector<Output> alone;
   for (const auto& g : reqs) alone.push_back(run_alone(e, g));
   // Adapters change the output (so the comparison below means something).
-  const Output base_a = run_alone(e, greedy("base", random_prompt(1, 20), 12));
-  const Output a0 = run_alone(e, greedy("a0", random_prompt(1, 20), 12));
+  const Output base_a = run_alone(e, greedy_request("base", random_prompt(1, 20), 12));
+  const Output a0 = run_alone(e, greedy_request("a0", random_prompt(1, 20), 12));
   EXPECT_NE(base_a.ids[0], a0.ids[0]) << "adapter a0 does not change the output";
 
   std::vector<std::shared_ptr<RequestStream>> streams;
@@ -182,7 +172,7 @@ TEST_F(ServingEngineTest, PreemptionRecomputesWithoutChangingOutputs) {
   o.max_seqs = 12;
   ServingEngine e(o);
   std::vector<GenerationRequest> reqs;
-  for (int i = 0; i < 12; ++i) reqs.push_back(greedy(i % 2 ? "a1" : "base", random_prompt(50 + i, 12), 40));
+  for (int i = 0; i < 12; ++i) reqs.push_back(greedy_request(i % 2 ? "a1" : "base", random_prompt(50 + i, 12), 40));
   std::vector<Output> alone;
   for (const auto& g : reqs) alone.push_back(run_alone(e, g));
   std::vector<std::shared_ptr<RequestStream>> streams;
@@ -210,7 +200,7 @@ TEST_F(ServingEngineTest, CancelFreesTheCache) {
   };
   ServingEngine e(o);
   auto s = std::make_shared<RequestStream>();
-  e.submit(greedy("a0", random_prompt(9, 30), 200), s);
+  e.submit(greedy_request("a0", random_prompt(9, 30), 200), s);
   int deltas = 0;
   while (deltas < 3) {
     auto ev = s->pop(std::chrono::seconds(30));
@@ -235,7 +225,7 @@ TEST_F(ServingEngineTest, CancelFreesTheCache) {
 TEST_F(ServingEngineTest, LoadAndUnloadWhileStreamsRun) {
   ServingEngine e(options());
   std::vector<GenerationRequest> reqs;
-  for (int i = 0; i < 16; ++i) reqs.push_back(greedy(i % 3 == 0 ? "a2" : i % 3 == 1 ? "a1" : "base",
+  for (int i = 0; i < 16; ++i) reqs.push_back(greedy_request(i % 3 == 0 ? "a2" : i % 3 == 1 ? "a1" : "base",
                                                      random_prompt(200 + i, 10 + i), 30));
   std::vector<Output> alone;
   for (const auto& g : reqs) alone.push_back(run_alone(e, g));
@@ -246,13 +236,13 @@ TEST_F(ServingEngineTest, LoadAndUnloadWhileStreamsRun) {
   }
   e.load_adapter("a3", (tmp.path / "a3").string());
   e.unload_adapter("a2");  // a2's requests are running: they keep their adapter
-  EXPECT_THROW(e.submit(greedy("a2", {5, 6}, 2), std::make_shared<RequestStream>()), EngineError);
+  EXPECT_THROW(e.submit(greedy_request("a2", {5, 6}, 2), std::make_shared<RequestStream>()), EngineError);
   for (size_t i = 0; i < reqs.size(); ++i) {
     const Output o = collect(*streams[i]);
     ASSERT_FALSE(o.error) << o.error->what();
     EXPECT_EQ(o.ids[0], alone[i].ids[0]) << "request " << i << " (" << reqs[i].model << ")";
   }
-  const Output a3 = run_alone(e, greedy("a3", random_prompt(1, 20), 8));
+  const Output a3 = run_alone(e, greedy_request("a3", random_prompt(1, 20), 8));
   EXPECT_FALSE(a3.error);
   e.load_adapter("a2", (tmp.path / "a2").string());  // back under the same name: same weights, same output
   EXPECT_EQ(run_alone(e, reqs[0]).ids[0], alone[0].ids[0]);
@@ -264,16 +254,16 @@ TEST_F(ServingEngineTest, AdapterEvictionAndReload) {
   ServeOptions o = options();
   o.max_loras = 1;
   ServingEngine e(o);
-  const Output first = run_alone(e, greedy("a0", random_prompt(3, 9), 8));
-  run_alone(e, greedy("a1", random_prompt(3, 9), 8));
-  run_alone(e, greedy("a2", random_prompt(3, 9), 8));
+  const Output first = run_alone(e, greedy_request("a0", random_prompt(3, 9), 8));
+  run_alone(e, greedy_request("a1", random_prompt(3, 9), 8));
+  run_alone(e, greedy_request("a2", random_prompt(3, 9), 8));
   EXPECT_EQ(e.stats().adapters_loaded, 1);
-  EXPECT_EQ(run_alone(e, greedy("a0", random_prompt(3, 9), 8)).ids[0], first.ids[0]);
+  EXPECT_EQ(run_alone(e, greedy_request("a0", random_prompt(3, 9), 8)).ids[0], first.ids[0]);
 }
 
 TEST_F(ServingEngineTest, SeededChoicesAreReproducible) {
   ServingEngine e(options());
-  GenerationRequest g = greedy("a0", random_prompt(4, 8), 12);
+  GenerationRequest g = greedy_request("a0", random_prompt(4, 8), 12);
   g.sampling.temperature = 1.0f;
   g.n = 3;
   g.seed = 1234;
@@ -289,8 +279,8 @@ TEST_F(ServingEngineTest, SeededChoicesAreReproducible) {
 
 TEST_F(ServingEngineTest, StopTokenAndMaxTokens) {
   ServingEngine e(options());
-  const Output full = run_alone(e, greedy("base", random_prompt(5, 8), 12));
-  GenerationRequest g = greedy("base", random_prompt(5, 8), 12);
+  const Output full = run_alone(e, greedy_request("base", random_prompt(5, 8), 12));
+  GenerationRequest g = greedy_request("base", random_prompt(5, 8), 12);
   g.stop_token_ids = {full.ids[0][4]};
   const Output cut = run_alone(e, g);
   EXPECT_EQ(cut.finish[0], FinishKind::stop);
@@ -309,11 +299,11 @@ TEST_F(ServingEngineTest, BadRequestsAreTypedErrors) {
     }
     return EngineErrc::internal;
   };
-  EXPECT_EQ(code(greedy("nope", {5}, 4)), EngineErrc::model_not_found);
-  EXPECT_EQ(code(greedy("base", {5, 100000}, 4)), EngineErrc::invalid_request);
-  EXPECT_EQ(code(greedy("base", {}, 4)), EngineErrc::invalid_request);
-  EXPECT_EQ(code(greedy("base", random_prompt(1, 300), 4)), EngineErrc::context_length_exceeded);
-  EXPECT_EQ(code(greedy("base", random_prompt(1, 10), e.max_model_len())), EngineErrc::context_length_exceeded);
+  EXPECT_EQ(code(greedy_request("nope", {5}, 4)), EngineErrc::model_not_found);
+  EXPECT_EQ(code(greedy_request("base", {5, 100000}, 4)), EngineErrc::invalid_request);
+  EXPECT_EQ(code(greedy_request("base", {}, 4)), EngineErrc::invalid_request);
+  EXPECT_EQ(code(greedy_request("base", random_prompt(1, 300), 4)), EngineErrc::context_length_exceeded);
+  EXPECT_EQ(code(greedy_request("base", random_prompt(1, 10), e.max_model_len())), EngineErrc::context_length_exceeded);
   auto load_code = [&](const std::string& name, const std::string& path) {
     try {
       e.load_adapter(name, path);
@@ -329,7 +319,7 @@ TEST_F(ServingEngineTest, BadRequestsAreTypedErrors) {
   EXPECT_EQ(load_code("x", (tmp.path / "broken").string()), EngineErrc::adapter_load_failed);
   EXPECT_THROW(e.unload_adapter("never"), EngineError);
   // The engine still serves.
-  EXPECT_FALSE(run_alone(e, greedy("base", {5, 6, 7}, 3)).error);
+  EXPECT_FALSE(run_alone(e, greedy_request("base", {5, 6, 7}, 3)).error);
 }
 
 // ---- fault containment: a failure while serving one request ends that request with an error event; the
@@ -349,7 +339,7 @@ TEST_F(ServingEngineTest, FailedForwardFailsOnlyItsRequest) {
   };
   ServingEngine e(o);
   std::vector<GenerationRequest> reqs;
-  for (int i = 0; i < 6; ++i) reqs.push_back(greedy(i % 2 ? "a0" : "base", random_prompt(300 + i, 9 + i), 16));
+  for (int i = 0; i < 6; ++i) reqs.push_back(greedy_request(i % 2 ? "a0" : "base", random_prompt(300 + i, 9 + i), 16));
   std::vector<Output> alone;
   for (const auto& g : reqs) alone.push_back(run_alone(e, g));
   // The poisoned request runs batched with the others.
@@ -359,7 +349,7 @@ TEST_F(ServingEngineTest, FailedForwardFailsOnlyItsRequest) {
     e.submit(reqs[i], streams.back());
     if (i == 2) {
       streams.push_back(std::make_shared<RequestStream>());
-      e.submit(greedy("a1", random_prompt(7, 12), kPoisoned), streams.back());
+      e.submit(greedy_request("a1", random_prompt(7, 12), kPoisoned), streams.back());
     }
   }
   for (size_t i = 0, k = 0; i < streams.size(); ++i) {
@@ -377,7 +367,7 @@ TEST_F(ServingEngineTest, FailedForwardFailsOnlyItsRequest) {
   }
   EXPECT_GE(hits.load(), 2) << "batched, then alone";
   // The engine still serves, and the failed request's blocks were freed.
-  EXPECT_FALSE(run_alone(e, greedy("base", {5, 6, 7}, 3)).error);
+  EXPECT_FALSE(run_alone(e, greedy_request("base", {5, 6, 7}, 3)).error);
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(e.stats().kv_cache_usage, 0.0);
   EXPECT_EQ(e.stats().requests_running, 0);
@@ -393,10 +383,10 @@ TEST_F(ServingEngineTest, FailedSamplingMidStreamFailsThatRequest) {
   ServingEngine e(o);
   auto bad = std::make_shared<RequestStream>();
   auto good = std::make_shared<RequestStream>();
-  GenerationRequest poisoned = greedy("base", random_prompt(8, 10), kPoisoned);
+  GenerationRequest poisoned = greedy_request("base", random_prompt(8, 10), kPoisoned);
   poisoned.n = 2;  // both choices end with the request
   e.submit(poisoned, bad);
-  e.submit(greedy("a2", random_prompt(9, 10), 20), good);
+  e.submit(greedy_request("a2", random_prompt(9, 10), 20), good);
   int deltas = 0;
   std::optional<EngineError> err;
   for (;;) {
@@ -432,17 +422,17 @@ TEST_F(ServingEngineTest, SchedulerFailureEndsRequestsInFlightAndKeepsServing) {
   };
   ServingEngine e(o);
   auto running = std::make_shared<RequestStream>();
-  e.submit(greedy("base", random_prompt(10, 10), 200), running);
+  e.submit(greedy_request("base", random_prompt(10, 10), 200), running);
   ASSERT_TRUE(running->pop(std::chrono::seconds(30)));  // it is decoding
   auto bad = std::make_shared<RequestStream>();
-  e.submit(greedy("base", random_prompt(11, 10), kPoisoned), bad);
+  e.submit(greedy_request("base", random_prompt(11, 10), kPoisoned), bad);
   const Output b = collect(*bad);
   ASSERT_TRUE(b.error);
   EXPECT_EQ(b.error->code(), EngineErrc::internal);
   EXPECT_NE(std::string(b.error->what()).find("bad_alloc"), std::string::npos) << b.error->what();
   const Output r = collect(*running);
   EXPECT_TRUE(r.error || r.ids[0].size() == 199u);  // ended by the failure, unless it had finished first
-  const Output after = run_alone(e, greedy("base", random_prompt(12, 10), kPoisoned));
+  const Output after = run_alone(e, greedy_request("base", random_prompt(12, 10), kPoisoned));
   ASSERT_FALSE(after.error) << after.error->what();
   EXPECT_EQ(after.ids[0].size(), static_cast<size_t>(kPoisoned));
   std::this_thread::sleep_for(100ms);
@@ -507,7 +497,7 @@ TEST_F(ServingEngineTest, AdapterFileSymlinkedOutOfTheAllowedFolderIsRefused) {
   fs::copy_file(outside / "real" / "adapter_model.safetensors", tmp.path / "allowed" / "weights.safetensors");
   fs::create_symlink(tmp.path / "allowed" / "weights.safetensors", good / "adapter_model.safetensors");
   EXPECT_NO_THROW(e.load_adapter("good", good.string()));
-  EXPECT_FALSE(run_alone(e, greedy("good", {5, 6, 7}, 3)).error);
+  EXPECT_FALSE(run_alone(e, greedy_request("good", {5, 6, 7}, 3)).error);
   EXPECT_FALSE(e.list_models().empty());
 }
 
@@ -521,12 +511,12 @@ TEST_F(ServingEngineTest, AdapterReloadAfterEvictionChecksContainmentAgain) {
   ServingEngine e(o);
   write_random_adapter(tmp.path / "swap", 9);
   e.load_adapter("swap", (tmp.path / "swap").string());
-  EXPECT_FALSE(run_alone(e, greedy("swap", {5, 6, 7}, 3)).error);
-  EXPECT_FALSE(run_alone(e, greedy("a0", {5, 6, 7}, 3)).error);  // evicts "swap" (max_loras 1)
+  EXPECT_FALSE(run_alone(e, greedy_request("swap", {5, 6, 7}, 3)).error);
+  EXPECT_FALSE(run_alone(e, greedy_request("a0", {5, 6, 7}, 3)).error);  // evicts "swap" (max_loras 1)
   fs::remove(tmp.path / "swap" / "adapter_model.safetensors");
   fs::create_symlink(outside / "real" / "adapter_model.safetensors", tmp.path / "swap" / "adapter_model.safetensors");
   try {
-    const Output out = run_alone(e, greedy("swap", {5, 6, 7}, 3));
+    const Output out = run_alone(e, greedy_request("swap", {5, 6, 7}, 3));
     ASSERT_TRUE(out.error) << "the reload read a file outside the allowed folder";
     EXPECT_NE(std::string(out.error->what()).find("outside the allowed adapter folders"), std::string::npos);
   } catch (const EngineError& err) {  // refused already at submit (the reload happens there)
