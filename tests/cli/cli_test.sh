@@ -101,17 +101,17 @@ if ! touch /sys/kernel/.loom-probe 2>/dev/null; then  # a folder even root canno
   expect "train cache_dir not writable" 1 "data.cache_dir '/sys/kernel': cannot write files" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir=/sys/kernel --set output_dir="$tmp/a-c3"
 fi
 expect "train output_dir holds the data" 1 "output_dir .*fixtures' holds the model" -- "$loom" train "$tmp/train.yaml" --set output_dir="$src/tests/fixtures"
-mkdir -p "$tmp/notes" && echo keep >"$tmp/notes/todo.txt"
+mkdir -p "$tmp/notes" && echo keep >"$tmp/notes/my-notes.txt"
 expect "train refuses a foreign folder" 1 "notes': a non-empty folder.*--overwrite" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set output_dir="$tmp/notes"
 expect "train --overwrite replaces it" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dir="$tmp/notes" --overwrite -t 1
-expect "train replaced the whole folder" 0 "^gone$" -- sh -c "test -e '$tmp/notes/todo.txt' || echo gone"
+expect "train replaced the whole folder" 0 "^gone$" -- sh -c "test -e '$tmp/notes/my-notes.txt' || echo gone"
 expect "train rewrites its own output" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 -t 1
 expect "train eval_interval without eval" 1 "'eval_interval': there is no eval split" -- "$loom" train "$tmp/train.yaml" --set eval_interval=5
 expect "train output_dtype with lora warns" 0 "warning: .*'output_dtype' applies to method: full only" -- "$loom" train "$tmp/train.yaml" --set data.seq_len=32 --set output_dtype=bf16 --set output_dir="$tmp/a-dtype" -t 1
 expect "train help names full fine-tuning" 0 "method: full" -- "$loom" train --help
 
 # loom merge: foreign output folders are refused (before the merge), --overwrite replaces them.
-mkdir -p "$tmp/mnotes" && echo keep >"$tmp/mnotes/todo.txt"
+mkdir -p "$tmp/mnotes" && echo keep >"$tmp/mnotes/my-notes.txt"
 expect "merge refuses a foreign folder" 1 "-o '.*mnotes': a non-empty folder.*--overwrite" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/mnotes"
 expect "merge --overwrite" 0 "wrote" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/mnotes" --overwrite
 expect "merge into its adapter" 1 "holds the --adapter input" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/adapter"

@@ -111,15 +111,15 @@ TEST(FolderWrite, FailedFillLeavesTheOldFolder) {
 TEST(FolderWrite, RefusesFoldersThatAreNotOutputs) {
   TempDir tmp("refuse");
   const fs::path dest = tmp.path / "notes";
-  put(dest / "todo.txt", "keep me");
+  put(dest / "my-notes.txt", "keep me");
   const auto fill = [](const std::string& s) { write_file_atomic(s + "/adapter_config.json", "{}"); };
   test_util::expect_error([&] { write_folder_atomic(dest.string(), fill); }, ErrorKind::invalid_input,
-                          {dest.string(), "todo.txt", "not a loom or PEFT output", "--overwrite"});
-  EXPECT_EQ(read_text_file((dest / "todo.txt").string()), "keep me");
+                          {dest.string(), "my-notes.txt", "not a loom or PEFT output", "--overwrite"});
+  EXPECT_EQ(read_text_file((dest / "my-notes.txt").string()), "keep me");
   FolderWriteOptions opt;
   opt.overwrite = true;
   write_folder_atomic(dest.string(), fill, opt);
-  EXPECT_FALSE(fs::exists(dest / "todo.txt"));
+  EXPECT_FALSE(fs::exists(dest / "my-notes.txt"));
   EXPECT_TRUE(fs::exists(dest / "adapter_config.json"));
 
   put(tmp.path / "file", "x");

@@ -241,14 +241,14 @@ TEST(Trainer, OutputsAreCheckedBeforeTraining) {
   fs::permissions(tmp.path / "ro", fs::perms::owner_all);
   // A non-empty folder that is not a loom/PEFT output is refused unless overwrite: true.
   fs::create_directories(tmp.path / "notes");
-  std::ofstream(tmp.path / "notes" / "todo.txt") << "keep";
+  std::ofstream(tmp.path / "notes" / "my-notes.txt") << "keep";
   const std::string notes = "output_dir=" + (tmp.path / "notes").string();
   expect_error([&] { run_training(config({notes}), nullptr); }, ErrorKind::invalid_input,
-               {"t.yaml: output_dir", "todo.txt", "--overwrite (or overwrite: true)"});
+               {"t.yaml: output_dir", "my-notes.txt", "--overwrite (or overwrite: true)"});
   // With overwrite the check passes and the run gets as far as the missing model.
   expect_error([&] { run_training(config({notes, "overwrite=true"}), nullptr); }, ErrorKind::not_found,
                {"missing.gguf"});
-  EXPECT_TRUE(fs::exists(tmp.path / "notes" / "todo.txt"));  // nothing written before training
+  EXPECT_TRUE(fs::exists(tmp.path / "notes" / "my-notes.txt"));  // nothing written before training
   // The output folder must not hold an input.
   expect_error([&] { run_training(config({"output_dir=" + src("tests/fixtures/train_data")}), nullptr); },
                ErrorKind::invalid_input, {"holds the data.train"});
@@ -263,7 +263,7 @@ TEST(Trainer, OverwriteReplacesAForeignFolderAndWarningsArePrinted) {
   c.eval_interval = 0;
   c.output_dir = (tmp.path / "notes").string();
   fs::create_directories(c.output_dir);
-  std::ofstream(tmp.path / "notes" / "todo.txt") << "keep";
+  std::ofstream(tmp.path / "notes" / "my-notes.txt") << "keep";
   c.overwrite = true;
   c.warnings = {"cfg.yaml:3:1: a warning"};
   char* text = nullptr;
@@ -274,7 +274,7 @@ TEST(Trainer, OverwriteReplacesAForeignFolderAndWarningsArePrinted) {
   const std::string out(text, size);
   std::free(text);
   EXPECT_NE(out.find("warning: cfg.yaml:3:1: a warning"), std::string::npos) << out;
-  EXPECT_FALSE(fs::exists(tmp.path / "notes" / "todo.txt"));
+  EXPECT_FALSE(fs::exists(tmp.path / "notes" / "my-notes.txt"));
   EXPECT_EQ(peft::read_adapter(c.output_dir).config.r, 4);
   // Its own output is replaced without overwrite.
   c.overwrite = false;
