@@ -7,7 +7,7 @@
 #include "apps/cli_common.h"
 #include "apps/commands.h"
 #include "model/model.h"
-#include "train/adapter_merge.h"
+#include "model/adapter_merge.h"
 #include "tokenizer/chat_template.h"
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"

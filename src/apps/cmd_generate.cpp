@@ -7,7 +7,7 @@
 #include "core/mapped_file.h"
 #include "model/generate.h"
 #include "model/model.h"
-#include "train/adapter_merge.h"
+#include "model/adapter_merge.h"
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
 

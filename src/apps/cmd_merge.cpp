@@ -7,7 +7,8 @@
 #include "apps/commands.h"
 #include "io/file_write.h"
 #include "model/model.h"
-#include "train/adapter_merge.h"
+#include "model/adapter_merge.h"
+#include "model/hf_export.h"
 
 namespace loom::app {
 

@@ -14,7 +14,7 @@
 
 #include "model/config.h"
 #include "serve/lora_set.h"
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 
 namespace loom {
 

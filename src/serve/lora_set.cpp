@@ -21,32 +21,6 @@ int64_t ServeAdapter::max_rank() const {
   return r;
 }
 
-int64_t lora_target_in(const ModelConfig& c, LoraTarget t) {
-  switch (t) {
-    case LoraTarget::o:
-      return c.q_dim();
-    case LoraTarget::down:
-      return c.intermediate;
-    default:
-      return c.hidden;
-  }
-}
-
-int64_t lora_target_out(const ModelConfig& c, LoraTarget t) {
-  switch (t) {
-    case LoraTarget::q:
-      return c.q_dim();
-    case LoraTarget::k:
-    case LoraTarget::v:
-      return c.kv_dim();
-    case LoraTarget::gate:
-    case LoraTarget::up:
-      return c.intermediate;
-    default:
-      return c.hidden;
-  }
-}
-
 void ServeAdapter::validate(const ModelConfig& config, std::string_view what) const {
   if (pairs.size() != static_cast<size_t>(config.n_layers * kLoraTargetCount))
     fail(ErrorKind::invalid_input, "{}: {} adapter slots, the model needs {} layers x {} targets", what,

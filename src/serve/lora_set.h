@@ -10,7 +10,7 @@
 
 #include "core/tensor.h"
 #include "model/config.h"
-#include "train/lora.h"
+#include "model/lora.h"
 
 namespace loom {
 
@@ -43,9 +43,5 @@ struct ServeAdapter {
   // or a pair's dtype or shape does not fit `config`.
   void validate(const ModelConfig& config, std::string_view what) const;
 };
-
-// The input and output widths of a target's linear layer.
-int64_t lora_target_in(const ModelConfig& c, LoraTarget t);
-int64_t lora_target_out(const ModelConfig& c, LoraTarget t);
 
 }  // namespace loom

@@ -12,7 +12,7 @@
 
 #include "io/safetensors.h"
 #include "train/data.h"
-#include "train/lora.h"
+#include "model/lora.h"
 #include "train/optimizer.h"
 #include "train/train_step.h"
 

@@ -19,7 +19,7 @@
 #include "model/weights.h"
 #include "train/data.h"
 #include "train/full_params.h"
-#include "train/lora.h"
+#include "train/lora_params.h"
 
 namespace loom {
 

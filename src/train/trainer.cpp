@@ -19,9 +19,9 @@
 #include "model/model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
-#include "train/adapter_merge.h"
+#include "model/hf_export.h"
 #include "train/full_params.h"
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 #include "train/train_step.h"
 
 namespace loom {

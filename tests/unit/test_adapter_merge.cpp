@@ -18,8 +18,9 @@
 #include "expect_error.h"
 #include "model/forward.h"
 #include "model/model.h"
-#include "train/adapter_merge.h"
-#include "train/peft_adapter.h"
+#include "model/adapter_merge.h"
+#include "model/hf_export.h"
+#include "model/peft_adapter.h"
 
 namespace loom {
 namespace {

@@ -17,8 +17,9 @@
 #include "model/model.h"
 #include "model/sampler.h"
 #include "serve/scheduler.h"
-#include "train/adapter_merge.h"
-#include "train/peft_adapter.h"
+#include "model/adapter_merge.h"
+#include "model/hf_export.h"
+#include "model/peft_adapter.h"
 #include "model_test_util.h"
 
 namespace loom {

@@ -21,7 +21,7 @@
 #include "core/mapped_file.h"
 #include "expect_error.h"
 #include "io/file_write.h"
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 
 namespace loom {
 namespace {

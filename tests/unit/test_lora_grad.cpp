@@ -18,7 +18,7 @@
 #include "io/safetensors.h"
 #include "model/model.h"
 #include "train/data.h"
-#include "train/lora.h"
+#include "train/lora_params.h"
 #include "train/train_step.h"
 
 namespace loom {

@@ -16,7 +16,7 @@
 #include "core/rng.h"
 #include "io/safetensors_writer.h"
 #include "model/config.h"
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 
 namespace loom::peft {
 namespace {

@@ -22,11 +22,11 @@
 #include "model/model.h"
 #include "safetensors_test_util.h"
 #include "model/forward.h"
-#include "train/adapter_merge.h"
+#include "model/adapter_merge.h"
 #include "train/data.h"
-#include "train/lora.h"
+#include "train/lora_params.h"
 #include "train/optimizer.h"
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 #include "train/train_step.h"
 
 namespace loom {

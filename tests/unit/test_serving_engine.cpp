@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "serve/scheduler.h"
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 #include "model_test_util.h"
 
 namespace loom {

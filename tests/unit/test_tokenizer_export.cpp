@@ -13,7 +13,7 @@
 #include "model/model.h"
 #include "test_tokenizer_util.h"
 #include "tokenizer/tokenizer_export.h"
-#include "train/adapter_merge.h"
+#include "model/hf_export.h"
 
 namespace loom {
 namespace {

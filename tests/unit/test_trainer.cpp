@@ -13,7 +13,7 @@
 #include "expect_error.h"
 #include "model/model.h"
 #include "core/thread_pool.h"
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
 

@@ -1,38 +1,26 @@
-#include "train/adapter_merge.h"
+// Exporting a loaded model as a Hugging Face folder (see hf_export.h).
+#include "model/hf_export.h"
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/error.h"
 #include "io/file_write.h"
 #include "io/safetensors_writer.h"
 #include "kernels/ref/dequant_ref.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/tokenizer_export.h"
 
 namespace loom {
 namespace {
-
-Tensor* target_matrix(LayerWeights& L, LoraTarget t) {
-  switch (t) {
-    case LoraTarget::q: return &L.wq;
-    case LoraTarget::k: return &L.wk;
-    case LoraTarget::v: return &L.wv;
-    case LoraTarget::o: return &L.wo;
-    case LoraTarget::gate: return &L.w_gate;
-    case LoraTarget::up: return &L.w_up;
-    case LoraTarget::down: return &L.w_down;
-  }
-  LOOM_ASSERT(false);
-  return nullptr;
-}
 
 // An f32 row-major copy of any matrix the loader accepts.
 std::vector<float> to_f32(const Tensor& t) {
@@ -41,18 +29,10 @@ std::vector<float> to_f32(const Tensor& t) {
   return out;
 }
 
-// Reorders q/k rows from the RoPE-interleaved model order back to HF order.
-void unpermute_rows(std::vector<float>& m, int64_t n_heads, int64_t head_dim, int64_t cols) {
-  const int64_t half = head_dim / 2;
-  std::vector<float> head(static_cast<size_t>(head_dim * cols));
-  for (int64_t h = 0; h < n_heads; ++h) {
-    float* rows = m.data() + h * head_dim * cols;
-    std::memcpy(head.data(), rows, head.size() * sizeof(float));
-    for (int64_t j = 0; j < half; ++j)
-      for (int64_t s = 0; s < 2; ++s)
-        std::memcpy(rows + (s * half + j) * cols, head.data() + (2 * j + s) * cols,
-                    static_cast<size_t>(cols) * sizeof(float));
-  }
+// Reorders q/k rows (or bias entries, cols = 1) from the RoPE-interleaved model order back to HF order.
+void to_hf_rows(std::vector<float>& m, int64_t n_heads, int64_t head_dim, int64_t cols) {
+  lora_permute_qk_rows(make_tensor(m.data(), DType::f32, {n_heads * head_dim, cols}), n_heads, head_dim,
+                       /*hf_to_model=*/false);
 }
 
 std::string read_file_bytes(const std::string& path) {
@@ -121,60 +101,6 @@ ModelConfig config_with_rope_table(const ModelConfig& c, const RopeTable& rope, 
   return plain;
 }
 
-}  // namespace
-
-void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTensors& a, bool permute_qk,
-                   std::string_view what) {
-  for (const auto& [key, pair] : a.pairs)  // named per tensor: check_adapter_fits only counts layers
-    if (key.first >= c.n_layers)
-      fail(ErrorKind::invalid_input, "{}: tensor '{}' is for layer {}, the model has {} layers", what,
-           peft::tensor_name(key.first, key.second, false), key.first, c.n_layers);
-  peft::check_adapter_fits(a, c, what);
-  const double scale = a.config.scaling();
-  for (const auto& [key, pair] : a.pairs) {
-    const auto [layer, target] = key;
-    LOOM_ASSERT(layer >= 0 && static_cast<size_t>(layer) < w.layers.size());
-    Tensor& t = *target_matrix(w.layers[static_cast<size_t>(layer)], target);
-    LOOM_ASSERT(t.rows() == pair.out && t.cols() == pair.in);
-    const int64_t r = static_cast<int64_t>(pair.a.size()) / pair.in;
-    std::vector<float> b = pair.b;
-    if (permute_qk && (target == LoraTarget::q || target == LoraTarget::k))
-      lora_permute_qk_rows(make_tensor(b.data(), DType::f32, {pair.out, r}),
-                           target == LoraTarget::q ? c.n_heads : c.n_kv_heads, c.head_dim, /*hf_to_model=*/true);
-    auto& m = w.owned.emplace_back(to_f32(t));
-    std::vector<double> row(static_cast<size_t>(pair.in));
-    for (int64_t o = 0; o < pair.out; ++o) {
-      std::fill(row.begin(), row.end(), 0.0);
-      for (int64_t k = 0; k < r; ++k) {
-        const double bk = b[static_cast<size_t>(o * r + k)];
-        const float* ak = pair.a.data() + k * pair.in;
-        for (int64_t i = 0; i < pair.in; ++i) row[static_cast<size_t>(i)] += bk * ak[i];
-      }
-      float* dst = m.data() + o * pair.in;
-      bool finite = true;
-      for (int64_t i = 0; i < pair.in; ++i) {
-        dst[i] = static_cast<float>(dst[i] + scale * row[static_cast<size_t>(i)]);
-        finite &= std::isfinite(dst[i]);
-      }
-      if (!finite)  // e.g. a huge lora_alpha: scale * B A overflows f32
-        fail(ErrorKind::invalid_input, "{}: tensor '{}': the merged weight W + {:g} * B A is not finite (row {}); "
-             "check lora_alpha ({:g}) and r ({}) in adapter_config.json", what,
-             peft::tensor_name(layer, target, false), scale, o, a.config.lora_alpha, a.config.r);
-    }
-    t.data = m.data();
-    t.dtype = DType::f32;
-  }
-}
-
-std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::string dir) {
-  return [dir = std::move(dir)](ModelWeights& w, const ModelConfig& c) {
-    const peft::AdapterTensors a = peft::read_adapter(dir);
-    merge_adapter(w, c, a, lora_needs_qk_permutation(c), fmt::format("adapter {}", dir));
-  };
-}
-
-namespace {
-
 // The files of write_hf_folder, written into the (staging) folder `out_dir`.
 void write_hf_files(const Model& model, const ModelConfig& c, const std::string& out_dir, safetensors::StDType dtype) {
   const ModelWeights& w = model.weights();
@@ -183,7 +109,7 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
   safetensors::Writer st(out_dir + "/model.safetensors");
   auto add_matrix = [&](const std::string& name, const Tensor& t, int64_t unpermute_heads) {
     std::vector<float> m = to_f32(t);
-    if (permuted && unpermute_heads > 0) unpermute_rows(m, unpermute_heads, c.head_dim, t.cols());
+    if (permuted && unpermute_heads > 0) to_hf_rows(m, unpermute_heads, c.head_dim, t.cols());
     st.add(name, m, {t.rows(), t.cols()}, dtype);
   };
   auto add_vector = [&](const std::string& name, const float* v, int64_t n) {
@@ -205,8 +131,8 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
     if (L.bq) {  // biases are per row: q/k ones are permuted like the rows
       std::vector<float> bq(L.bq, L.bq + c.q_dim()), bk(L.bk, L.bk + c.kv_dim());
       if (permuted) {
-        unpermute_rows(bq, c.n_heads, c.head_dim, 1);
-        unpermute_rows(bk, c.n_kv_heads, c.head_dim, 1);
+        to_hf_rows(bq, c.n_heads, c.head_dim, 1);
+        to_hf_rows(bk, c.n_kv_heads, c.head_dim, 1);
       }
       add_vector(p + "self_attn.q_proj.bias", bq.data(), c.q_dim());
       add_vector(p + "self_attn.k_proj.bias", bk.data(), c.kv_dim());

@@ -1,7 +1,7 @@
 // PEFT adapter folders (see peft_adapter.h). The config is checked field by
 // field against what loom's LoRA implements; anything that would change the
 // math silently (DoRA, fan_in_fan_out, per-layer ranks, ...) is refused.
-#include "train/peft_adapter.h"
+#include "model/peft_adapter.h"
 
 #include <algorithm>
 #include <charconv>
@@ -23,19 +23,6 @@ namespace loom::peft {
 namespace {
 
 constexpr std::string_view kPrefix = "base_model.model.model.layers.";
-
-std::pair<int64_t, int64_t> model_in_out(LoraTarget t, const ModelConfig& m) {
-  switch (t) {
-    case LoraTarget::q: return {m.hidden, m.q_dim()};
-    case LoraTarget::k:
-    case LoraTarget::v: return {m.hidden, m.kv_dim()};
-    case LoraTarget::o: return {m.q_dim(), m.hidden};
-    case LoraTarget::gate:
-    case LoraTarget::up: return {m.hidden, m.intermediate};
-    case LoraTarget::down: return {m.intermediate, m.hidden};
-  }
-  return {0, 0};
-}
 
 // Parses "<layer>.<self_attn|mlp>.<target>.lora_<A|B>.weight" after the prefix.
 struct ParsedName {
@@ -381,7 +368,7 @@ void check_adapter_fits(const AdapterTensors& adapter, const ModelConfig& model,
   if (adapter.n_layers() > model.n_layers)
     fail(ErrorKind::invalid_input, "{}: adapter has {} layers, the model {}", what, adapter.n_layers(), model.n_layers);
   for (const auto& [key, p] : adapter.pairs) {
-    const auto [in, out] = model_in_out(key.second, model);
+    const int64_t in = lora_target_in(model, key.second), out = lora_target_out(model, key.second);
     if (p.in != in || p.out != out)
       fail(ErrorKind::invalid_input, "{}: '{}' is [{}, {}] and its B [{}, {}]; the model needs [{}, {}] and [{}, {}]",
            what, tensor_name(key.first, key.second, false), adapter.config.r, p.in, p.out, adapter.config.r,

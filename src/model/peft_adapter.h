@@ -14,11 +14,8 @@
 
 #include "io/file_write.h"
 #include "io/safetensors.h"
-#include "train/lora.h"
-
-namespace loom {
-struct ModelConfig;
-}
+#include "model/config.h"
+#include "model/lora.h"
 
 namespace loom::peft {
 

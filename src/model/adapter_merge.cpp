@@ -1,0 +1,89 @@
+// Merging a PEFT LoRA adapter into f32 copies of the adapted matrices (see adapter_merge.h).
+#include "model/adapter_merge.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/ref/dequant_ref.h"
+#include "model/lora.h"
+
+namespace loom {
+namespace {
+
+Tensor* target_matrix(LayerWeights& L, LoraTarget t) {
+  switch (t) {
+    case LoraTarget::q: return &L.wq;
+    case LoraTarget::k: return &L.wk;
+    case LoraTarget::v: return &L.wv;
+    case LoraTarget::o: return &L.wo;
+    case LoraTarget::gate: return &L.w_gate;
+    case LoraTarget::up: return &L.w_up;
+    case LoraTarget::down: return &L.w_down;
+  }
+  LOOM_ASSERT(false);
+  return nullptr;
+}
+
+// An f32 row-major copy of any matrix the loader accepts.
+std::vector<float> to_f32(const Tensor& t) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row_ref(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
+  return out;
+}
+
+}  // namespace
+
+void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTensors& a, bool permute_qk,
+                   std::string_view what) {
+  for (const auto& [key, pair] : a.pairs)  // named per tensor: check_adapter_fits only counts layers
+    if (key.first >= c.n_layers)
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' is for layer {}, the model has {} layers", what,
+           peft::tensor_name(key.first, key.second, false), key.first, c.n_layers);
+  peft::check_adapter_fits(a, c, what);
+  const double scale = a.config.scaling();
+  for (const auto& [key, pair] : a.pairs) {
+    const auto [layer, target] = key;
+    LOOM_ASSERT(layer >= 0 && static_cast<size_t>(layer) < w.layers.size());
+    Tensor& t = *target_matrix(w.layers[static_cast<size_t>(layer)], target);
+    LOOM_ASSERT(t.rows() == pair.out && t.cols() == pair.in);
+    const int64_t r = static_cast<int64_t>(pair.a.size()) / pair.in;
+    std::vector<float> b = pair.b;
+    if (permute_qk && (target == LoraTarget::q || target == LoraTarget::k))
+      lora_permute_qk_rows(make_tensor(b.data(), DType::f32, {pair.out, r}),
+                           target == LoraTarget::q ? c.n_heads : c.n_kv_heads, c.head_dim, /*hf_to_model=*/true);
+    auto& m = w.owned.emplace_back(to_f32(t));
+    std::vector<double> row(static_cast<size_t>(pair.in));
+    for (int64_t o = 0; o < pair.out; ++o) {
+      std::fill(row.begin(), row.end(), 0.0);
+      for (int64_t k = 0; k < r; ++k) {
+        const double bk = b[static_cast<size_t>(o * r + k)];
+        const float* ak = pair.a.data() + k * pair.in;
+        for (int64_t i = 0; i < pair.in; ++i) row[static_cast<size_t>(i)] += bk * ak[i];
+      }
+      float* dst = m.data() + o * pair.in;
+      bool finite = true;
+      for (int64_t i = 0; i < pair.in; ++i) {
+        dst[i] = static_cast<float>(dst[i] + scale * row[static_cast<size_t>(i)]);
+        finite &= std::isfinite(dst[i]);
+      }
+      if (!finite)  // e.g. a huge lora_alpha: scale * B A overflows f32
+        fail(ErrorKind::invalid_input, "{}: tensor '{}': the merged weight W + {:g} * B A is not finite (row {}); "
+             "check lora_alpha ({:g}) and r ({}) in adapter_config.json", what,
+             peft::tensor_name(layer, target, false), scale, o, a.config.lora_alpha, a.config.r);
+    }
+    t.data = m.data();
+    t.dtype = DType::f32;
+  }
+}
+
+std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::string dir) {
+  return [dir = std::move(dir)](ModelWeights& w, const ModelConfig& c) {
+    const peft::AdapterTensors a = peft::read_adapter(dir);
+    merge_adapter(w, c, a, lora_needs_qk_permutation(c), fmt::format("adapter {}", dir));
+  };
+}
+
+}  // namespace loom
