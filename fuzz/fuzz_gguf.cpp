@@ -10,7 +10,7 @@
 
 #include "core/error.h"
 #include "io/gguf.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 
 namespace {
 
@@ -59,7 +59,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (view.nbytes() != t.nbytes || t.data < data || t.data + t.nbytes > data + size) std::abort();
     for (size_t i = 0; i < t.nbytes; ++i) sum += t.data[i];
     row.resize(static_cast<size_t>(view.cols()));
-    loom::dequantize_row_ref(t.dtype, view.row_ptr(0), row.data(), view.cols());
+    loom::dequantize_row(t.dtype, view.row_ptr(0), row.data(), view.cols());
     if (f->find_tensor(t.name) != &t) std::abort();
   }
   volatile unsigned sink = sum;

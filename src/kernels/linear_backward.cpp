@@ -14,7 +14,7 @@
 #include "core/half.h"
 #include "kernels/cpu/bf16_gemm.h"
 #include "kernels/cpu/bf16_gemm_direct.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 
 namespace loom {
 namespace detail {
@@ -103,7 +103,7 @@ void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, f
           ldb = K;
         } else {
           for (int64_t i = 0; i < nr; ++i)
-            dequantize_row_ref(W.dtype, W.row_ptr(n0 + i) + col_off, tile.data() + i * cw, cols);
+            dequantize_row(W.dtype, W.row_ptr(n0 + i) + col_off, tile.data() + i * cw, cols);
           B = tile.data();
           ldb = cw;
         }
@@ -209,7 +209,7 @@ PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, Tr
         for (const Tensor& p : parts) {
           const size_t col_off = dtype_row_bytes(src, k0);
           for (int64_t n = 0; n < p.rows(); ++n) {
-            dequantize_row_ref(src, p.row_ptr(n) + col_off, row.data(), cols);
+            dequantize_row(src, p.row_ptr(n) + col_off, row.data(), cols);
             for (int64_t c = 0; c < cols; ++c) wt[static_cast<size_t>(c * N + n0 + n)] = row[static_cast<size_t>(c)];
           }
           n0 += p.rows();

@@ -16,12 +16,12 @@
 
 namespace loom {
 
-// dx [T, K] += dy [T, N] W. W is any dtype that dequantize_row_ref handles; it is
+// dx [T, K] += dy [T, N] W. W is any dtype that dequantize_row handles; it is
 // dequantized tile by tile (64 rows x a block-aligned column slice) into a small
 // per-thread f32 buffer, never as a whole f32 copy. Every dx element is one fixed
 // chain of f32 FMAs over n = 0..N-1, so results do not depend on the thread count.
-// (Tiles use the scalar dequantize_row_ref for now: simple and exact, but it is a
-// visible share of the time for small T.)
+// (Tiles use dequantize_row, kernels/cpu/dequant.h: exact, and still a visible
+// share of the time for small T.)
 void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, float* dx, int64_t T);
 
 // Fast input gradients through frozen weights: W^T packed once for the inference

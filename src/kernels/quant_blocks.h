@@ -47,4 +47,24 @@ static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ8_K) == 292);
 
+// Q3_K: signed 6-bit scale (offset 32) of sub-block g (16 elements), packed in 12
+// bytes: low nibbles in bytes 0..7 (g < 8 low nibble, g >= 8 high nibble of byte
+// g-8), high 2 bits in bytes 8..11.
+inline int q3_k_scale(const uint8_t* scales, int g) {
+  const int lo = g < 8 ? (scales[g] & 0x0f) : (scales[g - 8] >> 4);
+  const int hi = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
+// Q4_K/Q5_K: 6-bit scale and min of group g (32 elements), packed in 12 bytes.
+inline void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
+  if (g < 4) {
+    sc = q[g] & 63;
+    m = q[g + 4] & 63;
+  } else {
+    sc = (q[g + 4] & 0x0f) | ((q[g - 4] >> 6) << 4);
+    m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
+  }
+}
+
 }  // namespace loom

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 #include "model/lora.h"
 
 namespace loom {
@@ -30,7 +30,7 @@ Tensor* target_matrix(LayerWeights& L, LoraTarget t) {
 // An f32 row-major copy of any matrix the loader accepts.
 std::vector<float> to_f32(const Tensor& t) {
   std::vector<float> out(static_cast<size_t>(t.numel()));
-  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row_ref(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
+  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
   return out;
 }
 

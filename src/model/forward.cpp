@@ -5,7 +5,7 @@
 
 #include "core/error.h"
 #include "kernels/ops.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 
 namespace loom {
 
@@ -58,7 +58,7 @@ void InferenceSession::forward_batch(const int32_t* tokens, int64_t T, bool all_
   for (int64_t t = 0; t < T; ++t) {
     pos_[static_cast<size_t>(t)] = static_cast<int32_t>(n_past_ + t);
     const Tensor& e = w_.token_embd;
-    dequantize_row_ref(e.dtype, e.row_ptr(tokens[t]), x + t * H, H);
+    dequantize_row(e.dtype, e.row_ptr(tokens[t]), x + t * H, H);
   }
   const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
   const auto eps = static_cast<float>(c_.rms_eps);

@@ -13,7 +13,7 @@
 #include "core/error.h"
 #include "io/file_write.h"
 #include "io/safetensors_writer.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 #include "model/lora.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
@@ -25,7 +25,7 @@ namespace {
 // An f32 row-major copy of any matrix the loader accepts.
 std::vector<float> to_f32(const Tensor& t) {
   std::vector<float> out(static_cast<size_t>(t.numel()));
-  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row_ref(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
+  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
   return out;
 }
 

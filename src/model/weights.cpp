@@ -5,7 +5,7 @@
 #include <fmt/format.h>
 
 #include "core/half.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 
 namespace loom {
 namespace {
@@ -44,7 +44,7 @@ class Binder {
       fail(ErrorKind::unsupported, "{}: tensor '{}' has type {}; norms and biases must be f32, f16 or bf16",
            source_, name, dtype_name(t->dtype));
     auto& v = w_.owned.emplace_back(static_cast<size_t>(n));
-    dequantize_row_ref(t->dtype, t->data, v.data(), n);
+    dequantize_row(t->dtype, t->data, v.data(), n);
     return v.data();
   }
 
@@ -60,7 +60,7 @@ void dequantize_weights(ModelWeights& w) {
   auto expand = [&w](Tensor& t) {
     if (t.dtype == DType::f32) return;
     auto& buf = w.owned.emplace_back(static_cast<size_t>(t.numel()));
-    for (int64_t r = 0; r < t.rows(); ++r) dequantize_row_ref(t.dtype, t.row_ptr(r), buf.data() + r * t.cols(), t.cols());
+    for (int64_t r = 0; r < t.rows(); ++r) dequantize_row(t.dtype, t.row_ptr(r), buf.data() + r * t.cols(), t.cols());
     t.data = buf.data();
     t.dtype = DType::f32;
   };

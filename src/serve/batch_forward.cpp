@@ -11,7 +11,7 @@
 #include "core/half.h"
 #include "kernels/ops.h"
 #include "kernels/paged_attention.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 #include "kernels/simd_avx2.h"
 #include "kernels/simd_rows.h"
 
@@ -157,7 +157,7 @@ void BatchForward::step(std::span<const BatchChunk> chunks) {
     int64_t r = 0;
     const Tensor& e = w_.token_embd;
     for (const BatchChunk& ch : chunks)
-      for (int32_t t : ch.tokens) dequantize_row_ref(e.dtype, e.row_ptr(t), x + (r++) * H, H);
+      for (int32_t t : ch.tokens) dequantize_row(e.dtype, e.row_ptr(t), x + (r++) * H, H);
   }
   const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
   const bool lora = !lora_rows_.empty();

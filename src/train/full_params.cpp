@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 
 namespace loom {
 
@@ -53,7 +53,7 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     float* dst = p(span);
     const Tensor src = t;
     pool.parallel_for(src.rows(), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) dequantize_row_ref(src.dtype, src.row_ptr(r), dst + r * src.cols(), src.cols());
+      for (int64_t r = r0; r < r1; ++r) dequantize_row(src.dtype, src.row_ptr(r), dst + r * src.cols(), src.cols());
     });
     t.data = dst;
     t.dtype = DType::f32;

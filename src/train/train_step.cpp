@@ -9,7 +9,7 @@
 #include "kernels/linear_backward.h"
 #include "kernels/ops.h"
 #include "kernels/ops_backward.h"
-#include "kernels/ref/dequant_ref.h"
+#include "kernels/cpu/dequant.h"
 
 namespace loom {
 namespace {
@@ -381,7 +381,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   const Tensor& e = w_.token_embd;
   float* x0 = layers_.empty() ? x_final_ : layers_[0].x;
   for (int64_t t = 0; t < T; ++t)
-    dequantize_row_ref(e.dtype, e.row_ptr(batch.tokens[static_cast<size_t>(t)]), x0 + t * H, H);
+    dequantize_row(e.dtype, e.row_ptr(batch.tokens[static_cast<size_t>(t)]), x0 + t * H, H);
   for (int64_t l = 0; l < c_.n_layers; ++l) forward_layer(l, T, dropout, step);
   rmsnorm_forward_train(xn_final_, rstd_final_, x_final_, w_.output_norm, T, H,
                         static_cast<float>(c_.rms_eps));

@@ -80,16 +80,6 @@ inline float f16(const uint8_t* p) {
   return fp16_to_fp32(h);
 }
 
-inline void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
-  if (g < 4) {
-    sc = q[g] & 63;
-    m = q[g + 4] & 63;
-  } else {
-    sc = (q[g + 4] & 0x0f) | ((q[g - 4] >> 6) << 4);
-    m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
-  }
-}
-
 // The kernels' result for one output: row `w` (GGUF bytes) times activations x.
 inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) {
   float acc = 0.0f;

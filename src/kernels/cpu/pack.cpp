@@ -75,29 +75,12 @@ void put_bit2_word(const uint8_t* v, int r, uint8_t* dst) {
   store_u32(dst + r * 4, w);
 }
 
-// q3_k's 6-bit signed scale of sub-block g (16 elements), as in the reference.
-int q3_k_scale(const uint8_t* scales, int g) {
-  const int lo = g < 8 ? (scales[g] & 0x0f) : (scales[g - 8] >> 4);
-  const int hi = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
-  return (lo | (hi << 4)) - 32;
-}
-
 // 5-bit values of a q5_0/q5_1 block.
 void q5_values(const uint8_t* qs, const uint8_t* qh_bytes, uint8_t* v) {
   const uint32_t qh = load_u32(qh_bytes);
   for (int j = 0; j < 16; ++j) {
     v[j] = static_cast<uint8_t>((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
     v[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
-  }
-}
-
-void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
-  if (g < 4) {
-    sc = q[g] & 63;
-    m = q[g + 4] & 63;
-  } else {
-    sc = (q[g + 4] & 0x0f) | ((q[g - 4] >> 6) << 4);
-    m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
   }
 }
 

@@ -139,15 +139,8 @@ void dequant_q2_k(const void* src, float* y, int64_t nb) {
   }
 }
 
-// Q3_K: 16 signed 6-bit scales (offset 32) packed in 12 bytes: low nibbles in
-// bytes 0..7 (group g < 8 low nibble, g >= 8 high nibble of byte g-8), high
-// 2 bits in bytes 8..11. A clear hmask bit subtracts 4 from the 2-bit quant.
-int q3_k_scale(const uint8_t* scales, int g) {
-  const int lo = g < 8 ? (scales[g] & 0x0f) : (scales[g - 8] >> 4);
-  const int hi = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
-  return (lo | (hi << 4)) - 32;
-}
-
+// Q3_K: 16 signed 6-bit scales (q3_k_scale, quant_blocks.h); a clear hmask bit
+// subtracts 4 from the 2-bit quant.
 void dequant_q3_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
     const auto b = load_block<BlockQ3_K>(src, i);
@@ -163,17 +156,7 @@ void dequant_q3_k(const void* src, float* y, int64_t nb) {
   }
 }
 
-// Q4_K/Q5_K: 8 groups of 32 with 6-bit scales and mins packed in 12 bytes.
-void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
-  if (g < 4) {
-    sc = q[g] & 63;
-    m = q[g + 4] & 63;
-  } else {
-    sc = (q[g + 4] & 0x0f) | ((q[g - 4] >> 6) << 4);
-    m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
-  }
-}
-
+// Q4_K/Q5_K: 8 groups of 32 with 6-bit scales and mins (k4_scale_min, quant_blocks.h).
 // Element e = 64*p + 32*half + l: nibble `half` of qs[32*p + l].
 void dequant_q4_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {

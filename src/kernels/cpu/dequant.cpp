@@ -1,0 +1,250 @@
+// AVX2 dequantization. Each block type is decoded into its quants, 32 at a
+// time as int8 in element order, then converted and scaled with the reference's
+// float operations in the reference's order (every product that a sum follows
+// is exact in f32, so an FMA could not change it either).
+#include "kernels/cpu/dequant.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "core/error.h"
+#include "core/half.h"
+#include "kernels/quant_blocks.h"
+
+namespace loom {
+namespace {
+
+template <typename Block>
+Block load_block(const void* src, int64_t i) {
+  Block b;
+  std::memcpy(&b, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(Block), sizeof(Block));
+  return b;
+}
+
+template <typename T>
+void dequant_plain(const void* src, float* y, int64_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, p + static_cast<size_t>(i) * sizeof(T), sizeof(T));
+    y[i] = static_cast<float>(v);
+  }
+}
+
+inline __m256 bcast_f16(uint16_t h) { return _mm256_set1_ps(_cvtsh_ss(h)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+enum class Op { mul, mul_add, mul_sub };
+
+// y[j] = float(q[j]) * s (op b) for the 32 int8 quants q, s0 / b0 for elements
+// 0..15 and s1 / b1 for 16..31.
+template <Op kOp>
+inline void emit32(float* y, __m256i q, __m256 s0, __m256 s1, __m256 b0 = __m256{}, __m256 b1 = __m256{}) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int j = 0; j < 4; ++j) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[j])), j < 2 ? s0 : s1);
+    if constexpr (kOp == Op::mul_add) v = _mm256_add_ps(v, j < 2 ? b0 : b1);
+    if constexpr (kOp == Op::mul_sub) v = _mm256_sub_ps(v, j < 2 ? b0 : b1);
+    _mm256_storeu_ps(y + 8 * j, v);
+  }
+}
+
+// Elements j and j + 16 of a 32-block: low and high nibble of qs[j].
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+// Byte j = 0x10 where bit j of the 32-bit qh is set (q5's 5th bits).
+inline __m256i bit4_bytes(const uint8_t* qh) {
+  uint32_t x;
+  std::memcpy(&x, qh, 4);
+  const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// (v >> shift) & mask in every byte (shift < 8).
+inline __m256i bits_at(__m256i v, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+void dequant_q4_0(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK4_0) {
+    const auto b = load_block<BlockQ4_0>(src, i);
+    const __m256 d = bcast_f16(b.d);
+    emit32<Op::mul>(y, _mm256_sub_epi8(nibbles32(b.qs), _mm256_set1_epi8(8)), d, d);
+  }
+}
+
+void dequant_q4_1(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK4_1) {
+    const auto b = load_block<BlockQ4_1>(src, i);
+    const __m256 d = bcast_f16(b.d), m = bcast_f16(b.m);
+    emit32<Op::mul_add>(y, nibbles32(b.qs), d, d, m, m);
+  }
+}
+
+void dequant_q5_0(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK5_0) {
+    const auto b = load_block<BlockQ5_0>(src, i);
+    const __m256 d = bcast_f16(b.d);
+    const __m256i q = _mm256_or_si256(nibbles32(b.qs), bit4_bytes(b.qh));
+    emit32<Op::mul>(y, _mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d);
+  }
+}
+
+void dequant_q5_1(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK5_1) {
+    const auto b = load_block<BlockQ5_1>(src, i);
+    const __m256 d = bcast_f16(b.d), m = bcast_f16(b.m);
+    emit32<Op::mul_add>(y, _mm256_or_si256(nibbles32(b.qs), bit4_bytes(b.qh)), d, d, m, m);
+  }
+}
+
+template <typename Block>
+void dequant_q8_32(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto b = load_block<Block>(src, i);
+    const __m256 d = bcast_f16(b.d);
+    emit32<Op::mul>(y, load32(reinterpret_cast<const uint8_t*>(b.qs)), d, d);
+  }
+}
+
+void dequant_q8_k(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+    const auto b = load_block<BlockQ8_K>(src, i);
+    const __m256 d = _mm256_set1_ps(b.d);
+    for (int g = 0; g < 8; ++g) emit32<Op::mul>(y + 32 * g, load32(reinterpret_cast<const uint8_t*>(b.qs) + 32 * g), d, d);
+  }
+}
+
+// Q2_K: 32 elements at 32k (k = 4h + s) are bits 2s..2s+1 of qs[32h + l];
+// scales[j] = 4-bit scale | 4-bit min << 4 of the 16 elements at 16j.
+void dequant_q2_k(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+    const auto b = load_block<BlockQ2_K>(src, i);
+    const float d = _cvtsh_ss(b.d), dmin = _cvtsh_ss(b.dmin);
+    for (int k = 0; k < 8; ++k) {
+      const __m256i q = bits_at(load32(b.qs + 32 * (k / 4)), 2 * (k % 4), 3);
+      const uint8_t s0 = b.scales[2 * k], s1 = b.scales[2 * k + 1];
+      emit32<Op::mul_sub>(y + 32 * k, q, _mm256_set1_ps(d * static_cast<float>(s0 & 0x0f)),
+                          _mm256_set1_ps(d * static_cast<float>(s1 & 0x0f)),
+                          _mm256_set1_ps(dmin * static_cast<float>(s0 >> 4)),
+                          _mm256_set1_ps(dmin * static_cast<float>(s1 >> 4)));
+    }
+  }
+}
+
+// Q3_K: as Q2_K's 2-bit quants, minus 4 where bit k of hmask[l] is clear.
+void dequant_q3_k(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+    const auto b = load_block<BlockQ3_K>(src, i);
+    const float d = _cvtsh_ss(b.d);
+    const __m256i hmask = load32(b.hmask);
+    for (int k = 0; k < 8; ++k) {
+      const __m256i low = bits_at(load32(b.qs + 32 * (k / 4)), 2 * (k % 4), 3);
+      const __m256i high4 = _mm256_slli_epi16(bits_at(hmask, k, 1), 2);  // 4 where the bit is set
+      const __m256i q = _mm256_sub_epi8(_mm256_add_epi8(low, high4), _mm256_set1_epi8(4));
+      emit32<Op::mul>(y + 32 * k, q, _mm256_set1_ps(d * static_cast<float>(q3_k_scale(b.scales, 2 * k))),
+                      _mm256_set1_ps(d * static_cast<float>(q3_k_scale(b.scales, 2 * k + 1))));
+    }
+  }
+}
+
+// Q4_K / Q5_K: group g (32 elements) is nibble g % 2 of qs[32 (g / 2) + l], plus
+// bit g of qh[l] as bit 4 for Q5_K.
+template <typename Block, bool kFive>
+void dequant_q45_k(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+    const auto b = load_block<Block>(src, i);
+    const float d = _cvtsh_ss(b.d), dmin = _cvtsh_ss(b.dmin);
+    for (int g = 0; g < 8; ++g) {
+      int sc, m;
+      k4_scale_min(b.scales, g, sc, m);
+      __m256i q = bits_at(load32(b.qs + 32 * (g / 2)), 4 * (g % 2), 0x0f);
+      if constexpr (kFive) q = _mm256_or_si256(q, _mm256_slli_epi16(bits_at(load32(b.qh), g, 1), 4));
+      const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc)), m1 = _mm256_set1_ps(dmin * static_cast<float>(m));
+      emit32<Op::mul_sub>(y + 32 * g, q, d1, d1, m1, m1);
+    }
+  }
+}
+
+// Q6_K: 32 elements at 32k (k = 4h + s): low nibble from ql[64h + 32(s % 2) + l]
+// (high nibble when s >= 2), top 2 bits are bits 2s..2s+1 of qh[32h + l].
+void dequant_q6_k(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+    const auto b = load_block<BlockQ6_K>(src, i);
+    const float d = _cvtsh_ss(b.d);
+    for (int k = 0; k < 8; ++k) {
+      const int h = k / 4, s = k % 4;
+      const __m256i lo = bits_at(load32(b.ql + 64 * h + 32 * (s % 2)), 4 * (s / 2), 0x0f);
+      const __m256i hi = _mm256_slli_epi16(bits_at(load32(b.qh + 32 * h), 2 * s, 3), 4);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+      emit32<Op::mul>(y + 32 * k, q, _mm256_set1_ps(d * static_cast<float>(b.scales[2 * k])),
+                      _mm256_set1_ps(d * static_cast<float>(b.scales[2 * k + 1])));
+    }
+  }
+}
+
+void dequant_f16(const void* src, float* y, int64_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    y[i] = _cvtsh_ss(h);
+  }
+}
+
+void dequant_bf16(const void* src, float* y, int64_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i)));
+    _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    y[i] = bf16_to_fp32(h);
+  }
+}
+
+}  // namespace
+
+void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
+  const int64_t bs = dtype_block_size(type);
+  LOOM_ASSERT(n >= 0 && n % bs == 0);
+  const int64_t nb = n / bs;
+  switch (type) {
+    case DType::f32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case DType::f16: dequant_f16(src, dst, n); return;
+    case DType::bf16: dequant_bf16(src, dst, n); return;
+    case DType::f64: dequant_plain<double>(src, dst, n); return;
+    case DType::i8: dequant_plain<int8_t>(src, dst, n); return;
+    case DType::i16: dequant_plain<int16_t>(src, dst, n); return;
+    case DType::i32: dequant_plain<int32_t>(src, dst, n); return;
+    case DType::i64: dequant_plain<int64_t>(src, dst, n); return;
+    case DType::q4_0: dequant_q4_0(src, dst, nb); return;
+    case DType::q4_1: dequant_q4_1(src, dst, nb); return;
+    case DType::q5_0: dequant_q5_0(src, dst, nb); return;
+    case DType::q5_1: dequant_q5_1(src, dst, nb); return;
+    case DType::q8_0: dequant_q8_32<BlockQ8_0>(src, dst, nb); return;
+    case DType::q8_1: dequant_q8_32<BlockQ8_1>(src, dst, nb); return;
+    case DType::q2_k: dequant_q2_k(src, dst, nb); return;
+    case DType::q3_k: dequant_q3_k(src, dst, nb); return;
+    case DType::q4_k: dequant_q45_k<BlockQ4_K, false>(src, dst, nb); return;
+    case DType::q5_k: dequant_q45_k<BlockQ5_K, true>(src, dst, nb); return;
+    case DType::q6_k: dequant_q6_k(src, dst, nb); return;
+    case DType::q8_k: dequant_q8_k(src, dst, nb); return;
+  }
+  LOOM_ASSERT(false && "dequantize_row: unhandled dtype");
+}
+
+}  // namespace loom
