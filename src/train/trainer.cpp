@@ -1,28 +1,22 @@
-// run_training: one optimizer step = grad_accum micro-batches whose gradients
-// are scaled by 1 / (target tokens of the whole step), so the step follows the
-// exact token mean of its loss, then AdamW with clipping and the LR schedule.
+// The Trainer's steps. One optimizer step = grad_accum micro-batches whose
+// gradients are scaled by 1 / (target tokens of the whole step), so the step
+// follows the exact token mean of its loss, then AdamW with clipping and the
+// LR schedule.
 #include "train/trainer.h"
 
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <memory>
 
+#include "core/cpu_budget.h"
 #include "core/error.h"
-#include "core/thread_pool.h"
 #include "io/file_write.h"
-#include "model/model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
-#include "model/hf_export.h"
-#include "train/full_params.h"
-#include "model/peft_adapter.h"
-#include "train/train_step.h"
 
 namespace loom {
 
@@ -45,48 +39,10 @@ std::string format_count(int64_t n) {
   return fmt::format("{}", n);
 }
 
-// Parameter groups over the LoRA arena: attention vs MLP adapters, A vs B
-// (B flagged for LoRA+); adjacent runs of the same kind are merged.
-std::vector<ParamGroup> lora_param_groups(const LoraModel& lora, const TrainConfig& c) {
-  struct Run {
-    size_t offset, size;
-    bool mlp, b;
-  };
-  std::vector<Run> runs;
-  for (int64_t l = 0; l < lora.n_layers(); ++l)
-    for (LoraTarget t : kAllLoraTargets) {
-      const LoraSlot& s = lora.slot(l, t);
-      if (!s.active) continue;
-      const auto r = static_cast<size_t>(lora.config().r);
-      const bool mlp = !lora_target_is_attention(t);
-      runs.push_back({s.a_offset, r * static_cast<size_t>(s.in), mlp, false});
-      runs.push_back({s.b_offset, static_cast<size_t>(s.out) * r, mlp, true});
-    }
-  std::sort(runs.begin(), runs.end(), [](const Run& x, const Run& y) { return x.offset < y.offset; });
-  std::vector<ParamGroup> groups;
-  for (const Run& run : runs) {
-    if (!groups.empty()) {
-      ParamGroup& g = groups.back();
-      if (g.offset + g.size == run.offset && g.lora_b == run.b && (g.name[0] == 'm') == run.mlp) {
-        g.size += run.size;
-        continue;
-      }
-    }
-    ParamGroup g;
-    g.name = fmt::format("{}.lora_{}", run.mlp ? "mlp" : "attn", run.b ? "B" : "A");
-    g.offset = run.offset;
-    g.size = run.size;
-    g.lr = run.mlp && c.mlp_lr ? *c.mlp_lr : c.lr;
-    g.weight_decay = c.weight_decay;
-    g.lora_b = run.b;
-    groups.push_back(g);
-  }
-  if (c.lora_plus_ratio) groups = apply_lora_plus(std::move(groups), *c.lora_plus_ratio);
-  return groups;
-}
+std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string("null"); }
 
 // Mean loss over every target token of a split (no dropout, no gradients).
-double evaluate(TrainSession& session, const DataSplit& split, int32_t pad_id, int64_t batch_rows) {
+double eval_loss(TrainSession& session, const DataSplit& split, int32_t pad_id, int64_t batch_rows) {
   DataLoader loader(split, pad_id, batch_rows, /*shuffle=*/false, 0);
   double sum = 0;
   int64_t n = 0;
@@ -100,41 +56,50 @@ double evaluate(TrainSession& session, const DataSplit& split, int32_t pad_id, i
   return n > 0 ? sum / static_cast<double>(n) : std::nan("");
 }
 
-// The adapter in PEFT form: q/k B rows back in Hugging Face order when the
-// model stores them permuted (llama from GGUF).
-peft::AdapterTensors adapter_tensors(LoraModel& lora, const ModelConfig& model, const TrainConfig& c) {
-  peft::AdapterTensors ad;
-  ad.config.r = static_cast<int>(c.lora.r);
-  ad.config.lora_alpha = c.lora.alpha;
-  ad.config.lora_dropout = c.lora.dropout;
-  ad.config.use_rslora = c.lora.use_rslora;
-  ad.config.base_model_name_or_path = c.model;
-  for (LoraTarget t : kAllLoraTargets)
-    if (c.lora.targets_module(t)) ad.config.target_modules.push_back(t);
-  const size_t r = static_cast<size_t>(c.lora.r);
-  for (int64_t l = 0; l < lora.n_layers(); ++l)
-    for (LoraTarget t : kAllLoraTargets) {
-      const LoraSlot& s = lora.slot(l, t);
-      if (!s.active) continue;
-      peft::LoraPair p;
-      p.in = s.in;
-      p.out = s.out;
-      const float* a = lora.params() + s.a_offset;
-      const float* b = lora.params() + s.b_offset;
-      p.a.assign(a, a + r * static_cast<size_t>(s.in));
-      p.b.assign(b, b + static_cast<size_t>(s.out) * r);
-      if (lora_needs_qk_permutation(model) && (t == LoraTarget::q || t == LoraTarget::k))
-        lora_permute_qk_rows(make_tensor(p.b.data(), DType::f32, {s.out, c.lora.r}),
-                             t == LoraTarget::q ? model.n_heads : model.n_kv_heads, model.head_dim,
-                             /*hf_to_model=*/false);
-      ad.pairs[{static_cast<int>(l), t}] = std::move(p);
-    }
-  return ad;
+// Everything the run will write is checked before the model loads, so a bad
+// output_dir or cache_dir never costs a whole run at the end.
+void check_outputs(const TrainConfig& c) {
+  const std::string where = fmt::format("{}: output_dir", c.source);
+  for (const auto& [input, key] : {std::pair{c.model, "model"}, {c.train_file, "data.train"}, {c.eval_file, "data.eval"},
+                             {c.cache_dir, "data.cache_dir"}, {c.metrics_file, "metrics_file"}})
+    if (!input.empty() && path_within(input, c.output_dir))
+      fail(ErrorKind::invalid_input, "{} '{}' holds the {} '{}'; writing the output would replace it", where,
+           c.output_dir, key, input);
+  check_folder_replaceable(c.output_dir, c.overwrite, where, "--overwrite (or overwrite: true)");
+  check_folder_writable(c.output_dir, where);
+  if (!c.cache_dir.empty()) check_dir_writable(c.cache_dir, fmt::format("{}: data.cache_dir", c.source));
 }
 
-class Progress {
+// The chat template the data is rendered with: data.chat_template, else the model's own (if any).
+std::optional<ChatTemplate> data_chat_template(const Model& model, const TrainConfig& c) {
+  const Tokenizer& tok = model.tokenizer();
+  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
+  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
+  if (!c.chat_template.empty()) return ChatTemplate::from_kind(*chat_template_kind_from_name(c.chat_template), bos, eos);
+  if (model.chat_template_text()) return ChatTemplate::from_text(*model.chat_template_text(), bos, eos);
+  return std::nullopt;
+}
+
+DataOptions data_options(const TrainConfig& c) {
+  DataOptions d;
+  d.format = c.format;
+  d.seq_len = c.seq_len;
+  d.pack = c.pack;
+  d.train_on_prompt = c.train_on_prompt;
+  d.skip_bad_lines = c.skip_bad_lines;
+  d.seed = c.seed;
+  d.eval_fraction = c.eval_file.empty() ? c.eval_fraction : 0;
+  d.eval_file = c.eval_file;
+  d.cache_dir = c.cache_dir;
+  return d;
+}
+
+}  // namespace
+
+// Log lines, or a one-line progress bar on a terminal.
+class TrainProgress {
  public:
-  Progress(std::FILE* out, int64_t total, int64_t log_interval)
+  TrainProgress(std::FILE* out, int64_t total, int64_t log_interval)
       : out_(out), total_(total), log_interval_(log_interval), tty_(out && isatty(fileno(out))) {}
 
   void step(int64_t step, double loss, double lr, double grad_norm, double tok_s, double elapsed) {
@@ -173,191 +138,182 @@ class Progress {
   bool open_ = false;
 };
 
-// Everything the run will write is checked before the model loads, so a bad
-// output_dir or cache_dir never costs a whole run at the end.
-void check_outputs(const TrainConfig& c) {
-  const std::string where = fmt::format("{}: output_dir", c.source);
-  for (const auto& [input, key] : {std::pair{c.model, "model"}, {c.train_file, "data.train"}, {c.eval_file, "data.eval"},
-                             {c.cache_dir, "data.cache_dir"}, {c.metrics_file, "metrics_file"}})
-    if (!input.empty() && path_within(input, c.output_dir))
-      fail(ErrorKind::invalid_input, "{} '{}' holds the {} '{}'; writing the output would replace it", where,
-           c.output_dir, key, input);
-  check_folder_replaceable(c.output_dir, c.overwrite, where, "--overwrite (or overwrite: true)");
-  check_folder_writable(c.output_dir, where);
-  if (!c.cache_dir.empty()) check_dir_writable(c.cache_dir, fmt::format("{}: data.cache_dir", c.source));
+Trainer::Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks)
+    : c_(std::move(config)), log_(log), hooks_(std::move(hooks)), progress_(std::make_unique<TrainProgress>(log, 1, 1)) {}
+
+Trainer::~Trainer() = default;
+
+void Trainer::setup() {
+  LOOM_ASSERT(!model_);  // once
+  open_outputs();
+  pool_ = std::make_unique<ThreadPool>(resolve_thread_count(c_.threads, "threads"));  // 0: the default
+  backend_ = make_backend(kCpu, *pool_);
+  if (c_.method == TrainMethod::full && (c_.lora_plus_ratio || c_.mlp_lr))
+    fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c_.source);
+  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_);
+  model_ = std::move(tm.model);
+  params_ = std::move(tm.params);
+  if (c_.seq_len > model_->config().max_context)
+    fail(ErrorKind::invalid_input, "{}: data.seq_len {} exceeds the model's context length {}", c_.source, c_.seq_len,
+         model_->config().max_context);
+  load_data();
+  session_ = params_->make_session(*model_, *backend_, c_.backward);
+  build_optimizer();
+  log_start();
+  progress_ = std::make_unique<TrainProgress>(log_, total_steps_, c_.log_interval);
+  micro_.resize(static_cast<size_t>(c_.grad_accum));
+  t0_ = Clock::now();
 }
 
-}  // namespace
-
-TrainResult run_training(const TrainConfig& c, std::FILE* log) {
-  Progress progress(log, 1, 1);
-  check_outputs(c);
-  for (const std::string& w : c.warnings) progress.line("warning: {}", w);
+void Trainer::open_outputs() {
+  check_outputs(c_);
+  for (const std::string& w : c_.warnings) progress_->line("warning: {}", w);
   // metrics_file: one JSON object per optimizer step and per evaluation (loss curves, benchmarks).
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(nullptr, &std::fclose);
-  if (!c.metrics_file.empty()) {
-    metrics.reset(std::fopen(c.metrics_file.c_str(), "w"));
-    if (!metrics)
-      fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c.source, c.metrics_file,
-           std::strerror(errno));
+  if (c_.metrics_file.empty()) return;
+  metrics_.reset(std::fopen(c_.metrics_file.c_str(), "w"));
+  if (!metrics_)
+    fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c_.source, c_.metrics_file,
+         std::strerror(errno));
+}
+
+void Trainer::load_data() {
+  const std::optional<ChatTemplate> tmpl = data_chat_template(*model_, c_);
+  data_.emplace(prepare_train_data(c_.train_file, model_->tokenizer(), tmpl ? &*tmpl : nullptr, data_options(c_)));
+  progress_->line("train data: {}: {}", c_.train_file, format_data_stats(data_->train.stats));
+  if (data_->eval)
+    progress_->line("eval data: {} samples, {} rows{}", data_->eval->n_samples, data_->eval->rows.rows(),
+                    c_.eval_file.empty() ? " (split from the train file)" : " from " + c_.eval_file);
+}
+
+void Trainer::build_optimizer() {
+  loader_ = std::make_unique<DataLoader>(data_->train, data_->pad_id, c_.batch_size, /*shuffle=*/true, c_.seed);
+  total_steps_ = c_.steps;
+  if (total_steps_ == 0) {
+    const double micro = c_.epochs * static_cast<double>(loader_->batches_per_epoch());
+    total_steps_ = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(micro / static_cast<double>(c_.grad_accum))));
   }
-  ThreadPool pool(resolve_thread_count(c.threads, "threads"));  // 0: the default
-  const bool full_ft = c.method == TrainMethod::full;
-  if (full_ft && (c.lora_plus_ratio || c.mlp_lr))
-    fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c.source);
-  // Full fine-tuning moves every weight into an f32 arena before packing.
-  std::unique_ptr<FullParams> full;
-  Model::LoadOptions lo{.tokenizer = true, .pack = true, .pool = &pool};
-  if (full_ft)
-    lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) { full = std::make_unique<FullParams>(w, mc, pool); };
-  auto model = Model::load(c.model, lo);
-  const ModelConfig& mc = model->config();
-  if (c.seq_len > mc.max_context)
-    fail(ErrorKind::invalid_input, "{}: data.seq_len {} exceeds the model's context length {}", c.source, c.seq_len,
-         mc.max_context);
-  const Tokenizer& tok = model->tokenizer();
+  LrSchedule sched{.kind = c_.schedule, .warmup_steps = c_.warmup_steps, .total_steps = total_steps_};
+  opt_ = std::make_unique<AdamW>(c_.adam, params_->param_groups(c_), static_cast<size_t>(params_->count()), sched);
+}
 
-  std::optional<ChatTemplate> tmpl;
-  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
-  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
-  if (!c.chat_template.empty())
-    tmpl = ChatTemplate::from_kind(*chat_template_kind_from_name(c.chat_template), bos, eos);
-  else if (model->chat_template_text())
-    tmpl = ChatTemplate::from_text(*model->chat_template_text(), bos, eos);
+void Trainer::log_start() {
+  const ModelConfig& mc = model_->config();
+  res_.trainable_params = params_->count();
+  res_.total_params = model_->parameter_count() + params_->added_params();
+  progress_->line("model: {} ({} layers, hidden {}), {} parameters; {}: {} trainable ({:.3f}%); backward {}", c_.model,
+                  mc.n_layers, mc.hidden, format_count(res_.total_params), params_->describe(),
+                  format_count(res_.trainable_params),
+                  100.0 * static_cast<double>(res_.trainable_params) / static_cast<double>(res_.total_params),
+                  backward_mode_name(c_.backward));
+  progress_->line("training: {} steps of {} x {} rows x {} tokens ({} rows per epoch)", total_steps_, c_.grad_accum,
+                  c_.batch_size, c_.seq_len, data_->train.rows.rows());
+}
 
-  DataOptions dopt;
-  dopt.format = c.format;
-  dopt.seq_len = c.seq_len;
-  dopt.pack = c.pack;
-  dopt.train_on_prompt = c.train_on_prompt;
-  dopt.skip_bad_lines = c.skip_bad_lines;
-  dopt.seed = c.seed;
-  dopt.eval_fraction = c.eval_file.empty() ? c.eval_fraction : 0;
-  dopt.eval_file = c.eval_file;
-  dopt.cache_dir = c.cache_dir;
-  const TrainData data = prepare_train_data(c.train_file, tok, tmpl ? &*tmpl : nullptr, dopt);
-  progress.line("train data: {}: {}", c.train_file, format_data_stats(data.train.stats));
-  if (data.eval)
-    progress.line("eval data: {} samples, {} rows{}", data.eval->n_samples, data.eval->rows.rows(),
-                  c.eval_file.empty() ? " (split from the train file)" : " from " + c.eval_file);
+int64_t Trainer::loss_tokens(int64_t local) {
+  if (!hooks_.loss_tokens) return local;
+  const int64_t n = hooks_.loss_tokens(*this, local);
+  if (n < 0 || (local > 0 && n < 1))
+    fail(ErrorKind::invalid_input, "TrainHooks::loss_tokens returned {} for a step with {} local target tokens "
+         "(must be >= 1)", n, local);
+  return n;
+}
 
-  std::optional<LoraModel> lora_storage;
-  if (!full_ft) lora_storage.emplace(mc, c.lora);
-  LoraModel* lora = lora_storage ? &*lora_storage : nullptr;
-  std::optional<TrainSession> session_storage;
-  if (full_ft)
-    session_storage.emplace(mc, model->weights(), *full, pool, c.backward);
-  else
-    session_storage.emplace(mc, model->weights(), *lora, pool, c.backward);
-  TrainSession& session = *session_storage;
-  const int64_t n_trainable = full_ft ? full->param_count() : lora->param_count();
-  float* const params = full_ft ? full->params() : lora->params();
-  float* const grads = full_ft ? full->grads() : lora->grads();
-  DataLoader loader(data.train, data.pad_id, c.batch_size, /*shuffle=*/true, c.seed);
-  int64_t total_steps = c.steps;
-  if (total_steps == 0) {
-    const double micro = c.epochs * static_cast<double>(loader.batches_per_epoch());
-    total_steps = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(micro / static_cast<double>(c.grad_accum))));
+StepReport Trainer::train_step() {
+  LOOM_ASSERT(opt_);  // setup() ran
+  const auto ts = Clock::now();
+  const int64_t step = steps_done();
+  // Peek the whole step first: the gradient scale needs its total target tokens.
+  StepReport r;
+  for (Batch& b : micro_) {
+    b = loader_->next();
+    r.target_tokens += b.target_tokens;
   }
-  LrSchedule sched{.kind = c.schedule, .warmup_steps = c.warmup_steps, .total_steps = total_steps};
-  AdamW opt(c.adam, full_ft ? full->param_groups(c.lr, c.weight_decay) : lora_param_groups(*lora, c),
-            static_cast<size_t>(n_trainable), sched);
-
-  TrainResult res;
-  res.trainable_params = n_trainable;
-  res.total_params = model->parameter_count() + (full_ft ? 0 : n_trainable);
-  const std::string method = full_ft ? std::string("full fine-tuning (f32)")
-                                     : fmt::format("LoRA r={} alpha={}", c.lora.r, c.lora.alpha);
-  progress.line("model: {} ({} layers, hidden {}), {} parameters; {}: {} trainable ({:.3f}%); backward {}", c.model,
-                mc.n_layers, mc.hidden, format_count(res.total_params), method, format_count(res.trainable_params),
-                100.0 * static_cast<double>(res.trainable_params) / static_cast<double>(res.total_params),
-                backward_mode_name(c.backward));
-  progress.line("training: {} steps of {} x {} rows x {} tokens ({} rows per epoch)", total_steps, c.grad_accum,
-                c.batch_size, c.seq_len, data.train.rows.rows());
-
-  const auto json_number = [](double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string("null"); };
-
-  progress = Progress(log, total_steps, c.log_interval);
-  const auto t0 = Clock::now();
-  double train_seconds = 0;
-  int64_t input_tokens = 0;
-  std::vector<Batch> micro(static_cast<size_t>(c.grad_accum));
-  const auto run_eval = [&](int64_t step) {
-    if (!data.eval) return;
-    const double loss = evaluate(session, *data.eval, data.pad_id, c.batch_size);
-    res.eval_losses.push_back(loss);
-    res.final_eval_loss = loss;
-    progress.line("eval at step {}: loss {:.4f} (ppl {:.2f})", step, loss, std::exp(loss));
-    if (metrics) {
-      std::fprintf(metrics.get(), "{\"step\":%lld,\"eval_loss\":%s,\"elapsed_seconds\":%.3f}\n",
-                   static_cast<long long>(step), json_number(loss).c_str(), seconds_since(t0));
-      std::fflush(metrics.get());
+  r.loss_tokens = loss_tokens(r.target_tokens);
+  params_->zero_grads();
+  double loss_sum = 0;
+  if (r.loss_tokens > 0) {
+    const float scale = 1.0f / static_cast<float>(r.loss_tokens);
+    for (const Batch& b : micro_) {
+      if (b.target_tokens == 0) continue;
+      loss_sum += session_->forward_backward(b, scale, static_cast<uint64_t>(step)).loss_sum;
+      input_tokens_ += b.rows * b.seq_len;
     }
-  };
-  if (c.eval_at_start) run_eval(0);
-  for (int64_t step = 0; step < total_steps; ++step) {
-    const auto ts = Clock::now();
-    // Peek the whole step first: the gradient scale needs its total target tokens.
-    int64_t step_tokens = 0;
-    for (Batch& b : micro) {
-      b = loader.next();
-      step_tokens += b.target_tokens;
-    }
-    if (full_ft)
-      full->zero_grads();
-    else
-      lora->zero_grads();
-    double loss_sum = 0;
-    if (step_tokens > 0) {
-      const float scale = 1.0f / static_cast<float>(step_tokens);
-      for (const Batch& b : micro) {
-        if (b.target_tokens == 0) continue;
-        loss_sum += session.forward_backward(b, scale, static_cast<uint64_t>(step)).loss_sum;
-        input_tokens += b.rows * b.seq_len;
-      }
-    }
-    const double lr = opt.current_lr(0);
-    const StepStats st = opt.step({params, static_cast<size_t>(n_trainable)}, {grads, static_cast<size_t>(n_trainable)});
-    if (full_ft) {  // the forward multiplies packed copies: refresh them
-      pack_weights(model->mutable_weights(), &pool);
-      session.refresh_weights();
-    }
-    const double loss = step_tokens > 0 ? loss_sum / static_cast<double>(step_tokens) : std::nan("");
-    if (step_tokens > 0 && !std::isfinite(loss))
-      fail(ErrorKind::invalid_input, "training diverged at step {}: loss is {} (lower optim.lr?)", step + 1, loss);
-    res.step_losses.push_back(loss);
-    res.trained_tokens += step_tokens;
-    train_seconds += seconds_since(ts);
-    const double tok_s = train_seconds > 0 ? static_cast<double>(input_tokens) / train_seconds : 0;
-    progress.step(step + 1, loss, lr, st.grad_norm, tok_s, seconds_since(t0));
-    if (metrics) {
-      std::fprintf(metrics.get(),
-                   "{\"step\":%lld,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"target_tokens\":%lld,"
-                   "\"input_tokens\":%lld,\"step_seconds\":%.4f,\"elapsed_seconds\":%.3f,\"tokens_per_s\":%.2f}\n",
-                   static_cast<long long>(step + 1), json_number(loss).c_str(), json_number(lr).c_str(),
-                   json_number(st.grad_norm).c_str(), static_cast<long long>(step_tokens),
-                   static_cast<long long>(input_tokens), seconds_since(ts), seconds_since(t0), tok_s);
-      std::fflush(metrics.get());
-    }
-    if (c.eval_interval > 0 && (step + 1) % c.eval_interval == 0 && step + 1 < total_steps) run_eval(step + 1);
   }
-  res.steps = total_steps;
-  res.tokens_per_s = train_seconds > 0 ? static_cast<double>(input_tokens) / train_seconds : 0;
-  run_eval(total_steps);
+  if (hooks_.after_backward) hooks_.after_backward(*this, params_->grads());
+  r.lr = opt_->current_lr(0);
+  r.grad_norm = opt_->step(params_->params(), params_->grads()).grad_norm;
+  params_->after_update(*model_, *session_, *backend_);
+  r.step = step + 1;
+  r.loss = r.target_tokens > 0 ? loss_sum / static_cast<double>(r.target_tokens) : std::nan("");
+  if (r.target_tokens > 0 && !std::isfinite(r.loss))
+    fail(ErrorKind::invalid_input, "training diverged at step {}: loss is {} (lower optim.lr?)", r.step, r.loss);
+  res_.step_losses.push_back(r.loss);
+  res_.trained_tokens += r.target_tokens;
+  r.input_tokens = input_tokens_;
+  r.step_seconds = seconds_since(ts);
+  train_seconds_ += r.step_seconds;
+  const double tok_s = train_seconds_ > 0 ? static_cast<double>(input_tokens_) / train_seconds_ : 0;
+  progress_->step(r.step, r.loss, r.lr, r.grad_norm, tok_s, seconds_since(t0_));
+  write_metrics_step(r, tok_s);
+  if (hooks_.after_optimizer_step) hooks_.after_optimizer_step(*this, r);
+  return r;
+}
 
+void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
+  if (!metrics_) return;
+  std::fprintf(metrics_.get(),
+               "{\"step\":%lld,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"target_tokens\":%lld,"
+               "\"input_tokens\":%lld,\"step_seconds\":%.4f,\"elapsed_seconds\":%.3f,\"tokens_per_s\":%.2f}\n",
+               static_cast<long long>(r.step), json_number(r.loss).c_str(), json_number(r.lr).c_str(),
+               json_number(r.grad_norm).c_str(), static_cast<long long>(r.target_tokens),
+               static_cast<long long>(r.input_tokens), r.step_seconds, seconds_since(t0_), tok_s);
+  std::fflush(metrics_.get());
+}
+
+std::optional<double> Trainer::evaluate() {
+  LOOM_ASSERT(opt_);  // setup() ran
+  if (!data_->eval) return std::nullopt;
+  const int64_t step = steps_done();
+  const double loss = eval_loss(*session_, *data_->eval, data_->pad_id, c_.batch_size);
+  res_.eval_losses.push_back(loss);
+  res_.final_eval_loss = loss;
+  progress_->line("eval at step {}: loss {:.4f} (ppl {:.2f})", step, loss, std::exp(loss));
+  if (metrics_) {
+    std::fprintf(metrics_.get(), "{\"step\":%lld,\"eval_loss\":%s,\"elapsed_seconds\":%.3f}\n",
+                 static_cast<long long>(step), json_number(loss).c_str(), seconds_since(t0_));
+    std::fflush(metrics_.get());
+  }
+  if (hooks_.at_evaluation) hooks_.at_evaluation(*this, step, loss);
+  return loss;
+}
+
+TrainResult Trainer::finish() {
+  LOOM_ASSERT(opt_);  // setup() ran
+  res_.steps = steps_done();
+  res_.tokens_per_s = train_seconds_ > 0 ? static_cast<double>(input_tokens_) / train_seconds_ : 0;
   FolderWriteOptions out_opt;
-  out_opt.overwrite = c.overwrite;
+  out_opt.overwrite = c_.overwrite;
   out_opt.what = "output_dir";
   out_opt.force = "--overwrite (or overwrite: true)";
-  if (full_ft)
-    write_hf_folder(*model, c.output_dir, c.output_dtype, out_opt);
-  else
-    peft::write_adapter(c.output_dir, adapter_tensors(*lora, mc, c), safetensors::StDType::f32, out_opt);
-  res.adapter_dir = c.output_dir;
-  progress.line("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", total_steps,
-                res.trained_tokens, format_duration(seconds_since(t0)), res.tokens_per_s,
-                full_ft ? "Hugging Face model folder" : "adapter", std::filesystem::absolute(c.output_dir).string());
-  return res;
+  params_->write_output(*model_, c_, out_opt);
+  res_.adapter_dir = c_.output_dir;
+  progress_->line("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", res_.steps,
+                  res_.trained_tokens, format_duration(seconds_since(t0_)), res_.tokens_per_s,
+                  params_->output_kind(), std::filesystem::absolute(c_.output_dir).string());
+  return res_;
+}
+
+TrainResult run_training(const TrainConfig& config, std::FILE* log, TrainHooks hooks) {
+  Trainer t(config, log, std::move(hooks));
+  t.setup();
+  if (config.eval_at_start) t.evaluate();
+  const int64_t interval = config.eval_interval;
+  while (t.steps_done() < t.total_steps()) {
+    t.train_step();
+    if (interval > 0 && t.steps_done() % interval == 0 && t.steps_done() < t.total_steps()) t.evaluate();
+  }
+  t.evaluate();
+  return t.finish();
 }
 
 }  // namespace loom

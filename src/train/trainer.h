@@ -1,15 +1,26 @@
-// The LoRA fine-tuning loop behind `loom train`: load the model and data, run
-// optimizer steps of grad_accum micro-batches, evaluate, log progress and write
-// the PEFT adapter folder.
+// The fine-tuning loop behind `loom train`, as named steps: setup (model, data,
+// trainable parameters, optimizer), train_step (grad_accum micro-batches, then
+// the optimizer update), evaluate, finish (export). Hooks (train_hooks.h) plug
+// in all-reduce, checkpoints and metrics; run_training composes the steps.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
+#include "model/model.h"
+#include "train/data.h"
+#include "train/optimizer.h"
 #include "train/train_config.h"
+#include "train/train_hooks.h"
+#include "train/train_step.h"
+#include "train/trainable.h"
 
 namespace loom {
 
@@ -24,9 +35,81 @@ struct TrainResult {
   std::string adapter_dir;
 };
 
-// Runs the whole training described by `config`. Messages and progress go to
-// `log` (nullptr: silent); a progress bar replaces log lines when `log` is a
-// terminal. Throws loom::Error for bad model, data or options.
-TrainResult run_training(const TrainConfig& config, std::FILE* log = stderr);
+class TrainProgress;
+
+class Trainer {
+ public:
+  // Keeps a copy of `config`. Messages and progress go to `log` (nullptr:
+  // silent); a progress bar replaces log lines when `log` is a terminal.
+  Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Checks every output first (before the model loads), then loads the model
+  // with its trainable parameters, the data, and builds the optimizer and
+  // schedule. Throws loom::Error for bad model, data or options.
+  void setup();
+  // One optimizer step: hooks.loss_tokens, grad_accum micro-batches with
+  // grad_scale = 1 / that count, hooks.after_backward, clipping + AdamW, the
+  // parameters' follow-up, logging, hooks.after_optimizer_step. Throws
+  // invalid_input when the loss is not finite (diverged).
+  StepReport train_step();
+  // Mean loss over the eval split (no dropout, no gradients), logged and passed
+  // to hooks.at_evaluation; nullopt when there is no eval split.
+  std::optional<double> evaluate();
+  // Writes the output folder and returns the result.
+  TrainResult finish();
+
+  int64_t steps_done() const { return opt_ ? opt_->step_count() : 0; }
+  int64_t total_steps() const { return total_steps_; }
+  const TrainConfig& config() const { return c_; }
+  const TrainResult& result() const { return res_; }
+
+  // For hooks (checkpoints, all-reduce) and tests; valid after setup().
+  Model& model() { return *model_; }
+  const TrainData& data() const { return *data_; }
+  TrainableParams& params() { return *params_; }
+  AdamW& optimizer() { return *opt_; }
+  DataLoader& loader() { return *loader_; }  // cursor() / seek(): where the next step starts
+  TrainSession& session() { return *session_; }
+  Backend& backend() { return *backend_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  void open_outputs();
+  void load_data();
+  void build_optimizer();
+  void log_start();
+  void write_metrics_step(const StepReport& r, double elapsed);
+  int64_t loss_tokens(int64_t local);
+
+  TrainConfig c_;
+  std::FILE* log_;
+  TrainHooks hooks_;
+  std::unique_ptr<TrainProgress> progress_;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics_{nullptr, &std::fclose};
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<Backend> backend_;  // runs on pool_
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<TrainableParams> params_;
+  std::unique_ptr<TrainSession> session_;  // references model_ and params_
+  std::optional<TrainData> data_;
+  std::unique_ptr<DataLoader> loader_;  // references data_
+  std::unique_ptr<AdamW> opt_;
+  int64_t total_steps_ = 0;
+  std::vector<Batch> micro_;
+  TrainResult res_;
+  Clock::time_point t0_;
+  double train_seconds_ = 0;
+  int64_t input_tokens_ = 0;
+};
+
+// Runs the whole training described by `config`: setup, an evaluation at step
+// 0 when eval_at_start, the steps with an evaluation every eval_interval
+// steps, a final evaluation, finish. Throws loom::Error for bad model, data or
+// options.
+TrainResult run_training(const TrainConfig& config, std::FILE* log = stderr, TrainHooks hooks = {});
 
 }  // namespace loom

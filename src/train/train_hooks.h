@@ -1,0 +1,44 @@
+// The Trainer's hooks: where data-parallel all-reduce, checkpoints, metrics and
+// memory alarms plug into the training loop without touching it. Passed in
+// explicitly (run_training / Trainer); an empty hook does nothing.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+namespace loom {
+
+class Trainer;
+
+// What one optimizer step did, given to after_optimizer_step.
+struct StepReport {
+  int64_t step = 0;           // optimizer steps done, this one included (1-based)
+  double loss = 0;            // mean loss over the step's local target tokens (NaN: none)
+  double lr = 0;              // learning rate of the first parameter group for this update
+  double grad_norm = 0;       // global gradient norm before clipping
+  int64_t target_tokens = 0;  // local target tokens of the step's micro-batches
+  int64_t loss_tokens = 0;    // the count the gradients were divided by (TrainHooks::loss_tokens)
+  int64_t input_tokens = 0;   // rows * seq_len of every micro-batch so far
+  double step_seconds = 0;    // the step's wall time (hooks not included)
+};
+
+struct TrainHooks {
+  // The token count that normalises this step's loss: every micro-batch's
+  // gradient is scaled by 1 / count. Called once per step, before the
+  // micro-batches run, with the local count; data-parallel ranks return the
+  // all-reduced sum. Unset: the local count. Must be >= 1 when local > 0.
+  std::function<int64_t(Trainer&, int64_t local_tokens)> loss_tokens;
+  // After the step's micro-batches accumulated their gradients, before
+  // clipping and the optimizer update. The arena may be changed in place
+  // (where the gradient all-reduce goes).
+  std::function<void(Trainer&, std::span<float> grads)> after_backward;
+  // After the optimizer update and its follow-up (full: weights repacked), and
+  // after the step was logged: checkpoints (Trainer::optimizer(), loader()
+  // cursor), metrics, memory alarms.
+  std::function<void(Trainer&, const StepReport&)> after_optimizer_step;
+  // After each evaluation, with the mean eval loss; `step` = steps done.
+  std::function<void(Trainer&, int64_t step, double eval_loss)> at_evaluation;
+};
+
+}  // namespace loom

@@ -1,0 +1,159 @@
+// The two TrainableParams: LoRA adapters on frozen weights (a LoraModel arena,
+// exported as a PEFT folder) and full fine-tuning (the FullParams arena,
+// exported as a Hugging Face folder).
+#include "train/trainable.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "model/hf_export.h"
+#include "model/lora.h"
+#include "model/peft_adapter.h"
+#include "train/full_params.h"
+#include "train/lora_params.h"
+
+namespace loom {
+
+namespace {
+
+// Parameter groups over the LoRA arena: attention vs MLP adapters, A vs B
+// (B flagged for LoRA+); adjacent runs of the same kind are merged.
+std::vector<ParamGroup> lora_param_groups(const LoraModel& lora, const TrainConfig& c) {
+  struct Run {
+    size_t offset, size;
+    bool mlp, b;
+  };
+  std::vector<Run> runs;
+  for (int64_t l = 0; l < lora.n_layers(); ++l)
+    for (LoraTarget t : kAllLoraTargets) {
+      const LoraSlot& s = lora.slot(l, t);
+      if (!s.active) continue;
+      const auto r = static_cast<size_t>(lora.config().r);
+      const bool mlp = !lora_target_is_attention(t);
+      runs.push_back({s.a_offset, r * static_cast<size_t>(s.in), mlp, false});
+      runs.push_back({s.b_offset, static_cast<size_t>(s.out) * r, mlp, true});
+    }
+  std::sort(runs.begin(), runs.end(), [](const Run& x, const Run& y) { return x.offset < y.offset; });
+  std::vector<ParamGroup> groups;
+  for (const Run& run : runs) {
+    if (!groups.empty()) {
+      ParamGroup& g = groups.back();
+      if (g.offset + g.size == run.offset && g.lora_b == run.b && (g.name[0] == 'm') == run.mlp) {
+        g.size += run.size;
+        continue;
+      }
+    }
+    ParamGroup g;
+    g.name = fmt::format("{}.lora_{}", run.mlp ? "mlp" : "attn", run.b ? "B" : "A");
+    g.offset = run.offset;
+    g.size = run.size;
+    g.lr = run.mlp && c.mlp_lr ? *c.mlp_lr : c.lr;
+    g.weight_decay = c.weight_decay;
+    g.lora_b = run.b;
+    groups.push_back(g);
+  }
+  if (c.lora_plus_ratio) groups = apply_lora_plus(std::move(groups), *c.lora_plus_ratio);
+  return groups;
+}
+
+// The adapter in PEFT form: q/k B rows back in Hugging Face order when the
+// model stores them permuted (llama from GGUF).
+peft::AdapterTensors adapter_tensors(const LoraModel& lora, const ModelConfig& model, const TrainConfig& c) {
+  peft::AdapterTensors ad;
+  ad.config.r = static_cast<int>(c.lora.r);
+  ad.config.lora_alpha = c.lora.alpha;
+  ad.config.lora_dropout = c.lora.dropout;
+  ad.config.use_rslora = c.lora.use_rslora;
+  ad.config.base_model_name_or_path = c.model;
+  for (LoraTarget t : kAllLoraTargets)
+    if (c.lora.targets_module(t)) ad.config.target_modules.push_back(t);
+  const size_t r = static_cast<size_t>(c.lora.r);
+  for (int64_t l = 0; l < lora.n_layers(); ++l)
+    for (LoraTarget t : kAllLoraTargets) {
+      const LoraSlot& s = lora.slot(l, t);
+      if (!s.active) continue;
+      peft::LoraPair p;
+      p.in = s.in;
+      p.out = s.out;
+      const float* a = lora.params() + s.a_offset;
+      const float* b = lora.params() + s.b_offset;
+      p.a.assign(a, a + r * static_cast<size_t>(s.in));
+      p.b.assign(b, b + static_cast<size_t>(s.out) * r);
+      if (lora_needs_qk_permutation(model) && (t == LoraTarget::q || t == LoraTarget::k))
+        lora_permute_qk_rows(make_tensor(p.b.data(), DType::f32, {s.out, c.lora.r}),
+                             t == LoraTarget::q ? model.n_heads : model.n_kv_heads, model.head_dim,
+                             /*hf_to_model=*/false);
+      ad.pairs[{static_cast<int>(l), t}] = std::move(p);
+    }
+  return ad;
+}
+
+class LoraTrainable final : public TrainableParams {
+ public:
+  LoraTrainable(const ModelConfig& mc, const LoraConfig& config) : lora_(mc, config) {}
+
+  std::span<float> params() override { return {lora_.params(), static_cast<size_t>(lora_.param_count())}; }
+  std::span<float> grads() override { return {lora_.grads(), static_cast<size_t>(lora_.param_count())}; }
+  void zero_grads() override { lora_.zero_grads(); }
+  std::vector<ParamGroup> param_groups(const TrainConfig& c) const override { return lora_param_groups(lora_, c); }
+  std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
+    return std::make_unique<TrainSession>(model.config(), model.weights(), lora_, backend, mode);
+  }
+  void after_update(Model&, TrainSession&, Backend&) override {}
+  int64_t added_params() const override { return lora_.param_count(); }
+  std::string describe() const override {
+    return fmt::format("LoRA r={} alpha={}", lora_.config().r, lora_.config().alpha);
+  }
+  const char* output_kind() const override { return "adapter"; }
+  void write_output(const Model& model, const TrainConfig& c, const FolderWriteOptions& opt) override {
+    peft::write_adapter(c.output_dir, adapter_tensors(lora_, model.config(), c), safetensors::StDType::f32, opt);
+  }
+
+ private:
+  LoraModel lora_;
+};
+
+class FullTrainable final : public TrainableParams {
+ public:
+  FullTrainable(ModelWeights& w, const ModelConfig& mc, ThreadPool& pool) : full_(w, mc, pool) {}
+
+  std::span<float> params() override { return {full_.params(), static_cast<size_t>(full_.param_count())}; }
+  std::span<float> grads() override { return {full_.grads(), static_cast<size_t>(full_.param_count())}; }
+  void zero_grads() override { full_.zero_grads(); }
+  std::vector<ParamGroup> param_groups(const TrainConfig& c) const override {
+    return full_.param_groups(c.lr, c.weight_decay);
+  }
+  std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
+    return std::make_unique<TrainSession>(model.config(), model.weights(), full_, backend, mode);
+  }
+  void after_update(Model& model, TrainSession& session, Backend& backend) override {
+    prepare_weights(model.mutable_weights(), backend);
+    session.refresh_weights();
+  }
+  int64_t added_params() const override { return 0; }
+  std::string describe() const override { return "full fine-tuning (f32)"; }
+  const char* output_kind() const override { return "Hugging Face model folder"; }
+  void write_output(const Model& model, const TrainConfig& c, const FolderWriteOptions& opt) override {
+    write_hf_folder(model, c.output_dir, c.output_dtype, opt);
+  }
+
+ private:
+  FullParams full_;
+};
+
+}  // namespace
+
+TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool) {
+  TrainableModel out;
+  Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
+  if (c.method == TrainMethod::full)
+    lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) {
+      out.params = std::make_unique<FullTrainable>(w, mc, pool);
+    };
+  out.model = Model::load(c.model, lo);
+  if (c.method == TrainMethod::lora) out.params = std::make_unique<LoraTrainable>(out.model->config(), c.lora);
+  LOOM_ASSERT(out.params);
+  return out;
+}
+
+}  // namespace loom

@@ -1,0 +1,64 @@
+// What `loom train` trains, LoRA adapters or every weight, behind one
+// interface: the flat f32 parameter and gradient arenas AdamW updates, their
+// parameter groups, the TrainSession that fills the gradients, what follows an
+// optimizer update and how the result is written. The Trainer sees only this.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "io/file_write.h"
+#include "kernels/backend.h"
+#include "model/model.h"
+#include "train/optimizer.h"
+#include "train/train_config.h"
+#include "train/train_step.h"
+
+namespace loom {
+
+class TrainableParams {
+ public:
+  virtual ~TrainableParams() = default;
+
+  // Same layout for both arenas; AdamW's groups index into them.
+  virtual std::span<float> params() = 0;
+  virtual std::span<float> grads() = 0;
+  int64_t count() { return static_cast<int64_t>(params().size()); }
+  virtual void zero_grads() = 0;
+  // LoRA: attention / MLP and A / B groups (mlp_lr, LoRA+); full: weights
+  // (decay) and norms / biases (no decay).
+  virtual std::vector<ParamGroup> param_groups(const TrainConfig& c) const = 0;
+
+  // The session that runs forward and backward into grads() (TrainSession's
+  // LoRA or full constructor). Keeps references to `model`, `backend` and this.
+  virtual std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) = 0;
+  // Called after every optimizer update. Full: the forward multiplies the
+  // backend's prepared copies of the weights, so they are prepared again and the
+  // session's transposed copies rebuilt. LoRA: nothing (adapters are read directly).
+  virtual void after_update(Model& model, TrainSession& session, Backend& backend) = 0;
+
+  // Parameters beyond the model's own (LoRA: the adapters; full: none).
+  virtual int64_t added_params() const = 0;
+  virtual std::string describe() const = 0;     // "LoRA r=8 alpha=16", "full fine-tuning (f32)"
+  virtual const char* output_kind() const = 0;  // "adapter", "Hugging Face model folder"
+  // Writes c.output_dir as a whole: a PEFT adapter folder (q/k rows of B in
+  // Hugging Face order) or a Hugging Face model folder in c.output_dtype.
+  virtual void write_output(const Model& model, const TrainConfig& c, const FolderWriteOptions& opt) = 0;
+};
+
+// A loaded model with the parameters c.method trains.
+struct TrainableModel {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<TrainableParams> params;
+};
+
+// Loads c.model (tokenizer, weights prepared for `backend`). LoRA lays out and
+// initializes the adapters (seeded) after the load; full fine-tuning moves every
+// weight into an f32 arena before they are prepared (FullParams), so the forward
+// reads the weights being trained. `pool` dequantizes into that arena.
+TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool);
+
+}  // namespace loom
