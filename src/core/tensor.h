@@ -1,5 +1,5 @@
-// A non-owning view of a contiguous row-major tensor. Arenas and mapped files
-// own memory; a Tensor only points into them. Shapes are outermost first (as
+// A non-owning view of a contiguous row-major tensor on a Device. Arenas and
+// mapped files own memory; a Tensor only points into them. Shapes are outermost first (as
 // in PyTorch): a weight of a Linear(in=K, out=N) has shape {N, K}, each row a
 // run of K elements (or K/block_size quantized blocks).
 #pragma once
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/device.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
@@ -18,6 +19,7 @@ struct Tensor {
 
   void* data = nullptr;
   DType dtype = DType::f32;
+  Device device = kCpu;  // where data lives (only the CPU backend exists yet)
   int ndim = 0;
   std::array<int64_t, kMaxDims> shape{};
 

@@ -6,15 +6,12 @@
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
+#include "kernels/shapes.h"
 #include "kernels/linear_backward.h"
 #include "kernels/matmul.h"
 
 namespace loom {
 
-struct LossResult {
-  double loss_sum = 0;  // sum over unmasked rows of -log softmax(logits)[label]
-  int64_t n_tokens = 0;  // unmasked rows
-};
 
 struct ChunkedLossArgs {
   const Tensor* W = nullptr;            // output projection [V, H], any dtype (read for dh)

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/thread_pool.h"
+#include "kernels/shapes.h"
 
 namespace loom {
 
@@ -20,14 +21,6 @@ void swiglu(float* out, const float* gate, const float* up, int64_t n);
 // y[i] += x[i]
 void add_inplace(float* y, const float* x, int64_t n);
 
-// Rotary embedding tables: inverse frequencies per pair, with Llama-3 scaling
-// or per-pair divisors (GGUF rope_freqs) already folded in.
-struct RopeTable {
-  int64_t head_dim = 0;
-  bool interleaved = true;     // pairs (2i, 2i+1) vs (i, i + d/2)
-  std::vector<float> inv_freq;  // head_dim / 2 entries
-};
-
 // Rotates x[t, h, :] for t < T, h < n_heads by angle pos[t] * inv_freq.
 void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, const int32_t* pos);
 // Rotation by direction * angle: +1 is rope_apply, -1 its inverse (= transpose,
@@ -39,12 +32,6 @@ void rope_rotate(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, co
 //   k,v: [n_kv_rows, kv_stride] with key/value for position p at row p (head g at offset g*head_dim)
 //   out: [T, n_heads * head_dim]
 // Query t attends to positions [seq_start[t], pos[t]] (seq_start lets packed rows restart).
-struct AttentionShape {
-  int64_t n_heads = 0;
-  int64_t n_kv_heads = 0;
-  int64_t head_dim = 0;
-  int64_t kv_stride = 0;
-};
 void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k, const float* v,
                float* out, int64_t T, const int32_t* pos, const int32_t* seq_start);
 

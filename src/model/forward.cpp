@@ -1,29 +1,56 @@
 #include "model/forward.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "core/error.h"
-#include "kernels/ops.h"
-#include "kernels/cpu/dequant.h"
 
 namespace loom {
 
-InferenceSession::InferenceSession(const ModelConfig& config, const ModelWeights& weights, ThreadPool& pool,
+namespace {
+
+// K/V rows go straight into the contiguous cache at positions [n_past, n_past + T);
+// attention reads the cache up to each row's position.
+class CacheAttention final : public AttentionStep {
+ public:
+  CacheAttention(const Decoder& dec, KvCache& cache, int64_t n_past, int64_t T, const int32_t* pos)
+      : dec_(dec), cache_(cache), n_past_(n_past), T_(T), pos_(pos) {}
+  float* keys(int64_t layer) override { return cache_.keys(layer) + n_past_ * cache_.row_stride(); }
+  float* values(int64_t layer) override { return cache_.values(layer) + n_past_ * cache_.row_stride(); }
+  void attend(int64_t layer, const float* q, const float*, const float*, float* att) override {
+    dec_.backend().attention(dec_.attention_shape(), q, cache_.keys(layer), cache_.values(layer), att, T_, pos_,
+                             nullptr);
+  }
+
+ private:
+  const Decoder& dec_;
+  KvCache& cache_;
+  int64_t n_past_, T_;
+  const int32_t* pos_;
+};
+
+}  // namespace
+
+InferenceSession::InferenceSession(const ModelConfig& config, const ModelWeights& weights, Backend& backend,
                                    int64_t n_ctx, int64_t micro_batch)
-    : c_(config), w_(weights), pool_(pool), cache_(config, n_ctx), micro_batch_(micro_batch) {
+    : c_(config),
+      dec_(config, weights, backend),
+      cache_(config, n_ctx, backend),
+      ws_(backend.make_workspace()),
+      micro_batch_(micro_batch) {
   LOOM_ASSERT(n_ctx > 0 && micro_batch > 0);
-  LOOM_ASSERT(weights.packed.size() == weights.layers.size() && !weights.output_packed.empty());
-  const auto mb = static_cast<size_t>(micro_batch);
-  x_.resize(mb * static_cast<size_t>(c_.hidden));
-  xn_.resize(x_.size());
-  q_.resize(mb * static_cast<size_t>(c_.q_dim()));
-  att_.resize(q_.size());
-  k_.resize(mb * static_cast<size_t>(c_.kv_dim()));
-  v_.resize(k_.size());
-  gate_.resize(mb * static_cast<size_t>(c_.intermediate));
-  up_.resize(gate_.size());
-  pos_.resize(mb);
+  const int64_t mb = micro_batch;
+  const int64_t sizes[] = {mb * c_.hidden, mb * c_.hidden,       mb * c_.q_dim(), mb * c_.q_dim(),
+                           mb * c_.intermediate, mb * c_.intermediate, mb * c_.head_dim};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  acts_ = backend.alloc(static_cast<size_t>(total) * sizeof(float));
+  float* p = acts_.floats();
+  float** views[] = {&x_, &xn_, &q_, &att_, &gate_, &up_, &rope_cs_};
+  for (size_t i = 0; i < std::size(views); ++i) {
+    *views[i] = p;
+    p += sizes[i];
+  }
+  pos_.resize(static_cast<size_t>(mb));
 }
 
 void InferenceSession::truncate(int64_t n) {
@@ -37,9 +64,7 @@ const float* InferenceSession::eval(std::span<const int32_t> tokens, bool all_lo
   if (n_past_ + T > cache_.n_ctx())
     fail(ErrorKind::invalid_input, "context is full: {} tokens already, {} more would exceed the context size {}",
          n_past_, T, cache_.n_ctx());
-  for (int32_t t : tokens)
-    if (t < 0 || t >= c_.vocab_size)
-      fail(ErrorKind::invalid_input, "token id {} is outside the vocabulary [0, {})", t, c_.vocab_size);
+  dec_.check_tokens(tokens);
   const auto V = static_cast<size_t>(c_.vocab_size);
   logits_.resize(all_logits ? V * static_cast<size_t>(T) : V);
   for (int64_t b = 0; b < T; b += micro_batch_) {
@@ -52,53 +77,25 @@ const float* InferenceSession::eval(std::span<const int32_t> tokens, bool all_lo
 }
 
 void InferenceSession::forward_batch(const int32_t* tokens, int64_t T, bool all_logits, float* logits_out) {
-  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate;
-  float* x = x_.data();
-  float* xn = xn_.data();
-  for (int64_t t = 0; t < T; ++t) {
-    pos_[static_cast<size_t>(t)] = static_cast<int32_t>(n_past_ + t);
-    const Tensor& e = w_.token_embd;
-    dequantize_row(e.dtype, e.row_ptr(tokens[t]), x + t * H, H);
-  }
-  const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
-  const auto eps = static_cast<float>(c_.rms_eps);
-
-  for (int64_t l = 0; l < c_.n_layers; ++l) {
-    const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
-    const PackedLayer& P = w_.packed[static_cast<size_t>(l)];
-    rmsnorm(xn, x, L.attn_norm, T, H, eps);
-    float* kc = cache_.keys(l) + n_past_ * KV;
-    float* vc = cache_.values(l) + n_past_ * KV;
-    // One activation quantization and one dispatch for q, k and v; keys and
-    // values land in the cache rows directly.
-    const MatmulOut qkv[] = {{&P.wq, q_.data(), Q}, {&P.wk, kc, KV}, {&P.wv, vc, KV}};
-    matmul_multi(pool_, qkv, xn, H, T, scratch_);
-    if (L.bq != nullptr) {
-      for (int64_t t = 0; t < T; ++t) {
-        add_inplace(q_.data() + t * Q, L.bq, Q);
-        add_inplace(kc + t * KV, L.bk, KV);
-        add_inplace(vc + t * KV, L.bv, KV);
-      }
-    }
-    rope_apply(w_.rope, q_.data(), T, c_.n_heads, pos_.data());
-    rope_apply(w_.rope, kc, T, c_.n_kv_heads, pos_.data());
-    attention(pool_, shape, q_.data(), cache_.keys(l), cache_.values(l), att_.data(), T, pos_.data(), nullptr);
-    matmul(pool_, P.wo, att_.data(), xn, T, scratch_);
-    add_inplace(x, xn, T * H);
-
-    rmsnorm(xn, x, L.ffn_norm, T, H, eps);
-    const MatmulOut gate_up[] = {{&P.w_gate, gate_.data(), F}, {&P.w_up, up_.data(), F}};
-    matmul_multi(pool_, gate_up, xn, H, T, scratch_);
-    pool_.parallel_for(T * F, [&](int64_t b, int64_t e) { swiglu(gate_.data() + b, gate_.data() + b, up_.data() + b, e - b); }, 64);
-    matmul(pool_, P.w_down, gate_.data(), xn, T, scratch_);
-    add_inplace(x, xn, T * H);
-  }
+  for (int64_t t = 0; t < T; ++t) pos_[static_cast<size_t>(t)] = static_cast<int32_t>(n_past_ + t);
+  dec_.embed(tokens, T, x_);
+  dec_.rope_table(pos_.data(), T, rope_cs_);
+  // One residual stream (x), one scratch row set (xn) for the norms and projections.
+  LayerBuffers b;
+  b.x = b.xmid = b.out = x_;
+  b.xn1 = b.o = b.xn2 = b.down = xn_;
+  b.q = q_;
+  b.att = att_;
+  b.gate = b.h = gate_;
+  b.up = up_;
+  CacheAttention attn(dec_, cache_, n_past_, T, pos_.data());
+  for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, rope_cs_, attn, nullptr);
   n_past_ += T;
   if (logits_out == nullptr) return;
   // Only the rows whose logits are wanted pass the final norm and the output projection.
   const int64_t first = all_logits ? 0 : T - 1, rows = T - first;
-  rmsnorm(xn, x + first * H, w_.output_norm, rows, H, eps);
-  matmul(pool_, w_.output_packed, xn, logits_out, rows, scratch_);
+  dec_.final_norm(x_ + first * c_.hidden, nullptr, rows, xn_);
+  dec_.logits(*ws_, xn_, rows, logits_out);
 }
 
 }  // namespace loom

@@ -1,13 +1,15 @@
 // Inference forward pass of a Llama-family decoder over a KV cache: batched
-// prefill (in micro-batches) and incremental decode share one code path.
+// prefill (in micro-batches) and incremental decode share one code path, the
+// decoder layer of model/decoder.h over a contiguous KV cache.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
-#include "core/thread_pool.h"
-#include "kernels/matmul.h"
+#include "kernels/backend.h"
+#include "model/decoder.h"
 #include "model/kv_cache.h"
 #include "model/weights.h"
 
@@ -16,7 +18,8 @@ namespace loom {
 class InferenceSession {
  public:
   // n_ctx: positions this session can hold (<= the model's context length).
-  InferenceSession(const ModelConfig& config, const ModelWeights& weights, ThreadPool& pool, int64_t n_ctx,
+  // `weights` must be prepared for `backend`.
+  InferenceSession(const ModelConfig& config, const ModelWeights& weights, Backend& backend, int64_t n_ctx,
                    int64_t micro_batch = 256);
 
   // Appends `tokens` at positions [n_past, n_past + size) and returns the
@@ -36,14 +39,14 @@ class InferenceSession {
   void forward_batch(const int32_t* tokens, int64_t T, bool all_logits, float* logits_out);
 
   const ModelConfig& c_;
-  const ModelWeights& w_;
-  ThreadPool& pool_;
+  Decoder dec_;
   KvCache cache_;
+  std::unique_ptr<Workspace> ws_;
   int64_t micro_batch_;
   int64_t n_past_ = 0;
-  MatmulScratch scratch_;
-  // activations of one micro-batch
-  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_;
+  // activations of one micro-batch, carved from one device buffer
+  DeviceBuffer acts_;
+  float *x_, *xn_, *q_, *att_, *gate_, *up_, *rope_cs_;
   std::vector<int32_t> pos_;
   std::vector<float> logits_;
 };

@@ -2,10 +2,10 @@
 
 namespace loom {
 
-KvCache::KvCache(const ModelConfig& c, int64_t n_ctx)
+KvCache::KvCache(const ModelConfig& c, int64_t n_ctx, Backend& backend)
     : n_ctx_(n_ctx),
       kv_dim_(c.kv_dim()),
-      k_(static_cast<size_t>(c.n_layers * n_ctx * c.kv_dim())),
-      v_(static_cast<size_t>(c.n_layers * n_ctx * c.kv_dim())) {}
+      k_(backend.alloc(static_cast<size_t>(c.n_layers * n_ctx * c.kv_dim()) * sizeof(float))),
+      v_(backend.alloc(static_cast<size_t>(c.n_layers * n_ctx * c.kv_dim()) * sizeof(float))) {}
 
 }  // namespace loom

@@ -1,28 +1,28 @@
-// Contiguous per-layer key/value store for one sequence (f32). Row p holds
-// the keys (or values) of position p for all kv heads. The paged cache of the
-// server lives in serve/.
+// Contiguous per-layer key/value store for one sequence (f32), in the memory
+// of the backend's device. Row p holds the keys (or values) of position p for
+// all kv heads. The paged cache of the server lives in serve/.
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
+#include "kernels/backend.h"
 #include "model/config.h"
 
 namespace loom {
 
 class KvCache {
  public:
-  KvCache(const ModelConfig& config, int64_t n_ctx);
+  KvCache(const ModelConfig& config, int64_t n_ctx, Backend& backend);
 
   int64_t n_ctx() const { return n_ctx_; }
   int64_t row_stride() const { return kv_dim_; }
-  float* keys(int64_t layer) { return k_.data() + layer * n_ctx_ * kv_dim_; }
-  float* values(int64_t layer) { return v_.data() + layer * n_ctx_ * kv_dim_; }
-  size_t bytes() const { return (k_.size() + v_.size()) * sizeof(float); }
+  float* keys(int64_t layer) { return k_.floats() + layer * n_ctx_ * kv_dim_; }
+  float* values(int64_t layer) { return v_.floats() + layer * n_ctx_ * kv_dim_; }
+  size_t bytes() const { return k_.bytes() + v_.bytes(); }
 
  private:
   int64_t n_ctx_, kv_dim_;
-  std::vector<float> k_, v_;
+  DeviceBuffer k_, v_;
 };
 
 }  // namespace loom

@@ -68,7 +68,10 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   }
   if (options.dequantize) dequantize_weights(m->weights_);
   if (options.before_pack) options.before_pack(m->weights_, m->config_);
-  if (options.pack) pack_weights(m->weights_, options.pool);
+  if (options.pack) {
+    if (options.backend == nullptr) fail(ErrorKind::internal, "Model::load({}): pack without a backend", path);
+    prepare_weights(m->weights_, *options.backend);
+  }
   return m;
 }
 

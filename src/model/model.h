@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "core/thread_pool.h"
+#include "kernels/backend.h"
 #include "model/config.h"
 #include "model/weights.h"
 
@@ -23,11 +23,11 @@ class Model {
  public:
   struct LoadOptions {
     bool tokenizer = true;       // false: raw ids only (benchmarks, tests)
-    bool pack = true;            // false: no matmul panels (inspection only: `loom info`)
-    ThreadPool* pool = nullptr;  // speeds up packing
+    bool pack = true;            // false: weights not prepared for a backend (inspection only: `loom info`)
+    Backend* backend = nullptr;  // prepares the weights for its products; required when pack
     bool dequantize = false;     // expand every matrix to f32 first (reference checks, --f32)
     // Runs after the weights are bound (and dequantized) and before packing, e.g.
-    // to merge an adapter into f32 copies of some matrices (train/adapter_merge.h).
+    // to merge an adapter into f32 copies of some matrices (model/adapter_merge.h).
     std::function<void(ModelWeights&, const ModelConfig&)> before_pack = nullptr;
   };
   // Loads weights and tokenizer. Throws loom::Error naming the path.

@@ -23,7 +23,7 @@ class Binder {
     if (t->ndim != 2 || t->dim(0) != rows || t->dim(1) != cols)
       fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {}, expected [{}, {}]", source_, name,
            t->shape_string(), rows, cols);
-    if (!matmul_supports(t->dtype))
+    if (!weight_type_supported(t->dtype))
       fail(ErrorKind::unsupported, "{}: tensor '{}' has type {}, which loom cannot multiply", source_, name,
            dtype_name(t->dtype));
     return *t;
@@ -72,25 +72,24 @@ void dequantize_weights(ModelWeights& w) {
     for (Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) expand(*t);
 }
 
-void pack_weights(ModelWeights& w, ThreadPool* pool) {
-  // Repacking (full fine-tuning) reuses the previous panels' memory.
-  std::vector<PackedLayer> old = std::move(w.packed);
+void prepare_weights(ModelWeights& w, Backend& backend) {
+  std::vector<PreparedLayer> old = std::move(w.prepared);
   old.resize(w.layers.size());
-  w.packed.clear();
+  w.prepared.clear();
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
-    PackedLayer& O = old[l];
-    PackedLayer P;
-    P.wq = PackedWeight::pack(L.wq, pool, "attn_q", &O.wq);
-    P.wk = PackedWeight::pack(L.wk, pool, "attn_k", &O.wk);
-    P.wv = PackedWeight::pack(L.wv, pool, "attn_v", &O.wv);
-    P.wo = PackedWeight::pack(L.wo, pool, "attn_output", &O.wo);
-    P.w_gate = PackedWeight::pack(L.w_gate, pool, "ffn_gate", &O.w_gate);
-    P.w_up = PackedWeight::pack(L.w_up, pool, "ffn_up", &O.w_up);
-    P.w_down = PackedWeight::pack(L.w_down, pool, "ffn_down", &O.w_down);
-    w.packed.push_back(std::move(P));
+    PreparedLayer& O = old[l];
+    PreparedLayer P;
+    P.wq = backend.prepare_weight(L.wq, "attn_q", std::move(O.wq));
+    P.wk = backend.prepare_weight(L.wk, "attn_k", std::move(O.wk));
+    P.wv = backend.prepare_weight(L.wv, "attn_v", std::move(O.wv));
+    P.wo = backend.prepare_weight(L.wo, "attn_output", std::move(O.wo));
+    P.w_gate = backend.prepare_weight(L.w_gate, "ffn_gate", std::move(O.w_gate));
+    P.w_up = backend.prepare_weight(L.w_up, "ffn_up", std::move(O.w_up));
+    P.w_down = backend.prepare_weight(L.w_down, "ffn_down", std::move(O.w_down));
+    w.prepared.push_back(std::move(P));
   }
-  w.output_packed = PackedWeight::pack(w.output, pool, "output", &w.output_packed);
+  w.output_prepared = backend.prepare_weight(w.output, "output", std::move(w.output_prepared));
 }
 
 RopeTable make_rope_table(const ModelConfig& c) {

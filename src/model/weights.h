@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "kernels/matmul.h"
-#include "kernels/ops.h"
+#include "kernels/backend.h"
+#include "kernels/shapes.h"
 #include "model/config.h"
 
 namespace loom {
@@ -26,9 +26,10 @@ struct LayerWeights {
   Tensor w_gate, w_up, w_down;       // [ffn, hidden] x2, [hidden, ffn]
 };
 
-// The matrices of one layer rearranged for the matmul kernels (kernels/matmul.h).
-struct PackedLayer {
-  PackedWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+// The matrices of one layer as the backend prepared them for its products
+// (the CPU: panels of kernels/cpu/matmul.h).
+struct PreparedLayer {
+  WeightHandle wq, wk, wv, wo, w_gate, w_up, w_down;
 };
 
 struct ModelWeights {
@@ -37,8 +38,8 @@ struct ModelWeights {
   const float* output_norm = nullptr;
   std::vector<LayerWeights> layers;
   RopeTable rope;
-  std::vector<PackedLayer> packed;   // filled by pack_weights(); the forward pass multiplies these
-  PackedWeight output_packed;
+  std::vector<PreparedLayer> prepared;  // filled by prepare_weights(); the forward pass multiplies these
+  WeightHandle output_prepared;
   std::vector<std::vector<float>> owned;  // f32 copies of vectors stored as f16/bf16/misaligned
 };
 
@@ -57,8 +58,9 @@ ModelWeights bind_weights(const ModelConfig& config, WeightNaming naming, const 
 // Replaces every matrix view by an f32 copy held in w.owned (reference runs).
 void dequantize_weights(ModelWeights& w);
 
-// Packs every matrix for the matmul kernels (done once at load).
-void pack_weights(ModelWeights& w, ThreadPool* pool);
+// Prepares every matrix for `backend`'s products (done once at load; again
+// after full fine-tuning changed them, reusing the previous handles' memory).
+void prepare_weights(ModelWeights& w, Backend& backend);
 
 // Inverse RoPE frequencies for the config (theta, Llama-3 scaling).
 RopeTable make_rope_table(const ModelConfig& config);

@@ -1,19 +1,13 @@
-// Batched forward step over the paged KV cache (see batch_forward.h). Buffers
-// are sized at construction (the logits and LoRA buffers grow only past their
-// largest use), so a step does not allocate after warm-up.
+// Batched forward step over the paged KV cache (see batch_forward.h): the
+// decoder layer of model/decoder.h with paged attention and per-row LoRA.
+// Buffers are sized at construction (the logits and LoRA buffers grow only past
+// their largest use), so a step does not allocate after warm-up.
 #include "serve/batch_forward.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
+#include <functional>
 
 #include "core/error.h"
-#include "core/half.h"
-#include "kernels/ops.h"
-#include "kernels/paged_attention.h"
-#include "kernels/cpu/dequant.h"
-#include "kernels/simd_avx2.h"
-#include "kernels/simd_rows.h"
 
 namespace loom {
 
@@ -24,52 +18,100 @@ void grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-// base[at, at + n) = x, as f32 or as IEEE half (round to nearest even; the
-// F16C instruction and the scalar tail agree).
-void store_row(void* base, int64_t at, const float* x, int64_t n, bool f16) {
-  if (!f16) {
-    std::memcpy(static_cast<float*>(base) + at, x, static_cast<size_t>(n) * sizeof(float));
-    return;
-  }
-  uint16_t* d = static_cast<uint16_t*>(base) + at;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; i < n; ++i) d[i] = fp32_to_fp16(x[i]);
-}
-
-// Columns per unit of the LoRA output products and of SwiGLU.
-constexpr int64_t kLoraCols = 64;
-constexpr int64_t kSwigluCols = 256;
-
 }  // namespace
 
-BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weights, ThreadPool& pool,
-                           KvPool& kv, int64_t max_batch_tokens, int64_t max_logit_rows)
-    : c_(config), w_(weights), pool_(pool), kv_(kv), max_tokens_(max_batch_tokens) {
+// K/V projections land in the step's k/v rows, which after RoPE go into each
+// sequence's blocks; attention reads every row's sequence through its block table.
+class BatchForward::PagedAttention final : public AttentionStep {
+ public:
+  explicit PagedAttention(BatchForward& f) : f_(f) {}
+  float* keys(int64_t) override { return f_.k_; }
+  float* values(int64_t) override { return f_.v_; }
+  void attend(int64_t layer, const float* q, const float* k, const float* v, float* att) override {
+    Backend& be = f_.dec_.backend();
+    KvPool& kv = f_.kv_;
+    const AttentionShape shape = f_.dec_.attention_shape();
+    be.paged_store(shape, kv.keys(layer), kv.values(layer), kv.dtype(), kv.block_size(), k, v, f_.kv_slot_.data(),
+                   f_.T_);
+    const PagedKvView view{kv.keys(layer), kv.values(layer), kv.block_size(), kv.dtype()};
+    be.paged_attention(shape, view, q, att, f_.T_, f_.pos_.data(), f_.tables_.data());
+  }
+
+ private:
+  BatchForward& f_;
+};
+
+// Each row's own adapter (or none) on the linear outputs, as one backend
+// lora_rows op per adaptation point.
+class BatchForward::RowAdapters final : public LayerAdapters {
+ public:
+  explicit RowAdapters(BatchForward& f) : f_(f) {}
+  void apply(int64_t layer, std::span<const AdapterJob> jobs) override {
+    LOOM_ASSERT(jobs.size() <= 3);
+    const std::vector<int32_t>& rows = f_.lora_rows_;
+    const size_t NR = rows.size();
+    factors_.resize(3 * NR);
+    pointers_.resize(3 * NR);
+    LoraRowsJob out[3];
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const AdapterJob& job = jobs[j];
+      for (size_t i = 0; i < NR; ++i) {
+        const ServeAdapter* a = f_.row_adapter_[static_cast<size_t>(rows[i])];
+        const ServeLoraPair& p = a->pair(layer, job.target);
+        LoraFactor& fac = factors_[j * NR + i];
+        if (p.present())
+          fac = {p.a.as<const float>(), p.b.as<const float>(), p.rank(), p.a.dim(1), p.b.dim(0), a->scale};
+        pointers_[j * NR + i] = p.present() ? &fac : nullptr;
+      }
+      out[j] = {job.x, job.ldx, job.y, job.ldy, lora_target_out(f_.c_, job.target), pointers_.data() + j * NR};
+    }
+    f_.dec_.backend().lora_rows(*f_.ws_, std::span<const LoraRowsJob>(out, jobs.size()), rows, f_.lora_rank_,
+                                f_.lora_u_.data(), f_.T_);
+  }
+
+ private:
+  BatchForward& f_;
+  std::vector<LoraFactor> factors_;
+  std::vector<const LoraFactor*> pointers_;
+};
+
+BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weights, Backend& backend, KvPool& kv,
+                           int64_t max_batch_tokens, int64_t max_logit_rows)
+    : c_(config),
+      dec_(config, weights, backend),
+      kv_(kv),
+      max_tokens_(max_batch_tokens),
+      ws_(backend.make_workspace()),
+      attention_(std::make_unique<PagedAttention>(*this)),
+      adapters_(std::make_unique<RowAdapters>(*this)) {
   LOOM_ASSERT(max_batch_tokens > 0 && max_logit_rows > 0);
-  LOOM_ASSERT(weights.packed.size() == weights.layers.size() && !weights.output_packed.empty());
   LOOM_ASSERT(kv.n_layers() == config.n_layers && kv.n_kv_heads() == config.n_kv_heads &&
               kv.head_dim() == config.head_dim);
   const auto mt = static_cast<size_t>(max_batch_tokens);
+  tokens_.reserve(mt);
   pos_.resize(mt);
   kv_slot_.resize(mt);
   tables_.resize(mt);
-  rope_cs_.resize(mt * static_cast<size_t>(c_.head_dim));
   row_adapter_.resize(mt);
   lora_rows_.reserve(mt);
   logit_src_.reserve(mt);
-  x_.resize(mt * static_cast<size_t>(c_.hidden));
-  xn_.resize(x_.size());
-  q_.resize(mt * static_cast<size_t>(c_.q_dim()));
-  att_.resize(q_.size());
-  k_.resize(mt * static_cast<size_t>(c_.kv_dim()));
-  v_.resize(k_.size());
-  gate_.resize(mt * static_cast<size_t>(c_.intermediate));
-  up_.resize(gate_.size());
+  const int64_t T = max_batch_tokens;
+  const int64_t sizes[] = {T * c_.hidden,       T * c_.hidden,       T * c_.q_dim(), T * c_.kv_dim(),
+                           T * c_.kv_dim(),     T * c_.q_dim(),      T * c_.intermediate,
+                           T * c_.intermediate, T * c_.head_dim};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  acts_ = backend.alloc(static_cast<size_t>(total) * sizeof(float));
+  float* p = acts_.floats();
+  float** views[] = {&x_, &xn_, &q_, &k_, &v_, &att_, &gate_, &up_, &rope_cs_};
+  for (size_t i = 0; i < std::size(views); ++i) {
+    *views[i] = p;
+    p += sizes[i];
+  }
   logits_.resize(static_cast<size_t>(std::min(max_logit_rows, max_batch_tokens) * c_.vocab_size));
 }
+
+BatchForward::~BatchForward() = default;
 
 const float* BatchForward::logits(size_t chunk) const {
   LOOM_ASSERT(chunk < logit_row_.size());
@@ -77,20 +119,19 @@ const float* BatchForward::logits(size_t chunk) const {
   return i < 0 ? nullptr : logits_.data() + i * c_.vocab_size;
 }
 
-// Per-row bookkeeping of a step: positions, KV rows, RoPE angles, adapters.
+// Per-row bookkeeping of a step: tokens, positions, KV rows, adapters, logits rows.
 void BatchForward::prepare(std::span<const BatchChunk> chunks) {
   int64_t T = 0;
   for (const BatchChunk& ch : chunks) {
     LOOM_ASSERT(ch.table != nullptr && !ch.tokens.empty() && ch.n_past >= 0);
-    for (int32_t t : ch.tokens)
-      if (t < 0 || t >= c_.vocab_size)
-        fail(ErrorKind::invalid_input, "token id {} is outside the vocabulary [0, {})", t, c_.vocab_size);
+    dec_.check_tokens(ch.tokens);
     T += static_cast<int64_t>(ch.tokens.size());
   }
   LOOM_ASSERT(T <= max_tokens_);
   T_ = T;
 
-  const int64_t bs = kv_.block_size(), half = w_.rope.head_dim / 2;
+  const int64_t bs = kv_.block_size();
+  tokens_.clear();
   logit_row_.assign(chunks.size(), -1);
   logit_src_.clear();
   lora_rows_.clear();
@@ -109,6 +150,7 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
       if (ci == 0 || chunks[ci - 1].adapter != ch.adapter)
         lora_rank_ = std::max(lora_rank_, ch.adapter->max_rank());
     }
+    tokens_.insert(tokens_.end(), ch.tokens.begin(), ch.tokens.end());
     for (int64_t i = 0; i < n; ++i, ++r) {
       const auto ur = static_cast<size_t>(r);
       const int64_t p = ch.n_past + i;
@@ -117,13 +159,6 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
       tables_[ur] = tb.blocks.data();
       row_adapter_[ur] = ch.adapter;
       if (ch.adapter != nullptr) lora_rows_.push_back(static_cast<int32_t>(r));
-      // The angles of rope_rotate (kernels/ops.cpp), computed once per step instead of per layer.
-      float* cs = rope_cs_.data() + r * w_.rope.head_dim;
-      for (int64_t j = 0; j < half; ++j) {
-        const double a = static_cast<double>(p) * w_.rope.inv_freq[static_cast<size_t>(j)];
-        cs[j] = static_cast<float>(std::cos(a));
-        cs[half + j] = static_cast<float>(std::sin(a));
-      }
     }
     if (ch.want_logits) {
       logit_row_[ci] = static_cast<int64_t>(logit_src_.size());
@@ -149,196 +184,24 @@ void BatchForward::step(std::span<const BatchChunk> chunks) {
     return;
   }
   prepare(chunks);
-  const int64_t T = T_, H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate;
-  const auto eps = static_cast<float>(c_.rms_eps);
-  float* x = x_.data();
-  float* xn = xn_.data();
-  {
-    int64_t r = 0;
-    const Tensor& e = w_.token_embd;
-    for (const BatchChunk& ch : chunks)
-      for (int32_t t : ch.tokens) dequantize_row(e.dtype, e.row_ptr(t), x + (r++) * H, H);
-  }
-  const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
-  const bool lora = !lora_rows_.empty();
-
-  for (int64_t l = 0; l < c_.n_layers; ++l) {
-    const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
-    const PackedLayer& P = w_.packed[static_cast<size_t>(l)];
-    pool_.parallel_for(
-        T, [&](int64_t b, int64_t e) { rmsnorm(xn + b * H, x + b * H, L.attn_norm, e - b, H, eps); }, 8);
-    const MatmulOut qkv[] = {{&P.wq, q_.data(), Q}, {&P.wk, k_.data(), KV}, {&P.wv, v_.data(), KV}};
-    matmul_multi(pool_, qkv, xn, H, T, scratch_);
-    if (L.bq != nullptr) {
-      for (int64_t t = 0; t < T; ++t) {
-        add_inplace(q_.data() + t * Q, L.bq, Q);
-        add_inplace(k_.data() + t * KV, L.bk, KV);
-        add_inplace(v_.data() + t * KV, L.bv, KV);
-      }
-    }
-    if (lora) {
-      const LoraJob jobs[] = {{LoraTarget::q, xn, H, q_.data(), Q},
-                              {LoraTarget::k, xn, H, k_.data(), KV},
-                              {LoraTarget::v, xn, H, v_.data(), KV}};
-      apply_lora(l, jobs);
-    }
-    rope_and_store(l);
-    const PagedKv kv{kv_.keys(l), kv_.values(l), kv_.block_size(), kv_.dtype()};
-    paged_attention(pool_, shape, kv, q_.data(), att_.data(), T, pos_.data(), tables_.data());
-    matmul(pool_, P.wo, att_.data(), xn, T, scratch_);
-    if (lora) {
-      const LoraJob jobs[] = {{LoraTarget::o, att_.data(), Q, xn, H}};
-      apply_lora(l, jobs);
-    }
-    add_inplace(x, xn, T * H);
-
-    pool_.parallel_for(
-        T, [&](int64_t b, int64_t e) { rmsnorm(xn + b * H, x + b * H, L.ffn_norm, e - b, H, eps); }, 8);
-    const MatmulOut gate_up[] = {{&P.w_gate, gate_.data(), F}, {&P.w_up, up_.data(), F}};
-    matmul_multi(pool_, gate_up, xn, H, T, scratch_);
-    if (lora) {
-      const LoraJob jobs[] = {{LoraTarget::gate, xn, H, gate_.data(), F},
-                              {LoraTarget::up, xn, H, up_.data(), F}};
-      apply_lora(l, jobs);
-    }
-    swiglu_rows();
-    matmul(pool_, P.w_down, gate_.data(), xn, T, scratch_);
-    if (lora) {
-      const LoraJob jobs[] = {{LoraTarget::down, gate_.data(), F, xn, H}};
-      apply_lora(l, jobs);
-    }
-    add_inplace(x, xn, T * H);
-  }
+  const int64_t T = T_;
+  dec_.embed(tokens_.data(), T, x_);
+  dec_.rope_table(pos_.data(), T, rope_cs_);
+  LayerBuffers b;
+  b.x = b.xmid = b.out = x_;
+  b.xn1 = b.o = b.xn2 = b.down = xn_;
+  b.q = q_;
+  b.att = att_;
+  b.gate = b.h = gate_;
+  b.up = up_;
+  LayerAdapters* adapters = lora_rows_.empty() ? nullptr : adapters_.get();
+  for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, rope_cs_, *attention_, adapters);
 
   // Only the rows whose logits are wanted pass the final norm and the output projection.
   const auto n_out = static_cast<int64_t>(logit_src_.size());
   if (n_out == 0) return;
-  for (int64_t i = 0; i < n_out; ++i)
-    rmsnorm(xn + i * H, x + logit_src_[static_cast<size_t>(i)] * H, w_.output_norm, 1, H, eps);
-  matmul(pool_, w_.output_packed, xn, logits_.data(), n_out, scratch_);
-}
-
-// RoPE on q and k with the step's angles (the arithmetic of rope_rotate), then
-// k and v rows into the sequence's blocks.
-void BatchForward::rope_and_store(int64_t layer) {
-  const int64_t d = w_.rope.head_dim, half = d / 2, Q = c_.q_dim(), KV = c_.kv_dim(), hd = c_.head_dim;
-  const bool inter = w_.rope.interleaved;
-  void* kc = kv_.keys(layer);
-  void* vc = kv_.values(layer);
-  const bool f16 = kv_.dtype() == DType::f16;
-  pool_.parallel_for(
-      T_,
-      [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          const float* cs = rope_cs_.data() + t * d;
-          auto rotate = [&](float* row, int64_t n_heads) {
-            for (int64_t h = 0; h < n_heads; ++h) {
-              float* v = row + h * d;
-              for (int64_t i = 0; i < half; ++i) {
-                const int64_t i0 = inter ? 2 * i : i, i1 = inter ? 2 * i + 1 : i + half;
-                const float c = cs[i], s = cs[half + i];
-                const float x0 = v[i0], x1 = v[i1];
-                v[i0] = x0 * c - x1 * s;
-                v[i1] = x0 * s + x1 * c;
-              }
-            }
-          };
-          rotate(q_.data() + t * Q, c_.n_heads);
-          float* kr = k_.data() + t * KV;
-          rotate(kr, c_.n_kv_heads);
-          const int64_t slot = kv_slot_[static_cast<size_t>(t)];
-          for (int64_t g = 0; g < c_.n_kv_heads; ++g) {
-            const int64_t at = kv_.offset(slot, g);
-            store_row(kc, at, kr + g * hd, hd, f16);
-            store_row(vc, at, v_.data() + t * KV + g * hd, hd, f16);
-          }
-        }
-      },
-      4);
-}
-
-// gate = silu(gate) * up, in fixed column blocks so each element's arithmetic
-// (vector body or scalar tail of swiglu) depends on its column only.
-void BatchForward::swiglu_rows() {
-  const int64_t F = c_.intermediate, nb = (F + kSwigluCols - 1) / kSwigluCols;
-  float* g = gate_.data();
-  const float* u = up_.data();
-  pool_.parallel_for(T_ * nb, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t t = i / nb, c0 = (i % nb) * kSwigluCols, n = std::min(kSwigluCols, F - c0);
-      swiglu(g + t * F + c0, g + t * F + c0, u + t * F + c0, n);
-    }
-  });
-}
-
-// Two passes, each one parallel dispatch over all jobs and adapter rows:
-//   u[j, row, :] = scale * (A x[row])        (rank dot products of length in, 4 at a time)
-//   y[row, n]   += dot(B[n, :], u[j, row, :]) (per column block, 8 at a time)
-// Each element is computed by one fixed sequence of operations, so a row's
-// result does not depend on the other rows or on the threads.
-void BatchForward::apply_lora(int64_t layer, std::span<const LoraJob> jobs) {
-  LOOM_ASSERT(jobs.size() <= 3);
-  const auto NR = static_cast<int64_t>(lora_rows_.size());
-  const int64_t R = lora_rank_, n_jobs = static_cast<int64_t>(jobs.size());
-  float* U = lora_u_.data();
-  auto pair_of = [&](int64_t row, LoraTarget t) -> const ServeLoraPair* {
-    const ServeLoraPair& p = row_adapter_[static_cast<size_t>(row)]->pair(layer, t);
-    return p.present() ? &p : nullptr;
-  };
-  pool_.parallel_for(n_jobs * NR, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const LoraJob& job = jobs[static_cast<size_t>(i / NR)];
-      const int64_t row = lora_rows_[static_cast<size_t>(i % NR)];
-      const ServeLoraPair* p = pair_of(row, job.target);
-      if (p == nullptr) continue;
-      const float scale = row_adapter_[static_cast<size_t>(row)]->scale;
-      const int64_t r = p->rank(), in = p->a.dim(1);
-      const float* A = p->a.as<float>();
-      const float* xr = job.x + row * job.ldx;
-      float* u = U + ((i / NR) * T_ + row) * R;
-      for (int64_t j = 0; j < r; j += 4) {
-        const float* rows[4];
-        for (int64_t k = 0; k < 4; ++k) rows[k] = A + std::min(j + k, r - 1) * in;  // pad with the last row
-        float s[4];
-        simd::dot4(xr, rows, in, s);
-        for (int64_t k = 0; k < 4 && j + k < r; ++k) u[j + k] = s[k] * scale;
-      }
-    }
-  });
-  // Units of the second pass: job-major, then column block, then row (rows of
-  // one adapter adjacent), so a thread's run of units reuses one block of B.
-  int64_t first[4] = {0, 0, 0, 0}, nblk[3] = {0, 0, 0};
-  for (int64_t j = 0; j < n_jobs; ++j) {
-    nblk[j] = (lora_target_out(c_, jobs[static_cast<size_t>(j)].target) + kLoraCols - 1) / kLoraCols;
-    first[j + 1] = first[j] + NR * nblk[j];
-  }
-  pool_.parallel_for(first[n_jobs], [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      int64_t j = 0;
-      while (i >= first[j + 1]) ++j;
-      const LoraJob& job = jobs[static_cast<size_t>(j)];
-      const int64_t k = i - first[j], row = lora_rows_[static_cast<size_t>(k % NR)];
-      const ServeLoraPair* p = pair_of(row, job.target);
-      if (p == nullptr) continue;
-      const int64_t r = p->rank(), out = p->b.dim(0);
-      const int64_t c0 = (k / NR) * kLoraCols, c1 = std::min(out, c0 + kLoraCols);
-      const float* B = p->b.as<float>();
-      const float* u = U + (j * T_ + row) * R;
-      float* y = job.y + row * job.ldy;
-      for (int64_t n = c0; n < c1; n += 8) {
-        const float* rows[8];
-        for (int64_t m = 0; m < 8; ++m) rows[m] = B + std::min(n + m, c1 - 1) * r;  // pad with the last row
-        const __m256 d = simd::dot8(u, rows, r);
-        if (n + 8 <= c1) {
-          _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), d));
-        } else {
-          alignas(32) float v[8];
-          _mm256_store_ps(v, d);
-          for (int64_t m = 0; n + m < c1; ++m) y[n + m] += v[m];
-        }
-      }
-    }
-  });
+  dec_.final_norm(x_, logit_src_.data(), n_out, xn_);
+  dec_.logits(*ws_, xn_, n_out, logits_.data());
 }
 
 }  // namespace loom

@@ -5,12 +5,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
-#include "core/thread_pool.h"
-#include "kernels/matmul.h"
+#include "kernels/backend.h"
 #include "model/config.h"
+#include "model/decoder.h"
 #include "model/weights.h"
 #include "serve/kv_pool.h"
 #include "serve/lora_set.h"
@@ -35,8 +36,10 @@ class BatchForward {
  public:
   // max_batch_tokens: most rows (sum of chunk lengths) in one step.
   // max_logit_rows: how many logits rows to allocate up front (more grow the buffer).
-  BatchForward(const ModelConfig& config, const ModelWeights& weights, ThreadPool& pool, KvPool& kv,
+  // `weights` must be prepared for `backend`.
+  BatchForward(const ModelConfig& config, const ModelWeights& weights, Backend& backend, KvPool& kv,
                int64_t max_batch_tokens, int64_t max_logit_rows = 64);
+  ~BatchForward();
 
   // Runs the step: writes K/V of every new position into the chunk's blocks
   // and computes the logits asked for. Chunks must belong to distinct
@@ -51,41 +54,33 @@ class BatchForward {
   int64_t max_batch_tokens() const { return max_tokens_; }
 
  private:
-  // One LoRA product of a layer: y[row] += scale * B (A x[row]) for rows whose
-  // chunk has an adapter with this target.
-  struct LoraJob {
-    LoraTarget target;
-    const float* x;
-    int64_t ldx;
-    float* y;
-    int64_t ldy;
-  };
+  class PagedAttention;
+  class RowAdapters;
   void prepare(std::span<const BatchChunk> chunks);
-  void apply_lora(int64_t layer, std::span<const LoraJob> jobs);
-  void rope_and_store(int64_t layer);
-  void swiglu_rows();
 
   const ModelConfig& c_;
-  const ModelWeights& w_;
-  ThreadPool& pool_;
+  Decoder dec_;
   KvPool& kv_;
   int64_t max_tokens_;
-  MatmulScratch scratch_;
+  std::unique_ptr<Workspace> ws_;
 
   // Per step
   int64_t T_ = 0;
+  std::vector<int32_t> tokens_;                   // [T] the step's tokens, chunk after chunk
   std::vector<int32_t> pos_;                      // [T] position of each row
   std::vector<int64_t> kv_slot_;                  // [T] KV slot of each row's position
   std::vector<const int32_t*> tables_;            // [T] block ids of each row's sequence
-  std::vector<float> rope_cs_;                    // [T, head_dim] cos | sin of each row's angles
   std::vector<const ServeAdapter*> row_adapter_;  // [T]
-  std::vector<int32_t> lora_rows_;                // rows with an adapter
+  std::vector<int32_t> lora_rows_;                // rows with an adapter, one adapter's rows adjacent
   int64_t lora_rank_ = 0;                         // largest rank among this step's adapters
   std::vector<float> lora_u_;                     // [3, T, lora_rank_] scale * A x
   std::vector<int64_t> logit_row_;                // per chunk: index into logits_, or -1
   std::vector<int64_t> logit_src_;                // per logits row: the batch row it comes from
-  // activations
-  std::vector<float> x_, xn_, q_, k_, v_, att_, gate_, up_;
+  std::unique_ptr<PagedAttention> attention_;
+  std::unique_ptr<RowAdapters> adapters_;
+  // activations, carved from one device buffer
+  DeviceBuffer acts_;
+  float *x_, *xn_, *q_, *k_, *v_, *att_, *gate_, *up_, *rope_cs_;
   std::vector<float> logits_;  // [logit rows, vocab]
 };
 

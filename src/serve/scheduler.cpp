@@ -69,7 +69,8 @@ uint64_t fresh_seed() {
 ServingEngine::ServingEngine(ServeOptions options)
     : opt_(std::move(options)),
       pool_(opt_.threads > 0 ? opt_.threads : default_thread_count()),
-      model_(Model::load(opt_.model_path, {.tokenizer = true, .pack = true, .pool = &pool_})),
+      backend_(make_backend(opt_.device, pool_)),
+      model_(Model::load(opt_.model_path, {.tokenizer = true, .pack = true, .backend = backend_.get()})),
       adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras) {
   const ModelConfig& c = model_->config();
   name_ = opt_.model_name;
@@ -88,20 +89,12 @@ ServingEngine::ServingEngine(ServeOptions options)
 
   const Tokenizer& tok = model_->tokenizer();
   eos_ids_ = model_->extra_eos_ids();
-  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
-  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
-  if (!opt_.chat_template.empty()) {  // chosen by name, as `loom chat --chat-template`
-    const auto kind = chat_template_kind_from_name(opt_.chat_template);
-    if (!kind)
-      fail(ErrorKind::invalid_input, "--chat-template '{}': expected chatml, llama3, llama2 or mistral",
-           opt_.chat_template);
-    template_ = std::make_unique<ChatTemplate>(ChatTemplate::from_kind(*kind, bos, eos));
-  } else if (model_->chat_template_text()) {
-    try {
-      template_ = std::make_unique<ChatTemplate>(ChatTemplate::from_text(*model_->chat_template_text(), bos, eos));
-    } catch (const Error&) {
-      template_.reset();  // chat requests then get a clear error
-    }
+  // A bad --chat-template name is an error; an unrecognised model template is not (chat requests get one).
+  try {
+    if (auto t = resolve_chat_template(tok, opt_.chat_template, model_->chat_template_text()))
+      template_ = std::make_unique<ChatTemplate>(std::move(*t));
+  } catch (const Error&) {
+    if (!opt_.chat_template.empty()) throw;
   }
 
   const size_t per_block = KvPool::bytes_per_block(c, opt_.block_size, opt_.kv_dtype);
@@ -117,7 +110,7 @@ ServingEngine::ServingEngine(ServeOptions options)
          "({} blocks, {} bytes)",
          budget, n_blocks, opt_.block_size, max_len_, min_blocks, static_cast<size_t>(min_blocks) * per_block);
   kv_ = std::make_unique<KvPool>(c, n_blocks, opt_.block_size, opt_.kv_dtype);
-  forward_ = std::make_unique<BatchForward>(c, model_->weights(), pool_, *kv_, opt_.max_batch_tokens,
+  forward_ = std::make_unique<BatchForward>(c, model_->weights(), *backend_, *kv_, opt_.max_batch_tokens,
                                             std::min<int64_t>(opt_.max_seqs, 64));
   for (const auto& [name, dir] : opt_.adapters) {
     if (name == name_) fail(ErrorKind::invalid_input, "--adapter {}: the name is the base model's", name);

@@ -43,6 +43,7 @@ struct ServeOptions {
   int64_t max_loras = 8;                  // adapters resident at once
   int64_t max_batch_tokens = 256;         // rows per step (decodes + prefill chunks)
   int threads = 0;                        // 0: physical cores
+  Device device = kCpu;                   // which backend computes (kernels/backend.h)
   size_t max_waiting = 4096;              // queued requests before 503 overloaded
   // Fault injection for tests: when set, called on the scheduler thread when a sequence is admitted
   // (FaultPoint::admit), once per request in a forward step before the step runs (FaultPoint::forward) and
@@ -111,6 +112,7 @@ class ServingEngine : public Engine {
   std::string name_;
   int64_t created_ = 0;
   ThreadPool pool_;
+  std::unique_ptr<Backend> backend_;
   std::unique_ptr<Model> model_;
   int64_t max_len_ = 0;
   std::vector<int32_t> eos_ids_;

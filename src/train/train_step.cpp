@@ -5,27 +5,8 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "core/rng.h"
-#include "kernels/linear_backward.h"
-#include "kernels/ops.h"
-#include "kernels/ops_backward.h"
-#include "kernels/cpu/dequant.h"
 
 namespace loom {
-namespace {
-
-constexpr LoraTarget kQkv[] = {LoraTarget::q, LoraTarget::k, LoraTarget::v};
-
-// dst = src * mask / (1 - p) with a mask that is a pure function of (seed, step,
-// slot, element): the backward regenerates it instead of storing it.
-void apply_dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step,
-                   uint64_t slot) {
-  CounterRng rng(seed ^ splitmix64(step * 0x9e3779b97f4a7c15ull + slot + 1));
-  const auto keep_scale = static_cast<float>(1.0 / (1.0 - p));
-  for (int64_t i = 0; i < n; ++i) dst[i] = rng.next_double() < p ? 0.0f : src[i] * keep_scale;
-}
-
-}  // namespace
 
 const char* backward_mode_name(BackwardMode m) {
   switch (m) {
@@ -63,61 +44,93 @@ std::optional<BackwardMode> backward_mode_from_name(std::string_view name) {
   return std::nullopt;
 }
 
+// Attention over the batch's own rows, keeping K, V (the projections land in
+// the layer's saved rows) and the log-sum-exp for the backward.
+class TrainSession::SavedAttention final : public AttentionStep {
+ public:
+  explicit SavedAttention(TrainSession& s) : s_(s) {}
+  float* keys(int64_t layer) override { return s_.layers_[static_cast<size_t>(layer)].k; }
+  float* values(int64_t layer) override { return s_.layers_[static_cast<size_t>(layer)].v; }
+  void attend(int64_t layer, const float* q, const float* k, const float* v, float* att) override {
+    s_.be_.attention_train(s_.dec_.attention_shape(), att, s_.layers_[static_cast<size_t>(layer)].lse, q, k, v,
+                           s_.T_, s_.seq_start_.data());
+  }
+
+ private:
+  TrainSession& s_;
+};
+
+// The trained LoRA adapters on the layer's linear outputs (with dropout and saved inputs).
+class TrainSession::TrainedAdapters final : public LayerAdapters {
+ public:
+  explicit TrainedAdapters(TrainSession& s) : s_(s) {}
+  void apply(int64_t layer, std::span<const AdapterJob> jobs) override {
+    for (const AdapterJob& j : jobs) {
+      LOOM_ASSERT(j.ldx == lora_target_in(s_.c_, j.target) && j.ldy == lora_target_out(s_.c_, j.target));
+      s_.lora_forward(layer, j.target, j.x, j.y, s_.T_, s_.dropout_, s_.step_);
+    }
+  }
+
+ private:
+  TrainSession& s_;
+};
+
 TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora,
-                           ThreadPool& pool, BackwardMode backward)
-    : c_(config), w_(weights), lora_(&lora), pool_(pool), backward_(backward) {
+                           Backend& backend, BackwardMode backward)
+    : c_(config),
+      w_(weights),
+      lora_(&lora),
+      dec_(config, weights, backend),
+      be_(backend),
+      backward_(backward),
+      ws_(backend.make_workspace()),
+      attention_(std::make_unique<SavedAttention>(*this)),
+      adapters_(std::make_unique<TrainedAdapters>(*this)) {
   LOOM_ASSERT(lora.n_layers() == config.n_layers);
   refresh_weights();
 }
 
 TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, FullParams& full,
-                           ThreadPool& pool, BackwardMode backward)
-    : c_(config), w_(weights), full_(&full), pool_(pool), backward_(backward) {
+                           Backend& backend, BackwardMode backward)
+    : c_(config),
+      w_(weights),
+      full_(&full),
+      dec_(config, weights, backend),
+      be_(backend),
+      backward_(backward),
+      ws_(backend.make_workspace()),
+      attention_(std::make_unique<SavedAttention>(*this)) {
   refresh_weights();
 }
 
+TrainSession::~TrainSession() = default;
+
 void TrainSession::refresh_weights() {
-  LOOM_ASSERT(w_.packed.size() == w_.layers.size() && !w_.output_packed.empty());
+  LOOM_ASSERT(w_.prepared.size() == w_.layers.size() && w_.output_prepared != nullptr);
   if (backward_ == BackwardMode::exact) return;
-  const auto prec = backward_ == BackwardMode::int8   ? TransposedPrecision::int8
-                    : backward_ == BackwardMode::bf16 ? TransposedPrecision::bf16
-                                                      : TransposedPrecision::f16;
-  // bf16 with AMX: supported weight types need no copy at all (an empty
-  // PackedWeight tells input_grad to read W itself, dequantizing tile by tile).
-  auto t = [&](const Tensor& W, PackedWeight& old) {
-    if (prec == TransposedPrecision::bf16 && bf16_direct_available(W.dtype)) return PackedWeight();
-    return pack_transposed(pool_, std::span<const Tensor>(&W, 1), prec, "backward weight", &old);
+  auto t = [&](const Tensor& W, WeightHandle& old) {
+    return be_.prepare_transposed(W, backward_, "backward weight", std::move(old));
   };
   wt_.resize(w_.layers.size());
   for (size_t l = 0; l < w_.layers.size(); ++l) {
     const LayerWeights& L = w_.layers[l];
     TransposedLayer& O = wt_[l];
-    O = {t(L.wq, O.wq), t(L.wk, O.wk), t(L.wv, O.wv), t(L.wo, O.wo), t(L.w_gate, O.w_gate), t(L.w_up, O.w_up),
-         t(L.w_down, O.w_down)};
+    TransposedLayer N;
+    N.wq = t(L.wq, O.wq);
+    N.wk = t(L.wk, O.wk);
+    N.wv = t(L.wv, O.wv);
+    N.wo = t(L.wo, O.wo);
+    N.w_gate = t(L.w_gate, O.w_gate);
+    N.w_up = t(L.w_up, O.w_up);
+    N.w_down = t(L.w_down, O.w_down);
+    O = std::move(N);
   }
   output_t_ = t(w_.output, output_t_);
 }
 
-void TrainSession::input_grad(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {
-  if (Wt != nullptr && Wt->empty()) {
-    linear_backward_input_bf16_direct(pool_, W, dy, W.rows(), dx, T, false, bwd_scratch_);
-    return;
-  }
-  if (Wt != nullptr) {
-    linear_backward_input_packed(pool_, *Wt, dy, W.rows(), dx, T, false, bwd_scratch_);
-    return;
-  }
-  std::memset(dx, 0, static_cast<size_t>(T * W.cols()) * sizeof(float));
-  linear_backward_input(pool_, W, dy, dx, T);
-}
-
-void TrainSession::input_grad_add(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T) {
-  if (Wt != nullptr && Wt->empty())
-    linear_backward_input_bf16_direct(pool_, W, dy, W.rows(), dx, T, true, bwd_scratch_);
-  else if (Wt != nullptr)
-    linear_backward_input_packed(pool_, *Wt, dy, W.rows(), dx, T, true, bwd_scratch_);
-  else
-    linear_backward_input(pool_, W, dy, dx, T);
+void TrainSession::input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
+                              bool accumulate) {
+  be_.linear_backward_input(*ws_, W, Wt, backward_, dy, dx, T, accumulate);
 }
 
 void TrainSession::check_batch(const Batch& b) const {
@@ -181,15 +194,16 @@ void TrainSession::layout(int64_t T, bool dropout) {
     x_final_ = carve(T * H);
     rstd_final_ = carve(T);
     xn_final_ = carve(T * H);
+    rope_cs_ = carve(T * c_.head_dim);
   };
   carve_all();
-  acts_.assign(total, 0.0f);
-  base = acts_.data();
+  acts_ = be_.alloc(total * sizeof(float));
+  base = acts_.floats();
   carve_all();
 
   const int64_t wide = std::max({H, Q, F});
-  work_.assign(static_cast<size_t>(T * (2 * wide + 2 * Q + 2 * KV + 3 * F + H + r)), 0.0f);
-  float* p = work_.data();
+  work_ = be_.alloc(static_cast<size_t>(T * (2 * wide + 2 * Q + 2 * KV + 3 * F + H + r)) * sizeof(float));
+  float* p = work_.floats();
   auto take = [&](int64_t n) {
     float* q = p;
     p += n;
@@ -206,29 +220,27 @@ void TrainSession::layout(int64_t T, bool dropout) {
   dgate_ = take(T * F);
   dres_ = take(T * H);
   dax_ = take(T * r);
-  LOOM_ASSERT(p <= work_.data() + work_.size());
+  LOOM_ASSERT(p <= work_.floats() + work_.n_floats());
 }
 
 void TrainSession::lora_forward(int64_t l, LoraTarget t, const float* x, float* y, int64_t T, bool dropout,
                                 uint64_t step) {
-  if (!lora_) return;
   const LoraSlot& s = lora_->slot(l, t);
   if (!s.active) return;
   LayerActs& a = layers_[static_cast<size_t>(l)];
   const auto ti = static_cast<size_t>(t);
   const float* xin = x;
   if (dropout) {
-    apply_dropout(a.xd[ti], x, T * s.in, lora_->config().dropout, lora_->config().seed, step,
-                  static_cast<uint64_t>(l * kLoraTargetCount) + ti);
+    be_.dropout(a.xd[ti], x, T * s.in, lora_->config().dropout, lora_->config().seed, step,
+                static_cast<uint64_t>(l * kLoraTargetCount) + ti);
     xin = a.xd[ti];
   }
   const int64_t r = lora_->config().r;
   float* ax = a.ax[ti];
-  matmul(pool_, lora_->a(l, t), xin, ax, T, scratch_);
-  const float sc = lora_->scale();
-  for (int64_t i = 0; i < T * r; ++i) ax[i] *= sc;
-  matmul(pool_, lora_->b(l, t), ax, tmp_, T, scratch_);
-  add_inplace(y, tmp_, T * s.out);
+  be_.matmul_dense(*ws_, lora_->a(l, t), xin, ax, T);
+  be_.scale(ax, lora_->scale(), T * r);
+  be_.matmul_dense(*ws_, lora_->b(l, t), ax, tmp_, T);
+  be_.add(y, y, tmp_, T * s.out);
 }
 
 void TrainSession::lora_backward(int64_t l, LoraTarget t, const float* x, const float* dy, float* dx,
@@ -241,68 +253,48 @@ void TrainSession::lora_backward(int64_t l, LoraTarget t, const float* x, const 
   const int64_t r = lora_->config().r;
   const float* xin = dropout ? a.xd[ti] : x;
   // y = B u with u = scale * A xin saved as ax: dB += dy^T u; du = dy B; d(A xin) = scale * du.
-  linear_backward_weight(pool_, dy, a.ax[ti], lora_->grad_b(l, t).as<float>(), T, s.out, r);
+  be_.linear_backward_weight(dy, a.ax[ti], lora_->grad_b(l, t).as<float>(), T, s.out, r);
   // du = dy B as a product with B^T [r, out] (B's r columns are too narrow for the
   // input-gradient tiles).
   const Tensor B = lora_->b(l, t);
-  bt_.resize(static_cast<size_t>(r * s.out));
-  for (int64_t n = 0; n < s.out; ++n)
-    for (int64_t j = 0; j < r; ++j) bt_[static_cast<size_t>(j * s.out + n)] = B.as<const float>()[n * r + j];
-  matmul(pool_, make_tensor(bt_.data(), DType::f32, {r, s.out}), dy, dax_, T, scratch_);
-  const float sc = lora_->scale();
-  for (int64_t i = 0; i < T * r; ++i) dax_[i] *= sc;
-  linear_backward_weight(pool_, dax_, xin, lora_->grad_a(l, t).as<float>(), T, r, s.in);
+  const auto bt_bytes = static_cast<size_t>(r * s.out) * sizeof(float);
+  if (bt_.bytes() < bt_bytes) bt_ = be_.alloc(bt_bytes);
+  be_.transpose(bt_.floats(), B.as<const float>(), s.out, r);
+  be_.matmul_dense(*ws_, make_tensor(bt_.floats(), DType::f32, {r, s.out}), dy, dax_, T);
+  be_.scale(dax_, lora_->scale(), T * r);
+  be_.linear_backward_weight(dax_, xin, lora_->grad_a(l, t).as<float>(), T, r, s.in);
   if (dx == nullptr) return;
+  const Tensor A = lora_->a(l, t);
   if (!dropout) {
-    linear_backward_input(pool_, lora_->a(l, t), dax_, dx, T);
+    be_.linear_backward_input(*ws_, A, nullptr, BackwardMode::exact, dax_, dx, T, true);
     return;
   }
   // Through the dropout: the same mask (regenerated) and scale apply to the gradient.
-  std::memset(tmp_, 0, static_cast<size_t>(T * s.in) * sizeof(float));
-  linear_backward_input(pool_, lora_->a(l, t), dax_, tmp_, T);
-  apply_dropout(tmp_, tmp_, T * s.in, lora_->config().dropout, lora_->config().seed, step,
-                static_cast<uint64_t>(l * kLoraTargetCount) + ti);
-  add_inplace(dx, tmp_, T * s.in);
+  be_.linear_backward_input(*ws_, A, nullptr, BackwardMode::exact, dax_, tmp_, T, false);
+  be_.dropout(tmp_, tmp_, T * s.in, lora_->config().dropout, lora_->config().seed, step,
+              static_cast<uint64_t>(l * kLoraTargetCount) + ti);
+  be_.add(dx, dx, tmp_, T * s.in);
 }
 
 void TrainSession::forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step) {
-  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate;
-  const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
-  const PackedLayer& P = w_.packed[static_cast<size_t>(l)];
   LayerActs& a = layers_[static_cast<size_t>(l)];
-  const auto eps = static_cast<float>(c_.rms_eps);
-  const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
   float* x_next = l + 1 < c_.n_layers ? layers_[static_cast<size_t>(l + 1)].x : x_final_;
-
-  rmsnorm_forward_train(a.xn1, a.rstd1, a.x, L.attn_norm, T, H, eps);
-  const MatmulOut qkv[] = {{&P.wq, a.q, Q}, {&P.wk, a.k, KV}, {&P.wv, a.v, KV}};
-  matmul_multi(pool_, qkv, a.xn1, H, T, scratch_);
-  if (L.bq != nullptr)
-    for (int64_t t = 0; t < T; ++t) {
-      add_inplace(a.q + t * Q, L.bq, Q);
-      add_inplace(a.k + t * KV, L.bk, KV);
-      add_inplace(a.v + t * KV, L.bv, KV);
-    }
-  lora_forward(l, LoraTarget::q, a.xn1, a.q, T, dropout, step);
-  lora_forward(l, LoraTarget::k, a.xn1, a.k, T, dropout, step);
-  lora_forward(l, LoraTarget::v, a.xn1, a.v, T, dropout, step);
-  rope_apply(w_.rope, a.q, T, c_.n_heads, pos_.data());
-  rope_apply(w_.rope, a.k, T, c_.n_kv_heads, pos_.data());
-  attention_forward_train(pool_, a.att, a.lse, a.q, a.k, a.v, shape, T, seq_start_.data());
-
-  matmul(pool_, P.wo, a.att, a.xmid, T, scratch_);
-  lora_forward(l, LoraTarget::o, a.att, a.xmid, T, dropout, step);
-  add_inplace(a.xmid, a.x, T * H);
-
-  rmsnorm_forward_train(a.xn2, a.rstd2, a.xmid, L.ffn_norm, T, H, eps);
-  const MatmulOut gate_up[] = {{&P.w_gate, a.gate, F}, {&P.w_up, a.up, F}};
-  matmul_multi(pool_, gate_up, a.xn2, H, T, scratch_);
-  lora_forward(l, LoraTarget::gate, a.xn2, a.gate, T, dropout, step);
-  lora_forward(l, LoraTarget::up, a.xn2, a.up, T, dropout, step);
-  swiglu(dff_, a.gate, a.up, T * F);  // h = silu(gate) * up, not saved (recomputed in backward)
-  matmul(pool_, P.w_down, dff_, x_next, T, scratch_);
-  lora_forward(l, LoraTarget::down, dff_, x_next, T, dropout, step);
-  add_inplace(x_next, a.xmid, T * H);
+  LayerBuffers b;
+  b.x = a.x;
+  b.xn1 = a.xn1;
+  b.rstd1 = a.rstd1;
+  b.q = a.q;
+  b.att = a.att;
+  b.o = b.xmid = a.xmid;
+  b.xn2 = a.xn2;
+  b.rstd2 = a.rstd2;
+  b.gate = a.gate;
+  b.up = a.up;
+  b.h = dff_;  // h = silu(gate) * up, not saved (recomputed in backward)
+  b.down = b.out = x_next;
+  dropout_ = dropout;
+  step_ = step;
+  dec_.layer(*ws_, l, T, b, rope_cs_, *attention_, lora_ ? adapters_.get() : nullptr);
 }
 
 // dx: on entry d(loss)/d(layer output); on exit d(loss)/d(layer input).
@@ -310,61 +302,62 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate;
   const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
   const LayerActs& a = layers_[static_cast<size_t>(l)];
-  const AttentionShape shape{c_.n_heads, c_.n_kv_heads, c_.head_dim, KV};
-  auto zero = [](float* p, int64_t n) { std::memset(p, 0, static_cast<size_t>(n) * sizeof(float)); };
+  const AttentionShape shape = dec_.attention_shape();
   const TransposedLayer* Wt = wt_.empty() ? nullptr : &wt_[static_cast<size_t>(l)];
+  auto wt = [&](const WeightHandle TransposedLayer::*m) { return Wt ? (Wt->*m).get() : nullptr; };
   const LayerGrads* G = full_ ? &full_->layer_grads(l) : nullptr;
 
   // x_next = xmid + down(h): dx is also d(xmid)'s residual part, kept in place.
   float* h = dup_;  // h = silu(gate) * up recomputed; dup_ is free until swiglu_backward
-  swiglu(h, a.gate, a.up, T * F);
-  if (G) linear_backward_weight(pool_, dx, h, G->w_down, T, H, F);
-  input_grad(L.w_down, Wt ? &Wt->w_down : nullptr, dx, dff_, T);
+  be_.swiglu(h, a.gate, a.up, T, F);
+  if (G) be_.linear_backward_weight(dx, h, G->w_down, T, H, F);
+  input_grad(L.w_down, wt(&TransposedLayer::w_down), dx, dff_, T);
   lora_backward(l, LoraTarget::down, h, dx, dff_, T, dropout, step);
   // dgate -> dgate_, dup -> dup_ (h is no longer needed).
-  swiglu_backward(dgate_, dup_, dff_, a.gate, a.up, T * F);
+  be_.swiglu_backward(dgate_, dup_, dff_, a.gate, a.up, T * F);
   if (G) {
-    linear_backward_weight(pool_, dgate_, a.xn2, G->w_gate, T, F, H);
-    linear_backward_weight(pool_, dup_, a.xn2, G->w_up, T, F, H);
+    be_.linear_backward_weight(dgate_, a.xn2, G->w_gate, T, F, H);
+    be_.linear_backward_weight(dup_, a.xn2, G->w_up, T, F, H);
   }
-  input_grad(L.w_gate, Wt ? &Wt->w_gate : nullptr, dgate_, dxn_, T);
-  input_grad_add(L.w_up, Wt ? &Wt->w_up : nullptr, dup_, dxn_, T);
+  input_grad(L.w_gate, wt(&TransposedLayer::w_gate), dgate_, dxn_, T);
+  input_grad(L.w_up, wt(&TransposedLayer::w_up), dup_, dxn_, T, true);
   lora_backward(l, LoraTarget::gate, a.xn2, dgate_, dxn_, T, dropout, step);
   lora_backward(l, LoraTarget::up, a.xn2, dup_, dxn_, T, dropout, step);
-  rmsnorm_backward(dx, G ? G->ffn_norm : nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
+  be_.rmsnorm_backward(dx, G ? G->ffn_norm : nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
 
   // xmid = x + o(att): dx now is d(xmid), which is also d(x)'s residual part.
-  if (G) linear_backward_weight(pool_, dx, a.att, G->wo, T, H, Q);
-  input_grad(L.wo, Wt ? &Wt->wo : nullptr, dx, datt_, T);
+  if (G) be_.linear_backward_weight(dx, a.att, G->wo, T, H, Q);
+  input_grad(L.wo, wt(&TransposedLayer::wo), dx, datt_, T);
   lora_backward(l, LoraTarget::o, a.att, dx, datt_, T, dropout, step);
-  zero(dq_, T * Q);
-  zero(dk_, T * KV);
-  zero(dv_, T * KV);
-  attention_backward(pool_, dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, shape, T, seq_start_.data());
-  rope_backward(w_.rope, dq_, T, c_.n_heads, pos_.data());
-  rope_backward(w_.rope, dk_, T, c_.n_kv_heads, pos_.data());
+  be_.zero(dq_, T * Q);
+  be_.zero(dk_, T * KV);
+  be_.zero(dv_, T * KV);
+  be_.attention_backward(shape, dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, T, seq_start_.data());
+  be_.rope(w_.rope, rope_cs_, dq_, T, c_.n_heads, true);
+  be_.rope(w_.rope, rope_cs_, dk_, T, c_.n_kv_heads, true);
   if (G) {
-    linear_backward_weight(pool_, dq_, a.xn1, G->wq, T, Q, H);
-    linear_backward_weight(pool_, dk_, a.xn1, G->wk, T, KV, H);
-    linear_backward_weight(pool_, dv_, a.xn1, G->wv, T, KV, H);
+    be_.linear_backward_weight(dq_, a.xn1, G->wq, T, Q, H);
+    be_.linear_backward_weight(dk_, a.xn1, G->wk, T, KV, H);
+    be_.linear_backward_weight(dv_, a.xn1, G->wv, T, KV, H);
     if (G->bq) {
-      linear_backward_bias(dq_, G->bq, T, Q);
-      linear_backward_bias(dk_, G->bk, T, KV);
-      linear_backward_bias(dv_, G->bv, T, KV);
+      be_.linear_backward_bias(dq_, G->bq, T, Q);
+      be_.linear_backward_bias(dk_, G->bk, T, KV);
+      be_.linear_backward_bias(dv_, G->bv, T, KV);
     }
   }
   // With LoRA the first layer's input is the frozen embedding: nothing below
   // needs its gradient.
   const bool need_dx = l > 0 || full_ != nullptr;
   if (need_dx) {
-    input_grad(L.wq, Wt ? &Wt->wq : nullptr, dq_, dxn_, T);
-    input_grad_add(L.wk, Wt ? &Wt->wk : nullptr, dk_, dxn_, T);
-    input_grad_add(L.wv, Wt ? &Wt->wv : nullptr, dv_, dxn_, T);
+    input_grad(L.wq, wt(&TransposedLayer::wq), dq_, dxn_, T);
+    input_grad(L.wk, wt(&TransposedLayer::wk), dk_, dxn_, T, true);
+    input_grad(L.wv, wt(&TransposedLayer::wv), dv_, dxn_, T, true);
   }
+  const LoraTarget qkv[] = {LoraTarget::q, LoraTarget::k, LoraTarget::v};
   const float* dqkv[] = {dq_, dk_, dv_};
-  for (int i = 0; i < 3; ++i) lora_backward(l, kQkv[i], a.xn1, dqkv[i], need_dx ? dxn_ : nullptr, T, dropout, step);
+  for (int i = 0; i < 3; ++i) lora_backward(l, qkv[i], a.xn1, dqkv[i], need_dx ? dxn_ : nullptr, T, dropout, step);
   if (!need_dx) return;
-  rmsnorm_backward(dx, G ? G->attn_norm : nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
+  be_.rmsnorm_backward(dx, G ? G->attn_norm : nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
 }
 
 LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step, bool backward) {
@@ -378,38 +371,37 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
     seq_start_[static_cast<size_t>(i)] =
         static_cast<int32_t>((i / batch.seq_len) * batch.seq_len + batch.seq_start[static_cast<size_t>(i)]);
 
-  const Tensor& e = w_.token_embd;
-  float* x0 = layers_.empty() ? x_final_ : layers_[0].x;
-  for (int64_t t = 0; t < T; ++t)
-    dequantize_row(e.dtype, e.row_ptr(batch.tokens[static_cast<size_t>(t)]), x0 + t * H, H);
+  dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
+  dec_.rope_table(pos_.data(), T, rope_cs_);
   for (int64_t l = 0; l < c_.n_layers; ++l) forward_layer(l, T, dropout, step);
-  rmsnorm_forward_train(xn_final_, rstd_final_, x_final_, w_.output_norm, T, H,
-                        static_cast<float>(c_.rms_eps));
+  dec_.final_norm(x_final_, nullptr, T, xn_final_, rstd_final_);
 
   // d(final-norm output) lands in tmp_; d(residual stream) in dres_.
-  ChunkedLossArgs la;
-  la.dW = backward && full_ ? full_->output_grad() : nullptr;
-  la.W = &w_.output;
-  la.W_packed = &w_.output_packed;
-  la.Wt_packed = wt_.empty() ? nullptr : &output_t_;
-  la.h = xn_final_;
-  la.labels = batch.targets.data();
-  la.T = T;
-  la.grad_scale = grad_scale;
+  LossOp op;
+  op.dW = backward && full_ ? full_->output_grad() : nullptr;
+  op.W = &w_.output;
+  op.W_prepared = w_.output_prepared.get();
+  op.precision = backward_;
+  op.Wt = output_t_.get();
+  op.h = xn_final_;
+  op.labels = batch.targets.data();
+  op.T = T;
+  op.grad_scale = grad_scale;
   float* dh = tmp_;
   if (backward) {
-    std::memset(dh, 0, static_cast<size_t>(T * H) * sizeof(float));
-    la.dh = dh;
+    be_.zero(dh, T * H);
+    op.dh = dh;
   }
-  const LossResult res = chunked_cross_entropy(pool_, la, scratch_);
+  const LossResult res = be_.cross_entropy(*ws_, op);
   if (!backward) return res;
 
-  std::memset(dres_, 0, static_cast<size_t>(T * H) * sizeof(float));
-  rmsnorm_backward(dres_, full_ ? full_->output_norm_grad() : nullptr, dh, x_final_, w_.output_norm, rstd_final_, T,
-                   H);
+  be_.zero(dres_, T * H);
+  be_.rmsnorm_backward(dres_, full_ ? full_->output_norm_grad() : nullptr, dh, x_final_, w_.output_norm, rstd_final_,
+                       T, H);
   for (int64_t l = c_.n_layers - 1; l >= 0; --l) backward_layer(l, T, dropout, step, dres_);
   // dres_ is now d(embedding rows); with LoRA the embedding is frozen and it stops here.
-  if (full_) embedding_backward(pool_, full_->token_embd_grad(), dres_, batch.tokens.data(), T, c_.vocab_size, H);
+  if (full_)
+    be_.embedding_backward(full_->token_embd_grad(), dres_, batch.tokens.data(), T, c_.vocab_size, H);
   return res;
 }
 

@@ -1,7 +1,8 @@
-// Training forward and backward of a Llama/Qwen2 decoder with LoRA adapters:
-// frozen base weights in their stored dtype, trainable adapters in f32. The
-// forward keeps every activation the backward needs; the backward runs the
-// layers in reverse down to the (frozen) embedding.
+// Training forward and backward of a Llama/Qwen2 decoder with LoRA adapters
+// (frozen base weights in their stored dtype, trainable adapters in f32) or of
+// every weight (full fine-tuning). The forward is the decoder layer of
+// model/decoder.h keeping every activation the backward needs; the backward
+// runs the layers in reverse down to the embedding, through Backend ops.
 #pragma once
 
 #include <array>
@@ -10,12 +11,12 @@
 #include <cstdint>
 #include <vector>
 
+#include <memory>
+
 #include "core/cpu_features.h"
-#include "core/thread_pool.h"
-#include "kernels/linear_backward.h"
-#include "kernels/loss.h"
-#include "kernels/matmul.h"
+#include "kernels/backend.h"
 #include "model/config.h"
+#include "model/decoder.h"
 #include "model/weights.h"
 #include "train/data.h"
 #include "train/full_params.h"
@@ -34,7 +35,7 @@ namespace loom {
 //         (else AVX512-BF16, else f32 FMA) and f32 sums: the fastest with
 //         AMX-BF16, AVX512-BF16 or AVX2 alone; ~1e-2 relative gradient error (cosine 0.99994) on a Q4_1
 //         model; one bf16 copy of the weights. Rounds f32/f16 weights too.
-enum class BackwardMode { exact, f16, int8, bf16 };
+using BackwardMode = BackwardPrecision;  // kernels/backend.h: exact, f16, int8, bf16
 const char* backward_mode_name(BackwardMode m);
 // Also accepts "auto": default_backward_mode().
 std::optional<BackwardMode> backward_mode_from_name(std::string_view name);
@@ -49,17 +50,18 @@ BackwardMode default_backward_mode();
 
 class TrainSession {
  public:
-  // `weights` must be packed (pack_weights). Keeps references to all arguments.
+  // `weights` must be prepared for `backend` (prepare_weights). Keeps references to all arguments.
   // backward: how input gradients pass the frozen weights (see BackwardMode).
-  TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora, ThreadPool& pool,
+  TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora, Backend& backend,
                BackwardMode backward = BackwardMode::f16);
   // Full fine-tuning: `weights` point into `full` (FullParams re-points them);
   // every weight gets its gradient in full.grads().
-  TrainSession(const ModelConfig& config, const ModelWeights& weights, FullParams& full, ThreadPool& pool,
+  TrainSession(const ModelConfig& config, const ModelWeights& weights, FullParams& full, Backend& backend,
                BackwardMode backward = BackwardMode::f16);
+  ~TrainSession();
 
   // Call after the weights changed (an optimizer step of full fine-tuning) and
-  // were repacked (pack_weights): rebuilds the transposed backward weights.
+  // were prepared again (prepare_weights): rebuilds the transposed backward weights.
   void refresh_weights();
 
   // Loss of one micro-batch and, accumulated (+=) into lora.grads(), the gradient
@@ -73,7 +75,7 @@ class TrainSession {
   LossResult forward_loss(const Batch& batch);
 
   // Bytes of saved activations for the last batch shape.
-  size_t activation_bytes() const { return acts_.size() * sizeof(float); }
+  size_t activation_bytes() const { return acts_.bytes(); }
 
  private:
   struct LayerActs {
@@ -81,6 +83,8 @@ class TrainSession {
     std::array<float*, kLoraTargetCount> ax{};  // scale * A x (dropped x), [T, r]
     std::array<float*, kLoraTargetCount> xd{};  // dropped adapter input (dropout > 0 only)
   };
+  class SavedAttention;
+  class TrainedAdapters;
 
   LossResult run(const Batch& batch, float grad_scale, uint64_t step, bool backward);
   void check_batch(const Batch& batch) const;
@@ -94,31 +98,36 @@ class TrainSession {
   void lora_backward(int64_t l, LoraTarget t, const float* x, const float* dy, float* dx, int64_t T,
                      bool dropout, uint64_t step);
 
-  // dx [T, in] = dy [T, out] W of a frozen weight (overwrites dx).
-  void input_grad(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T);
-  void input_grad_add(const Tensor& W, const PackedWeight* Wt, const float* dy, float* dx, int64_t T);
+  // dx [T, in] (+)= dy [T, out] W of a frozen weight (Wt: its transpose, or null).
+  void input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
+                  bool accumulate = false);
 
   struct TransposedLayer {
-    PackedWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+    WeightHandle wq, wk, wv, wo, w_gate, w_up, w_down;
   };
 
   const ModelConfig& c_;
   const ModelWeights& w_;
   LoraModel* lora_ = nullptr;  // exactly one of lora_ and full_ is set
   FullParams* full_ = nullptr;
-  ThreadPool& pool_;
+  Decoder dec_;
+  Backend& be_;
   BackwardMode backward_;
-  MatmulScratch scratch_;
+  std::unique_ptr<Workspace> ws_;
+  std::unique_ptr<SavedAttention> attention_;
+  std::unique_ptr<TrainedAdapters> adapters_;
   int64_t T_ = -1;
   bool dropout_layout_ = false;
-  std::vector<float> acts_;  // every saved activation, carved into layers_ and the views below
+  bool dropout_ = false;  // of the current run
+  uint64_t step_ = 0;     // of the current run
+  DeviceBuffer acts_;  // every saved activation, carved into layers_ and the views below
   std::vector<LayerActs> layers_;
-  std::vector<TransposedLayer> wt_;  // empty unless fast_backward; an empty entry: W read directly (bf16 + AMX)
-  PackedWeight output_t_;
-  float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr;
-  std::vector<float> work_;  // backward / temporary buffers (not saved)
-  PackedBackwardScratch bwd_scratch_;
-  std::vector<float> bt_;  // a LoRA B transposed
+  // Empty with the exact backward; a null handle inside: W read directly (bf16 + AMX).
+  std::vector<TransposedLayer> wt_;
+  WeightHandle output_t_;
+  float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr, *rope_cs_ = nullptr;
+  DeviceBuffer work_;  // backward / temporary buffers (not saved)
+  DeviceBuffer bt_;    // a LoRA B transposed
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,
         *dup_ = nullptr, *dgate_ = nullptr, *dres_ = nullptr, *tmp_ = nullptr, *dax_ = nullptr;
   std::vector<int32_t> pos_, seq_start_, targets_;

@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -37,14 +39,14 @@ inline float top2_margin(const float* logits, int64_t V) {
 
 // Runs every case ({"prompt", "continuation"}) for n_predict greedy tokens; returns how
 // many were identical for all tokens. A divergence with a margin >= near_tie fails.
-inline int expect_greedy_agreement(const Model& model, ThreadPool& pool, const nlohmann::json& cases,
+inline int expect_greedy_agreement(const Model& model, Backend& backend, const nlohmann::json& cases,
                                    int n_predict, const std::string& label, float near_tie = kNearTie) {
   const Tokenizer& tok = model.tokenizer();
   int exact = 0;
   for (const auto& c : cases) {
     const std::string prompt = c["prompt"], want = c["continuation"];
     SCOPED_TRACE(label + ": " + prompt);
-    InferenceSession s(model.config(), model.weights(), pool, 256);
+    InferenceSession s(model.config(), model.weights(), backend, 256);
     const float* logits = s.eval(tok.encode(prompt, true, true));
     SamplingParams sp;
     sp.temperature = 0;

@@ -9,6 +9,8 @@
 // (set by scripts/test), where a missing file fails.
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <unistd.h>
 
 #include <cmath>
@@ -50,12 +52,14 @@ nlohmann::json variants_or_skip() {
 TEST(GgufVariants, EveryFileTypeAgreesWithLlamaCpp) {
   LOAD_VARIANTS_OR_SKIP(fx);
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   std::set<std::string> types;
   int exact = 0, cases = 0;
   for (const auto& f : fx["files"]) {
     const std::string t = f["file_type"];
     types.insert(t);
-    auto model = Model::load(kRoot + f["path"].get<std::string>(), {.tokenizer = true, .pool = &pool});
+    auto model = Model::load(kRoot + f["path"].get<std::string>(), {.tokenizer = true, .backend = &backend});
     // F16/BF16 multiply f32 activations: the two implementations differ by float
     // rounding only, so a near tie is a near tie. The quantized types round every
     // matmul input to 8 bits, and that rounding turns float-level differences into
@@ -66,7 +70,7 @@ TEST(GgufVariants, EveryFileTypeAgreesWithLlamaCpp) {
     // product of the same weights (see docs/architecture.md).
     const bool f32_act = t == "F16" || t == "BF16";
     const float near_tie = f32_act ? kNearTie : kQuantizedNearTie;
-    const int e = expect_greedy_agreement(*model, pool, f["cases"], fx["n_predict"].get<int>(), t, near_tie);
+    const int e = expect_greedy_agreement(*model, backend, f["cases"], fx["n_predict"].get<int>(), t, near_tie);
     // Every other prompt diverged at a named near tie (checked above). The 2- and
     // 3-bit files (requantized from Q4_1) are the most sensitive: 2 of 6 identical.
     EXPECT_GE(e, 2) << t;

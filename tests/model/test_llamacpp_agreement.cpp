@@ -5,6 +5,9 @@
 // Fixture: scripts/fixtures/make_llamacpp_fixtures.sh.
 #include <gtest/gtest.h>
 
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -26,8 +29,10 @@ TEST(LlamaCppAgreement, GreedyQ4_1MatchesLlamaCpp) {
   if (!std::ifstream(model_path).good())
     GTEST_SKIP() << model_path << " is missing: run scripts/fetch_model (scripts/test does)";
   ThreadPool pool(2);
-  auto model = Model::load(model_path, {.tokenizer = true, .pool = &pool});
-  const int exact = expect_greedy_agreement(*model, pool, fx["cases"], fx["n_predict"].get<int>(), "Q4_1");
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = Model::load(model_path, {.tokenizer = true, .backend = &backend});
+  const int exact = expect_greedy_agreement(*model, backend, fx["cases"], fx["n_predict"].get<int>(), "Q4_1");
   RecordProperty("exact_matches", exact);
 }
 

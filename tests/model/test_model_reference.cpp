@@ -4,6 +4,9 @@
 // come from scripts/fixtures/make_model_fixtures.py (see tests/fixtures/model/README.md).
 #include <gtest/gtest.h>
 
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
+
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -88,8 +91,10 @@ void check_model(const nlohmann::json& m, const nlohmann::json& model, bool dequ
   const std::string id = model["id"];
   SCOPED_TRACE(id + (dequantize ? " (weights expanded to f32)" : ""));
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   auto loaded = Model::load(kFixtures + model["path"].get<std::string>(),
-                            {.tokenizer = false, .pool = &pool, .dequantize = dequantize});
+                            {.tokenizer = false, .backend = &backend, .dequantize = dequantize});
   {
     const auto& ref = m["references"][model["reference"].get<std::string>()];
     const auto& cfg = model["expected_config"];
@@ -104,14 +109,14 @@ void check_model(const nlohmann::json& m, const nlohmann::json& model, bool dequ
       const auto want = read_f32(kFixtures + prompt["logits"]["file"].get<std::string>());
       const auto V = static_cast<size_t>(loaded->config().vocab_size);
       ASSERT_EQ(want.size(), ids.size() * V);
-      InferenceSession s(loaded->config(), loaded->weights(), pool, 256, /*micro_batch=*/5);
+      InferenceSession s(loaded->config(), loaded->weights(), backend, 256, /*micro_batch=*/5);
       s.eval(ids, /*all_logits=*/true);
       for (size_t t = 0; t < ids.size(); ++t) {
         const double err = relative_error(s.logits().data() + t * V, want.data() + t * V, V);
         EXPECT_LT(err, tol) << "position " << t;
       }
       // Same prompt evaluated token by token (decode path) then greedy.
-      InferenceSession d(loaded->config(), loaded->weights(), pool, 256);
+      InferenceSession d(loaded->config(), loaded->weights(), backend, 256);
       const float* last = nullptr;
       for (int32_t tok : ids) last = d.eval(std::span<const int32_t>(&tok, 1));
       EXPECT_LT(relative_error(last, want.data() + (ids.size() - 1) * V, V), tol);

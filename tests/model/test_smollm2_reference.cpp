@@ -4,6 +4,9 @@
 // must give the same prompt ids. Fixtures: tests/fixtures/model/smollm2/.
 #include <gtest/gtest.h>
 
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
+
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -35,14 +38,16 @@ TEST(SmolLM2Reference, F32LogitsTokensAndGreedyMatchTransformers) {
   if (!std::ifstream(model_path).good())
     GTEST_SKIP() << model_path << " is missing: run scripts/fetch_model (scripts/test does)";
   ThreadPool pool(2);
-  auto model = Model::load(model_path, {.tokenizer = true, .pool = &pool, .dequantize = true});
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = Model::load(model_path, {.tokenizer = true, .backend = &backend, .dequantize = true});
   const auto V = static_cast<size_t>(model->config().vocab_size);
   const double min_margin = 0.05;
   for (const auto& p : m["prompts"]) {
     SCOPED_TRACE(p["name"].get<std::string>());
     const auto ids = p["ids"].get<std::vector<int32_t>>();
     EXPECT_EQ(model->tokenizer().encode(p["text"].get<std::string>(), true, true), ids);
-    InferenceSession s(model->config(), model->weights(), pool, 512);
+    InferenceSession s(model->config(), model->weights(), backend, 512);
     s.eval(ids, /*all_logits=*/true);
     for (const auto& l : p["logits"]) {
       const auto want = read_f32(kFixtures + l["file"].get<std::string>());

@@ -3,6 +3,8 @@
 // end-to-end `loom train` run that must lower the eval loss.
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -44,7 +46,9 @@ Batch make_batch(int64_t T, int64_t vocab) {
 TEST(TrainDefaultModel, FastBackwardMatchesExact) {
   if (!have_model()) GTEST_SKIP() << kModel << " is missing: run scripts/fetch_model (scripts/test does)";
   ThreadPool pool(2);
-  auto model = Model::load(kModel, {.tokenizer = false, .pack = true, .pool = &pool});
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = Model::load(kModel, {.tokenizer = false, .pack = true, .backend = &backend});
   const ModelConfig& mc = model->config();
   LoraConfig lc;
   lc.r = 4;
@@ -60,13 +64,13 @@ TEST(TrainDefaultModel, FastBackwardMatchesExact) {
   const Batch batch = make_batch(96, mc.vocab_size);
   const float scale = 1.0f / static_cast<float>(batch.target_tokens);
 
-  TrainSession exact(mc, model->weights(), lora, pool, BackwardMode::exact);
+  TrainSession exact(mc, model->weights(), lora, backend, BackwardMode::exact);
   lora.zero_grads();
   const double loss_exact = exact.forward_backward(batch, scale).loss_sum;
   const std::vector<float> g_exact(lora.grads(), lora.grads() + lora.param_count());
 
   for (BackwardMode mode : {BackwardMode::f16, BackwardMode::int8, BackwardMode::bf16}) {
-    TrainSession fast(mc, model->weights(), lora, pool, mode);
+    TrainSession fast(mc, model->weights(), lora, backend, mode);
     lora.zero_grads();
     const double loss_fast = fast.forward_backward(batch, scale).loss_sum;
     EXPECT_EQ(loss_exact, loss_fast) << "the forward is the same code in every mode";

@@ -3,6 +3,8 @@
 // on the HF folder and on the q/k-permuted GGUF, the exported HF folder
 // (`loom merge`), and adapters that do not fit the model.
 #include <gtest/gtest.h>
+
+#include "kernels/backend.h"
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,9 +50,9 @@ Reference load_reference() {
   return r;
 }
 
-std::vector<float> all_logits(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens) {
+std::vector<float> all_logits(const Model& m, Backend& backend, const std::vector<int32_t>& tokens) {
   // micro_batch 4: several prefill batches over 11 tokens
-  InferenceSession s(m.config(), m.weights(), pool, 64, 4);
+  InferenceSession s(m.config(), m.weights(), backend, 64, 4);
   s.eval(tokens, /*all_logits=*/true);
   return s.logits();
 }
@@ -66,8 +68,8 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return num / den;
 }
 
-std::unique_ptr<Model> load_merged(const std::string& model, ThreadPool& pool, const std::string& adapter) {
-  Model::LoadOptions o{.tokenizer = false, .pack = true, .pool = &pool};
+std::unique_ptr<Model> load_merged(const std::string& model, Backend& backend, const std::string& adapter) {
+  Model::LoadOptions o{.tokenizer = false, .pack = true, .backend = &backend};
   o.before_pack = adapter_merge_hook(adapter);
   return Model::load(model, o);
 }
@@ -85,29 +87,35 @@ struct TempDir {
 
 TEST(AdapterMerge, HfFolderMatchesPeft) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const Reference ref = load_reference();
-  auto merged = load_merged(fixture("model/tiny-llama"), pool, kAdapter);
-  EXPECT_LT(rel_err(all_logits(*merged, pool, ref.tokens), ref.logits), 1e-4);
+  auto merged = load_merged(fixture("model/tiny-llama"), backend, kAdapter);
+  EXPECT_LT(rel_err(all_logits(*merged, backend, ref.tokens), ref.logits), 1e-4);
   // The adapter must matter, or the comparison above proves nothing.
-  auto base = Model::load(fixture("model/tiny-llama"), {.tokenizer = false, .pack = true, .pool = &pool});
-  EXPECT_GT(rel_err(all_logits(*base, pool, ref.tokens), ref.logits), 1e-2);
+  auto base = Model::load(fixture("model/tiny-llama"), {.tokenizer = false, .pack = true, .backend = &backend});
+  EXPECT_GT(rel_err(all_logits(*base, backend, ref.tokens), ref.logits), 1e-2);
 }
 
 TEST(AdapterMerge, PermutedGgufMatchesPeft) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const Reference ref = load_reference();
-  auto merged = load_merged(fixture("model/tiny-llama.f32.gguf"), pool, kAdapter);
+  auto merged = load_merged(fixture("model/tiny-llama.f32.gguf"), backend, kAdapter);
   ASSERT_TRUE(lora_needs_qk_permutation(merged->config()));
-  EXPECT_LT(rel_err(all_logits(*merged, pool, ref.tokens), ref.logits), 1e-4);
+  EXPECT_LT(rel_err(all_logits(*merged, backend, ref.tokens), ref.logits), 1e-4);
 }
 
 TEST(AdapterMerge, OnlyAdaptedMatricesBecomeF32) {
   ThreadPool pool(1);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   peft::AdapterTensors a = peft::read_adapter(kAdapter);
   for (auto it = a.pairs.begin(); it != a.pairs.end();)  // keep layer 1's v_proj only
     it = it->first == std::pair{1, LoraTarget::v} ? std::next(it) : a.pairs.erase(it);
   a.config.target_modules = {LoraTarget::v};
-  Model::LoadOptions o{.tokenizer = false, .pack = true, .pool = &pool};
+  Model::LoadOptions o{.tokenizer = false, .pack = true, .backend = &backend};
   o.before_pack = [&a](ModelWeights& w, const ModelConfig& c) { merge_adapter(w, c, a, true); };
   auto m = Model::load(fixture("model/tiny-llama.q8_0.gguf"), o);
   const auto& L = m->weights().layers;
@@ -118,12 +126,14 @@ TEST(AdapterMerge, OnlyAdaptedMatricesBecomeF32) {
 
 TEST(AdapterMerge, ExportedFolderGivesSameLogits) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const Reference ref = load_reference();
   for (const std::string src : {"model/tiny-llama", "model/tiny-llama.f32.gguf"}) {
     SCOPED_TRACE(src);
     TempDir out("export");
     {
-      Model::LoadOptions o{.tokenizer = false, .pack = false, .pool = &pool};
+      Model::LoadOptions o{.tokenizer = false, .pack = false, .backend = &backend};
       o.before_pack = adapter_merge_hook(kAdapter);
       auto merged = Model::load(fixture(src), o);
       write_hf_folder(*merged, out.str(), safetensors::StDType::f32);
@@ -132,29 +142,33 @@ TEST(AdapterMerge, ExportedFolderGivesSameLogits) {
     const auto cfg = nlohmann::json::parse(std::ifstream(out.path / "config.json"));
     EXPECT_EQ(cfg.at("model_type"), "llama");
     EXPECT_EQ(cfg.at("rope_scaling").at("rope_type"), "llama3");
-    auto reloaded = Model::load(out.str(), {.tokenizer = false, .pack = true, .pool = &pool});
+    auto reloaded = Model::load(out.str(), {.tokenizer = false, .pack = true, .backend = &backend});
     EXPECT_EQ(reloaded->config().rope_layout, RopeLayout::half);
-    EXPECT_LT(rel_err(all_logits(*reloaded, pool, ref.tokens), ref.logits), 1e-4);
+    EXPECT_LT(rel_err(all_logits(*reloaded, backend, ref.tokens), ref.logits), 1e-4);
   }
 }
 
 TEST(AdapterMerge, Bf16ExportIsClose) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const Reference ref = load_reference();
   TempDir out("bf16");
   {
-    auto merged = load_merged(fixture("model/tiny-llama"), pool, kAdapter);
+    auto merged = load_merged(fixture("model/tiny-llama"), backend, kAdapter);
     write_hf_folder(*merged, out.str(), safetensors::StDType::bf16);
   }
   const auto cfg = nlohmann::json::parse(std::ifstream(out.path / "config.json"));
   EXPECT_EQ(cfg.at("torch_dtype"), "bfloat16");
-  auto reloaded = Model::load(out.str(), {.tokenizer = false, .pack = true, .pool = &pool});
+  auto reloaded = Model::load(out.str(), {.tokenizer = false, .pack = true, .backend = &backend});
   EXPECT_EQ(reloaded->weights().layers[0].wq.dtype, DType::bf16);
-  EXPECT_LT(rel_err(all_logits(*reloaded, pool, ref.tokens), ref.logits), 3e-2);
+  EXPECT_LT(rel_err(all_logits(*reloaded, backend, ref.tokens), ref.logits), 3e-2);
 }
 
 TEST(AdapterMerge, AdapterThatDoesNotFitNamesFolderAndTensor) {
   ThreadPool pool(1);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   auto write_bad = [](const std::string& dir, int layers, int64_t in) {
     peft::AdapterTensors a;
     a.config.r = 2;
@@ -175,11 +189,11 @@ TEST(AdapterMerge, AdapterThatDoesNotFitNamesFolderAndTensor) {
   };
   TempDir hidden("hidden");
   write_bad(hidden.str(), 2, 48);  // tiny-llama's hidden size is 64
-  test_util::expect_error([&] { load_merged(fixture("model/tiny-llama"), pool, hidden.str()); },
+  test_util::expect_error([&] { load_merged(fixture("model/tiny-llama"), backend, hidden.str()); },
                           ErrorKind::invalid_input, {hidden.str(), "q_proj"});
   TempDir layers("layers");
   write_bad(layers.str(), 3, 64);  // tiny-llama has 2 layers
-  test_util::expect_error([&] { load_merged(fixture("model/tiny-llama.f32.gguf"), pool, layers.str()); },
+  test_util::expect_error([&] { load_merged(fixture("model/tiny-llama.f32.gguf"), backend, layers.str()); },
                           ErrorKind::invalid_input, {layers.str(), "layers.2"});
 }
 
@@ -187,12 +201,14 @@ TEST(AdapterMerge, AdapterThatDoesNotFitNamesFolderAndTensor) {
 // f32: the merge (generate, chat, merge) refuses it, naming the adapter and tensor.
 TEST(AdapterMerge, OverflowingScaleNamesAdapterAndTensor) {
   ThreadPool pool(1);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   TempDir dir("huge");
   fs::copy(kAdapter + "/adapter_model.safetensors", dir.path / "adapter_model.safetensors");
   auto cfg = nlohmann::json::parse(std::ifstream(kAdapter + "/adapter_config.json"));
   cfg["lora_alpha"] = 1e308;
   std::ofstream(dir.path / "adapter_config.json") << cfg.dump();
-  test_util::expect_error([&] { load_merged(fixture("model/tiny-llama.f32.gguf"), pool, dir.str()); },
+  test_util::expect_error([&] { load_merged(fixture("model/tiny-llama.f32.gguf"), backend, dir.str()); },
                           ErrorKind::invalid_input,
                           {"adapter " + dir.str(), "lora_A.weight", "is not finite", "lora_alpha (1e+308)"});
 }
@@ -201,9 +217,11 @@ TEST(AdapterMerge, OverflowingScaleNamesAdapterAndTensor) {
 // and refuses a non-empty folder that is not a loom/PEFT output unless overwrite.
 TEST(AdapterMerge, ExportRefusesForeignFoldersUnlessOverwrite) {
   ThreadPool pool(1);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   TempDir out("foreign");
   std::ofstream(out.path / "thesis.tex") << "keep";
-  auto base = Model::load(fixture("model/tiny-llama.f32.gguf"), {.tokenizer = true, .pack = false, .pool = &pool});
+  auto base = Model::load(fixture("model/tiny-llama.f32.gguf"), {.tokenizer = true, .pack = false, .backend = &backend});
   test_util::expect_error([&] { write_hf_folder(*base, out.str(), safetensors::StDType::f32); },
                           ErrorKind::invalid_input, {out.str(), "thesis.tex", "--overwrite"});
   EXPECT_FALSE(fs::exists(out.path / "config.json"));

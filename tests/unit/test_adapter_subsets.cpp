@@ -6,6 +6,8 @@
 // Fixtures: scripts/fixtures/make_adapter_subset_fixtures.py.
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <unistd.h>
 
 #include <cmath>
@@ -68,6 +70,8 @@ TEST(AdapterSubsets, FixturesAreSubsetsMadeByPeft) {
 // generate / chat: the adapter merged into f32 copies of the adapted matrices.
 TEST(AdapterSubsets, MergedAtLoadMatchesPeft) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const auto ref = reference();
   const auto prompt = ref["prompt"].get<std::vector<int32_t>>();
   for (const auto& [name, a] : ref["adapters"].items()) {
@@ -76,10 +80,10 @@ TEST(AdapterSubsets, MergedAtLoadMatchesPeft) {
     const auto V = a["vocab"].get<size_t>();
     for (const std::string base : {"model/tiny-llama.f32.gguf", "model/tiny-llama"}) {
       SCOPED_TRACE(base);
-      Model::LoadOptions o{.tokenizer = false, .pool = &pool};
+      Model::LoadOptions o{.tokenizer = false, .backend = &backend};
       o.before_pack = adapter_merge_hook(kDir + name);
       auto m = Model::load(kFx + base, o);
-      InferenceSession s(m->config(), m->weights(), pool, 64, /*micro_batch=*/4);
+      InferenceSession s(m->config(), m->weights(), backend, 64, /*micro_batch=*/4);
       s.eval(prompt, /*all_logits=*/true);
       for (size_t t = 0; t < prompt.size(); ++t)
         EXPECT_LT(test::relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;
@@ -93,6 +97,8 @@ TEST(AdapterSubsets, MergedAtLoadMatchesPeft) {
 // against the adapter merged at load.
 TEST(AdapterSubsets, ServedPerRowMatchesMergedAtLoad) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const auto ref = reference();
   const auto prompt = ref["prompt"].get<std::vector<int32_t>>();
   for (const std::string base : {"model/tiny-llama.f32.gguf", "model/tiny-llama.q8_0.gguf"}) {
@@ -108,10 +114,10 @@ TEST(AdapterSubsets, ServedPerRowMatchesMergedAtLoad) {
     for (const auto& [name, a] : ref["adapters"].items()) {
       SCOPED_TRACE(base + " " + name);
       const auto served = test::serve_greedy_ids(e, name, prompt, static_cast<int64_t>(a["greedy"].size()));
-      Model::LoadOptions lo{.tokenizer = false, .pool = &pool};
+      Model::LoadOptions lo{.tokenizer = false, .backend = &backend};
       lo.before_pack = adapter_merge_hook(kDir + name);
       auto m = Model::load(kFx + base, lo);
-      InferenceSession s(m->config(), m->weights(), pool, 64);
+      InferenceSession s(m->config(), m->weights(), backend, 64);
       const auto merged = test::greedy_ids(s, s.eval(prompt), a["greedy"].size());
       if (base.find("f32") != std::string::npos) {
         // f32 base: both paths are f32 arithmetic, only the summation order differs.
@@ -133,20 +139,22 @@ TEST(AdapterSubsets, ServedPerRowMatchesMergedAtLoad) {
 // merge: a Hugging Face folder with the adapter folded in reloads to PEFT's logits.
 TEST(AdapterSubsets, MergedFolderMatchesPeft) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const auto ref = reference();
   const auto prompt = ref["prompt"].get<std::vector<int32_t>>();
   const fs::path tmp = fs::temp_directory_path() / ("loom_subsets_" + std::to_string(::getpid()));
   for (const auto& [name, a] : ref["adapters"].items()) {
     SCOPED_TRACE(name);
-    Model::LoadOptions o{.tokenizer = true, .pack = false, .pool = &pool};
+    Model::LoadOptions o{.tokenizer = true, .pack = false, .backend = &backend};
     o.before_pack = adapter_merge_hook(kDir + name);
     auto merged = Model::load(kFx + "model/tiny-llama.f32.gguf", o);
     const fs::path out = tmp / name;
     write_hf_folder(*merged, out.string(), safetensors::StDType::f32);
-    auto m = Model::load(out.string(), {.tokenizer = false, .pool = &pool});
+    auto m = Model::load(out.string(), {.tokenizer = false, .backend = &backend});
     const auto want = read_f32(kDir + a["logits"].get<std::string>());
     const auto V = a["vocab"].get<size_t>();
-    InferenceSession s(m->config(), m->weights(), pool, 64);
+    InferenceSession s(m->config(), m->weights(), backend, 64);
     s.eval(prompt, /*all_logits=*/true);
     for (size_t t = 0; t < prompt.size(); ++t)
       EXPECT_LT(test::relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;

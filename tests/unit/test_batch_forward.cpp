@@ -6,6 +6,8 @@
 // adapter merged into its weights; prefix-cache hits change nothing.
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,9 +30,9 @@ std::string fixture(const std::string& name) {
   return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/model/" + name;
 }
 
-std::unique_ptr<Model> load(const std::string& name, ThreadPool& pool,
+std::unique_ptr<Model> load(const std::string& name, Backend& backend,
                             std::function<void(ModelWeights&, const ModelConfig&)> hook = nullptr) {
-  return Model::load(fixture(name), {.tokenizer = false, .pack = true, .pool = &pool, .before_pack = hook});
+  return Model::load(fixture(name), {.tokenizer = false, .pack = true, .backend = &backend, .before_pack = hook});
 }
 
 double rel_err(const float* a, const float* b, int64_t n) {
@@ -151,7 +153,7 @@ float kv_elem(const KvPool& kv, const void* base, int64_t i) {
   return static_cast<const float*>(base)[i];
 }
 
-std::vector<SeqResult> run(const Model& m, ThreadPool& pool, const std::vector<SeqSpec>& specs,
+std::vector<SeqResult> run(const Model& m, Backend& backend, const std::vector<SeqSpec>& specs,
                            RunOptions o = {}) {
   const ModelConfig& c = m.config();
   KvPool kv(c, o.n_blocks, o.block_size, o.kv_dtype);
@@ -164,7 +166,7 @@ std::vector<SeqResult> run(const Model& m, ThreadPool& pool, const std::vector<S
       else
         std::fill_n(static_cast<float*>(base), n_elems, NAN);
     }
-  BatchForward bf(c, m.weights(), pool, kv, 128, 4);
+  BatchForward bf(c, m.weights(), backend, kv, 128, 4);
   std::vector<BlockTable> tables(specs.size());
   std::vector<int64_t> done(specs.size(), 0), next_chunk(specs.size(), 0);
   std::vector<SeqResult> res(specs.size());
@@ -225,9 +227,9 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // Logits at every position a run recorded against InferenceSession's.
-void expect_matches_session(const Model& m, ThreadPool& pool, const std::vector<int32_t>& tokens,
+void expect_matches_session(const Model& m, Backend& backend, const std::vector<int32_t>& tokens,
                             const SeqResult& r, const std::string& what, double tol = 1e-4) {
-  InferenceSession s(m.config(), m.weights(), pool, static_cast<int64_t>(tokens.size()), 8);
+  InferenceSession s(m.config(), m.weights(), backend, static_cast<int64_t>(tokens.size()), 8);
   s.eval(tokens, /*all_logits=*/true);
   const int64_t V = m.config().vocab_size;
   ASSERT_FALSE(r.logits.empty());
@@ -240,29 +242,35 @@ const char* const kModels[] = {"tiny-llama.f32.gguf", "tiny-qwen2.f32.gguf", "ti
 
 TEST(BatchForward, AloneMatchesInferenceSession) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   for (const char* name : kModels) {
-    auto m = load(name, pool);
+    auto m = load(name, backend);
     const auto tokens = random_tokens(53, m->config().vocab_size, 11);
     for (int64_t bs : {16, 5}) {
       // Prefill in uneven chunks, then decode one by one.
-      const auto r = run(*m, pool, {{tokens, nullptr, 0, {13, 1, 20}, 0}}, {.block_size = bs});
+      const auto r = run(*m, backend, {{tokens, nullptr, 0, {13, 1, 20}, 0}}, {.block_size = bs});
       EXPECT_EQ(r[0].logits.size(), size_t{3 + 19});
-      expect_matches_session(*m, pool, tokens, r[0], std::string(name) + " block size " + std::to_string(bs));
+      expect_matches_session(*m, backend, tokens, r[0], std::string(name) + " block size " + std::to_string(bs));
     }
     // f16 K/V: rounding each stored key and value to half moves the logits a
     // little (measured 1.2e-3 on f32 weights), and more where activations are
     // then quantized to 8 bits for quantized weights (measured 2.4e-2).
     const bool quantized = std::string(name).find(".q") != std::string::npos;
-    const auto r = run(*m, pool, {{tokens, nullptr, 0, {13, 1, 20}, 0}}, {.kv_dtype = DType::f16});
-    expect_matches_session(*m, pool, tokens, r[0], std::string(name) + " f16 K/V", quantized ? 5e-2 : 5e-3);
+    const auto r = run(*m, backend, {{tokens, nullptr, 0, {13, 1, 20}, 0}}, {.kv_dtype = DType::f16});
+    expect_matches_session(*m, backend, tokens, r[0], std::string(name) + " f16 K/V", quantized ? 5e-2 : 5e-3);
   }
 }
 
 void check_batch_invariance(const char* name, DType kv_dtype) {
   SCOPED_TRACE(std::string(name) + ", K/V " + dtype_name(kv_dtype));
   ThreadPool pool3(2), pool1(1);
+  auto backend3_owner = make_backend(kCpu, pool3);
+  Backend& backend3 = *backend3_owner;
+  auto backend1_owner = make_backend(kCpu, pool1);
+  Backend& backend1 = *backend1_owner;
   {
-    auto m = load(name, pool3);
+    auto m = load(name, backend3);
     const ModelConfig& c = m->config();
     const RandomAdapter a1 = make_adapter(c, 4, 0.5f, 1), a2 = make_adapter(c, 7, 0.25f, 2);
     const std::vector<SeqSpec> together = {
@@ -272,19 +280,19 @@ void check_batch_invariance(const char* name, DType kv_dtype) {
         {random_tokens(19, c.vocab_size, 4), &a1.view, 1, {1, 1, 16}, 0},
         {random_tokens(35, c.vocab_size, 5), nullptr, 0, {20}, 5},
     };
-    const auto batched = run(*m, pool3, together, {.kv_dtype = kv_dtype});
+    const auto batched = run(*m, backend3, together, {.kv_dtype = kv_dtype});
     const auto batched_rev = run(
-        *m, pool3, together, {.block_size = 16, .n_blocks = 64, .reverse_order = true, .kv_dtype = kv_dtype});
+        *m, backend3, together, {.block_size = 16, .n_blocks = 64, .reverse_order = true, .kv_dtype = kv_dtype});
     for (size_t i = 0; i < together.size(); ++i) {
       const std::string what = std::string(name) + " sequence " + std::to_string(i);
       // Alone, with other prefill chunks, one thread, and other block sizes / placements.
       SeqSpec alone = together[i];
       alone.start = 0;
-      const auto solo = run(*m, pool1, {alone}, {.kv_dtype = kv_dtype});
+      const auto solo = run(*m, backend1, {alone}, {.kv_dtype = kv_dtype});
       SeqSpec rechunked = alone;
       rechunked.chunks = {3, 11};
       const auto solo_rechunked =
-          run(*m, pool3, {rechunked}, {.block_size = 5, .n_blocks = 64, .kv_dtype = kv_dtype});
+          run(*m, backend3, {rechunked}, {.block_size = 5, .n_blocks = 64, .kv_dtype = kv_dtype});
       EXPECT_TRUE(same_bits(batched[i].kv, solo[0].kv)) << what << ": K/V rows differ";
       EXPECT_TRUE(same_bits(batched[i].kv, solo_rechunked[0].kv)) << what << ": K/V rows differ (rechunked)";
       EXPECT_TRUE(same_bits(batched[i].kv, batched_rev[i].kv)) << what << ": K/V rows differ (order)";
@@ -314,21 +322,23 @@ TEST(BatchForward, BatchInvariantBitExactF16Cache) {
 
 TEST(BatchForward, LoraMatchesMergedWeights) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   for (const char* name : {"tiny-llama.f32.gguf", "tiny-qwen2.f32.gguf"}) {
-    auto base = load(name, pool);
+    auto base = load(name, backend);
     const ModelConfig& c = base->config();
     const RandomAdapter a1 = make_adapter(c, 4, 0.5f, 1), a2 = make_adapter(c, 7, 0.25f, 2);
-    auto merged1 = load(name, pool, merge_hook(a1.view));
-    auto merged2 = load(name, pool, merge_hook(a2.view));
+    auto merged1 = load(name, backend, merge_hook(a1.view));
+    auto merged2 = load(name, backend, merge_hook(a2.view));
     const auto t0 = random_tokens(29, c.vocab_size, 21), t1 = random_tokens(37, c.vocab_size, 22),
                t2 = random_tokens(23, c.vocab_size, 23);
-    const auto r = run(*base, pool,
+    const auto r = run(*base, backend,
                        {{t0, &a1.view, 1, {7, 8}, 0}, {t1, nullptr, 0, {5}, 0}, {t2, &a2.view, 2, {23}, 3}});
-    expect_matches_session(*merged1, pool, t0, r[0], std::string(name) + " adapter 1");
-    expect_matches_session(*base, pool, t1, r[1], std::string(name) + " base");
-    expect_matches_session(*merged2, pool, t2, r[2], std::string(name) + " adapter 2");
+    expect_matches_session(*merged1, backend, t0, r[0], std::string(name) + " adapter 1");
+    expect_matches_session(*base, backend, t1, r[1], std::string(name) + " base");
+    expect_matches_session(*merged2, backend, t2, r[2], std::string(name) + " adapter 2");
     // The adapters really change the model (so the comparison above can fail).
-    InferenceSession s(c, base->weights(), pool, 64);
+    InferenceSession s(c, base->weights(), backend, 64);
     const float* lg = s.eval(t0);
     EXPECT_GT(rel_err(r[0].logits.at(28).data(), lg, c.vocab_size), 1e-2);
   }
@@ -336,7 +346,9 @@ TEST(BatchForward, LoraMatchesMergedWeights) {
 
 TEST(BatchForward, PrefixCacheHitsGiveTheSameResults) {
   ThreadPool pool(2);
-  auto m = load("tiny-llama.q4_1.gguf", pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto m = load("tiny-llama.q4_1.gguf", backend);
   const ModelConfig& c = m->config();
   const RandomAdapter a1 = make_adapter(c, 4, 0.5f, 1);
   const auto shared = random_tokens(37, c.vocab_size, 31);
@@ -353,11 +365,11 @@ TEST(BatchForward, PrefixCacheHitsGiveTheSameResults) {
       {with_tail(3, 9), nullptr, 0, {8}, 30},  {with_tail(4, 2), &a1.view, 1, {4}, 30},
       {with_tail(5, 2), &a1.view, 7, {4}, 30},
   };
-  const auto cached = run(*m, pool, specs, {.block_size = 16, .n_blocks = 64, .prefix_cache = true});
+  const auto cached = run(*m, backend, specs, {.block_size = 16, .n_blocks = 64, .prefix_cache = true});
   for (size_t i = 2; i < specs.size(); ++i) {
     SeqSpec fresh = specs[i];
     fresh.start = 0;
-    const auto ref = run(*m, pool, {fresh});
+    const auto ref = run(*m, backend, {fresh});
     EXPECT_TRUE(same_bits(cached[i].kv, ref[0].kv)) << "sequence " << i;
     // A hit skips the cached positions: the first logits come after them.
     EXPECT_EQ(cached[i].logits.begin()->first, i == 4 ? 3 : 32 + specs[i].chunks[0] - 1) << "sequence " << i;
@@ -368,9 +380,11 @@ TEST(BatchForward, PrefixCacheHitsGiveTheSameResults) {
 
 TEST(BatchForward, RejectsTokensOutsideTheVocabulary) {
   ThreadPool pool(1);
-  auto m = load("tiny-llama.f32.gguf", pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto m = load("tiny-llama.f32.gguf", backend);
   KvPool kv(m->config(), 4, 16);
-  BatchForward bf(m->config(), m->weights(), pool, kv, 16);
+  BatchForward bf(m->config(), m->weights(), backend, kv, 16);
   BlockTable t;
   ASSERT_TRUE(kv.reserve(t, 2));
   const int32_t bad[] = {5, 320};

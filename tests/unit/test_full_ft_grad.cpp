@@ -3,6 +3,8 @@
 // against PyTorch in float64 (scripts/fixtures/make_full_ft_fixtures.py).
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -33,11 +35,13 @@ double rel_err(const float* a, const std::vector<float>& ref) {
 void check_model(const std::string& name, BackwardMode mode) {
   SCOPED_TRACE(name + " backward " + backward_mode_name(mode));
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   std::unique_ptr<FullParams> full;
   auto model = Model::load(fixture("model/" + name),
                            {.tokenizer = false,
                             .pack = true,
-                            .pool = &pool,
+                            .backend = &backend,
                             .before_pack = [&](ModelWeights& w, const ModelConfig& c) {
                               full = std::make_unique<FullParams>(w, c, pool);
                             }});
@@ -52,7 +56,7 @@ void check_model(const std::string& name, BackwardMode mode) {
   auto grads = safetensors::File::open(fixture("full_ft/" + name + "/grads.safetensors"));
   EXPECT_EQ(full->tied(), ref["tied"].get<bool>());
 
-  TrainSession session(mc, model->weights(), *full, pool, mode);
+  TrainSession session(mc, model->weights(), *full, backend, mode);
   full->zero_grads();
   const LossResult res = session.forward_backward(batch, 1.0f / static_cast<float>(batch.target_tokens));
   const double loss = res.loss_sum / static_cast<double>(res.n_tokens), want = ref["loss"].get<double>();
@@ -108,9 +112,11 @@ TEST(FullFineTuneGrad, TinyQwen2TiedWithBiasesMatchesPyTorch) {
 // Groups cover the arena once: norms and biases without decay, the rest with it.
 TEST(FullFineTuneGrad, ParamGroupsSplitDecay) {
   ThreadPool pool(1);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   std::unique_ptr<FullParams> full;
   auto model = Model::load(fixture("model/tiny-qwen2"),
-                           {.tokenizer = false, .pack = true, .pool = &pool,
+                           {.tokenizer = false, .pack = true, .backend = &backend,
                             .before_pack = [&](ModelWeights& w, const ModelConfig& c) {
                               full = std::make_unique<FullParams>(w, c, pool);
                             }});

@@ -5,6 +5,8 @@
 // two LoRA steps and serves a request. Fixtures: scripts/fixtures/make_gguf_battery.py.
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <unistd.h>
 
 #include <cctype>
@@ -63,12 +65,14 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
 // same logits as the dequantized weights, up to the 8-bit activation rounding.
 TEST(GgufBattery, EveryFileLoadsAndMatchesItsDequantizedWeights) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const auto battery = manifest();
   for (const auto& f : battery["files"]) {
     const std::string path = kDir + f["path"].get<std::string>();
     SCOPED_TRACE(path);
-    auto q = Model::load(path, {.tokenizer = true, .pool = &pool});
-    auto d = Model::load(path, {.tokenizer = false, .pool = &pool, .dequantize = true});
+    auto q = Model::load(path, {.tokenizer = true, .backend = &backend});
+    auto d = Model::load(path, {.tokenizer = false, .backend = &backend, .dequantize = true});
     const auto& tt = f["tensor_types"];
     const LayerWeights& L0 = q->weights().layers[0];
     const LayerWeights& L1 = q->weights().layers[1];
@@ -84,8 +88,8 @@ TEST(GgufBattery, EveryFileLoadsAndMatchesItsDequantizedWeights) {
     EXPECT_EQ(std::string(dtype_name(L0.wq.dtype)), type_of("blk.0.attn_q.weight"));
 
     const auto V = static_cast<size_t>(q->config().vocab_size);
-    InferenceSession sq(q->config(), q->weights(), pool, 64, /*micro_batch=*/4);
-    InferenceSession sd(d->config(), d->weights(), pool, 64);
+    InferenceSession sq(q->config(), q->weights(), backend, 64, /*micro_batch=*/4);
+    InferenceSession sd(d->config(), d->weights(), backend, 64);
     sq.eval(kPrompt, /*all_logits=*/true);
     sd.eval(kPrompt, /*all_logits=*/true);
     // f16/bf16 use f32 activations: only f32 rounding differs.
@@ -121,6 +125,8 @@ TEST(GgufBattery, EveryFileTrainsTwoLoraSteps) {
 // the single-sequence path (the batched forward agrees with it to ~1e-6).
 TEST(GgufBattery, EveryFileServesARequest) {
   ThreadPool pool(2);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
   const auto battery = manifest();
   for (const auto& f : battery["files"]) {
     const std::string path = kDir + f["path"].get<std::string>();
@@ -133,8 +139,8 @@ TEST(GgufBattery, EveryFileServesARequest) {
     o.kv_dtype = DType::f32;  // as InferenceSession's cache: an f16 cache would flip near ties
     ServingEngine e(o);
     const auto served = test::serve_greedy_ids(e, "base", kPrompt, 6);
-    auto m = Model::load(path, {.tokenizer = false, .pool = &pool});
-    InferenceSession s(m->config(), m->weights(), pool, 64);
+    auto m = Model::load(path, {.tokenizer = false, .backend = &backend});
+    InferenceSession s(m->config(), m->weights(), backend, 64);
     const auto want = test::greedy_ids(s, s.eval(kPrompt), 6);
     EXPECT_EQ(served, want);
   }

@@ -3,6 +3,8 @@
 // against finite differences of loom's own loss.
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include "peft_fixture_util.h"
 
 #include <algorithm>
@@ -31,8 +33,8 @@ std::string fixture(const std::string& rel) {
   return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/" + rel;
 }
 
-std::unique_ptr<Model> load_tiny(const std::string& name, ThreadPool& pool) {
-  return Model::load(fixture("model/" + name), {.tokenizer = false, .pack = true, .pool = &pool});
+std::unique_ptr<Model> load_tiny(const std::string& name, Backend& backend) {
+  return Model::load(fixture("model/" + name), {.tokenizer = false, .pack = true, .backend = &backend});
 }
 
 
@@ -74,7 +76,9 @@ double max_abs(const float* p, int64_t n) {
 
 void check_against_peft(const std::string& name) {
   ThreadPool pool(2);
-  auto model = load_tiny(name, pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = load_tiny(name, backend);
   PeftCase pc = load_peft(name);
   LoraConfig lc;
   lc.r = pc.meta["r"].get<int64_t>();
@@ -82,7 +86,7 @@ void check_against_peft(const std::string& name) {
   lc.set_targets(pc.meta["target_modules"].get<std::vector<std::string>>());
   LoraModel lora(model->config(), lc);
   set_adapter(lora, *pc.adapter);
-  TrainSession session(model->config(), model->weights(), lora, pool);
+  TrainSession session(model->config(), model->weights(), lora, backend);
   lora.zero_grads();
   const LossResult res =
       session.forward_backward(pc.batch, 1.0f / static_cast<float>(pc.batch.target_tokens));
@@ -118,7 +122,9 @@ TEST(LoraGrad, MatchesPeftTinyQwen2) { check_against_peft("tiny-qwen2"); }
 // back) match the PEFT golden as well.
 TEST(LoraGrad, MatchesPeftFromGgufWithPermutedQk) {
   ThreadPool pool(2);
-  auto model = load_tiny("tiny-llama.f32.gguf", pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = load_tiny("tiny-llama.f32.gguf", backend);
   ASSERT_TRUE(lora_needs_qk_permutation(model->config()));
   PeftCase pc = load_peft("tiny-llama");
   LoraConfig lc;
@@ -127,7 +133,7 @@ TEST(LoraGrad, MatchesPeftFromGgufWithPermutedQk) {
   LoraModel lora(model->config(), lc);
   set_adapter(lora, *pc.adapter);
   lora_permute_qk_rows(lora, lora.params(), model->config(), true);
-  TrainSession session(model->config(), model->weights(), lora, pool);
+  TrainSession session(model->config(), model->weights(), lora, backend);
   lora.zero_grads();
   const LossResult res =
       session.forward_backward(pc.batch, 1.0f / static_cast<float>(pc.batch.target_tokens));
@@ -164,7 +170,9 @@ double mean_loss(TrainSession& s, const Batch& b, uint64_t step) {
 // loss (~1e-6) small against the difference; the tolerance covers O(eps^2) terms.
 void check_fd(const std::string& name, double dropout) {
   ThreadPool pool(2);
-  auto model = load_tiny(name, pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = load_tiny(name, backend);
   PeftCase pc = load_peft(name);
   LoraConfig lc;
   lc.r = 4;
@@ -173,7 +181,7 @@ void check_fd(const std::string& name, double dropout) {
   lc.seed = 7;
   LoraModel lora(model->config(), lc);
   set_adapter(lora, *pc.adapter);
-  TrainSession session(model->config(), model->weights(), lora, pool);
+  TrainSession session(model->config(), model->weights(), lora, backend);
   const uint64_t step = 3;
   lora.zero_grads();
   session.forward_backward(pc.batch, 1.0f / static_cast<float>(pc.batch.target_tokens), step);
@@ -219,14 +227,16 @@ TEST(LoraGrad, FiniteDifferencesWithDropout) { check_fd("tiny-qwen2", 0.25); }
 // Micro-batches with grad_scale = 1 / (all target tokens) sum to the full batch's gradient.
 TEST(LoraGrad, AccumulationOverMicroBatchesIsExact) {
   ThreadPool pool(2);
-  auto model = load_tiny("tiny-llama", pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = load_tiny("tiny-llama", backend);
   PeftCase pc = load_peft("tiny-llama");
   LoraConfig lc;
   lc.r = 4;
   lc.alpha = 8;
   LoraModel lora(model->config(), lc);
   set_adapter(lora, *pc.adapter);
-  TrainSession session(model->config(), model->weights(), lora, pool);
+  TrainSession session(model->config(), model->weights(), lora, backend);
   const float scale = 1.0f / static_cast<float>(pc.batch.target_tokens);
   lora.zero_grads();
   const LossResult full = session.forward_backward(pc.batch, scale);
@@ -253,14 +263,16 @@ TEST(LoraGrad, AccumulationOverMicroBatchesIsExact) {
 // Packing two samples in one row must equal running them as separate rows.
 TEST(LoraGrad, PackedRowEqualsSeparateRows) {
   ThreadPool pool(2);
-  auto model = load_tiny("tiny-qwen2", pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = load_tiny("tiny-qwen2", backend);
   PeftCase pc = load_peft("tiny-qwen2");
   LoraConfig lc;
   lc.r = 4;
   lc.alpha = 8;
   LoraModel lora(model->config(), lc);
   set_adapter(lora, *pc.adapter);
-  TrainSession session(model->config(), model->weights(), lora, pool);
+  TrainSession session(model->config(), model->weights(), lora, backend);
   Batch packed;
   packed.rows = 1;
   packed.seq_len = pc.batch.rows * pc.batch.seq_len;
@@ -294,12 +306,14 @@ TEST(LoraGrad, QuantizedBaseAndThreadCountInvariance) {
   lc.seed = 5;
   auto run = [&](const std::string& file, int threads, bool dequantize) {
     ThreadPool pool(threads);
+    auto backend_owner = make_backend(kCpu, pool);
+    Backend& backend = *backend_owner;
     auto model = Model::load(fixture("model/" + file),
-                             {.tokenizer = false, .pack = true, .pool = &pool, .dequantize = dequantize});
+                             {.tokenizer = false, .pack = true, .backend = &backend, .dequantize = dequantize});
     LoraModel lora(model->config(), lc);
     for (int64_t i = 0; i < lora.param_count(); ++i)  // B nonzero so every gradient flows
       lora.params()[i] += 0.05f * static_cast<float>(std::sin(0.37 * static_cast<double>(i)));
-    TrainSession session(model->config(), model->weights(), lora, pool);
+    TrainSession session(model->config(), model->weights(), lora, backend);
     lora.zero_grads();
     const LossResult r =
         session.forward_backward(pc.batch, 1.0f / static_cast<float>(pc.batch.target_tokens));
@@ -389,9 +403,11 @@ TEST(LoraModel, BadConfigsThrow) {
 
 TEST(LoraGrad, MalformedBatchThrows) {
   ThreadPool pool(1);
-  auto model = load_tiny("tiny-llama", pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto model = load_tiny("tiny-llama", backend);
   LoraModel lora(model->config(), LoraConfig{});
-  TrainSession session(model->config(), model->weights(), lora, pool);
+  TrainSession session(model->config(), model->weights(), lora, backend);
   PeftCase pc = load_peft("tiny-llama");
   Batch b = pc.batch;
   b.tokens[3] = 100000;

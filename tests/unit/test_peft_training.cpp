@@ -4,6 +4,8 @@
 // with the adapter_config.json fields PEFT needs to load it.
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include "peft_fixture_util.h"
 
 #include <algorithm>
@@ -62,9 +64,9 @@ struct TrainedRun {
 
 // Loads the tiny llama (HF folder: q/k rows in HF order, no permutation), sets
 // PEFT's initial adapter and runs the fixture's steps with TrainSession + AdamW.
-TrainedRun train_like_peft(ThreadPool& pool) {
+TrainedRun train_like_peft(Backend& backend) {
   TrainedRun run;
-  run.model = Model::load(kDir + "model/tiny-llama", {.tokenizer = false, .pack = true, .pool = &pool});
+  run.model = Model::load(kDir + "model/tiny-llama", {.tokenizer = false, .pack = true, .backend = &backend});
   EXPECT_FALSE(lora_needs_qk_permutation(run.model->config()));
   std::ifstream f(kDir + "peft_training/tiny-llama/run.json");
   run.meta = nlohmann::json::parse(f);
@@ -98,7 +100,7 @@ TrainedRun train_like_peft(ThreadPool& pool) {
   g.lr = m["lr"].get<double>();
   g.weight_decay = m["weight_decay"].get<double>();
   AdamW opt(ac, {g}, g.size);
-  TrainSession session(run.model->config(), run.model->weights(), lora, pool);
+  TrainSession session(run.model->config(), run.model->weights(), lora, backend);
   const auto n = static_cast<size_t>(lora.param_count());
   const int steps = m["steps"].get<int>();
   for (int s = 0; s < steps; ++s) {
@@ -135,7 +137,9 @@ peft::AdapterTensors to_peft(LoraModel& lora) {
 
 TEST(PeftTraining, TwentyAdamWStepsMatchPeft) {
   ThreadPool pool(2);
-  TrainedRun run = train_like_peft(pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  TrainedRun run = train_like_peft(backend);
   const auto want = run.meta["losses"].get<std::vector<double>>();
   ASSERT_EQ(run.losses.size(), want.size());
   ASSERT_EQ(want.size(), 20u);
@@ -171,7 +175,9 @@ TEST(PeftTraining, TwentyAdamWStepsMatchPeft) {
 
 TEST(PeftTraining, WrittenAdapterHoldsPeftWeightsAndConfig) {
   ThreadPool pool(2);
-  TrainedRun run = train_like_peft(pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  TrainedRun run = train_like_peft(backend);
   testing_util::TempDir tmp;
   const std::string dir = tmp.file("adapter");
   peft::write_adapter(dir, to_peft(*run.lora));
@@ -234,7 +240,9 @@ TEST(PeftTraining, WrittenAdapterHoldsPeftWeightsAndConfig) {
 TEST(PeftTraining, LoomTrainedAdapterInPeftGivesLoomLogits) {
   const std::string dir = kDir + "peft_training/tiny-llama/loom_adapter";
   ThreadPool pool(2);
-  TrainedRun run = train_like_peft(pool);
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  TrainedRun run = train_like_peft(backend);
   const peft::AdapterTensors committed = peft::read_adapter(dir);
   const peft::AdapterTensors now = to_peft(*run.lora);
   double worst_w = 0;
@@ -246,7 +254,7 @@ TEST(PeftTraining, LoomTrainedAdapterInPeftGivesLoomLogits) {
   EXPECT_LE(worst_w, 1e-5) << "loom no longer trains the committed adapter";
 
   auto model = Model::load(kDir + "model/tiny-llama",
-                           {.tokenizer = false, .pack = true, .pool = &pool, .before_pack = adapter_merge_hook(dir)});
+                           {.tokenizer = false, .pack = true, .backend = &backend, .before_pack = adapter_merge_hook(dir)});
   std::vector<float> ref;
   {
     std::ifstream g(kDir + "peft_training/tiny-llama/loom_adapter_logits.f32", std::ios::binary);
@@ -260,7 +268,7 @@ TEST(PeftTraining, LoomTrainedAdapterInPeftGivesLoomLogits) {
   for (const auto& b : run.meta["batches"])
     for (const auto& row : b["input_ids"]) {
       const auto ids = row.get<std::vector<int32_t>>();
-      InferenceSession s(model->config(), model->weights(), pool, 64);
+      InferenceSession s(model->config(), model->weights(), backend, 64);
       s.eval(ids, /*all_logits=*/true);
       got.insert(got.end(), s.logits().begin(), s.logits().begin() + static_cast<int64_t>(ids.size()) * V);
     }

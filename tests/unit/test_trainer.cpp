@@ -2,6 +2,8 @@
 // repeated dataset, evaluation runs, and the adapter folder reads back (PEFT form).
 #include <gtest/gtest.h>
 
+#include "kernels/backend.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -90,7 +92,9 @@ TEST(Trainer, LossFallsAndAdapterReadsBack) {
   // Loaded back into the model's row order (q/k permuted for a GGUF llama), the
   // adapter gives the eval loss the trainer measured: the file is in PEFT order.
   ThreadPool pool(2);
-  auto packed = Model::load(c.model, {.tokenizer = true, .pack = true, .pool = &pool});
+  auto backend_owner = make_backend(kCpu, pool);
+  Backend& backend = *backend_owner;
+  auto packed = Model::load(c.model, {.tokenizer = true, .pack = true, .backend = &backend});
   ASSERT_TRUE(lora_needs_qk_permutation(packed->config()));
   LoraModel lora(packed->config(), c.lora);
   for (const auto& [key, pair] : ad.pairs) {
@@ -103,7 +107,7 @@ TEST(Trainer, LossFallsAndAdapterReadsBack) {
   dopt.seq_len = c.seq_len;
   dopt.shuffle = false;
   const TrainData data = prepare_train_data(c.eval_file, packed->tokenizer(), nullptr, dopt);
-  TrainSession session(packed->config(), packed->weights(), lora, pool);
+  TrainSession session(packed->config(), packed->weights(), lora, backend);
   double sum = 0;
   int64_t n = 0;
   DataLoader loader(data.train, data.pad_id, c.batch_size, /*shuffle=*/false, 0);

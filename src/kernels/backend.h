@@ -1,0 +1,249 @@
+// The backend seam: every op the decoder, the loss and the optimizer run, as one
+// table of virtual functions that a device implements (ggml's backend
+// interface, MLX's primitives' eval_cpu / eval_gpu). model/, train/ and serve/
+// call only this; kernels/cpu/ implements it for the CPU (the only backend
+// built yet). docs/architecture.md, "Backends", says how CUDA (streams, cuBLAS,
+// NCCL) and an NPU (Ascend ACL: device, stream, workspace; HCCL) plug in.
+//
+// Conventions: pointers passed to ops are device memory of the backend's
+// device (DeviceBuffer::data(), Tensor::data with a matching Tensor::device);
+// shapes are outermost first; [T, n] is T rows of n floats. Every op computes
+// each output element in one fixed order, so results do not depend on the
+// thread count, and row t of a row-wise op does not depend on the other rows.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
+#include "kernels/shapes.h"
+
+namespace loom {
+
+// Memory on a backend's device, owned and zero-filled when allocated.
+class DeviceBuffer {
+ public:
+  using FreeFn = void (*)(void*);
+  DeviceBuffer() = default;
+  DeviceBuffer(Device device, void* data, size_t bytes, FreeFn free_fn);
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+
+  Device device() const { return device_; }
+  void* data() const { return data_; }
+  float* floats() const { return static_cast<float*>(data_); }
+  size_t bytes() const { return bytes_; }
+  size_t n_floats() const { return bytes_ / sizeof(float); }
+  bool empty() const { return bytes_ == 0; }
+
+ private:
+  Device device_{};
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  FreeFn free_ = nullptr;
+};
+
+// A weight matrix a backend has prepared for its products (the CPU: panels of
+// kernels/cpu/matmul.h; a GPU: device memory in its GEMM's layout). Made once
+// at load by Backend::prepare_weight, read-only afterwards.
+class DeviceWeight {
+ public:
+  virtual ~DeviceWeight() = default;
+  virtual Device device() const = 0;
+  virtual DType dtype() const = 0;  // as stored on the device
+  virtual int64_t rows() const = 0;
+  virtual int64_t cols() const = 0;
+  virtual size_t nbytes() const = 0;
+};
+using WeightHandle = std::unique_ptr<DeviceWeight>;
+
+// How a frozen weight's transpose is held for input gradients (see
+// kernels/cpu/linear_backward.h): exact dequantizes W tile by tile and needs no
+// handle; the others prepare W^T once.
+enum class BackwardPrecision { exact, f16, int8, bf16 };
+
+// Per-caller state of a backend: scratch memory (CPU), a stream and library
+// handles (CUDA), a stream and workspace (NPU). One per thread that issues ops.
+class Workspace {
+ public:
+  virtual ~Workspace() = default;
+};
+
+// One output of matmul_multi: y [T, W.rows()] rows ldy apart (< 0: W.rows()).
+struct MatmulTarget {
+  const DeviceWeight* W;
+  float* y;
+  int64_t ldy = -1;
+};
+
+// One adapted linear of a per-row LoRA product (the server's multi-LoRA):
+// y[row] += scale * B (A x[row]) for rows whose factor is set.
+struct LoraFactor {
+  const float* a = nullptr;  // [rank, in]
+  const float* b = nullptr;  // [out, rank]
+  int64_t rank = 0, in = 0, out = 0;
+  float scale = 1.0f;
+};
+struct LoraRowsJob {
+  const float* x;
+  int64_t ldx;
+  float* y;
+  int64_t ldy;
+  int64_t out;                       // y's width (the widest factor's out)
+  const LoraFactor* const* factors;  // [rows.size()]: factor of each listed row, null: not adapted
+};
+
+// The paged K/V store of one layer (serve/kv_pool.h): [n_blocks][n_kv_heads][block_size][head_dim]
+// elements of `dtype` (f32 or f16).
+struct PagedKvView {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t block_size = 0;
+  DType dtype = DType::f32;
+};
+
+// The fused output projection + cross-entropy (kernels/cpu/loss.h).
+struct LossOp {
+  const Tensor* W = nullptr;               // output projection [V, H] as stored
+  const DeviceWeight* W_prepared = nullptr;  // the same, prepared for matmul
+  BackwardPrecision precision = BackwardPrecision::exact;  // how dh passes W
+  const DeviceWeight* Wt = nullptr;        // W^T for dh (prepare_transposed; null: W read directly)
+  const float* h = nullptr;                // [T, H] final-norm output
+  const int32_t* labels = nullptr;         // [T], -100 = ignore
+  int64_t T = 0;
+  float grad_scale = 1.0f;
+  float* dh = nullptr;                     // [T, H] +=; null: loss only
+  float* dW = nullptr;                     // [V, H] += (a trainable f32 W)
+};
+
+// One AdamW update of a run of parameters (torch.optim.AdamW, fp32 arithmetic).
+struct AdamWUpdate {
+  float keep;       // 1 - lr * weight_decay
+  float step_size;  // lr / (1 - beta1^t)
+  float w1;         // 1 - beta1
+  float b2, w2;     // beta2, 1 - beta2
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float eps;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;  // e.g. "cpu (avx512-bf16, 2 threads)"
+  virtual int n_threads() const = 0;
+
+  // ---- memory and weights
+  virtual DeviceBuffer alloc(size_t bytes) = 0;  // zero-filled
+  virtual std::unique_ptr<Workspace> make_workspace() = 0;
+  // W {N, K} of any supported dtype. `recycle`: a handle no longer needed whose
+  // memory may be reused (weights that training changes, repacked each step).
+  // Throws loom::Error naming `name` for an unsupported tensor.
+  virtual WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle = nullptr) = 0;
+  virtual bool supports_weight(DType type) const = 0;
+  // W^T for input gradients at `p` (not exact); null when the backend reads W
+  // itself at that precision (the CPU's bf16 path with AMX).
+  virtual WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name,
+                                          WeightHandle recycle = nullptr) = 0;
+
+  // ---- forward
+  // y [T, N] (rows ldy apart) = x [T, K] (rows ldx apart) W^T.
+  virtual void matmul(Workspace& ws, const DeviceWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+                      int64_t T) = 0;
+  // The same with a weight that was not prepared (e.g. a LoRA factor being trained).
+  virtual void matmul_dense(Workspace& ws, const Tensor& W, const float* x, float* y, int64_t T) = 0;
+  // Several weights over the same x (q/k/v, gate/up); each result equals its own matmul.
+  virtual void matmul_multi(Workspace& ws, std::span<const MatmulTarget> outs, const float* x, int64_t ldx,
+                            int64_t T) = 0;
+  // Per-row LoRA over `rows` (indices into [0, T)): u [jobs, T, max_rank] is scratch.
+  virtual void lora_rows(Workspace& ws, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
+                         int64_t max_rank, float* u, int64_t T) = 0;
+  // out [T, n] = x / rms(x) * w; rstd [T] saved when not null. out may alias x.
+  virtual void rmsnorm(float* out, float* rstd, const float* x, const float* w, int64_t T, int64_t n,
+                       float eps) = 0;
+  // cs [T, head_dim] = cos | sin of pos[t] * inv_freq (angles in double).
+  virtual void rope_table(const RopeTable& rope, const int32_t* pos, int64_t T, float* cs) = 0;
+  // Rotates x [T, n_heads, head_dim] by the angles of cs; inverse: the transpose (RoPE's backward).
+  virtual void rope(const RopeTable& rope, const float* cs, float* x, int64_t T, int64_t n_heads,
+                    bool inverse) = 0;
+  // h [T, F] = silu(gate) * up; h may alias gate.
+  virtual void swiglu(float* h, const float* gate, const float* up, int64_t T, int64_t F) = 0;
+  // out = a + b over n; out may alias a or b.
+  virtual void add(float* out, const float* a, const float* b, int64_t n) = 0;
+  // y [T, n] += bias [n] on every row.
+  virtual void add_bias(float* y, const float* bias, int64_t T, int64_t n) = 0;
+  virtual void scale(float* x, float s, int64_t n) = 0;
+  virtual void zero(float* x, int64_t n) = 0;
+  // dst [cols, rows] = src [rows, cols]^T.
+  virtual void transpose(float* dst, const float* src, int64_t rows, int64_t cols) = 0;
+  // out [T, H] = rows tokens[t] of the embedding table, dequantized.
+  virtual void embedding(const Tensor& table, const int32_t* tokens, int64_t T, float* out) = 0;
+  // Inverted dropout with a counter-based mask: dst = src * mask / (1 - p), the
+  // mask a pure function of (seed, step, slot, element).
+  virtual void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step,
+                       uint64_t slot) = 0;
+
+  // ---- attention
+  // Causal GQA over a contiguous K/V store (row p = position p); query t at
+  // pos[t] attends to [seq_start[t] or 0, pos[t]].
+  virtual void attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out,
+                         int64_t T, const int32_t* pos, const int32_t* seq_start) = 0;
+  // The same over a paged store, each row through its sequence's block table.
+  virtual void paged_attention(const AttentionShape& s, const PagedKvView& kv, const float* q, float* out,
+                               int64_t T, const int32_t* pos, const int32_t* const* tables) = 0;
+  // k, v [T, KV] rows into their slots of a paged store (f32 or f16).
+  virtual void paged_store(const AttentionShape& s, void* k_store, void* v_store, DType dtype, int64_t block_size,
+                           const float* k, const float* v, const int64_t* slots, int64_t T) = 0;
+  // Training attention over packed rows (no cache), saving lse [T, n_heads].
+  virtual void attention_train(const AttentionShape& s, float* out, float* lse, const float* q, const float* k,
+                               const float* v, int64_t T, const int32_t* seq_start) = 0;
+  // dq +=, dk +=, dv +=.
+  virtual void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, const float* dout,
+                                  const float* q, const float* k, const float* v, const float* out,
+                                  const float* lse, int64_t T, const int32_t* seq_start) = 0;
+
+  // ---- loss and backward
+  virtual LossResult cross_entropy(Workspace& ws, const LossOp& op) = 0;
+  // dx [T, n] +=, dw [n] += (null: frozen).
+  virtual void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
+                                const float* rstd, int64_t T, int64_t n) = 0;
+  // dgate, dup overwritten (may alias gate, up).
+  virtual void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                               int64_t n) = 0;
+  // dx [T, K] (+)= dy [T, N] W: through Wt (prepare_transposed), or W read
+  // directly at `p` (Wt null: exact, or the backend's own bf16 path).
+  virtual void linear_backward_input(Workspace& ws, const Tensor& W, const DeviceWeight* Wt, BackwardPrecision p,
+                                     const float* dy, float* dx, int64_t T, bool accumulate) = 0;
+  // dW [N, K] += dy^T x.
+  virtual void linear_backward_weight(const float* dy, const float* x, float* dW, int64_t T, int64_t N,
+                                      int64_t K) = 0;
+  virtual void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) = 0;
+  virtual void embedding_backward(float* dW, const float* dout, const int32_t* tokens, int64_t T, int64_t vocab,
+                                  int64_t H) = 0;
+
+  // ---- optimizer
+  virtual void adamw_update(const AdamWUpdate& u, float* p, const float* g, float* m, float* v, size_t n) = 0;
+  // sum of squares in double (gradient norms).
+  virtual double sum_squares(const float* x, size_t n) = 0;
+};
+
+class ThreadPool;
+
+// The weight types loom multiplies (every backend must take them all, so that
+// a file that loads runs on every device): checked when weights are bound.
+bool weight_type_supported(DType type);
+
+// The backend for `device`, computing with `pool` (the CPU's threads). Throws
+// loom::Error(unsupported) for a device this build has no backend for ("built
+// without CUDA").
+std::unique_ptr<Backend> make_backend(Device device, ThreadPool& pool);
+
+}  // namespace loom

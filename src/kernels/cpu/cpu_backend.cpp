@@ -1,0 +1,331 @@
+// The CPU backend: each op of kernels/backend.h forwards to the kernels of
+// kernels/cpu/ (their contracts are in the headers included here).
+#include "kernels/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/cpu_features.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "kernels/cpu/lora_rows.h"
+#include "kernels/linear_backward.h"
+#include "kernels/loss.h"
+#include "kernels/ops.h"
+#include "kernels/ops_backward.h"
+#include "kernels/paged_attention.h"
+#include "kernels/cpu/dequant.h"
+
+namespace loom {
+
+namespace {
+
+class CpuWeight final : public DeviceWeight {
+ public:
+  explicit CpuWeight(PackedWeight p) : packed(std::move(p)) {}
+  Device device() const override { return kCpu; }
+  DType dtype() const override { return packed.dtype(); }
+  int64_t rows() const override { return packed.rows(); }
+  int64_t cols() const override { return packed.cols(); }
+  size_t nbytes() const override { return packed.nbytes(); }
+  PackedWeight packed;
+};
+
+struct CpuWorkspace final : Workspace {
+  MatmulScratch matmul;
+  PackedBackwardScratch backward;
+};
+
+CpuWorkspace& cpu(Workspace& ws) { return static_cast<CpuWorkspace&>(ws); }
+
+// The panels of a handle about to be replaced, for PackedWeight's recycling.
+PackedWeight* recyclable(const WeightHandle& h) {
+  return h ? &static_cast<CpuWeight&>(*h).packed : nullptr;
+}
+
+TransposedPrecision transposed_precision(BackwardPrecision p) {
+  switch (p) {
+    case BackwardPrecision::int8: return TransposedPrecision::int8;
+    case BackwardPrecision::bf16: return TransposedPrecision::bf16;
+    case BackwardPrecision::f16:
+    case BackwardPrecision::exact: break;
+  }
+  return TransposedPrecision::f16;
+}
+
+// Columns per unit of SwiGLU: each element's arithmetic (vector body or scalar
+// tail of swiglu) then depends on its column only, whatever the row count.
+constexpr int64_t kSwigluCols = 256;
+
+void free_aligned(void* p) { std::free(p); }
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(ThreadPool& pool) : pool_(pool) {}
+
+  Device device() const override { return kCpu; }
+  std::string name() const override {
+    return fmt::format("cpu ({}, {} threads)", cpu_class_name(cpu_class()), pool_.size());
+  }
+  int n_threads() const override { return pool_.size(); }
+
+  DeviceBuffer alloc(size_t bytes) override {
+    if (bytes == 0) return {};
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded);
+    if (p == nullptr) fail(ErrorKind::io, "out of memory allocating {} bytes", bytes);
+    std::memset(p, 0, rounded);
+    return DeviceBuffer(kCpu, p, bytes, &free_aligned);
+  }
+
+  std::unique_ptr<Workspace> make_workspace() override { return std::make_unique<CpuWorkspace>(); }
+
+  WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle) override {
+    return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name, recyclable(recycle)));
+  }
+
+  bool supports_weight(DType type) const override { return matmul_supports(type); }
+
+  WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name,
+                                  WeightHandle recycle) override {
+    LOOM_ASSERT(p != BackwardPrecision::exact);
+    // bf16 with AMX: supported weight types need no copy (W is read and
+    // dequantized tile by tile).
+    if (p == BackwardPrecision::bf16 && bf16_direct_available(W.dtype)) return nullptr;
+    return std::make_unique<CpuWeight>(pack_transposed(pool_, std::span<const Tensor>(&W, 1),
+                                                       transposed_precision(p), name, recyclable(recycle)));
+  }
+
+  void matmul(Workspace& ws, const DeviceWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+              int64_t T) override {
+    loom::matmul(pool_, cpu_packed(W), x, ldx, y, ldy, T, cpu(ws).matmul);
+  }
+
+  void matmul_dense(Workspace& ws, const Tensor& W, const float* x, float* y, int64_t T) override {
+    loom::matmul(pool_, W, x, y, T, cpu(ws).matmul);
+  }
+
+  void matmul_multi(Workspace& ws, std::span<const MatmulTarget> outs, const float* x, int64_t ldx,
+                    int64_t T) override {
+    LOOM_ASSERT(outs.size() <= 16);
+    MatmulOut o[16];
+    for (size_t i = 0; i < outs.size(); ++i) o[i] = {&cpu_packed(*outs[i].W), outs[i].y, outs[i].ldy};
+    loom::matmul_multi(pool_, std::span<const MatmulOut>(o, outs.size()), x, ldx, T, cpu(ws).matmul);
+  }
+
+  void lora_rows(Workspace&, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows, int64_t max_rank,
+                 float* u, int64_t T) override {
+    loom::lora_rows(pool_, jobs, rows, max_rank, u, T);
+  }
+
+  void rmsnorm(float* out, float* rstd, const float* x, const float* w, int64_t T, int64_t n, float eps) override {
+    pool_.parallel_for(
+        T,
+        [&](int64_t b, int64_t e) {
+          if (rstd != nullptr)
+            rmsnorm_forward_train(out + b * n, rstd + b, x + b * n, w, e - b, n, eps);
+          else
+            loom::rmsnorm(out + b * n, x + b * n, w, e - b, n, eps);
+        },
+        8);
+  }
+
+  void rope_table(const RopeTable& rope, const int32_t* pos, int64_t T, float* cs) override {
+    const int64_t d = rope.head_dim, half = d / 2;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < half; ++j) {
+        // angle in double: positions up to 1e5+ times small frequencies lose bits in float
+        const double a = static_cast<double>(pos[t]) * rope.inv_freq[static_cast<size_t>(j)];
+        cs[t * d + j] = static_cast<float>(std::cos(a));
+        cs[t * d + half + j] = static_cast<float>(std::sin(a));
+      }
+  }
+
+  void rope(const RopeTable& rope, const float* cs, float* x, int64_t T, int64_t n_heads, bool inverse) override {
+    const int64_t d = rope.head_dim, half = d / 2;
+    const bool inter = rope.interleaved;
+    pool_.parallel_for(
+        T,
+        [&](int64_t b, int64_t e) {
+          for (int64_t t = b; t < e; ++t) {
+            const float* c_s = cs + t * d;
+            for (int64_t h = 0; h < n_heads; ++h) {
+              float* v = x + (t * n_heads + h) * d;
+              for (int64_t i = 0; i < half; ++i) {
+                const int64_t i0 = inter ? 2 * i : i, i1 = inter ? 2 * i + 1 : i + half;
+                // The inverse rotation negates the sine (an exact sign flip).
+                const float c = c_s[i], s = inverse ? -c_s[half + i] : c_s[half + i];
+                const float x0 = v[i0], x1 = v[i1];
+                v[i0] = x0 * c - x1 * s;
+                v[i1] = x0 * s + x1 * c;
+              }
+            }
+          }
+        },
+        4);
+  }
+
+  void swiglu(float* h, const float* gate, const float* up, int64_t T, int64_t F) override {
+    const int64_t nb = (F + kSwigluCols - 1) / kSwigluCols;
+    pool_.parallel_for(T * nb, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t t = i / nb, c0 = (i % nb) * kSwigluCols, n = std::min(kSwigluCols, F - c0);
+        loom::swiglu(h + t * F + c0, gate + t * F + c0, up + t * F + c0, n);
+      }
+    });
+  }
+
+  void add(float* out, const float* a, const float* b, int64_t n) override {
+    if (out == a) {
+      add_inplace(out, b, n);
+    } else if (out == b) {
+      add_inplace(out, a, n);  // IEEE addition commutes: the same bits as a + b
+    } else {
+      std::memcpy(out, a, static_cast<size_t>(n) * sizeof(float));
+      add_inplace(out, b, n);
+    }
+  }
+
+  void add_bias(float* y, const float* bias, int64_t T, int64_t n) override {
+    for (int64_t t = 0; t < T; ++t) add_inplace(y + t * n, bias, n);
+  }
+
+  void scale(float* x, float s, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) x[i] *= s;
+  }
+
+  void zero(float* x, int64_t n) override { std::memset(x, 0, static_cast<size_t>(n) * sizeof(float)); }
+
+  void transpose(float* dst, const float* src, int64_t rows, int64_t cols) override {
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t j = 0; j < cols; ++j) dst[j * rows + n] = src[n * cols + j];
+  }
+
+  void embedding(const Tensor& table, const int32_t* tokens, int64_t T, float* out) override {
+    const int64_t H = table.cols();
+    for (int64_t t = 0; t < T; ++t) dequantize_row(table.dtype, table.row_ptr(tokens[t]), out + t * H, H);
+  }
+
+  void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step,
+               uint64_t slot) override {
+    CounterRng rng(seed ^ splitmix64(step * 0x9e3779b97f4a7c15ull + slot + 1));
+    const auto keep_scale = static_cast<float>(1.0 / (1.0 - p));
+    for (int64_t i = 0; i < n; ++i) dst[i] = rng.next_double() < p ? 0.0f : src[i] * keep_scale;
+  }
+
+  void attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out, int64_t T,
+                 const int32_t* pos, const int32_t* seq_start) override {
+    loom::attention(pool_, s, q, k, v, out, T, pos, seq_start);
+  }
+
+  void paged_attention(const AttentionShape& s, const PagedKvView& kv, const float* q, float* out, int64_t T,
+                       const int32_t* pos, const int32_t* const* tables) override {
+    const PagedKv p{kv.k, kv.v, kv.block_size, kv.dtype};
+    loom::paged_attention(pool_, s, p, q, out, T, pos, tables);
+  }
+
+  void paged_store(const AttentionShape& s, void* k_store, void* v_store, DType dtype, int64_t block_size,
+                   const float* k, const float* v, const int64_t* slots, int64_t T) override {
+    loom::paged_store(pool_, s, k_store, v_store, dtype, block_size, k, v, slots, T);
+  }
+
+  void attention_train(const AttentionShape& s, float* out, float* lse, const float* q, const float* k,
+                       const float* v, int64_t T, const int32_t* seq_start) override {
+    attention_forward_train(pool_, out, lse, q, k, v, s, T, seq_start);
+  }
+
+  void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, const float* dout,
+                          const float* q, const float* k, const float* v, const float* out, const float* lse,
+                          int64_t T, const int32_t* seq_start) override {
+    loom::attention_backward(pool_, dq, dk, dv, dout, q, k, v, out, lse, s, T, seq_start);
+  }
+
+  LossResult cross_entropy(Workspace& ws, const LossOp& op) override {
+    static const PackedWeight kReadWDirectly;  // an empty W^T: bf16 products reading W itself
+    ChunkedLossArgs a;
+    a.W = op.W;
+    a.W_packed = op.W_prepared ? &cpu_packed(*op.W_prepared) : nullptr;
+    a.Wt_packed = op.precision == BackwardPrecision::exact ? nullptr
+                  : op.Wt != nullptr                       ? &cpu_packed(*op.Wt)
+                                                           : &kReadWDirectly;
+    a.h = op.h;
+    a.labels = op.labels;
+    a.T = op.T;
+    a.grad_scale = op.grad_scale;
+    a.dh = op.dh;
+    a.dW = op.dW;
+    return chunked_cross_entropy(pool_, a, cpu(ws).matmul);
+  }
+
+  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
+                        const float* rstd, int64_t T, int64_t n) override {
+    loom::rmsnorm_backward(dx, dw, dout, x, w, rstd, T, n);
+  }
+
+  void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                       int64_t n) override {
+    loom::swiglu_backward(dgate, dup, dout, gate, up, n);
+  }
+
+  void linear_backward_input(Workspace& ws, const Tensor& W, const DeviceWeight* Wt, BackwardPrecision p,
+                             const float* dy, float* dx, int64_t T, bool accumulate) override {
+    PackedBackwardScratch& scratch = cpu(ws).backward;
+    if (p == BackwardPrecision::exact) {
+      if (!accumulate) zero(dx, T * W.cols());
+      loom::linear_backward_input(pool_, W, dy, dx, T);
+    } else if (Wt == nullptr) {
+      LOOM_ASSERT(p == BackwardPrecision::bf16);
+      linear_backward_input_bf16_direct(pool_, W, dy, W.rows(), dx, T, accumulate, scratch);
+    } else {
+      linear_backward_input_packed(pool_, cpu_packed(*Wt), dy, W.rows(), dx, T, accumulate, scratch);
+    }
+  }
+
+  void linear_backward_weight(const float* dy, const float* x, float* dW, int64_t T, int64_t N,
+                              int64_t K) override {
+    loom::linear_backward_weight(pool_, dy, x, dW, T, N, K);
+  }
+
+  void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) override {
+    loom::linear_backward_bias(dy, db, T, N);
+  }
+
+  void embedding_backward(float* dW, const float* dout, const int32_t* tokens, int64_t T, int64_t vocab,
+                          int64_t H) override {
+    loom::embedding_backward(pool_, dW, dout, tokens, T, vocab, H);
+  }
+
+  void adamw_update(const AdamWUpdate& u, float* p, const float* g, float* m, float* v, size_t n) override {
+    for (size_t i = 0; i < n; ++i) {
+      p[i] *= u.keep;                              // decoupled weight decay
+      m[i] = m[i] + u.w1 * (g[i] - m[i]);          // exp_avg.lerp_(grad, 1 - beta1)
+      v[i] = v[i] * u.b2 + u.w2 * (g[i] * g[i]);   // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+      const float denom = std::sqrt(v[i]) / u.bc2_sqrt + u.eps;
+      p[i] = p[i] - u.step_size * (m[i] / denom);
+    }
+  }
+
+  double sum_squares(const float* x, size_t n) override {
+    double s = 0;
+    for (size_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+    return s;
+  }
+
+ private:
+  ThreadPool& pool_;
+};
+
+}  // namespace
+
+const PackedWeight& cpu_packed(const DeviceWeight& w) {
+  LOOM_ASSERT(w.device().is_cpu());
+  return static_cast<const CpuWeight&>(w).packed;
+}
+
+std::unique_ptr<Backend> make_cpu_backend(ThreadPool& pool) { return std::make_unique<CpuBackend>(pool); }
+
+}  // namespace loom

@@ -1,0 +1,32 @@
+// Device-neutral descriptions that ops of every backend take (kernels/backend.h).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace loom {
+
+// Rotary embedding tables: inverse frequencies per pair, with Llama-3 scaling
+// or per-pair divisors (GGUF rope_freqs) already folded in.
+struct RopeTable {
+  int64_t head_dim = 0;
+  bool interleaved = true;     // pairs (2i, 2i+1) vs (i, i + d/2)
+  std::vector<float> inv_freq;  // head_dim / 2 entries
+};
+
+// Causal grouped-query attention: n_heads query heads share n_kv_heads K/V heads
+// of head_dim; K/V rows are kv_stride floats apart (kv head g at g * head_dim).
+struct AttentionShape {
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t kv_stride = 0;
+};
+
+// The cross-entropy of a batch (Backend::cross_entropy).
+struct LossResult {
+  double loss_sum = 0;  // sum over unmasked rows of -log softmax(logits)[label]
+  int64_t n_tokens = 0;  // unmasked rows
+};
+
+}  // namespace loom

@@ -1,0 +1,88 @@
+#include "model/decoder.h"
+
+#include "core/error.h"
+
+namespace loom {
+
+Decoder::Decoder(const ModelConfig& config, const ModelWeights& weights, Backend& backend)
+    : c_(config), w_(weights), be_(backend) {
+  LOOM_ASSERT(weights.prepared.size() == weights.layers.size() && weights.output_prepared != nullptr);
+}
+
+void Decoder::check_tokens(std::span<const int32_t> tokens) const {
+  for (int32_t t : tokens)
+    if (t < 0 || t >= c_.vocab_size)
+      fail(ErrorKind::invalid_input, "token id {} is outside the vocabulary [0, {})", t, c_.vocab_size);
+}
+
+void Decoder::embed(const int32_t* tokens, int64_t T, float* x) const { be_.embedding(w_.token_embd, tokens, T, x); }
+
+void Decoder::rope_table(const int32_t* pos, int64_t T, float* cs) const { be_.rope_table(w_.rope, pos, T, cs); }
+
+void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, const float* rope_cs,
+                    AttentionStep& attn, LayerAdapters* adapters) const {
+  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate;
+  const auto eps = static_cast<float>(c_.rms_eps);
+  const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
+  const PreparedLayer& P = w_.prepared[static_cast<size_t>(l)];
+  float* k = attn.keys(l);
+  float* v = attn.values(l);
+
+  // Attention block: one activation quantization and one dispatch for q, k and v.
+  be_.rmsnorm(b.xn1, b.rstd1, b.x, L.attn_norm, T, H, eps);
+  const MatmulTarget qkv[] = {{P.wq.get(), b.q, Q}, {P.wk.get(), k, KV}, {P.wv.get(), v, KV}};
+  be_.matmul_multi(ws, qkv, b.xn1, H, T);
+  if (L.bq != nullptr) {
+    be_.add_bias(b.q, L.bq, T, Q);
+    be_.add_bias(k, L.bk, T, KV);
+    be_.add_bias(v, L.bv, T, KV);
+  }
+  if (adapters != nullptr) {
+    const AdapterJob jobs[] = {{LoraTarget::q, b.xn1, H, b.q, Q},
+                               {LoraTarget::k, b.xn1, H, k, KV},
+                               {LoraTarget::v, b.xn1, H, v, KV}};
+    adapters->apply(l, jobs);
+  }
+  be_.rope(w_.rope, rope_cs, b.q, T, c_.n_heads, false);
+  be_.rope(w_.rope, rope_cs, k, T, c_.n_kv_heads, false);
+  attn.attend(l, b.q, k, v, b.att);
+  be_.matmul(ws, *P.wo, b.att, Q, b.o, H, T);
+  if (adapters != nullptr) {
+    const AdapterJob jobs[] = {{LoraTarget::o, b.att, Q, b.o, H}};
+    adapters->apply(l, jobs);
+  }
+  be_.add(b.xmid, b.x, b.o, T * H);
+
+  // MLP block.
+  be_.rmsnorm(b.xn2, b.rstd2, b.xmid, L.ffn_norm, T, H, eps);
+  const MatmulTarget gate_up[] = {{P.w_gate.get(), b.gate, F}, {P.w_up.get(), b.up, F}};
+  be_.matmul_multi(ws, gate_up, b.xn2, H, T);
+  if (adapters != nullptr) {
+    const AdapterJob jobs[] = {{LoraTarget::gate, b.xn2, H, b.gate, F}, {LoraTarget::up, b.xn2, H, b.up, F}};
+    adapters->apply(l, jobs);
+  }
+  be_.swiglu(b.h, b.gate, b.up, T, F);
+  be_.matmul(ws, *P.w_down, b.h, F, b.down, H, T);
+  if (adapters != nullptr) {
+    const AdapterJob jobs[] = {{LoraTarget::down, b.h, F, b.down, H}};
+    adapters->apply(l, jobs);
+  }
+  be_.add(b.out, b.xmid, b.down, T * H);
+}
+
+void Decoder::final_norm(const float* x, const int64_t* rows, int64_t n, float* out, float* rstd) const {
+  const int64_t H = c_.hidden;
+  const auto eps = static_cast<float>(c_.rms_eps);
+  if (rows == nullptr) {
+    be_.rmsnorm(out, rstd, x, w_.output_norm, n, H, eps);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    be_.rmsnorm(out + i * H, rstd ? rstd + i : nullptr, x + rows[i] * H, w_.output_norm, 1, H, eps);
+}
+
+void Decoder::logits(Workspace& ws, const float* xn, int64_t n, float* logits) const {
+  be_.matmul(ws, *w_.output_prepared, xn, c_.hidden, logits, c_.vocab_size, n);
+}
+
+}  // namespace loom
