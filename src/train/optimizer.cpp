@@ -56,18 +56,29 @@ double grad_global_norm(std::span<const float> grads) {
   return std::sqrt(s);
 }
 
+float clip_coefficient(double norm, double max_norm) {
+  return std::min(1.0f, static_cast<float>(max_norm) / (static_cast<float>(norm) + 1e-6f));
+}
+
 double clip_grad_global_norm(std::span<float> grads, double max_norm, double* scale) {
   const double norm = grad_global_norm(grads);
   // torch computes the coefficient in fp32 and always multiplies (by 1 when not clipping).
-  const float coef = std::min(1.0f, static_cast<float>(max_norm) / (static_cast<float>(norm) + 1e-6f));
+  const float coef = clip_coefficient(norm, max_norm);
   if (coef < 1.0f)
     for (float& g : grads) g *= coef;
   if (scale) *scale = coef;
   return norm;
 }
 
-AdamW::AdamW(AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params, LrSchedule schedule)
-    : config_(config), groups_(std::move(groups)), schedule_(schedule), m_(n_params, 0.0f), v_(n_params, 0.0f) {
+AdamW::AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params,
+             LrSchedule schedule)
+    : config_(config),
+      groups_(std::move(groups)),
+      schedule_(schedule),
+      be_(backend),
+      n_(n_params),
+      m_(backend.alloc(n_params * sizeof(float))),
+      v_(backend.alloc(n_params * sizeof(float))) {
   std::vector<std::pair<size_t, size_t>> spans;
   for (const auto& g : groups_) {
     if (g.offset > n_params || g.size > n_params - g.offset)
@@ -93,38 +104,31 @@ double AdamW::current_lr(size_t group) const {
 }
 
 StepStats AdamW::step(std::span<float> params, std::span<float> grads) {
-  LOOM_ASSERT(params.size() == m_.size() && grads.size() == m_.size());
+  LOOM_ASSERT(params.size() == n_ && grads.size() == n_);
   StepStats st;
+  // torch's clip_grad_norm_: the norm in double, the coefficient in fp32, applied below 1.
+  st.grad_norm = std::sqrt(be_.sum_squares(grads.data(), grads.size()));
   if (config_.max_grad_norm > 0) {
-    st.grad_norm = clip_grad_global_norm(grads, config_.max_grad_norm, &st.clip_scale);
-  } else {
-    st.grad_norm = grad_global_norm(grads);
+    st.clip_scale = clip_coefficient(st.grad_norm, config_.max_grad_norm);
+    if (st.clip_scale < 1.0) be_.scale(grads.data(), static_cast<float>(st.clip_scale), static_cast<int64_t>(n_));
   }
   st.lr_multiplier = schedule_.multiplier(step_);
   ++step_;
   // Scalars in double as torch's Python floats, then used as fp32 like its kernels.
   const double t = static_cast<double>(step_);
   const double bc1 = 1.0 - std::pow(config_.beta1, t);
-  const double bc2_sqrt = std::sqrt(1.0 - std::pow(config_.beta2, t));
-  const float w1 = static_cast<float>(1.0 - config_.beta1);
-  const float b2 = static_cast<float>(config_.beta2), w2 = static_cast<float>(1.0 - config_.beta2);
-  const float eps = static_cast<float>(config_.eps);
-  const float bc2_sqrt_f = static_cast<float>(bc2_sqrt);
+  AdamWUpdate u{};
+  u.w1 = static_cast<float>(1.0 - config_.beta1);
+  u.b2 = static_cast<float>(config_.beta2);
+  u.w2 = static_cast<float>(1.0 - config_.beta2);
+  u.eps = static_cast<float>(config_.eps);
+  u.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(config_.beta2, t)));
   for (const auto& g : groups_) {
     const double lr = g.lr * st.lr_multiplier;
-    const float keep = static_cast<float>(1.0 - lr * (g.decay ? g.weight_decay : 0.0));
-    const float step_size = static_cast<float>(lr / bc1);
-    float* p = params.data() + g.offset;
-    const float* gr = grads.data() + g.offset;
-    float* m = m_.data() + g.offset;
-    float* v = v_.data() + g.offset;
-    for (size_t i = 0; i < g.size; ++i) {
-      p[i] *= keep;                                   // decoupled weight decay
-      m[i] = m[i] + w1 * (gr[i] - m[i]);              // exp_avg.lerp_(grad, 1 - beta1)
-      v[i] = v[i] * b2 + w2 * (gr[i] * gr[i]);        // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-      const float denom = std::sqrt(v[i]) / bc2_sqrt_f + eps;
-      p[i] = p[i] - step_size * (m[i] / denom);
-    }
+    u.keep = static_cast<float>(1.0 - lr * (g.decay ? g.weight_decay : 0.0));
+    u.step_size = static_cast<float>(lr / bc1);
+    be_.adamw_update(u, params.data() + g.offset, grads.data() + g.offset, m_.floats() + g.offset,
+                     v_.floats() + g.offset, g.size);
   }
   return st;
 }
@@ -142,21 +146,21 @@ void put(std::string& out, const T& v) {
 
 void AdamW::save(const std::string& path) const {
   std::string out;
-  out.reserve(kHeaderBytes + 8 * m_.size() + 8);
+  out.reserve(kHeaderBytes + 8 * n_ + 8);
   out.append(kMagic, 8);
   put(out, kVersion);
   put(out, uint32_t{0});
-  put(out, static_cast<uint64_t>(m_.size()));
+  put(out, static_cast<uint64_t>(n_));
   put(out, step_);
-  out.append(reinterpret_cast<const char*>(m_.data()), m_.size() * sizeof(float));
-  out.append(reinterpret_cast<const char*>(v_.data()), v_.size() * sizeof(float));
+  out.append(reinterpret_cast<const char*>(m_.data()), n_ * sizeof(float));
+  out.append(reinterpret_cast<const char*>(v_.data()), n_ * sizeof(float));
   put(out, fnv1a64(out));
   write_file_atomic(path, out);
 }
 
 void AdamW::load(const std::string& path) {
   const std::string bytes = read_text_file(path);
-  const size_t want = kHeaderBytes + 8 * m_.size() + 8;
+  const size_t want = kHeaderBytes + 8 * n_ + 8;
   if (bytes.size() < kHeaderBytes || std::memcmp(bytes.data(), kMagic, 8) != 0)
     fail(ErrorKind::invalid_input, "{}: not a loom optimizer state file (bad magic)", path);
   uint32_t version;
@@ -167,8 +171,8 @@ void AdamW::load(const std::string& path) {
   std::memcpy(&step, bytes.data() + 24, 8);
   if (version != kVersion)
     fail(ErrorKind::unsupported, "{}: optimizer state version {} (this build reads {})", path, version, kVersion);
-  if (n != m_.size())
-    fail(ErrorKind::invalid_input, "{}: optimizer state has {} parameters, the model has {}", path, n, m_.size());
+  if (n != n_)
+    fail(ErrorKind::invalid_input, "{}: optimizer state has {} parameters, the model has {}", path, n, n_);
   if (bytes.size() != want)
     fail(ErrorKind::invalid_input, "{}: size {} bytes, expected {} (truncated or padded)", path, bytes.size(), want);
   uint64_t stored;

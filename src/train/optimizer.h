@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/backend.h"
+
 namespace loom {
 
 // Learning-rate multipliers of transformers' get_{constant,linear,cosine}_schedule_with_warmup.
@@ -60,15 +62,19 @@ double grad_global_norm(std::span<const float> grads);
 // torch.nn.utils.clip_grad_norm_: scales grads by min(1, max_norm / (norm + 1e-6)).
 // Returns the pre-clip norm; *scale receives the factor when non-null.
 double clip_grad_global_norm(std::span<float> grads, double max_norm, double* scale = nullptr);
+// The factor clip_grad_global_norm multiplies by for a gradient of norm `norm`.
+float clip_coefficient(double norm, double max_norm);
 
 class AdamW {
  public:
   // Groups must lie inside [0, n_params) and not overlap (throws invalid_input).
-  AdamW(AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params, LrSchedule schedule = {});
+  // The moments live in `backend`'s memory and every update runs as its ops.
+  AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params,
+        LrSchedule schedule = {});
 
   // One update: clips `grads` in place, then updates `params` group by group
   // with lr = group.lr * schedule.multiplier(step_count()). Elements outside
-  // every group are left untouched.
+  // every group are left untouched. Both arenas are in the backend's memory.
   StepStats step(std::span<float> params, std::span<float> grads);
 
   int64_t step_count() const { return step_; }
@@ -77,10 +83,10 @@ class AdamW {
   const LrSchedule& schedule() const { return schedule_; }
   double current_lr(size_t group) const;  // lr the next step() will use
   // Moment arenas, same layout as the parameter arena.
-  std::span<const float> exp_avg() const { return m_; }
-  std::span<const float> exp_avg_sq() const { return v_; }
-  std::span<float> exp_avg() { return m_; }
-  std::span<float> exp_avg_sq() { return v_; }
+  std::span<const float> exp_avg() const { return {m_.floats(), n_}; }
+  std::span<const float> exp_avg_sq() const { return {v_.floats(), n_}; }
+  std::span<float> exp_avg() { return {m_.floats(), n_}; }
+  std::span<float> exp_avg_sq() { return {v_.floats(), n_}; }
   void set_step_count(int64_t step) { step_ = step; }
 
   // Binary state file: magic, version, n_params, step, m, v, FNV-1a checksum.
@@ -94,7 +100,9 @@ class AdamW {
   std::vector<ParamGroup> groups_;
   LrSchedule schedule_;
   int64_t step_ = 0;
-  std::vector<float> m_, v_;
+  Backend& be_;
+  size_t n_ = 0;
+  DeviceBuffer m_, v_;
 };
 
 }  // namespace loom

@@ -159,6 +159,8 @@ void Trainer::setup() {
   load_data();
   session_ = params_->make_session(*model_, *backend_, c_.backward);
   build_optimizer();
+  res_.trainable_params = params_->count();
+  res_.total_params = model_->parameter_count() + params_->added_params();
   log_start();
   progress_ = std::make_unique<TrainProgress>(log_, total_steps_, c_.log_interval);
   micro_.resize(static_cast<size_t>(c_.grad_accum));
@@ -193,13 +195,12 @@ void Trainer::build_optimizer() {
     total_steps_ = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(micro / static_cast<double>(c_.grad_accum))));
   }
   LrSchedule sched{.kind = c_.schedule, .warmup_steps = c_.warmup_steps, .total_steps = total_steps_};
-  opt_ = std::make_unique<AdamW>(c_.adam, params_->param_groups(c_), static_cast<size_t>(params_->count()), sched);
+  opt_ = std::make_unique<AdamW>(*backend_, c_.adam, params_->param_groups(c_),
+                                 static_cast<size_t>(params_->count()), sched);
 }
 
 void Trainer::log_start() {
   const ModelConfig& mc = model_->config();
-  res_.trainable_params = params_->count();
-  res_.total_params = model_->parameter_count() + params_->added_params();
   progress_->line("model: {} ({} layers, hidden {}), {} parameters; {}: {} trainable ({:.3f}%); backward {}", c_.model,
                   mc.n_layers, mc.hidden, format_count(res_.total_params), params_->describe(),
                   format_count(res_.trainable_params),

@@ -12,10 +12,18 @@
 #include "core/error.h"
 #include "core/mapped_file.h"
 #include "core/rng.h"
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
 #include "train/optimizer.h"
 
 namespace loom {
 namespace {
+
+// One thread and the CPU backend whose ops run AdamW's updates.
+struct Cpu {
+  ThreadPool pool{1};
+  std::unique_ptr<Backend> backend = make_backend(kCpu, pool);
+};
 
 const std::string kDir = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/optimizer/";
 
@@ -49,6 +57,7 @@ TEST(LrSchedule, MatchesTransformers) {
 }
 
 TEST(AdamW, MatchesTorchTwentySteps) {
+  Cpu cpu;
   const auto meta = nlohmann::json::parse(read_text_file(kDir + "adamw.json"));
   const std::vector<float> blob = read_f32(kDir + "adamw.bin");
   std::vector<ParamGroup> groups;
@@ -66,7 +75,7 @@ TEST(AdamW, MatchesTorchTwentySteps) {
   const int steps = meta["steps"];
   ASSERT_EQ(blob.size(), n * (1 + 2 * static_cast<size_t>(steps) + 2));
   AdamWConfig cfg{meta["beta1"], meta["beta2"], meta["eps"], meta["max_grad_norm"]};
-  AdamW opt(cfg, groups, n, LrSchedule{LrScheduleKind::cosine, meta["warmup"], steps});
+  AdamW opt(*cpu.backend, cfg, groups, n, LrSchedule{LrScheduleKind::cosine, meta["warmup"], steps});
   std::vector<float> params(blob.begin(), blob.begin() + static_cast<ptrdiff_t>(n));
   int clipped = 0;
   for (int s = 0; s < steps; ++s) {
@@ -88,8 +97,9 @@ TEST(AdamW, MatchesTorchTwentySteps) {
 }
 
 TEST(AdamW, UngroupedParamsUntouchedAndNoDecayFlag) {
+  Cpu cpu;
   std::vector<ParamGroup> groups = {{"a", 0, 3, 0.1, 0.5, true, false}, {"norm", 5, 2, 0.1, 0.5, false, false}};
-  AdamW opt({}, groups, 7);
+  AdamW opt(*cpu.backend, {}, groups, 7);
   std::vector<float> p = {1, 1, 1, 7, 7, 1, 1}, g(7, 0.0f);
   opt.step(p, g);  // zero gradients: only weight decay moves anything
   EXPECT_FLOAT_EQ(p[0], 1.0f - 0.1f * 0.5f);
@@ -105,9 +115,10 @@ TEST(AdamW, LoraPlusScalesOnlyB) {
 }
 
 TEST(AdamW, RejectsBadGroups) {
-  EXPECT_THROW(AdamW({}, {{"x", 5, 4, 1e-3}}, 8), Error);
-  EXPECT_THROW(AdamW({}, {{"x", 0, 4, 1e-3}, {"y", 3, 2, 1e-3}}, 8), Error);
-  EXPECT_THROW(AdamW({}, {{"x", 0, 4, -1.0}}, 8), Error);
+  Cpu cpu;
+  EXPECT_THROW(AdamW(*cpu.backend, {}, {{"x", 5, 4, 1e-3}}, 8), Error);
+  EXPECT_THROW(AdamW(*cpu.backend, {}, {{"x", 0, 4, 1e-3}, {"y", 3, 2, 1e-3}}, 8), Error);
+  EXPECT_THROW(AdamW(*cpu.backend, {}, {{"x", 0, 4, -1.0}}, 8), Error);
 }
 
 TEST(AdamW, ClipReturnsPreClipNorm) {
@@ -123,26 +134,27 @@ TEST(AdamW, ClipReturnsPreClipNorm) {
 }
 
 TEST(AdamW, SaveLoadRoundTripAndCorruption) {
+  Cpu cpu;
   const auto dir = std::filesystem::temp_directory_path() / ("loom_opt_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "opt.bin").string();
   const size_t n = 37;
   CounterRng rng(7);
   std::vector<float> p(n), g(n);
-  AdamW a({}, {{"all", 0, n, 1e-2, 0.01}}, n);
+  AdamW a(*cpu.backend, {}, {{"all", 0, n, 1e-2, 0.01}}, n);
   for (int s = 0; s < 3; ++s) {
     for (size_t i = 0; i < n; ++i) g[i] = static_cast<float>(rng.next_u64() % 1000) / 500.0f - 1.0f;
     a.step(p, g);
   }
   a.save(path);
-  AdamW b({}, {{"all", 0, n, 1e-2, 0.01}}, n);
+  AdamW b(*cpu.backend, {}, {{"all", 0, n, 1e-2, 0.01}}, n);
   b.load(path);
   EXPECT_EQ(b.step_count(), 3);
   for (size_t i = 0; i < n; ++i) {
     EXPECT_EQ(a.exp_avg()[i], b.exp_avg()[i]);
     EXPECT_EQ(a.exp_avg_sq()[i], b.exp_avg_sq()[i]);
   }
-  AdamW wrong_size({}, {}, n + 1);
+  AdamW wrong_size(*cpu.backend, {}, {}, n + 1);
   EXPECT_THROW(wrong_size.load(path), Error);
   std::string bytes = read_text_file(path);
   bytes[40] ^= 1;

@@ -99,7 +99,7 @@ TrainedRun train_like_peft(Backend& backend) {
   g.size = static_cast<size_t>(lora.param_count());
   g.lr = m["lr"].get<double>();
   g.weight_decay = m["weight_decay"].get<double>();
-  AdamW opt(ac, {g}, g.size);
+  AdamW opt(backend, ac, {g}, g.size);
   TrainSession session(run.model->config(), run.model->weights(), lora, backend);
   const auto n = static_cast<size_t>(lora.param_count());
   const int steps = m["steps"].get<int>();

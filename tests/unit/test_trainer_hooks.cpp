@@ -134,7 +134,7 @@ TEST(TrainerHooks, AfterBackwardSeesTheAccumulatedGradientsBeforeTheStep) {
     EXPECT_EQ(std::vector<float>(lora.params(), lora.params() + lora.param_count()), params_before);
   };
   h.after_optimizer_step = [&](Trainer& t, const StepReport&) {
-    AdamW fresh(t.optimizer().config(), t.optimizer().groups(), params_before.size(), t.optimizer().schedule());
+    AdamW fresh(t.backend(), t.optimizer().config(), t.optimizer().groups(), params_before.size(), t.optimizer().schedule());
     std::vector<float> p = params_before, g = seen_grads;
     fresh.step(p, g);
     const std::span<float> now = t.params().params();
