@@ -5,7 +5,9 @@
 #include <limits>
 #include <random>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
+#include "model/adapter_merge.h"
 
 namespace loom::app {
 
@@ -22,6 +24,16 @@ bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code) {
     exit_code = 2;
     return false;
   }
+}
+
+void add_model_flags(CLI::App& app, ModelFlags& flags) {
+  app.add_option("-m,--model", flags.model_path, "a .gguf file or a Hugging Face model folder")->required();
+  app.add_option("--adapter", flags.adapter_dir, "a PEFT LoRA adapter folder, merged into the weights at load");
+}
+
+std::unique_ptr<Model> load_model(const ModelFlags& flags, Model::LoadOptions load) {
+  if (!flags.adapter_dir.empty()) load.before_pack = adapter_merge_hook(flags.adapter_dir);
+  return Model::load(flags.model_path, load);
 }
 
 void add_threads_flag(CLI::App& app, int& threads) {
@@ -95,6 +107,12 @@ uint64_t resolve_seed(int64_t seed) {
   return (static_cast<uint64_t>(std::random_device{}()) << 32) | std::random_device{}();
 }
 
+void finish_generate_options(GenerateOptions& opts, int64_t n_predict, int64_t seed) {
+  opts.max_tokens = n_predict;
+  opts.sampling.seed = resolve_seed(seed);
+  validate_sampling(opts.sampling);
+}
+
 int64_t resolve_context(const ModelConfig& c, int64_t requested) {
   if (requested < 0) fail(ErrorKind::invalid_input, "--ctx-size must be >= 0 (got {})", requested);
   const int64_t model_max = c.max_context > 0 ? c.max_context : 4096;
@@ -111,6 +129,19 @@ void print_speed(const GenerateResult& r) {
   std::fprintf(stderr, "generation: %zu tokens in %.1f ms, %.2f tokens/s (%s)\n", r.tokens.size(),
                r.generate_seconds * 1e3, r.generate_seconds > 0 ? n / r.generate_seconds : 0.0,
                finish_reason_name(r.finish));
+}
+
+void add_device_flag(CLI::App& app, std::string& device) {
+  app.add_option("--device", device, "where to compute: cpu (default), cuda[:N], npu[:N]")
+      ->check([](const std::string& v) -> std::string {
+        return parse_device(v) ? std::string() : "must be cpu, cuda, cuda:N, npu or npu:N, not '" + v + "'";
+      });
+}
+
+std::unique_ptr<Backend> open_backend(const std::string& device, ThreadPool& pool) {
+  const std::optional<Device> d = parse_device(device);
+  if (!d) fail(ErrorKind::invalid_input, "--device: '{}' is not a device (cpu, cuda, cuda:N, npu, npu:N)", device);
+  return make_backend(*d, pool);
 }
 
 }  // namespace loom::app

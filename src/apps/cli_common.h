@@ -7,8 +7,14 @@
 #include <cstdint>
 #include <cstdio>
 
+#include <memory>
+#include <string>
+
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
 #include "model/config.h"
 #include "model/generate.h"
+#include "model/model.h"
 #include "model/sampler.h"
 
 namespace loom::app {
@@ -21,6 +27,21 @@ bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code);
 // by resolve_thread_count with a warning).
 void add_threads_flag(CLI::App& app, int& threads);
 
+// Adds "--device" (cpu, cuda, cuda:N, npu, npu:N; default cpu).
+void add_device_flag(CLI::App& app, std::string& device);
+// The backend for a --device value, computing with `pool`. Throws invalid_input
+// for a name that is no device, unsupported for a device this build lacks.
+std::unique_ptr<Backend> open_backend(const std::string& device, ThreadPool& pool);
+
+// "-m,--model" (required) and "--adapter" (a PEFT LoRA folder merged at load), shared by generate and chat.
+struct ModelFlags {
+  std::string model_path, adapter_dir;
+};
+void add_model_flags(CLI::App& app, ModelFlags& flags);
+// Loads flags.model_path with `load`, merging flags.adapter_dir into the weights
+// before packing when one was given (errors name the adapter folder).
+std::unique_ptr<Model> load_model(const ModelFlags& flags, Model::LoadOptions load);
+
 // Sampling flags shared by generate and chat (--temp, --top-k, ..., --seed), each
 // range-checked like validate_sampling (a bad value: exit 2 naming the flag).
 void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed);
@@ -30,6 +51,9 @@ void add_length_flags(CLI::App& app, int64_t& n_predict, int64_t& ctx, const cha
 void add_ctx_flag(CLI::App& app, int64_t& ctx, const char* help);
 // -1 draws a random seed.
 uint64_t resolve_seed(int64_t seed);
+// Finishes generate's and chat's options from their flags: max_tokens, the seed
+// (-1 draws one), and validate_sampling's range checks.
+void finish_generate_options(GenerateOptions& opts, int64_t n_predict, int64_t seed);
 // --ctx-size: 0 means min(model context, 4096); larger than the model is an error.
 int64_t resolve_context(const ModelConfig& c, int64_t requested);
 // Prompt and generation speed, to stderr.

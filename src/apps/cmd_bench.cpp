@@ -41,11 +41,14 @@ int run_bench(int argc, char** argv) {
   app.add_option("-b,--batch", micro_batch, "prompt micro-batch size")->check(CLI::Range(1, 1 << 16))->capture_default_str();
   app.add_flag("--json", json, "print one JSON object instead of a table");
   add_threads_flag(app, threads);
+  std::string device = "cpu";
+  add_device_flag(app, device);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
   ThreadPool pool(threads);
-  auto model = Model::load(model_path, {.tokenizer = false, .pack = true, .pool = &pool});
+  const auto backend = open_backend(device, pool);
+  auto model = Model::load(model_path, {.tokenizer = false, .pack = true, .backend = backend.get()});
   const ModelConfig& c = model->config();
   const int64_t n_ctx = std::max<int64_t>(n_prompt, n_gen) + 1;
   CounterRng rng(42);
@@ -56,7 +59,7 @@ int run_bench(int argc, char** argv) {
   };
   using clock = std::chrono::steady_clock;
   std::vector<double> pp, tg;
-  InferenceSession session(c, model->weights(), pool, n_ctx, micro_batch);
+  InferenceSession session(c, model->weights(), *backend, n_ctx, micro_batch);
   // One warm-up of each test (page in the weights, size the scratch buffers).
   for (int64_t r = -1; r < reps; ++r) {
     if (n_prompt > 0) {

@@ -7,7 +7,6 @@
 #include "apps/cli_common.h"
 #include "apps/commands.h"
 #include "model/model.h"
-#include "model/adapter_merge.h"
 #include "tokenizer/chat_template.h"
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
@@ -17,13 +16,12 @@ namespace {
 
 int run_chat(int argc, char** argv) {
   CLI::App app("Chat with a model using its chat template.", "chat");
-  std::string model_path, system_prompt, template_name, one_prompt;
+  std::string system_prompt, template_name, one_prompt;
   int64_t n_predict = 512, ctx = 0, seed = -1;
   int threads = 1;
   GenerateOptions opts;
-  app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
-  std::string adapter_dir;
-  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder, merged into the weights at load");
+  ModelFlags model_flags;
+  add_model_flags(app, model_flags);
   app.add_option("--system", system_prompt, "system message for the conversation");
   app.add_option("--chat-template", template_name, "chatml, llama3, llama2 or mistral (default: from the model's metadata)")
       ->check(CLI::IsMember({"chatml", "llama3", "llama2", "mistral"}));
@@ -31,31 +29,24 @@ int run_chat(int argc, char** argv) {
   add_length_flags(app, n_predict, ctx, "most tokens per answer; -1 = until end of turn");
   add_sampling_flags(app, opts.sampling, seed);
   add_threads_flag(app, threads);
+  std::string device = "cpu";
+  add_device_flag(app, device);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
-  opts.max_tokens = n_predict;
-  opts.sampling.seed = resolve_seed(seed);
-  validate_sampling(opts.sampling);
+  finish_generate_options(opts, n_predict, seed);
 
   ThreadPool pool(threads);
-  Model::LoadOptions load{.tokenizer = true, .pack = true, .pool = &pool};
-  if (!adapter_dir.empty()) load.before_pack = adapter_merge_hook(adapter_dir);
-  auto model = Model::load(model_path, load);
+  const auto backend = open_backend(device, pool);
+  auto model = load_model(model_flags, {.tokenizer = true, .pack = true, .backend = backend.get()});
   const Tokenizer& tok = model->tokenizer();
   opts.extra_eos = model->extra_eos_ids();
-  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
-  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
-  ChatTemplate tmpl;
-  if (!template_name.empty()) {
-    tmpl = ChatTemplate::from_kind(*chat_template_kind_from_name(template_name), bos, eos);
-  } else if (model->chat_template_text()) {
-    tmpl = ChatTemplate::from_text(*model->chat_template_text(), bos, eos);
-  } else {
+  const std::optional<ChatTemplate> found = resolve_chat_template(tok, template_name, model->chat_template_text());
+  if (!found)
     fail(ErrorKind::invalid_input, "{}: the model has no chat template in its metadata; choose one with "
-         "--chat-template chatml|llama3|llama2|mistral", model_path);
-  }
+         "--chat-template chatml|llama3|llama2|mistral", model_flags.model_path);
+  const ChatTemplate& tmpl = *found;
   const int64_t n_ctx = resolve_context(model->config(), ctx);
-  InferenceSession session(model->config(), model->weights(), pool, n_ctx);
+  InferenceSession session(model->config(), model->weights(), *backend, n_ctx);
 
   std::vector<ChatMessage> messages;
   if (!system_prompt.empty()) messages.push_back({"system", system_prompt});
@@ -63,7 +54,7 @@ int run_chat(int argc, char** argv) {
   const bool interactive = one_prompt.empty();
   if (interactive)
     std::fprintf(stderr, "loom chat: %s (%s template). Type a message; /reset clears, /exit or Ctrl-D quits.\n",
-                 model_path.c_str(), chat_template_kind_name(tmpl.kind));
+                 model_flags.model_path.c_str(), chat_template_kind_name(tmpl.kind));
   for (;;) {
     std::string line;
     if (interactive) {

@@ -7,7 +7,6 @@
 #include "core/mapped_file.h"
 #include "model/generate.h"
 #include "model/model.h"
-#include "model/adapter_merge.h"
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
 
@@ -17,14 +16,13 @@ namespace {
 
 int run_generate(int argc, char** argv) {
   CLI::App app("Continue a prompt with a model.", "generate");
-  std::string model_path, prompt, prompt_file;
+  std::string prompt, prompt_file;
   int64_t n_predict = 128, ctx = 0, seed = -1;
   int threads = 1;
   bool no_special = false;
   GenerateOptions opts;
-  app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
-  std::string adapter_dir;
-  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder, merged into the weights at load");
+  ModelFlags model_flags;
+  add_model_flags(app, model_flags);
   auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text");
   auto* f_opt = app.add_option("-f,--file", prompt_file, "read the prompt from a file");
   p_opt->excludes(f_opt);
@@ -33,18 +31,17 @@ int run_generate(int argc, char** argv) {
   app.add_flag("--no-special", no_special, "treat special-token text in the prompt as plain text");
   add_sampling_flags(app, opts.sampling, seed);
   add_threads_flag(app, threads);
+  std::string device = "cpu";
+  add_device_flag(app, device);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   if (!prompt_file.empty()) prompt = read_text_file(prompt_file);
   if (prompt.empty()) fail(ErrorKind::invalid_input, "the prompt is empty: give -p TEXT or -f FILE");
-  opts.max_tokens = n_predict;
-  opts.sampling.seed = resolve_seed(seed);
-  validate_sampling(opts.sampling);
+  finish_generate_options(opts, n_predict, seed);
 
   ThreadPool pool(threads);
-  Model::LoadOptions load{.tokenizer = true, .pack = true, .pool = &pool};
-  if (!adapter_dir.empty()) load.before_pack = adapter_merge_hook(adapter_dir);
-  auto model = Model::load(model_path, load);
+  const auto backend = open_backend(device, pool);
+  auto model = load_model(model_flags, {.tokenizer = true, .pack = true, .backend = backend.get()});
   const Tokenizer& tok = model->tokenizer();
   opts.extra_eos = model->extra_eos_ids();
   const auto ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/!no_special);
@@ -52,7 +49,7 @@ int run_generate(int argc, char** argv) {
   if (static_cast<int64_t>(ids.size()) >= n_ctx)
     fail(ErrorKind::invalid_input, "the prompt is {} tokens, longer than the context size {} (see --ctx-size)",
          ids.size(), n_ctx);
-  InferenceSession session(model->config(), model->weights(), pool, n_ctx);
+  InferenceSession session(model->config(), model->weights(), *backend, n_ctx);
   const auto r = generate(session, tok, ids, opts, [](const std::string& text) {
     std::fwrite(text.data(), 1, text.size(), stdout);
     std::fflush(stdout);

@@ -27,7 +27,7 @@ int run_info(int argc, char** argv) {
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
-  auto model = Model::load(model_path, {.tokenizer = true, .pack = false, .pool = nullptr});
+  auto model = Model::load(model_path, {.tokenizer = true, .pack = false});
   const ModelConfig& c = model->config();
   const ModelWeights& w = model->weights();
   std::map<std::string, std::pair<int64_t, size_t>> types;

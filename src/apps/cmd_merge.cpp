@@ -50,7 +50,7 @@ int run_merge(int argc, char** argv) {
   // tokenizer files (tokenizer/tokenizer_export.h); an HF folder's are copied
   // from its config.json, and it may have no tokenizer.json.
   const bool gguf = !std::filesystem::is_directory(model_path);
-  Model::LoadOptions load{.tokenizer = gguf, .pack = false, .pool = &pool};
+  Model::LoadOptions load{.tokenizer = gguf, .pack = false};
   load.before_pack = adapter_merge_hook(adapter_dir);
   auto model = Model::load(model_path, load);
   write_hf_folder(*model, out_dir, st, out_opt);

@@ -91,6 +91,8 @@ int run_serve(int argc, char** argv) {
   app.add_option("--shutdown-grace", grace_s, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
       ->capture_default_str()->check(CLI::Range(0, 3600));
   add_threads_flag(app, so.threads);
+  std::string device = "cpu";
+  add_device_flag(app, device);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
@@ -117,6 +119,7 @@ int run_serve(int argc, char** argv) {
   }
   if (!kv_memory.empty()) so.kv_cache_memory = parse_bytes(kv_memory);
   so.kv_dtype = kv_dtype == "f32" ? DType::f32 : DType::f16;
+  so.device = *parse_device(device);  // checked by add_device_flag
   std::FILE* log = stderr;
   if (!log_path.empty()) {
     log = std::fopen(log_path.c_str(), "a");

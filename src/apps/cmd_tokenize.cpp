@@ -27,7 +27,7 @@ int run_tokenize(int argc, char** argv) {
   if (!file.empty()) text = read_text_file(file);
   else if (t_opt->count() == 0) fail(ErrorKind::invalid_input, "give --text TEXT or --file FILE");
 
-  auto model = Model::load(model_path, {.tokenizer = true, .pack = false, .pool = nullptr});
+  auto model = Model::load(model_path, {.tokenizer = true, .pack = false});
   const Tokenizer& tok = model->tokenizer();
   const auto ids = tok.encode(text, !no_bos, !no_special);
   if (ids_only) {

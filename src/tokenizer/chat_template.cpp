@@ -4,6 +4,7 @@
 #include "tokenizer/chat_template.h"
 
 #include "core/error.h"
+#include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
 
 namespace loom {
@@ -184,6 +185,21 @@ ChatTemplate ChatTemplate::from_text(std::string_view template_text, std::string
   ChatTemplate t = from_kind(detect_chat_template(template_text), std::move(bos), std::move(eos));
   if (t.kind == ChatTemplateKind::chatml) t.default_system = chatml_default_system(template_text);
   return t;
+}
+
+std::optional<ChatTemplate> resolve_chat_template(const Tokenizer& tok, std::string_view name,
+                                                  const std::optional<std::string>& template_text,
+                                                  std::string_view what) {
+  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
+  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
+  if (!name.empty()) {
+    const auto kind = chat_template_kind_from_name(name);
+    if (!kind)
+      fail(ErrorKind::invalid_input, "{} '{}': expected chatml, llama3, llama2 or mistral", what, name);
+    return ChatTemplate::from_kind(*kind, bos, eos);
+  }
+  if (template_text) return ChatTemplate::from_text(*template_text, bos, eos);
+  return std::nullopt;
 }
 
 std::string apply_chat_template(const ChatTemplate& t, std::span<const ChatMessage> messages,

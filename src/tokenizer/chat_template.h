@@ -10,6 +10,8 @@
 
 namespace loom {
 
+class Tokenizer;
+
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant", ...
   std::string content;
@@ -38,6 +40,15 @@ struct ChatTemplate {
   // bos/eos take the format's usual tokens.
   static ChatTemplate from_kind(ChatTemplateKind kind, std::string bos = {}, std::string eos = {});
 };
+
+// The template of a command (chat, serve, train): the format `name` when it is
+// not empty (--chat-template or a config field, which `what` names in the error),
+// else the model's Jinja `template_text` recognised; nullopt when there is
+// neither. BOS/EOS texts are `tok`'s. Throws invalid_input for an unknown name,
+// unsupported for a template text loom does not recognise.
+std::optional<ChatTemplate> resolve_chat_template(const Tokenizer& tok, std::string_view name,
+                                                  const std::optional<std::string>& template_text,
+                                                  std::string_view what = "--chat-template");
 
 // The prompt text; encode it with parse_special = true and add_special = false
 // (the text already holds any BOS). Throws invalid_input where the template
