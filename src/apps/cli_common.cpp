@@ -31,9 +31,19 @@ void add_model_flags(CLI::App& app, ModelFlags& flags) {
   app.add_option("--adapter", flags.adapter_dir, "a PEFT LoRA adapter folder, merged into the weights at load");
 }
 
-std::unique_ptr<Model> load_model(const ModelFlags& flags, Model::LoadOptions load) {
+void add_run_flags(CLI::App& app, ModelFlags& flags) {
+  add_threads_flag(app, flags.threads);
+  add_device_flag(app, flags.device);
+}
+
+LoadedModel load_model(const ModelFlags& flags) {
+  LoadedModel m;
+  m.pool = std::make_unique<ThreadPool>(flags.threads);
+  m.backend = open_backend(flags.device, *m.pool);
+  Model::LoadOptions load{.tokenizer = true, .pack = true, .backend = m.backend.get()};
   if (!flags.adapter_dir.empty()) load.before_pack = adapter_merge_hook(flags.adapter_dir);
-  return Model::load(flags.model_path, load);
+  m.model = Model::load(flags.model_path, load);
+  return m;
 }
 
 void add_threads_flag(CLI::App& app, int& threads) {

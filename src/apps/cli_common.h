@@ -33,14 +33,27 @@ void add_device_flag(CLI::App& app, std::string& device);
 // for a name that is no device, unsupported for a device this build lacks.
 std::unique_ptr<Backend> open_backend(const std::string& device, ThreadPool& pool);
 
-// "-m,--model" (required) and "--adapter" (a PEFT LoRA folder merged at load), shared by generate and chat.
+// The model flags generate and chat share: "-m,--model" (required) and
+// "--adapter" (a PEFT LoRA folder merged at load) from add_model_flags, and
+// "-t,--threads" and "--device" (their last options) from add_run_flags.
 struct ModelFlags {
   std::string model_path, adapter_dir;
+  int threads = 1;
+  std::string device = "cpu";
 };
 void add_model_flags(CLI::App& app, ModelFlags& flags);
-// Loads flags.model_path with `load`, merging flags.adapter_dir into the weights
-// before packing when one was given (errors name the adapter folder).
-std::unique_ptr<Model> load_model(const ModelFlags& flags, Model::LoadOptions load);
+void add_run_flags(CLI::App& app, ModelFlags& flags);
+// What generate and chat run on. Members are destroyed model first, then the
+// backend its weights live in, then the pool the backend computes with.
+struct LoadedModel {
+  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<Backend> backend;  // the --device backend (open_backend)
+  std::unique_ptr<Model> model;      // packed for `backend`, with its tokenizer
+};
+// Loads flags.model_path on flags.device with flags.threads threads, merging
+// flags.adapter_dir into the weights before packing when one was given (errors
+// name the adapter folder).
+LoadedModel load_model(const ModelFlags& flags);
 
 // Sampling flags shared by generate and chat (--temp, --top-k, ..., --seed), each
 // range-checked like validate_sampling (a bad value: exit 2 naming the flag).

@@ -18,7 +18,6 @@ int run_chat(int argc, char** argv) {
   CLI::App app("Chat with a model using its chat template.", "chat");
   std::string system_prompt, template_name, one_prompt;
   int64_t n_predict = 512, ctx = 0, seed = -1;
-  int threads = 1;
   GenerateOptions opts;
   ModelFlags model_flags;
   add_model_flags(app, model_flags);
@@ -28,16 +27,13 @@ int run_chat(int argc, char** argv) {
   app.add_option("-p,--prompt", one_prompt, "ask one question, print the answer and exit");
   add_length_flags(app, n_predict, ctx, "most tokens per answer; -1 = until end of turn");
   add_sampling_flags(app, opts.sampling, seed);
-  add_threads_flag(app, threads);
-  std::string device = "cpu";
-  add_device_flag(app, device);
+  add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   finish_generate_options(opts, n_predict, seed);
 
-  ThreadPool pool(threads);
-  const auto backend = open_backend(device, pool);
-  auto model = load_model(model_flags, {.tokenizer = true, .pack = true, .backend = backend.get()});
+  const LoadedModel loaded = load_model(model_flags);
+  const std::unique_ptr<Model>& model = loaded.model;
   const Tokenizer& tok = model->tokenizer();
   opts.extra_eos = model->extra_eos_ids();
   const std::optional<ChatTemplate> found = resolve_chat_template(tok, template_name, model->chat_template_text());
@@ -46,7 +42,7 @@ int run_chat(int argc, char** argv) {
          "--chat-template chatml|llama3|llama2|mistral", model_flags.model_path);
   const ChatTemplate& tmpl = *found;
   const int64_t n_ctx = resolve_context(model->config(), ctx);
-  InferenceSession session(model->config(), model->weights(), *backend, n_ctx);
+  InferenceSession session(model->config(), model->weights(), *loaded.backend, n_ctx);
 
   std::vector<ChatMessage> messages;
   if (!system_prompt.empty()) messages.push_back({"system", system_prompt});

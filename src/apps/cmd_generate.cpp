@@ -18,7 +18,6 @@ int run_generate(int argc, char** argv) {
   CLI::App app("Continue a prompt with a model.", "generate");
   std::string prompt, prompt_file;
   int64_t n_predict = 128, ctx = 0, seed = -1;
-  int threads = 1;
   bool no_special = false;
   GenerateOptions opts;
   ModelFlags model_flags;
@@ -30,18 +29,15 @@ int run_generate(int argc, char** argv) {
   app.add_option("--stop", opts.stop, "stop when this text is generated (repeatable)");
   app.add_flag("--no-special", no_special, "treat special-token text in the prompt as plain text");
   add_sampling_flags(app, opts.sampling, seed);
-  add_threads_flag(app, threads);
-  std::string device = "cpu";
-  add_device_flag(app, device);
+  add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   if (!prompt_file.empty()) prompt = read_text_file(prompt_file);
   if (prompt.empty()) fail(ErrorKind::invalid_input, "the prompt is empty: give -p TEXT or -f FILE");
   finish_generate_options(opts, n_predict, seed);
 
-  ThreadPool pool(threads);
-  const auto backend = open_backend(device, pool);
-  auto model = load_model(model_flags, {.tokenizer = true, .pack = true, .backend = backend.get()});
+  const LoadedModel loaded = load_model(model_flags);
+  const std::unique_ptr<Model>& model = loaded.model;
   const Tokenizer& tok = model->tokenizer();
   opts.extra_eos = model->extra_eos_ids();
   const auto ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/!no_special);
@@ -49,7 +45,7 @@ int run_generate(int argc, char** argv) {
   if (static_cast<int64_t>(ids.size()) >= n_ctx)
     fail(ErrorKind::invalid_input, "the prompt is {} tokens, longer than the context size {} (see --ctx-size)",
          ids.size(), n_ctx);
-  InferenceSession session(model->config(), model->weights(), *backend, n_ctx);
+  InferenceSession session(model->config(), model->weights(), *loaded.backend, n_ctx);
   const auto r = generate(session, tok, ids, opts, [](const std::string& text) {
     std::fwrite(text.data(), 1, text.size(), stdout);
     std::fflush(stdout);
