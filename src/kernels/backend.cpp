@@ -18,7 +18,7 @@ DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
-    if (free_ != nullptr && data_ != nullptr) free_(data_);
+    if (free_ != nullptr && data_ != nullptr) free_(data_, bytes_);
     device_ = o.device_;
     data_ = std::exchange(o.data_, nullptr);
     bytes_ = std::exchange(o.bytes_, 0);
@@ -28,7 +28,7 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  if (free_ != nullptr && data_ != nullptr) free_(data_);
+  if (free_ != nullptr && data_ != nullptr) free_(data_, bytes_);
 }
 
 bool weight_type_supported(DType type) { return matmul_supports(type); }

@@ -28,7 +28,7 @@ namespace loom {
 // Memory on a backend's device, owned and zero-filled when allocated.
 class DeviceBuffer {
  public:
-  using FreeFn = void (*)(void*);
+  using FreeFn = void (*)(void* data, size_t bytes);
   DeviceBuffer() = default;
   DeviceBuffer(Device device, void* data, size_t bytes, FreeFn free_fn);
   DeviceBuffer(DeviceBuffer&& o) noexcept;

@@ -31,7 +31,7 @@ int64_t KvPool::blocks_for_bytes(const ModelConfig& config, size_t bytes, int64_
   return static_cast<int64_t>(bytes / bytes_per_block(config, block_size, dtype));
 }
 
-KvPool::KvPool(const ModelConfig& config, int64_t n_blocks, int64_t block_size, DType dtype)
+KvPool::KvPool(Backend& backend, const ModelConfig& config, int64_t n_blocks, int64_t block_size, DType dtype)
     : n_layers_(config.n_layers),
       n_kv_heads_(config.n_kv_heads),
       head_dim_(config.head_dim),
@@ -50,7 +50,7 @@ KvPool::KvPool(const ModelConfig& config, int64_t n_blocks, int64_t block_size, 
     fail(ErrorKind::invalid_input, "KV cache: {} blocks is more than the 2^30 supported", n_blocks);
   LOOM_ASSERT(n_layers_ > 0 && n_kv_heads_ > 0 && head_dim_ > 0);
   layer_elems_ = n_blocks * block_size * kv_dim();
-  storage_ = alloc_aligned(bytes());
+  storage_ = backend.alloc(bytes());
 
   const auto nb = static_cast<size_t>(n_blocks);
   ref_.assign(nb, 0);

@@ -7,7 +7,7 @@
 #include <span>
 #include <vector>
 
-#include "kernels/matmul.h"
+#include "kernels/backend.h"
 #include "model/config.h"
 
 namespace loom {
@@ -33,7 +33,9 @@ class KvPool {
   // n_blocks blocks of block_size positions, each holding the keys and values
   // of those positions for every layer, stored as `dtype`: f32, or f16 (half
   // the memory traffic of decode attention, K/V rounded to nearest-even).
-  KvPool(const ModelConfig& config, int64_t n_blocks, int64_t block_size = 16, DType dtype = DType::f32);
+  // The storage is `backend`'s memory (the device its attention reads).
+  KvPool(Backend& backend, const ModelConfig& config, int64_t n_blocks, int64_t block_size = 16,
+         DType dtype = DType::f32);
   KvPool(const KvPool&) = delete;
   KvPool& operator=(const KvPool&) = delete;
 
@@ -109,7 +111,7 @@ class KvPool {
   static size_t elem_size(DType t) { return t == DType::f16 ? 2 : 4; }
 
   void* at(int which, int64_t layer) {
-    return storage_.get() +
+    return static_cast<uint8_t*>(storage_.data()) +
            static_cast<size_t>((which * n_layers_ + layer) * layer_elems_) * elem_size(dtype_);
   }
 
@@ -127,7 +129,7 @@ class KvPool {
   int64_t n_layers_, n_kv_heads_, head_dim_, n_blocks_, block_size_;
   DType dtype_;
   int64_t layer_elems_;   // n_blocks * block_size * n_kv_heads * head_dim
-  AlignedBytes storage_;  // all layers' keys, then all layers' values
+  DeviceBuffer storage_;  // all layers' keys, then all layers' values
 
   std::vector<int32_t> ref_;
   std::vector<int32_t> free_;  // stack of uncached, unreferenced blocks

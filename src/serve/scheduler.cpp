@@ -109,7 +109,7 @@ ServingEngine::ServingEngine(ServeOptions options)
          "--kv-cache-memory {} holds {} blocks of {} tokens, fewer than one sequence of --max-model-len {} needs "
          "({} blocks, {} bytes)",
          budget, n_blocks, opt_.block_size, max_len_, min_blocks, static_cast<size_t>(min_blocks) * per_block);
-  kv_ = std::make_unique<KvPool>(c, n_blocks, opt_.block_size, opt_.kv_dtype);
+  kv_ = std::make_unique<KvPool>(*backend_, c, n_blocks, opt_.block_size, opt_.kv_dtype);
   forward_ = std::make_unique<BatchForward>(c, model_->weights(), *backend_, *kv_, opt_.max_batch_tokens,
                                             std::min<int64_t>(opt_.max_seqs, 64));
   for (const auto& [name, dir] : opt_.adapters) {

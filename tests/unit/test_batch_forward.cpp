@@ -6,6 +6,7 @@
 // adapter merged into its weights; prefix-cache hits change nothing.
 #include <gtest/gtest.h>
 
+#include "core/thread_pool.h"
 #include "kernels/backend.h"
 
 #include <algorithm>
@@ -156,7 +157,7 @@ float kv_elem(const KvPool& kv, const void* base, int64_t i) {
 std::vector<SeqResult> run(const Model& m, Backend& backend, const std::vector<SeqSpec>& specs,
                            RunOptions o = {}) {
   const ModelConfig& c = m.config();
-  KvPool kv(c, o.n_blocks, o.block_size, o.kv_dtype);
+  KvPool kv(backend, c, o.n_blocks, o.block_size, o.kv_dtype);
   // NaN over the whole store first: nothing stale may leak into results.
   const int64_t n_elems = o.n_blocks * o.block_size * c.kv_dim();
   for (int64_t l = 0; l < c.n_layers; ++l)
@@ -383,7 +384,7 @@ TEST(BatchForward, RejectsTokensOutsideTheVocabulary) {
   auto backend_owner = make_backend(kCpu, pool);
   Backend& backend = *backend_owner;
   auto m = load("tiny-llama.f32.gguf", backend);
-  KvPool kv(m->config(), 4, 16);
+  KvPool kv(backend, m->config(), 4, 16);
   BatchForward bf(m->config(), m->weights(), backend, kv, 16);
   BlockTable t;
   ASSERT_TRUE(kv.reserve(t, 2));

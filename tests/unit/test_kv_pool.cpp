@@ -13,10 +13,18 @@
 #include <vector>
 
 #include "expect_error.h"
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
 #include "serve/kv_pool.h"
 
 namespace loom {
 namespace {
+
+// The backend whose memory holds the pool's blocks.
+struct Cpu {
+  ThreadPool pool{1};
+  std::unique_ptr<Backend> backend = make_backend(kCpu, pool);
+};
 
 using test_util::expect_error;
 
@@ -37,13 +45,14 @@ std::vector<int32_t> iota_tokens(int64_t n, int32_t first = 100) {
 }
 
 TEST(KvPool, SizingFromBytes) {
+  Cpu cpu;
   const ModelConfig c = tiny_config(3, 2, 8);  // kv_dim 16
   EXPECT_EQ(KvPool::bytes_per_block(c, 16), size_t{2 * 3 * 16 * 16 * 4});
   EXPECT_EQ(KvPool::blocks_for_bytes(c, 10 * KvPool::bytes_per_block(c, 16) + 5, 16), 10);
   EXPECT_EQ(KvPool::blocks_for_bytes(c, 100, 16), 0);
-  expect_error([&] { KvPool p(c, 0, 16); }, ErrorKind::invalid_input, {"at least one"});
-  expect_error([&] { KvPool p(c, 4, 0); }, ErrorKind::invalid_input, {"block size"});
-  KvPool p(c, 7, 5);
+  expect_error([&] { KvPool p(*cpu.backend, c, 0, 16); }, ErrorKind::invalid_input, {"at least one"});
+  expect_error([&] { KvPool p(*cpu.backend, c, 4, 0); }, ErrorKind::invalid_input, {"block size"});
+  KvPool p(*cpu.backend, c, 7, 5);
   EXPECT_EQ(p.bytes(), 7 * KvPool::bytes_per_block(c, 5));
   // Layers and K/V do not overlap: the last value row of the last layer ends the storage.
   auto f = [](void* x) { return static_cast<float*>(x); };
@@ -52,16 +61,18 @@ TEST(KvPool, SizingFromBytes) {
   // f16 storage: half the bytes, same layout in elements.
   EXPECT_EQ(KvPool::bytes_per_block(c, 16, DType::f16), KvPool::bytes_per_block(c, 16) / 2);
   EXPECT_EQ(KvPool::blocks_for_bytes(c, 10 * KvPool::bytes_per_block(c, 16), 16, DType::f16), 20);
-  KvPool h(c, 7, 5, DType::f16);
+  KvPool h(*cpu.backend, c, 7, 5, DType::f16);
   EXPECT_EQ(h.dtype(), DType::f16);
   EXPECT_EQ(h.bytes(), p.bytes() / 2);
   auto u = [](void* x) { return static_cast<uint16_t*>(x); };
   EXPECT_EQ(u(h.values(2)) + 7 * 5 * 16, u(h.keys(0)) + h.bytes() / 2);
-  expect_error([&] { KvPool q(c, 4, 16, DType::q8_0); }, ErrorKind::invalid_input, {"KV cache type", "q8_0"});
+  expect_error([&] { KvPool q(*cpu.backend, c, 4, 16, DType::q8_0); }, ErrorKind::invalid_input,
+               {"KV cache type", "q8_0"});
 }
 
 TEST(KvPool, ReserveReleaseAndRefCounts) {
-  KvPool p(tiny_config(), 10, 4);
+  Cpu cpu;
+  KvPool p(*cpu.backend, tiny_config(), 10, 4);
   EXPECT_EQ(p.free_blocks(), 10);
   EXPECT_EQ(p.usage(), 0.0);
   BlockTable a, b;
@@ -101,8 +112,9 @@ TEST(KvPool, ReserveReleaseAndRefCounts) {
 }
 
 TEST(KvPool, AllocationOrderIsDeterministic) {
-  auto run = [] {
-    KvPool p(tiny_config(), 12, 4);
+  Cpu cpu;
+  auto run = [&] {
+    KvPool p(*cpu.backend, tiny_config(), 12, 4);
     BlockTable a, b, c;
     EXPECT_TRUE(p.reserve(a, 10));
     EXPECT_TRUE(p.reserve(b, 7));
@@ -118,7 +130,8 @@ TEST(KvPool, AllocationOrderIsDeterministic) {
 }
 
 TEST(KvPool, PrefixMatchSharesFullBlocksOnly) {
-  KvPool p(tiny_config(), 16, 4);
+  Cpu cpu;
+  KvPool p(*cpu.backend, tiny_config(), 16, 4);
   const auto tok = iota_tokens(11);
   BlockTable a;
   ASSERT_TRUE(p.reserve(a, 11));
@@ -155,7 +168,8 @@ TEST(KvPool, PrefixMatchSharesFullBlocksOnly) {
 }
 
 TEST(KvPool, AdaptersNeverShareBlocks) {
-  KvPool p(tiny_config(), 16, 4);
+  Cpu cpu;
+  KvPool p(*cpu.backend, tiny_config(), 16, 4);
   const auto tok = iota_tokens(9);
   BlockTable base;
   ASSERT_TRUE(p.reserve(base, 9));
@@ -177,7 +191,8 @@ TEST(KvPool, AdaptersNeverShareBlocks) {
 }
 
 TEST(KvPool, ReleasedCachedBlocksStayUntilEvictedTailFirst) {
-  KvPool p(tiny_config(), 6, 4);
+  Cpu cpu;
+  KvPool p(*cpu.backend, tiny_config(), 6, 4);
   const auto tok = iota_tokens(12);
   BlockTable a;
   ASSERT_TRUE(p.reserve(a, 12));
@@ -215,7 +230,8 @@ TEST(KvPool, ReleasedCachedBlocksStayUntilEvictedTailFirst) {
 }
 
 TEST(KvPool, DuplicateContentStaysPrivate) {
-  KvPool p(tiny_config(), 8, 4);
+  Cpu cpu;
+  KvPool p(*cpu.backend, tiny_config(), 8, 4);
   const auto tok = iota_tokens(8);
   BlockTable a, b;  // the same prompt prefilled side by side
   ASSERT_TRUE(p.reserve(a, 8));
@@ -236,9 +252,10 @@ TEST(KvPool, DuplicateContentStaysPrivate) {
 // up to it) written into its K row; every matched prefix must show the
 // fingerprints its own tokens imply, and the accounting must always add up.
 TEST(KvPool, RandomStressKeepsCachedDataConsistent) {
+  Cpu cpu;
   const ModelConfig cfg = tiny_config(1, 1, 8);
   for (int64_t bs : {1, 3, 4}) {
-    KvPool p(cfg, 23, bs);
+    KvPool p(*cpu.backend, cfg, 23, bs);
     std::mt19937 rng(static_cast<uint32_t>(77 + bs));
     struct Seq {
       BlockTable table;

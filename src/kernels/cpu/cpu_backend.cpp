@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <sys/mman.h>
+
 #include <fmt/format.h>
 
 #include "core/cpu_features.h"
@@ -61,7 +63,12 @@ TransposedPrecision transposed_precision(BackwardPrecision p) {
 // tail of swiglu) then depends on its column only, whatever the row count.
 constexpr int64_t kSwigluCols = 256;
 
-void free_aligned(void* p) { std::free(p); }
+void free_aligned(void* p, size_t) { std::free(p); }
+void free_mapped(void* p, size_t bytes) { munmap(p, bytes); }
+
+// Large buffers (KV caches, activation arenas) come from mmap: zero pages the
+// kernel commits only when first touched, so a budget reserved is not yet memory used.
+constexpr size_t kMapThreshold = size_t{1} << 20;
 
 class CpuBackend final : public Backend {
  public:
@@ -75,6 +82,11 @@ class CpuBackend final : public Backend {
 
   DeviceBuffer alloc(size_t bytes) override {
     if (bytes == 0) return {};
+    if (bytes >= kMapThreshold) {
+      void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) fail(ErrorKind::io, "out of memory allocating {} bytes", bytes);
+      return DeviceBuffer(kCpu, m, bytes, &free_mapped);
+    }
     const size_t rounded = (bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded);
     if (p == nullptr) fail(ErrorKind::io, "out of memory allocating {} bytes", bytes);
