@@ -26,6 +26,8 @@ int run_train(int argc, char** argv) {
       ->allow_extra_args(false);  // one value per --set, so the config may follow
   app.add_option("-t,--threads", threads, "threads (overrides the config's threads; default: physical cores)")
       ->check(CLI::Range(1, 1024));
+  std::string device;
+  add_device_flag(app, device);
   app.add_flag("--overwrite", overwrite,
                "output_dir may be a non-empty folder that is not a loom/PEFT output; it is replaced as a whole "
                "(same as overwrite: true)");
@@ -33,6 +35,7 @@ int run_train(int argc, char** argv) {
   if (!parse_cli(app, argc, argv, code)) return code;
   TrainConfig config = load_train_config(config_path, overrides);
   if (threads > 0) config.threads = threads;
+  if (!device.empty()) config.device = *parse_device(device);  // checked by add_device_flag
   if (overwrite) config.overwrite = true;
   run_training(config, stderr);
   return 0;

@@ -28,7 +28,8 @@ const char* const kLeaves[] = {
     "optim.lr",       "optim.weight_decay", "optim.betas",         "optim.eps",          "optim.max_grad_norm",
     "optim.lora_plus_ratio", "optim.mlp_lr", "schedule.kind",      "schedule.warmup_steps", "batch_size",
     "grad_accum",     "steps",              "epochs",              "eval_interval",      "log_interval",
-    "output_dir",     "overwrite",          "seed",               "threads"};
+    "output_dir",     "overwrite",          "seed",               "threads",
+    "device"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -286,6 +287,12 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   int64_t n = 0;
   if (r.integer("seed", n, 0, kMax)) c.seed = static_cast<uint64_t>(n);
   if (r.integer("threads", n, 0, 1024)) c.threads = static_cast<int>(n);
+  std::string device;
+  if (r.str("device", device)) {
+    const std::optional<Device> d = parse_device(device);
+    if (!d) r.bad("device", fmt::format("'{}' is not a device (cpu, cuda, cuda:N, npu, npu:N)", device));
+    c.device = *d;
+  }
   c.lora.seed = c.seed;
 
   if (c.steps > 0 && c.epochs > 0) r.bad("epochs", "set either steps or epochs, not both");

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/device.h"
 #include "io/safetensors.h"
 #include "train/data.h"
 #include "model/lora.h"
@@ -72,6 +73,7 @@ struct TrainConfig {
   safetensors::StDType output_dtype = safetensors::StDType::f32;
   uint64_t seed = 0;
   int threads = 0;          // 0: physical cores
+  Device device = kCpu;     // which backend computes (kernels/backend.h)
 
   std::string source;  // the config file name, for messages
   std::vector<std::string> warnings;  // settings that have no effect, "file:line:col: ..."; run_training prints them

@@ -72,12 +72,8 @@ void check_outputs(const TrainConfig& c) {
 
 // The chat template the data is rendered with: data.chat_template, else the model's own (if any).
 std::optional<ChatTemplate> data_chat_template(const Model& model, const TrainConfig& c) {
-  const Tokenizer& tok = model.tokenizer();
-  const std::string bos = tok.bos() >= 0 ? tok.token_text(tok.bos()) : std::string();
-  const std::string eos = tok.eos() >= 0 ? tok.token_text(tok.eos()) : std::string();
-  if (!c.chat_template.empty()) return ChatTemplate::from_kind(*chat_template_kind_from_name(c.chat_template), bos, eos);
-  if (model.chat_template_text()) return ChatTemplate::from_text(*model.chat_template_text(), bos, eos);
-  return std::nullopt;
+  return resolve_chat_template(model.tokenizer(), c.chat_template, model.chat_template_text(),
+                               fmt::format("{}: data.chat_template", c.source));
 }
 
 DataOptions data_options(const TrainConfig& c) {
@@ -145,9 +141,9 @@ Trainer::~Trainer() = default;
 
 void Trainer::setup() {
   LOOM_ASSERT(!model_);  // once
-  open_outputs();
   pool_ = std::make_unique<ThreadPool>(resolve_thread_count(c_.threads, "threads"));  // 0: the default
-  backend_ = make_backend(kCpu, *pool_);
+  backend_ = make_backend(c_.device, *pool_);  // first: a device this build lacks writes nothing
+  open_outputs();
   if (c_.method == TrainMethod::full && (c_.lora_plus_ratio || c_.mlp_lr))
     fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c_.source);
   TrainableModel tm = load_trainable_model(c_, *backend_, *pool_);

@@ -168,5 +168,18 @@ expect "serve api key file blank" 1 "first line is empty" -- timeout 20 "$loom" 
 expect "serve zero connections" 2 "max-connections" -- timeout 20 "$loom" serve -m "$tiny" --max-connections 0 --port 0
 expect "serve zero header timeout" 2 "http-header-timeout" -- timeout 20 "$loom" serve -m "$tiny" --http-header-timeout 0 --port 0
 
+# --device: a name that is no device is a flag error; a device this build has no backend for is refused by name.
+expect "device not a name" 2 "--device: must be cpu, cuda, cuda:N, npu or npu:N, not 'gpu'" -- \
+  "$loom" generate -m "$tiny" -p hi --device gpu
+expect "device cuda not built" 1 "device cuda:0: this loom was built without CUDA" -- \
+  "$loom" generate -m "$tiny" -p hi --device cuda
+expect "device npu not built" 1 "device npu:1: this loom was built without an NPU backend" -- \
+  "$loom" bench -m "$tiny" -p 4 -n 2 -r 1 --device npu:1
+expect "device chat cuda" 1 "built without CUDA" -- "$loom" chat -m "$tiny" --device cuda:1 -p hi
+expect "device serve cuda" 1 "built without CUDA" -- timeout 20 "$loom" serve -m "$tiny" --device cuda --port 0
+expect "device train cuda" 1 "built without CUDA" -- "$loom" train "$tmp/train.yaml" --device cuda
+expect "device train yaml" 1 "'device'.*'tpu' is not a device" -- "$loom" train "$tmp/train.yaml" --set device=tpu
+expect "device cpu explicit" 0 "" -- "$loom" generate -m "$tiny" -p hi -n 2 --device cpu
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
