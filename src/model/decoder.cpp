@@ -1,8 +1,36 @@
 #include "model/decoder.h"
 
+#include <iterator>
+
 #include "core/error.h"
 
 namespace loom {
+
+StepActivations::StepActivations(const ModelConfig& c, Backend& backend, int64_t max_rows, bool kv_rows) {
+  const int64_t T = max_rows, KV = kv_rows ? T * c.kv_dim() : 0;
+  float** views[] = {&x, &xn, &q, &k, &v, &att, &gate, &up, &rope_cs};
+  const int64_t sizes[] = {T * c.hidden,       T * c.hidden, T * c.q_dim(),        KV, KV, T * c.q_dim(),
+                           T * c.intermediate, T * c.intermediate, T * c.head_dim};
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  memory = backend.alloc(static_cast<size_t>(total) * sizeof(float));
+  float* p = memory.floats();
+  for (size_t i = 0; i < std::size(views); ++i) {
+    *views[i] = sizes[i] > 0 ? p : nullptr;
+    p += sizes[i];
+  }
+}
+
+LayerBuffers StepActivations::layer() const {
+  LayerBuffers b;
+  b.x = b.xmid = b.out = x;
+  b.xn1 = b.o = b.xn2 = b.down = xn;
+  b.q = q;
+  b.att = att;
+  b.gate = b.h = gate;
+  b.up = up;
+  return b;
+}
 
 Decoder::Decoder(const ModelConfig& config, const ModelWeights& weights, Backend& backend)
     : c_(config), w_(weights), be_(backend) {

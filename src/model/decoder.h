@@ -38,6 +38,20 @@ struct LayerBuffers {
   float* out = nullptr;    // [T, H] xmid + down: the layer output (may alias xmid)
 };
 
+// The activations of a step that keeps nothing for a backward (inference and
+// serving): one residual stream x and one scratch row set xn for the norms and
+// projections, carved from one buffer of the backend's memory for up to
+// `max_rows` rows. k/v rows are allocated only when the caller's attention
+// does not write the projections elsewhere (the contiguous cache does).
+struct StepActivations {
+  StepActivations(const ModelConfig& c, Backend& backend, int64_t max_rows, bool kv_rows);
+  LayerBuffers layer() const;  // x/xmid/out = x, xn1/o/xn2/down = xn, h = gate
+
+  DeviceBuffer memory;
+  float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *gate = nullptr,
+        *up = nullptr, *rope_cs = nullptr;
+};
+
 // Where a layer's keys and values go and which attention reads them.
 class AttentionStep {
  public:

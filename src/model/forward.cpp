@@ -36,21 +36,10 @@ InferenceSession::InferenceSession(const ModelConfig& config, const ModelWeights
       dec_(config, weights, backend),
       cache_(config, n_ctx, backend),
       ws_(backend.make_workspace()),
-      micro_batch_(micro_batch) {
+      micro_batch_(micro_batch),
+      acts_(config, backend, micro_batch, /*kv_rows=*/false) {
   LOOM_ASSERT(n_ctx > 0 && micro_batch > 0);
-  const int64_t mb = micro_batch;
-  const int64_t sizes[] = {mb * c_.hidden, mb * c_.hidden,       mb * c_.q_dim(), mb * c_.q_dim(),
-                           mb * c_.intermediate, mb * c_.intermediate, mb * c_.head_dim};
-  int64_t total = 0;
-  for (int64_t s : sizes) total += s;
-  acts_ = backend.alloc(static_cast<size_t>(total) * sizeof(float));
-  float* p = acts_.floats();
-  float** views[] = {&x_, &xn_, &q_, &att_, &gate_, &up_, &rope_cs_};
-  for (size_t i = 0; i < std::size(views); ++i) {
-    *views[i] = p;
-    p += sizes[i];
-  }
-  pos_.resize(static_cast<size_t>(mb));
+  pos_.resize(static_cast<size_t>(micro_batch));
 }
 
 void InferenceSession::truncate(int64_t n) {
@@ -78,24 +67,17 @@ const float* InferenceSession::eval(std::span<const int32_t> tokens, bool all_lo
 
 void InferenceSession::forward_batch(const int32_t* tokens, int64_t T, bool all_logits, float* logits_out) {
   for (int64_t t = 0; t < T; ++t) pos_[static_cast<size_t>(t)] = static_cast<int32_t>(n_past_ + t);
-  dec_.embed(tokens, T, x_);
-  dec_.rope_table(pos_.data(), T, rope_cs_);
-  // One residual stream (x), one scratch row set (xn) for the norms and projections.
-  LayerBuffers b;
-  b.x = b.xmid = b.out = x_;
-  b.xn1 = b.o = b.xn2 = b.down = xn_;
-  b.q = q_;
-  b.att = att_;
-  b.gate = b.h = gate_;
-  b.up = up_;
+  dec_.embed(tokens, T, acts_.x);
+  dec_.rope_table(pos_.data(), T, acts_.rope_cs);
+  const LayerBuffers b = acts_.layer();
   CacheAttention attn(dec_, cache_, n_past_, T, pos_.data());
-  for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, rope_cs_, attn, nullptr);
+  for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, acts_.rope_cs, attn, nullptr);
   n_past_ += T;
   if (logits_out == nullptr) return;
   // Only the rows whose logits are wanted pass the final norm and the output projection.
   const int64_t first = all_logits ? 0 : T - 1, rows = T - first;
-  dec_.final_norm(x_ + first * c_.hidden, nullptr, rows, xn_);
-  dec_.logits(*ws_, xn_, rows, logits_out);
+  dec_.final_norm(acts_.x + first * c_.hidden, nullptr, rows, acts_.xn);
+  dec_.logits(*ws_, acts_.xn, rows, logits_out);
 }
 
 }  // namespace loom

@@ -44,9 +44,7 @@ class InferenceSession {
   std::unique_ptr<Workspace> ws_;
   int64_t micro_batch_;
   int64_t n_past_ = 0;
-  // activations of one micro-batch, carved from one device buffer
-  DeviceBuffer acts_;
-  float *x_, *xn_, *q_, *att_, *gate_, *up_, *rope_cs_;
+  StepActivations acts_;  // of one micro-batch
   std::vector<int32_t> pos_;
   std::vector<float> logits_;
 };

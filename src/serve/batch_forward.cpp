@@ -25,8 +25,8 @@ void grow(std::vector<T>& v, size_t n) {
 class BatchForward::PagedAttention final : public AttentionStep {
  public:
   explicit PagedAttention(BatchForward& f) : f_(f) {}
-  float* keys(int64_t) override { return f_.k_; }
-  float* values(int64_t) override { return f_.v_; }
+  float* keys(int64_t) override { return f_.acts_.k; }
+  float* values(int64_t) override { return f_.acts_.v; }
   void attend(int64_t layer, const float* q, const float* k, const float* v, float* att) override {
     Backend& be = f_.dec_.backend();
     KvPool& kv = f_.kv_;
@@ -83,7 +83,8 @@ BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weight
       max_tokens_(max_batch_tokens),
       ws_(backend.make_workspace()),
       attention_(std::make_unique<PagedAttention>(*this)),
-      adapters_(std::make_unique<RowAdapters>(*this)) {
+      adapters_(std::make_unique<RowAdapters>(*this)),
+      acts_(config, backend, max_batch_tokens, /*kv_rows=*/true) {
   LOOM_ASSERT(max_batch_tokens > 0 && max_logit_rows > 0);
   LOOM_ASSERT(kv.n_layers() == config.n_layers && kv.n_kv_heads() == config.n_kv_heads &&
               kv.head_dim() == config.head_dim);
@@ -95,19 +96,6 @@ BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weight
   row_adapter_.resize(mt);
   lora_rows_.reserve(mt);
   logit_src_.reserve(mt);
-  const int64_t T = max_batch_tokens;
-  const int64_t sizes[] = {T * c_.hidden,       T * c_.hidden,       T * c_.q_dim(), T * c_.kv_dim(),
-                           T * c_.kv_dim(),     T * c_.q_dim(),      T * c_.intermediate,
-                           T * c_.intermediate, T * c_.head_dim};
-  int64_t total = 0;
-  for (int64_t s : sizes) total += s;
-  acts_ = backend.alloc(static_cast<size_t>(total) * sizeof(float));
-  float* p = acts_.floats();
-  float** views[] = {&x_, &xn_, &q_, &k_, &v_, &att_, &gate_, &up_, &rope_cs_};
-  for (size_t i = 0; i < std::size(views); ++i) {
-    *views[i] = p;
-    p += sizes[i];
-  }
   logits_.resize(static_cast<size_t>(std::min(max_logit_rows, max_batch_tokens) * c_.vocab_size));
 }
 
@@ -185,23 +173,17 @@ void BatchForward::step(std::span<const BatchChunk> chunks) {
   }
   prepare(chunks);
   const int64_t T = T_;
-  dec_.embed(tokens_.data(), T, x_);
-  dec_.rope_table(pos_.data(), T, rope_cs_);
-  LayerBuffers b;
-  b.x = b.xmid = b.out = x_;
-  b.xn1 = b.o = b.xn2 = b.down = xn_;
-  b.q = q_;
-  b.att = att_;
-  b.gate = b.h = gate_;
-  b.up = up_;
+  dec_.embed(tokens_.data(), T, acts_.x);
+  dec_.rope_table(pos_.data(), T, acts_.rope_cs);
+  const LayerBuffers b = acts_.layer();
   LayerAdapters* adapters = lora_rows_.empty() ? nullptr : adapters_.get();
-  for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, rope_cs_, *attention_, adapters);
+  for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, acts_.rope_cs, *attention_, adapters);
 
   // Only the rows whose logits are wanted pass the final norm and the output projection.
   const auto n_out = static_cast<int64_t>(logit_src_.size());
   if (n_out == 0) return;
-  dec_.final_norm(x_, logit_src_.data(), n_out, xn_);
-  dec_.logits(*ws_, xn_, n_out, logits_.data());
+  dec_.final_norm(acts_.x, logit_src_.data(), n_out, acts_.xn);
+  dec_.logits(*ws_, acts_.xn, n_out, logits_.data());
 }
 
 }  // namespace loom

@@ -78,9 +78,7 @@ class BatchForward {
   std::vector<int64_t> logit_src_;                // per logits row: the batch row it comes from
   std::unique_ptr<PagedAttention> attention_;
   std::unique_ptr<RowAdapters> adapters_;
-  // activations, carved from one device buffer
-  DeviceBuffer acts_;
-  float *x_, *xn_, *q_, *k_, *v_, *att_, *gate_, *up_, *rope_cs_;
+  StepActivations acts_;
   std::vector<float> logits_;  // [logit rows, vocab]
 };
 

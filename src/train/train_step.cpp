@@ -77,29 +77,26 @@ class TrainSession::TrainedAdapters final : public LayerAdapters {
 
 TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel& lora,
                            Backend& backend, BackwardMode backward)
+    : TrainSession(config, weights, &lora, nullptr, backend, backward) {
+  LOOM_ASSERT(lora.n_layers() == config.n_layers);
+}
+
+TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, FullParams& full,
+                           Backend& backend, BackwardMode backward)
+    : TrainSession(config, weights, nullptr, &full, backend, backward) {}
+
+TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora,
+                           FullParams* full, Backend& backend, BackwardMode backward)
     : c_(config),
       w_(weights),
-      lora_(&lora),
+      lora_(lora),
+      full_(full),
       dec_(config, weights, backend),
       be_(backend),
       backward_(backward),
       ws_(backend.make_workspace()),
       attention_(std::make_unique<SavedAttention>(*this)),
-      adapters_(std::make_unique<TrainedAdapters>(*this)) {
-  LOOM_ASSERT(lora.n_layers() == config.n_layers);
-  refresh_weights();
-}
-
-TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, FullParams& full,
-                           Backend& backend, BackwardMode backward)
-    : c_(config),
-      w_(weights),
-      full_(&full),
-      dec_(config, weights, backend),
-      be_(backend),
-      backward_(backward),
-      ws_(backend.make_workspace()),
-      attention_(std::make_unique<SavedAttention>(*this)) {
+      adapters_(lora ? std::make_unique<TrainedAdapters>(*this) : nullptr) {
   refresh_weights();
 }
 

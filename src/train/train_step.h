@@ -86,6 +86,9 @@ class TrainSession {
   class SavedAttention;
   class TrainedAdapters;
 
+  TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora, FullParams* full,
+               Backend& backend, BackwardMode backward);
+
   LossResult run(const Batch& batch, float grad_scale, uint64_t step, bool backward);
   void check_batch(const Batch& batch) const;
   void layout(int64_t T, bool dropout);
