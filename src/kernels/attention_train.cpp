@@ -227,6 +227,32 @@ std::vector<Task> plan_backward(const std::vector<Sample>& samples, int64_t G, i
   return out;
 }
 
+// What the forward and the backward share: the tile kernels, the samples, K^T
+// per kv head, and the problem's dimensions.
+struct Setup {
+  const attn::TileKernels* kern = nullptr;
+  std::vector<Sample> samples;
+  Buffer kt;
+  attn::Problem p;
+};
+
+Setup setup(ThreadPool& pool, const AttnTrainOptions& opt, const float* k, const AttentionShape& s, int64_t T,
+            const int32_t* seq_start) {
+  Setup st;
+  st.kern = &kernels_for(opt.isa);
+  const int width = st.kern->width;
+  const int64_t d = s.head_dim, H = s.n_heads, G = s.n_kv_heads;
+  const int64_t ldt = round_up(find_samples(st.samples, T, seq_start, width), 16);
+  st.kt = alloc_floats(G * d * ldt);
+  pack_transposed(pool, st.kt.get(), k, s.kv_stride, G * d, st.samples, ldt, width);
+  attn::Problem& p = st.p;
+  p.d = d, p.dp = round_up(d, width), p.H = H, p.group = H / G;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.samples = st.samples.data();
+  p.kt = st.kt.get(), p.ldt = ldt;
+  return st;
+}
+
 }  // namespace
 
 namespace attn {
@@ -251,21 +277,14 @@ void attention_forward_train(ThreadPool& pool, const AttnTrainOptions& opt, floa
                              const int32_t* seq_start) {
   check_packing(s, T, seq_start);
   if (T <= 0) return;
-  const attn::TileKernels& kern = kernels_for(opt.isa);
-  const int64_t d = s.head_dim, H = s.n_heads, G = s.n_kv_heads, dp = round_up(d, kern.width);
-  std::vector<Sample> samples;
-  const int64_t ldt = round_up(find_samples(samples, T, seq_start, kern.width), 16);
-
-  Buffer kt = alloc_floats(G * d * ldt);
-  pack_transposed(pool, kt.get(), k, s.kv_stride, G * d, samples, ldt, kern.width);
+  Setup st = setup(pool, opt, k, s, T, seq_start);
+  const attn::TileKernels& kern = *st.kern;
+  const std::vector<Sample>& samples = st.samples;
+  attn::Problem& p = st.p;
+  const int64_t d = p.d, H = p.H, G = s.n_kv_heads, dp = p.dp;
   Buffer qpad, vpad;
-
-  attn::Problem p;
-  p.d = d, p.dp = dp, p.H = H, p.group = H / G, p.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  p.samples = samples.data();
   p.q = prepare_rows(pool, qpad, q, H * d, T, H, d, dp);
   p.v = prepare_rows(pool, vpad, v, s.kv_stride, T, G, d, dp);
-  p.kt = kt.get(), p.ldt = ldt;
   p.out = out, p.lse = lse;
 
   // One task per (sample, query head, query block); its cost is its key blocks.
@@ -290,26 +309,22 @@ void attention_backward(ThreadPool& pool, const AttnTrainOptions& opt, float* dq
                         const float* lse, const AttentionShape& s, int64_t T, const int32_t* seq_start) {
   check_packing(s, T, seq_start);
   if (T <= 0) return;
-  const attn::TileKernels& kern = kernels_for(opt.isa);
-  const int64_t d = s.head_dim, H = s.n_heads, G = s.n_kv_heads, dp = round_up(d, kern.width);
-  std::vector<Sample> samples;
-  const int64_t ldt = round_up(find_samples(samples, T, seq_start, kern.width), 16);
+  Setup st = setup(pool, opt, k, s, T, seq_start);
+  const attn::TileKernels& kern = *st.kern;
+  const std::vector<Sample>& samples = st.samples;
+  attn::Problem& p = st.p;
+  const int64_t d = p.d, H = p.H, G = s.n_kv_heads, dp = p.dp, ldt = p.ldt;
 
-  Buffer kt = alloc_floats(G * d * ldt), vt = alloc_floats(G * d * ldt), D = alloc_floats(T * H);
-  pack_transposed(pool, kt.get(), k, s.kv_stride, G * d, samples, ldt, kern.width);
+  Buffer vt = alloc_floats(G * d * ldt), D = alloc_floats(T * H);
   pack_transposed(pool, vt.get(), v, s.kv_stride, G * d, samples, ldt, kern.width);
   pool.parallel_for(T * H, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) D[u] = simd::dot(dout + u * d, out + u * d, d);
   }, 64);
   Buffer qpad, kpad, dopad;
-
-  attn::Problem p;
-  p.d = d, p.dp = dp, p.H = H, p.group = H / G, p.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  p.samples = samples.data();
   p.q = prepare_rows(pool, qpad, q, H * d, T, H, d, dp);
   p.k = prepare_rows(pool, kpad, k, s.kv_stride, T, G, d, dp);
   p.dout = prepare_rows(pool, dopad, dout, H * d, T, H, d, dp);
-  p.kt = kt.get(), p.vt = vt.get(), p.ldt = ldt;
+  p.vt = vt.get();
   p.lse_in = lse, p.D = D.get();
   p.dq = dq, p.dk = dk, p.dv = dv, p.kv_stride = s.kv_stride;
   run(pool, kern, p, plan_backward(samples, G, H / G, pool.size(), opt.split_units));

@@ -48,13 +48,7 @@ struct Avx2 {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     const reg n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = _mm256_sub_ps(x, n);
-    reg p = _mm256_set1_ps(kExp2C6);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C5));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const reg p = exp2_poly<Avx2>(f);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }

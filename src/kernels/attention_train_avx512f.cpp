@@ -41,13 +41,7 @@ struct Avx512 {
   static reg exp2(reg x) {
     const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = _mm512_sub_ps(x, n);
-    reg p = _mm512_set1_ps(kExp2C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const reg p = exp2_poly<Avx512>(f);
     return _mm512_scalef_ps(p, n);
   }
 };

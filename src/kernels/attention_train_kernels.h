@@ -32,6 +32,18 @@ constexpr float kExp2C1 = 0.6931471824645996f, kExp2C2 = 0.24022647738456726f, k
                 kExp2C4 = 0.00961843691766262f, kExp2C5 = 0.0013398875016719103f,
                 kExp2C6 = 0.00015353360504377633f;
 
+// The polynomial of the ISAs' exp2 (Horner, one FMA a term).
+template <class V>
+inline typename V::reg exp2_poly(typename V::reg f) {
+  typename V::reg p = V::set1(kExp2C6);
+  p = V::fma(p, f, V::set1(kExp2C5));
+  p = V::fma(p, f, V::set1(kExp2C4));
+  p = V::fma(p, f, V::set1(kExp2C3));
+  p = V::fma(p, f, V::set1(kExp2C2));
+  p = V::fma(p, f, V::set1(kExp2C1));
+  return V::fma(p, f, V::set1(1.0f));
+}
+
 // C[r][0, NV*W) = sum_{k < K} a[r*lda + k] * bt[k*ldb + .], C rows kB apart.
 template <class V, int R, int NV>
 void gemm_nt(const float* a, int64_t lda, const float* bt, int64_t ldb, int64_t K, float* c) {

@@ -71,5 +71,44 @@ void drive_tiles(const KernelArgs& a) {
   }
 }
 
+// The dtype switch of every ISA file, given its kernel families (templates over
+// the weight type): Q32 (q4_0 .. q8_0), Q45K (q4_k, q5_k), K16 (q6_k, q3_k,
+// q2_k) and Flt (f32, f16, bf16).
+template <template <DType> class Q32, template <DType> class Q45K, template <DType> class K16,
+          template <DType> class Flt>
+void run_panel_kernel(DType type, const KernelArgs& a) {
+  switch (type) {
+    case DType::q4_0: return drive_tiles<Q32<DType::q4_0>>(a);
+    case DType::q4_1: return drive_tiles<Q32<DType::q4_1>>(a);
+    case DType::q5_0: return drive_tiles<Q32<DType::q5_0>>(a);
+    case DType::q5_1: return drive_tiles<Q32<DType::q5_1>>(a);
+    case DType::q8_0: return drive_tiles<Q32<DType::q8_0>>(a);
+    case DType::q4_k: return drive_tiles<Q45K<DType::q4_k>>(a);
+    case DType::q5_k: return drive_tiles<Q45K<DType::q5_k>>(a);
+    case DType::q6_k: return drive_tiles<K16<DType::q6_k>>(a);
+    case DType::q3_k: return drive_tiles<K16<DType::q3_k>>(a);
+    case DType::q2_k: return drive_tiles<K16<DType::q2_k>>(a);
+    case DType::f32: return drive_tiles<Flt<DType::f32>>(a);
+    case DType::f16: return drive_tiles<Flt<DType::f16>>(a);
+    case DType::bf16: return drive_tiles<Flt<DType::bf16>>(a);
+    default: break;
+  }
+  __builtin_trap();  // the matmul driver only passes supported types
+}
+
+// Byte layout of a 32-element type's panel block (panel.h): f16 d @0, f16 m @32
+// for the types with a min, q5's 5th-bit word, then the nibbles (q8_0: words @32).
+template <DType kT>
+struct Block32Layout {
+  static constexpr bool kMin = kT == DType::q4_1 || kT == DType::q5_1;
+  static constexpr int kBits = kT == DType::q8_0 ? 8 : kT == DType::q5_0 || kT == DType::q5_1 ? 5 : 4;
+  static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word
+  static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words
+  static constexpr size_t kPB = kQuants + (kBits == 8 ? 512 : 256);
+};
+static_assert(Block32Layout<DType::q4_0>::kPB == 288 && Block32Layout<DType::q4_1>::kPB == 320 &&
+              Block32Layout<DType::q5_0>::kPB == 352 && Block32Layout<DType::q5_1>::kPB == 384 &&
+              Block32Layout<DType::q8_0>::kPB == 544);
+
 }  // namespace
 }  // namespace loom::cpu

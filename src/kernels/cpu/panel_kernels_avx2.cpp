@@ -96,47 +96,22 @@ inline __m256i idot_s8(const __m256i (&absw)[8], const __m256i (&w)[8], const in
 
 // ---- 32-element block types ----
 
-struct Q4_0 {
-  static constexpr size_t kPB = 288;
-  static constexpr bool kMin = false;
-  static constexpr int kBits = 4;
-  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) { unpack_nibbles(pb + 32, h, ops); }
-};
-struct Q4_1 {
-  static constexpr size_t kPB = 320;
-  static constexpr bool kMin = true;
-  static constexpr int kBits = 4;
-  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) { unpack_nibbles(pb + 64, h, ops); }
-};
-struct Q5_0 {
-  static constexpr size_t kPB = 352;
-  static constexpr bool kMin = false;
-  static constexpr int kBits = 5;
+template <DType kT>
+struct Block32 : Block32Layout<kT> {
+  using L = Block32Layout<kT>;
   static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
-    unpack_nibbles(pb + 96, h, ops);
-    add_bit4(pb + 32, h, ops);
-  }
-};
-struct Q5_1 {
-  static constexpr size_t kPB = 384;
-  static constexpr bool kMin = true;
-  static constexpr int kBits = 5;
-  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
-    unpack_nibbles(pb + 128, h, ops);
-    add_bit4(pb + 64, h, ops);
-  }
-};
-struct Q8_0 {
-  static constexpr size_t kPB = 544;
-  static constexpr bool kMin = false;
-  static constexpr int kBits = 8;
-  static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
-    for (int o = 0; o < 8; ++o) ops[o] = load256(pb + 32 + 64 * o + 32 * h);
+    if constexpr (L::kBits == 8) {
+      for (int o = 0; o < 8; ++o) ops[o] = load256(pb + L::kQuants + 64 * o + 32 * h);
+    } else {
+      unpack_nibbles(pb + L::kQuants, h, ops);
+      if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, h, ops);
+    }
   }
 };
 
-template <class Q>
+template <DType kT>
 struct Q32Impl {
+  using Q = Block32<kT>;
   static constexpr int kP1 = 2, kPB = 1, kCB = 4;
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -182,8 +157,9 @@ struct Q32Impl {
 
 // ---- q4_k / q5_k ----
 
-template <bool kFive>
+template <DType kT>
 struct Q45KImpl {
+  static constexpr bool kFive = kT == DType::q5_k;
   static constexpr int kP1 = 2, kPB = 1, kCB = 4;
   static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
   template <int P, int C>
@@ -248,29 +224,27 @@ inline void add_bit2(const uint8_t* p, int h, __m256i (&ops)[8]) {
   for (int o = 0; o < 8; ++o) ops[o] = _mm256_or_si256(ops[o], _mm256_and_si256(shift_bits(w, 2 - o), m));
 }
 
-enum class K16 { q6, q3, q2 };
-
-template <K16 kKind>
+template <DType kKind>
 struct K16Impl {
   static constexpr int kP1 = 2, kPB = 1, kCB = 4;
-  static constexpr bool kMin = kKind == K16::q2;
-  static constexpr int kBits = kKind == K16::q6 ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
-  static constexpr size_t kPBB = kKind == K16::q6 ? 3360 : kKind == K16::q3 ? 1824 : 1600;
+  static constexpr bool kMin = kKind == DType::q2_k;
+  static constexpr int kBits = kKind == DType::q6_k ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
+  static constexpr size_t kPBB = kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600;
   static constexpr size_t kScales = kMin ? 64 : 32;
   static constexpr size_t kGroups = kMin ? 576 : 288;
-  static constexpr size_t kGroup = kKind == K16::q6 ? 384 : kKind == K16::q3 ? 192 : 128;
+  static constexpr size_t kGroup = kKind == DType::q6_k ? 384 : kKind == DType::q3_k ? 192 : 128;
   static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
-    if constexpr (kKind == K16::q6) {
+    if constexpr (kKind == DType::q6_k) {
       unpack_nibbles(gp, h, ops);
       add_bits45(gp + 256, h, ops);
     } else {
       unpack_crumbs(gp, h, ops);
-      if constexpr (kKind == K16::q3) add_bit2(gp + 128, h, ops);
+      if constexpr (kKind == DType::q3_k) add_bit2(gp + 128, h, ops);
     }
   }
   static int32_t offset(const ActQ8K* x, int j) {
-    if constexpr (kKind == K16::q6) return x->b16[j];
-    if constexpr (kKind == K16::q3) return x->b16[j] >> 3;  // -4 * xsum, exact
+    if constexpr (kKind == DType::q6_k) return x->b16[j];
+    if constexpr (kKind == DType::q3_k) return x->b16[j] >> 3;  // -4 * xsum, exact
     return 0;
   }
   template <int P, int C>
@@ -332,15 +306,13 @@ struct K16Impl {
 
 // ---- f32 / f16 / bf16 ----
 
-enum class FloatKind { f32, f16, bf16 };
-
-template <FloatKind kKind>
+template <DType kKind>
 struct FloatImpl {
   static constexpr int kP1 = 2, kPB = 1, kCB = 6;
-  static constexpr size_t kStep = kKind == FloatKind::f32 ? 64 : 32;
+  static constexpr size_t kStep = kKind == DType::f32 ? 64 : 32;
   static __m256 load(const uint8_t* p, int h) {
-    if constexpr (kKind == FloatKind::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
-    if constexpr (kKind == FloatKind::f16) return load_f16x8(p + 16 * h);
+    if constexpr (kKind == DType::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
+    if constexpr (kKind == DType::f16) return load_f16x8(p + 16 * h);
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
@@ -367,51 +339,6 @@ struct FloatImpl {
 
 }  // namespace
 
-void panel_kernel_avx2(DType type, const KernelArgs& a) {
-  switch (type) {
-    case DType::q4_0:
-      drive_tiles<Q32Impl<Q4_0>>(a);
-      return;
-    case DType::q4_1:
-      drive_tiles<Q32Impl<Q4_1>>(a);
-      return;
-    case DType::q5_0:
-      drive_tiles<Q32Impl<Q5_0>>(a);
-      return;
-    case DType::q5_1:
-      drive_tiles<Q32Impl<Q5_1>>(a);
-      return;
-    case DType::q8_0:
-      drive_tiles<Q32Impl<Q8_0>>(a);
-      return;
-    case DType::q4_k:
-      drive_tiles<Q45KImpl<false>>(a);
-      return;
-    case DType::q5_k:
-      drive_tiles<Q45KImpl<true>>(a);
-      return;
-    case DType::q6_k:
-      drive_tiles<K16Impl<K16::q6>>(a);
-      return;
-    case DType::q3_k:
-      drive_tiles<K16Impl<K16::q3>>(a);
-      return;
-    case DType::q2_k:
-      drive_tiles<K16Impl<K16::q2>>(a);
-      return;
-    case DType::f32:
-      drive_tiles<FloatImpl<FloatKind::f32>>(a);
-      return;
-    case DType::f16:
-      drive_tiles<FloatImpl<FloatKind::f16>>(a);
-      return;
-    case DType::bf16:
-      drive_tiles<FloatImpl<FloatKind::bf16>>(a);
-      return;
-    default:
-      break;
-  }
-  __builtin_trap();
-}
+void panel_kernel_avx2(DType type, const KernelArgs& a) { run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a); }
 
 }  // namespace loom::cpu

@@ -96,44 +96,24 @@ inline __m512i idot(__m512i init, const __m512i (&ops)[8], const int8_t* x) {
 
 // ---- 32-element block types: q4_0, q4_1, q5_0, q5_1, q8_0 ----
 
-struct Q4_0 {
-  static constexpr size_t kPB = 288;
-  static constexpr bool kMin = false;
-  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) { unpack_nibbles(pb + 32, ops); }
-};
-struct Q4_1 {
-  static constexpr size_t kPB = 320;
-  static constexpr bool kMin = true;
-  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) { unpack_nibbles(pb + 64, ops); }
-};
-struct Q5_0 {
-  static constexpr size_t kPB = 352;
-  static constexpr bool kMin = false;
+template <DType kT>
+struct Block32 : Block32Layout<kT> {
+  using L = Block32Layout<kT>;
   static void unpack(const uint8_t* pb, __m512i (&ops)[8]) {
-    unpack_nibbles(pb + 96, ops);
-    add_bit4(pb + 32, ops);
-  }
-};
-struct Q5_1 {
-  static constexpr size_t kPB = 384;
-  static constexpr bool kMin = true;
-  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) {
-    unpack_nibbles(pb + 128, ops);
-    add_bit4(pb + 64, ops);
-  }
-};
-struct Q8_0 {
-  static constexpr size_t kPB = 544;
-  static constexpr bool kMin = false;
-  // s8 weights + 128 as u8; the act's aux (-128 * sum x) removes the offset.
-  static void unpack(const uint8_t* pb, __m512i (&ops)[8]) {
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int o = 0; o < 8; ++o) ops[o] = _mm512_xor_si512(load512(pb + 32 + 64 * o), bias);
+    if constexpr (L::kBits == 8) {
+      // s8 weights + 128 as u8; the act's aux (-128 * sum x) removes the offset.
+      const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int o = 0; o < 8; ++o) ops[o] = _mm512_xor_si512(load512(pb + L::kQuants + 64 * o), bias);
+    } else {
+      unpack_nibbles(pb + L::kQuants, ops);
+      if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, ops);
+    }
   }
 };
 
-template <class Q>
+template <DType kT>
 struct Q32Impl {
+  using Q = Block32<kT>;
   static constexpr int kP1 = 4, kPB = 1, kCB = 8;
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -168,8 +148,9 @@ struct Q32Impl {
 
 // ---- q4_k / q5_k: 8 groups of 32 with u8 scales and mins ----
 
-template <bool kFive>
+template <DType kT>
 struct Q45KImpl {
+  static constexpr bool kFive = kT == DType::q5_k;
   static constexpr int kP1 = 4, kPB = 1, kCB = 8;
   static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
   template <int P, int C>
@@ -245,31 +226,29 @@ inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
   ops[7] = _mm512_ternarylogic_epi32(ops[7], _mm512_srli_epi32(h, 5), m, kOrAnd);
 }
 
-enum class K16 { q6, q3, q2 };
-
 // Per 256: I = sum_j sc_j * (sum_{16} u x + offset_j) with u = q (q2_k), q + 4
 // (q3_k, offset -4 * xsum_j) or the 6-bit value (q6_k, offset -32 * xsum_j);
 // acc = fma(float(I), d * d_x, acc); q2_k then acc -= float(sum_j m_j xsum_j) * dmin * d_x.
-template <K16 kKind>
+template <DType kKind>
 struct K16Impl {
   static constexpr int kP1 = 4, kPB = 1, kCB = 8;
-  static constexpr bool kMin = kKind == K16::q2;
-  static constexpr size_t kPBB = kKind == K16::q6 ? 3360 : kKind == K16::q3 ? 1824 : 1600;
+  static constexpr bool kMin = kKind == DType::q2_k;
+  static constexpr size_t kPBB = kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600;
   static constexpr size_t kScales = kMin ? 64 : 32;
   static constexpr size_t kGroups = kMin ? 576 : 288;
-  static constexpr size_t kGroup = kKind == K16::q6 ? 384 : kKind == K16::q3 ? 192 : 128;
+  static constexpr size_t kGroup = kKind == DType::q6_k ? 384 : kKind == DType::q3_k ? 192 : 128;
   static void unpack(const uint8_t* gp, __m512i (&ops)[8]) {
-    if constexpr (kKind == K16::q6) {
+    if constexpr (kKind == DType::q6_k) {
       unpack_nibbles(gp, ops);
       add_bits45(gp + 256, ops);
     } else {
       unpack_crumbs(gp, ops);
-      if constexpr (kKind == K16::q3) add_bit2(gp + 128, ops);
+      if constexpr (kKind == DType::q3_k) add_bit2(gp + 128, ops);
     }
   }
   static __m512i offset(const ActQ8K* x, int j) {
-    if constexpr (kKind == K16::q6) return _mm512_set1_epi32(x->b16[j]);
-    if constexpr (kKind == K16::q3) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
+    if constexpr (kKind == DType::q6_k) return _mm512_set1_epi32(x->b16[j]);
+    if constexpr (kKind == DType::q3_k) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
     return _mm512_setzero_si512();
   }
   template <int P, int C>
@@ -329,15 +308,13 @@ struct K16Impl {
 
 // ---- f32 / f16 / bf16 panels with f32 activations ----
 
-enum class FloatKind { f32, f16, bf16 };
-
-template <FloatKind kKind>
+template <DType kKind>
 struct FloatImpl {
   static constexpr int kP1 = 4, kPB = 2, kCB = 8;
-  static constexpr size_t kStep = kKind == FloatKind::f32 ? 64 : 32;
+  static constexpr size_t kStep = kKind == DType::f32 ? 64 : 32;
   static __m512 load(const uint8_t* p) {
-    if constexpr (kKind == FloatKind::f32) return _mm512_loadu_ps(p);
-    if constexpr (kKind == FloatKind::f16) return load_f16x16(p);
+    if constexpr (kKind == DType::f32) return _mm512_loadu_ps(p);
+    if constexpr (kKind == DType::f16) return load_f16x16(p);
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
@@ -360,51 +337,6 @@ struct FloatImpl {
 
 }  // namespace
 
-void panel_kernel_avx512(DType type, const KernelArgs& a) {
-  switch (type) {
-    case DType::q4_0:
-      drive_tiles<Q32Impl<Q4_0>>(a);
-      return;
-    case DType::q4_1:
-      drive_tiles<Q32Impl<Q4_1>>(a);
-      return;
-    case DType::q5_0:
-      drive_tiles<Q32Impl<Q5_0>>(a);
-      return;
-    case DType::q5_1:
-      drive_tiles<Q32Impl<Q5_1>>(a);
-      return;
-    case DType::q8_0:
-      drive_tiles<Q32Impl<Q8_0>>(a);
-      return;
-    case DType::q4_k:
-      drive_tiles<Q45KImpl<false>>(a);
-      return;
-    case DType::q5_k:
-      drive_tiles<Q45KImpl<true>>(a);
-      return;
-    case DType::q6_k:
-      drive_tiles<K16Impl<K16::q6>>(a);
-      return;
-    case DType::q3_k:
-      drive_tiles<K16Impl<K16::q3>>(a);
-      return;
-    case DType::q2_k:
-      drive_tiles<K16Impl<K16::q2>>(a);
-      return;
-    case DType::f32:
-      drive_tiles<FloatImpl<FloatKind::f32>>(a);
-      return;
-    case DType::f16:
-      drive_tiles<FloatImpl<FloatKind::f16>>(a);
-      return;
-    case DType::bf16:
-      drive_tiles<FloatImpl<FloatKind::bf16>>(a);
-      return;
-    default:
-      break;
-  }
-  __builtin_trap();  // the driver only passes supported types
-}
+void panel_kernel_avx512(DType type, const KernelArgs& a) { run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a); }
 
 }  // namespace loom::cpu

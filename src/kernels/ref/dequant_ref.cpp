@@ -260,76 +260,50 @@ inline void block_min_max(const float* x, int n, float& min, float& max) {
   }
 }
 
-void quant_q4_0(const float* x, void* dst, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, x += QK4_0) {
-    const float d = block_signed_max(x, QK4_0) / -8.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    BlockQ4_0 b;
-    b.d = fp32_to_fp16(d);
-    for (int j = 0; j < QK4_0 / 2; ++j) {
-      const int q0 = trunc_clamped(x[j] * id + 8.5f, 0, 15);
-      const int q1 = trunc_clamped(x[j + QK4_0 / 2] * id + 8.5f, 0, 15);
-      b.qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
-    }
-    store_block(dst, i, b);
-  }
-}
-
-void quant_q4_1(const float* x, void* dst, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, x += QK4_1) {
-    float min, max;
-    block_min_max(x, QK4_1, min, max);
-    const float d = (max - min) / 15.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    BlockQ4_1 b;
-    b.d = fp32_to_fp16(d);
-    b.m = fp32_to_fp16(min);
-    for (int j = 0; j < QK4_1 / 2; ++j) {
-      const int q0 = trunc_clamped((x[j] - min) * id + 0.5f, 0, 15);
-      const int q1 = trunc_clamped((x[j + QK4_1 / 2] - min) * id + 0.5f, 0, 15);
-      b.qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
-    }
-    store_block(dst, i, b);
-  }
-}
-
-// Packs 32 five-bit values into (qs, qh).
+// Packs 32 values of 4 or 5 bits: qs[j] holds element j (low nibble) and j + 16
+// (high nibble); q5's qh bit j is bit 4 of element j.
 template <typename Block>
-void pack_q5(const int* q, Block& b) {
-  uint32_t qh = 0;
-  for (int j = 0; j < 16; ++j) {
-    b.qs[j] = static_cast<uint8_t>((q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4));
-    qh |= static_cast<uint32_t>((q[j] >> 4) & 1) << j;
-    qh |= static_cast<uint32_t>((q[j + 16] >> 4) & 1) << (j + 16);
+void pack_quants(const int* q, Block& b) {
+  for (int j = 0; j < 16; ++j) b.qs[j] = static_cast<uint8_t>((q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4));
+  if constexpr (requires { b.qh; }) {
+    uint32_t qh = 0;
+    for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>((q[j] >> 4) & 1) << j;
+    std::memcpy(b.qh, &qh, 4);
   }
-  std::memcpy(b.qh, &qh, 4);
 }
 
-void quant_q5_0(const float* x, void* dst, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, x += QK5_0) {
-    const float d = block_signed_max(x, QK5_0) / -16.0f;
+// q4_0 / q5_0 (half = 8 / 16): d = the signed largest value / -half, and
+// q = trunc(x / d + half + 0.5) in [0, 2 half - 1].
+template <typename Block, int kBits>
+void quant_symmetric(const float* x, void* dst, int64_t nb) {
+  constexpr int kHalf = 1 << (kBits - 1), kMax = (1 << kBits) - 1;
+  for (int64_t i = 0; i < nb; ++i, x += 32) {
+    const float d = block_signed_max(x, 32) / -static_cast<float>(kHalf);
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    BlockQ5_0 b;
+    Block b;
     b.d = fp32_to_fp16(d);
-    int q[QK5_0];
-    for (int j = 0; j < QK5_0; ++j) q[j] = trunc_clamped(x[j] * id + 16.5f, 0, 31);
-    pack_q5(q, b);
+    int q[32];
+    for (int j = 0; j < 32; ++j) q[j] = trunc_clamped(x[j] * id + (static_cast<float>(kHalf) + 0.5f), 0, kMax);
+    pack_quants(q, b);
     store_block(dst, i, b);
   }
 }
 
-void quant_q5_1(const float* x, void* dst, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, x += QK5_1) {
+// q4_1 / q5_1: d = (max - min) / (2^bits - 1), m = min, q = trunc((x - min) / d + 0.5).
+template <typename Block, int kBits>
+void quant_affine(const float* x, void* dst, int64_t nb) {
+  constexpr int kMax = (1 << kBits) - 1;
+  for (int64_t i = 0; i < nb; ++i, x += 32) {
     float min, max;
-    block_min_max(x, QK5_1, min, max);
-    const float d = (max - min) / 31.0f;
+    block_min_max(x, 32, min, max);
+    const float d = (max - min) / static_cast<float>(kMax);
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    BlockQ5_1 b;
+    Block b;
     b.d = fp32_to_fp16(d);
     b.m = fp32_to_fp16(min);
-    int q[QK5_1];
-    for (int j = 0; j < QK5_1; ++j) q[j] = trunc_clamped((x[j] - min) * id + 0.5f, 0, 31);
-    pack_q5(q, b);
+    int q[32];
+    for (int j = 0; j < 32; ++j) q[j] = trunc_clamped((x[j] - min) * id + 0.5f, 0, kMax);
+    pack_quants(q, b);
     store_block(dst, i, b);
   }
 }
@@ -448,10 +422,10 @@ void quantize_row_ref(DType type, const float* src, void* dst, int64_t n) {
         std::memcpy(out + 2 * i, &h, 2);
       }
       return;
-    case DType::q4_0: quant_q4_0(src, dst, nb); return;
-    case DType::q4_1: quant_q4_1(src, dst, nb); return;
-    case DType::q5_0: quant_q5_0(src, dst, nb); return;
-    case DType::q5_1: quant_q5_1(src, dst, nb); return;
+    case DType::q4_0: quant_symmetric<BlockQ4_0, 4>(src, dst, nb); return;
+    case DType::q4_1: quant_affine<BlockQ4_1, 4>(src, dst, nb); return;
+    case DType::q5_0: quant_symmetric<BlockQ5_0, 5>(src, dst, nb); return;
+    case DType::q5_1: quant_affine<BlockQ5_1, 5>(src, dst, nb); return;
     case DType::q8_0: quantize_row_q8_0_ref(src, dst, n); return;
     case DType::q8_1: quantize_row_q8_1_ref(src, dst, n); return;
     case DType::q8_k: quantize_row_q8_k_ref(src, dst, n); return;
