@@ -6,6 +6,7 @@
 // Also the training attention (forward with lse, backward) at the SmolLM2 shape,
 // and the input gradients through frozen weights (BackwardInput/...: W^T packed
 // as f16 for the matmul kernels vs bf16 tiles for AMX / AVX512-BF16 / AVX2).
+// Dequant/<type>/{cpu,ref}: kernels/cpu/dequant.h against the scalar reference.
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
@@ -16,9 +17,10 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
-#include "kernels/linear_backward.h"
-#include "kernels/matmul.h"
-#include "kernels/ops_backward.h"
+#include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/ops_backward.h"
+#include "kernels/cpu/dequant.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -220,7 +222,39 @@ void register_backward_input() {
       }
 }
 
+// One 1536 x 768 weight expanded to f32 row by row (load-time expansion, the
+// exact backward's tiles): the production dequantizer vs the scalar reference.
+// wGB/s counts the weight bytes read.
+void run_dequant(benchmark::State& state, DType type, bool ref) {
+  const int64_t N = 1536, K = 768;
+  const auto w = make_weights(type, N, K);
+  const size_t rb = dtype_row_bytes(type, K);
+  std::vector<float> y(static_cast<size_t>(N * K));
+  for (auto _ : state) {
+    for (int64_t r = 0; r < N; ++r) {
+      const uint8_t* src = w.data() + static_cast<size_t>(r) * rb;
+      if (ref)
+        dequantize_row_ref(type, src, y.data() + r * K, K);
+      else
+        dequantize_row(type, src, y.data() + r * K, K);
+    }
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["wGB/s"] =
+      benchmark::Counter(static_cast<double>(w.size()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_dequant() {
+  for (DType t : {DType::q4_1, DType::q4_0, DType::q8_0, DType::q4_k, DType::q6_k, DType::f16, DType::bf16})
+    for (bool ref : {false, true}) {
+      const std::string name = fmt::format("Dequant/{}/{}", dtype_name(t), ref ? "ref" : "cpu");
+      benchmark::RegisterBenchmark(name.c_str(), run_dequant, t, ref)->Unit(benchmark::kMicrosecond);
+    }
+}
+
 void register_all() {
+  register_dequant();
   register_backward_input();
   register_attention();
   const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k, DType::q6_k,

@@ -5,7 +5,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/matmul.h"
 
 namespace loom {
 

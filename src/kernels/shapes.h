@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace loom {
 
 // Rotary embedding tables: inverse frequencies per pair, with Llama-3 scaling
@@ -27,6 +29,17 @@ struct AttentionShape {
 struct LossResult {
   double loss_sum = 0;  // sum over unmasked rows of -log softmax(logits)[label]
   int64_t n_tokens = 0;  // unmasked rows
+};
+
+// One layer's keys and values, each [n_blocks][n_kv_heads][block_size][head_dim]
+// elements of `dtype` (f32, or f16 read as f32): kv head g of position slot s
+// of physical block b starts at element ((b * n_kv_heads + g) * block_size + s)
+// * head_dim. (AttentionShape's kv_stride is not used.)
+struct PagedKv {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t block_size = 0;
+  DType dtype = DType::f32;
 };
 
 }  // namespace loom

@@ -1,4 +1,4 @@
-// Tiled training attention (kernels/attention_train.h) against the double
+// Tiled training attention (kernels/cpu/attention_train.h) against the double
 // references on awkward shapes, for each ISA, and bit-identical across thread
 // counts and backward work splits.
 #include <gtest/gtest.h>
@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "grad_test_util.h"
-#include "kernels/attention_train.h"
-#include "kernels/ops_backward.h"
+#include "kernels/cpu/attention_train.h"
+#include "kernels/cpu/ops_backward.h"
 #include "kernels/ref/ops_backward_ref.h"
 
 namespace loom {

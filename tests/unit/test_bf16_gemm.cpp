@@ -9,7 +9,7 @@
 
 #include "core/half.h"
 #include "kernels/cpu/bf16_gemm.h"
-#include "kernels/linear_backward.h"
+#include "kernels/cpu/linear_backward.h"
 #include "matmul_test_util.h"
 
 namespace loom {

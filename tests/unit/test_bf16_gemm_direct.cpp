@@ -11,7 +11,7 @@
 #include "core/half.h"
 #include "kernels/cpu/bf16_gemm.h"
 #include "kernels/cpu/bf16_gemm_direct.h"
-#include "kernels/linear_backward.h"
+#include "kernels/cpu/linear_backward.h"
 #include "kernels/ref/dequant_ref.h"
 #include "matmul_test_util.h"
 

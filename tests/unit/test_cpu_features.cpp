@@ -4,8 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "core/cpu_features.h"
-#include "kernels/attention_train.h"
-#include "kernels/linear_backward.h"
+#include "kernels/cpu/attention_train.h"
+#include "kernels/cpu/linear_backward.h"
 #include "train/train_step.h"
 
 namespace loom {

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "kernels/linear_backward.h"
+#include "kernels/cpu/linear_backward.h"
 #include "matmul_test_util.h"
 
 namespace loom {

@@ -7,7 +7,7 @@
 
 #include "core/error.h"
 #include "grad_test_util.h"
-#include "kernels/loss.h"
+#include "kernels/cpu/loss.h"
 #include "kernels/ref/dequant_ref.h"
 #include "kernels/ref/ops_backward_ref.h"
 #include "matmul_test_util.h"

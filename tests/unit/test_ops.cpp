@@ -5,7 +5,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/ops.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/ref/ops_ref.h"
 
 namespace loom {

@@ -9,8 +9,8 @@
 
 #include "core/error.h"
 #include "grad_test_util.h"
-#include "kernels/linear_backward.h"
-#include "kernels/ops_backward.h"
+#include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/ops_backward.h"
 #include "kernels/ref/dequant_ref.h"
 #include "kernels/ref/ops_backward_ref.h"
 #include "matmul_test_util.h"

@@ -1,4 +1,4 @@
-// Paged attention (kernels/paged_attention.h): the AVX2 kernel against the
+// Paged attention (kernels/cpu/paged_attention.h): the AVX2 kernel against the
 // double reference and against plain attention over the gathered sequence,
 // with random block tables, NaN in every slot that must not be read, and
 // batch / thread-count / block-placement invariance (bit-exact).
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/half.h"
-#include "kernels/paged_attention.h"
+#include "kernels/cpu/paged_attention.h"
 #include "kernels/ref/ops_ref.h"
 #include "kernels/ref/paged_attention_ref.h"
 

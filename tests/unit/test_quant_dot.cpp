@@ -9,7 +9,7 @@
 #include "core/cpu_features.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/panel.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/matmul.h"
 #include "matmul_test_util.h"
 
 namespace loom {

@@ -12,8 +12,8 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "core/thread_pool.h"
-#include "kernels/linear_backward.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/matmul.h"
 
 namespace loom::cpu {
 namespace {

@@ -9,8 +9,8 @@
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/bf16_gemm.h"
-#include "kernels/linear_backward.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/matmul.h"
 
 namespace loom::cpu {
 namespace {

@@ -15,11 +15,11 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/lora_rows.h"
-#include "kernels/linear_backward.h"
-#include "kernels/loss.h"
-#include "kernels/ops.h"
-#include "kernels/ops_backward.h"
-#include "kernels/paged_attention.h"
+#include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/loss.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/ops_backward.h"
+#include "kernels/cpu/paged_attention.h"
 #include "kernels/cpu/dequant.h"
 
 namespace loom {

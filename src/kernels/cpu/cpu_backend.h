@@ -6,7 +6,7 @@
 
 #include "core/thread_pool.h"
 #include "kernels/backend.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/matmul.h"
 
 namespace loom {
 

@@ -7,7 +7,7 @@
 
 #include "core/error.h"
 #include "core/half.h"
-#include "kernels/simd_rows.h"
+#include "kernels/cpu/simd_rows.h"
 
 namespace loom {
 

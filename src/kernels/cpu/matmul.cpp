@@ -1,6 +1,6 @@
 // matmul driver: checks arguments, quantizes activations once per call, splits
 // panels (or tokens) over the pool and picks the AVX2 or AVX-512 kernels.
-#include "kernels/matmul.h"
+#include "kernels/cpu/matmul.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -6,7 +6,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/panel.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/quant_blocks.h"
 
 namespace loom {
@@ -185,28 +185,27 @@ void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst) {
 
 }  // namespace cpu
 
-void quantize_row_q8_0(const float* x, void* dst, int64_t n) {
-  LOOM_ASSERT(n >= 0 && n % QK8_0 == 0);
+namespace {
+
+// q8_0 / q8_1 rows: blocks of 32 with an f16 scale; q8_1 also s = fp16(d * sum(qs)).
+template <typename Block>
+void quantize_row_q8_32(const float* x, void* dst, int64_t n) {
+  LOOM_ASSERT(n >= 0 && n % 32 == 0);
   auto* out = static_cast<uint8_t*>(dst);
-  for (int64_t i = 0; i < n / QK8_0; ++i) {
-    BlockQ8_0 b;
-    b.d = cpu::to_fp16(cpu::quantize_block_q8_32(x + i * QK8_0, b.qs));
+  for (int64_t i = 0; i < n / 32; ++i) {
+    Block b;
+    int sum;
+    const float d = cpu::q8_32(x + i * 32, b.qs, &sum);
+    b.d = cpu::to_fp16(d);
+    if constexpr (requires { b.s; }) b.s = cpu::to_fp16(static_cast<float>(sum) * d);
     std::memcpy(out + i * sizeof b, &b, sizeof b);
   }
 }
 
-void quantize_row_q8_1(const float* x, void* dst, int64_t n) {
-  LOOM_ASSERT(n >= 0 && n % QK8_1 == 0);
-  auto* out = static_cast<uint8_t*>(dst);
-  for (int64_t i = 0; i < n / QK8_1; ++i) {
-    BlockQ8_1 b;
-    int sum;
-    const float d = cpu::q8_32(x + i * QK8_1, b.qs, &sum);
-    b.d = cpu::to_fp16(d);
-    b.s = cpu::to_fp16(static_cast<float>(sum) * d);
-    std::memcpy(out + i * sizeof b, &b, sizeof b);
-  }
-}
+}  // namespace
+
+void quantize_row_q8_0(const float* x, void* dst, int64_t n) { quantize_row_q8_32<BlockQ8_0>(x, dst, n); }
+void quantize_row_q8_1(const float* x, void* dst, int64_t n) { quantize_row_q8_32<BlockQ8_1>(x, dst, n); }
 
 void quantize_row_q8_k(const float* x, void* dst, int64_t n) {
   LOOM_ASSERT(n >= 0 && n % QK_K == 0);

@@ -1,5 +1,5 @@
 // Scalar double-precision forwards and backwards of the training operators
-// (kernels/ops_backward.h, linear_backward.h, loss.h). Everything is double so
+// (kernels/cpu/ops_backward.h, linear_backward.h, loss.h). Everything is double so
 // that finite differences of the forwards check the backwards to ~1e-8; the fast
 // f32 kernels are then tested against these. Same gradient semantics as the fast
 // versions (+= unless stated otherwise).
@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "kernels/ops.h"
+#include "kernels/shapes.h"
 
 namespace loom::ref {
 

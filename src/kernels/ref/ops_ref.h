@@ -1,10 +1,10 @@
-// Scalar references of kernels/ops.h, computed in double. Kept forever as the
+// Scalar references of kernels/cpu/ops.h, computed in double. Kept forever as the
 // yardstick for the vectorised versions.
 #pragma once
 
 #include <cstdint>
 
-#include "kernels/ops.h"
+#include "kernels/shapes.h"
 
 namespace loom::ref {
 

@@ -1,4 +1,4 @@
-// Scalar paged attention in double (the yardstick for kernels/paged_attention.cpp).
+// Scalar paged attention in double (the yardstick for kernels/cpu/paged_attention.cpp).
 #include "kernels/ref/paged_attention_ref.h"
 
 #include <algorithm>

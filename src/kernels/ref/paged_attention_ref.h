@@ -1,10 +1,10 @@
-// Scalar reference of kernels/paged_attention.h, computed in double by walking
+// Scalar reference of kernels/cpu/paged_attention.h, computed in double by walking
 // each row's block table position by position.
 #pragma once
 
 #include <cstdint>
 
-#include "kernels/paged_attention.h"
+#include "kernels/shapes.h"
 
 namespace loom::ref {
 

@@ -5,7 +5,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
-#include "kernels/attention_train_kernels.h"
+#include "kernels/cpu/attention_train_kernels.h"
 
 namespace loom::attn {
 namespace {

@@ -7,8 +7,8 @@
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "kernels/shapes.h"
-#include "kernels/linear_backward.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/matmul.h"
 
 namespace loom {
 

@@ -18,7 +18,7 @@
 #include <cmath>
 #include <utility>
 
-#include "kernels/attention_train_tiles.h"
+#include "kernels/cpu/attention_train_tiles.h"
 
 namespace loom::attn {
 namespace {  // see above

@@ -1,10 +1,10 @@
-#include "kernels/ops.h"
+#include "kernels/cpu/ops.h"
 
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/simd_avx2.h"
+#include "kernels/cpu/simd_avx2.h"
 
 namespace loom {
 

@@ -1,7 +1,7 @@
 // AVX2/FMA instantiation of the training attention tile kernels (the baseline).
 #include <immintrin.h>
 
-#include "kernels/attention_train_kernels.h"
+#include "kernels/cpu/attention_train_kernels.h"
 
 namespace loom::attn {
 namespace {

@@ -12,7 +12,7 @@
 #include "core/cpu_features.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
-#include "kernels/matmul.h"
+#include "kernels/cpu/matmul.h"
 
 namespace loom {
 

@@ -1,13 +1,13 @@
 // Chunked cross-entropy fused with the output projection (see loss.h).
-#include "kernels/loss.h"
+#include "kernels/cpu/loss.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/linear_backward.h"
-#include "kernels/simd_avx2.h"
+#include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/simd_avx2.h"
 
 namespace loom {
 

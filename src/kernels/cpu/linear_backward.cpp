@@ -1,5 +1,5 @@
 // Linear-layer gradients with AVX2 FMA register tiles (4 rows x 16 columns).
-#include "kernels/linear_backward.h"
+#include "kernels/cpu/linear_backward.h"
 
 #include <immintrin.h>
 

@@ -1,6 +1,6 @@
 // Training attention: packs K and V transposed, plans deterministic work units
 // (longest first) and runs the AVX2 or AVX-512 tile kernels over the pool.
-#include "kernels/attention_train.h"
+#include "kernels/cpu/attention_train.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,9 +13,9 @@
 
 #include "core/cpu_features.h"
 #include "core/error.h"
-#include "kernels/attention_train_tiles.h"
-#include "kernels/ops_backward.h"
-#include "kernels/simd_avx2.h"
+#include "kernels/cpu/attention_train_tiles.h"
+#include "kernels/cpu/ops_backward.h"
+#include "kernels/cpu/simd_avx2.h"
 
 namespace loom {
 namespace {

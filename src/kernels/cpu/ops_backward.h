@@ -15,7 +15,7 @@
 #include <cstdint>
 
 #include "core/thread_pool.h"
-#include "kernels/ops.h"
+#include "kernels/cpu/ops.h"
 
 namespace loom {
 

@@ -14,7 +14,7 @@
 #include <cstdint>
 
 #include "core/thread_pool.h"
-#include "kernels/ops.h"
+#include "kernels/cpu/ops.h"
 
 namespace loom {
 

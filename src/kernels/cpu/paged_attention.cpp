@@ -1,7 +1,7 @@
 // AVX2 paged attention: one (row, kv head) unit reads each key and value row
 // once for all query heads of its group, with an online softmax over tiles of
 // 16 positions, so no buffer grows with the context length.
-#include "kernels/paged_attention.h"
+#include "kernels/cpu/paged_attention.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,8 +9,8 @@
 #include <type_traits>
 
 #include "core/error.h"
-#include "kernels/simd_avx2.h"
-#include "kernels/simd_rows.h"
+#include "kernels/cpu/simd_avx2.h"
+#include "kernels/cpu/simd_rows.h"
 
 namespace loom {
 

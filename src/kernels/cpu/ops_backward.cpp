@@ -1,10 +1,10 @@
 // Training forwards and backward passes of the row-wise decoder operators (AVX2).
-#include "kernels/ops_backward.h"
+#include "kernels/cpu/ops_backward.h"
 
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/simd_avx2.h"
+#include "kernels/cpu/simd_avx2.h"
 
 namespace loom {
 

@@ -7,20 +7,9 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
-#include "kernels/ops.h"
+#include "kernels/shapes.h"
 
 namespace loom {
-
-// One layer's keys and values, each [n_blocks][n_kv_heads][block_size][head_dim]
-// elements of `dtype` (f32, or f16 read as f32): kv head g of position slot s
-// of physical block b starts at element ((b * n_kv_heads + g) * block_size + s)
-// * head_dim. (AttentionShape's kv_stride is not used.)
-struct PagedKv {
-  const void* k = nullptr;
-  const void* v = nullptr;
-  int64_t block_size = 0;
-  DType dtype = DType::f32;
-};
 
 // For t < T query rows:
 //   q:   [T, n_heads * head_dim], row t at position pos[t]
