@@ -2,7 +2,9 @@
 // files written by llama.cpp. Sizes are checked by static_asserts.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace loom {
 
@@ -47,6 +49,19 @@ static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ8_K) == 292);
 
+// Format helpers for scalar code in cpu/ and ref/. Internal linkage: files built
+// with AVX-512 flags include this header too, and must not share code with others.
+namespace {
+
+// Element or block i of an array at any alignment (file data and fuzz inputs are
+// not always aligned to the block struct).
+template <typename T>
+inline T load_unaligned(const void* src, int64_t i) {
+  T v;
+  std::memcpy(&v, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(T), sizeof(T));
+  return v;
+}
+
 // Q3_K: signed 6-bit scale (offset 32) of sub-block g (16 elements), packed in 12
 // bytes: low nibbles in bytes 0..7 (g < 8 low nibble, g >= 8 high nibble of byte
 // g-8), high 2 bits in bytes 8..11.
@@ -66,5 +81,7 @@ inline void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
     m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
   }
 }
+
+}  // namespace
 
 }  // namespace loom

@@ -15,21 +15,9 @@
 namespace loom {
 namespace {
 
-template <typename Block>
-Block load_block(const void* src, int64_t i) {
-  Block b;
-  std::memcpy(&b, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(Block), sizeof(Block));
-  return b;
-}
-
 template <typename T>
 void dequant_plain(const void* src, float* y, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    T v;
-    std::memcpy(&v, p + static_cast<size_t>(i) * sizeof(T), sizeof(T));
-    y[i] = static_cast<float>(v);
-  }
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(load_unaligned<T>(src, i));
 }
 
 inline __m256 bcast_f16(uint16_t h) { return _mm256_set1_ps(_cvtsh_ss(h)); }
@@ -74,7 +62,7 @@ inline __m256i bits_at(__m256i v, int shift, int mask) {
 
 void dequant_q4_0(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK4_0) {
-    const auto b = load_block<BlockQ4_0>(src, i);
+    const auto b = load_unaligned<BlockQ4_0>(src, i);
     const __m256 d = bcast_f16(b.d);
     emit32<Op::mul>(y, _mm256_sub_epi8(nibbles32(b.qs), _mm256_set1_epi8(8)), d, d);
   }
@@ -82,7 +70,7 @@ void dequant_q4_0(const void* src, float* y, int64_t nb) {
 
 void dequant_q4_1(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK4_1) {
-    const auto b = load_block<BlockQ4_1>(src, i);
+    const auto b = load_unaligned<BlockQ4_1>(src, i);
     const __m256 d = bcast_f16(b.d), m = bcast_f16(b.m);
     emit32<Op::mul_add>(y, nibbles32(b.qs), d, d, m, m);
   }
@@ -90,7 +78,7 @@ void dequant_q4_1(const void* src, float* y, int64_t nb) {
 
 void dequant_q5_0(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK5_0) {
-    const auto b = load_block<BlockQ5_0>(src, i);
+    const auto b = load_unaligned<BlockQ5_0>(src, i);
     const __m256 d = bcast_f16(b.d);
     const __m256i q = _mm256_or_si256(nibbles32(b.qs), bit4_bytes(b.qh));
     emit32<Op::mul>(y, _mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d);
@@ -99,7 +87,7 @@ void dequant_q5_0(const void* src, float* y, int64_t nb) {
 
 void dequant_q5_1(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK5_1) {
-    const auto b = load_block<BlockQ5_1>(src, i);
+    const auto b = load_unaligned<BlockQ5_1>(src, i);
     const __m256 d = bcast_f16(b.d), m = bcast_f16(b.m);
     emit32<Op::mul_add>(y, _mm256_or_si256(nibbles32(b.qs), bit4_bytes(b.qh)), d, d, m, m);
   }
@@ -108,7 +96,7 @@ void dequant_q5_1(const void* src, float* y, int64_t nb) {
 template <typename Block>
 void dequant_q8_32(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += 32) {
-    const auto b = load_block<Block>(src, i);
+    const auto b = load_unaligned<Block>(src, i);
     const __m256 d = bcast_f16(b.d);
     emit32<Op::mul>(y, load32(reinterpret_cast<const uint8_t*>(b.qs)), d, d);
   }
@@ -116,7 +104,7 @@ void dequant_q8_32(const void* src, float* y, int64_t nb) {
 
 void dequant_q8_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ8_K>(src, i);
+    const auto b = load_unaligned<BlockQ8_K>(src, i);
     const __m256 d = _mm256_set1_ps(b.d);
     for (int g = 0; g < 8; ++g) emit32<Op::mul>(y + 32 * g, load32(reinterpret_cast<const uint8_t*>(b.qs) + 32 * g), d, d);
   }
@@ -126,7 +114,7 @@ void dequant_q8_k(const void* src, float* y, int64_t nb) {
 // scales[j] = 4-bit scale | 4-bit min << 4 of the 16 elements at 16j.
 void dequant_q2_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ2_K>(src, i);
+    const auto b = load_unaligned<BlockQ2_K>(src, i);
     const float d = _cvtsh_ss(b.d), dmin = _cvtsh_ss(b.dmin);
     for (int k = 0; k < 8; ++k) {
       const __m256i q = bits_at(load32(b.qs + 32 * (k / 4)), 2 * (k % 4), 3);
@@ -142,7 +130,7 @@ void dequant_q2_k(const void* src, float* y, int64_t nb) {
 // Q3_K: as Q2_K's 2-bit quants, minus 4 where bit k of hmask[l] is clear.
 void dequant_q3_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ3_K>(src, i);
+    const auto b = load_unaligned<BlockQ3_K>(src, i);
     const float d = _cvtsh_ss(b.d);
     const __m256i hmask = load32(b.hmask);
     for (int k = 0; k < 8; ++k) {
@@ -160,7 +148,7 @@ void dequant_q3_k(const void* src, float* y, int64_t nb) {
 template <typename Block, bool kFive>
 void dequant_q45_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<Block>(src, i);
+    const auto b = load_unaligned<Block>(src, i);
     const float d = _cvtsh_ss(b.d), dmin = _cvtsh_ss(b.dmin);
     for (int g = 0; g < 8; ++g) {
       int sc, m;
@@ -177,7 +165,7 @@ void dequant_q45_k(const void* src, float* y, int64_t nb) {
 // (high nibble when s >= 2), top 2 bits are bits 2s..2s+1 of qh[32h + l].
 void dequant_q6_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ6_K>(src, i);
+    const auto b = load_unaligned<BlockQ6_K>(src, i);
     const float d = _cvtsh_ss(b.d);
     for (int k = 0; k < 8; ++k) {
       const int h = k / 4, s = k % 4;
@@ -195,11 +183,7 @@ void dequant_f16(const void* src, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
-  for (; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
-    y[i] = _cvtsh_ss(h);
-  }
+  for (; i < n; ++i) y[i] = _cvtsh_ss(load_unaligned<uint16_t>(src, i));
 }
 
 void dequant_bf16(const void* src, float* y, int64_t n) {
@@ -209,11 +193,7 @@ void dequant_bf16(const void* src, float* y, int64_t n) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i)));
     _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
   }
-  for (; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
-    y[i] = bf16_to_fp32(h);
-  }
+  for (; i < n; ++i) y[i] = bf16_to_fp32(load_unaligned<uint16_t>(src, i));
 }
 
 }  // namespace

@@ -25,32 +25,18 @@ namespace loom {
 namespace {
 
 template <typename Block>
-Block load_block(const void* src, int64_t i) {
-  Block b;
-  std::memcpy(&b, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(Block), sizeof(Block));
-  return b;
-}
-
-template <typename Block>
 void store_block(void* dst, int64_t i, const Block& b) {
   std::memcpy(static_cast<uint8_t*>(dst) + static_cast<size_t>(i) * sizeof(Block), &b, sizeof(Block));
 }
 
 template <typename T>
-T load_elem(const void* src, int64_t i) {
-  T v;
-  std::memcpy(&v, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(T), sizeof(T));
-  return v;
-}
-
-template <typename T>
 void dequant_plain(const void* src, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(load_elem<T>(src, i));
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(load_unaligned<T>(src, i));
 }
 
 void dequant_q4_0(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK4_0) {
-    const auto b = load_block<BlockQ4_0>(src, i);
+    const auto b = load_unaligned<BlockQ4_0>(src, i);
     const float d = fp16_to_fp32(b.d);
     for (int j = 0; j < QK4_0 / 2; ++j) {
       y[j] = static_cast<float>((b.qs[j] & 0x0f) - 8) * d;
@@ -61,7 +47,7 @@ void dequant_q4_0(const void* src, float* y, int64_t nb) {
 
 void dequant_q4_1(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK4_1) {
-    const auto b = load_block<BlockQ4_1>(src, i);
+    const auto b = load_unaligned<BlockQ4_1>(src, i);
     const float d = fp16_to_fp32(b.d), m = fp16_to_fp32(b.m);
     for (int j = 0; j < QK4_1 / 2; ++j) {
       y[j] = static_cast<float>(b.qs[j] & 0x0f) * d + m;
@@ -75,7 +61,7 @@ inline int q5_high(uint32_t qh, int j) { return static_cast<int>((qh >> j) & 1u)
 
 void dequant_q5_0(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK5_0) {
-    const auto b = load_block<BlockQ5_0>(src, i);
+    const auto b = load_unaligned<BlockQ5_0>(src, i);
     const float d = fp16_to_fp32(b.d);
     uint32_t qh;
     std::memcpy(&qh, b.qh, 4);
@@ -88,7 +74,7 @@ void dequant_q5_0(const void* src, float* y, int64_t nb) {
 
 void dequant_q5_1(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK5_1) {
-    const auto b = load_block<BlockQ5_1>(src, i);
+    const auto b = load_unaligned<BlockQ5_1>(src, i);
     const float d = fp16_to_fp32(b.d), m = fp16_to_fp32(b.m);
     uint32_t qh;
     std::memcpy(&qh, b.qh, 4);
@@ -101,7 +87,7 @@ void dequant_q5_1(const void* src, float* y, int64_t nb) {
 
 void dequant_q8_0(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK8_0) {
-    const auto b = load_block<BlockQ8_0>(src, i);
+    const auto b = load_unaligned<BlockQ8_0>(src, i);
     const float d = fp16_to_fp32(b.d);
     for (int j = 0; j < QK8_0; ++j) y[j] = static_cast<float>(b.qs[j]) * d;
   }
@@ -109,7 +95,7 @@ void dequant_q8_0(const void* src, float* y, int64_t nb) {
 
 void dequant_q8_1(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK8_1) {
-    const auto b = load_block<BlockQ8_1>(src, i);
+    const auto b = load_unaligned<BlockQ8_1>(src, i);
     const float d = fp16_to_fp32(b.d);
     for (int j = 0; j < QK8_1; ++j) y[j] = static_cast<float>(b.qs[j]) * d;
   }
@@ -117,7 +103,7 @@ void dequant_q8_1(const void* src, float* y, int64_t nb) {
 
 void dequant_q8_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ8_K>(src, i);
+    const auto b = load_unaligned<BlockQ8_K>(src, i);
     for (int j = 0; j < QK_K; ++j) y[j] = static_cast<float>(b.qs[j]) * b.d;
   }
 }
@@ -126,7 +112,7 @@ void dequant_q8_k(const void* src, float* y, int64_t nb) {
 // (high). Element e = 128*h + 32*s + l takes bits 2s..2s+1 of qs[32*h + l].
 void dequant_q2_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ2_K>(src, i);
+    const auto b = load_unaligned<BlockQ2_K>(src, i);
     const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);
     for (int e = 0; e < QK_K; ++e) {
       const int h = e / 128, s = (e / 32) % 4, l = e % 32;
@@ -143,7 +129,7 @@ void dequant_q2_k(const void* src, float* y, int64_t nb) {
 // subtracts 4 from the 2-bit quant.
 void dequant_q3_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ3_K>(src, i);
+    const auto b = load_unaligned<BlockQ3_K>(src, i);
     const float d = fp16_to_fp32(b.d);
     float dl[16];
     for (int g = 0; g < 16; ++g) dl[g] = d * static_cast<float>(q3_k_scale(b.scales, g));
@@ -157,26 +143,12 @@ void dequant_q3_k(const void* src, float* y, int64_t nb) {
 }
 
 // Q4_K/Q5_K: 8 groups of 32 with 6-bit scales and mins (k4_scale_min, quant_blocks.h).
-// Element e = 64*p + 32*half + l: nibble `half` of qs[32*p + l].
-void dequant_q4_k(const void* src, float* y, int64_t nb) {
+// Element e = 64*p + 32*half + l: nibble `half` of qs[32*p + l]; Q5_K adds bit g
+// of qh[l] as bit 4 of element 32*g + l.
+template <typename Block, bool kFive>
+void dequant_q45_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ4_K>(src, i);
-    const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);
-    for (int g = 0; g < 8; ++g) {
-      int sc, m;
-      k4_scale_min(b.scales, g, sc, m);
-      const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
-      const uint8_t* qs = b.qs + 32 * (g / 2);
-      const int shift = 4 * (g % 2);
-      for (int l = 0; l < 32; ++l) y[32 * g + l] = d1 * static_cast<float>((qs[l] >> shift) & 0x0f) - m1;
-    }
-  }
-}
-
-// As Q4_K plus a 5th bit: bit g of qh[l] for element 32*g + l.
-void dequant_q5_k(const void* src, float* y, int64_t nb) {
-  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ5_K>(src, i);
+    const auto b = load_unaligned<Block>(src, i);
     const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);
     for (int g = 0; g < 8; ++g) {
       int sc, m;
@@ -185,7 +157,8 @@ void dequant_q5_k(const void* src, float* y, int64_t nb) {
       const uint8_t* qs = b.qs + 32 * (g / 2);
       const int shift = 4 * (g % 2);
       for (int l = 0; l < 32; ++l) {
-        const int q = ((qs[l] >> shift) & 0x0f) | (((b.qh[l] >> g) & 1) << 4);
+        int q = (qs[l] >> shift) & 0x0f;
+        if constexpr (kFive) q |= ((b.qh[l] >> g) & 1) << 4;
         y[32 * g + l] = d1 * static_cast<float>(q) - m1;
       }
     }
@@ -196,7 +169,7 @@ void dequant_q5_k(const void* src, float* y, int64_t nb) {
 // (high nibble when s >= 2), top 2 bits are bits 2s..2s+1 of qh[32*h + l].
 void dequant_q6_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const auto b = load_block<BlockQ6_K>(src, i);
+    const auto b = load_unaligned<BlockQ6_K>(src, i);
     const float d = fp16_to_fp32(b.d);
     for (int e = 0; e < QK_K; ++e) {
       const int h = e / 128, s = (e / 32) % 4, l = e % 32;
@@ -317,10 +290,10 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
   switch (type) {
     case DType::f32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
     case DType::f16:
-      for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(load_elem<uint16_t>(src, i));
+      for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(load_unaligned<uint16_t>(src, i));
       return;
     case DType::bf16:
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(load_elem<uint16_t>(src, i));
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(load_unaligned<uint16_t>(src, i));
       return;
     case DType::f64: dequant_plain<double>(src, dst, n); return;
     case DType::i8: dequant_plain<int8_t>(src, dst, n); return;
@@ -335,8 +308,8 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::q8_1: dequant_q8_1(src, dst, nb); return;
     case DType::q2_k: dequant_q2_k(src, dst, nb); return;
     case DType::q3_k: dequant_q3_k(src, dst, nb); return;
-    case DType::q4_k: dequant_q4_k(src, dst, nb); return;
-    case DType::q5_k: dequant_q5_k(src, dst, nb); return;
+    case DType::q4_k: dequant_q45_k<BlockQ4_K, false>(src, dst, nb); return;
+    case DType::q5_k: dequant_q45_k<BlockQ5_K, true>(src, dst, nb); return;
     case DType::q6_k: dequant_q6_k(src, dst, nb); return;
     case DType::q8_k: dequant_q8_k(src, dst, nb); return;
   }
