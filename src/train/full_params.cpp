@@ -48,7 +48,8 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   grads_.assign(total, 0.0f);
   auto p = [&](size_t span) { return params_.data() + spans_[span].offset; };
   auto g = [&](size_t span) { return grads_.data() + spans_[span].offset; };
-  // Matrices: dequantize rows in parallel into the arena, then point the tensor there.
+  // Matrices: dequantize rows in parallel into the arena, then point the tensor
+  // there. Both return the parameter's gradient in the gradient arena.
   auto take_matrix = [&](Tensor& t, size_t span) {
     float* dst = p(span);
     const Tensor src = t;
@@ -57,10 +58,12 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     });
     t.data = dst;
     t.dtype = DType::f32;
+    return g(span);
   };
   auto take_vector = [&](const float*& v, size_t span) {
     std::memcpy(p(span), v, spans_[span].size * sizeof(float));
     v = p(span);
+    return g(span);
   };
   take_matrix(w.token_embd, embd);
   if (tied_)
@@ -73,36 +76,23 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     LayerWeights& L = w.layers[l];
     const LayerSpans& s = ls[l];
     LayerGrads lg;
-    take_vector(L.attn_norm, s.attn_norm);
-    take_matrix(L.wq, s.wq);
-    take_matrix(L.wk, s.wk);
-    take_matrix(L.wv, s.wv);
-    take_matrix(L.wo, s.wo);
-    lg.attn_norm = g(s.attn_norm);
-    lg.wq = g(s.wq);
-    lg.wk = g(s.wk);
-    lg.wv = g(s.wv);
-    lg.wo = g(s.wo);
+    lg.attn_norm = take_vector(L.attn_norm, s.attn_norm);
+    lg.wq = take_matrix(L.wq, s.wq);
+    lg.wk = take_matrix(L.wk, s.wk);
+    lg.wv = take_matrix(L.wv, s.wv);
+    lg.wo = take_matrix(L.wo, s.wo);
     if (s.bq != SIZE_MAX) {
-      take_vector(L.bq, s.bq);
-      take_vector(L.bk, s.bk);
-      take_vector(L.bv, s.bv);
-      lg.bq = g(s.bq);
-      lg.bk = g(s.bk);
-      lg.bv = g(s.bv);
+      lg.bq = take_vector(L.bq, s.bq);
+      lg.bk = take_vector(L.bk, s.bk);
+      lg.bv = take_vector(L.bv, s.bv);
     }
-    take_vector(L.ffn_norm, s.ffn_norm);
-    take_matrix(L.w_gate, s.gate);
-    take_matrix(L.w_up, s.up);
-    take_matrix(L.w_down, s.down);
-    lg.ffn_norm = g(s.ffn_norm);
-    lg.w_gate = g(s.gate);
-    lg.w_up = g(s.up);
-    lg.w_down = g(s.down);
+    lg.ffn_norm = take_vector(L.ffn_norm, s.ffn_norm);
+    lg.w_gate = take_matrix(L.w_gate, s.gate);
+    lg.w_up = take_matrix(L.w_up, s.up);
+    lg.w_down = take_matrix(L.w_down, s.down);
     layers_.push_back(lg);
   }
-  take_vector(w.output_norm, out_norm);
-  output_norm_grad_ = g(out_norm);
+  output_norm_grad_ = take_vector(w.output_norm, out_norm);
 }
 
 void FullParams::zero_grads() { std::memset(grads_.data(), 0, grads_.size() * sizeof(float)); }
