@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstring>
 
 #include "core/error.h"
@@ -60,47 +61,64 @@ inline __m256i bits_at(__m256i v, int shift, int mask) {
   return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
 }
 
+// Block i of a 32-element type, read in place: a copy to the stack would stall
+// the vector loads that follow (store forwarding), tripling the time.
+template <typename Block>
+const uint8_t* block_at(const void* src, int64_t i) {
+  return static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(Block);
+}
+#define LOOM_FIELD(Block, p, field) ((p) + offsetof(Block, field))
+
+template <typename Block>
+__m256 scale_of(const uint8_t* p) {
+  return bcast_f16(load_unaligned<uint16_t>(LOOM_FIELD(Block, p, d), 0));
+}
+
 void dequant_q4_0(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK4_0) {
-    const auto b = load_unaligned<BlockQ4_0>(src, i);
-    const __m256 d = bcast_f16(b.d);
-    emit32<Op::mul>(y, _mm256_sub_epi8(nibbles32(b.qs), _mm256_set1_epi8(8)), d, d);
+    const uint8_t* p = block_at<BlockQ4_0>(src, i);
+    const __m256 d = scale_of<BlockQ4_0>(p);
+    emit32<Op::mul>(y, _mm256_sub_epi8(nibbles32(LOOM_FIELD(BlockQ4_0, p, qs)), _mm256_set1_epi8(8)), d, d);
   }
 }
 
 void dequant_q4_1(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK4_1) {
-    const auto b = load_unaligned<BlockQ4_1>(src, i);
-    const __m256 d = bcast_f16(b.d), m = bcast_f16(b.m);
-    emit32<Op::mul_add>(y, nibbles32(b.qs), d, d, m, m);
+    const uint8_t* p = block_at<BlockQ4_1>(src, i);
+    const __m256 d = scale_of<BlockQ4_1>(p), m = bcast_f16(load_unaligned<uint16_t>(LOOM_FIELD(BlockQ4_1, p, m), 0));
+    emit32<Op::mul_add>(y, nibbles32(LOOM_FIELD(BlockQ4_1, p, qs)), d, d, m, m);
   }
 }
 
 void dequant_q5_0(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK5_0) {
-    const auto b = load_unaligned<BlockQ5_0>(src, i);
-    const __m256 d = bcast_f16(b.d);
-    const __m256i q = _mm256_or_si256(nibbles32(b.qs), bit4_bytes(b.qh));
+    const uint8_t* p = block_at<BlockQ5_0>(src, i);
+    const __m256 d = scale_of<BlockQ5_0>(p);
+    const __m256i q =
+        _mm256_or_si256(nibbles32(LOOM_FIELD(BlockQ5_0, p, qs)), bit4_bytes(LOOM_FIELD(BlockQ5_0, p, qh)));
     emit32<Op::mul>(y, _mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d);
   }
 }
 
 void dequant_q5_1(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK5_1) {
-    const auto b = load_unaligned<BlockQ5_1>(src, i);
-    const __m256 d = bcast_f16(b.d), m = bcast_f16(b.m);
-    emit32<Op::mul_add>(y, _mm256_or_si256(nibbles32(b.qs), bit4_bytes(b.qh)), d, d, m, m);
+    const uint8_t* p = block_at<BlockQ5_1>(src, i);
+    const __m256 d = scale_of<BlockQ5_1>(p), m = bcast_f16(load_unaligned<uint16_t>(LOOM_FIELD(BlockQ5_1, p, m), 0));
+    const __m256i q =
+        _mm256_or_si256(nibbles32(LOOM_FIELD(BlockQ5_1, p, qs)), bit4_bytes(LOOM_FIELD(BlockQ5_1, p, qh)));
+    emit32<Op::mul_add>(y, q, d, d, m, m);
   }
 }
 
 template <typename Block>
 void dequant_q8_32(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += 32) {
-    const auto b = load_unaligned<Block>(src, i);
-    const __m256 d = bcast_f16(b.d);
-    emit32<Op::mul>(y, load32(reinterpret_cast<const uint8_t*>(b.qs)), d, d);
+    const uint8_t* p = block_at<Block>(src, i);
+    const __m256 d = scale_of<Block>(p);
+    emit32<Op::mul>(y, load32(LOOM_FIELD(Block, p, qs)), d, d);
   }
 }
+#undef LOOM_FIELD
 
 void dequant_q8_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
