@@ -20,7 +20,7 @@ void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<co
                int64_t max_rank, float* u, int64_t T);
 
 // K/V rows [T, n_kv_heads * head_dim] into their slots of a paged store
-// (kernels/paged_attention.h layout), as f32 or IEEE half (round to nearest even).
+// (kernels/cpu/paged_attention.h layout), as f32 or IEEE half (round to nearest even).
 void paged_store(ThreadPool& pool, const AttentionShape& s, void* k_store, void* v_store, DType dtype,
                  int64_t block_size, const float* k, const float* v, const int64_t* slots, int64_t T);
 

@@ -16,7 +16,7 @@ namespace loom {
 struct ChunkedLossArgs {
   const Tensor* W = nullptr;            // output projection [V, H], any dtype (read for dh)
   const PackedWeight* W_packed = nullptr;  // the same weight packed for matmul; nullptr: pack per chunk
-  // W^T from pack_transposed (kernels/linear_backward.h): dh through the fast
+  // W^T from pack_transposed (kernels/cpu/linear_backward.h): dh through the fast
   // matmul kernels instead of the exact tile path; nullptr: exact; an empty
   // PackedWeight: bf16 products reading W itself (linear_backward_input_bf16_direct).
   const PackedWeight* Wt_packed = nullptr;
@@ -32,7 +32,7 @@ struct ChunkedLossArgs {
   int64_t chunk_rows = 64;
 };
 
-// For every chunk of unmasked rows: logits = h W^T (kernels/matmul.h), softmax,
+// For every chunk of unmasked rows: logits = h W^T (kernels/cpu/matmul.h), softmax,
 // loss, dlogits = (softmax - onehot) * grad_scale, dh += dlogits W
 // (linear_backward_input) and, if dW, dW += dlogits^T h.
 //

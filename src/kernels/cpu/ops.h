@@ -1,7 +1,7 @@
 // Row-wise operators of the decoder forward pass (RMSNorm, RoPE, SwiGLU,
 // causal grouped-query attention). Each has a plain scalar twin in
 // kernels/ref/ops_ref.h that the tests compare against. Matrix products live
-// in kernels/matmul.h.
+// in kernels/cpu/matmul.h.
 #pragma once
 
 #include <cstdint>

@@ -88,7 +88,7 @@ void swiglu_backward(float* dgate, float* dup, const float* dout, const float* g
   }
 }
 
-// attention_forward_train and attention_backward: kernels/attention_train.cpp.
+// attention_forward_train and attention_backward: kernels/cpu/attention_train.cpp.
 
 void embedding_backward(ThreadPool& pool, float* dW, const float* dout, const int32_t* tokens, int64_t T,
                         int64_t vocab, int64_t H) {

@@ -45,7 +45,7 @@ void attention_forward_train(ThreadPool& pool, float* out, float* lse, const flo
                              const float* v, const AttentionShape& s, int64_t T, const int32_t* seq_start);
 // dq +=, dk +=, dv += (same shapes as q, k, v). Recomputes the probabilities from
 // q, k and lse (flash-attention style tiles: no T x T buffer); see
-// kernels/attention_train.h for the work split.
+// kernels/cpu/attention_train.h for the work split.
 void attention_backward(ThreadPool& pool, float* dq, float* dk, float* dv, const float* dout, const float* q,
                         const float* k, const float* v, const float* out, const float* lse,
                         const AttentionShape& s, int64_t T, const int32_t* seq_start);

@@ -1,5 +1,5 @@
 // Internal layouts shared by the matmul driver, the weight packers and the
-// AVX2 / AVX-512 panel kernels (see kernels/matmul.h for the design).
+// AVX2 / AVX-512 panel kernels (see kernels/cpu/matmul.h for the design).
 #pragma once
 
 #include <cstddef>

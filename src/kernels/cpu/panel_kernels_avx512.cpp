@@ -1,6 +1,6 @@
 // AVX-512 (F/BW/VL/VNNI) panel kernels: one zmm lane per weight row, integer
 // block dots with vpdpbusd (u8 weights x s8 activations), f32 accumulation in a
-// fixed per-lane order shared with the AVX2 kernels (see kernels/matmul.h).
+// fixed per-lane order shared with the AVX2 kernels (see kernels/cpu/matmul.h).
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own
 // _mm512_undefined_* helpers (a known false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
