@@ -29,8 +29,8 @@ struct BatchChunk {
 
 // Results are batch invariant: a chunk's logits and the K/V rows it writes
 // are bit-identical whatever other chunks share the step, whatever the thread
-// count, and wherever its blocks sit. (Every kernel used computes each row on
-// its own in a fixed order; see kernels/matmul.h and kernels/paged_attention.h.)
+// count, and wherever its blocks sit. (Every backend op computes each row on its
+// own in a fixed order; see kernels/backend.h and kernels/cpu/paged_attention.h.)
 // The output equals InferenceSession's up to the attention's summation order.
 class BatchForward {
  public:

@@ -54,7 +54,7 @@ class KvPool {
   size_t bytes() const { return 2 * static_cast<size_t>(layer_elems_ * n_layers_) * elem_size(dtype_); }
 
   // Layer `layer`'s keys (values) as [n_blocks][n_kv_heads][block_size][head_dim]
-  // elements of dtype() (kernels/paged_attention.h): one kv head of a block is
+  // elements of dtype() (kernels/cpu/paged_attention.h): one kv head of a block is
   // contiguous, so attention streams through it.
   void* keys(int64_t layer) { return at(0, layer); }
   void* values(int64_t layer) { return at(1, layer); }

@@ -24,7 +24,7 @@
 
 namespace loom {
 
-// Input gradients through frozen weights (kernels/linear_backward.h):
+// Input gradients through frozen weights (kernels/cpu/linear_backward.h):
 //  exact: W dequantized tile by tile, exact products; no extra memory, slowest.
 //  f16:   W^T packed once for the matmul kernels, quantized weights as f16
 //         (~7e-4 relative gradient error on a Q4_1 model); one f16 copy of the
