@@ -15,17 +15,12 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/ref/ops_ref.h"
+#include "ops_test_util.h"
 
 namespace loom {
 namespace {
 
-std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
+using test_util::random_vec;
 
 struct Cpu {
   explicit Cpu(int threads) : pool(threads), backend(make_backend(kCpu, pool)) {}

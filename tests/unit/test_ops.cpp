@@ -7,17 +7,12 @@
 
 #include "kernels/cpu/ops.h"
 #include "kernels/ref/ops_ref.h"
+#include "ops_test_util.h"
 
 namespace loom {
 namespace {
 
-std::vector<float> random_vec(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
+using test_util::random_vec;
 
 void expect_close(const std::vector<float>& a, const std::vector<float>& b, float rtol, float atol) {
   ASSERT_EQ(a.size(), b.size());

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "expect_error.h"
+#include "temp_dir.h"
 #include "model/model.h"
 #include "core/thread_pool.h"
 #include "model/peft_adapter.h"
@@ -26,14 +27,9 @@ namespace fs = std::filesystem;
 
 std::string src(const std::string& rel) { return std::string(LOOM_SOURCE_DIR) + "/" + rel; }
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / fmt::format("loom_trainer_test_{}", ::getpid());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+// One folder per test of this file.
+struct TempDir : test_util::TempDir {
+  TempDir() : test_util::TempDir("trainer_test") {}
 };
 
 TrainConfig tiny_config(const TempDir& tmp) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "expect_error.h"
+#include "temp_dir.h"
 #include "model/lora.h"
 #include "train/lora_params.h"
 #include "train/train_step.h"
@@ -26,14 +27,9 @@ namespace fs = std::filesystem;
 
 std::string src(const std::string& rel) { return std::string(LOOM_SOURCE_DIR) + "/" + rel; }
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / fmt::format("loom_trainer_hooks_test_{}", ::getpid());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+// One folder per test of this file.
+struct TempDir : test_util::TempDir {
+  TempDir() : test_util::TempDir("trainer_hooks_test") {}
 };
 
 // 3 steps of 2 micro-batches, evaluations at 0, 2 and the end.
