@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <memory>
 #include <span>
-#include <string>
 
 #include "core/device.h"
 #include "core/dtype.h"
@@ -138,8 +137,6 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual Device device() const = 0;
-  virtual std::string name() const = 0;  // e.g. "cpu (avx512-bf16, 2 threads)"
-  virtual int n_threads() const = 0;
 
   // ---- memory and weights
   virtual DeviceBuffer alloc(size_t bytes) = 0;  // zero-filled
@@ -148,7 +145,6 @@ class Backend {
   // memory may be reused (weights that training changes, repacked each step).
   // Throws loom::Error naming `name` for an unsupported tensor.
   virtual WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle = nullptr) = 0;
-  virtual bool supports_weight(DType type) const = 0;
   // W^T for input gradients at `p` (not exact); null when the backend reads W
   // itself at that precision (the CPU's bf16 path with AMX).
   virtual WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name,

@@ -13,6 +13,7 @@
 #include "core/thread_pool.h"
 #include "expect_error.h"
 #include "kernels/backend.h"
+#include "cpu_backend_util.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/ref/ops_ref.h"
 #include "ops_test_util.h"
@@ -21,12 +22,7 @@ namespace loom {
 namespace {
 
 using test_util::random_vec;
-
-struct Cpu {
-  explicit Cpu(int threads) : pool(threads), backend(make_backend(kCpu, pool)) {}
-  ThreadPool pool;
-  std::unique_ptr<Backend> backend;
-};
+using Cpu = test_util::CpuBackend;
 
 TEST(Device, NamesParseAndPrint) {
   EXPECT_EQ(parse_device("cpu"), kCpu);

@@ -15,16 +15,13 @@
 #include "expect_error.h"
 #include "core/thread_pool.h"
 #include "kernels/backend.h"
+#include "cpu_backend_util.h"
 #include "serve/kv_pool.h"
 
 namespace loom {
 namespace {
 
-// The backend whose memory holds the pool's blocks.
-struct Cpu {
-  ThreadPool pool{1};
-  std::unique_ptr<Backend> backend = make_backend(kCpu, pool);
-};
+using Cpu = test_util::CpuBackend;
 
 using test_util::expect_error;
 

@@ -14,16 +14,13 @@
 #include "core/rng.h"
 #include "core/thread_pool.h"
 #include "kernels/backend.h"
+#include "cpu_backend_util.h"
 #include "train/optimizer.h"
 
 namespace loom {
 namespace {
 
-// One thread and the CPU backend whose ops run AdamW's updates.
-struct Cpu {
-  ThreadPool pool{1};
-  std::unique_ptr<Backend> backend = make_backend(kCpu, pool);
-};
+using Cpu = test_util::CpuBackend;
 
 const std::string kDir = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/optimizer/";
 

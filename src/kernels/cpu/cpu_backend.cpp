@@ -9,9 +9,7 @@
 
 #include <sys/mman.h>
 
-#include <fmt/format.h>
 
-#include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/lora_rows.h"
@@ -75,10 +73,6 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(ThreadPool& pool) : pool_(pool) {}
 
   Device device() const override { return kCpu; }
-  std::string name() const override {
-    return fmt::format("cpu ({}, {} threads)", cpu_class_name(cpu_class()), pool_.size());
-  }
-  int n_threads() const override { return pool_.size(); }
 
   DeviceBuffer alloc(size_t bytes) override {
     if (bytes == 0) return {};
@@ -99,8 +93,6 @@ class CpuBackend final : public Backend {
   WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle) override {
     return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name, recyclable(recycle)));
   }
-
-  bool supports_weight(DType type) const override { return matmul_supports(type); }
 
   WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name,
                                   WeightHandle recycle) override {
@@ -257,13 +249,12 @@ class CpuBackend final : public Backend {
   }
 
   LossResult cross_entropy(Workspace& ws, const LossOp& op) override {
-    static const PackedWeight kReadWDirectly;  // an empty W^T: bf16 products reading W itself
     ChunkedLossArgs a;
     a.W = op.W;
     a.W_packed = op.W_prepared ? &cpu_packed(*op.W_prepared) : nullptr;
     a.Wt_packed = op.precision == BackwardPrecision::exact ? nullptr
                   : op.Wt != nullptr                       ? &cpu_packed(*op.Wt)
-                                                           : &kReadWDirectly;
+                                                           : &read_w_directly_;
     a.h = op.h;
     a.labels = op.labels;
     a.T = op.T;
@@ -329,6 +320,7 @@ class CpuBackend final : public Backend {
 
  private:
   ThreadPool& pool_;
+  const PackedWeight read_w_directly_;  // an empty W^T: the loss's bf16 products read W itself
 };
 
 }  // namespace
