@@ -31,12 +31,18 @@ int run_train(int argc, char** argv) {
   app.add_flag("--overwrite", overwrite,
                "output_dir may be a non-empty folder that is not a loom/PEFT output; it is replaced as a whole "
                "(same as overwrite: true)");
+  std::string log_format;
+  app.add_option("--log-format", log_format,
+                 "stderr gets 'text' (the default) or 'json': one ECS JSON object per line, as log_file")
+      ->check(CLI::IsMember({"text", "json"}));
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   TrainConfig config = load_train_config(config_path, overrides);
   if (threads > 0) config.threads = threads;
   if (!device.empty()) config.device = *parse_device(device);  // checked by add_device_flag
   if (overwrite) config.overwrite = true;
+  if (!log_format.empty())
+    config.log_format = log_format == "json" ? TrainConfig::LogFormat::json : TrainConfig::LogFormat::text;
   run_training(config, stderr);
   return 0;
 }

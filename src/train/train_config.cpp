@@ -6,7 +6,9 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <cctype>
 #include <cmath>
+#include <string>
 #include <functional>
 #include <map>
 #include <vector>
@@ -29,7 +31,9 @@ const char* const kLeaves[] = {
     "optim.lora_plus_ratio", "optim.mlp_lr", "schedule.kind",      "schedule.warmup_steps", "batch_size",
     "grad_accum",     "steps",              "epochs",              "eval_interval",      "log_interval",
     "output_dir",     "overwrite",          "seed",               "threads",
-    "device"};
+    "device",         "checkpoint_interval", "checkpoint_minutes", "checkpoint_dir",    "keep_checkpoints",
+    "max_bad_steps",  "on_divergence",      "rollback_lr_factor",  "max_rollbacks",     "memory_limit",
+    "memory_alarm",   "metrics_port",       "metrics_host",        "log_file",          "log_format"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -183,6 +187,52 @@ void apply_override(const std::string& arg, Entries& entries) {
   entries[key] = {value, where};
 }
 
+void read_production_keys(const Reader& r, TrainConfig& c) {
+  constexpr int64_t kMax = int64_t{1} << 40;
+  r.integer("checkpoint_interval", c.checkpoint_interval, 0, kMax);
+  r.number("checkpoint_minutes", c.checkpoint_minutes, 0, false, 1e7, false);
+  r.str("checkpoint_dir", c.checkpoint_dir);
+  r.integer("keep_checkpoints", c.keep_checkpoints, 1, 1 << 20);
+  r.integer("max_bad_steps", c.max_bad_steps, 1, kMax);
+  std::string s;
+  if (r.str("on_divergence", s)) {
+    if (s == "rollback")
+      c.on_divergence = TrainConfig::OnDivergence::rollback;
+    else if (s == "stop")
+      c.on_divergence = TrainConfig::OnDivergence::stop;
+    else
+      r.bad("on_divergence", fmt::format("unknown value '{}' (expected rollback or stop)", s));
+  }
+  r.number("rollback_lr_factor", c.rollback_lr_factor, 0, true, 1, true);
+  r.integer("max_rollbacks", c.max_rollbacks, 0, 1000);
+  if (const Entry* en = r.find("memory_limit")) {
+    const std::optional<int64_t> b = en->node.IsScalar() ? parse_byte_size(en->node.Scalar()) : std::nullopt;
+    if (!b) r.bad("memory_limit", "expected a size such as 8GiB, 1.5G, 512MiB or a number of bytes");
+    c.memory_limit = *b;
+  }
+  std::vector<double> alarms;
+  if (r.number_list("memory_alarm", alarms)) {
+    for (size_t i = 0; i < alarms.size(); ++i) {
+      if (!(alarms[i] > 0 && alarms[i] <= 1))
+        r.bad("memory_alarm", fmt::format("{} is out of range (0, 1] (a fraction of memory_limit)", alarms[i]));
+      if (i > 0 && alarms[i] <= alarms[i - 1]) r.bad("memory_alarm", "thresholds must be strictly increasing");
+    }
+    c.memory_alarm = alarms;
+  }
+  int64_t n = 0;
+  if (r.integer("metrics_port", n, 0, 65535)) c.metrics_port = static_cast<int>(n);
+  r.str("metrics_host", c.metrics_host);
+  r.str("log_file", c.log_file);
+  if (r.str("log_format", s)) {
+    if (s == "text")
+      c.log_format = TrainConfig::LogFormat::text;
+    else if (s == "json")
+      c.log_format = TrainConfig::LogFormat::json;
+    else
+      r.bad("log_format", fmt::format("unknown value '{}' (expected text or json)", s));
+  }
+}
+
 TrainConfig read_config(const Entries& e, const std::string& name) {
   const Reader r(e);
   TrainConfig c;
@@ -294,6 +344,7 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
     c.device = *d;
   }
   c.lora.seed = c.seed;
+  read_production_keys(r, c);
 
   if (c.steps > 0 && c.epochs > 0) r.bad("epochs", "set either steps or epochs, not both");
   // Evaluation needs an eval split; the trainer has one exactly when data.eval or data.eval_fraction is set.
@@ -333,6 +384,81 @@ TrainConfig parse_train_config(std::string_view yaml, const std::string& name,
 
 TrainConfig load_train_config(const std::string& path, std::span<const std::string> overrides) {
   return parse_train_config(read_text_file(path), path, overrides);
+}
+
+std::optional<int64_t> parse_byte_size(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  if (i == 0) return std::nullopt;
+  double v = 0;
+  try {
+    size_t used = 0;
+    v = std::stod(std::string(text.substr(0, i)), &used);
+    if (used != i) return std::nullopt;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  const size_t u = text.find_first_not_of(' ', i);
+  std::string unit(u == std::string_view::npos ? std::string_view() : text.substr(u));
+  for (char& ch : unit) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},          {"b", 1},          {"k", 1e3},        {"kb", 1e3},       {"kib", 1024.0},
+      {"m", 1e6},       {"mb", 1e6},       {"mib", 1048576.0}, {"g", 1e9},       {"gb", 1e9},
+      {"gib", 1073741824.0}, {"t", 1e12},  {"tb", 1e12},      {"tib", 1099511627776.0}};
+  for (const auto& [name, mult] : kUnits)
+    if (unit == name) {
+      const double bytes = v * mult;
+      if (!std::isfinite(bytes) || bytes < 1 || bytes > 9e18) return std::nullopt;
+      return static_cast<int64_t>(bytes);
+    }
+  return std::nullopt;
+}
+
+namespace {
+std::string lora_targets_text(const LoraConfig& l) {
+  std::string out;
+  for (LoraTarget t : kAllLoraTargets)
+    if (l.targets_module(t)) {
+      if (!out.empty()) out += ',';
+      out += lora_target_peft_name(t);
+    }
+  return out;
+}
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> run_identity(const TrainConfig& c) {
+  const auto num = [](double v) { return fmt::format("{:.17g}", v); };
+  std::vector<std::pair<std::string, std::string>> id = {
+      {"model", c.model},
+      {"method", c.method == TrainMethod::full ? "full" : "lora"},
+      {"backward", backward_mode_name(c.backward)},
+      {"data.train", c.train_file},
+      {"data.eval", c.eval_file},
+      {"data.eval_fraction", num(c.eval_fraction)},
+      {"data.format", data_format_name(c.format)},
+      {"data.seq_len", std::to_string(c.seq_len)},
+      {"data.pack", c.pack ? "true" : "false"},
+      {"data.train_on_prompt", c.train_on_prompt ? "true" : "false"},
+      {"data.chat_template", c.chat_template},
+      {"lora.r", std::to_string(c.lora.r)},
+      {"lora.alpha", num(c.lora.alpha)},
+      {"lora.dropout", num(c.lora.dropout)},
+      {"lora.target_modules", lora_targets_text(c.lora)},
+      {"lora.use_rslora", c.lora.use_rslora ? "true" : "false"},
+      {"optim.lr", num(c.lr)},
+      {"optim.weight_decay", num(c.weight_decay)},
+      {"optim.betas", num(c.adam.beta1) + "," + num(c.adam.beta2)},
+      {"optim.eps", num(c.adam.eps)},
+      {"optim.max_grad_norm", num(c.adam.max_grad_norm)},
+      {"optim.lora_plus_ratio", c.lora_plus_ratio ? num(*c.lora_plus_ratio) : ""},
+      {"optim.mlp_lr", c.mlp_lr ? num(*c.mlp_lr) : ""},
+      {"schedule.kind", lr_schedule_name(c.schedule)},
+      {"schedule.warmup_steps", std::to_string(c.warmup_steps)},
+      {"batch_size", std::to_string(c.batch_size)},
+      {"grad_accum", std::to_string(c.grad_accum)},
+      {"seed", std::to_string(c.seed)},
+  };
+  return id;
 }
 
 }  // namespace loom

@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/device.h"
@@ -75,6 +76,36 @@ struct TrainConfig {
   int threads = 0;          // 0: physical cores
   Device device = kCpu;     // which backend computes (kernels/backend.h)
 
+  // ---- production training (docs/training.md "Running in production") ----
+  // Checkpoints: every checkpoint_interval steps and/or checkpoint_minutes of
+  // training (0: off); into checkpoint_dir (empty: <output_dir>/checkpoints);
+  // the last keep_checkpoints are kept, plus the best by eval loss.
+  int64_t checkpoint_interval = 0;
+  double checkpoint_minutes = 0;
+  std::string checkpoint_dir;
+  int64_t keep_checkpoints = 3;
+  // Non-finite loss or gradients: the step is skipped; after max_bad_steps in
+  // a row, on_divergence decides: rollback to the last checkpoint with the
+  // learning rate times rollback_lr_factor (at most max_rollbacks times), or stop.
+  enum class OnDivergence { rollback, stop };
+  int64_t max_bad_steps = 5;
+  OnDivergence on_divergence = OnDivergence::rollback;
+  double rollback_lr_factor = 0.5;
+  int64_t max_rollbacks = 3;
+  // Memory: the run is refused when the estimate exceeds memory_limit (0: the
+  // cgroup limit, else the machine's available memory); memory_alarm are
+  // fractions of that limit that log a record and set a metric when crossed.
+  int64_t memory_limit = 0;  // bytes
+  std::vector<double> memory_alarm{0.80, 0.95};
+  // Observability: /metrics (Prometheus) and a live page on metrics_port
+  // (0: off) at metrics_host; log_file gets ECS JSON lines; log_format says
+  // what stderr gets (text, or the same JSON lines).
+  int metrics_port = 0;
+  std::string metrics_host = "127.0.0.1";
+  std::string log_file;
+  enum class LogFormat { text, json };
+  LogFormat log_format = LogFormat::text;
+
   std::string source;  // the config file name, for messages
   std::vector<std::string> warnings;  // settings that have no effect, "file:line:col: ..."; run_training prints them
 };
@@ -87,5 +118,13 @@ TrainConfig load_train_config(const std::string& path, std::span<const std::stri
 // Same from YAML text; `name` stands for the file in messages.
 TrainConfig parse_train_config(std::string_view yaml, const std::string& name,
                                std::span<const std::string> overrides = {});
+
+// "8GiB", "1.5G", "512MiB", "2000000000" (bytes) -> bytes; nullopt when not a size.
+std::optional<int64_t> parse_byte_size(std::string_view text);
+
+// The keys that change what a run means (a resumed run must have the same
+// values): model, method, data, LoRA shape, batch, optimizer, schedule, seed.
+// Each entry is (key, value as text); compare with the checkpoint's list.
+std::vector<std::pair<std::string, std::string>> run_identity(const TrainConfig& c);
 
 }  // namespace loom

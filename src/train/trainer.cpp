@@ -15,6 +15,7 @@
 #include "core/cpu_budget.h"
 #include "core/error.h"
 #include "io/file_write.h"
+#include "train/train_log.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -25,12 +26,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-std::string format_duration(double s) {
-  const auto t = static_cast<int64_t>(std::max(0.0, s) + 0.5);
-  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, t / 60 % 60);
-  return fmt::format("{}m{:02}s", t / 60, t % 60);
-}
 
 std::string format_count(int64_t n) {
   if (n >= 1000000000) return fmt::format("{:.2f}B", static_cast<double>(n) / 1e9);
@@ -92,50 +87,19 @@ DataOptions data_options(const TrainConfig& c) {
 
 }  // namespace
 
-// Log lines, or a one-line progress bar on a terminal.
-class TrainProgress {
- public:
-  TrainProgress(std::FILE* out, int64_t total, int64_t log_interval)
-      : out_(out), total_(total), log_interval_(log_interval), tty_(out && isatty(fileno(out))) {}
-
-  void step(int64_t step, double loss, double lr, double grad_norm, double tok_s, double elapsed) {
-    if (!out_) return;
-    const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
-    if (tty_) {
-      const int width = 24;
-      const int fill = static_cast<int>(static_cast<double>(width) * static_cast<double>(step) / static_cast<double>(total_));
-      std::fprintf(out_, "\r\033[K[%s%s] %lld/%lld loss %.4f lr %.2e %.0f tok/s ETA %s",
-                   std::string(static_cast<size_t>(fill), '#').c_str(), std::string(static_cast<size_t>(width - fill), '.').c_str(),
-                   static_cast<long long>(step), static_cast<long long>(total_), loss, lr, tok_s, format_duration(eta).c_str());
-      std::fflush(out_);
-      open_ = true;
-    } else if (step % log_interval_ == 0 || step == total_ || step == 1) {
-      std::fprintf(out_, "step %lld/%lld loss %.4f lr %.3e grad_norm %.3f %.0f tok/s elapsed %s ETA %s\n",
-                   static_cast<long long>(step), static_cast<long long>(total_), loss, lr, grad_norm, tok_s,
-                   format_duration(elapsed).c_str(), format_duration(eta).c_str());
-      std::fflush(out_);
-    }
-  }
-  // A full line (eval results, final messages); ends an open progress bar first.
-  template <typename... Args>
-  void line(fmt::format_string<Args...> f, Args&&... args) {
-    if (!out_) return;
-    if (open_) std::fputc('\n', out_);
-    open_ = false;
-    const std::string s = fmt::format(f, std::forward<Args>(args)...);
-    std::fprintf(out_, "%s\n", s.c_str());
-    std::fflush(out_);
-  }
-
- private:
-  std::FILE* out_;
-  int64_t total_, log_interval_;
-  bool tty_;
-  bool open_ = false;
-};
+namespace {
+TrainLogOptions log_options(const TrainConfig& c, std::FILE* console) {
+  TrainLogOptions o;
+  o.console = console;
+  o.console_json = c.log_format == TrainConfig::LogFormat::json;
+  o.log_file = c.log_file;
+  o.log_interval = c.log_interval;
+  return o;
+}
+}  // namespace
 
 Trainer::Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks)
-    : c_(std::move(config)), log_(log), hooks_(std::move(hooks)), progress_(std::make_unique<TrainProgress>(log, 1, 1)) {}
+    : c_(std::move(config)), hooks_(std::move(hooks)), log_(std::make_unique<TrainLog>(log_options(c_, log))) {}
 
 Trainer::~Trainer() = default;
 
@@ -158,14 +122,13 @@ void Trainer::setup() {
   res_.trainable_params = params_->count();
   res_.total_params = model_->parameter_count() + params_->added_params();
   log_start();
-  progress_ = std::make_unique<TrainProgress>(log_, total_steps_, c_.log_interval);
   micro_.resize(static_cast<size_t>(c_.grad_accum));
   t0_ = Clock::now();
 }
 
 void Trainer::open_outputs() {
   check_outputs(c_);
-  for (const std::string& w : c_.warnings) progress_->line("warning: {}", w);
+  for (const std::string& w : c_.warnings) log_->record(LogLevel::warning, "config", w);
   // metrics_file: one JSON object per optimizer step and per evaluation (loss curves, benchmarks).
   if (c_.metrics_file.empty()) return;
   metrics_.reset(std::fopen(c_.metrics_file.c_str(), "w"));
@@ -177,10 +140,18 @@ void Trainer::open_outputs() {
 void Trainer::load_data() {
   const std::optional<ChatTemplate> tmpl = data_chat_template(*model_, c_);
   data_.emplace(prepare_train_data(c_.train_file, model_->tokenizer(), tmpl ? &*tmpl : nullptr, data_options(c_)));
-  progress_->line("train data: {}: {}", c_.train_file, format_data_stats(data_->train.stats));
+  const DataStats& st = data_->train.stats;
+  log_->record(LogLevel::info, "data", fmt::format("train data: {}: {}", c_.train_file, format_data_stats(st)),
+               {{"data", {{"file", c_.train_file}, {"samples", st.samples}, {"lines", st.lines},
+                          {"skipped", st.skipped}, {"truncated", st.truncated}, {"dropped", st.dropped},
+                          {"tokens", st.tokens}, {"rows", data_->train.rows.rows()},
+                          {"cache", cache_status_name(data_->train_cache.status)}}}});
   if (data_->eval)
-    progress_->line("eval data: {} samples, {} rows{}", data_->eval->n_samples, data_->eval->rows.rows(),
-                    c_.eval_file.empty() ? " (split from the train file)" : " from " + c_.eval_file);
+    log_->record(LogLevel::info, "data",
+                 fmt::format("eval data: {} samples, {} rows{}", data_->eval->n_samples, data_->eval->rows.rows(),
+                             c_.eval_file.empty() ? " (split from the train file)" : " from " + c_.eval_file),
+                 {{"eval_data", {{"file", c_.eval_file.empty() ? c_.train_file : c_.eval_file},
+                                 {"samples", data_->eval->n_samples}, {"rows", data_->eval->rows.rows()}}}});
 }
 
 void Trainer::build_optimizer() {
@@ -197,13 +168,21 @@ void Trainer::build_optimizer() {
 
 void Trainer::log_start() {
   const ModelConfig& mc = model_->config();
-  progress_->line("model: {} ({} layers, hidden {}), {} parameters; {}: {} trainable ({:.3f}%); backward {}", c_.model,
-                  mc.n_layers, mc.hidden, format_count(res_.total_params), params_->describe(),
-                  format_count(res_.trainable_params),
-                  100.0 * static_cast<double>(res_.trainable_params) / static_cast<double>(res_.total_params),
-                  backward_mode_name(c_.backward));
-  progress_->line("training: {} steps of {} x {} rows x {} tokens ({} rows per epoch)", total_steps_, c_.grad_accum,
-                  c_.batch_size, c_.seq_len, data_->train.rows.rows());
+  log_->record(LogLevel::info, "model",
+               fmt::format("model: {} ({} layers, hidden {}), {} parameters; {}: {} trainable ({:.3f}%); backward {}",
+                           c_.model, mc.n_layers, mc.hidden, format_count(res_.total_params), params_->describe(),
+                           format_count(res_.trainable_params),
+                           100.0 * static_cast<double>(res_.trainable_params) /
+                               static_cast<double>(res_.total_params),
+                           backward_mode_name(c_.backward)),
+               {{"model", {{"path", c_.model}, {"layers", mc.n_layers}, {"hidden", mc.hidden},
+                           {"parameters", res_.total_params}, {"trainable_parameters", res_.trainable_params},
+                           {"method", params_->describe()}, {"backward", backward_mode_name(c_.backward)}}}});
+  log_->record(LogLevel::info, "start",
+               fmt::format("training: {} steps of {} x {} rows x {} tokens ({} rows per epoch)", total_steps_,
+                           c_.grad_accum, c_.batch_size, c_.seq_len, data_->train.rows.rows()),
+               {{"total_steps", total_steps_}, {"grad_accum", c_.grad_accum}, {"batch_size", c_.batch_size},
+                {"seq_len", c_.seq_len}, {"rows_per_epoch", data_->train.rows.rows()}});
 }
 
 int64_t Trainer::loss_tokens(int64_t local) {
@@ -250,7 +229,11 @@ StepReport Trainer::train_step() {
   r.step_seconds = seconds_since(ts);
   train_seconds_ += r.step_seconds;
   const double tok_s = train_seconds_ > 0 ? static_cast<double>(input_tokens_) / train_seconds_ : 0;
-  progress_->step(r.step, r.loss, r.lr, r.grad_norm, tok_s, seconds_since(t0_));
+  const double elapsed = seconds_since(t0_);
+  log_->step({.step = r.step, .total = total_steps_, .loss = r.loss, .lr = r.lr, .grad_norm = r.grad_norm,
+              .tokens_per_s = tok_s, .elapsed_s = elapsed,
+              .eta_s = elapsed / static_cast<double>(r.step) * static_cast<double>(total_steps_ - r.step),
+              .tokens = input_tokens_});
   write_metrics_step(r, tok_s);
   if (hooks_.after_optimizer_step) hooks_.after_optimizer_step(*this, r);
   return r;
@@ -274,7 +257,9 @@ std::optional<double> Trainer::evaluate() {
   const double loss = eval_loss(*session_, *data_->eval, data_->pad_id, c_.batch_size);
   res_.eval_losses.push_back(loss);
   res_.final_eval_loss = loss;
-  progress_->line("eval at step {}: loss {:.4f} (ppl {:.2f})", step, loss, std::exp(loss));
+  log_->record(LogLevel::info, "eval", fmt::format("eval at step {}: loss {:.4f} (ppl {:.2f})", step, loss, std::exp(loss)),
+               {{"step", step}, {"eval_loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json()}},
+               "metric");
   if (metrics_) {
     std::fprintf(metrics_.get(), "{\"step\":%lld,\"eval_loss\":%s,\"elapsed_seconds\":%.3f}\n",
                  static_cast<long long>(step), json_number(loss).c_str(), seconds_since(t0_));
@@ -294,9 +279,13 @@ TrainResult Trainer::finish() {
   out_opt.force = "--overwrite (or overwrite: true)";
   params_->write_output(*model_, c_, out_opt);
   res_.adapter_dir = c_.output_dir;
-  progress_->line("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", res_.steps,
-                  res_.trained_tokens, format_duration(seconds_since(t0_)), res_.tokens_per_s,
-                  params_->output_kind(), std::filesystem::absolute(c_.output_dir).string());
+  const std::string out = std::filesystem::absolute(c_.output_dir).string();
+  log_->record(LogLevel::info, "finish",
+               fmt::format("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", res_.steps,
+                           res_.trained_tokens, format_duration(seconds_since(t0_)), res_.tokens_per_s,
+                           params_->output_kind(), out),
+               {{"steps", res_.steps}, {"target_tokens", res_.trained_tokens},
+                {"tokens_per_s", res_.tokens_per_s}, {"output_dir", out}});
   return res_;
 }
 

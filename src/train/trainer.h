@@ -35,12 +35,13 @@ struct TrainResult {
   std::string adapter_dir;
 };
 
-class TrainProgress;
+class TrainLog;
 
 class Trainer {
  public:
-  // Keeps a copy of `config`. Messages and progress go to `log` (nullptr:
-  // silent); a progress bar replaces log lines when `log` is a terminal.
+  // Keeps a copy of `config`. Records (train_log.h) go to the console `log`
+  // (nullptr: silent; a progress bar replaces step lines on a terminal; JSON
+  // lines with log_format: json) and to config.log_file.
   Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
@@ -74,6 +75,7 @@ class Trainer {
   DataLoader& loader() { return *loader_; }  // cursor() / seek(): where the next step starts
   TrainSession& session() { return *session_; }
   Backend& backend() { return *backend_; }
+  TrainLog& log() { return *log_; }  // valid from construction
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -86,9 +88,8 @@ class Trainer {
   int64_t loss_tokens(int64_t local);
 
   TrainConfig c_;
-  std::FILE* log_;
   TrainHooks hooks_;
-  std::unique_ptr<TrainProgress> progress_;
+  std::unique_ptr<TrainLog> log_;
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics_{nullptr, &std::fclose};
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<Backend> backend_;  // runs on pool_
