@@ -98,8 +98,8 @@ TrainLogOptions log_options(const TrainConfig& c, std::FILE* console) {
 }
 }  // namespace
 
-Trainer::Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks)
-    : c_(std::move(config)), hooks_(std::move(hooks)), log_(std::make_unique<TrainLog>(log_options(c_, log))) {}
+Trainer::Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks, TrainRuntime runtime)
+    : c_(std::move(config)), hooks_(std::move(hooks)), rt_(std::move(runtime)), log_(std::make_unique<TrainLog>(log_options(c_, log))) {}
 
 Trainer::~Trainer() = default;
 
@@ -289,8 +289,8 @@ TrainResult Trainer::finish() {
   return res_;
 }
 
-TrainResult run_training(const TrainConfig& config, std::FILE* log, TrainHooks hooks) {
-  Trainer t(config, log, std::move(hooks));
+TrainResult run_training(const TrainConfig& config, std::FILE* log, TrainHooks hooks, TrainRuntime runtime) {
+  Trainer t(config, log, std::move(hooks), std::move(runtime));
   t.setup();
   if (config.eval_at_start) t.evaluate();
   const int64_t interval = config.eval_interval;

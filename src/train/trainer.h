@@ -4,6 +4,7 @@
 // in all-reduce, checkpoints and metrics; run_training composes the steps.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -36,13 +37,29 @@ struct TrainResult {
 };
 
 class TrainLog;
+class Failpoints;    // core/failpoints.h
+class TrainMetrics;  // train/train_metrics.h
+
+// What the process around the trainer supplies; none of it changes what the
+// run computes. Each pointer is optional (nullptr: not used) and not owned.
+struct TrainRuntime {
+  // --resume: "" takes the latest good checkpoint, else the checkpoint at this path.
+  std::optional<std::string> resume;
+  // Set (to the signal number) by the app's SIGINT/SIGTERM/SIGUSR1 handler:
+  // finish the current step, write a checkpoint, stop.
+  const std::atomic<int>* stop_signal = nullptr;
+  // LOOM_FAILPOINTS, parsed by the app (test facility, docs/training.md).
+  const Failpoints* failpoints = nullptr;
+  // The loom_train_ Prometheus series the trainer keeps up to date.
+  TrainMetrics* metrics = nullptr;
+};
 
 class Trainer {
  public:
   // Keeps a copy of `config`. Records (train_log.h) go to the console `log`
   // (nullptr: silent; a progress bar replaces step lines on a terminal; JSON
   // lines with log_format: json) and to config.log_file.
-  Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks = {});
+  Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks = {}, TrainRuntime runtime = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -89,6 +106,7 @@ class Trainer {
 
   TrainConfig c_;
   TrainHooks hooks_;
+  TrainRuntime rt_;
   std::unique_ptr<TrainLog> log_;
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics_{nullptr, &std::fclose};
   std::unique_ptr<ThreadPool> pool_;
@@ -111,6 +129,7 @@ class Trainer {
 // 0 when eval_at_start, the steps with an evaluation every eval_interval
 // steps, a final evaluation, finish. Throws loom::Error for bad model, data or
 // options.
-TrainResult run_training(const TrainConfig& config, std::FILE* log = stderr, TrainHooks hooks = {});
+TrainResult run_training(const TrainConfig& config, std::FILE* log = stderr, TrainHooks hooks = {},
+                         TrainRuntime runtime = {});
 
 }  // namespace loom
