@@ -1,12 +1,18 @@
 // `loom train CONFIG.yaml [--set key=value ...]`: fine-tuning described by a
 // YAML file (keys in docs/training.md): LoRA (method: lora) writes a PEFT
 // adapter folder, full fine-tuning (method: full) a Hugging Face model folder.
+#include <chrono>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
+#include "apps/train_monitor.h"
+#include "core/prometheus.h"
 #include "train/train_config.h"
+#include "train/train_metrics.h"
 #include "train/trainer.h"
 
 namespace loom::app {
@@ -35,6 +41,16 @@ int run_train(int argc, char** argv) {
   app.add_option("--log-format", log_format,
                  "stderr gets 'text' (the default) or 'json': one ECS JSON object per line, as log_file")
       ->check(CLI::IsMember({"text", "json"}));
+  int metrics_port = -1;
+  app.add_option("--metrics-port", metrics_port,
+                 "serve Prometheus /metrics and the live curves page / on this port while training (the "
+                 "metrics_port key; 0: off)")
+      ->check(CLI::Range(0, 65535));
+  double metrics_linger = 0;
+  app.add_option("--metrics-linger", metrics_linger,
+                 "keep serving /metrics and the page this many seconds after the run ends, so a last scrape "
+                 "sees the final values (default 0)")
+      ->check(CLI::Range(0.0, 86400.0));
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   TrainConfig config = load_train_config(config_path, overrides);
@@ -43,7 +59,19 @@ int run_train(int argc, char** argv) {
   if (overwrite) config.overwrite = true;
   if (!log_format.empty())
     config.log_format = log_format == "json" ? TrainConfig::LogFormat::json : TrainConfig::LogFormat::text;
-  run_training(config, stderr);
+  if (metrics_port >= 0) config.metrics_port = metrics_port;
+  // Bound before the model loads, so a port in use costs nothing; served until the run ends.
+  MetricsRegistry registry;
+  TrainMetrics metrics(registry);
+  std::unique_ptr<TrainMonitor> monitor;
+  TrainRuntime runtime;
+  if (config.metrics_port > 0) {
+    monitor = std::make_unique<TrainMonitor>(metrics, config.metrics_host, config.metrics_port);
+    metrics.set_endpoint(monitor->url());
+    runtime.metrics = &metrics;
+  }
+  run_training(config, stderr, {}, runtime);
+  if (monitor && metrics_linger > 0) std::this_thread::sleep_for(std::chrono::duration<double>(metrics_linger));
   return 0;
 }
 

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "io/file_write.h"
 #include "train/train_log.h"
+#include "train/train_metrics.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -124,6 +125,17 @@ void Trainer::setup() {
   log_start();
   micro_.resize(static_cast<size_t>(c_.grad_accum));
   t0_ = Clock::now();
+  if (rt_.metrics) start_metrics();
+}
+
+void Trainer::start_metrics() {
+  rt_.metrics->on_start(std::filesystem::path(c_.model).filename().string(),
+                        c_.method == TrainMethod::full ? "full" : "lora", total_steps_, steps_done());
+  const std::string url = rt_.metrics->endpoint();
+  if (!url.empty())
+    log_->record(LogLevel::info, "metrics",
+                 fmt::format("metrics: Prometheus at {}metrics, live curves at {}", url, url),
+                 {{"metrics", {{"url", url}}}});
 }
 
 void Trainer::open_outputs() {
@@ -230,11 +242,11 @@ StepReport Trainer::train_step() {
   train_seconds_ += r.step_seconds;
   const double tok_s = train_seconds_ > 0 ? static_cast<double>(input_tokens_) / train_seconds_ : 0;
   const double elapsed = seconds_since(t0_);
+  const double eta = elapsed / static_cast<double>(r.step) * static_cast<double>(total_steps_ - r.step);
   log_->step({.step = r.step, .total = total_steps_, .loss = r.loss, .lr = r.lr, .grad_norm = r.grad_norm,
-              .tokens_per_s = tok_s, .elapsed_s = elapsed,
-              .eta_s = elapsed / static_cast<double>(r.step) * static_cast<double>(total_steps_ - r.step),
-              .tokens = input_tokens_});
+              .tokens_per_s = tok_s, .elapsed_s = elapsed, .eta_s = eta, .tokens = input_tokens_});
   write_metrics_step(r, tok_s);
+  if (rt_.metrics) rt_.metrics->on_step(r, total_steps_, tok_s, eta);
   if (hooks_.after_optimizer_step) hooks_.after_optimizer_step(*this, r);
   return r;
 }
@@ -265,6 +277,7 @@ std::optional<double> Trainer::evaluate() {
                  static_cast<long long>(step), json_number(loss).c_str(), seconds_since(t0_));
     std::fflush(metrics_.get());
   }
+  if (rt_.metrics) rt_.metrics->on_eval(step, loss, std::nullopt);
   if (hooks_.at_evaluation) hooks_.at_evaluation(*this, step, loss);
   return loss;
 }
@@ -279,6 +292,7 @@ TrainResult Trainer::finish() {
   out_opt.force = "--overwrite (or overwrite: true)";
   params_->write_output(*model_, c_, out_opt);
   res_.adapter_dir = c_.output_dir;
+  if (rt_.metrics) rt_.metrics->on_finish();
   const std::string out = std::filesystem::absolute(c_.output_dir).string();
   log_->record(LogLevel::info, "finish",
                fmt::format("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", res_.steps,

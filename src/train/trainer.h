@@ -101,6 +101,7 @@ class Trainer {
   void load_data();
   void build_optimizer();
   void log_start();
+  void start_metrics();  // TrainRuntime::metrics: the run's info, and where it is served
   void write_metrics_step(const StepReport& r, double elapsed);
   int64_t loss_tokens(int64_t local);
 

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/prometheus.h"
 #include "serve/metrics.h"
 
 namespace loom {
