@@ -48,7 +48,11 @@ for cid in ("c-loss", "c-acc", "c-lr", "c-gn"):
         print("note: no accuracy curve (the eval reports no token accuracy)")
         has_accuracy = False
         continue
-    assert paths and len(paths[0]) > 100, "chart %s has no curve" % cid
+    points = [p.count("L") + 1 for p in paths]
+    # Train curves: a point per step (450 or more by now); eval curves: one per 200 steps.
+    want = {"c-loss": [400, 2], "c-acc": [2], "c-lr": [400], "c-gn": [400]}[cid]
+    assert len(points) == len(want) and all(n >= w for n, w in zip(points, want)), \
+        "chart %s: curves of %s points, wanted at least %s" % (cid, points, want)
 
 # Decode the PNG (8-bit RGB/RGBA, not interlaced: what Chromium writes) without libraries, and count
 # every colour.
