@@ -128,9 +128,19 @@ void TrainMetrics::on_checkpoint(double seconds) {
 }
 
 void TrainMetrics::on_memory(const MemoryFigures& m) {
-  for (const auto& [arena, bytes] : m.arenas)
-    registry_.gauge("loom_train_memory_bytes", "Bytes held, by arena.", {{"arena", arena}})
-        .set(static_cast<double>(bytes));
+  {
+    // The arena series are made on the first report and looked up by name after that.
+    std::lock_guard lock(mu_);
+    for (const auto& [arena, bytes] : m.arenas) {
+      auto it = std::find_if(arena_gauges_.begin(), arena_gauges_.end(), [&](const auto& g) { return g.first == arena; });
+      if (it == arena_gauges_.end()) {
+        arena_gauges_.emplace_back(
+            arena, &registry_.gauge("loom_train_memory_bytes", "Bytes held, by arena.", {{"arena", arena}}));
+        it = arena_gauges_.end() - 1;
+      }
+      it->second->set(static_cast<double>(bytes));
+    }
+  }
   rss_.set(static_cast<double>(m.rss_bytes));
   memory_limit_.set(static_cast<double>(m.limit_bytes));
   memory_alarm_.set(m.alarm_level);

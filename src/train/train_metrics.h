@@ -110,7 +110,8 @@ class TrainMetrics {
   std::vector<TrainPoint> train_;
   std::vector<EvalPoint> eval_;
   int64_t train_stride_ = 1, eval_stride_ = 1;
-  std::optional<TrainPoint> last_train_;  // the newest step, kept even when the stride skips it
+  std::optional<TrainPoint> last_train_;
+  std::vector<std::pair<std::string, Gauge*>> arena_gauges_;  // loom_train_memory_bytes{arena}  // the newest step, kept even when the stride skips it
 };
 
 }  // namespace loom
