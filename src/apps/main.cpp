@@ -18,6 +18,7 @@ void print_usage() {
       "  chat       interactive chat using the model's chat template\n"
       "  merge      merge a LoRA adapter into a model, write a Hugging Face folder\n"
       "  train      fine-tune a model (LoRA adapter or all weights) from a YAML config\n"
+      "  plot       draw training curves (loss, eval loss, token accuracy, lr, grad norm) as SVG or PNG\n"
       "  bench      measure prompt processing and generation speed\n"
       "  serve      OpenAI-compatible HTTP server with continuous batching and multi-LoRA\n\n"
       "Run 'loom <command> --help' for a command's options.\n",
@@ -38,8 +39,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loom: unknown command '%s' (see 'loom --help')\n", cmd.c_str());
     return 2;
   } catch (const loom::Error& e) {
-    std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
-    return e.kind() == loom::ErrorKind::internal ? 70 : 1;
+    // Exit codes (docs/training.md, "Signals and exit codes"): 1 bad input,
+    // 3 I/O, 4 diverged, 70 internal; 2 is the command line's (CLI11).
+    if (!e.reported()) std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
+    return loom::error_exit_code(e.kind());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
     return 70;

@@ -58,6 +58,7 @@ ApiError api_error_from(const Error& e) {
     case ErrorKind::not_found:
       return ApiError(404, "invalid_request_error", "not_found", "", e.what());
     case ErrorKind::io:
+    case ErrorKind::diverged:
     case ErrorKind::internal:
       break;
   }

@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "kernels/cpu/dequant.h"
 
@@ -12,37 +14,38 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   tied_ = w.output.data == w.token_embd.data;
   // Pass 1: sizes and offsets, in a fixed order; pass 2 copies and re-points.
   size_t total = 0;
-  auto add = [&](int64_t n, bool decay) {
-    spans_.push_back({total, static_cast<size_t>(n), decay});
+  auto add = [&](int64_t n, bool decay, std::string name) {
+    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name)});
     total += static_cast<size_t>(n);
     return spans_.size() - 1;
   };
   const int64_t H = c.hidden;
-  const size_t embd = add(w.token_embd.numel(), true);
+  const size_t embd = add(w.token_embd.numel(), true, "model.embed_tokens.weight");
   struct LayerSpans {
     size_t attn_norm, wq, wk, wv, wo, bq = SIZE_MAX, bk = SIZE_MAX, bv = SIZE_MAX, ffn_norm, gate, up, down;
   };
   std::vector<LayerSpans> ls;
   for (const LayerWeights& L : w.layers) {
     LayerSpans s{};
-    s.attn_norm = add(H, false);
-    s.wq = add(L.wq.numel(), true);
-    s.wk = add(L.wk.numel(), true);
-    s.wv = add(L.wv.numel(), true);
-    s.wo = add(L.wo.numel(), true);
+    const std::string p = fmt::format("model.layers.{}.", ls.size());  // Hugging Face names
+    s.attn_norm = add(H, false, p + "input_layernorm.weight");
+    s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight");
+    s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight");
+    s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight");
+    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight");
     if (L.bq != nullptr) {
-      s.bq = add(L.wq.rows(), false);
-      s.bk = add(L.wk.rows(), false);
-      s.bv = add(L.wv.rows(), false);
+      s.bq = add(L.wq.rows(), false, p + "self_attn.q_proj.bias");
+      s.bk = add(L.wk.rows(), false, p + "self_attn.k_proj.bias");
+      s.bv = add(L.wv.rows(), false, p + "self_attn.v_proj.bias");
     }
-    s.ffn_norm = add(H, false);
-    s.gate = add(L.w_gate.numel(), true);
-    s.up = add(L.w_up.numel(), true);
-    s.down = add(L.w_down.numel(), true);
+    s.ffn_norm = add(H, false, p + "post_attention_layernorm.weight");
+    s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight");
+    s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight");
+    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight");
     ls.push_back(s);
   }
-  const size_t out_norm = add(H, false);
-  const size_t output = tied_ ? embd : add(w.output.numel(), true);
+  const size_t out_norm = add(H, false, "model.norm.weight");
+  const size_t output = tied_ ? embd : add(w.output.numel(), true, "lm_head.weight");
 
   params_.assign(total, 0.0f);
   grads_.assign(total, 0.0f);
@@ -93,6 +96,12 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     layers_.push_back(lg);
   }
   output_norm_grad_ = take_vector(w.output_norm, out_norm);
+}
+
+std::string FullParams::tensor_at(size_t offset) const {
+  for (const Span& s : spans_)
+    if (offset >= s.offset && offset - s.offset < s.size) return s.name;
+  return "";
 }
 
 void FullParams::zero_grads() { std::memset(grads_.data(), 0, grads_.size() * sizeof(float)); }

@@ -44,11 +44,15 @@ class FullParams {
   // Two groups like transformers' Trainer: matrices and embeddings decay,
   // norms and biases do not.
   std::vector<ParamGroup> param_groups(double lr, double weight_decay) const;
+  // The Hugging Face name of the weight holding arena element `offset`
+  // ("model.layers.3.mlp.up_proj.weight"); "" past the end.
+  std::string tensor_at(size_t offset) const;
 
  private:
   struct Span {
     size_t offset, size;
     bool decay;
+    std::string name;
   };
   std::vector<Span> spans_;
   std::vector<float> params_, grads_;

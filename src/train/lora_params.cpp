@@ -73,4 +73,22 @@ std::string LoraModel::peft_name(int64_t layer, LoraTarget t, bool is_a) {
   return peft::tensor_name(static_cast<int>(layer), t, /*lora_b=*/!is_a);
 }
 
+std::string LoraModel::tensor_at(size_t offset) const {
+  const auto r = static_cast<size_t>(config_.r);
+  for (int64_t l = 0; l < n_layers_; ++l)
+    for (LoraTarget t : kAllLoraTargets) {
+      const LoraSlot& s = slot(l, t);
+      if (!s.active) continue;
+      const bool in_a = offset >= s.a_offset && offset - s.a_offset < r * static_cast<size_t>(s.in);
+      const bool in_b = offset >= s.b_offset && offset - s.b_offset < static_cast<size_t>(s.out) * r;
+      if (!in_a && !in_b) continue;
+      std::string name = peft_name(l, t, in_a);
+      constexpr std::string_view kPrefix = "base_model.model.model.", kSuffix = ".weight";
+      if (name.starts_with(kPrefix)) name.erase(0, kPrefix.size());
+      if (name.ends_with(kSuffix)) name.erase(name.size() - kSuffix.size());
+      return name;
+    }
+  return "";
+}
+
 }  // namespace loom

@@ -49,6 +49,9 @@ class LoraModel {
 
   // PEFT's tensor name, e.g. "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight".
   static std::string peft_name(int64_t layer, LoraTarget t, bool is_a);
+  // The adapter matrix holding arena element `offset`, PEFT's name without its
+  // prefix and suffix: "layers.3.self_attn.q_proj.lora_B"; "" when none does.
+  std::string tensor_at(size_t offset) const;
 
  private:
   Tensor view(std::vector<float>& arena, int64_t layer, LoraTarget t, bool is_a);

@@ -100,7 +100,7 @@ AdamW::AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> group
 
 double AdamW::current_lr(size_t group) const {
   LOOM_ASSERT(group < groups_.size());
-  return groups_[group].lr * schedule_.multiplier(step_);
+  return groups_[group].lr * schedule_.multiplier(step_) * lr_scale_;
 }
 
 StepStats AdamW::step(std::span<float> params, std::span<float> grads) {
@@ -124,7 +124,7 @@ StepStats AdamW::step(std::span<float> params, std::span<float> grads) {
   u.eps = static_cast<float>(config_.eps);
   u.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(config_.beta2, t)));
   for (const auto& g : groups_) {
-    const double lr = g.lr * st.lr_multiplier;
+    const double lr = g.lr * st.lr_multiplier * lr_scale_;
     u.keep = static_cast<float>(1.0 - lr * (g.decay ? g.weight_decay : 0.0));
     u.step_size = static_cast<float>(lr / bc1);
     be_.adamw_update(u, params.data() + g.offset, grads.data() + g.offset, m_.floats() + g.offset,

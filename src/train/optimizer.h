@@ -82,6 +82,10 @@ class AdamW {
   const std::vector<ParamGroup>& groups() const { return groups_; }
   const LrSchedule& schedule() const { return schedule_; }
   double current_lr(size_t group) const;  // lr the next step() will use
+  // Multiplies every group's learning rate (a divergence rollback lowers it;
+  // train/faults.h). Not part of save(): the checkpoint's FaultState holds it.
+  void set_lr_scale(double scale) { lr_scale_ = scale; }
+  double lr_scale() const { return lr_scale_; }
   // Moment arenas, same layout as the parameter arena.
   std::span<const float> exp_avg() const { return {m_.floats(), n_}; }
   std::span<const float> exp_avg_sq() const { return {v_.floats(), n_}; }
@@ -100,6 +104,7 @@ class AdamW {
   std::vector<ParamGroup> groups_;
   LrSchedule schedule_;
   int64_t step_ = 0;
+  double lr_scale_ = 1;
   Backend& be_;
   size_t n_ = 0;
   DeviceBuffer m_, v_;

@@ -95,6 +95,7 @@ class LoraTrainable final : public TrainableParams {
   std::span<float> params() override { return {lora_.params(), static_cast<size_t>(lora_.param_count())}; }
   std::span<float> grads() override { return {lora_.grads(), static_cast<size_t>(lora_.param_count())}; }
   void zero_grads() override { lora_.zero_grads(); }
+  std::string tensor_at(size_t offset) const override { return lora_.tensor_at(offset); }
   std::vector<ParamGroup> param_groups(const TrainConfig& c) const override { return lora_param_groups(lora_, c); }
   std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
     return std::make_unique<TrainSession>(model.config(), model.weights(), lora_, backend, mode);
@@ -120,6 +121,7 @@ class FullTrainable final : public TrainableParams {
   std::span<float> params() override { return {full_.params(), static_cast<size_t>(full_.param_count())}; }
   std::span<float> grads() override { return {full_.grads(), static_cast<size_t>(full_.param_count())}; }
   void zero_grads() override { full_.zero_grads(); }
+  std::string tensor_at(size_t offset) const override { return full_.tensor_at(offset); }
   std::vector<ParamGroup> param_groups(const TrainConfig& c) const override {
     return full_.param_groups(c.lr, c.weight_decay);
   }

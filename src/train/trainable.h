@@ -28,6 +28,10 @@ class TrainableParams {
   virtual std::span<float> grads() = 0;
   int64_t count() { return static_cast<int64_t>(params().size()); }
   virtual void zero_grads() = 0;
+  // The tensor holding arena element `offset` (for messages: the first tensor
+  // with a non-finite gradient): "layers.3.self_attn.q_proj.lora_B" (LoRA),
+  // "model.layers.3.mlp.up_proj.weight" (full); "" past the end.
+  virtual std::string tensor_at(size_t offset) const = 0;
   // LoRA: attention / MLP and A / B groups (mlp_lr, LoRA+); full: weights
   // (decay) and norms / biases (no decay).
   virtual std::vector<ParamGroup> param_groups(const TrainConfig& c) const = 0;

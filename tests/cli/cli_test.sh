@@ -94,11 +94,12 @@ expect "train data is a dir" 1 "config-dir: is a directory, not a file" -- "$loo
 # loom train checks everything it writes before training (the model path here does not even exist).
 echo x >"$tmp/a-file"
 expect "train output_dir is a file" 1 "output_dir '.*a-file': exists and is not a folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set output_dir="$tmp/a-file"
-expect "train output_dir not creatable" 1 "output_dir '.*a-file/out/adapter': cannot create its parent folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set output_dir="$tmp/a-file/out/adapter"
-expect "train cache_dir is a file" 1 "data.cache_dir '.*a-file': exists and is not a folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir="$tmp/a-file" --set output_dir="$tmp/a-c1"
-expect "train cache_dir not creatable" 1 "data.cache_dir '.*a-file/c': cannot create the folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir="$tmp/a-file/c" --set output_dir="$tmp/a-c2"
+# An output that cannot be created or written is an I/O error: exit 3 (docs/training.md, "Signals and exit codes").
+expect "train output_dir not creatable" 3 "output_dir '.*a-file/out/adapter': cannot create its parent folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set output_dir="$tmp/a-file/out/adapter"
+expect "train cache_dir is a file" 3 "data.cache_dir '.*a-file': exists and is not a folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir="$tmp/a-file" --set output_dir="$tmp/a-c1"
+expect "train cache_dir not creatable" 3 "data.cache_dir '.*a-file/c': cannot create the folder" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir="$tmp/a-file/c" --set output_dir="$tmp/a-c2"
 if ! touch /sys/kernel/.loom-probe 2>/dev/null; then  # a folder even root cannot write in
-  expect "train cache_dir not writable" 1 "data.cache_dir '/sys/kernel': cannot write files" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir=/sys/kernel --set output_dir="$tmp/a-c3"
+  expect "train cache_dir not writable" 3 "data.cache_dir '/sys/kernel': cannot write files" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/none.gguf" --set data.cache_dir=/sys/kernel --set output_dir="$tmp/a-c3"
 fi
 expect "train output_dir holds the data" 1 "output_dir .*fixtures' holds the model" -- "$loom" train "$tmp/train.yaml" --set output_dir="$src/tests/fixtures"
 mkdir -p "$tmp/notes" && echo keep >"$tmp/notes/my-notes.txt"
