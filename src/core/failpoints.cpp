@@ -205,6 +205,4 @@ std::optional<FailpointFire> Failpoints::eval(std::string_view site, int64_t ste
   return out;
 }
 
-std::string Failpoints::describe(size_t entry) const { return entry < entries_.size() ? entries_[entry].text : ""; }
-
 }  // namespace loom

@@ -84,9 +84,6 @@ class Failpoints {
   // io_error end there; the first site-specific action is returned. Thread-safe.
   std::optional<FailpointFire> eval(std::string_view site, int64_t step = -1) const;
 
-  // The entry as it would be written back ("nan_grad@step:step=12"), for logs.
-  std::string describe(size_t entry) const;
-
  private:
   struct Range {
     int64_t lo = 0, hi = INT64_MAX;
