@@ -32,9 +32,11 @@ std::optional<size_t> first_non_finite(std::span<const float> a, ThreadPool* poo
 struct NonFiniteStep {
   bool loss = false;       // the loss was not finite (else a gradient element)
   double loss_value = 0;   // the step's mean loss
-  size_t offset = 0;       // gradient: the first bad element of the arena
+  bool element = false;    // a gradient element is not finite: offset, value, tensor name it
+  size_t offset = 0;       // the first bad element of the gradient arena
   float value = 0;         // its value
-  std::string tensor;      // the tensor holding it (TrainableParams::tensor_at), or "loss"
+  std::string tensor;      // the tensor holding it (TrainableParams::tensor_at), else "loss"
+                           // or "gradient norm" (finite elements whose norm is not)
 };
 
 }  // namespace loom

@@ -103,11 +103,11 @@ double AdamW::current_lr(size_t group) const {
   return groups_[group].lr * schedule_.multiplier(step_) * lr_scale_;
 }
 
-StepStats AdamW::step(std::span<float> params, std::span<float> grads) {
+StepStats AdamW::step(std::span<float> params, std::span<float> grads, std::optional<double> grad_norm) {
   LOOM_ASSERT(params.size() == n_ && grads.size() == n_);
   StepStats st;
   // torch's clip_grad_norm_: the norm in double, the coefficient in fp32, applied below 1.
-  st.grad_norm = std::sqrt(be_.sum_squares(grads.data(), grads.size()));
+  st.grad_norm = grad_norm ? *grad_norm : std::sqrt(be_.sum_squares(grads.data(), grads.size()));
   if (config_.max_grad_norm > 0) {
     st.clip_scale = clip_coefficient(st.grad_norm, config_.max_grad_norm);
     if (st.clip_scale < 1.0) be_.scale(grads.data(), static_cast<float>(st.clip_scale), static_cast<int64_t>(n_));

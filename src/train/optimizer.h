@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -75,7 +76,9 @@ class AdamW {
   // One update: clips `grads` in place, then updates `params` group by group
   // with lr = group.lr * schedule.multiplier(step_count()). Elements outside
   // every group are left untouched. Both arenas are in the backend's memory.
-  StepStats step(std::span<float> params, std::span<float> grads);
+  // `grad_norm`: the global norm of `grads` when the caller has it already
+  // (the trainer's non-finite check computes it the same way), else computed here.
+  StepStats step(std::span<float> params, std::span<float> grads, std::optional<double> grad_norm = std::nullopt);
 
   int64_t step_count() const { return step_; }
   const AdamWConfig& config() const { return config_; }
