@@ -1,6 +1,10 @@
 // `loom train CONFIG.yaml [--set key=value ...]`: fine-tuning described by a
 // YAML file (keys in docs/training.md): LoRA (method: lora) writes a PEFT
 // adapter folder, full fine-tuning (method: full) a Hugging Face model folder.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -10,6 +14,7 @@
 #include "apps/cli_common.h"
 #include "apps/commands.h"
 #include "apps/train_monitor.h"
+#include "core/failpoints.h"
 #include "core/prometheus.h"
 #include "train/train_config.h"
 #include "train/train_metrics.h"
@@ -18,6 +23,27 @@
 namespace loom::app {
 
 namespace {
+
+// SIGINT / SIGTERM / SIGUSR1 (what batch schedulers send before a time limit):
+// the first one asks the trainer to finish its step, write a checkpoint and
+// stop (exit 75); a second one ends the process at once with 128 + N. A signal
+// handler can only reach a global.
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free);
+
+void on_stop_signal(int sig) {
+  if (g_stop_signal.exchange(sig) != 0) ::_exit(128 + sig);
+}
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : {SIGINT, SIGTERM, SIGUSR1}) ::sigaction(sig, &sa, nullptr);
+}
+
+constexpr int kExitStopped = 75;  // EX_TEMPFAIL: stopped by a signal after a checkpoint; resume with --resume
 
 int run_train(int argc, char** argv) {
   CLI::App app("Fine-tune a model from a YAML config (see docs/training.md): a LoRA adapter (method: lora, the "
@@ -51,8 +77,16 @@ int run_train(int argc, char** argv) {
                  "keep serving /metrics and the page this many seconds after the run ends, so a last scrape "
                  "sees the final values (default 0)")
       ->check(CLI::Range(0.0, 86400.0));
+  std::string resume_path;
+  CLI::Option* resume = app.add_option("--resume", resume_path,
+                                       "continue the run from its latest good checkpoint (in checkpoint_dir), or "
+                                       "from the checkpoint folder PATH; place it after CONFIG")
+                            ->expected(0, 1)
+                            ->type_name("[PATH]");
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
+  // Test facility (docs/training.md, Faults): read once, passed down; a bad spec stops here.
+  const Failpoints failpoints = Failpoints::from_env();
   TrainConfig config = load_train_config(config_path, overrides);
   if (threads > 0) config.threads = threads;
   if (!device.empty()) config.device = *parse_device(device);  // checked by add_device_flag
@@ -65,13 +99,21 @@ int run_train(int argc, char** argv) {
   TrainMetrics metrics(registry);
   std::unique_ptr<TrainMonitor> monitor;
   TrainRuntime runtime;
+  if (resume->count() > 0) runtime.resume = resume_path;
+  install_stop_handlers();
+  runtime.stop_signal = &g_stop_signal;
+  runtime.failpoints = &failpoints;
   if (config.metrics_port > 0) {
     monitor = std::make_unique<TrainMonitor>(metrics, config.metrics_host, config.metrics_port);
     metrics.set_endpoint(monitor->url());
     runtime.metrics = &metrics;
   }
-  run_training(config, stderr, {}, runtime);
-  if (monitor && metrics_linger > 0) std::this_thread::sleep_for(std::chrono::duration<double>(metrics_linger));
+  const TrainResult result = run_training(config, stderr, {}, runtime);
+  if (result.stopped_by_signal) return kExitStopped;
+  // --metrics-linger: serve the final values a while longer; a stop signal ends the wait.
+  const auto linger_end = std::chrono::steady_clock::now() + std::chrono::duration<double>(metrics_linger);
+  while (monitor && g_stop_signal == 0 && std::chrono::steady_clock::now() < linger_end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   return 0;
 }
 

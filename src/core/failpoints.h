@@ -55,6 +55,8 @@ inline constexpr FailpointSite kFailpointSites[] = {
      "the step attempt: the number of the step run, counting skipped attempts (the n-th step this process "
      "starts after the step it resumed at; a rollback never goes back)",
      "Trainer::train_step, after the backward, before the non-finite check"},
+    {"checkpoint_write", "", "the step the checkpoint is for",
+     "Trainer::write_checkpoint, after every file of the staged folder is written, before its manifest.json"},
 };
 
 struct FailpointFire {

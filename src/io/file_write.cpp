@@ -110,6 +110,25 @@ bool exchange_paths(const fs::path& a, const fs::path& b, const fs::path& dest) 
 #endif
 }
 
+// Recreates `from` at `to`: folders made, files hard-linked (copied where a
+// link fails), symbolic links copied as links.
+void carry_entry(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(from, ec);
+  if (fs::is_symlink(st)) {
+    fs::copy_symlink(from, to, ec);
+  } else if (fs::is_directory(st)) {
+    fs::create_directory(to, ec);
+    for (const auto& e : fs::directory_iterator(from, ec)) carry_entry(e.path(), to / e.path().filename());
+  } else if (fs::is_regular_file(st)) {
+    fs::create_hard_link(from, to, ec);
+    if (ec) fs::copy_file(from, to, ec);
+  } else {
+    return;
+  }
+  if (ec) fail(ErrorKind::io, "{}: cannot carry it into {}: {}", from.string(), to.string(), ec.message());
+}
+
 }  // namespace
 
 void write_file_atomic(const std::string& path, std::string_view bytes) {
@@ -153,7 +172,8 @@ bool is_model_or_adapter_folder(const std::string& dir) {
   return false;
 }
 
-void check_folder_replaceable(const std::string& dir, bool overwrite, std::string_view what, std::string_view force) {
+void check_folder_replaceable(const std::string& dir, bool overwrite, std::string_view what, std::string_view force,
+                              std::span<const std::string> keep) {
   const fs::path p = target_of(dir);
   if (p == p.root_path()) fail(ErrorKind::invalid_input, "{} '{}': cannot replace the root folder", what, dir);
   if (holds_current_dir(p))
@@ -166,6 +186,10 @@ void check_folder_replaceable(const std::string& dir, bool overwrite, std::strin
   if (overwrite || is_model_or_adapter_folder(p.string())) return;
   fs::directory_iterator it(p, ec);
   if (ec) fail(ErrorKind::io, "{} '{}': cannot list the folder: {}", what, dir, ec.message());
+  const auto kept = [&](const fs::path& e) {
+    return std::find(keep.begin(), keep.end(), e.filename().string()) != keep.end();
+  };
+  while (it != fs::directory_iterator() && kept(it->path())) it.increment(ec);
   if (it == fs::directory_iterator()) return;
   fail(ErrorKind::invalid_input,
        "{} '{}': a non-empty folder (e.g. '{}') that is not a loom or PEFT output (no adapter_config.json, no "
@@ -244,11 +268,14 @@ void write_folder_atomic(const std::string& dest, const std::function<void(const
   fs::create_directories(p.parent_path(), ec);
   if (ec) fail(ErrorKind::io, "{} '{}': cannot create folder {}: {}", opt.what, dest, p.parent_path().string(), ec.message());
   recover_folder_write(dest);
-  check_folder_replaceable(dest, opt.overwrite, opt.what, opt.force);
+  check_folder_replaceable(dest, opt.overwrite, opt.what, opt.force, opt.keep);
   const fs::path staging = make_sibling(p, "new");
   fs::path old;  // where the replaced folder ends up, to be removed
   try {
     fill(staging.string());
+    for (const std::string& k : opt.keep)
+      if (fs::exists(fs::symlink_status(p / k, ec)) && !fs::exists(fs::symlink_status(staging / k, ec)))
+        carry_entry(p / k, staging / k);
     step("staged");
     fsync_tree(staging);
     step("synced");

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <span>
 #include <string_view>
+#include <vector>
 
 namespace loom {
 
@@ -24,8 +26,10 @@ bool is_model_or_adapter_folder(const std::string& dir);
 // or anything when `overwrite` (then the folder and all it holds are replaced).
 // Never allowed: `dir` is a file, or holds the current directory. `what`
 // names the setting in messages (e.g. "output_dir"); `force` says how to
-// overwrite (e.g. "--overwrite").
-void check_folder_replaceable(const std::string& dir, bool overwrite, std::string_view what, std::string_view force);
+// overwrite (e.g. "--overwrite"). Top-level entries named in `keep` (see
+// FolderWriteOptions::keep) do not count as content.
+void check_folder_replaceable(const std::string& dir, bool overwrite, std::string_view what, std::string_view force,
+                              std::span<const std::string> keep = {});
 
 // `path` (a file or folder, existing or not) is `dir` or lies inside it,
 // symbolic links resolved.
@@ -47,6 +51,12 @@ struct FolderWriteOptions {
   // Linux renameat2(RENAME_EXCHANGE) swap; false (or a file system without
   // it) uses two renames through a backup sibling.
   bool exchange = true;
+  // Top-level entries of the folder being replaced that the new one keeps
+  // (a training output_dir's "checkpoints"): not counted as content by
+  // check_folder_replaceable, and carried into the staged folder as hard links
+  // (copies where a link fails) before the swap, so a crash at any instant
+  // leaves them in `dest`.
+  std::vector<std::string> keep;
   // Test hook: called at each commit step ("staged", "synced", "swapped",
   // "old_moved", "new_moved", "parent_synced", "done").
   std::function<void(std::string_view step)> on_step;

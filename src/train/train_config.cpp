@@ -379,7 +379,11 @@ TrainConfig parse_train_config(std::string_view yaml, const std::string& name,
     fail(ErrorKind::invalid_input, "{}: the config must be a mapping of keys (model:, data:, ...)", name);
   }
   for (const std::string& o : overrides) apply_override(o, entries);
-  return read_config(entries, name);
+  TrainConfig c = read_config(entries, name);
+  c.text = std::string(yaml);
+  if (!c.text.empty() && c.text.back() != '\n') c.text += '\n';
+  for (const std::string& o : overrides) c.text += "# --set " + o + "\n";
+  return c;
 }
 
 TrainConfig load_train_config(const std::string& path, std::span<const std::string> overrides) {

@@ -107,6 +107,7 @@ struct TrainConfig {
   LogFormat log_format = LogFormat::text;
 
   std::string source;  // the config file name, for messages
+  std::string text;    // the YAML as given, each --set appended as a "# --set key=value" line (checkpoints keep it)
   std::vector<std::string> warnings;  // settings that have no effect, "file:line:col: ..."; run_training prints them
 };
 

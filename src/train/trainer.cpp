@@ -9,12 +9,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 
 #include "core/cpu_budget.h"
 #include "core/error.h"
+#include "core/failpoints.h"
 #include "io/file_write.h"
+#include "train/checkpoint.h"
 #include "train/train_log.h"
 #include "train/train_metrics.h"
 #include "tokenizer/chat_template.h"
@@ -54,14 +57,14 @@ double eval_loss(TrainSession& session, const DataSplit& split, int32_t pad_id, 
 
 // Everything the run will write is checked before the model loads, so a bad
 // output_dir or cache_dir never costs a whole run at the end.
-void check_outputs(const TrainConfig& c) {
+void check_outputs(const TrainConfig& c, const std::vector<std::string>& keep) {
   const std::string where = fmt::format("{}: output_dir", c.source);
   for (const auto& [input, key] : {std::pair{c.model, "model"}, {c.train_file, "data.train"}, {c.eval_file, "data.eval"},
                              {c.cache_dir, "data.cache_dir"}, {c.metrics_file, "metrics_file"}})
     if (!input.empty() && path_within(input, c.output_dir))
       fail(ErrorKind::invalid_input, "{} '{}' holds the {} '{}'; writing the output would replace it", where,
            c.output_dir, key, input);
-  check_folder_replaceable(c.output_dir, c.overwrite, where, "--overwrite (or overwrite: true)");
+  check_folder_replaceable(c.output_dir, c.overwrite, where, "--overwrite (or overwrite: true)", keep);
   check_folder_writable(c.output_dir, where);
   if (!c.cache_dir.empty()) check_dir_writable(c.cache_dir, fmt::format("{}: data.cache_dir", c.source));
 }
@@ -86,6 +89,42 @@ DataOptions data_options(const TrainConfig& c) {
   return d;
 }
 
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    case SIGUSR1: return "SIGUSR1";
+    default: return "a signal";
+  }
+}
+
+// The checkpoint folder, and the top-level entry of output_dir it occupies
+// (finish() carries it into the new output folder). It may be neither
+// output_dir itself nor above it.
+std::string resolve_checkpoint_dir(const TrainConfig& c, std::vector<std::string>& keep) {
+  namespace fs = std::filesystem;
+  const std::string dir = c.checkpoint_dir.empty() ? (fs::path(c.output_dir) / "checkpoints").string() : c.checkpoint_dir;
+  if (path_within(c.output_dir, dir))
+    fail(ErrorKind::invalid_input, "{}: checkpoint_dir '{}' is output_dir '{}' or holds it; writing the output would "
+         "replace the checkpoints: use a sub-folder (the default: <output_dir>/checkpoints) or another folder",
+         c.source, dir, c.output_dir);
+  if (path_within(dir, c.output_dir)) {
+    std::error_code ec;
+    const fs::path rel = fs::weakly_canonical(fs::absolute(dir), ec)
+                             .lexically_relative(fs::weakly_canonical(fs::absolute(c.output_dir), ec));
+    if (!rel.empty() && rel.begin()->string() != "..") keep.push_back(rel.begin()->string());
+  }
+  return dir;
+}
+
+// Content hashes of the inputs that decide what the run computes.
+std::vector<std::pair<std::string, std::string>> input_hashes(const TrainConfig& c) {
+  std::vector<std::pair<std::string, std::string>> h = {{"model", hash_path(c.model)},
+                                                        {"data.train", hash_path(c.train_file)}};
+  if (!c.eval_file.empty()) h.emplace_back("data.eval", hash_path(c.eval_file));
+  return h;
+}
+
 }  // namespace
 
 namespace {
@@ -108,6 +147,7 @@ void Trainer::setup() {
   LOOM_ASSERT(!model_);  // once
   pool_ = std::make_unique<ThreadPool>(resolve_thread_count(c_.threads, "threads"));  // 0: the default
   backend_ = make_backend(c_.device, *pool_);  // first: a device this build lacks writes nothing
+  prepare_resume();  // before any output is opened: a refused resume changes nothing
   open_outputs();
   if (c_.method == TrainMethod::full && (c_.lora_plus_ratio || c_.mlp_lr))
     fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c_.source);
@@ -125,6 +165,8 @@ void Trainer::setup() {
   log_start();
   micro_.resize(static_cast<size_t>(c_.grad_accum));
   t0_ = Clock::now();
+  last_checkpoint_time_ = t0_;
+  if (resume_state_) load_checkpoint(resume_path_);
   if (rt_.metrics) start_metrics();
 }
 
@@ -139,12 +181,33 @@ void Trainer::start_metrics() {
 }
 
 void Trainer::open_outputs() {
-  check_outputs(c_);
+  check_outputs(c_, output_keep_);
   for (const std::string& w : c_.warnings) log_->record(LogLevel::warning, "config", w);
+  if (!resume_state_) {  // a new run: checkpoints of an earlier one must not mix with its own
+    const std::vector<std::string> old = list_checkpoints(checkpoint_dir_);
+    if (!old.empty() && !c_.overwrite)
+      fail(ErrorKind::invalid_input, "{}: checkpoint_dir '{}' holds checkpoints of an earlier run (newest: {}): pass "
+           "--resume to continue that run, or --overwrite to start over (they are then removed)",
+           c_.source, checkpoint_dir_, std::filesystem::path(old.front()).filename().string());
+    for (const std::string& p : old) std::filesystem::remove_all(p);
+    if (!old.empty())
+      log_->record(LogLevel::warning, "checkpoint",
+                   fmt::format("--overwrite: removed {} checkpoints of an earlier run from {}", old.size(),
+                               checkpoint_dir_),
+                   {{"checkpoint", {{"dir", checkpoint_dir_}, {"removed", old.size()}}}});
+  }
   // metrics_file: one JSON object per optimizer step and per evaluation (loss curves, benchmarks).
   if (c_.metrics_file.empty()) return;
+  rewrite_metrics(resume_state_ ? resume_state_->metrics_text : std::string());
+}
+
+// metrics_file from scratch with `text` (a checkpoint's lines, so a resumed
+// run's file reads as if it had never stopped).
+void Trainer::rewrite_metrics(const std::string& text) {
+  if (c_.metrics_file.empty()) return;
   metrics_.reset(std::fopen(c_.metrics_file.c_str(), "w"));
-  if (!metrics_)
+  if (!metrics_ || std::fwrite(text.data(), 1, text.size(), metrics_.get()) != text.size() ||
+      std::fflush(metrics_.get()) != 0)
     fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c_.source, c_.metrics_file,
          std::strerror(errno));
 }
@@ -268,6 +331,7 @@ std::optional<double> Trainer::evaluate() {
   const int64_t step = steps_done();
   const double loss = eval_loss(*session_, *data_->eval, data_->pad_id, c_.batch_size);
   res_.eval_losses.push_back(loss);
+  evals_.push_back({step, loss});
   res_.final_eval_loss = loss;
   log_->record(LogLevel::info, "eval", fmt::format("eval at step {}: loss {:.4f} (ppl {:.2f})", step, loss, std::exp(loss)),
                {{"step", step}, {"eval_loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json()}},
@@ -290,6 +354,7 @@ TrainResult Trainer::finish() {
   out_opt.overwrite = c_.overwrite;
   out_opt.what = "output_dir";
   out_opt.force = "--overwrite (or overwrite: true)";
+  out_opt.keep = output_keep_;  // the checkpoints stay (hard links into the new folder)
   params_->write_output(*model_, c_, out_opt);
   res_.adapter_dir = c_.output_dir;
   if (rt_.metrics) rt_.metrics->on_finish();
@@ -303,15 +368,170 @@ TrainResult Trainer::finish() {
   return res_;
 }
 
+// ---- checkpoints and resume ------------------------------------------------
+
+void Trainer::prepare_resume() {
+  checkpoint_dir_ = resolve_checkpoint_dir(c_, output_keep_);
+  if (!rt_.resume) return;
+  std::string path = *rt_.resume;
+  if (path.empty()) {  // the latest good one
+    std::vector<SkippedCheckpoint> skipped;
+    const std::optional<std::string> good = latest_good_checkpoint(checkpoint_dir_, skipped);
+    for (const SkippedCheckpoint& s : skipped)
+      log_->record(LogLevel::warning, "resume", fmt::format("resume: skipped checkpoint {}: {}", s.path, s.reason),
+                   {{"checkpoint", {{"path", s.path}, {"skipped", s.reason}}}}, "alert");
+    if (!good) {
+      if (!skipped.empty())
+        fail(ErrorKind::invalid_input, "--resume: no good checkpoint in {} ({} skipped, see above)", checkpoint_dir_,
+             skipped.size());
+      log_->record(LogLevel::warning, "resume",
+                   fmt::format("resume: no checkpoint in {} yet: starting from step 0", checkpoint_dir_),
+                   {{"checkpoint", {{"dir", checkpoint_dir_}}}});
+      return;
+    }
+    path = *good;
+  } else if (std::string why = verify_checkpoint(path); !why.empty()) {
+    fail(ErrorKind::invalid_input, "--resume {}: not a good checkpoint: {}", path, why);
+  }
+  CheckpointState st = read_checkpoint_state(path);
+  check_run_identity(st.identity, run_identity(c_), path);
+  input_hashes_ = input_hashes(c_);
+  for (const auto& [key, was] : st.input_hashes)
+    for (const auto& [k, now] : input_hashes_)
+      if (k == key && now != was)
+        fail(ErrorKind::invalid_input, "--resume {}: the content of {} changed since the checkpoint (hash {} then, {} "
+             "now): the run cannot go on on other inputs", path, key, was, now);
+  resume_path_ = path;
+  resume_state_ = std::move(st);
+}
+
+void Trainer::load_checkpoint(const std::string& path) {
+  LOOM_ASSERT(opt_);
+  if (std::string why = verify_checkpoint(path); !why.empty())
+    fail(ErrorKind::invalid_input, "checkpoint {}: not a good checkpoint: {}", path, why);
+  CheckpointState st = path == resume_path_ && resume_state_ ? std::move(*resume_state_) : read_checkpoint_state(path);
+  resume_state_.reset();
+  if (static_cast<int64_t>(st.step_losses.size()) != st.step || st.shuffle_seed != c_.seed)
+    fail(ErrorKind::invalid_input, "checkpoint {}: its history ({} step losses, seed {}) does not fit step {} of "
+         "this run (seed {})", path, st.step_losses.size(), st.shuffle_seed, st.step, c_.seed);
+  load_checkpoint_arenas(path, params_->params(), *opt_);
+  params_->after_update(*model_, *session_, *backend_);  // full: the backend's copies of the weights
+  loader_->seek(st.cursor);
+  res_.step_losses = std::move(st.step_losses);
+  evals_ = std::move(st.evals);
+  res_.eval_losses.clear();
+  for (const EvalPoint& e : evals_) res_.eval_losses.push_back(e.loss);
+  res_.final_eval_loss = evals_.empty() ? std::nullopt : std::optional<double>(evals_.back().loss);
+  res_.trained_tokens = st.trained_tokens;
+  input_tokens_ = st.input_tokens;
+  train_seconds_ = st.train_seconds;
+  t0_ = Clock::now() - std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(st.elapsed_seconds));
+  last_checkpoint_time_ = Clock::now();
+  if (metrics_) rewrite_metrics(st.metrics_text);
+  last_checkpoint_ = path;
+  log_->record(LogLevel::info, "resume",
+               fmt::format("resumed from {} at step {} of {} (written for: {})", path, st.step, total_steps_,
+                           st.reason),
+               {{"step", st.step}, {"checkpoint", {{"path", path}, {"reason", st.reason}}}});
+  if (st.schedule.kind != LrScheduleKind::constant && st.schedule.total_steps != total_steps_)
+    log_->record(LogLevel::warning, "resume",
+                 fmt::format("resume: the {} schedule now spans {} steps instead of {}: the learning rate from here "
+                             "on differs from the original run's", lr_schedule_name(st.schedule.kind), total_steps_,
+                             st.schedule.total_steps),
+                 {{"total_steps", total_steps_}, {"checkpoint_total_steps", st.schedule.total_steps}});
+}
+
+CheckpointState Trainer::checkpoint_state(std::string_view reason) {
+  if (input_hashes_.empty()) input_hashes_ = input_hashes(c_);
+  CheckpointState st;
+  st.step = steps_done();
+  st.cursor = loader_->cursor();
+  st.shuffle_seed = c_.seed;
+  st.dropout_seed = c_.lora.seed;
+  st.schedule = opt_->schedule();
+  st.reason = std::string(reason);
+  st.identity = run_identity(c_);
+  st.config_text = c_.text;
+  st.input_hashes = input_hashes_;
+  st.step_losses = res_.step_losses;
+  st.evals = evals_;
+  st.trained_tokens = res_.trained_tokens;
+  st.input_tokens = input_tokens_;
+  st.train_seconds = train_seconds_;
+  st.elapsed_seconds = seconds_since(t0_);
+  if (metrics_) {
+    std::fflush(metrics_.get());
+    st.metrics_text = read_text_file(c_.metrics_file);
+  }
+  return st;
+}
+
+void Trainer::write_checkpoint(std::string_view reason) {
+  LOOM_ASSERT(opt_);
+  const int64_t step = steps_done();
+  const auto stage = [&](std::string_view s) {
+    if (s == "files_written") fail_point(rt_.failpoints, "checkpoint_write", step);
+  };
+  const CheckpointWriteInfo info =
+      loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params_->params(), *opt_, stage);
+  last_checkpoint_ = info.path;
+  last_checkpoint_time_ = Clock::now();
+  const std::vector<std::string> pruned = prune_checkpoints(checkpoint_dir_, c_.keep_checkpoints);
+  if (rt_.metrics) rt_.metrics->on_checkpoint(info.seconds);
+  nlohmann::json removed = nlohmann::json::array();
+  for (const std::string& p : pruned) removed.push_back(std::filesystem::path(p).filename().string());
+  log_->record(LogLevel::info, "checkpoint",
+               fmt::format("checkpoint at step {} ({}): {} ({:.2f} MiB in {:.2f} s){}", steps_done(), reason,
+                           info.path, static_cast<double>(info.bytes) / (1024.0 * 1024.0), info.seconds,
+                           pruned.empty() ? "" : fmt::format("; removed {}", removed.size())),
+               {{"step", steps_done()},
+                {"checkpoint", {{"path", info.path}, {"reason", reason}, {"bytes", info.bytes},
+                                {"seconds", info.seconds}, {"removed", removed}}}});
+}
+
+bool Trainer::checkpoint_due() const {
+  const int64_t s = steps_done();
+  if (c_.checkpoint_interval > 0 && s > 0 && s % c_.checkpoint_interval == 0) return true;
+  return c_.checkpoint_minutes > 0 && seconds_since(last_checkpoint_time_) >= 60.0 * c_.checkpoint_minutes;
+}
+
+bool Trainer::evaluated_at(int64_t step) const {
+  return std::any_of(evals_.begin(), evals_.end(), [&](const EvalPoint& e) { return e.step == step; });
+}
+
+TrainResult Trainer::stop(int sig) {
+  write_checkpoint(fmt::format("signal {}", signal_name(sig)));
+  res_.steps = steps_done();
+  res_.stopped_by_signal = sig;
+  res_.checkpoint = last_checkpoint_;
+  log_->record(LogLevel::warning, "stop",
+               fmt::format("stopped by {} after step {} of {}: checkpoint {}; continue with loom train {} --resume",
+                           signal_name(sig), steps_done(), total_steps_, last_checkpoint_, c_.source),
+               {{"step", steps_done()}, {"signal", signal_name(sig)}, {"checkpoint", {{"path", last_checkpoint_}}}});
+  return res_;
+}
+
+// An evaluation the schedule asks for after `step` steps (eval_at_start,
+// eval_interval); resumed runs redo one their checkpoint was written before.
+static bool eval_due(const TrainConfig& c, int64_t step, int64_t total) {
+  if (step == 0) return c.eval_at_start;
+  return c.eval_interval > 0 && step % c.eval_interval == 0 && step < total;
+}
+
 TrainResult run_training(const TrainConfig& config, std::FILE* log, TrainHooks hooks, TrainRuntime runtime) {
   Trainer t(config, log, std::move(hooks), std::move(runtime));
   t.setup();
-  if (config.eval_at_start) t.evaluate();
-  const int64_t interval = config.eval_interval;
+  if (eval_due(config, t.steps_done(), t.total_steps()) && !t.evaluated_at(t.steps_done())) t.evaluate();
   while (t.steps_done() < t.total_steps()) {
+    if (const int sig = t.stop_requested()) return t.stop(sig);
     t.train_step();
-    if (interval > 0 && t.steps_done() % interval == 0 && t.steps_done() < t.total_steps()) t.evaluate();
+    if (eval_due(config, t.steps_done(), t.total_steps())) t.evaluate();
+    if (t.checkpoint_due()) t.write_checkpoint(config.checkpoint_interval > 0 &&
+                                                       t.steps_done() % config.checkpoint_interval == 0
+                                                   ? "interval"
+                                                   : "minutes");
   }
+  if (const int sig = t.stop_requested()) return t.stop(sig);
   t.evaluate();
   return t.finish();
 }

@@ -16,6 +16,7 @@
 #include "core/thread_pool.h"
 #include "kernels/backend.h"
 #include "model/model.h"
+#include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
@@ -34,6 +35,10 @@ struct TrainResult {
   int64_t trained_tokens = 0;            // target tokens seen by the loss
   double tokens_per_s = 0;               // input tokens (rows * seq_len) per second
   std::string adapter_dir;
+  // Set when a stop signal (TrainRuntime::stop_signal) ended the run early:
+  // the signal number and the checkpoint written; nothing was exported.
+  int stopped_by_signal = 0;
+  std::string checkpoint;
 };
 
 class TrainLog;
@@ -76,8 +81,30 @@ class Trainer {
   // Mean loss over the eval split (no dropout, no gradients), logged and passed
   // to hooks.at_evaluation; nullopt when there is no eval split.
   std::optional<double> evaluate();
-  // Writes the output folder and returns the result.
+  // Writes the output folder and returns the result. The checkpoint folder,
+  // when it lies inside output_dir, is carried into the new folder.
   TrainResult finish();
+
+  // Checkpoints (checkpoint.h). Writes the state after steps_done() steps to
+  // checkpoint_dir()/step-N, logs it (`reason`: "interval", "minutes",
+  // "signal SIGTERM", "memory_alarm", ...) and prunes to keep_checkpoints.
+  // Throws loom::Error (io) when it cannot be written.
+  void write_checkpoint(std::string_view reason);
+  // Restores a checkpoint (verified first; throws invalid_input when it does
+  // not verify or does not fit this run): parameters, moments and step,
+  // loader cursor, metrics history, and metrics_file rewritten to its lines.
+  // setup() calls it for --resume; rollback calls it mid-run.
+  void load_checkpoint(const std::string& path);
+  // Whether checkpoint_interval / checkpoint_minutes ask for one now.
+  bool checkpoint_due() const;
+  const std::string& checkpoint_dir() const { return checkpoint_dir_; }
+  const std::string& last_checkpoint() const { return last_checkpoint_; }  // written or loaded; "" if none
+  bool evaluated_at(int64_t step) const;
+  // The signal number TrainRuntime::stop_signal holds (0: none).
+  int stop_requested() const { return rt_.stop_signal ? rt_.stop_signal->load() : 0; }
+  // Writes a checkpoint for signal `sig`, logs how to resume, and returns the
+  // result with stopped_by_signal set (run_training's early return).
+  TrainResult stop(int sig);
 
   int64_t steps_done() const { return opt_ ? opt_->step_count() : 0; }
   int64_t total_steps() const { return total_steps_; }
@@ -98,6 +125,9 @@ class Trainer {
   using Clock = std::chrono::steady_clock;
 
   void open_outputs();
+  void prepare_resume();
+  void rewrite_metrics(const std::string& text);
+  CheckpointState checkpoint_state(std::string_view reason);
   void load_data();
   void build_optimizer();
   void log_start();
@@ -124,6 +154,16 @@ class Trainer {
   Clock::time_point t0_;
   double train_seconds_ = 0;
   int64_t input_tokens_ = 0;
+  // Checkpoints: where they go, the top-level entry of output_dir they occupy
+  // (carried over by finish()), the one --resume restores, the inputs' hashes.
+  std::string checkpoint_dir_;
+  std::vector<std::string> output_keep_;
+  std::optional<CheckpointState> resume_state_;
+  std::string resume_path_;
+  std::string last_checkpoint_;
+  Clock::time_point last_checkpoint_time_;
+  std::vector<std::pair<std::string, std::string>> input_hashes_;
+  std::vector<EvalPoint> evals_;
 };
 
 // Runs the whole training described by `config`: setup, an evaluation at step
