@@ -21,6 +21,9 @@ struct StepReport {
   int64_t loss_tokens = 0;    // the count the gradients were divided by (TrainHooks::loss_tokens)
   int64_t input_tokens = 0;   // rows * seq_len of every micro-batch so far
   double step_seconds = 0;    // the step's wall time (hooks not included)
+  // A non-finite loss or gradient: nothing was applied and the step counter did
+  // not advance (train/faults.h); `step` is the number it ran as.
+  bool skipped = false;
 };
 
 struct TrainHooks {

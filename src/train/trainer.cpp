@@ -273,6 +273,7 @@ StepReport Trainer::train_step() {
   LOOM_ASSERT(opt_);  // setup() ran
   const auto ts = Clock::now();
   const int64_t step = steps_done();
+  current_step_ = step + 1;  // for the record of an error that ends the run
   // Peek the whole step first: the gradient scale needs its total target tokens.
   StepReport r;
   for (Batch& b : micro_) {
@@ -290,14 +291,21 @@ StepReport Trainer::train_step() {
       input_tokens_ += b.rows * b.seq_len;
     }
   }
-  if (hooks_.after_backward) hooks_.after_backward(*this, params_->grads());
-  r.lr = opt_->current_lr(0);
-  r.grad_norm = opt_->step(params_->params(), params_->grads()).grad_norm;
-  params_->after_update(*model_, *session_, *backend_);
   r.step = step + 1;
   r.loss = r.target_tokens > 0 ? loss_sum / static_cast<double>(r.target_tokens) : std::nan("");
-  if (r.target_tokens > 0 && !std::isfinite(r.loss))
-    fail(ErrorKind::invalid_input, "training diverged at step {}: loss is {} (lower optim.lr?)", r.step, r.loss);
+  inject_step_faults(r);  // LOOM_FAILPOINTS site "step" (a test facility)
+  if (hooks_.after_backward) hooks_.after_backward(*this, params_->grads());
+  // A NaN or inf in the loss or a gradient: nothing is applied (trainer_faults.cpp).
+  double grad_norm = 0;
+  if (const std::optional<NonFiniteStep> bad = check_finite(r, grad_norm)) {
+    r = skip_step(r, *bad, ts);
+    current_step_ = 0;
+    return r;
+  }
+  faults_.bad_in_a_row = 0;
+  r.lr = opt_->current_lr(0);
+  r.grad_norm = opt_->step(params_->params(), params_->grads(), grad_norm).grad_norm;
+  params_->after_update(*model_, *session_, *backend_);
   res_.step_losses.push_back(r.loss);
   res_.trained_tokens += r.target_tokens;
   r.input_tokens = input_tokens_;
@@ -311,6 +319,7 @@ StepReport Trainer::train_step() {
   write_metrics_step(r, tok_s);
   if (rt_.metrics) rt_.metrics->on_step(r, total_steps_, tok_s, eta);
   if (hooks_.after_optimizer_step) hooks_.after_optimizer_step(*this, r);
+  current_step_ = 0;
   return r;
 }
 
@@ -518,13 +527,14 @@ static bool eval_due(const TrainConfig& c, int64_t step, int64_t total) {
   return c.eval_interval > 0 && step % c.eval_interval == 0 && step < total;
 }
 
-TrainResult run_training(const TrainConfig& config, std::FILE* log, TrainHooks hooks, TrainRuntime runtime) {
-  Trainer t(config, log, std::move(hooks), std::move(runtime));
+namespace {
+
+TrainResult run_trainer(Trainer& t, const TrainConfig& config) {
   t.setup();
   if (eval_due(config, t.steps_done(), t.total_steps()) && !t.evaluated_at(t.steps_done())) t.evaluate();
   while (t.steps_done() < t.total_steps()) {
     if (const int sig = t.stop_requested()) return t.stop(sig);
-    t.train_step();
+    if (t.train_step().skipped) continue;  // not applied: no evaluation or checkpoint is due
     if (eval_due(config, t.steps_done(), t.total_steps())) t.evaluate();
     if (t.checkpoint_due()) t.write_checkpoint(config.checkpoint_interval > 0 &&
                                                        t.steps_done() % config.checkpoint_interval == 0
@@ -534,6 +544,28 @@ TrainResult run_training(const TrainConfig& config, std::FILE* log, TrainHooks h
   if (const int sig = t.stop_requested()) return t.stop(sig);
   t.evaluate();
   return t.finish();
+}
+
+}  // namespace
+
+TrainResult run_training(const TrainConfig& config, std::FILE* log, TrainHooks hooks, TrainRuntime runtime) {
+  Trainer t(config, log, std::move(hooks), std::move(runtime));
+  // Whatever ends the run is an error record first (what, which step, which
+  // checkpoint to resume from); the app then exits with the kind's code.
+  try {
+    return run_trainer(t, config);
+  } catch (Error& e) {
+    t.log_failure(e);
+    throw;
+  } catch (const std::bad_alloc&) {
+    Error e(ErrorKind::internal, "out of memory (std::bad_alloc)");
+    t.log_failure(e);
+    throw e;
+  } catch (const std::exception& e) {
+    Error err(ErrorKind::internal, e.what());
+    t.log_failure(err);
+    throw err;
+  }
 }
 
 }  // namespace loom

@@ -13,11 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
+#include "train/faults.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
 #include "train/train_hooks.h"
@@ -75,8 +77,10 @@ class Trainer {
   void setup();
   // One optimizer step: hooks.loss_tokens, grad_accum micro-batches with
   // grad_scale = 1 / that count, hooks.after_backward, clipping + AdamW, the
-  // parameters' follow-up, logging, hooks.after_optimizer_step. Throws
-  // invalid_input when the loss is not finite (diverged).
+  // parameters' follow-up, logging, hooks.after_optimizer_step. A non-finite
+  // loss or gradient skips the update (StepReport::skipped; faults.h); after
+  // max_bad_steps in a row it rolls back to the last good checkpoint or throws
+  // loom::Error (diverged).
   StepReport train_step();
   // Mean loss over the eval split (no dropout, no gradients), logged and passed
   // to hooks.at_evaluation; nullopt when there is no eval split.
@@ -106,6 +110,16 @@ class Trainer {
   // result with stopped_by_signal set (run_training's early return).
   TrainResult stop(int sig);
 
+  // Faults (faults.h, trainer_faults.cpp). Non-finite steps and rollbacks so
+  // far; a checkpoint keeps them and load_checkpoint gives them back through
+  // restore_faults (which also sets the optimizer's lr scale).
+  const FaultState& faults() const { return faults_; }
+  void restore_faults(const FaultState& f);
+  // The error `e` ends the run: an error record naming what failed, the step
+  // and the checkpoint to resume from; `e` is marked reported (the app prints
+  // it no second time). run_training calls it for any exception.
+  void log_failure(Error& e);
+
   int64_t steps_done() const { return opt_ ? opt_->step_count() : 0; }
   int64_t total_steps() const { return total_steps_; }
   const TrainConfig& config() const { return c_; }
@@ -134,6 +148,14 @@ class Trainer {
   void start_metrics();  // TrainRuntime::metrics: the run's info, and where it is served
   void write_metrics_step(const StepReport& r, double elapsed);
   int64_t loss_tokens(int64_t local);
+  // trainer_faults.cpp: the LOOM_FAILPOINTS site "step", the non-finite check
+  // (the one place fp16 loss scaling will use too), a skipped step, and what
+  // max_bad_steps in a row lead to: rollback or a diverged error.
+  void inject_step_faults(StepReport& r);
+  std::optional<NonFiniteStep> check_finite(const StepReport& r, double& grad_norm);
+  StepReport skip_step(StepReport r, const NonFiniteStep& bad, Clock::time_point started);
+  void on_divergence(const StepReport& r, const NonFiniteStep& bad);
+  [[noreturn]] void stop_diverged(const StepReport& r, const NonFiniteStep& bad, const std::string& why);
 
   TrainConfig c_;
   TrainHooks hooks_;
@@ -154,6 +176,9 @@ class Trainer {
   Clock::time_point t0_;
   double train_seconds_ = 0;
   int64_t input_tokens_ = 0;
+  FaultState faults_;
+  int64_t attempt_ = 0;       // the last step attempt's number (failpoints' step)
+  int64_t current_step_ = 0;  // the step train_step is running (0: none), for error records
   // Checkpoints: where they go, the top-level entry of output_dir they occupy
   // (carried over by finish()), the one --resume restores, the inputs' hashes.
   std::string checkpoint_dir_;
