@@ -74,6 +74,10 @@ enum class BackwardPrecision { exact, f16, int8, bf16 };
 class Workspace {
  public:
   virtual ~Workspace() = default;
+  // Scratch memory held now (it grows to the largest op seen, then stays), and
+  // the part of it the fused loss holds (train/memory.h's arenas).
+  virtual size_t bytes() const { return 0; }
+  virtual size_t loss_bytes() const { return 0; }
 };
 
 // One output of matmul_multi: y [T, W.rows()] rows ldy apart (< 0: W.rows()).
@@ -133,10 +137,26 @@ struct AdamWUpdate {
   float eps;
 };
 
+// The largest ops of a training step, for the memory estimate made before the
+// first one (train/memory.h): a workspace's scratch depends only on these.
+struct WorkspaceShape {
+  int64_t rows = 0;                  // tokens of the largest micro-batch
+  int64_t max_in = 0, max_out = 0;   // widest input / output of the model's products
+  int64_t vocab = 0, hidden = 0;     // the fused loss's output projection
+  BackwardPrecision precision = BackwardPrecision::exact;
+  bool backward = true;              // false: evaluation only
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual Device device() const = 0;
+  // What one workspace grows to running a step of `s` (Workspace::bytes(),
+  // and of it Workspace::loss_bytes()).
+  struct WorkspaceBytes {
+    size_t total = 0, loss = 0;
+  };
+  virtual WorkspaceBytes workspace_bytes(const WorkspaceShape& s) const = 0;
 
   // ---- memory and weights
   virtual DeviceBuffer alloc(size_t bytes) = 0;  // zero-filled

@@ -179,6 +179,7 @@ struct Batch {
   std::vector<int32_t> positions;  // restart at 0 for every sample; 0 on padding
   std::vector<int32_t> seq_start;  // row index where t's sample starts; t itself on padding
   int64_t target_tokens = 0;       // targets != kIgnoreLabel: the loss denominator
+  size_t capacity_bytes() const;   // what the vectors hold allocated
 };
 
 // Fills a batch with the given rows of `split`.
@@ -201,6 +202,9 @@ class DataLoader {
   DataLoader(const DataSplit& split, int32_t pad_id, int64_t batch_rows, bool shuffle, uint64_t seed,
              DataCursor start = {});
   Batch next();
+  // The same into `out`, reusing its vectors (sized once for batch_rows() full
+  // rows): the steady-state step allocates nothing.
+  void next(Batch& out);
   DataCursor cursor() const { return cursor_; }
   void seek(DataCursor c);  // throws invalid_input for a cursor outside the data
   int64_t batches_per_epoch() const;

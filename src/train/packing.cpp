@@ -51,10 +51,20 @@ std::vector<int64_t> iota(int64_t n) {
 
 }  // namespace
 
-std::vector<int64_t> seeded_permutation(int64_t n, uint64_t seed, uint64_t stream) {
-  std::vector<int64_t> p = iota(n);
+namespace {
+// Into `p` (its memory reused): identity, then shuffled unless !shuffle.
+void fill_order(std::vector<int64_t>& p, int64_t n, bool shuffle, uint64_t seed, uint64_t stream) {
+  p.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) p[i] = i;
+  if (!shuffle) return;
   CounterRng rng(splitmix64(seed) ^ splitmix64(stream * 0x632be59bd9b4e019ull + 1));
   for (int64_t i = n - 1; i > 0; --i) std::swap(p[i], p[bounded(rng.next_u64(), static_cast<uint64_t>(i) + 1)]);
+}
+}  // namespace
+
+std::vector<int64_t> seeded_permutation(int64_t n, uint64_t seed, uint64_t stream) {
+  std::vector<int64_t> p;
+  fill_order(p, n, true, seed, stream);
   return p;
 }
 
@@ -176,19 +186,29 @@ int64_t DataLoader::batches_per_epoch() const { return (split_.rows.rows() + bat
 void DataLoader::load_order() {
   if (order_epoch_ == cursor_.epoch) return;
   const int64_t n = split_.rows.rows();
-  order_ = shuffle_ ? seeded_permutation(n, seed_, kStreamEpochBase + static_cast<uint64_t>(cursor_.epoch)) : iota(n);
+  fill_order(order_, n, shuffle_, seed_, kStreamEpochBase + static_cast<uint64_t>(cursor_.epoch));
   order_epoch_ = cursor_.epoch;
 }
 
 Batch DataLoader::next() {
+  Batch b;
+  next(b);
+  return b;
+}
+
+void DataLoader::next(Batch& out) {
   load_order();
   const int64_t n = split_.rows.rows();
   const int64_t take = std::min(batch_rows_, n - cursor_.index);
-  Batch b;
-  fill_batch(split_, std::span<const int64_t>(order_).subspan(cursor_.index, take), pad_id_, b);
+  const auto full = static_cast<size_t>(batch_rows_ * split_.rows.seq_len);
+  for (std::vector<int32_t>* v : {&out.tokens, &out.targets, &out.positions, &out.seq_start}) v->reserve(full);
+  fill_batch(split_, std::span<const int64_t>(order_).subspan(cursor_.index, take), pad_id_, out);
   cursor_.index += take;
   if (cursor_.index == n) cursor_ = {cursor_.epoch + 1, 0};
-  return b;
+}
+
+size_t Batch::capacity_bytes() const {
+  return (tokens.capacity() + targets.capacity() + positions.capacity() + seq_start.capacity()) * sizeof(int32_t);
 }
 
 }  // namespace loom

@@ -53,7 +53,7 @@ class TrainSession::SavedAttention final : public AttentionStep {
   float* values(int64_t layer) override { return s_.layers_[static_cast<size_t>(layer)].v; }
   void attend(int64_t layer, const float* q, const float* k, const float* v, float* att) override {
     s_.be_.attention_train(s_.dec_.attention_shape(), att, s_.layers_[static_cast<size_t>(layer)].lse, q, k, v,
-                           s_.T_, s_.seq_start_.data());
+                           s_.tokens_, s_.seq_start_.data());
   }
 
  private:
@@ -67,7 +67,7 @@ class TrainSession::TrainedAdapters final : public LayerAdapters {
   void apply(int64_t layer, std::span<const AdapterJob> jobs) override {
     for (const AdapterJob& j : jobs) {
       LOOM_ASSERT(j.ldx == lora_target_in(s_.c_, j.target) && j.ldy == lora_target_out(s_.c_, j.target));
-      s_.lora_forward(layer, j.target, j.x, j.y, s_.T_, s_.dropout_, s_.step_);
+      s_.lora_forward(layer, j.target, j.x, j.y, s_.tokens_, s_.dropout_, s_.step_);
     }
   }
 
@@ -150,56 +150,98 @@ void TrainSession::check_batch(const Batch& b) const {
   }
 }
 
-void TrainSession::layout(int64_t T, bool dropout) {
-  if (T == T_ && dropout == dropout_layout_) return;
-  T_ = T;
-  dropout_layout_ = dropout;
+size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) const {
   const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_ ? lora_->config().r : 0;
-  // Two passes over the same carving: count, then assign.
+  // Dropout's saved inputs whenever the adapters have dropout (evaluation runs
+  // without it in the same layout, so switching never re-lays out).
+  const bool dropout = lora_ && lora_->config().dropout > 0;
   size_t total = 0;
-  float* base = nullptr;
   auto carve = [&](int64_t n) {
     float* p = base == nullptr ? nullptr : base + total;
     total += static_cast<size_t>(n);
     return p;
   };
-  auto carve_all = [&] {
-    total = 0;
-    layers_.resize(static_cast<size_t>(c_.n_layers));
-    for (int64_t l = 0; l < c_.n_layers; ++l) {
-      LayerActs& a = layers_[static_cast<size_t>(l)];
-      a.x = carve(T * H);
-      a.rstd1 = carve(T);
-      a.xn1 = carve(T * H);
-      a.q = carve(T * Q);
-      a.k = carve(T * KV);
-      a.v = carve(T * KV);
-      a.att = carve(T * Q);
-      a.lse = carve(T * c_.n_heads);
-      a.xmid = carve(T * H);
-      a.rstd2 = carve(T);
-      a.xn2 = carve(T * H);
-      a.gate = carve(T * F);
-      a.up = carve(T * F);
-      for (int t = 0; t < kLoraTargetCount; ++t) {
-        const bool active = lora_ && lora_->slot(l, static_cast<LoraTarget>(t)).active;
-        a.ax[static_cast<size_t>(t)] = active ? carve(T * r) : nullptr;
-        a.xd[static_cast<size_t>(t)] =
-            active && dropout ? carve(T * lora_->slot(l, static_cast<LoraTarget>(t)).in) : nullptr;
-      }
+  ActsLayout none;
+  ActsLayout& o = out ? *out : none;
+  o.layers.resize(static_cast<size_t>(c_.n_layers));
+  for (int64_t l = 0; l < c_.n_layers; ++l) {
+    LayerActs& a = o.layers[static_cast<size_t>(l)];
+    a.x = carve(T * H);
+    a.rstd1 = carve(T);
+    a.xn1 = carve(T * H);
+    a.q = carve(T * Q);
+    a.k = carve(T * KV);
+    a.v = carve(T * KV);
+    a.att = carve(T * Q);
+    a.lse = carve(T * c_.n_heads);
+    a.xmid = carve(T * H);
+    a.rstd2 = carve(T);
+    a.xn2 = carve(T * H);
+    a.gate = carve(T * F);
+    a.up = carve(T * F);
+    for (int t = 0; t < kLoraTargetCount; ++t) {
+      const bool active = lora_ && lora_->slot(l, static_cast<LoraTarget>(t)).active;
+      a.ax[static_cast<size_t>(t)] = active ? carve(T * r) : nullptr;
+      a.xd[static_cast<size_t>(t)] =
+          active && dropout ? carve(T * lora_->slot(l, static_cast<LoraTarget>(t)).in) : nullptr;
     }
-    x_final_ = carve(T * H);
-    rstd_final_ = carve(T);
-    xn_final_ = carve(T * H);
-    rope_cs_ = carve(T * c_.head_dim);
-  };
-  carve_all();
-  acts_ = be_.alloc(total * sizeof(float));
-  base = acts_.floats();
-  carve_all();
+  }
+  o.x_final = carve(T * H);
+  o.rstd_final = carve(T);
+  o.xn_final = carve(T * H);
+  o.rope_cs = carve(T * c_.head_dim);
+  return total;
+}
 
+size_t TrainSession::work_floats(int64_t T) const {
+  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_ ? lora_->config().r : 0;
   const int64_t wide = std::max({H, Q, F});
-  work_ = be_.alloc(static_cast<size_t>(T * (2 * wide + 2 * Q + 2 * KV + 3 * F + H + r)) * sizeof(float));
+  return static_cast<size_t>(T * (2 * wide + 2 * Q + 2 * KV + 3 * F + H + r));
+}
+
+size_t TrainSession::bt_floats() const {
+  if (!lora_) return 0;
+  const int64_t widest = std::max({c_.hidden, c_.q_dim(), c_.kv_dim(), c_.intermediate});
+  return static_cast<size_t>(lora_->config().r * widest);
+}
+
+size_t TrainSession::activation_bytes_for(int64_t tokens) const {
+  return activation_layout(tokens, nullptr, nullptr) * sizeof(float);
+}
+
+size_t TrainSession::scratch_bytes_for(int64_t tokens) const {
+  return (work_floats(tokens) + bt_floats()) * sizeof(float) + 2 * static_cast<size_t>(tokens) * sizeof(int32_t);
+}
+
+size_t TrainSession::scratch_bytes() const {
+  return work_.bytes() + bt_.bytes() + (pos_.capacity() + seq_start_.capacity()) * sizeof(int32_t);
+}
+
+size_t TrainSession::transposed_bytes() const {
+  size_t n = output_t_ ? output_t_->nbytes() : 0;
+  for (const TransposedLayer& L : wt_)
+    for (const WeightHandle* h : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+      if (*h) n += (*h)->nbytes();
+  return n;
+}
+
+void TrainSession::reserve(int64_t T) {
+  if (T <= reserved_) return;
+  reserved_ = T;
+  acts_ = DeviceBuffer();  // the old arena goes before the new one comes
+  acts_ = be_.alloc(activation_layout(T, nullptr, nullptr) * sizeof(float));
+  ActsLayout o;
+  activation_layout(T, acts_.floats(), &o);
+  layers_ = std::move(o.layers);
+  x_final_ = o.x_final;
+  rstd_final_ = o.rstd_final;
+  xn_final_ = o.xn_final;
+  rope_cs_ = o.rope_cs;
+
+  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_ ? lora_->config().r : 0;
+  const int64_t wide = std::max({H, Q, F});
+  work_ = DeviceBuffer();
+  work_ = be_.alloc(work_floats(T) * sizeof(float));
   float* p = work_.floats();
   auto take = [&](int64_t n) {
     float* q = p;
@@ -218,6 +260,9 @@ void TrainSession::layout(int64_t T, bool dropout) {
   dres_ = take(T * H);
   dax_ = take(T * r);
   LOOM_ASSERT(p <= work_.floats() + work_.n_floats());
+  if (bt_.empty() && bt_floats() > 0) bt_ = be_.alloc(bt_floats() * sizeof(float));
+  pos_.reserve(static_cast<size_t>(T));
+  seq_start_.reserve(static_cast<size_t>(T));
 }
 
 void TrainSession::lora_forward(int64_t l, LoraTarget t, const float* x, float* y, int64_t T, bool dropout,
@@ -254,8 +299,7 @@ void TrainSession::lora_backward(int64_t l, LoraTarget t, const float* x, const 
   // du = dy B as a product with B^T [r, out] (B's r columns are too narrow for the
   // input-gradient tiles).
   const Tensor B = lora_->b(l, t);
-  const auto bt_bytes = static_cast<size_t>(r * s.out) * sizeof(float);
-  if (bt_.bytes() < bt_bytes) bt_ = be_.alloc(bt_bytes);
+  LOOM_ASSERT(static_cast<size_t>(r * s.out) <= bt_.n_floats());
   be_.transpose(bt_.floats(), B.as<const float>(), s.out, r);
   be_.matmul_dense(*ws_, make_tensor(bt_.floats(), DType::f32, {r, s.out}), dy, dax_, T);
   be_.scale(dax_, lora_->scale(), T * r);
@@ -361,7 +405,8 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   check_batch(batch);
   const int64_t T = batch.rows * batch.seq_len, H = c_.hidden;
   const bool dropout = backward && lora_ && lora_->config().dropout > 0;
-  layout(T, dropout);
+  reserve(T);
+  tokens_ = T;
   pos_.assign(batch.positions.begin(), batch.positions.end());
   seq_start_.resize(static_cast<size_t>(T));
   for (int64_t i = 0; i < T; ++i)  // row-relative -> index into the concatenated rows

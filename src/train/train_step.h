@@ -74,8 +74,20 @@ class TrainSession {
   // Loss only, without dropout and without gradients (evaluation).
   LossResult forward_loss(const Batch& batch);
 
-  // Bytes of saved activations for the last batch shape.
+  // Sizes every buffer of a step (saved activations, backward temporaries) for
+  // micro-batches of up to `tokens` rows x seq_len tokens, once: smaller batches
+  // (an epoch's last, evaluation) reuse them as they are. A batch larger than
+  // the reserve grows them (the first step does when nothing was reserved).
+  void reserve(int64_t tokens);
+  int64_t reserved_tokens() const { return reserved_; }
+
+  // Memory (train/memory.h): the buffers as allocated now, and what reserve(tokens) allocates.
   size_t activation_bytes() const { return acts_.bytes(); }
+  size_t scratch_bytes() const;            // backward temporaries + index vectors
+  size_t transposed_bytes() const;         // the backward's W^T copies
+  size_t activation_bytes_for(int64_t tokens) const;
+  size_t scratch_bytes_for(int64_t tokens) const;
+  const Workspace& workspace() const { return *ws_; }
 
  private:
   struct LayerActs {
@@ -89,9 +101,19 @@ class TrainSession {
   TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora, FullParams* full,
                Backend& backend, BackwardMode backward);
 
+  // Where the saved activations of micro-batches of up to T tokens sit, as
+  // offsets (in floats) from the arena's start: activation_layout(T, nullptr)
+  // only counts.
+  struct ActsLayout {
+    std::vector<LayerActs> layers;
+    float *x_final = nullptr, *rstd_final = nullptr, *xn_final = nullptr, *rope_cs = nullptr;
+  };
+  size_t activation_layout(int64_t T, float* base, ActsLayout* out) const;
+  size_t work_floats(int64_t T) const;
+  size_t bt_floats() const;
+
   LossResult run(const Batch& batch, float grad_scale, uint64_t step, bool backward);
   void check_batch(const Batch& batch) const;
-  void layout(int64_t T, bool dropout);
   void forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step);
   void backward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* dx);
   // y [T, out] += scale * B (A x) for one adapter; saves what its backward needs.
@@ -119,8 +141,8 @@ class TrainSession {
   std::unique_ptr<Workspace> ws_;
   std::unique_ptr<SavedAttention> attention_;
   std::unique_ptr<TrainedAdapters> adapters_;
-  int64_t T_ = -1;
-  bool dropout_layout_ = false;
+  int64_t reserved_ = 0;  // tokens the buffers are sized for
+  int64_t tokens_ = 0;    // of the current run
   bool dropout_ = false;  // of the current run
   uint64_t step_ = 0;     // of the current run
   DeviceBuffer acts_;  // every saved activation, carved into layers_ and the views below
@@ -130,10 +152,10 @@ class TrainSession {
   WeightHandle output_t_;
   float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr, *rope_cs_ = nullptr;
   DeviceBuffer work_;  // backward / temporary buffers (not saved)
-  DeviceBuffer bt_;    // a LoRA B transposed
+  DeviceBuffer bt_;    // a LoRA B transposed (the widest)
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,
         *dup_ = nullptr, *dgate_ = nullptr, *dres_ = nullptr, *tmp_ = nullptr, *dax_ = nullptr;
-  std::vector<int32_t> pos_, seq_start_, targets_;
+  std::vector<int32_t> pos_, seq_start_;
 };
 
 }  // namespace loom

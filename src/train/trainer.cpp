@@ -45,8 +45,9 @@ double eval_loss(TrainSession& session, const DataSplit& split, int32_t pad_id, 
   DataLoader loader(split, pad_id, batch_rows, /*shuffle=*/false, 0);
   double sum = 0;
   int64_t n = 0;
+  Batch b;  // one batch's memory for every batch
   for (int64_t i = 0, nb = loader.batches_per_epoch(); i < nb; ++i) {
-    const Batch b = loader.next();
+    loader.next(b);
     if (b.target_tokens == 0) continue;
     const LossResult r = session.forward_loss(b);
     sum += r.loss_sum;
@@ -164,6 +165,7 @@ void Trainer::setup() {
   res_.total_params = model_->parameter_count() + params_->added_params();
   log_start();
   micro_.resize(static_cast<size_t>(c_.grad_accum));
+  check_memory();  // the estimate against memory_limit; then every step buffer is reserved
   t0_ = Clock::now();
   last_checkpoint_time_ = t0_;
   if (resume_state_) load_checkpoint(resume_path_);
@@ -277,7 +279,7 @@ StepReport Trainer::train_step() {
   // Peek the whole step first: the gradient scale needs its total target tokens.
   StepReport r;
   for (Batch& b : micro_) {
-    b = loader_->next();
+    loader_->next(b);  // into the batch's own memory
     r.target_tokens += b.target_tokens;
   }
   r.loss_tokens = loss_tokens(r.target_tokens);
@@ -318,6 +320,7 @@ StepReport Trainer::train_step() {
               .tokens_per_s = tok_s, .elapsed_s = elapsed, .eta_s = eta, .tokens = input_tokens_});
   write_metrics_step(r, tok_s);
   if (rt_.metrics) rt_.metrics->on_step(r, total_steps_, tok_s, eta);
+  watch_memory();  // memory_alarm (a checkpoint at the top threshold)
   if (hooks_.after_optimizer_step) hooks_.after_optimizer_step(*this, r);
   current_step_ = 0;
   return r;

@@ -19,6 +19,7 @@
 #include "model/model.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
+#include "train/memory.h"
 #include "train/faults.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
@@ -120,6 +121,11 @@ class Trainer {
   // it no second time). run_training calls it for any exception.
   void log_failure(Error& e);
 
+  // Memory (train/memory.h): every arena now, RSS, the limit and the alarm
+  // level (valid after setup()); and the estimate setup() checked.
+  MemoryReport memory_report() const;
+  const MemoryEstimate& memory_estimate() const { return mem_estimate_; }
+
   int64_t steps_done() const { return opt_ ? opt_->step_count() : 0; }
   int64_t total_steps() const { return total_steps_; }
   const TrainConfig& config() const { return c_; }
@@ -148,6 +154,11 @@ class Trainer {
   void start_metrics();  // TrainRuntime::metrics: the run's info, and where it is served
   void write_metrics_step(const StepReport& r, double elapsed);
   int64_t loss_tokens(int64_t local);
+  // trainer_memory.cpp: the estimate and limit check at the end of setup()
+  // (then the buffers are reserved), and the alarm check after every step.
+  void check_memory();
+  void watch_memory();
+  std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
   // trainer_faults.cpp: the LOOM_FAILPOINTS site "step", the non-finite check
   // (the one place fp16 loss scaling will use too), a skipped step, and what
   // max_bad_steps in a row lead to: rollback or a diverged error.
@@ -176,6 +187,9 @@ class Trainer {
   Clock::time_point t0_;
   double train_seconds_ = 0;
   int64_t input_tokens_ = 0;
+  MemoryLimit mem_limit_;
+  MemoryEstimate mem_estimate_;
+  std::optional<MemoryAlarm> mem_alarm_;
   FaultState faults_;
   int64_t attempt_ = 0;       // the last step attempt's number (failpoints' step)
   int64_t current_step_ = 0;  // the step train_step is running (0: none), for error records

@@ -35,10 +35,34 @@ class CpuWeight final : public DeviceWeight {
   PackedWeight packed;
 };
 
+size_t scratch_bytes(const PackedBackwardScratch& s) {
+  return (s.dy.capacity() + s.prod.capacity()) * sizeof(float) + s.matmul.bytes();
+}
+
 struct CpuWorkspace final : Workspace {
   MatmulScratch matmul;
   PackedBackwardScratch backward;
+  LossScratch loss;
+  size_t bytes() const override { return matmul.bytes() + scratch_bytes(backward) + loss.bytes(); }
+  size_t loss_bytes() const override { return loss.bytes(); }
 };
+
+// MatmulScratch::get's 25% headroom.
+size_t grown(size_t bytes) { return bytes + bytes / 4; }
+
+// What linear_backward_input_packed (or the bf16 paths) keeps in a
+// PackedBackwardScratch for dy [T, N] -> dx [T, K], accumulating or not.
+size_t backward_scratch_bytes(BackwardPrecision p, int64_t T, int64_t N, int64_t K, bool accumulate) {
+  const auto t = static_cast<size_t>(T), n = static_cast<size_t>(N), k = static_cast<size_t>(K);
+  switch (p) {
+    case BackwardPrecision::exact: return 0;
+    case BackwardPrecision::bf16: return grown(t * n * 2);                   // dy rounded to bf16 pairs
+    case BackwardPrecision::f16: return accumulate ? t * k * sizeof(float) : 0;  // the product before +=
+    case BackwardPrecision::int8:  // dy rescaled, quantized to q8_0, the product
+      return t * n * sizeof(float) + grown(t * n / 32 * 34) + t * k * sizeof(float);
+  }
+  return 0;
+}
 
 CpuWorkspace& cpu(Workspace& ws) { return static_cast<CpuWorkspace&>(ws); }
 
@@ -73,6 +97,26 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(ThreadPool& pool) : pool_(pool) {}
 
   Device device() const override { return kCpu; }
+
+  WorkspaceBytes workspace_bytes(const WorkspaceShape& s) const override {
+    const auto T = static_cast<size_t>(s.rows), V = static_cast<size_t>(s.vocab), H = static_cast<size_t>(s.hidden);
+    const size_t C = std::min<size_t>(64, std::max<size_t>(1, T));  // ChunkedLossArgs::chunk_rows
+    WorkspaceBytes b;
+    // The loss: its rows, a chunk of h, logits and dh, and dlogits through W^T.
+    b.loss = T * sizeof(int64_t) + C * (2 * H + V) * sizeof(float) + C * (sizeof(double) + 1);
+    if (s.backward) b.loss += backward_scratch_bytes(s.precision, static_cast<int64_t>(C), s.vocab, s.hidden, false);
+    // The products: activations quantized once per call (q8_1 blocks of 36 bytes per 32 at most).
+    const size_t quant = grown(T * static_cast<size_t>(s.max_in) / 32 * 36);
+    size_t bwd = 0;
+    if (s.backward)
+      bwd = std::max(backward_scratch_bytes(s.precision, s.rows, s.max_out, s.max_in, false),
+                     backward_scratch_bytes(s.precision, s.rows, s.max_out, s.hidden, true));
+    // Each worker's panels of a weight packed on the fly (the LoRA factors: 4 panels
+    // of 16 f32 rows, matmul.cpp's kFlyGroup).
+    const size_t fly = static_cast<size_t>(pool_.size()) * grown(4 * 16 * static_cast<size_t>(s.max_in) * sizeof(float));
+    b.total = b.loss + quant + bwd + fly;
+    return b;
+  }
 
   DeviceBuffer alloc(size_t bytes) override {
     if (bytes == 0) return {};
@@ -261,7 +305,7 @@ class CpuBackend final : public Backend {
     a.grad_scale = op.grad_scale;
     a.dh = op.dh;
     a.dW = op.dW;
-    return chunked_cross_entropy(pool_, a, cpu(ws).matmul);
+    return chunked_cross_entropy(pool_, a, cpu(ws).matmul, &cpu(ws).loss);
   }
 
   void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,

@@ -11,7 +11,16 @@
 
 namespace loom {
 
-LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, MatmulScratch& scratch) {
+size_t LossScratch::bytes() const {
+  return rows.capacity() * sizeof(int64_t) + (hc.capacity() + logits.capacity() + dhc.capacity()) * sizeof(float) +
+         row_loss.capacity() * sizeof(double) + (bwd.dy.capacity() + bwd.prod.capacity()) * sizeof(float) +
+         bwd.matmul.bytes();
+}
+
+LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, MatmulScratch& scratch,
+                                 LossScratch* reuse) {
+  LossScratch local;
+  LossScratch& ls = reuse ? *reuse : local;
   LOOM_ASSERT(a.W && a.h && a.labels && a.chunk_rows > 0);
   const Tensor& W = *a.W;
   const int64_t V = W.rows(), H = W.cols();
@@ -20,7 +29,9 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
     fail(ErrorKind::invalid_input, "chunked_cross_entropy: output projection gradient needs an f32 weight, got {}",
          dtype_name(W.dtype));
   // Only unmasked rows are projected: prompt tokens cost nothing.
-  std::vector<int64_t> rows;
+  std::vector<int64_t>& rows = ls.rows;
+  rows.clear();
+  rows.reserve(static_cast<size_t>(a.T));  // once for the largest batch, not grown by doubling
   for (int64_t t = 0; t < a.T; ++t) {
     const int32_t l = a.labels[t];
     if (l == -100) continue;
@@ -31,10 +42,14 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
   LossResult res;
   res.n_tokens = static_cast<int64_t>(rows.size());
   const int64_t C = std::min<int64_t>(a.chunk_rows, std::max<int64_t>(1, res.n_tokens));
-  std::vector<float> hc(static_cast<size_t>(C * H)), logits(static_cast<size_t>(C * V));
-  std::vector<float> dhc(a.dh ? static_cast<size_t>(C * H) : 0);
-  std::vector<double> row_loss(static_cast<size_t>(C));
-  PackedBackwardScratch bwd;
+  // Sized (resize keeps the memory of a larger earlier call), every element written before it is read.
+  std::vector<float>&hc = ls.hc, &logits = ls.logits, &dhc = ls.dhc;
+  hc.resize(static_cast<size_t>(C * H));
+  logits.resize(static_cast<size_t>(C * V));
+  if (a.dh) dhc.resize(static_cast<size_t>(C * H));
+  std::vector<double>& row_loss = ls.row_loss;
+  row_loss.resize(static_cast<size_t>(C));
+  PackedBackwardScratch& bwd = ls.bwd;
   for (int64_t r0 = 0; r0 < res.n_tokens; r0 += C) {
     const int64_t n = std::min(C, res.n_tokens - r0);
     for (int64_t i = 0; i < n; ++i)

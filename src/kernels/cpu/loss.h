@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
@@ -43,6 +44,17 @@ struct ChunkedLossArgs {
 // of a stochastic gradient. With f32 W both are exact f32 products.
 // Deterministic: independent of the thread count. Throws loom::Error(invalid_input)
 // for a label outside [0, V) other than -100, or a dW with a non-f32 W.
-LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, MatmulScratch& scratch);
+// Its working memory (a chunk of logits, the unmasked rows, ...): passed in,
+// a step's loss reuses the memory of the step before.
+struct LossScratch {
+  std::vector<int64_t> rows;
+  std::vector<float> hc, logits, dhc;
+  std::vector<double> row_loss;
+  PackedBackwardScratch bwd;
+  size_t bytes() const;  // allocated
+};
+// `reuse`: null allocates a LossScratch for this call.
+LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, MatmulScratch& scratch,
+                                 LossScratch* reuse = nullptr);
 
 }  // namespace loom

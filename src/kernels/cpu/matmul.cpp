@@ -186,6 +186,12 @@ uint8_t* MatmulScratch::get(size_t slot, size_t bytes) {
   return b.ptr.get();
 }
 
+size_t MatmulScratch::bytes() const {
+  size_t n = bufs_.capacity() * sizeof(Buf);
+  for (const Buf& b : bufs_) n += b.size;
+  return n;
+}
+
 bool matmul_supports(DType type) {
   switch (type) {
     case DType::f32:

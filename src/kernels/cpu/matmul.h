@@ -114,6 +114,7 @@ class MatmulScratch {
   uint8_t* get(size_t slot, size_t bytes);
   // The current region of a slot that get() has grown (safe to call from workers).
   uint8_t* ptr(size_t slot) const { return bufs_[slot].ptr.get(); }
+  size_t bytes() const;  // allocated, all slots
 
  private:
   struct Buf {

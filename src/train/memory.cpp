@@ -1,0 +1,207 @@
+// Memory accounting of a training run (memory.h): /proc and cgroup readers,
+// the estimate's text and check, and the alarm levels.
+#include "train/memory.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace loom {
+
+namespace {
+
+std::optional<std::string> read_text(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return std::nullopt;
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\n')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
+  return s;
+}
+
+std::optional<int64_t> parse_int(std::string_view s) {
+  s = trim(s);
+  int64_t v = 0;
+  const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || p != s.data() + s.size() || v < 0) return std::nullopt;
+  return v;
+}
+
+// The parent of a cgroup path: "/a/b" -> "/a", "/a" -> "/".
+std::string parent_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+}
+
+// The tightest limit in `file` of `dir` and its ancestors up to the root.
+std::optional<int64_t> tightest(const std::string& root, std::string dir, const char* file) {
+  std::optional<int64_t> best;
+  for (;;) {
+    const std::string base = dir == "/" ? root : root + dir;
+    if (const auto text = read_text(base + "/" + file))
+      if (const auto v = parse_cgroup_limit(*text)) best = best ? std::min(*best, *v) : *v;
+    if (dir == "/") return best;
+    dir = parent_of(dir);
+  }
+}
+
+}  // namespace
+
+const char* memory_limit_source_name(MemoryLimitSource s) {
+  switch (s) {
+    case MemoryLimitSource::config: return "memory_limit";
+    case MemoryLimitSource::cgroup: return "cgroup";
+    case MemoryLimitSource::available: return "MemAvailable";
+  }
+  return "?";
+}
+
+int64_t MemoryReport::bytes(std::string_view arena) const {
+  for (const MemoryArena& a : arenas)
+    if (a.name == arena) return a.bytes;
+  return 0;
+}
+
+int64_t process_rss_bytes() {
+  // statm: size resident shared text lib data dt, in pages. A read of a small
+  // file: ~10 us, cheap enough after every optimizer step.
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  long long size = 0, resident = 0;
+  const int n = std::fscanf(f, "%lld %lld", &size, &resident);
+  std::fclose(f);
+  if (n != 2) return 0;
+  return static_cast<int64_t>(resident) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+std::optional<int64_t> parse_meminfo_available(std::string_view meminfo) {
+  constexpr std::string_view key = "MemAvailable:";
+  const size_t at = meminfo.find(key);
+  if (at == std::string_view::npos || (at > 0 && meminfo[at - 1] != '\n')) return std::nullopt;
+  std::string_view line = meminfo.substr(at + key.size());
+  line = line.substr(0, line.find('\n'));
+  line = trim(line);
+  const size_t kb = line.find(" kB");
+  if (kb == std::string_view::npos) return std::nullopt;
+  const auto v = parse_int(line.substr(0, kb));
+  if (!v) return std::nullopt;
+  return *v * 1024;
+}
+
+std::optional<int64_t> parse_cgroup_limit(std::string_view text) {
+  text = trim(text);
+  if (text == "max") return std::nullopt;
+  const auto v = parse_int(text);
+  // cgroup v1 writes "no limit" as the largest page-aligned int64 (2^63 - 4096).
+  if (!v || *v >= (int64_t{1} << 62)) return std::nullopt;
+  return v;
+}
+
+std::optional<int64_t> cgroup_memory_limit(const std::string& root, std::string_view proc_self_cgroup) {
+  // Lines "id:controllers:path": v2 is "0::/path"; v1's memory line lists "memory".
+  std::optional<int64_t> best;
+  auto take = [&](std::optional<int64_t> v) {
+    if (v) best = best ? std::min(*best, *v) : *v;
+  };
+  size_t pos = 0;
+  while (pos < proc_self_cgroup.size()) {
+    size_t end = proc_self_cgroup.find('\n', pos);
+    if (end == std::string_view::npos) end = proc_self_cgroup.size();
+    const std::string_view line = proc_self_cgroup.substr(pos, end - pos);
+    pos = end + 1;
+    const size_t c1 = line.find(':'), c2 = c1 == std::string_view::npos ? c1 : line.find(':', c1 + 1);
+    if (c2 == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(c1 + 1, c2 - c1 - 1);
+    std::string path(line.substr(c2 + 1));
+    if (path.empty() || path[0] != '/') path = "/" + path;
+    if (controllers.empty()) {
+      take(tightest(root, path, "memory.max"));
+    } else {
+      bool memory = false;
+      for (size_t a = 0; a <= controllers.size();) {
+        size_t b = controllers.find(',', a);
+        if (b == std::string_view::npos) b = controllers.size();
+        memory |= controllers.substr(a, b - a) == "memory";
+        a = b + 1;
+      }
+      if (memory) take(tightest(root + "/memory", path, "memory.limit_in_bytes"));
+    }
+  }
+  return best;
+}
+
+MemoryLimit resolve_memory_limit(int64_t configured) {
+  if (configured > 0) return {configured, MemoryLimitSource::config};
+  if (const auto cg = read_text("/proc/self/cgroup"))
+    if (const auto v = cgroup_memory_limit("/sys/fs/cgroup", *cg)) return {*v, MemoryLimitSource::cgroup};
+  const auto info = read_text("/proc/meminfo");
+  const auto avail = info ? parse_meminfo_available(*info) : std::nullopt;
+  // What is free for the run: available memory plus what this process already holds.
+  return {avail.value_or(0) + process_rss_bytes(), MemoryLimitSource::available};
+}
+
+std::string format_bytes(int64_t bytes) {
+  const auto b = static_cast<double>(bytes);
+  if (bytes >= (int64_t{1} << 30)) return fmt::format("{:.2f} GiB", b / (1 << 30));
+  if (bytes >= (int64_t{1} << 20)) return fmt::format("{:.1f} MiB", b / (1 << 20));
+  return fmt::format("{:.1f} KiB", b / 1024);
+}
+
+std::string format_memory_estimate(const MemoryEstimate& e) {
+  constexpr double kGiB = 1 << 30;
+  std::string s = fmt::format("needs about {}:", format_bytes(e.total));
+  const char* sep = " ";
+  for (const MemoryArena& a : e.arenas) {
+    if (a.bytes == 0) continue;
+    s += fmt::format("{}{} {:.3f}", sep, a.name, static_cast<double>(a.bytes) / kGiB);
+    sep = ", ";
+  }
+  if (e.other > 0) s += fmt::format("{}other {:.3f}", sep, static_cast<double>(e.other) / kGiB);
+  return s + fmt::format(" (GiB; micro-batches of {} x {} tokens)", e.batch_rows, e.seq_len);
+}
+
+void check_memory_estimate(const MemoryEstimate& e, const MemoryLimit& limit, const std::string& source) {
+  if (limit.bytes <= 0 || e.total <= limit.bytes) return;
+  fail(ErrorKind::invalid_input,
+       "{}: the run {}, more than the limit of {} ({}); lower data.seq_len or batch_size (raise grad_accum to keep "
+       "the rows per step), or use method: lora, or backward: exact (no transposed weight copies); gradient "
+       "checkpointing will lower it further once it exists. Set memory_limit to override the limit",
+       source, format_memory_estimate(e), format_bytes(limit.bytes),
+       limit.source == MemoryLimitSource::config ? "memory_limit"
+       : limit.source == MemoryLimitSource::cgroup ? "the cgroup's memory limit"
+                                                    : "the memory available at start");
+}
+
+MemoryAlarm::MemoryAlarm(std::vector<double> thresholds, int64_t limit, double hysteresis)
+    : thresholds_(std::move(thresholds)), limit_(limit), hysteresis_(hysteresis) {
+  LOOM_ASSERT(std::is_sorted(thresholds_.begin(), thresholds_.end()) && hysteresis_ >= 0);
+}
+
+std::optional<MemoryAlarm::Change> MemoryAlarm::update(int64_t rss) {
+  if (limit_ <= 0) return std::nullopt;
+  const double f = static_cast<double>(rss) / static_cast<double>(limit_);
+  int level = level_;
+  while (level < levels() && f >= thresholds_[static_cast<size_t>(level)]) ++level;
+  if (level == level_)
+    while (level > 0 && f < thresholds_[static_cast<size_t>(level - 1)] - hysteresis_) --level;
+  if (level == level_) return std::nullopt;
+  Change c{.from = level_, .to = level, .threshold = 0, .fraction = f};
+  c.threshold = thresholds_[static_cast<size_t>(level > level_ ? level - 1 : level)];
+  level_ = level;
+  return c;
+}
+
+}  // namespace loom
