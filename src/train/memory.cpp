@@ -161,16 +161,20 @@ std::string format_bytes(int64_t bytes) {
 }
 
 std::string format_memory_estimate(const MemoryEstimate& e) {
-  constexpr double kGiB = 1 << 30;
+  // Arenas in the total's unit: GiB from 1 GiB on, else MiB.
+  const bool gib = e.total >= (int64_t{1} << 30);
+  const double unit = gib ? double(1 << 30) : double(1 << 20);
+  const char* fmt_arena = gib ? "{}{} {:.3f}" : "{}{} {:.1f}";
   std::string s = fmt::format("needs about {}:", format_bytes(e.total));
   const char* sep = " ";
-  for (const MemoryArena& a : e.arenas) {
-    if (a.bytes == 0) continue;
-    s += fmt::format("{}{} {:.3f}", sep, a.name, static_cast<double>(a.bytes) / kGiB);
+  auto add = [&](const std::string& name, int64_t bytes) {
+    s += fmt::format(fmt::runtime(fmt_arena), sep, name, static_cast<double>(bytes) / unit);
     sep = ", ";
-  }
-  if (e.other > 0) s += fmt::format("{}other {:.3f}", sep, static_cast<double>(e.other) / kGiB);
-  return s + fmt::format(" (GiB; micro-batches of {} x {} tokens)", e.batch_rows, e.seq_len);
+  };
+  for (const MemoryArena& a : e.arenas)
+    if (a.bytes > 0) add(a.name, a.bytes);
+  if (e.other > 0) add("other", e.other);
+  return s + fmt::format(" ({}; micro-batches of {} x {} tokens)", gib ? "GiB" : "MiB", e.batch_rows, e.seq_len);
 }
 
 void check_memory_estimate(const MemoryEstimate& e, const MemoryLimit& limit, const std::string& source) {

@@ -85,7 +85,8 @@ struct MemoryEstimate {
   int64_t seq_len = 0, batch_rows = 0;  // the micro-batch it was made for
 };
 
-// "needs about 1.42 GiB: weights 0.09, activations 0.87, ... (GiB)" (arenas of 0 bytes left out).
+// "needs about 1.42 GiB: weights 0.090, activations 0.870, ... (GiB; micro-batches of 2 x 512 tokens)"
+// (arenas in MiB when the total is below 1 GiB; arenas of 0 bytes left out).
 std::string format_memory_estimate(const MemoryEstimate& e);
 // "1.42 GiB", "350.2 MiB", "12.0 KiB".
 std::string format_bytes(int64_t bytes);

@@ -126,6 +126,11 @@ TEST(TrainMemory, EstimateTextAndRefusalNameTheKeysThatLowerIt) {
   EXPECT_EQ(format_memory_estimate(e),
             "needs about 1.15 GiB: weights 0.100, activations 1.000, other 0.050 (GiB; micro-batches of 2 x 512 "
             "tokens)");
+  MemoryEstimate small = e;
+  small.arenas[6].bytes = int64_t{300} << 20;
+  small.total = (int64_t{1} << 30) / 10 + (int64_t{300} << 20);
+  EXPECT_EQ(format_memory_estimate(small),
+            "needs about 402.4 MiB: weights 102.4, activations 300.0, other 51.2 (MiB; micro-batches of 2 x 512 tokens)");
   EXPECT_EQ(format_bytes(1536), "1.5 KiB");
   EXPECT_EQ(format_bytes(int64_t{3} << 20), "3.0 MiB");
   EXPECT_NO_THROW(check_memory_estimate(e, {e.total, MemoryLimitSource::config}, "x.yaml"));
