@@ -80,6 +80,8 @@ json state_json(const CheckpointState& st) {
                     {"total_steps", st.schedule.total_steps}, {"num_cycles", st.schedule.num_cycles},
                     {"position", st.step}}},
       {"optimizer", {{"step", st.step}, {"moments", {kAdamM, kAdamV}}}},
+      {"faults", {{"bad_in_a_row", st.faults.bad_in_a_row}, {"skipped_steps", st.faults.skipped_steps},
+                  {"rollbacks", st.faults.rollbacks}, {"lr_scale", st.faults.lr_scale}}},
       {"run_identity", ids},
       {"input_hashes", hashes},
       {"metrics", {{"step_losses", losses}, {"evals", evals}, {"trained_tokens", st.trained_tokens},
@@ -103,6 +105,11 @@ CheckpointState state_from_json(const json& j) {
   st.schedule.warmup_steps = s.at("warmup_steps").get<int64_t>();
   st.schedule.total_steps = s.at("total_steps").get<int64_t>();
   st.schedule.num_cycles = s.at("num_cycles").get<double>();
+  const json& f = j.at("faults");
+  st.faults.bad_in_a_row = f.at("bad_in_a_row").get<int64_t>();
+  st.faults.skipped_steps = f.at("skipped_steps").get<int64_t>();
+  st.faults.rollbacks = f.at("rollbacks").get<int64_t>();
+  st.faults.lr_scale = f.at("lr_scale").get<double>();
   for (const json& p : j.at("run_identity")) st.identity.emplace_back(p.at(0).get<std::string>(), p.at(1).get<std::string>());
   for (const auto& [k, v] : j.at("input_hashes").items()) st.input_hashes.emplace_back(k, v.get<std::string>());
   const json& m = j.at("metrics");

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "train/data.h"
+#include "train/faults.h"
 #include "train/optimizer.h"
 
 namespace loom {
@@ -46,6 +47,7 @@ struct CheckpointState {
   // say so and checked on load.
   uint64_t dropout_seed = 0;
   LrSchedule schedule;         // kind, warm-up, total steps; its position is `step`
+  FaultState faults;           // non-finite steps, rollbacks and the learning-rate scale they left
   std::string reason;          // "interval", "minutes", "signal SIGTERM", "memory_alarm", ...
   RunIdentity identity;        // run_identity(config) of the run that wrote it
   std::string config_text;     // the YAML as given (config.yaml in the folder)

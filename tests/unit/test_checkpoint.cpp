@@ -69,6 +69,7 @@ struct Fixture {
     if (step > 0) st.step_losses[0] = std::nan("");  // a step without target tokens
     if (eval) st.evals.push_back({step, *eval});
     st.metrics_text = "{\"step\":1}\n";
+    st.faults = {.bad_in_a_row = 1, .skipped_steps = 3, .rollbacks = 1, .lr_scale = 0.5};
     return write_checkpoint(dir(), st, params, *opt).path;
   }
 };
@@ -97,6 +98,9 @@ TEST(Checkpoint, WritesAVerifiedFolderThatLoadsBack) {
   EXPECT_TRUE(std::isnan(st.step_losses[0]));
   EXPECT_EQ(st.step_losses[2], 2.5);
   EXPECT_EQ(st.eval_loss(), 1.25);
+  EXPECT_EQ(st.faults.skipped_steps, 3);
+  EXPECT_EQ(st.faults.rollbacks, 1);
+  EXPECT_EQ(st.faults.lr_scale, 0.5);
 
   // Into a fresh arena and optimizer: bit for bit.
   std::vector<float> params(f.params.size(), 0.f);
