@@ -10,10 +10,12 @@ extern const Command kBenchCommand;
 extern const Command kMergeCommand;
 extern const Command kTrainCommand;
 extern const Command kServeCommand;
+extern const Command kPlotCommand;
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {kInfoCommand, kTokenizeCommand, kGenerateCommand, kChatCommand,
-                                             kBenchCommand, kMergeCommand, kTrainCommand, kServeCommand};
+                                             kBenchCommand, kMergeCommand, kTrainCommand, kPlotCommand,
+                                             kServeCommand};
   return table;
 }
 

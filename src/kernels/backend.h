@@ -125,6 +125,7 @@ struct LossOp {
   float grad_scale = 1.0f;
   float* dh = nullptr;                     // [T, H] +=; null: loss only
   float* dW = nullptr;                     // [V, H] += (a trainable f32 W)
+  bool count_correct = false;              // fill LossResult::n_correct (evaluation)
 };
 
 // One AdamW update of a run of parameters (torch.optim.AdamW, fp32 arithmetic).

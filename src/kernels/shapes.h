@@ -29,6 +29,9 @@ struct AttentionShape {
 struct LossResult {
   double loss_sum = 0;  // sum over unmasked rows of -log softmax(logits)[label]
   int64_t n_tokens = 0;  // unmasked rows
+  // Unmasked rows whose largest logit is the label's, ties going to the lowest
+  // index (torch.argmax); counted only when LossOp::count_correct, else 0.
+  int64_t n_correct = 0;
 };
 
 // One layer's keys and values, each [n_blocks][n_kv_heads][block_size][head_dim]

@@ -26,6 +26,16 @@ struct StepReport {
   bool skipped = false;
 };
 
+// One evaluation over the eval split, given to at_evaluation.
+struct EvalReport {
+  int64_t step = 0;     // optimizer steps done when it ran
+  double loss = 0;      // mean loss over the split's target tokens (NaN: none)
+  // Token accuracy: the share of target tokens whose largest logit is the
+  // target's (ties: the lowest token id wins, as torch.argmax); NaN: none.
+  double accuracy = 0;
+  int64_t tokens = 0;   // target tokens of the split
+};
+
 struct TrainHooks {
   // The token count that normalises this step's loss: every micro-batch's
   // gradient is scaled by 1 / count. Called once per step, before the
@@ -40,8 +50,8 @@ struct TrainHooks {
   // after the step was logged: checkpoints (Trainer::optimizer(), loader()
   // cursor), metrics, memory alarms.
   std::function<void(Trainer&, const StepReport&)> after_optimizer_step;
-  // After each evaluation, with the mean eval loss; `step` = steps done.
-  std::function<void(Trainer&, int64_t step, double eval_loss)> at_evaluation;
+  // After each evaluation (logged, in metrics_file), with its loss and token accuracy.
+  std::function<void(Trainer&, const EvalReport&)> at_evaluation;
 };
 
 }  // namespace loom

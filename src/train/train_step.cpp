@@ -429,6 +429,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   op.labels = batch.targets.data();
   op.T = T;
   op.grad_scale = grad_scale;
+  op.count_correct = !backward;  // token accuracy is an evaluation figure; the step skips it
   float* dh = tmp_;
   if (backward) {
     be_.zero(dh, T * H);

@@ -71,7 +71,8 @@ class TrainSession {
   // masks). Rows never attend to each other (batch.seq_start restarts per row).
   // Throws invalid_input for a malformed batch (sizes, token ids, seq_start).
   LossResult forward_backward(const Batch& batch, float grad_scale, uint64_t step = 0);
-  // Loss only, without dropout and without gradients (evaluation).
+  // Loss only, without dropout and without gradients (evaluation), with
+  // LossResult::n_correct: the targets that are the argmax of their logits.
   LossResult forward_loss(const Batch& batch);
 
   // Sizes every buffer of a step (saved activations, backward temporaries) for

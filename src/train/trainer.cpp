@@ -40,21 +40,24 @@ std::string format_count(int64_t n) {
 
 std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string("null"); }
 
-// Mean loss over every target token of a split (no dropout, no gradients).
-double eval_loss(TrainSession& session, const DataSplit& split, int32_t pad_id, int64_t batch_rows) {
+// Summed loss, target tokens and correctly predicted ones (argmax = target)
+// over every target token of a split (no dropout, no gradients).
+LossResult eval_split(TrainSession& session, const DataSplit& split, int32_t pad_id, int64_t batch_rows) {
   DataLoader loader(split, pad_id, batch_rows, /*shuffle=*/false, 0);
-  double sum = 0;
-  int64_t n = 0;
+  LossResult sum;
   Batch b;  // one batch's memory for every batch
   for (int64_t i = 0, nb = loader.batches_per_epoch(); i < nb; ++i) {
     loader.next(b);
     if (b.target_tokens == 0) continue;
     const LossResult r = session.forward_loss(b);
-    sum += r.loss_sum;
-    n += r.n_tokens;
+    sum.loss_sum += r.loss_sum;
+    sum.n_tokens += r.n_tokens;
+    sum.n_correct += r.n_correct;
   }
-  return n > 0 ? sum / static_cast<double>(n) : std::nan("");
+  return sum;
 }
+
+nlohmann::json json_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 // Everything the run will write is checked before the model loads, so a bad
 // output_dir or cache_dir never costs a whole run at the end.
@@ -340,21 +343,35 @@ void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
 std::optional<double> Trainer::evaluate() {
   LOOM_ASSERT(opt_);  // setup() ran
   if (!data_->eval) return std::nullopt;
-  const int64_t step = steps_done();
-  const double loss = eval_loss(*session_, *data_->eval, data_->pad_id, c_.batch_size);
+  const LossResult sum = eval_split(*session_, *data_->eval, data_->pad_id, c_.batch_size);
+  EvalReport e;
+  e.step = steps_done();
+  e.tokens = sum.n_tokens;
+  const auto n = static_cast<double>(sum.n_tokens);
+  e.loss = sum.n_tokens > 0 ? sum.loss_sum / n : std::nan("");
+  e.accuracy = sum.n_tokens > 0 ? static_cast<double>(sum.n_correct) / n : std::nan("");
+  const double loss = e.loss;
   res_.eval_losses.push_back(loss);
-  evals_.push_back({step, loss});
+  res_.eval_accuracies.push_back(e.accuracy);
+  evals_.push_back({e.step, loss});
   res_.final_eval_loss = loss;
-  log_->record(LogLevel::info, "eval", fmt::format("eval at step {}: loss {:.4f} (ppl {:.2f})", step, loss, std::exp(loss)),
-               {{"step", step}, {"eval_loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json()}},
+  log_->record(LogLevel::info, "eval",
+               fmt::format("eval at step {}: loss {:.4f} (ppl {:.2f}), token accuracy {:.2f}%", e.step, loss,
+                           std::exp(loss), 100 * e.accuracy),
+               {{"step", e.step}, {"eval_loss", json_or_null(loss)}, {"eval_accuracy", json_or_null(e.accuracy)},
+                {"eval_tokens", e.tokens}},
                "metric");
   if (metrics_) {
-    std::fprintf(metrics_.get(), "{\"step\":%lld,\"eval_loss\":%s,\"elapsed_seconds\":%.3f}\n",
-                 static_cast<long long>(step), json_number(loss).c_str(), seconds_since(t0_));
+    std::fprintf(metrics_.get(),
+                 "{\"step\":%lld,\"eval_loss\":%s,\"eval_accuracy\":%s,\"eval_tokens\":%lld,"
+                 "\"elapsed_seconds\":%.3f}\n",
+                 static_cast<long long>(e.step), json_number(loss).c_str(), json_number(e.accuracy).c_str(),
+                 static_cast<long long>(e.tokens), seconds_since(t0_));
     std::fflush(metrics_.get());
   }
-  if (rt_.metrics) rt_.metrics->on_eval(step, loss, std::nullopt);
-  if (hooks_.at_evaluation) hooks_.at_evaluation(*this, step, loss);
+  if (rt_.metrics)
+    rt_.metrics->on_eval(e.step, loss, std::isfinite(e.accuracy) ? std::optional<double>(e.accuracy) : std::nullopt);
+  if (hooks_.at_evaluation) hooks_.at_evaluation(*this, e);
   return loss;
 }
 
@@ -428,7 +445,6 @@ void Trainer::load_checkpoint(const std::string& path) {
          "this run (seed {})", path, st.step_losses.size(), st.shuffle_seed, st.step, c_.seed);
   load_checkpoint_arenas(path, params_->params(), *opt_);
   params_->after_update(*model_, *session_, *backend_);  // full: the backend's copies of the weights
-  restore_faults(st.faults);
   loader_->seek(st.cursor);
   res_.step_losses = std::move(st.step_losses);
   evals_ = std::move(st.evals);
@@ -462,7 +478,6 @@ CheckpointState Trainer::checkpoint_state(std::string_view reason) {
   st.shuffle_seed = c_.seed;
   st.dropout_seed = c_.lora.seed;
   st.schedule = opt_->schedule();
-  st.faults = faults_;
   st.reason = std::string(reason);
   st.identity = run_identity(c_);
   st.config_text = c_.text;

@@ -33,6 +33,7 @@ struct TrainResult {
   int64_t steps = 0;
   std::vector<double> step_losses;       // mean loss of every optimizer step
   std::vector<double> eval_losses;       // every evaluation, in order
+  std::vector<double> eval_accuracies;   // their token accuracies (EvalReport::accuracy)
   std::optional<double> final_eval_loss;
   int64_t trainable_params = 0, total_params = 0;
   int64_t trained_tokens = 0;            // target tokens seen by the loss
@@ -83,8 +84,9 @@ class Trainer {
   // max_bad_steps in a row it rolls back to the last good checkpoint or throws
   // loom::Error (diverged).
   StepReport train_step();
-  // Mean loss over the eval split (no dropout, no gradients), logged and passed
-  // to hooks.at_evaluation; nullopt when there is no eval split.
+  // Mean loss and token accuracy over the eval split (no dropout, no
+  // gradients), logged, written to metrics_file and passed to
+  // hooks.at_evaluation; returns the loss, nullopt when there is no eval split.
   std::optional<double> evaluate();
   // Writes the output folder and returns the result. The checkpoint folder,
   // when it lies inside output_dir, is carried into the new folder.

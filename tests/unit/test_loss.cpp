@@ -2,6 +2,7 @@
 // fast chunked version against the unchunked reference, grad_scale semantics.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -55,7 +56,9 @@ TEST(Loss, ChunkedF32MatchesUnchunkedReference) {
   const double scale = 1.0 / 17;
   auto dh = dh0, dW = dW0;
   int64_t count = 0;
-  const double loss = ref::cross_entropy(dh.data(), dW.data(), &count, h.data(), W.data(), labels.data(), T, V, H, scale);
+  int64_t correct = 0;
+  const double loss =
+      ref::cross_entropy(dh.data(), dW.data(), &count, h.data(), W.data(), labels.data(), T, V, H, scale, &correct);
 
   auto hf = to_f32(h), Wf = to_f32(W);
   const Tensor Wt = make_tensor(Wf.data(), DType::f32, {V, H});
@@ -76,8 +79,10 @@ TEST(Loss, ChunkedF32MatchesUnchunkedReference) {
       a.dh = dhf.data();
       a.dW = dWf.data();
       a.chunk_rows = chunk;
+      a.count_correct = true;
       const LossResult r = chunked_cross_entropy(pool, a, scratch);
       EXPECT_EQ(r.n_tokens, count);
+      EXPECT_EQ(r.n_correct, correct);
       EXPECT_NEAR(r.loss_sum, loss, 1e-5 * loss);
       expect_near_ref(dhf, dh, 1e-5, "dh");
       expect_near_ref(dWf, dW, 1e-5, "dW");
@@ -131,6 +136,55 @@ TEST(Loss, GradScaleIsMeanOverTheWholeStep) {
   expect_near_ref(dhf, dh, 1e-5, "dh");
 }
 
+// Token accuracy: a row counts when its label is the argmax logit, ties going to
+// the lowest index (torch.argmax); ignored rows never count. Rows 4 and 9 of W
+// are equal, so a row of h along them ties them exactly (in f32 and double).
+TEST(Loss, TokenAccuracyMatchesReferenceWithTiesAndIgnoredLabels) {
+  const int64_t T = 8, V = 23, H = 16;
+  auto W = random_doubles(V * H, 21, 0.3);
+  for (int64_t i = 0; i < H; ++i) W[4 * H + i] = W[9 * H + i] = 3.0 * W[4 * H + i];
+  auto h = random_doubles(T * H, 22);
+  for (int64_t t = 0; t < 3; ++t) std::copy_n(W.begin() + 4 * H, H, h.begin() + t * H);
+  auto argmax = [&](int64_t t) {
+    std::vector<double> z(V);
+    ref::linear_forward(z.data(), h.data() + t * H, W.data(), nullptr, 1, V, H);
+    return static_cast<int32_t>(std::max_element(z.begin(), z.end()) - z.begin());
+  };
+  ASSERT_EQ(argmax(0), 4);
+  // tie won, tie lost, ignored (would be right), right, wrong, ignored, right, wrong
+  const std::vector<int32_t> labels = {4, 9, -100, argmax(3), (argmax(4) + 1) % 23, -100, argmax(6),
+                                       (argmax(7) + 5) % 23};
+  int64_t count = 0, correct = -1;
+  ref::cross_entropy(nullptr, nullptr, &count, h.data(), W.data(), labels.data(), T, V, H, 1.0, &correct);
+  EXPECT_EQ(count, 6);
+  EXPECT_EQ(correct, 3);
+
+  auto hf = to_f32(h), Wf = to_f32(W);
+  const Tensor Wt = make_tensor(Wf.data(), DType::f32, {V, H});
+  ThreadPool pool(2);
+  const PackedWeight Wp = PackedWeight::pack(Wt, &pool, "output");
+  MatmulScratch scratch;
+  std::vector<float> dh(h.size());
+  for (int64_t chunk : {1, 3, 64})
+    for (bool packed : {true, false})
+      for (bool backward : {false, true}) {
+        ChunkedLossArgs a;
+        a.W = &Wt;
+        a.W_packed = packed ? &Wp : nullptr;
+        a.h = hf.data();
+        a.labels = labels.data();
+        a.T = T;
+        a.dh = backward ? dh.data() : nullptr;
+        a.chunk_rows = chunk;
+        a.count_correct = true;
+        const LossResult r = chunked_cross_entropy(pool, a, scratch);
+        EXPECT_EQ(r.n_tokens, 6);
+        EXPECT_EQ(r.n_correct, correct) << "chunk " << chunk << " packed " << packed << " backward " << backward;
+        a.count_correct = false;  // not asked: not counted
+        EXPECT_EQ(chunked_cross_entropy(pool, a, scratch).n_correct, 0);
+      }
+}
+
 TEST(Loss, QuantizedOutputProjection) {
   // Tied q8_0 embeddings as the output projection (SmolLM2); logits see the q8
   // activation rounding, so the tolerance is that of the quantized matmul.
@@ -143,8 +197,9 @@ TEST(Loss, QuantizedOutputProjection) {
   auto h = random_doubles(T * H, 14);
   std::vector<double> dh(h.size());
   int64_t count = 0;
+  int64_t correct = 0;
   const double loss = ref::cross_entropy(dh.data(), nullptr, &count, h.data(), to_f64(deq).data(), labels.data(), T, V,
-                                         H, 1.0);
+                                         H, 1.0, &correct);
   ThreadPool pool(2);
   MatmulScratch scratch;
   auto hf = to_f32(h);
@@ -156,8 +211,10 @@ TEST(Loss, QuantizedOutputProjection) {
   a.T = T;
   a.dh = dhf.data();
   a.chunk_rows = 3;
+  a.count_correct = true;
   const LossResult r = chunked_cross_entropy(pool, a, scratch);
   EXPECT_EQ(r.n_tokens, count);
+  EXPECT_EQ(r.n_correct, correct);  // no near-ties here: the q8 rounding moves no argmax
   EXPECT_NEAR(r.loss_sum, loss, 1e-2 * loss);
   expect_near_ref(dhf, dh, 2e-2, "dh");
   // A trainable output projection must be f32.
@@ -183,9 +240,13 @@ TEST(Loss, LabelsAreChecked) {
   EXPECT_EQ(none.loss_sum, 0.0);
   // Uniform logits: loss log(V) per token.
   labels = {3, 9};
+  a.count_correct = true;
   const LossResult two = chunked_cross_entropy(pool, a, scratch);
   EXPECT_EQ(two.n_tokens, 2);
   EXPECT_NEAR(two.loss_sum, 2 * std::log(10.0), 1e-5);
+  EXPECT_EQ(two.n_correct, 0);  // all logits tie: the argmax is token 0
+  labels = {0, 9};
+  EXPECT_EQ(chunked_cross_entropy(pool, a, scratch).n_correct, 1);
   labels = {3, 10};
   EXPECT_THROW(chunked_cross_entropy(pool, a, scratch), Error);
   labels = {-1, 0};

@@ -72,10 +72,13 @@ TEST(TrainerHooks, CalledInOrderWithTheRunsValues) {
     EXPECT_EQ(t.loader().cursor(), again.cursor());
     reports.push_back(r);
   };
-  h.at_evaluation = [&](Trainer& t, int64_t step, double loss) {
-    events.push_back(fmt::format("eval {}", step));
-    EXPECT_EQ(step, t.steps_done());
-    evals.push_back(loss);
+  std::vector<double> accuracies;
+  h.at_evaluation = [&](Trainer& t, const EvalReport& e) {
+    events.push_back(fmt::format("eval {}", e.step));
+    EXPECT_EQ(e.step, t.steps_done());
+    EXPECT_GT(e.tokens, 0);
+    evals.push_back(e.loss);
+    accuracies.push_back(e.accuracy);
   };
   const TrainResult r = run_training(c, nullptr, h);
 
@@ -86,6 +89,11 @@ TEST(TrainerHooks, CalledInOrderWithTheRunsValues) {
   EXPECT_EQ(evals, r.eval_losses);  // exactly the losses the result reports
   ASSERT_EQ(r.eval_losses.size(), 3u);
   EXPECT_EQ(evals.back(), *r.final_eval_loss);
+  EXPECT_EQ(accuracies, r.eval_accuracies);
+  for (double a : accuracies) {
+    EXPECT_GE(a, 0.0);
+    EXPECT_LE(a, 1.0);
+  }
   ASSERT_EQ(reports.size(), 3u);
   int64_t tokens = 0;
   for (size_t i = 0; i < reports.size(); ++i) {
@@ -219,7 +227,7 @@ TEST(TrainerHooks, FullFineTuningThroughTheSameHooks) {
   TrainHooks h;
   h.after_backward = [&](Trainer&, std::span<float> g) { grad_size = g.size(); };
   h.after_optimizer_step = [&](Trainer&, const StepReport&) { ++steps; };
-  h.at_evaluation = [&](Trainer&, int64_t, double loss) { evals.push_back(loss); };
+  h.at_evaluation = [&](Trainer&, const EvalReport& e) { evals.push_back(e.loss); };
   const TrainResult r = run_training(c, nullptr, h);
   EXPECT_EQ(static_cast<int64_t>(grad_size), r.trainable_params);
   EXPECT_EQ(r.trainable_params, r.total_params);

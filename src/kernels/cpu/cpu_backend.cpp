@@ -305,6 +305,7 @@ class CpuBackend final : public Backend {
     a.grad_scale = op.grad_scale;
     a.dh = op.dh;
     a.dW = op.dW;
+    a.count_correct = op.count_correct;
     return chunked_cross_entropy(pool_, a, cpu(ws).matmul, &cpu(ws).loss);
   }
 

@@ -11,10 +11,23 @@
 
 namespace loom {
 
+namespace {
+
+// Whether z[label] is the largest of z[0, V) with no equal value before it
+// (torch.argmax's first-index rule); mx = the largest value.
+bool label_is_argmax(const float* z, int32_t label, float mx) {
+  if (!(z[label] == mx)) return false;
+  for (int32_t c = 0; c < label; ++c)
+    if (z[c] == mx) return false;
+  return true;
+}
+
+}  // namespace
+
 size_t LossScratch::bytes() const {
   return rows.capacity() * sizeof(int64_t) + (hc.capacity() + logits.capacity() + dhc.capacity()) * sizeof(float) +
-         row_loss.capacity() * sizeof(double) + (bwd.dy.capacity() + bwd.prod.capacity()) * sizeof(float) +
-         bwd.matmul.bytes();
+         row_loss.capacity() * sizeof(double) + row_correct.capacity() + (bwd.dy.capacity() + bwd.prod.capacity()) *
+         sizeof(float) + bwd.matmul.bytes();
 }
 
 LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, MatmulScratch& scratch,
@@ -49,6 +62,8 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
   if (a.dh) dhc.resize(static_cast<size_t>(C * H));
   std::vector<double>& row_loss = ls.row_loss;
   row_loss.resize(static_cast<size_t>(C));
+  std::vector<uint8_t>& row_correct = ls.row_correct;
+  if (a.count_correct) row_correct.resize(static_cast<size_t>(C));
   PackedBackwardScratch& bwd = ls.bwd;
   for (int64_t r0 = 0; r0 < res.n_tokens; r0 += C) {
     const int64_t n = std::min(C, res.n_tokens - r0);
@@ -76,6 +91,7 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
         for (; c < V; ++c) sum += std::exp(z[c] - mx);
         const double lse = mx + std::log(sum);
         row_loss[static_cast<size_t>(i)] = lse - z[label];
+        if (a.count_correct) row_correct[static_cast<size_t>(i)] = label_is_argmax(z, label, mx);
         if (!a.dh && !a.dW) continue;
         const float flse = static_cast<float>(lse);
         const __m256 vl = _mm256_set1_ps(flse), vg = _mm256_set1_ps(a.grad_scale);
@@ -87,6 +103,8 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
       }
     });
     for (int64_t i = 0; i < n; ++i) res.loss_sum += row_loss[static_cast<size_t>(i)];
+    if (a.count_correct)
+      for (int64_t i = 0; i < n; ++i) res.n_correct += row_correct[static_cast<size_t>(i)];
     if (a.dh) {
       if (a.Wt_packed && a.Wt_packed->empty()) {
         linear_backward_input_bf16_direct(pool, W, logits.data(), V, dhc.data(), n, false, bwd);

@@ -31,17 +31,22 @@ struct ChunkedLossArgs {
   float* dh = nullptr;   // [T, H] +=; nullptr: loss only (evaluation)
   float* dW = nullptr;   // [V, H] f32 +=; only for a trainable (f32) output projection
   int64_t chunk_rows = 64;
+  // Count the rows whose argmax logit is the label (LossResult::n_correct;
+  // ties: the lowest index wins, as torch.argmax). Evaluation only.
+  bool count_correct = false;
 };
 
 // For every chunk of unmasked rows: logits = h W^T (kernels/cpu/matmul.h), softmax,
-// loss, dlogits = (softmax - onehot) * grad_scale, dh += dlogits W
-// (linear_backward_input) and, if dW, dW += dlogits^T h.
+// loss (and, if count_correct, whether the label is the argmax), dlogits =
+// (softmax - onehot) * grad_scale, dh += dlogits W (linear_backward_input) and,
+// if dW, dW += dlogits^T h.
 //
 // Numerics: with a quantized W the logits carry matmul's q8 activation rounding
 // (exactly the logits inference produces), while dh uses the dequantized W
 // exactly. The gradient is thus that of the unrounded product (a straight-through
 // estimate); the relative mismatch is ~1e-3 of the logits, well below the noise
 // of a stochastic gradient. With f32 W both are exact f32 products.
+// A NaN logit is never the argmax (the loss is NaN then anyway).
 // Deterministic: independent of the thread count. Throws loom::Error(invalid_input)
 // for a label outside [0, V) other than -100, or a dW with a non-f32 W.
 // Its working memory (a chunk of logits, the unmasked rows, ...): passed in,
@@ -50,6 +55,7 @@ struct LossScratch {
   std::vector<int64_t> rows;
   std::vector<float> hc, logits, dhc;
   std::vector<double> row_loss;
+  std::vector<uint8_t> row_correct;
   PackedBackwardScratch bwd;
   size_t bytes() const;  // allocated
 };

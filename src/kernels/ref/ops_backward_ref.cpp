@@ -168,15 +168,18 @@ void linear_backward(double* dx, double* dW, double* db, const double* dy, const
 }
 
 double cross_entropy(double* dh, double* dW, int64_t* count, const double* h, const double* W,
-                     const int32_t* labels, int64_t T, int64_t V, int64_t H, double grad_scale) {
+                     const int32_t* labels, int64_t T, int64_t V, int64_t H, double grad_scale,
+                     int64_t* correct) {
   double total = 0;
-  int64_t cnt = 0;
+  int64_t cnt = 0, right = 0;
   std::vector<double> z(static_cast<size_t>(V));
   for (int64_t t = 0; t < T; ++t) {
     if (labels[t] == -100) continue;
     ++cnt;
     linear_forward(z.data(), h + t * H, W, nullptr, 1, V, H);
-    const double mx = *std::max_element(z.begin(), z.end());
+    const auto top = std::max_element(z.begin(), z.end());  // the first largest: torch.argmax
+    const double mx = *top;
+    right += top - z.begin() == labels[t];
     double sum = 0;
     for (double x : z) sum += std::exp(x - mx);
     const double lse = mx + std::log(sum);
@@ -187,6 +190,7 @@ double cross_entropy(double* dh, double* dW, int64_t* count, const double* h, co
     linear_backward(dh ? dh + t * H : nullptr, dW, nullptr, z.data(), h + t * H, W, 1, V, H);
   }
   if (count) *count = cnt;
+  if (correct) *correct = right;
   return total;
 }
 

@@ -43,9 +43,12 @@ void linear_backward(double* dx, double* dW, double* db, const double* dy, const
                      int64_t T, int64_t N, int64_t K);
 
 // Cross-entropy of logits = h W^T [T, V] against labels (-100 = ignored row).
-// Returns the summed loss over unmasked rows; *count gets their number.
+// Returns the summed loss over unmasked rows; *count gets their number and
+// *correct (if given) those whose largest logit is the label's, ties going to
+// the lowest index (torch.argmax).
 // dh +=, dW += (each may be nullptr) of grad_scale * summed loss.
 double cross_entropy(double* dh, double* dW, int64_t* count, const double* h, const double* W,
-                     const int32_t* labels, int64_t T, int64_t V, int64_t H, double grad_scale);
+                     const int32_t* labels, int64_t T, int64_t V, int64_t H, double grad_scale,
+                     int64_t* correct = nullptr);
 
 }  // namespace loom::ref
