@@ -445,6 +445,7 @@ void Trainer::load_checkpoint(const std::string& path) {
          "this run (seed {})", path, st.step_losses.size(), st.shuffle_seed, st.step, c_.seed);
   load_checkpoint_arenas(path, params_->params(), *opt_);
   params_->after_update(*model_, *session_, *backend_);  // full: the backend's copies of the weights
+  restore_faults(st.faults);
   loader_->seek(st.cursor);
   res_.step_losses = std::move(st.step_losses);
   evals_ = std::move(st.evals);
@@ -478,6 +479,7 @@ CheckpointState Trainer::checkpoint_state(std::string_view reason) {
   st.shuffle_seed = c_.seed;
   st.dropout_seed = c_.lora.seed;
   st.schedule = opt_->schedule();
+  st.faults = faults_;
   st.reason = std::string(reason);
   st.identity = run_identity(c_);
   st.config_text = c_.text;
