@@ -7,6 +7,8 @@
 // and the input gradients through frozen weights (BackwardInput/...: W^T packed
 // as f16 for the matmul kernels vs bf16 tiles for AMX / AVX512-BF16 / AVX2).
 // Dequant/<type>/{cpu,ref}: kernels/cpu/dequant.h against the scalar reference.
+// Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
+// projection, without and with evaluation's token-accuracy count.
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
@@ -18,6 +20,7 @@
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/loss.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops_backward.h"
 #include "kernels/cpu/dequant.h"
@@ -253,8 +256,39 @@ void register_dequant() {
     }
 }
 
+// 128 target rows through SmolLM2-135M's output projection (V 49152, H 576,
+// q8_0), loss only, one thread; eval_count also counts argmax == target.
+void run_loss(benchmark::State& state, bool count) {
+  const int64_t V = 49152, H = 576, T = 128;
+  auto w = make_weights(DType::q8_0, V, H);
+  const Tensor W = make_tensor(w.data(), DType::q8_0, {V, H});
+  ThreadPool pool(1);
+  const PackedWeight Wp = PackedWeight::pack(W, &pool, "output");
+  std::vector<float> h(static_cast<size_t>(T * H));
+  std::vector<int32_t> labels(static_cast<size_t>(T));
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (auto& v : h) v = dist(rng);
+  for (auto& l : labels) l = static_cast<int32_t>(rng() % V);
+  ChunkedLossArgs a;
+  a.W = &W;
+  a.W_packed = &Wp;
+  a.h = h.data();
+  a.labels = labels.data();
+  a.T = T;
+  a.count_correct = count;
+  MatmulScratch scratch;
+  LossScratch ls;
+  for (auto _ : state) {
+    const LossResult r = chunked_cross_entropy(pool, a, scratch, &ls);
+    benchmark::DoNotOptimize(r);
+  }
+}
+
 void register_all() {
   register_dequant();
+  benchmark::RegisterBenchmark("Loss/eval/T128_V49152_q8_0/t1", run_loss, false)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("Loss/eval_count/T128_V49152_q8_0/t1", run_loss, true)->Unit(benchmark::kMillisecond);
   register_backward_input();
   register_attention();
   const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k, DType::q6_k,
