@@ -146,6 +146,8 @@ struct WorkspaceShape {
   int64_t vocab = 0, hidden = 0;     // the fused loss's output projection
   BackwardPrecision precision = BackwardPrecision::exact;
   bool backward = true;              // false: evaluation only
+  AttentionShape attention{};        // the training attention's heads
+  int64_t lora_rank = 0;             // LoRA's r (its B's weight gradient is narrow); 0: none
 };
 
 class Backend {
@@ -158,6 +160,10 @@ class Backend {
     size_t total = 0, loss = 0;
   };
   virtual WorkspaceBytes workspace_bytes(const WorkspaceShape& s) const = 0;
+  // Grows `ws` at once to what a step of `s` holds of the attention's and the
+  // weight gradients' scratch (counted in workspace_bytes), so that no step,
+  // the first included, allocates it.
+  virtual void reserve_workspace(Workspace& ws, const WorkspaceShape& s) = 0;
 
   // ---- memory and weights
   virtual DeviceBuffer alloc(size_t bytes) = 0;  // zero-filled
@@ -220,12 +226,12 @@ class Backend {
   virtual void paged_store(const AttentionShape& s, void* k_store, void* v_store, DType dtype, int64_t block_size,
                            const float* k, const float* v, const int64_t* slots, int64_t T) = 0;
   // Training attention over packed rows (no cache), saving lse [T, n_heads].
-  virtual void attention_train(const AttentionShape& s, float* out, float* lse, const float* q, const float* k,
-                               const float* v, int64_t T, const int32_t* seq_start) = 0;
+  virtual void attention_train(Workspace& ws, const AttentionShape& s, float* out, float* lse, const float* q,
+                               const float* k, const float* v, int64_t T, const int32_t* seq_start) = 0;
   // dq +=, dk +=, dv +=.
-  virtual void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, const float* dout,
-                                  const float* q, const float* k, const float* v, const float* out,
-                                  const float* lse, int64_t T, const int32_t* seq_start) = 0;
+  virtual void attention_backward(Workspace& ws, const AttentionShape& s, float* dq, float* dk, float* dv,
+                                  const float* dout, const float* q, const float* k, const float* v,
+                                  const float* out, const float* lse, int64_t T, const int32_t* seq_start) = 0;
 
   // ---- loss and backward
   virtual LossResult cross_entropy(Workspace& ws, const LossOp& op) = 0;
@@ -240,8 +246,8 @@ class Backend {
   virtual void linear_backward_input(Workspace& ws, const Tensor& W, const DeviceWeight* Wt, BackwardPrecision p,
                                      const float* dy, float* dx, int64_t T, bool accumulate) = 0;
   // dW [N, K] += dy^T x.
-  virtual void linear_backward_weight(const float* dy, const float* x, float* dW, int64_t T, int64_t N,
-                                      int64_t K) = 0;
+  virtual void linear_backward_weight(Workspace& ws, const float* dy, const float* x, float* dW, int64_t T,
+                                      int64_t N, int64_t K) = 0;
   virtual void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) = 0;
   virtual void embedding_backward(float* dW, const float* dout, const int32_t* tokens, int64_t T, int64_t vocab,
                                   int64_t H) = 0;

@@ -52,8 +52,8 @@ class TrainSession::SavedAttention final : public AttentionStep {
   float* keys(int64_t layer) override { return s_.layers_[static_cast<size_t>(layer)].k; }
   float* values(int64_t layer) override { return s_.layers_[static_cast<size_t>(layer)].v; }
   void attend(int64_t layer, const float* q, const float* k, const float* v, float* att) override {
-    s_.be_.attention_train(s_.dec_.attention_shape(), att, s_.layers_[static_cast<size_t>(layer)].lse, q, k, v,
-                           s_.tokens_, s_.seq_start_.data());
+    s_.be_.attention_train(*s_.ws_, s_.dec_.attention_shape(), att, s_.layers_[static_cast<size_t>(layer)].lse, q,
+                           k, v, s_.tokens_, s_.seq_start_.data());
   }
 
  private:
@@ -263,6 +263,20 @@ void TrainSession::reserve(int64_t T) {
   if (bt_.empty() && bt_floats() > 0) bt_ = be_.alloc(bt_floats() * sizeof(float));
   pos_.reserve(static_cast<size_t>(T));
   seq_start_.reserve(static_cast<size_t>(T));
+  be_.reserve_workspace(*ws_, workspace_shape(T));
+}
+
+WorkspaceShape TrainSession::workspace_shape(int64_t tokens) const {
+  WorkspaceShape s;
+  s.rows = tokens;
+  s.max_in = std::max({c_.hidden, c_.q_dim(), c_.intermediate});
+  s.max_out = std::max({c_.hidden, c_.q_dim(), c_.kv_dim(), c_.intermediate});
+  s.vocab = c_.vocab_size;
+  s.hidden = c_.hidden;
+  s.precision = backward_;
+  s.attention = dec_.attention_shape();
+  s.lora_rank = lora_ ? lora_->config().r : 0;
+  return s;
 }
 
 void TrainSession::lora_forward(int64_t l, LoraTarget t, const float* x, float* y, int64_t T, bool dropout,
@@ -295,7 +309,7 @@ void TrainSession::lora_backward(int64_t l, LoraTarget t, const float* x, const 
   const int64_t r = lora_->config().r;
   const float* xin = dropout ? a.xd[ti] : x;
   // y = B u with u = scale * A xin saved as ax: dB += dy^T u; du = dy B; d(A xin) = scale * du.
-  be_.linear_backward_weight(dy, a.ax[ti], lora_->grad_b(l, t).as<float>(), T, s.out, r);
+  be_.linear_backward_weight(*ws_, dy, a.ax[ti], lora_->grad_b(l, t).as<float>(), T, s.out, r);
   // du = dy B as a product with B^T [r, out] (B's r columns are too narrow for the
   // input-gradient tiles).
   const Tensor B = lora_->b(l, t);
@@ -303,7 +317,7 @@ void TrainSession::lora_backward(int64_t l, LoraTarget t, const float* x, const 
   be_.transpose(bt_.floats(), B.as<const float>(), s.out, r);
   be_.matmul_dense(*ws_, make_tensor(bt_.floats(), DType::f32, {r, s.out}), dy, dax_, T);
   be_.scale(dax_, lora_->scale(), T * r);
-  be_.linear_backward_weight(dax_, xin, lora_->grad_a(l, t).as<float>(), T, r, s.in);
+  be_.linear_backward_weight(*ws_, dax_, xin, lora_->grad_a(l, t).as<float>(), T, r, s.in);
   if (dx == nullptr) return;
   const Tensor A = lora_->a(l, t);
   if (!dropout) {
@@ -351,14 +365,14 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   // x_next = xmid + down(h): dx is also d(xmid)'s residual part, kept in place.
   float* h = dup_;  // h = silu(gate) * up recomputed; dup_ is free until swiglu_backward
   be_.swiglu(h, a.gate, a.up, T, F);
-  if (G) be_.linear_backward_weight(dx, h, G->w_down, T, H, F);
+  if (G) be_.linear_backward_weight(*ws_, dx, h, G->w_down, T, H, F);
   input_grad(L.w_down, wt(&TransposedLayer::w_down), dx, dff_, T);
   lora_backward(l, LoraTarget::down, h, dx, dff_, T, dropout, step);
   // dgate -> dgate_, dup -> dup_ (h is no longer needed).
   be_.swiglu_backward(dgate_, dup_, dff_, a.gate, a.up, T * F);
   if (G) {
-    be_.linear_backward_weight(dgate_, a.xn2, G->w_gate, T, F, H);
-    be_.linear_backward_weight(dup_, a.xn2, G->w_up, T, F, H);
+    be_.linear_backward_weight(*ws_, dgate_, a.xn2, G->w_gate, T, F, H);
+    be_.linear_backward_weight(*ws_, dup_, a.xn2, G->w_up, T, F, H);
   }
   input_grad(L.w_gate, wt(&TransposedLayer::w_gate), dgate_, dxn_, T);
   input_grad(L.w_up, wt(&TransposedLayer::w_up), dup_, dxn_, T, true);
@@ -367,19 +381,19 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   be_.rmsnorm_backward(dx, G ? G->ffn_norm : nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
 
   // xmid = x + o(att): dx now is d(xmid), which is also d(x)'s residual part.
-  if (G) be_.linear_backward_weight(dx, a.att, G->wo, T, H, Q);
+  if (G) be_.linear_backward_weight(*ws_, dx, a.att, G->wo, T, H, Q);
   input_grad(L.wo, wt(&TransposedLayer::wo), dx, datt_, T);
   lora_backward(l, LoraTarget::o, a.att, dx, datt_, T, dropout, step);
   be_.zero(dq_, T * Q);
   be_.zero(dk_, T * KV);
   be_.zero(dv_, T * KV);
-  be_.attention_backward(shape, dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, T, seq_start_.data());
+  be_.attention_backward(*ws_, shape, dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, T, seq_start_.data());
   be_.rope(w_.rope, rope_cs_, dq_, T, c_.n_heads, true);
   be_.rope(w_.rope, rope_cs_, dk_, T, c_.n_kv_heads, true);
   if (G) {
-    be_.linear_backward_weight(dq_, a.xn1, G->wq, T, Q, H);
-    be_.linear_backward_weight(dk_, a.xn1, G->wk, T, KV, H);
-    be_.linear_backward_weight(dv_, a.xn1, G->wv, T, KV, H);
+    be_.linear_backward_weight(*ws_, dq_, a.xn1, G->wq, T, Q, H);
+    be_.linear_backward_weight(*ws_, dk_, a.xn1, G->wk, T, KV, H);
+    be_.linear_backward_weight(*ws_, dv_, a.xn1, G->wv, T, KV, H);
     if (G->bq) {
       be_.linear_backward_bias(dq_, G->bq, T, Q);
       be_.linear_backward_bias(dk_, G->bk, T, KV);

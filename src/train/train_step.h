@@ -89,6 +89,8 @@ class TrainSession {
   size_t activation_bytes_for(int64_t tokens) const;
   size_t scratch_bytes_for(int64_t tokens) const;
   const Workspace& workspace() const { return *ws_; }
+  // The largest ops of a step of `tokens` rows (what reserve() sizes the workspace for).
+  WorkspaceShape workspace_shape(int64_t tokens) const;
 
  private:
   struct LayerActs {

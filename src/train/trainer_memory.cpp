@@ -50,17 +50,6 @@ size_t prepared_bytes(const ModelWeights& w) {
   return n;
 }
 
-WorkspaceShape workspace_shape(const ModelConfig& mc, BackwardMode mode, int64_t tokens) {
-  WorkspaceShape s;
-  s.rows = tokens;
-  s.max_in = std::max({mc.hidden, mc.q_dim(), mc.intermediate});
-  s.max_out = std::max({mc.hidden, mc.q_dim(), mc.kv_dim(), mc.intermediate});
-  s.vocab = mc.vocab_size;
-  s.hidden = mc.hidden;
-  s.precision = mode;
-  return s;
-}
-
 }  // namespace
 
 // planned_tokens > 0: the buffers a step of that many tokens allocates, as it
@@ -75,7 +64,7 @@ std::vector<MemoryArena> Trainer::memory_arenas(int64_t planned_tokens) const {
     activations = std::max(activations, session_->activation_bytes_for(planned_tokens));
     scratch = std::max(scratch, session_->scratch_bytes_for(planned_tokens));
     const Backend::WorkspaceBytes w =
-        backend_->workspace_bytes(workspace_shape(model_->config(), c_.backward, planned_tokens));
+        backend_->workspace_bytes(session_->workspace_shape(planned_tokens));
     ws = std::max(ws, w.total);
     loss = std::max(loss, w.loss);
     // grad_accum micro-batches of four int32 vectors, plus evaluation's one.

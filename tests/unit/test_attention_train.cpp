@@ -3,6 +3,7 @@
 // counts and backward work splits.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -88,10 +89,22 @@ struct Result {
   std::vector<float> out, lse, dq, dk, dv;
 };
 
-Result run_fast(const Case& cs, const Inputs& in, const AttnTrainOptions& opt, int threads) {
+// `scratch`: reused across calls (null: the overloads that make their own).
+Result run_fast(const Case& cs, const Inputs& in, const AttnTrainOptions& opt, int threads,
+                AttnTrainScratch* scratch = nullptr) {
   const auto st = starts(cs);
   const int32_t* sp = st.empty() ? nullptr : st.data();
   ThreadPool pool(threads);
+  if (scratch) {
+    const auto q = to_f32(in.q), k = to_f32(in.k), v = to_f32(in.v), c = to_f32(in.c);
+    Result r{std::vector<float>(in.out.size()), std::vector<float>(in.lse.size()), to_f32(in.dq0), to_f32(in.dk0),
+             to_f32(in.dv0)};
+    attention_forward_train(pool, opt, r.out.data(), r.lse.data(), q.data(), k.data(), v.data(), cs.s, cs.T, sp,
+                            *scratch);
+    attention_backward(pool, opt, r.dq.data(), r.dk.data(), r.dv.data(), c.data(), q.data(), k.data(), v.data(),
+                       r.out.data(), r.lse.data(), cs.s, cs.T, sp, *scratch);
+    return r;
+  }
   const auto q = to_f32(in.q), k = to_f32(in.k), v = to_f32(in.v), c = to_f32(in.c);
   Result r{std::vector<float>(in.out.size()), std::vector<float>(in.lse.size()), to_f32(in.dq0), to_f32(in.dk0),
            to_f32(in.dv0)};
@@ -170,6 +183,37 @@ TEST(AttentionTrain, PlainEntryPointsUseDefaultIsa) {
   attention_backward(pool, r.dq.data(), r.dk.data(), r.dv.data(), c.data(), q.data(), k.data(), v.data(),
                      r.out.data(), r.lse.data(), cs.s, cs.T, st.data());
   expect_identical(want, r, "plain entry points");
+}
+
+// A scratch reserved for T rows holds every call of up to T rows, however they
+// split into samples (all one-row samples, one long one, mixes), without
+// growing, and reusing it gives the bits of a fresh one.
+TEST(AttentionTrain, ReservedScratchHoldsEverySplit) {
+  for (const auto& [H, G, d] : {std::array<int64_t, 3>{9, 3, 64}, std::array<int64_t, 3>{6, 2, 20}}) {
+    const AttentionShape s{H, G, d, G * d};
+    const int64_t T = 150;
+    std::vector<std::vector<int64_t>> splits = {{150}, std::vector<int64_t>(150, 1), {1, 149}, {15, 1, 16, 118},
+                                                {64, 1, 1, 1, 17, 66}, {100}, {3, 1, 2, 40, 7, 1, 1, 95},
+                                                {129, 17, 1, 1, 1, 1}, {17, 17, 17, 17, 17, 17, 17, 17, 14}};
+    for (int threads : {1, 3})
+      for (AttnIsa isa : isas()) {
+        AttnTrainScratch scratch;
+        const AttnTrainScratchSize size = attention_train_scratch_size(s, T, threads, true, isa);
+        attention_train_reserve(scratch, size);
+        ASSERT_EQ(scratch.bytes(), size.bytes());
+        uint32_t seed = 500;
+        for (const auto& lens : splits) {
+          Case cs = make_case("split", H, G, d, 0, lens);
+          ASSERT_LE(cs.T, T);
+          const Inputs in = make_inputs(cs, seed += 10);
+          const std::string what = std::string(isa_name(isa)) + " d" + std::to_string(d) + " threads " +
+                                   std::to_string(threads) + " samples " + std::to_string(lens.size());
+          expect_identical(run_fast(cs, in, AttnTrainOptions{isa}, threads),
+                           run_fast(cs, in, AttnTrainOptions{isa}, threads, &scratch), what);
+          EXPECT_EQ(scratch.bytes(), size.bytes()) << what;
+        }
+      }
+  }
 }
 
 // Padding columns of the kv rows (kv_stride > n_kv_heads * head_dim) are left alone.

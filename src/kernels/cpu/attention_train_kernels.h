@@ -249,24 +249,27 @@ void add_rows(float* dst, int64_t ld_dst, const float* src, int64_t dp, int64_t 
   }
 }
 
-// One thread's scratch: score and gradient tiles, a dp-wide row tile (forward O
-// or a dq tile) and dk/dv accumulators (a key block, or a whole sample when fused).
+// One thread's scratch, carved out of its slab of tile_floats(dp, W, dkdv_rows):
+// score and gradient tiles, a dp-wide row tile (forward O or a dq tile), per-lane
+// row sums and dk/dv accumulators (a key block, or a whole sample when fused).
 template <class V>
 struct Workspace {
-  Buffer s, g, rowt, lv, dk, dv;
-  int64_t dkdv_rows = 0;
+  float *s, *g, *rowt, *lv, *dk, *dv;
+  int64_t dkdv_rows;
   float m[kB];
 
-  explicit Workspace(int64_t dp)
-      : s(alloc_floats(kBlock * kBlock)),
-        g(alloc_floats(kBlock * kBlock)),
-        rowt(alloc_floats(kBlock * dp)),
-        lv(alloc_floats(kBlock * V::W)) {}
-  void reserve_dkdv(int64_t rows, int64_t dp) {
-    if (rows <= dkdv_rows) return;
-    dk = alloc_floats(rows * dp);
-    dv = alloc_floats(rows * dp);
-    dkdv_rows = rows;
+  Workspace(float* slab, int64_t dp, int64_t rows) : dkdv_rows(rows) {
+    auto take = [&](int64_t n) {
+      float* p = slab;
+      slab += (n + 15) / 16 * 16;
+      return p;
+    };
+    s = take(kBlock * kBlock);
+    g = take(kBlock * kBlock);
+    rowt = take(kBlock * dp);
+    lv = take(kBlock * V::W);
+    dk = take(rows * dp);
+    dv = take(rows * dp);
   }
 };
 
@@ -287,20 +290,20 @@ void forward_task(const Problem& p, Workspace<V>& ws, const Task& t) {
   const float c = p.scale * kLog2e;
   const TileAt t0{&smp, qb, qb};
   const int64_t qs = t0.qs(), nq = t0.nq();
-  float* o = ws.rowt.get();
+  float* o = ws.rowt;
   std::fill(o, o + nq * dp, 0.0f);
   std::fill(ws.m, ws.m + kB, -INFINITY);
-  std::fill(ws.lv.get(), ws.lv.get() + kB * V::W, 0.0f);
+  std::fill(ws.lv, ws.lv + kB * V::W, 0.0f);
   const float* kt = p.kt + g * d * p.ldt + smp.col;
   for (int64_t kb = 0; kb <= qb; ++kb) {
     const TileAt ta{&smp, qb, kb};
-    tile_nt<V>(p.q.at(qs, h), p.q.ld, kt + kb * kBlock, p.ldt, d, ws.s.get(), nq, ta.diag());
-    softmax_step<V>(ws.s.get(), nq, ta.nk(), ta.diag(), c, ws.m, ws.lv.get(), o, dp);
-    tile_acc_rows<V>(ws.s.get(), p.v.at(ta.ks(), g), p.v.ld, nq, ta.nk(), ta.diag(), o, dp, dp);
+    tile_nt<V>(p.q.at(qs, h), p.q.ld, kt + kb * kBlock, p.ldt, d, ws.s, nq, ta.diag());
+    softmax_step<V>(ws.s, nq, ta.nk(), ta.diag(), c, ws.m, ws.lv, o, dp);
+    tile_acc_rows<V>(ws.s, p.v.at(ta.ks(), g), p.v.ld, nq, ta.nk(), ta.diag(), o, dp, dp);
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t row = qs + i;
-    const float l = V::hsum(V::load(ws.lv.get() + i * V::W));
+    const float l = V::hsum(V::load(ws.lv + i * V::W));
     const float inv = 1.0f / l;
     float* dst = p.out + row * p.H * d + h * d;
     for (int64_t col = 0; col < d; ++col) dst[col] = o[i * dp + col] * inv;
@@ -318,8 +321,8 @@ void backward_tile(const Problem& p, Workspace<V>& ws, const TileAt& ta, int64_t
   const int64_t g = h / p.group, d = p.d, dp = p.dp, qs = ta.qs(), ks = ta.ks(), nq = ta.nq(), nk = ta.nk();
   const bool diag = ta.diag();
   const int64_t tcol = g * d * p.ldt + smp.col + ta.kb * kBlock;
-  float* s = ws.s.get();
-  float* gr = ws.g.get();
+  float* s = ws.s;
+  float* gr = ws.g;
   tile_nt<V>(p.q.at(qs, h), p.q.ld, p.kt + tcol, p.ldt, d, s, nq, diag);
   tile_nt<V>(p.dout.at(qs, h), p.dout.ld, p.vt + tcol, p.ldt, d, gr, nq, diag);
   grad_step<V>(s, gr, nq, nk, diag, p.scale * kLog2e, p.scale, p.lse_in + qs * p.H + h, p.D + qs * p.H + h, p.H);
@@ -337,21 +340,21 @@ template <class V>
 void backward_fused(const Problem& p, Workspace<V>& ws, const Task& t) {
   const Sample& smp = p.samples[t.sample];
   const int64_t g = t.head, dp = p.dp, nb = (smp.len + kBlock - 1) / kBlock;
-  ws.reserve_dkdv(nb * kBlock, dp);
-  std::fill(ws.dk.get(), ws.dk.get() + smp.len * dp, 0.0f);
-  std::fill(ws.dv.get(), ws.dv.get() + smp.len * dp, 0.0f);
-  float* dq_t = ws.rowt.get();
+  // nb * kBlock <= ws.dkdv_rows: the driver sizes the slab for the longest sample.
+  std::fill(ws.dk, ws.dk + smp.len * dp, 0.0f);
+  std::fill(ws.dv, ws.dv + smp.len * dp, 0.0f);
+  float* dq_t = ws.rowt;
   for (int64_t h = g * p.group; h < (g + 1) * p.group; ++h)
     for (int64_t qb = 0; qb < nb; ++qb) {
       const TileAt t0{&smp, qb, qb};
       std::fill(dq_t, dq_t + t0.nq() * dp, 0.0f);
       for (int64_t kb = 0; kb <= qb; ++kb)
-        backward_tile<V>(p, ws, TileAt{&smp, qb, kb}, h, dq_t, ws.dk.get() + kb * kBlock * dp,
-                         ws.dv.get() + kb * kBlock * dp);
+        backward_tile<V>(p, ws, TileAt{&smp, qb, kb}, h, dq_t, ws.dk + kb * kBlock * dp,
+                         ws.dv + kb * kBlock * dp);
       add_rows<V>(p.dq + t0.qs() * p.H * p.d + h * p.d, p.H * p.d, dq_t, dp, t0.nq(), p.d);
     }
-  add_rows<V>(p.dk + smp.start * p.kv_stride + g * p.d, p.kv_stride, ws.dk.get(), dp, smp.len, p.d);
-  add_rows<V>(p.dv + smp.start * p.kv_stride + g * p.d, p.kv_stride, ws.dv.get(), dp, smp.len, p.d);
+  add_rows<V>(p.dk + smp.start * p.kv_stride + g * p.d, p.kv_stride, ws.dk, dp, smp.len, p.d);
+  add_rows<V>(p.dv + smp.start * p.kv_stride + g * p.d, p.kv_stride, ws.dv, dp, smp.len, p.d);
 }
 
 template <class V>
@@ -359,14 +362,13 @@ void backward_dkdv(const Problem& p, Workspace<V>& ws, const Task& t) {
   const Sample& smp = p.samples[t.sample];
   const int64_t g = t.head, dp = p.dp, kb = t.block, nb = (smp.len + kBlock - 1) / kBlock;
   const TileAt t0{&smp, kb, kb};
-  ws.reserve_dkdv(kBlock, dp);
-  std::fill(ws.dk.get(), ws.dk.get() + t0.nk() * dp, 0.0f);
-  std::fill(ws.dv.get(), ws.dv.get() + t0.nk() * dp, 0.0f);
+  std::fill(ws.dk, ws.dk + t0.nk() * dp, 0.0f);
+  std::fill(ws.dv, ws.dv + t0.nk() * dp, 0.0f);
   for (int64_t h = g * p.group; h < (g + 1) * p.group; ++h)
     for (int64_t qb = kb; qb < nb; ++qb)
-      backward_tile<V>(p, ws, TileAt{&smp, qb, kb}, h, nullptr, ws.dk.get(), ws.dv.get());
-  add_rows<V>(p.dk + t0.ks() * p.kv_stride + g * p.d, p.kv_stride, ws.dk.get(), dp, t0.nk(), p.d);
-  add_rows<V>(p.dv + t0.ks() * p.kv_stride + g * p.d, p.kv_stride, ws.dv.get(), dp, t0.nk(), p.d);
+      backward_tile<V>(p, ws, TileAt{&smp, qb, kb}, h, nullptr, ws.dk, ws.dv);
+  add_rows<V>(p.dk + t0.ks() * p.kv_stride + g * p.d, p.kv_stride, ws.dk, dp, t0.nk(), p.d);
+  add_rows<V>(p.dv + t0.ks() * p.kv_stride + g * p.d, p.kv_stride, ws.dv, dp, t0.nk(), p.d);
 }
 
 template <class V>
@@ -374,15 +376,15 @@ void backward_dq(const Problem& p, Workspace<V>& ws, const Task& t) {
   const Sample& smp = p.samples[t.sample];
   const int64_t h = t.head, dp = p.dp, qb = t.block;
   const TileAt t0{&smp, qb, qb};
-  float* dq_t = ws.rowt.get();
+  float* dq_t = ws.rowt;
   std::fill(dq_t, dq_t + t0.nq() * dp, 0.0f);
   for (int64_t kb = 0; kb <= qb; ++kb) backward_tile<V>(p, ws, TileAt{&smp, qb, kb}, h, dq_t, nullptr, nullptr);
   add_rows<V>(p.dq + t0.qs() * p.H * p.d + h * p.d, p.H * p.d, dq_t, dp, t0.nq(), p.d);
 }
 
 template <class V>
-void run_tasks(const Problem& p, const Task* tasks, int64_t n_tasks, std::atomic<int64_t>& next) {
-  Workspace<V> ws(p.dp);
+void run_tasks(const Problem& p, const Task* tasks, int64_t n_tasks, std::atomic<int64_t>& next, float* tiles) {
+  Workspace<V> ws(tiles, p.dp, p.dkdv_rows);
   for (;;) {
     const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     if (i >= n_tasks) return;

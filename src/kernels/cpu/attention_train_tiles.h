@@ -4,8 +4,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
 
 namespace loom::attn {
 
@@ -16,7 +14,13 @@ constexpr int64_t kBlock = 64;
 struct Sample {
   int64_t start = 0;  // first row
   int64_t len = 0;    // rows
-  int64_t col = 0;    // column of its first key in the transposed K / V (a multiple of the vector width)
+  // Column of its first key in the transposed K / V: a multiple of the vector
+  // width W for samples of W rows or more; shorter ones (the one-row samples
+  // of padding) sit right after the previous sample, unaligned, so padding
+  // costs a column a row, not W. A tile reads at most its keys rounded up to
+  // W columns: columns past a sample's keys hold another sample's (finite) keys
+  // or zeros, and every lane past the sample's keys is masked.
+  int64_t col = 0;
 };
 
 // Row-major operand: row t of head h at base + t * ld + h * hs.
@@ -35,7 +39,7 @@ struct Problem {
   const Sample* samples = nullptr;
   // Inputs with dp readable columns per head (zero-padded copies when dp != d).
   Rows q, k, v, dout;
-  // Keys and values transposed per kv head: [G][d][ldt], zero between samples.
+  // Keys and values transposed per kv head: [G][d][ldt] (see Sample::col).
   const float* kt = nullptr;
   const float* vt = nullptr;  // backward only
   int64_t ldt = 0;
@@ -50,6 +54,7 @@ struct Problem {
   float* dk = nullptr;
   float* dv = nullptr;
   int64_t kv_stride = 0;
+  int64_t dkdv_rows = 0;  // rows of each thread's dk / dv accumulators (backward)
 };
 
 enum class TaskKind : int32_t {
@@ -66,20 +71,37 @@ struct Task {
   int32_t block = 0;
 };
 
-// Runs tasks[next++] until none are left; called once on every thread.
-using TaskRunner = void (*)(const Problem& p, const Task* tasks, int64_t n_tasks, std::atomic<int64_t>& next);
+// A task with its planned cost and its place in the order it was made (the
+// tie-break that makes an in-place sort by cost stable).
+struct PlannedTask {
+  Task task;
+  double cost = 0;
+  int64_t seq = 0;
+};
+
+// Rows [row, row + n) of K or V into columns [col, col + width) of the
+// transposed copy (columns past n are zeroed).
+struct PackBlock {
+  int64_t row = 0, col = 0, n = 0, width = 0;
+};
+
+// One thread's tiles (attention_train_kernels.h's Workspace): two score tiles,
+// a dp-wide row tile, per-lane row sums and, in the backward, dk / dv
+// accumulators of `dkdv_rows` rows.
+inline int64_t tile_floats(int64_t dp, int64_t width, int64_t dkdv_rows) {
+  auto lines = [](int64_t n) { return (n + 15) / 16 * 16; };
+  return 2 * lines(kBlock * kBlock) + lines(kBlock * dp) + lines(kBlock * width) + 2 * lines(dkdv_rows * dp);
+}
+
+// Runs tasks[next++] until none are left; called once for every thread index,
+// `tiles` that index's tile_floats() (64-byte aligned).
+using TaskRunner = void (*)(const Problem& p, const Task* tasks, int64_t n_tasks, std::atomic<int64_t>& next,
+                            float* tiles);
 
 struct TileKernels {
   int width;  // floats per vector: dp and the sample columns are multiples of it
   TaskRunner run;
 };
-
-// 64-byte aligned scratch (defined in attention_train.cpp, baseline ISA).
-struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<float[], FreeDeleter>;
-Buffer alloc_floats(int64_t n);
 
 const TileKernels& tile_kernels_avx2();
 const TileKernels& tile_kernels_avx512();

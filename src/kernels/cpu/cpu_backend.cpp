@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/linear_backward.h"
 #include "kernels/cpu/loss.h"
@@ -43,7 +44,11 @@ struct CpuWorkspace final : Workspace {
   MatmulScratch matmul;
   PackedBackwardScratch backward;
   LossScratch loss;
-  size_t bytes() const override { return matmul.bytes() + scratch_bytes(backward) + loss.bytes(); }
+  AttnTrainScratch attention;  // the training attention's plans, K^T / V^T and tiles
+  ScratchFloats weight_grad;   // linear_backward_weight's (the layers' and the loss's dW)
+  size_t bytes() const override {
+    return matmul.bytes() + scratch_bytes(backward) + loss.bytes() + attention.bytes() + weight_grad.bytes();
+  }
   size_t loss_bytes() const override { return loss.bytes(); }
 };
 
@@ -114,8 +119,13 @@ class CpuBackend final : public Backend {
     // Each worker's panels of a weight packed on the fly (the LoRA factors: 4 panels
     // of 16 f32 rows, matmul.cpp's kFlyGroup).
     const size_t fly = static_cast<size_t>(pool_.size()) * grown(4 * 16 * static_cast<size_t>(s.max_in) * sizeof(float));
-    b.total = b.loss + quant + bwd + fly;
+    b.total = b.loss + quant + bwd + fly + attention_scratch(s).bytes() + weight_grad_floats(s) * sizeof(float);
     return b;
+  }
+
+  void reserve_workspace(Workspace& ws, const WorkspaceShape& s) override {
+    attention_train_reserve(cpu(ws).attention, attention_scratch(s));
+    cpu(ws).weight_grad.reserve(weight_grad_floats(s));
   }
 
   DeviceBuffer alloc(size_t bytes) override {
@@ -281,15 +291,16 @@ class CpuBackend final : public Backend {
     loom::paged_store(pool_, s, k_store, v_store, dtype, block_size, k, v, slots, T);
   }
 
-  void attention_train(const AttentionShape& s, float* out, float* lse, const float* q, const float* k,
-                       const float* v, int64_t T, const int32_t* seq_start) override {
-    attention_forward_train(pool_, out, lse, q, k, v, s, T, seq_start);
+  void attention_train(Workspace& ws, const AttentionShape& s, float* out, float* lse, const float* q,
+                       const float* k, const float* v, int64_t T, const int32_t* seq_start) override {
+    attention_forward_train(pool_, AttnTrainOptions{}, out, lse, q, k, v, s, T, seq_start, cpu(ws).attention);
   }
 
-  void attention_backward(const AttentionShape& s, float* dq, float* dk, float* dv, const float* dout,
-                          const float* q, const float* k, const float* v, const float* out, const float* lse,
-                          int64_t T, const int32_t* seq_start) override {
-    loom::attention_backward(pool_, dq, dk, dv, dout, q, k, v, out, lse, s, T, seq_start);
+  void attention_backward(Workspace& ws, const AttentionShape& s, float* dq, float* dk, float* dv,
+                          const float* dout, const float* q, const float* k, const float* v, const float* out,
+                          const float* lse, int64_t T, const int32_t* seq_start) override {
+    loom::attention_backward(pool_, AttnTrainOptions{}, dq, dk, dv, dout, q, k, v, out, lse, s, T, seq_start,
+                             cpu(ws).attention);
   }
 
   LossResult cross_entropy(Workspace& ws, const LossOp& op) override {
@@ -305,6 +316,7 @@ class CpuBackend final : public Backend {
     a.grad_scale = op.grad_scale;
     a.dh = op.dh;
     a.dW = op.dW;
+    a.dW_scratch = &cpu(ws).weight_grad;
     a.count_correct = op.count_correct;
     return chunked_cross_entropy(pool_, a, cpu(ws).matmul, &cpu(ws).loss);
   }
@@ -333,9 +345,9 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void linear_backward_weight(const float* dy, const float* x, float* dW, int64_t T, int64_t N,
+  void linear_backward_weight(Workspace& ws, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
                               int64_t K) override {
-    loom::linear_backward_weight(pool_, dy, x, dW, T, N, K);
+    loom::linear_backward_weight(pool_, dy, x, dW, T, N, K, cpu(ws).weight_grad);
   }
 
   void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) override {
@@ -364,6 +376,19 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // The training attention's scratch for a step of `s` (any split of its rows into samples).
+  AttnTrainScratchSize attention_scratch(const WorkspaceShape& s) const {
+    if (s.attention.n_heads <= 0) return {};
+    return attention_train_scratch_size(s.attention, s.rows, pool_.size(), s.backward);
+  }
+  // linear_backward_weight's largest call of a step: dW of a layer's weight
+  // (the loss's dW chunks have fewer rows), or LoRA's narrow B [max_out, r].
+  size_t weight_grad_floats(const WorkspaceShape& s) const {
+    if (!s.backward) return 0;
+    return std::max(linear_backward_weight_floats(s.rows, s.max_out, s.max_in, pool_.size()),
+                    linear_backward_weight_floats(s.rows, s.max_out, s.lora_rank, pool_.size()));
+  }
+
   ThreadPool& pool_;
   const PackedWeight read_w_directly_;  // an empty W^T: the loss's bf16 products read W itself
 };

@@ -114,38 +114,68 @@ void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, f
   });
 }
 
-void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
-                            int64_t K) {
-  if (T <= 0 || N <= 0 || K <= 0) return;
-  if (K < 16 && N >= 16) {
-    // Narrow dW (e.g. a LoRA B [out, r]): the column tiles would be scalar, so
-    // compute dW^T = x^T dy with the wide kernel and add it transposed.
-    std::vector<float> dWt(static_cast<size_t>(K * N), 0.0f);
-    linear_backward_weight(pool, x, dy, dWt.data(), T, K, N);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k) dW[n * K + k] += dWt[static_cast<size_t>(k * N + n)];
-    return;
-  }
-  // Units of 16 dW rows (dy's 16 columns transposed in one cache line per t) by
-  // column slices; slices only when there are too few row blocks (small N, e.g. LoRA).
-  constexpr int64_t kRows = 16;
-  const int64_t n_nb = (N + kRows - 1) / kRows;
+namespace {
+
+constexpr int64_t kGradRows = 16;  // dW rows of one unit (dy's 16 columns transposed in one cache line per t)
+
+// dW would be too narrow for the column tiles (e.g. a LoRA B [out, r]).
+bool narrow_grad(int64_t N, int64_t K) { return K < 16 && N >= 16; }
+size_t grad_rows_floats(int64_t T) { return scratch_lines(static_cast<size_t>(kGradRows * T)); }
+
+// Units of 16 dW rows by column slices; slices only when there are too few row
+// blocks (small N, e.g. LoRA). `dyT`: grad_rows_floats(T) per thread index.
+void weight_grad_tiles(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
+                       int64_t K, float* dyT) {
+  const int64_t n_nb = (N + kGradRows - 1) / kGradRows;
   const int64_t n_kc = std::min((K + 63) / 64, std::max<int64_t>(1, (4 * pool.size() + n_nb - 1) / n_nb));
   const int64_t kw = ((K + n_kc - 1) / n_kc + 15) / 16 * 16;
-  pool.parallel_for(n_nb * n_kc, [&](int64_t u0, int64_t u1) {
-    std::vector<float> dyT(static_cast<size_t>(kRows * T));
+  const int64_t units = n_nb * n_kc;
+  auto run_units = [&](int64_t u0, int64_t u1, float* rows) {
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t n0 = (u / n_kc) * kRows, nr = std::min(kRows, N - n0);
+      const int64_t n0 = (u / n_kc) * kGradRows, nr = std::min(kGradRows, N - n0);
       const int64_t c0 = (u % n_kc) * kw, c1 = std::min(K, c0 + kw);
       if (c0 >= c1) continue;
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t r = 0; r < nr; ++r) dyT[static_cast<size_t>(r * T + t)] = dy[t * N + n0 + r];
+        for (int64_t r = 0; r < nr; ++r) rows[r * T + t] = dy[t * N + n0 + r];
       // dW[n0 + r, c] += sum_t dyT[r, t] x[t, c], 64-column strips of x kept in cache
       // across the row groups.
       for (int64_t s0 = c0; s0 < c1; s0 += 64)
-        rows_fma(dW + n0 * K + s0, K, dyT.data(), T, 1, x + s0, K, T, std::min<int64_t>(64, c1 - s0), 0, nr);
+        rows_fma(dW + n0 * K + s0, K, rows, T, 1, x + s0, K, T, std::min<int64_t>(64, c1 - s0), 0, nr);
     }
+  };
+  if (pool.size() == 1 || units <= 1) return run_units(0, units, dyT);
+  // parallel_for's contiguous chunks, each with its thread index's rows.
+  pool.run([&](int ti, int tn) {
+    const int64_t chunk = (units + tn - 1) / tn, b = chunk * ti, e = std::min(units, b + chunk);
+    if (b < e) run_units(b, e, dyT + static_cast<size_t>(ti) * grad_rows_floats(T));
   });
+}
+
+}  // namespace
+
+size_t linear_backward_weight_floats(int64_t T, int64_t N, int64_t K, int threads) {
+  if (T <= 0 || N <= 0 || K <= 0) return 0;
+  return (narrow_grad(N, K) ? scratch_lines(static_cast<size_t>(K * N)) : 0) +
+         static_cast<size_t>(threads) * grad_rows_floats(T);
+}
+
+void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
+                            int64_t K, ScratchFloats& scratch) {
+  if (T <= 0 || N <= 0 || K <= 0) return;
+  float* base = scratch.reserve(linear_backward_weight_floats(T, N, K, pool.size()));
+  if (!narrow_grad(N, K)) return weight_grad_tiles(pool, dy, x, dW, T, N, K, base);
+  // Narrow: dW^T = x^T dy with the wide tiles, added transposed.
+  float* dWt = base;
+  std::fill(dWt, dWt + K * N, 0.0f);
+  weight_grad_tiles(pool, x, dy, dWt, T, K, N, base + scratch_lines(static_cast<size_t>(K * N)));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dW[n * K + k] += dWt[k * N + n];
+}
+
+void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
+                            int64_t K) {
+  ScratchFloats scratch;
+  linear_backward_weight(pool, dy, x, dW, T, N, K, scratch);
 }
 
 void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) {

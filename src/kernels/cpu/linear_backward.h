@@ -13,6 +13,7 @@
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/scratch.h"
 
 namespace loom {
 
@@ -93,8 +94,14 @@ void linear_backward_input_bf16_direct(ThreadPool& pool, const Tensor& W, const 
 
 // dW [N, K] += dy^T [N, T] x [T, K]   (f32; a trainable weight's gradient).
 // Each element is one FMA chain over t = 0..T-1 (thread-count independent).
+// `scratch` (kept by the caller across calls) holds each thread's transposed dy
+// columns and, for a narrow dW (K < 16 <= N, a LoRA B), dW^T; it grows to
+// linear_backward_weight_floats(). The overload without one allocates it per call.
+void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
+                            int64_t K, ScratchFloats& scratch);
 void linear_backward_weight(ThreadPool& pool, const float* dy, const float* x, float* dW, int64_t T, int64_t N,
                             int64_t K);
+size_t linear_backward_weight_floats(int64_t T, int64_t N, int64_t K, int threads);
 
 // db [N] += sum_t dy [t, :]
 void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N);

@@ -117,7 +117,8 @@ LossResult chunked_cross_entropy(ThreadPool& pool, const ChunkedLossArgs& a, Mat
       for (int64_t i = 0; i < n; ++i)
         simd::axpy(a.dh + rows[static_cast<size_t>(r0 + i)] * H, 1.0f, dhc.data() + i * H, H);
     }
-    if (a.dW) linear_backward_weight(pool, logits.data(), hc.data(), a.dW, n, V, H);
+    if (a.dW && a.dW_scratch) linear_backward_weight(pool, logits.data(), hc.data(), a.dW, n, V, H, *a.dW_scratch);
+    else if (a.dW) linear_backward_weight(pool, logits.data(), hc.data(), a.dW, n, V, H);
   }
   return res;
 }

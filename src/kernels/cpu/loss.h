@@ -30,6 +30,7 @@ struct ChunkedLossArgs {
   float grad_scale = 1.0f;
   float* dh = nullptr;   // [T, H] +=; nullptr: loss only (evaluation)
   float* dW = nullptr;   // [V, H] f32 +=; only for a trainable (f32) output projection
+  ScratchFloats* dW_scratch = nullptr;  // dW's linear_backward_weight scratch; nullptr: one per chunk
   int64_t chunk_rows = 64;
   // Count the rows whose argmax logit is the label (LossResult::n_correct;
   // ties: the lowest index wins, as torch.argmax). Evaluation only.
