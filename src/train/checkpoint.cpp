@@ -67,7 +67,8 @@ json state_json(const CheckpointState& st) {
   json losses = json::array();
   for (double l : st.step_losses) losses.push_back(number_or_null(l));
   json evals = json::array();
-  for (const EvalPoint& e : st.evals) evals.push_back({{"step", e.step}, {"loss", number_or_null(e.loss)}});
+  for (const EvalPoint& e : st.evals)
+    evals.push_back({{"step", e.step}, {"loss", number_or_null(e.loss)}, {"accuracy", number_or_null(e.accuracy)}});
   return {
       {"format_version", kCheckpointFormat},
       {"step", st.step},
@@ -114,7 +115,9 @@ CheckpointState state_from_json(const json& j) {
   for (const auto& [k, v] : j.at("input_hashes").items()) st.input_hashes.emplace_back(k, v.get<std::string>());
   const json& m = j.at("metrics");
   for (const json& l : m.at("step_losses")) st.step_losses.push_back(number_or_nan(l));
-  for (const json& e : m.at("evals")) st.evals.push_back({e.at("step").get<int64_t>(), number_or_nan(e.at("loss"))});
+  for (const json& e : m.at("evals"))
+    st.evals.push_back({e.at("step").get<int64_t>(), number_or_nan(e.at("loss")),
+                        number_or_nan(e.value("accuracy", json()))});
   st.trained_tokens = m.at("trained_tokens").get<int64_t>();
   st.input_tokens = m.at("input_tokens").get<int64_t>();
   st.train_seconds = m.at("train_seconds").get<double>();

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -35,6 +36,7 @@ using RunIdentity = std::vector<std::pair<std::string, std::string>>;  // train_
 struct EvalPoint {
   int64_t step = 0;
   double loss = 0;
+  double accuracy = std::numeric_limits<double>::quiet_NaN();  // token accuracy (absent in older checkpoints)
 };
 
 // The small part of a checkpoint (state.json), besides the f32 arenas.

@@ -353,7 +353,7 @@ std::optional<double> Trainer::evaluate() {
   const double loss = e.loss;
   res_.eval_losses.push_back(loss);
   res_.eval_accuracies.push_back(e.accuracy);
-  evals_.push_back({e.step, loss});
+  evals_.push_back({e.step, loss, e.accuracy});
   res_.final_eval_loss = loss;
   log_->record(LogLevel::info, "eval",
                fmt::format("eval at step {}: loss {:.4f} (ppl {:.2f}), token accuracy {:.2f}%", e.step, loss,
@@ -450,7 +450,11 @@ void Trainer::load_checkpoint(const std::string& path) {
   res_.step_losses = std::move(st.step_losses);
   evals_ = std::move(st.evals);
   res_.eval_losses.clear();
-  for (const EvalPoint& e : evals_) res_.eval_losses.push_back(e.loss);
+  res_.eval_accuracies.clear();
+  for (const EvalPoint& e : evals_) {
+    res_.eval_losses.push_back(e.loss);
+    res_.eval_accuracies.push_back(e.accuracy);
+  }
   res_.final_eval_loss = evals_.empty() ? std::nullopt : std::optional<double>(evals_.back().loss);
   res_.trained_tokens = st.trained_tokens;
   input_tokens_ = st.input_tokens;

@@ -322,6 +322,7 @@ void expect_exact_resume(const std::string& model, const std::string& tag, const
   for (size_t i = 0; i < ra.step_losses.size(); ++i)
     EXPECT_EQ(rb.step_losses[i], ra.step_losses[i]) << "step " << i + 1;
   EXPECT_EQ(rb.eval_losses, ra.eval_losses);
+  EXPECT_EQ(rb.eval_accuracies, ra.eval_accuracies);  // kept through the checkpoints
   EXPECT_EQ(rb.trained_tokens, ra.trained_tokens);
   EXPECT_EQ(metrics_lines(b + ".metrics.jsonl"), metrics_lines(a + ".metrics.jsonl"));
   EXPECT_EQ(output_bytes(b), output_bytes(a));
