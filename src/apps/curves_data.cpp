@@ -145,10 +145,11 @@ Ticks nice_ticks(double lo, double hi, int target, double min_step) {
   return t;
 }
 
-std::string format_tick(double value, double step) {
+std::string format_tick(double value, double step, double span) {
   if (value == 0) return "0";
   const double big = std::max(std::fabs(value), step);
-  if (big >= 1e-2 && big < 1e6) {  // fixed, as many decimals as the step has
+  const double axis = std::max(big, span);
+  if (axis >= 1e-2 && axis < 1e6) {  // fixed, as many decimals as the step has
     const int decimals = std::max(0, -static_cast<int>(std::floor(std::log10(step) + 1e-9)));
     return fmt::format("{:.{}f}", value, decimals);
   }

@@ -46,8 +46,9 @@ struct Ticks {
 Ticks nice_ticks(double lo, double hi, int target = 5, double min_step = 0);
 
 // A tick's label: fixed with the step's decimals ("0.25", "150"), or
-// scientific with the digits that tell ticks apart ("5e-4", "1.5e-3") below
-// 0.01 and from 1e6.
-std::string format_tick(double value, double step);
+// scientific with the digits that tell ticks apart ("5e-4", "1.5e-3") when the
+// axis's largest |value| (`span`, at least |value|) is below 0.01 or from 1e6,
+// so that one axis uses one notation.
+std::string format_tick(double value, double step, double span = 0);
 
 }  // namespace loom::app

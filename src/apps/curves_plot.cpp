@@ -58,10 +58,12 @@ struct Line {
 struct Panel {
   std::string title, y_label, empty_note;
   double scale = 1;  // eval_accuracy drawn in percent
+  double top = std::numeric_limits<double>::infinity();  // no value above (100 %)
   std::vector<Line> lines;
 };
 
-// Finite values of the panel (scaled): the y range, or none.
+// Finite values of the panel (scaled): the y range, or none. Every metric is
+// >= 0, so a single value widens into [0, top], never below 0 or above `top`.
 bool y_range(const Panel& p, double& lo, double& hi) {
   lo = std::numeric_limits<double>::infinity();
   hi = -lo;
@@ -71,7 +73,14 @@ bool y_range(const Panel& p, double& lo, double& hi) {
         lo = std::min(lo, v * p.scale);
         hi = std::max(hi, v * p.scale);
       }
-  return lo <= hi;
+  if (lo > hi) return false;
+  if (hi - lo <= 1e-12 * std::max(1.0, std::fabs(hi))) {
+    const double pad = hi == 0 ? 1 : std::fabs(hi) * 0.1;
+    lo = std::max(std::min(lo, 0.0), lo - pad);
+    hi = std::min(p.top, hi + pad);
+    if (hi <= lo) lo = hi - pad;
+  }
+  return true;
 }
 
 // `a`: the inner plot area, where the tick range maps (inset from the frame so
@@ -130,6 +139,7 @@ void draw_panel(cairo_t* cr, const Panel& p, const Rect& box, const Ticks& xt) {
 
   set_font(cr, 11);
   cairo_set_line_width(cr, 1);
+  const double span = std::max(std::fabs(yt.lo), std::fabs(yt.hi));  // one notation for the axis
   for (double v : yt.values) {
     const double y = a.y + a.h - (v - yt.lo) / (yt.hi - yt.lo) * a.h;
     set_colour(cr, kGrid);
@@ -137,7 +147,7 @@ void draw_panel(cairo_t* cr, const Panel& p, const Rect& box, const Ticks& xt) {
     cairo_line_to(cr, frame.x + frame.w, y);
     cairo_stroke(cr);
     set_colour(cr, kText);
-    if (has) text(cr, frame.x - 6, y, format_tick(v, yt.step), 1, 0.5);
+    if (has) text(cr, frame.x - 6, y, format_tick(v, yt.step, span), 1, 0.5);
   }
   for (double s : xt.values) {
     const double x = a.x + (s - xt.lo) / (xt.hi - xt.lo) * a.w;
@@ -220,10 +230,11 @@ double draw_legend(cairo_t* cr, const std::vector<MetricsRun>& runs, double widt
 
 std::vector<Panel> make_panels(const std::vector<MetricsRun>& runs) {
   std::vector<Panel> p(4);
-  p[0] = {"Loss", "nats / token", "no loss records", 1, {}};
-  p[1] = {"Eval token accuracy", "argmax = target (%)", "no eval_accuracy records", 100, {}};
-  p[2] = {"Learning rate", "learning rate", "no lr records", 1, {}};
-  p[3] = {"Gradient norm", "L2 norm before clipping", "no grad_norm records", 1, {}};
+  const double inf = std::numeric_limits<double>::infinity();
+  p[0] = {"Loss", "nats / token", "no loss records", 1, inf, {}};
+  p[1] = {"Eval token accuracy", "argmax = target (%)", "no eval_accuracy records", 100, 100, {}};
+  p[2] = {"Learning rate", "learning rate", "no lr records", 1, inf, {}};
+  p[3] = {"Gradient norm", "L2 norm before clipping", "no grad_norm records", 1, inf, {}};
   for (size_t i = 0; i < runs.size(); ++i) {
     p[0].lines.push_back({&runs[i].loss, i, false});
     p[0].lines.push_back({&runs[i].eval_loss, i, true});

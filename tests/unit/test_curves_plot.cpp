@@ -148,6 +148,10 @@ TEST(CurvesData, TickLabels) {
   EXPECT_EQ(format_tick(1.5e-3, 5e-4), "1.5e-3");
   EXPECT_EQ(format_tick(2e6, 1e6), "2e6");
   EXPECT_EQ(format_tick(25, 5), "25");
+  // One notation per axis: 5e-3 on an axis up to 0.02 is fixed like its neighbours.
+  EXPECT_EQ(format_tick(5e-3, 5e-3, 0.02), "0.005");
+  EXPECT_EQ(format_tick(0.015, 5e-3, 0.02), "0.015");
+  EXPECT_EQ(format_tick(1e-3, 5e-4, 2e-3), "1e-3");
 }
 
 // A count of SVG paths stroked in `c` (cairo writes "stroke:rgb(R%,G%,B%)"
