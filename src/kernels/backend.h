@@ -148,6 +148,7 @@ struct WorkspaceShape {
   bool backward = true;              // false: evaluation only
   AttentionShape attention{};        // the training attention's heads
   int64_t lora_rank = 0;             // LoRA's r (its B's weight gradient is narrow); 0: none
+  bool repack = false;               // f32 weights whose W^T is prepared again each step (full fine-tuning)
 };
 
 class Backend {
@@ -173,9 +174,11 @@ class Backend {
   // Throws loom::Error naming `name` for an unsupported tensor.
   virtual WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle = nullptr) = 0;
   // W^T for input gradients at `p` (not exact); null when the backend reads W
-  // itself at that precision (the CPU's bf16 path with AMX).
+  // itself at that precision (the CPU's bf16 path with AMX). `ws`: scratch for
+  // the transposition, kept by a caller that repacks after every update (full
+  // fine-tuning: WorkspaceShape::repack); null: allocated for the call.
   virtual WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name,
-                                          WeightHandle recycle = nullptr) = 0;
+                                          WeightHandle recycle = nullptr, Workspace* ws = nullptr) = 0;
 
   // ---- forward
   // y [T, N] (rows ldy apart) = x [T, K] (rows ldx apart) W^T.

@@ -73,21 +73,19 @@ void dequantize_weights(ModelWeights& w) {
 }
 
 void prepare_weights(ModelWeights& w, Backend& backend) {
-  std::vector<PreparedLayer> old = std::move(w.prepared);
-  old.resize(w.layers.size());
-  w.prepared.clear();
+  // Again after an update (full fine-tuning): every handle is prepared in place,
+  // reusing its memory, so a training step allocates nothing here.
+  w.prepared.resize(w.layers.size());
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
-    PreparedLayer& O = old[l];
-    PreparedLayer P;
-    P.wq = backend.prepare_weight(L.wq, "attn_q", std::move(O.wq));
-    P.wk = backend.prepare_weight(L.wk, "attn_k", std::move(O.wk));
-    P.wv = backend.prepare_weight(L.wv, "attn_v", std::move(O.wv));
-    P.wo = backend.prepare_weight(L.wo, "attn_output", std::move(O.wo));
-    P.w_gate = backend.prepare_weight(L.w_gate, "ffn_gate", std::move(O.w_gate));
-    P.w_up = backend.prepare_weight(L.w_up, "ffn_up", std::move(O.w_up));
-    P.w_down = backend.prepare_weight(L.w_down, "ffn_down", std::move(O.w_down));
-    w.prepared.push_back(std::move(P));
+    PreparedLayer& P = w.prepared[l];
+    P.wq = backend.prepare_weight(L.wq, "attn_q", std::move(P.wq));
+    P.wk = backend.prepare_weight(L.wk, "attn_k", std::move(P.wk));
+    P.wv = backend.prepare_weight(L.wv, "attn_v", std::move(P.wv));
+    P.wo = backend.prepare_weight(L.wo, "attn_output", std::move(P.wo));
+    P.w_gate = backend.prepare_weight(L.w_gate, "ffn_gate", std::move(P.w_gate));
+    P.w_up = backend.prepare_weight(L.w_up, "ffn_up", std::move(P.w_up));
+    P.w_down = backend.prepare_weight(L.w_down, "ffn_down", std::move(P.w_down));
   }
   w.output_prepared = backend.prepare_weight(w.output, "output", std::move(w.output_prepared));
 }

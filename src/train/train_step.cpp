@@ -105,8 +105,10 @@ TrainSession::~TrainSession() = default;
 void TrainSession::refresh_weights() {
   LOOM_ASSERT(w_.prepared.size() == w_.layers.size() && w_.output_prepared != nullptr);
   if (backward_ == BackwardMode::exact) return;
+  // Full fine-tuning repacks every step: with the workspace's scratch, in place.
+  Workspace* scratch = full_ ? ws_.get() : nullptr;
   auto t = [&](const Tensor& W, WeightHandle& old) {
-    return be_.prepare_transposed(W, backward_, "backward weight", std::move(old));
+    return be_.prepare_transposed(W, backward_, "backward weight", std::move(old), scratch);
   };
   wt_.resize(w_.layers.size());
   for (size_t l = 0; l < w_.layers.size(); ++l) {
@@ -276,6 +278,7 @@ WorkspaceShape TrainSession::workspace_shape(int64_t tokens) const {
   s.precision = backward_;
   s.attention = dec_.attention_shape();
   s.lora_rank = lora_ ? lora_->config().r : 0;
+  s.repack = full_ != nullptr;
   return s;
 }
 

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 
+#include "core/half.h"
+#include "kernels/cpu/dequant.h"
 #include "kernels/cpu/linear_backward.h"
 #include "matmul_test_util.h"
 
@@ -61,6 +64,67 @@ TEST(LinearBackwardPacked, MatchesExactPathForEveryDtypeAndPrecision) {
         for (size_t i = 0; i < prod.size(); ++i) prod[i] += init[i];
         EXPECT_LT(rel_err(prod, want), tol);
       }
+}
+
+// W^T as a plain tensor of pack_transposed's dtype: dequantized, transposed,
+// stored row by row (f16 / bf16 weights moved as they are).
+std::vector<uint8_t> transposed_copy(const Tensor& W, DType dst) {
+  const int64_t N = W.rows(), K = W.cols();
+  const size_t row = dtype_row_bytes(dst, N);
+  std::vector<uint8_t> out(row * static_cast<size_t>(K));
+  std::vector<float> w(static_cast<size_t>(N * K)), col(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) dequantize_row(W.dtype, W.row_ptr(n), w.data() + n * K, K);
+  for (int64_t k = 0; k < K; ++k) {
+    uint8_t* o = out.data() + static_cast<size_t>(k) * row;
+    for (int64_t n = 0; n < N; ++n) col[static_cast<size_t>(n)] = w[static_cast<size_t>(n * K + k)];
+    if (dst == W.dtype && dst != DType::f32 && dtype_block_size(dst) == 1) {
+      const auto* src = static_cast<const uint16_t*>(W.data);
+      for (int64_t n = 0; n < N; ++n) reinterpret_cast<uint16_t*>(o)[n] = src[n * K + k];
+    } else if (dst == DType::q8_0) {
+      quantize_row_q8_0(col.data(), o, N);
+    } else if (dst == DType::f16) {
+      for (int64_t n = 0; n < N; ++n) reinterpret_cast<uint16_t*>(o)[n] = fp32_to_fp16(col[static_cast<size_t>(n)]);
+    } else {
+      std::memcpy(o, col.data(), static_cast<size_t>(N) * sizeof(float));
+    }
+  }
+  return out;
+}
+
+// pack_transposed writes the panels straight from slices of W: the same bytes
+// as packing a whole transposed copy, also when it recycles a weight and
+// reuses a scratch that an earlier (larger) call grew.
+TEST(LinearBackwardPacked, PanelsEqualPackingTheTransposedCopy) {
+  ThreadPool pool(3);
+  const Case cases[] = {{DType::f32, 45, 70, 0}, {DType::f32, 256, 48, 0}, {DType::f16, 64, 96, 0},
+                        {DType::bf16, 32, 40, 0}, {DType::q4_1, 96, 128, 0}, {DType::q8_0, 64, 64, 0},
+                        {DType::q4_k, 64, 256, 0}, {DType::q6_k, 40, 256, 0}};
+  ScratchFloats scratch;
+  auto big = random_weights(DType::f32, 300, 64, 3);
+  const Tensor B = make_tensor(big.data(), DType::f32, {300, 64});
+  for (TransposedPrecision prec : {TransposedPrecision::f16, TransposedPrecision::int8}) {
+    pack_transposed(pool, std::span<const Tensor>(&B, 1), prec, "big", nullptr, &scratch);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(c.type) << " N=" << c.N << " K=" << c.K
+                                        << " prec=" << static_cast<int>(prec));
+      auto wbytes = random_weights(c.type, c.N, c.K, 21);
+      const Tensor W = make_tensor(wbytes.data(), c.type, {c.N, c.K});
+      const DType dst = transposed_weight_dtype(c.type, c.N, prec);
+      auto copy = transposed_copy(W, dst);
+      const PackedWeight want = PackedWeight::pack(make_tensor(copy.data(), dst, {c.K, c.N}));
+      PackedWeight old = pack_transposed(pool, std::span<const Tensor>(&W, 1), prec);
+      const PackedWeight fresh = pack_transposed(pool, std::span<const Tensor>(&W, 1), prec);
+      const PackedWeight got = pack_transposed(pool, std::span<const Tensor>(&W, 1), prec, "w", &old, &scratch);
+      const size_t held = scratch.bytes();
+      const PackedWeight again = pack_transposed(pool, std::span<const Tensor>(&W, 1), prec, "w", nullptr, &scratch);
+      EXPECT_EQ(scratch.bytes(), held);  // grown once, then reused
+      for (const PackedWeight* p : {&fresh, &got, &again}) {
+        ASSERT_EQ(p->dtype(), dst);
+        ASSERT_EQ(p->nbytes(), want.nbytes());
+        EXPECT_EQ(std::memcmp(p->panel(0), want.panel(0), want.nbytes()), 0);
+      }
+    }
+  }
 }
 
 TEST(LinearBackwardPacked, ConcatenatedPartsEqualTheSumOfProducts) {

@@ -46,8 +46,10 @@ struct CpuWorkspace final : Workspace {
   LossScratch loss;
   AttnTrainScratch attention;  // the training attention's plans, K^T / V^T and tiles
   ScratchFloats weight_grad;   // linear_backward_weight's (the layers' and the loss's dW)
+  ScratchFloats repack;        // pack_transposed's slices (W^T of weights repacked every step)
   size_t bytes() const override {
-    return matmul.bytes() + scratch_bytes(backward) + loss.bytes() + attention.bytes() + weight_grad.bytes();
+    return matmul.bytes() + scratch_bytes(backward) + loss.bytes() + attention.bytes() + weight_grad.bytes() +
+           repack.bytes();
   }
   size_t loss_bytes() const override { return loss.bytes(); }
 };
@@ -119,13 +121,15 @@ class CpuBackend final : public Backend {
     // Each worker's panels of a weight packed on the fly (the LoRA factors: 4 panels
     // of 16 f32 rows, matmul.cpp's kFlyGroup).
     const size_t fly = static_cast<size_t>(pool_.size()) * grown(4 * 16 * static_cast<size_t>(s.max_in) * sizeof(float));
-    b.total = b.loss + quant + bwd + fly + attention_scratch(s).bytes() + weight_grad_floats(s) * sizeof(float);
+    b.total = b.loss + quant + bwd + fly + attention_scratch(s).bytes() +
+              (weight_grad_floats(s) + repack_floats(s)) * sizeof(float);
     return b;
   }
 
   void reserve_workspace(Workspace& ws, const WorkspaceShape& s) override {
     attention_train_reserve(cpu(ws).attention, attention_scratch(s));
     cpu(ws).weight_grad.reserve(weight_grad_floats(s));
+    cpu(ws).repack.reserve(repack_floats(s));
   }
 
   DeviceBuffer alloc(size_t bytes) override {
@@ -144,18 +148,27 @@ class CpuBackend final : public Backend {
 
   std::unique_ptr<Workspace> make_workspace() override { return std::make_unique<CpuWorkspace>(); }
 
+  // A recycled handle is refilled in place (its panels' memory reused when the size matches).
   WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle) override {
-    return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name, recyclable(recycle)));
+    if (!recycle) return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name));
+    PackedWeight& p = static_cast<CpuWeight&>(*recycle).packed;
+    p = PackedWeight::pack(W, &pool_, name, &p);
+    return recycle;
   }
 
-  WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name,
-                                  WeightHandle recycle) override {
+  WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name, WeightHandle recycle,
+                                  Workspace* ws) override {
     LOOM_ASSERT(p != BackwardPrecision::exact);
     // bf16 with AMX: supported weight types need no copy (W is read and
     // dequantized tile by tile).
     if (p == BackwardPrecision::bf16 && bf16_direct_available(W.dtype)) return nullptr;
-    return std::make_unique<CpuWeight>(pack_transposed(pool_, std::span<const Tensor>(&W, 1),
-                                                       transposed_precision(p), name, recyclable(recycle)));
+    ScratchFloats* scratch = ws ? &cpu(*ws).repack : nullptr;
+    const std::span<const Tensor> parts(&W, 1);
+    if (!recycle)
+      return std::make_unique<CpuWeight>(pack_transposed(pool_, parts, transposed_precision(p), name, nullptr, scratch));
+    PackedWeight& old = static_cast<CpuWeight&>(*recycle).packed;
+    old = pack_transposed(pool_, parts, transposed_precision(p), name, &old, scratch);
+    return recycle;
   }
 
   void matmul(Workspace& ws, const DeviceWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
@@ -387,6 +400,19 @@ class CpuBackend final : public Backend {
     if (!s.backward) return 0;
     return std::max(linear_backward_weight_floats(s.rows, s.max_out, s.max_in, pool_.size()),
                     linear_backward_weight_floats(s.rows, s.max_out, s.lora_rank, pool_.size()));
+  }
+
+  // pack_transposed's scratch for the largest f32 weight repacked each step (the
+  // output projection's vocab rows, or the layers' widest).
+  size_t repack_floats(const WorkspaceShape& s) const {
+    const BackwardPrecision p = s.precision;
+    if (!s.repack || p == BackwardPrecision::exact || (p == BackwardPrecision::bf16 && bf16_direct_available(DType::f32)))
+      return 0;
+    const int64_t q = s.attention.n_heads * s.attention.head_dim, kv = s.attention.n_kv_heads * s.attention.head_dim;
+    size_t n = 0;
+    for (int64_t N : {s.vocab, s.hidden, q, kv, s.max_in, s.max_out})
+      n = std::max(n, pack_transposed_floats(DType::f32, N, s.hidden, transposed_precision(p), pool_.size()));
+    return n;
   }
 
   ThreadPool& pool_;

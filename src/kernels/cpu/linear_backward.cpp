@@ -15,6 +15,7 @@
 #include "kernels/cpu/bf16_gemm.h"
 #include "kernels/cpu/bf16_gemm_direct.h"
 #include "kernels/cpu/dequant.h"
+#include "kernels/cpu/panel.h"
 
 namespace loom {
 namespace detail {
@@ -194,8 +195,108 @@ DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p) {
   return n_total % 32 == 0 ? DType::q8_0 : DType::f16;
 }
 
+namespace {
+
+// Columns of W (rows of W^T) per slice: whole blocks of a quantized type (256
+// covers the 32- and 256-element ones); one 16-row panel of W^T otherwise, so
+// that a thread's slice of an f32 weight that training repacks stays small.
+int64_t slice_cols(DType src) {
+  const int64_t bs = dtype_block_size(src);
+  return bs == 1 ? cpu::kPanelRows : std::max<int64_t>(bs, 256) / bs * bs;
+}
+
+// How pack_transposed converts: f16 / bf16 moved as they are (exact), else
+// dequantized to f32 rows of W^T (`wt`) and, unless they stay f32 or become
+// bf16 pairs, stored as dst rows (`rows`).
+struct TransposePlan {
+  DType src, dst;
+  bool pairs, move;
+  int64_t N, K, kc;
+  size_t out_row;  // bytes of a dst row of W^T (0 for pairs)
+  size_t wt_floats() const { return move ? 0 : scratch_lines(static_cast<size_t>(kc * N)); }
+  size_t rows_floats() const {
+    return pairs || dst == DType::f32 ? 0 : scratch_lines((static_cast<size_t>(kc) * out_row + 3) / 4);
+  }
+  size_t thread_floats() const { return wt_floats() + rows_floats(); }
+};
+
+TransposePlan transpose_plan(DType src, int64_t N, int64_t K, TransposedPrecision precision) {
+  TransposePlan t;
+  t.src = src;
+  t.dst = transposed_weight_dtype(src, N, precision);
+  t.pairs = precision == TransposedPrecision::bf16;
+  t.move = !t.pairs && src == t.dst && src != DType::f32 && dtype_block_size(src) == 1;
+  t.N = N, t.K = K, t.kc = slice_cols(src);
+  t.out_row = t.pairs ? 0 : dtype_row_bytes(t.dst, N);
+  return t;
+}
+
+// Columns [k0, k0 + cols) of every part, transposed: wt[c * N + n] (f32), or
+// for `move` the 2-byte elements into rows[c * N + n].
+void transpose_slice(const TransposePlan& t, std::span<const Tensor> parts, int64_t k0, int64_t cols, float* wt,
+                     uint8_t* rows) {
+  const int64_t N = t.N;
+  int64_t n0 = 0;
+  for (const Tensor& p : parts) {
+    if (t.move) {
+      const auto* w = p.as<const uint16_t>();
+      auto* o = reinterpret_cast<uint16_t*>(rows);
+      for (int64_t n = 0; n < p.rows(); ++n)
+        for (int64_t c = 0; c < cols; ++c) o[c * N + n0 + n] = w[n * t.K + k0 + c];
+    } else if (t.src == DType::f32) {
+      const float* w = p.as<const float>();
+      for (int64_t n = 0; n < p.rows(); ++n)
+        for (int64_t c = 0; c < cols; ++c) wt[c * N + n0 + n] = w[n * t.K + k0 + c];
+    } else {
+      float row[256];
+      const size_t col_off = dtype_row_bytes(t.src, k0);
+      for (int64_t n = 0; n < p.rows(); ++n) {
+        dequantize_row(t.src, p.row_ptr(n) + col_off, row, cols);
+        for (int64_t c = 0; c < cols; ++c) wt[c * N + n0 + n] = row[c];
+      }
+    }
+    n0 += p.rows();
+  }
+}
+
+// f32 rows of W^T -> dst rows (out_row bytes apart).
+void store_rows(const TransposePlan& t, const float* wt, int64_t cols, uint8_t* rows) {
+  for (int64_t c = 0; c < cols; ++c) {
+    uint8_t* o = rows + static_cast<size_t>(c) * t.out_row;
+    const float* x = wt + c * t.N;
+    if (t.dst == DType::q8_0) {
+      quantize_row_q8_0(x, o, t.N);
+    } else {
+      LOOM_ASSERT(t.dst == DType::f16);
+      auto* h = reinterpret_cast<uint16_t*>(o);
+      for (int64_t n = 0; n < t.N; ++n) h[n] = fp32_to_fp16(x[n]);
+    }
+  }
+}
+
+// The panels of W^T rows [k0, k0 + cols) (k0 a multiple of 16), from dst rows.
+void pack_slice_panels(PackedWeight& packed, const TransposePlan& t, const uint8_t* rows, int64_t k0,
+                       int64_t cols) {
+  const size_t used = cpu::panel_bytes(t.dst, t.N);
+  for (int64_t r0 = 0; r0 < cols; r0 += cpu::kPanelRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(cpu::kPanelRows, cols - r0));
+    const uint8_t* rp[cpu::kPanelRows];
+    for (int r = 0; r < nr; ++r) rp[r] = rows + static_cast<size_t>(r0 + r) * t.out_row;
+    uint8_t* dst = packed.mutable_panel((k0 + r0) / cpu::kPanelRows);
+    cpu::pack_panel(t.dst, rp, nr, t.N, dst);
+    std::memset(dst + used, 0, packed.panel_bytes() - used);
+  }
+}
+
+}  // namespace
+
+size_t pack_transposed_floats(DType src, int64_t N, int64_t K, TransposedPrecision precision, int threads) {
+  if (N <= 0 || K <= 0) return 0;
+  return static_cast<size_t>(threads) * transpose_plan(src, N, K, precision).thread_floats();
+}
+
 PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
-                            const char* name, PackedWeight* recycle) {
+                            const char* name, PackedWeight* recycle, ScratchFloats* scratch) {
   if (parts.empty()) fail(ErrorKind::invalid_input, "pack_transposed({}): no tensors", name);
   const DType src = parts[0].dtype;
   const int64_t K = parts[0].cols();
@@ -206,70 +307,36 @@ PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, Tr
            dtype_name(p.dtype), p.cols(), dtype_name(src), K);
     N += p.rows();
   }
-  const DType dst = transposed_weight_dtype(src, N, precision);
-  const bool pairs = precision == TransposedPrecision::bf16;
-  PackedWeight packed;
-  if (pairs)
-    packed = PackedWeight::allocate(PackedLayout::bf16_pairs, DType::bf16, K, N, cpu::bf16_panel_bytes(N),
-                                    recycle);
-  const size_t out_row = pairs ? 0 : dtype_row_bytes(dst, N);
-  std::vector<uint8_t> out(out_row * static_cast<size_t>(K));
-  if (!pairs && src == dst && src != DType::f32 && dtype_block_size(src) == 1) {
-    // f16 / bf16: move the 2-byte elements as they are (exact).
-    auto* o = reinterpret_cast<uint16_t*>(out.data());
-    int64_t n0 = 0;
-    for (const Tensor& p : parts) {
-      const auto* w = p.as<const uint16_t>();
-      pool.parallel_for(K, [&](int64_t k0, int64_t k1) {
-        for (int64_t n = 0; n < p.rows(); ++n)
-          for (int64_t k = k0; k < k1; ++k) o[k * N + n0 + n] = w[n * K + k];
-      });
-      n0 += p.rows();
-    }
-  } else {
-    // Dequantize column slices of every part (block aligned: 256 covers the
-    // 32- and 256-element blocks), transpose, and store rows of W^T as dst.
-    const int64_t bs = dtype_block_size(src), kc = std::max<int64_t>(bs, 256) / bs * bs;
-    const int64_t n_slices = (K + kc - 1) / kc;
-    pool.parallel_for(n_slices, [&](int64_t s0, int64_t s1) {
-      std::vector<float> wt(static_cast<size_t>(kc * N)), row(static_cast<size_t>(kc));
-      for (int64_t s = s0; s < s1; ++s) {
-        const int64_t k0 = s * kc, cols = std::min(kc, K - k0);
-        int64_t n0 = 0;
-        for (const Tensor& p : parts) {
-          const size_t col_off = dtype_row_bytes(src, k0);
-          for (int64_t n = 0; n < p.rows(); ++n) {
-            dequantize_row(src, p.row_ptr(n) + col_off, row.data(), cols);
-            for (int64_t c = 0; c < cols; ++c) wt[static_cast<size_t>(c * N + n0 + n)] = row[static_cast<size_t>(c)];
-          }
-          n0 += p.rows();
-        }
-        if (pairs) {
-          cpu::store_bf16_pairs(packed, k0, cols, wt.data(), N);
-          continue;
-        }
-        for (int64_t c = 0; c < cols; ++c) {
-          uint8_t* o = out.data() + static_cast<size_t>(k0 + c) * out_row;
-          if (dst == DType::q8_0) {
-            quantize_row_q8_0(wt.data() + c * N, o, N);
-          } else if (dst == DType::f16) {
-            auto* h = reinterpret_cast<uint16_t*>(o);
-            for (int64_t n = 0; n < N; ++n) h[n] = fp32_to_fp16(wt[static_cast<size_t>(c * N + n)]);
-          } else {
-            LOOM_ASSERT(dst == DType::f32);
-            std::memcpy(o, wt.data() + c * N, static_cast<size_t>(N) * sizeof(float));
-          }
-        }
+  const TransposePlan t = transpose_plan(src, N, K, precision);
+  PackedWeight packed =
+      t.pairs ? PackedWeight::allocate(PackedLayout::bf16_pairs, DType::bf16, K, N, cpu::bf16_panel_bytes(N), recycle)
+              : PackedWeight::allocate(PackedLayout::panels, t.dst, K, N, packed_panel_stride(t.dst, N), recycle);
+  ScratchFloats own;
+  ScratchFloats& sc = scratch ? *scratch : own;
+  float* base = sc.reserve(static_cast<size_t>(pool.size()) * t.thread_floats());
+  // Slices of kc columns of W, transposed and stored as whole panels of W^T;
+  // parallel_for's contiguous chunks, each with its thread index's slab.
+  const int64_t n_slices = (K + t.kc - 1) / t.kc;
+  pool.run([&](int ti, int tn) {
+    const int64_t chunk = (n_slices + tn - 1) / tn, s0 = chunk * ti, s1 = std::min(n_slices, s0 + chunk);
+    float* wt = base + static_cast<size_t>(ti) * t.thread_floats();
+    auto* rows = reinterpret_cast<uint8_t*>(wt + t.wt_floats());
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t k0 = s * t.kc, cols = std::min(t.kc, K - k0);
+      transpose_slice(t, parts, k0, cols, wt, rows);
+      if (t.pairs) {
+        cpu::store_bf16_pairs(packed, k0, cols, wt, N);
+        continue;
       }
-    });
-  }
-  if (pairs) return packed;
-  Tensor t;
-  t.data = out.data();
-  t.dtype = dst;
-  t.ndim = 2;
-  t.shape = {K, N, 0, 0};
-  return PackedWeight::pack(t, &pool, name, recycle);
+      if (t.dst == DType::f32) {
+        pack_slice_panels(packed, t, reinterpret_cast<const uint8_t*>(wt), k0, cols);
+        continue;
+      }
+      if (!t.move) store_rows(t, wt, cols, rows);
+      pack_slice_panels(packed, t, rows, k0, cols);
+    }
+  });
+  return packed;
 }
 
 void linear_backward_input_packed(ThreadPool& pool, const PackedWeight& Wt, const float* dy, int64_t ldy,

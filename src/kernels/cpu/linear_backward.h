@@ -52,8 +52,13 @@ DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p);
 // dx = [dq | dk | dv] [Wq; Wk; Wv]. Throws loom::Error naming `name` for parts
 // that do not share K or have an unsupported dtype.
 // `recycle` as for PackedWeight::pack.
+// `scratch`: each thread's slice of W^T (kept across calls by a caller that
+// repacks every step, full fine-tuning; null: allocated for the call); it grows
+// to pack_transposed_floats().
 PackedWeight pack_transposed(ThreadPool& pool, std::span<const Tensor> parts, TransposedPrecision precision,
-                            const char* name = "weight", PackedWeight* recycle = nullptr);
+                            const char* name = "weight", PackedWeight* recycle = nullptr,
+                            ScratchFloats* scratch = nullptr);
+size_t pack_transposed_floats(DType src, int64_t N, int64_t K, TransposedPrecision precision, int threads);
 // Which kernel multiplies a bf16 W^T: automatic takes AMX, then AVX512-BF16,
 // then AVX2 as the instructions present allow (usable_cpu_features(): the CPU,
 // the OS and LOOM_CPU's masks); tests and benchmarks force one

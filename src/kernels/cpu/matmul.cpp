@@ -213,6 +213,8 @@ bool matmul_supports(DType type) {
   }
 }
 
+size_t packed_panel_stride(DType type, int64_t K) { return panel_stride(type, K); }
+
 PackedWeight PackedWeight::pack(const Tensor& W, ThreadPool* pool, const char* name, PackedWeight* recycle) {
   return pack_concat(std::span<const Tensor>(&W, 1), pool, name, recycle);
 }

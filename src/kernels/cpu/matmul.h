@@ -104,6 +104,10 @@ class PackedWeight {
   size_t n_panels_ = 0, panel_bytes_ = 0;
 };
 
+// Bytes between the panels of a PackedWeight of `type` with K columns (for a
+// packer that fills PackedWeight::allocate's panels itself with cpu::pack_panel).
+size_t packed_panel_stride(DType type, int64_t K);
+
 // Reusable working memory for matmul (quantized activations, on-the-fly panels).
 // One per calling thread (e.g. per model instance); grows as needed, never shrinks.
 class MatmulScratch {
