@@ -75,7 +75,7 @@ json state_json(const CheckpointState& st) {
       {"reason", st.reason},
       {"cursor", {{"epoch", st.cursor.epoch}, {"index", st.cursor.index}}},
       {"shuffle_seed", st.shuffle_seed},
-      {"rng", {{"dropout", "counter-based: mask = f(dropout_seed, step, adapter stream, element); no other state"},
+      {"rng", {{"dropout", "counter-based: mask = f(dropout_seed, step * grad_accum + micro-batch, adapter stream, element); no other state"},
                {"dropout_seed", st.dropout_seed}}},
       {"schedule", {{"kind", lr_schedule_name(st.schedule.kind)}, {"warmup_steps", st.schedule.warmup_steps},
                     {"total_steps", st.schedule.total_steps}, {"num_cycles", st.schedule.num_cycles},

@@ -44,7 +44,7 @@ struct CheckpointState {
   int64_t step = 0;            // optimizer steps done (AdamW's step count)
   DataCursor cursor;           // where the next step's first micro-batch starts
   uint64_t shuffle_seed = 0;   // the loader's per-epoch permutation seed
-  // Dropout masks are counter-based: a function of (lora seed, step, adapter
+  // Dropout masks are counter-based: a function of (lora seed, step x grad_accum + micro-batch, adapter
   // stream, element), so the step number is the whole RNG state; recorded to
   // say so and checked on load.
   uint64_t dropout_seed = 0;

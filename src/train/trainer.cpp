@@ -290,9 +290,13 @@ StepReport Trainer::train_step() {
   double loss_sum = 0;
   if (r.loss_tokens > 0) {
     const float scale = 1.0f / static_cast<float>(r.loss_tokens);
-    for (const Batch& b : micro_) {
+    // Each micro-batch draws its own dropout masks (as PEFT's successive
+    // forwards do): counter step * grad_accum + i, so grad_accum 1 keeps `step`.
+    for (size_t i = 0; i < micro_.size(); ++i) {
+      const Batch& b = micro_[i];
       if (b.target_tokens == 0) continue;
-      loss_sum += session_->forward_backward(b, scale, static_cast<uint64_t>(step)).loss_sum;
+      const auto mask_counter = static_cast<uint64_t>(step) * micro_.size() + i;
+      loss_sum += session_->forward_backward(b, scale, mask_counter).loss_sum;
       input_tokens_ += b.rows * b.seq_len;
     }
   }

@@ -19,8 +19,8 @@
 #include "model/model.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
-#include "train/memory.h"
 #include "train/faults.h"
+#include "train/memory.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
 #include "train/train_hooks.h"
@@ -113,6 +113,11 @@ class Trainer {
   // result with stopped_by_signal set (run_training's early return).
   TrainResult stop(int sig);
 
+  // Memory (train/memory.h): every arena now, RSS, the limit and the alarm
+  // level (valid after setup()); and the estimate setup() checked.
+  MemoryReport memory_report() const;
+  const MemoryEstimate& memory_estimate() const { return mem_estimate_; }
+
   // Faults (faults.h, trainer_faults.cpp). Non-finite steps and rollbacks so
   // far; a checkpoint keeps them and load_checkpoint gives them back through
   // restore_faults (which also sets the optimizer's lr scale).
@@ -122,11 +127,6 @@ class Trainer {
   // and the checkpoint to resume from; `e` is marked reported (the app prints
   // it no second time). run_training calls it for any exception.
   void log_failure(Error& e);
-
-  // Memory (train/memory.h): every arena now, RSS, the limit and the alarm
-  // level (valid after setup()); and the estimate setup() checked.
-  MemoryReport memory_report() const;
-  const MemoryEstimate& memory_estimate() const { return mem_estimate_; }
 
   int64_t steps_done() const { return opt_ ? opt_->step_count() : 0; }
   int64_t total_steps() const { return total_steps_; }
@@ -156,11 +156,6 @@ class Trainer {
   void start_metrics();  // TrainRuntime::metrics: the run's info, and where it is served
   void write_metrics_step(const StepReport& r, double elapsed);
   int64_t loss_tokens(int64_t local);
-  // trainer_memory.cpp: the estimate and limit check at the end of setup()
-  // (then the buffers are reserved), and the alarm check after every step.
-  void check_memory();
-  void watch_memory();
-  std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
   // trainer_faults.cpp: the LOOM_FAILPOINTS site "step", the non-finite check
   // (the one place fp16 loss scaling will use too), a skipped step, and what
   // max_bad_steps in a row lead to: rollback or a diverged error.
@@ -169,6 +164,11 @@ class Trainer {
   StepReport skip_step(StepReport r, const NonFiniteStep& bad, Clock::time_point started);
   void on_divergence(const StepReport& r, const NonFiniteStep& bad);
   [[noreturn]] void stop_diverged(const StepReport& r, const NonFiniteStep& bad, const std::string& why);
+  // trainer_memory.cpp: the estimate and limit check at the end of setup()
+  // (then the buffers are reserved), and the alarm check after every step.
+  void check_memory();
+  void watch_memory();
+  std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
 
   TrainConfig c_;
   TrainHooks hooks_;
@@ -189,12 +189,12 @@ class Trainer {
   Clock::time_point t0_;
   double train_seconds_ = 0;
   int64_t input_tokens_ = 0;
-  MemoryLimit mem_limit_;
-  MemoryEstimate mem_estimate_;
-  std::optional<MemoryAlarm> mem_alarm_;
   FaultState faults_;
   int64_t attempt_ = 0;       // the last step attempt's number (failpoints' step)
   int64_t current_step_ = 0;  // the step train_step is running (0: none), for error records
+  MemoryLimit mem_limit_;
+  MemoryEstimate mem_estimate_;
+  std::optional<MemoryAlarm> mem_alarm_;
   // Checkpoints: where they go, the top-level entry of output_dir they occupy
   // (carried over by finish()), the one --resume restores, the inputs' hashes.
   std::string checkpoint_dir_;

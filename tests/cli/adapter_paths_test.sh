@@ -306,7 +306,7 @@ fi
 for spec in qv:[q,v]:5e-3 kod:[k,o,down]:1e-2; do
   IFS=: read -r name targets lr <<<"$spec"
   run_cli "$tmp/train-$name" -- "$loom" train "$src/configs/main_job.yaml" --set model="$smol" \
-    --set data.train="$src/data/main_job/train.jsonl" --set data.eval= \
+    --set data.train="$src/data/main_job/train.jsonl" --set data.eval= --set eval_interval=0 \
     --set steps=2 --set schedule.kind=constant --set schedule.warmup_steps=0 --set optim.lr="$lr" \
     --set lora.target_modules="$targets" --set output_dir="$tmp/smol-$name" -t 2
 done

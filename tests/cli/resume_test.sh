@@ -82,9 +82,11 @@ kill_until_done() {
   local name=$1 tries=0 kills=0 crashes=0 rc
   while [ $tries -lt 40 ]; do
     tries=$((tries + 1))
-    local fp=""
-    # Every third start dies inside a checkpoint write (after its files, before the rename).
-    if [ $failpoint_site = 1 ] && [ $((tries % 3)) = 2 ]; then fp="crash@checkpoint_write"; fi
+    # Each step sleeps 15 ms (results do not depend on timing), so the random kills land inside
+    # the run however fast the machine is; every third start dies inside a checkpoint write
+    # (after its files, before the rename).
+    local fp="sleep_ms=15@step"
+    if [ $failpoint_site = 1 ] && [ $((tries % 3)) = 2 ]; then fp="$fp,crash@checkpoint_write"; fi
     LOOM_FAILPOINTS=$fp "$loom" train "$tmp/$name.yaml" --resume >>"$tmp/$name.log" 2>&1 &
     local pid=$!
     local delay_ms=$((50 + RANDOM % 400 + tries * 20))

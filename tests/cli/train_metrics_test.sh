@@ -3,7 +3,9 @@
 # before the model loads; during a tiny-model run /metrics is served in the text
 # format 0.0.4 and `promtool check metrics` finds no problem; the values are the
 # run's; /curves.json holds every step and evaluation; / is the self-contained
-# live page; anything else is 404.
+# live page; anything else is 404; the dashboard's queries parse. A second run
+# shows what the other parts report: a skipped NaN step (failpoint), checkpoints,
+# memory arenas / RSS / limit, the eval token accuracy.
 # Usage: train_metrics_test.sh LOOM_BINARY SOURCE_DIR   (exit 77: skipped, promtool missing, not under CI=true)
 set -u
 . "$(dirname "$0")/train_monitor_common.sh"
@@ -118,4 +120,38 @@ for i, e in enumerate(found):
 EOF
 promtool check rules "$tmp/dashboard_rules.yml" >"$tmp/rules.out" 2>&1 || { cat "$tmp/rules.out"; die "dashboard queries"; }
 echo "ok: the dashboard's $(grep -c 'record:' "$tmp/dashboard_rules.yml") queries are valid PromQL"
+
+# 3. What the other parts report reaches the series: a step skipped for a NaN gradient (failpoint),
+#    checkpoints every 20 steps, the memory arenas, RSS and limit, the eval token accuracy.
+port=$(free_port)
+url="http://127.0.0.1:$port"
+train_config 60 "checkpoint_interval: 20"
+LOOM_FAILPOINTS=nan_grad@step=7 start_training "$port" --metrics-linger 3
+wait_for 60 done_json || die "the second run never reported done: $(tail -5 "$tmp/train.err")"
+fetch "$url/metrics" "$tmp/metrics2.txt" || die "/metrics of the second run"
+finish_training
+promtool check metrics <"$tmp/metrics2.txt" >"$tmp/promtool2.out" 2>&1 && [ ! -s "$tmp/promtool2.out" ] ||
+  { cat "$tmp/promtool2.out"; die "promtool check metrics (second run)"; }
+python3 - "$tmp/metrics2.txt" <<'EOF' || die "values of the second run"
+import math, sys
+m = {}
+for line in open(sys.argv[1]):
+    if line.startswith("#") or not line.strip():
+        continue
+    k, v = line.rsplit(" ", 1)
+    m[k] = float(v)
+assert m["loom_train_skipped_steps_total"] == 1, m["loom_train_skipped_steps_total"]
+assert m["loom_train_step"] == 60
+assert m["loom_train_checkpoints_total"] == 3 and m["loom_train_checkpoint_seconds_count"] == 3
+assert m["loom_train_checkpoint_seconds_sum"] > 0 and m["loom_train_last_checkpoint_time_seconds"] > 1.6e9
+arenas = {k for k in m if k.startswith("loom_train_memory_bytes{")}
+for a in ("weights", "trainable", "gradients", "optimizer", "activations"):
+    assert m.get('loom_train_memory_bytes{arena="%s"}' % a, 0) > 0, (a, sorted(arenas))
+assert m["loom_train_memory_rss_bytes"] > 0 and m["loom_train_memory_limit_bytes"] >= m["loom_train_memory_rss_bytes"]
+assert m["loom_train_memory_alarm_level"] == 0
+acc = m["loom_train_eval_token_accuracy"]
+assert math.isfinite(acc) and 0 <= acc <= 1, acc
+print("ok: skipped 1, checkpoints 3, %d memory arenas, RSS %d, token accuracy %.3f" %
+      (len(arenas), m["loom_train_memory_rss_bytes"], acc))
+EOF
 echo PASS

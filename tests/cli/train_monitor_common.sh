@@ -12,7 +12,7 @@ cleanup() {
   local p
   for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null; done
   for p in "${bg_pids[@]}"; do wait "$p" 2>/dev/null; done
-  rm -rf "$tmp"
+  [ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"
 }
 trap cleanup EXIT
 

@@ -25,6 +25,17 @@ prometheus --config.file="$tmp/prometheus.yml" --storage.tsdb.path="$tmp/tsdb" \
   --web.listen-address="127.0.0.1:$prom_port" --log.level=warn >"$tmp/prometheus.log" 2>&1 &
 bg_pids+=($!)
 wait_for 30 fetch "$prom/-/ready" || { tail -20 "$tmp/prometheus.log"; die "Prometheus not ready on $prom"; }
+# Prometheus starts a target's scrape loop only at its first discovery reload (up to 5 s after it is
+# ready): wait until it has tried the (not yet listening) target once, so the run is scraped throughout.
+scraping() {
+  python3 - "$prom" <<'PY'
+import json, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1] + "/api/v1/targets", timeout=5) as r:
+    targets = json.load(r)["data"]["activeTargets"]
+assert targets and not targets[0]["lastScrape"].startswith("0001"), targets
+PY
+}
+wait_for 30 scraping || die "Prometheus never tried to scrape 127.0.0.1:$port"
 
 # About 1,000 steps of the tiny model (a few seconds), evaluated every 250 steps; 3 s more
 # of serving after the end, so at least one scrape sees the final values.

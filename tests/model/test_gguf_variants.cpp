@@ -80,10 +80,11 @@ TEST(GgufVariants, EveryFileTypeAgreesWithLlamaCpp) {
   std::printf("[ llama.cpp agreement ] all variants: %d of %d prompts identical\n", exact, cases);
   // "most prompts": over all files, at least 60% identical for all 16 tokens (66 of 96 measured).
   EXPECT_GE(10 * exact, 6 * cases);
-  if (required())
+  if (required()) {
     for (const char* t : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
                           "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "F16", "BF16"})
       EXPECT_TRUE(types.count(t)) << t << " is not in models/variants/llamacpp_greedy.json";
+  }
 }
 
 TEST(GgufVariants, EveryFileTypeTrainsTwoSteps) {

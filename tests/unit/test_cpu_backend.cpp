@@ -89,7 +89,9 @@ TEST(CpuBackend, SwigluRowsAreBatchInvariant) {
     std::vector<float> h(g.size()), flat(g.size()), one(static_cast<size_t>(F));
     cpu.backend->swiglu(h.data(), g.data(), u.data(), T, F);
     swiglu(flat.data(), g.data(), u.data(), T * F);
-    if (F % 8 == 0) EXPECT_EQ(h, flat) << F;
+    if (F % 8 == 0) {
+      EXPECT_EQ(h, flat) << F;
+    }
     cpu.backend->swiglu(one.data(), g.data() + 2 * F, u.data() + 2 * F, 1, F);
     EXPECT_EQ(std::memcmp(one.data(), h.data() + 2 * F, one.size() * sizeof(float)), 0) << F;
     std::vector<float> r(g.size());

@@ -58,7 +58,9 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
     EXPECT_TRUE(types.count(t)) << t;
   // The point of the battery: files that mix types inside a layer.
   for (const auto& f : m["files"])
-    if (f["file_type"] == "Q4_K_M") EXPECT_GE(f["matrix_types"].size(), 3u) << f.dump();
+    if (f["file_type"] == "Q4_K_M") {
+      EXPECT_GE(f["matrix_types"].size(), 3u) << f.dump();
+    }
 }
 
 // Loads with the file's own tensor types (no silent conversion) and computes the

@@ -53,7 +53,7 @@ TEST(TrainLog, FileGetsEveryRecordAndErrorsCarryEcsError) {
   const std::string path = dir.str() + "/logs/train.jsonl";  // the folder is created
   std::FILE* console = std::tmpfile();
   {
-    TrainLog log({.console = console, .log_file = path, .log_interval = 2});
+    TrainLog log({.console = console, .console_json = false, .log_file = path, .log_interval = 2});
     log.record(LogLevel::info, "start", "training: 3 steps");
     for (int64_t s = 1; s <= 3; ++s)
       log.step({.step = s, .total = 3, .loss = s == 2 ? std::numeric_limits<double>::quiet_NaN() : 1.5, .lr = 1e-4});
@@ -81,7 +81,7 @@ TEST(TrainLog, FileGetsEveryRecordAndErrorsCarryEcsError) {
 TEST(TrainLog, JsonConsoleHasOnlyJsonLines) {
   std::FILE* console = std::tmpfile();
   {
-    TrainLog log({.console = console, .console_json = true});
+    TrainLog log({.console = console, .console_json = true, .log_file = "", .log_interval = 10});
     log.record(LogLevel::info, "data", "bad \xff utf-8 in a file name");
     log.step({.step = 1, .total = 1, .loss = 2.0});
   }
@@ -94,7 +94,7 @@ TEST(TrainLog, JsonConsoleHasOnlyJsonLines) {
 }
 
 TEST(TrainLog, UnwritableLogFileNamed) {
-  test_util::expect_error([] { TrainLog log({.console = nullptr, .log_file = "/proc/no/such/train.jsonl"}); },
+  test_util::expect_error([] { TrainLog log({.console = nullptr, .console_json = false, .log_file = "/proc/no/such/train.jsonl"}); },
                           ErrorKind::io, {"log_file", "/proc/no/such/train.jsonl"});
 }
 

@@ -230,7 +230,7 @@ TEST(Trainer, OutputsAreCheckedBeforeTraining) {
   // A folder that cannot be written in (as root, chmod does not stop writes: /sys/kernel does).
   fs::create_directories(tmp.path / "ro");
   fs::permissions(tmp.path / "ro", fs::perms::owner_read | fs::perms::owner_exec);
-  for (const std::string ro : {(tmp.path / "ro").string(), std::string("/sys/kernel")}) {
+  for (const std::string& ro : {(tmp.path / "ro").string(), std::string("/sys/kernel")}) {
     if (!fs::is_directory(ro) || std::ofstream(ro + "/.probe")) {  // writable after all (root): nothing to test
       fs::remove(ro + "/.probe");
       continue;

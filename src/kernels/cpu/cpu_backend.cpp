@@ -73,11 +73,6 @@ size_t backward_scratch_bytes(BackwardPrecision p, int64_t T, int64_t N, int64_t
 
 CpuWorkspace& cpu(Workspace& ws) { return static_cast<CpuWorkspace&>(ws); }
 
-// The panels of a handle about to be replaced, for PackedWeight's recycling.
-PackedWeight* recyclable(const WeightHandle& h) {
-  return h ? &static_cast<CpuWeight&>(*h).packed : nullptr;
-}
-
 TransposedPrecision transposed_precision(BackwardPrecision p) {
   switch (p) {
     case BackwardPrecision::int8: return TransposedPrecision::int8;
