@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/cgroup.h"
+
 namespace loom {
 
 // CPUs in the calling thread's affinity mask (sched_getaffinity, any CPU count);
@@ -21,19 +23,11 @@ std::optional<double> parse_cgroup2_cpu_max(std::string_view text);
 // for no limit (-1) or unreadable text.
 std::optional<double> parse_cgroup1_cfs(std::string_view quota_us, std::string_view period_us);
 
-// Where the process's CPU controller lives, from /proc/self/cgroup and
-// /proc/self/mountinfo: the cgroup path inside each hierarchy, and where that
-// hierarchy is mounted (with the cgroup path the mount shows as its root).
-struct CgroupCpuPaths {
-  std::string v2_mount, v2_mount_root, v2_path;  // empty mount: no cgroup2 mounted
-  std::string v1_mount, v1_mount_root, v1_path;  // the v1 hierarchy with the cpu controller
-};
-CgroupCpuPaths parse_cgroup_paths(std::string_view proc_self_cgroup, std::string_view mountinfo);
-
 // The tightest CPU quota from the process's cgroup up to the hierarchy's root
-// (parents limit children), v1 and v2 alike; files are read under `fs_prefix`
+// (parents limit children), v1 and v2 alike, for the cgroups of
+// find_cgroup("cpu", ...) (core/cgroup.h); files are read under `fs_prefix`
 // (empty for the live system, a fixture folder in tests). nullopt: no quota.
-std::optional<double> cgroup_cpu_quota(const CgroupCpuPaths& paths, const std::string& fs_prefix = "");
+std::optional<double> cgroup_cpu_quota(const CgroupPaths& paths, const std::string& fs_prefix = "");
 
 struct CpuBudget {
   int affinity = 1;             // CPUs in the affinity mask

@@ -5,60 +5,14 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
 
+#include "core/cgroup.h"
 #include "core/error.h"
 
 namespace loom {
-
-namespace {
-
-std::optional<std::string> read_text(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return std::nullopt;
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\n')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
-  return s;
-}
-
-std::optional<int64_t> parse_int(std::string_view s) {
-  s = trim(s);
-  int64_t v = 0;
-  const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p != s.data() + s.size() || v < 0) return std::nullopt;
-  return v;
-}
-
-// The parent of a cgroup path: "/a/b" -> "/a", "/a" -> "/".
-std::string parent_of(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  return slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
-}
-
-// The tightest limit in `file` of `dir` and its ancestors up to the root.
-std::optional<int64_t> tightest(const std::string& root, std::string dir, const char* file) {
-  std::optional<int64_t> best;
-  for (;;) {
-    const std::string base = dir == "/" ? root : root + dir;
-    if (const auto text = read_text(base + "/" + file))
-      if (const auto v = parse_cgroup_limit(*text)) best = best ? std::min(*best, *v) : *v;
-    if (dir == "/") return best;
-    dir = parent_of(dir);
-  }
-}
-
-}  // namespace
 
 const char* memory_limit_source_name(MemoryLimitSource s) {
   switch (s) {
@@ -93,61 +47,37 @@ std::optional<int64_t> parse_meminfo_available(std::string_view meminfo) {
   if (at == std::string_view::npos || (at > 0 && meminfo[at - 1] != '\n')) return std::nullopt;
   std::string_view line = meminfo.substr(at + key.size());
   line = line.substr(0, line.find('\n'));
-  line = trim(line);
+  line = trim_blank(line);
   const size_t kb = line.find(" kB");
   if (kb == std::string_view::npos) return std::nullopt;
-  const auto v = parse_int(line.substr(0, kb));
-  if (!v) return std::nullopt;
+  const auto v = parse_trimmed_int(line.substr(0, kb));
+  if (!v || *v < 0) return std::nullopt;
   return *v * 1024;
 }
 
 std::optional<int64_t> parse_cgroup_limit(std::string_view text) {
-  text = trim(text);
+  text = trim_blank(text);
   if (text == "max") return std::nullopt;
-  const auto v = parse_int(text);
+  const auto v = parse_trimmed_int(text);
   // cgroup v1 writes "no limit" as the largest page-aligned int64 (2^63 - 4096).
-  if (!v || *v >= (int64_t{1} << 62)) return std::nullopt;
+  if (!v || *v < 0 || *v >= (int64_t{1} << 62)) return std::nullopt;
   return v;
 }
 
-std::optional<int64_t> cgroup_memory_limit(const std::string& root, std::string_view proc_self_cgroup) {
-  // Lines "id:controllers:path": v2 is "0::/path"; v1's memory line lists "memory".
-  std::optional<int64_t> best;
-  auto take = [&](std::optional<int64_t> v) {
-    if (v) best = best ? std::min(*best, *v) : *v;
+std::optional<int64_t> cgroup_memory_limit(const CgroupPaths& p, const std::string& fs_prefix) {
+  auto read = [](const char* file) {
+    return [file](const std::string& dir) -> std::optional<int64_t> {
+      const auto t = read_small_file(dir + "/" + file);
+      return t ? parse_cgroup_limit(*t) : std::nullopt;
+    };
   };
-  size_t pos = 0;
-  while (pos < proc_self_cgroup.size()) {
-    size_t end = proc_self_cgroup.find('\n', pos);
-    if (end == std::string_view::npos) end = proc_self_cgroup.size();
-    const std::string_view line = proc_self_cgroup.substr(pos, end - pos);
-    pos = end + 1;
-    const size_t c1 = line.find(':'), c2 = c1 == std::string_view::npos ? c1 : line.find(':', c1 + 1);
-    if (c2 == std::string_view::npos) continue;
-    const std::string_view controllers = line.substr(c1 + 1, c2 - c1 - 1);
-    std::string path(line.substr(c2 + 1));
-    if (path.empty() || path[0] != '/') path = "/" + path;
-    if (controllers.empty()) {
-      take(tightest(root, path, "memory.max"));
-    } else {
-      bool memory = false;
-      for (size_t a = 0; a <= controllers.size();) {
-        size_t b = controllers.find(',', a);
-        if (b == std::string_view::npos) b = controllers.size();
-        memory |= controllers.substr(a, b - a) == "memory";
-        a = b + 1;
-      }
-      if (memory) take(tightest(root + "/memory", path, "memory.limit_in_bytes"));
-    }
-  }
-  return best;
+  return tightest_cgroup_limit<int64_t>(p, fs_prefix, read("memory.max"), read("memory.limit_in_bytes"));
 }
 
 MemoryLimit resolve_memory_limit(int64_t configured) {
   if (configured > 0) return {configured, MemoryLimitSource::config};
-  if (const auto cg = read_text("/proc/self/cgroup"))
-    if (const auto v = cgroup_memory_limit("/sys/fs/cgroup", *cg)) return {*v, MemoryLimitSource::cgroup};
-  const auto info = read_text("/proc/meminfo");
+  if (const auto v = cgroup_memory_limit(own_cgroup("memory"))) return {*v, MemoryLimitSource::cgroup};
+  const auto info = read_small_file("/proc/meminfo");
   const auto avail = info ? parse_meminfo_available(*info) : std::nullopt;
   // What is free for the run: available memory plus what this process already holds.
   return {avail.value_or(0) + process_rss_bytes(), MemoryLimitSource::available};

@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/cgroup.h"
+
 namespace loom {
 
 struct MemoryArena {
@@ -66,11 +68,11 @@ int64_t process_rss_bytes();
 std::optional<int64_t> parse_meminfo_available(std::string_view meminfo);
 std::optional<int64_t> parse_cgroup_limit(std::string_view memory_max);
 
-// The tightest memory limit of the cgroups this process is in (v2 memory.max,
-// v1 memory.limit_in_bytes, the process's own cgroup and its ancestors), under
-// `sys_fs_cgroup` (normally /sys/fs/cgroup) with the cgroup paths of
-// `proc_self_cgroup` (the text of /proc/self/cgroup); nullopt when none is set.
-std::optional<int64_t> cgroup_memory_limit(const std::string& sys_fs_cgroup, std::string_view proc_self_cgroup);
+// The tightest memory limit (v2 memory.max, v1 memory.limit_in_bytes) from the
+// process's cgroup up to its hierarchy's root, for the cgroups of
+// find_cgroup("memory", ...) (core/cgroup.h); files are read under `fs_prefix`
+// (empty for the live system, a fixture folder in tests). nullopt: no limit.
+std::optional<int64_t> cgroup_memory_limit(const CgroupPaths& paths, const std::string& fs_prefix = "");
 
 // memory_limit when configured (> 0); else the cgroup limit; else what the
 // machine has available now (MemAvailable) plus what this process already holds.

@@ -1,5 +1,6 @@
 // The CPU budget (affinity mask, cgroup v1/v2 quotas) and the thread-count cap
-// every command uses. cgroup files come from fixture trees in a temp folder.
+// every command uses. cgroup files come from fixture trees in a temp folder
+// (finding the cgroups: test_cgroup.cpp).
 #include <gtest/gtest.h>
 #include <sched.h>
 
@@ -9,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "cgroup_fixtures.h"
 #include "core/cpu_budget.h"
 #include "expect_error.h"
 
@@ -36,14 +38,8 @@ class TempTree {
   fs::path root_;
 };
 
-// /proc/self/mountinfo lines as the kernel writes them.
-constexpr const char* kMountCgroup2 =
-    "30 24 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n";
-constexpr const char* kMountHybrid =
-    "25 24 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n"
-    "26 25 0:23 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n"
-    "28 25 0:25 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid shared:9 - cgroup cgroup rw,cpu,cpuacct\n"
-    "29 25 0:26 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n";
+using test_util::kMountCgroup2;
+using test_util::kMountHybrid;
 
 }  // namespace
 
@@ -66,38 +62,18 @@ TEST(CpuBudget, ParsesCgroup1Cfs) {
   EXPECT_FALSE(parse_cgroup1_cfs("200000", "").has_value());
 }
 
-TEST(CpuBudget, FindsCgroupPathsAndMounts) {
-  const CgroupCpuPaths v2 = parse_cgroup_paths("0::/user.slice/session-3.scope\n", kMountCgroup2);
-  EXPECT_EQ(v2.v2_path, "/user.slice/session-3.scope");
-  EXPECT_EQ(v2.v2_mount, "/sys/fs/cgroup");
-  EXPECT_EQ(v2.v2_mount_root, "/");
-  EXPECT_TRUE(v2.v1_mount.empty());
-
-  const CgroupCpuPaths hy = parse_cgroup_paths(
-      "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n0::/docker/abc\n", kMountHybrid);
-  EXPECT_EQ(hy.v1_path, "/docker/abc");
-  EXPECT_EQ(hy.v1_mount, "/sys/fs/cgroup/cpu,cpuacct");
-  EXPECT_EQ(hy.v2_mount, "/sys/fs/cgroup/unified");
-  EXPECT_EQ(hy.v2_path, "/docker/abc");
-
-  // A mount point with a space is escaped as \040.
-  const CgroupCpuPaths esc =
-      parse_cgroup_paths("0::/\n", "30 24 0:26 / /mnt/cg\\040two rw - cgroup2 cgroup2 rw\n");
-  EXPECT_EQ(esc.v2_mount, "/mnt/cg two");
-}
-
 TEST(CpuBudget, Cgroup2QuotaIsTheTightestOnThePath) {
   TempTree t;
   t.write("/sys/fs/cgroup/cpu.max", "max 100000\n");  // (the root has none; a stray one must not matter)
   t.write("/sys/fs/cgroup/a/cpu.max", "200000 100000\n");
   t.write("/sys/fs/cgroup/a/b/cpu.max", "300000 100000\n");
   t.write("/sys/fs/cgroup/a/b/c/cpu.max", "max 100000\n");
-  const CgroupCpuPaths p = parse_cgroup_paths("0::/a/b/c\n", kMountCgroup2);
+  const CgroupPaths p = find_cgroup("cpu", "0::/a/b/c\n", kMountCgroup2);
   EXPECT_DOUBLE_EQ(*cgroup_cpu_quota(p, t.prefix()), 2.0);
-  EXPECT_FALSE(cgroup_cpu_quota(parse_cgroup_paths("0::/other\n", kMountCgroup2), t.prefix()).has_value());
+  EXPECT_FALSE(cgroup_cpu_quota(find_cgroup("cpu", "0::/other\n", kMountCgroup2), t.prefix()).has_value());
   // A container with its own cgroup namespace sees its cgroup as "/".
   t.write("/sys/fs/cgroup/cpu.max", "150000 100000\n");
-  EXPECT_DOUBLE_EQ(*cgroup_cpu_quota(parse_cgroup_paths("0::/\n", kMountCgroup2), t.prefix()), 1.5);
+  EXPECT_DOUBLE_EQ(*cgroup_cpu_quota(find_cgroup("cpu", "0::/\n", kMountCgroup2), t.prefix()), 1.5);
 }
 
 TEST(CpuBudget, Cgroup1QuotaAndMountRoots) {
@@ -106,20 +82,20 @@ TEST(CpuBudget, Cgroup1QuotaAndMountRoots) {
   t.write("/sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n");
   t.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "-1\n");
   t.write("/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", "100000\n");
-  const CgroupCpuPaths p = parse_cgroup_paths("4:cpu,cpuacct:/docker/abc\n", kMountHybrid);
+  const CgroupPaths p = find_cgroup("cpu", "4:cpu,cpuacct:/docker/abc\n", kMountHybrid);
   EXPECT_DOUBLE_EQ(*cgroup_cpu_quota(p, t.prefix()), 1.5);
   // A container that sees only its own cgroup mounted at the top (mount root
   // /docker/abc): the files at the mount's top are its limits.
   TempTree u;
   u.write("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "300000\n");
   u.write("/sys/fs/cgroup/cpu/cpu.cfs_period_us", "100000\n");
-  const CgroupCpuPaths q = parse_cgroup_paths(
-      "3:cpu:/docker/abc\n", "28 25 0:25 /docker/abc /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n");
-  EXPECT_EQ(q.v1_mount_root, "/docker/abc");
+  const CgroupPaths q = find_cgroup("cpu", "3:cpu:/docker/abc\n",
+                                    "28 25 0:25 /docker/abc /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n");
+  EXPECT_EQ(q.v1.mount_root, "/docker/abc");
   EXPECT_DOUBLE_EQ(*cgroup_cpu_quota(q, u.prefix()), 3.0);
   // Both hierarchies limit: the tighter wins.
   t.write("/sys/fs/cgroup/unified/docker/abc/cpu.max", "100000 100000\n");
-  const CgroupCpuPaths both = parse_cgroup_paths("4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n", kMountHybrid);
+  const CgroupPaths both = find_cgroup("cpu", "4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n", kMountHybrid);
   EXPECT_DOUBLE_EQ(*cgroup_cpu_quota(both, t.prefix()), 1.0);
 }
 

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cgroup_fixtures.h"
 #include "expect_error.h"
 #include "temp_dir.h"
 #include "train/memory.h"
@@ -47,21 +48,53 @@ TEST(TrainMemory, ParsesMeminfoAndCgroupFiles) {
   EXPECT_FALSE(parse_cgroup_limit(""));
 }
 
+using test_util::kMountCgroup2;
+using test_util::kMountHybrid;
+
+// The limit of a process in `proc_self_cgroup` with files under `prefix`.
+std::optional<int64_t> limit_of(const fs::path& prefix, std::string_view proc_self_cgroup,
+                                std::string_view mountinfo) {
+  return cgroup_memory_limit(find_cgroup("memory", proc_self_cgroup, mountinfo), prefix.string());
+}
+
 TEST(TrainMemory, CgroupLimitIsTheTightestOfTheProcessCgroupAndItsAncestors) {
   TempDir tmp;
-  const fs::path root = tmp.path / "cgroup";
+  const fs::path& p = tmp.path;
   // v2: the process's own cgroup has none, its parent 3000, the root 5000.
-  write_file(root / "memory.max", "5000\n");
-  write_file(root / "a" / "memory.max", "3000\n");
-  write_file(root / "a" / "b" / "memory.max", "max\n");
-  EXPECT_EQ(cgroup_memory_limit(root.string(), "0::/a/b\n"), 3000);
-  // v1: the memory controller's hierarchy.
-  write_file(root / "memory" / "job" / "memory.limit_in_bytes", "2000\n");
-  EXPECT_EQ(cgroup_memory_limit(root.string(), "5:cpu,cpuacct:/job\n4:memory:/job\n"), 2000);
-  EXPECT_EQ(cgroup_memory_limit(root.string(), "0::/a/b\n4:memory:/job\n"), 2000);
-  // Nothing set anywhere.
-  EXPECT_FALSE(cgroup_memory_limit((tmp.path / "none").string(), "0::/\n"));
-  EXPECT_FALSE(cgroup_memory_limit(root.string(), "garbage"));
+  write_file(p / "sys/fs/cgroup/memory.max", "5000\n");
+  write_file(p / "sys/fs/cgroup/a/memory.max", "3000\n");
+  write_file(p / "sys/fs/cgroup/a/b/memory.max", "max\n");
+  EXPECT_EQ(limit_of(p, "0::/a/b\n", kMountCgroup2), 3000);
+  // A container with its own cgroup namespace sees its cgroup as "/": the mount's top.
+  EXPECT_EQ(limit_of(p, "0::/\n", kMountCgroup2), 5000);
+  // v1: the memory controller's hierarchy (its root's "no limit" is 2^63 - 4096).
+  write_file(p / "sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  write_file(p / "sys/fs/cgroup/memory/job/memory.limit_in_bytes", "2000\n");
+  EXPECT_EQ(limit_of(p, "5:cpu,cpuacct:/job\n4:memory:/job\n", kMountHybrid), 2000);
+  EXPECT_FALSE(limit_of(p, "5:cpu,cpuacct:/job\n4:memory:/other\n", kMountHybrid));
+  // Both hierarchies limit: the tighter wins.
+  write_file(p / "sys/fs/cgroup/unified/a/memory.max", "3000\n");
+  EXPECT_EQ(limit_of(p, "0::/a/b\n4:memory:/job\n", kMountHybrid), 2000);
+  EXPECT_EQ(limit_of(p, "0::/a/b\n4:memory:/other\n", kMountHybrid), 3000);
+  // Nothing set anywhere, nothing readable, nothing mounted, no cgroup lines.
+  EXPECT_FALSE(limit_of(p / "none", "0::/\n", kMountCgroup2));
+  EXPECT_FALSE(limit_of(p, "0::/a/b\n", ""));
+  EXPECT_FALSE(limit_of(p, "garbage", kMountCgroup2));
+}
+
+// Where the hierarchy is mounted comes from mountinfo, not from a fixed
+// /sys/fs/cgroup: a v2 mount elsewhere, and a v1 container whose mount shows
+// only its own cgroup (mount root /docker/abc) at the top.
+TEST(TrainMemory, CgroupLimitFollowsMountinfo) {
+  TempDir tmp;
+  const fs::path& p = tmp.path;
+  write_file(p / "sys/fs/cgroup/job/memory.max", "1000\n");  // not where this system mounts it
+  write_file(p / "run/cg two/job/memory.max", "7000\n");
+  EXPECT_EQ(limit_of(p, "0::/job\n", "30 24 0:26 / /run/cg\\040two rw - cgroup2 cgroup2 rw\n"), 7000);
+  write_file(p / "sys/fs/cgroup/memory/memory.limit_in_bytes", "4096\n");
+  EXPECT_EQ(limit_of(p, "4:memory:/docker/abc\n",
+                     "29 25 0:26 /docker/abc /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"),
+            4096);
 }
 
 TEST(TrainMemory, ResolvedLimitPrefersTheConfiguredOne) {
