@@ -54,28 +54,12 @@ std::optional<std::string> read_small_file(const std::string& path) {
   return s.str();
 }
 
-std::string_view trim_blank(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\n')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n')) s.remove_suffix(1);
-  return s;
-}
-
 std::optional<int64_t> parse_trimmed_int(std::string_view s) {
   s = trim_blank(s);
   int64_t v = 0;
   const auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || p != s.data() + s.size()) return std::nullopt;
   return v;
-}
-
-std::vector<std::string_view> split_on(std::string_view s, char sep) {
-  std::vector<std::string_view> out;
-  for (size_t b = 0;;) {
-    const size_t e = s.find(sep, b);
-    out.push_back(s.substr(b, e == std::string_view::npos ? std::string_view::npos : e - b));
-    if (e == std::string_view::npos) return out;
-    b = e + 1;
-  }
 }
 
 CgroupPaths find_cgroup(std::string_view controller, std::string_view proc_self_cgroup,

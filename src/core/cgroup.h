@@ -14,18 +14,16 @@
 #include <string_view>
 #include <vector>
 
+#include "core/text.h"  // trim_blank, split_on
+
 namespace loom {
 
 // ---- small /proc and /sys files ----------------------------------------------
 
 // The whole text of a small file; nullopt when it cannot be read.
 std::optional<std::string> read_small_file(const std::string& path);
-// `s` without leading and trailing spaces, tabs and newlines.
-std::string_view trim_blank(std::string_view s);
 // The trimmed text as one decimal integer (sign allowed); nullopt for anything else.
 std::optional<int64_t> parse_trimmed_int(std::string_view s);
-// `s` cut at every `sep` (an empty `s` gives one empty piece).
-std::vector<std::string_view> split_on(std::string_view s, char sep);
 
 // ---- where a controller's cgroup is ------------------------------------------
 

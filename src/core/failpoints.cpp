@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/text.h"
 
 namespace loom {
 
@@ -31,22 +32,6 @@ constexpr ActionName kActions[] = {
     {"nan_loss", FailAction::nan_loss, false, false}, {"return", FailAction::return_, true, false},
 };
 
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-  return s;
-}
-
-std::vector<std::string_view> split(std::string_view s, char sep) {
-  std::vector<std::string_view> out;
-  for (size_t pos = 0;;) {
-    const size_t next = s.find(sep, pos);
-    out.push_back(s.substr(pos, next == std::string_view::npos ? std::string_view::npos : next - pos));
-    if (next == std::string_view::npos) return out;
-    pos = next + 1;
-  }
-}
-
 template <typename T>
 std::string join_names(const T& table) {
   std::string out;
@@ -61,7 +46,7 @@ const FailpointSite* find_site(std::string_view name) {
 }
 
 bool site_takes(const FailpointSite& site, std::string_view action) {
-  for (std::string_view a : split(site.actions, ' '))
+  for (std::string_view a : split_on(site.actions, ' '))
     if (a == action) return true;
   return false;
 }
@@ -131,9 +116,9 @@ Failpoints& Failpoints::operator=(Failpoints&&) noexcept = default;
 
 Failpoints Failpoints::parse(std::string_view spec, std::string_view source) {
   Failpoints fp;
-  if (trim(spec).empty()) return fp;
-  for (std::string_view raw : split(spec, ',')) {
-    const std::string_view text = trim(raw);
+  if (trim_blank(spec).empty()) return fp;
+  for (std::string_view raw : split_on(spec, ',')) {
+    const std::string_view text = trim_blank(raw);
     const EntryParser p(source, text);
     if (text.empty()) p.bad("empty entry (two commas, or one at an end)");
     const size_t at = text.find('@');
@@ -142,7 +127,7 @@ Failpoints Failpoints::parse(std::string_view spec, std::string_view source) {
     e.text = std::string(text);
     const ActionName& action = p.action(text.substr(0, at), e.value);
     e.action = action.action;
-    const std::vector<std::string_view> parts = split(text.substr(at + 1), ':');
+    const std::vector<std::string_view> parts = split_on(text.substr(at + 1), ':');
     const size_t eq = parts[0].find('=');
     e.site = std::string(parts[0].substr(0, eq));
     const FailpointSite* site = find_site(e.site);
