@@ -99,7 +99,8 @@ class TrainSession {
     std::array<float*, kLoraTargetCount> xd{};  // dropped adapter input (dropout > 0 only)
   };
   class SavedAttention;
-  class TrainedAdapters;
+  class TrainedAdapters;  // train_step_lora.cpp
+  static std::unique_ptr<LayerAdapters> make_trained_adapters(TrainSession& s);
 
   TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora, FullParams* full,
                Backend& backend, BackwardMode backward);
@@ -143,7 +144,7 @@ class TrainSession {
   BackwardMode backward_;
   std::unique_ptr<Workspace> ws_;
   std::unique_ptr<SavedAttention> attention_;
-  std::unique_ptr<TrainedAdapters> adapters_;
+  std::unique_ptr<LayerAdapters> adapters_;
   int64_t reserved_ = 0;  // tokens the buffers are sized for
   int64_t tokens_ = 0;    // of the current run
   bool dropout_ = false;  // of the current run
