@@ -13,6 +13,8 @@
 
 namespace loom {
 
+const char* optimizer_kind_name(OptimizerKind k) { return k == OptimizerKind::adamw8bit ? "adamw8bit" : "adamw"; }
+
 const char* lr_schedule_name(LrScheduleKind k) {
   switch (k) {
     case LrScheduleKind::constant: return "constant";

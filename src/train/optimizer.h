@@ -45,6 +45,10 @@ struct ParamGroup {
 // LoRA+: B matrices learn `ratio` times faster (lr_B = ratio * lr). Returns a copy.
 std::vector<ParamGroup> apply_lora_plus(std::vector<ParamGroup> groups, double ratio);
 
+// optim.kind: f32 moments, or bitsandbytes-style block-wise 8-bit moments.
+enum class OptimizerKind { adamw, adamw8bit };
+const char* optimizer_kind_name(OptimizerKind k);
+
 struct AdamWConfig {
   double beta1 = 0.9;
   double beta2 = 0.999;

@@ -33,7 +33,8 @@ const char* const kLeaves[] = {
     "output_dir",     "overwrite",          "seed",               "threads",
     "device",         "checkpoint_interval", "checkpoint_minutes", "checkpoint_dir",    "keep_checkpoints",
     "max_bad_steps",  "on_divergence",      "rollback_lr_factor",  "max_rollbacks",     "memory_limit",
-    "memory_alarm",   "metrics_port",       "metrics_host",        "log_file",          "log_format"};
+    "memory_alarm",   "metrics_port",       "metrics_host",        "log_file",          "log_format",
+    "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -185,6 +186,51 @@ void apply_override(const std::string& arg, Entries& entries) {
     fail(ErrorKind::invalid_input, "{}: invalid YAML value: {}", where, e.msg);
   }
   entries[key] = {value, where};
+}
+
+void read_memory_keys(const Reader& r, TrainConfig& c) {
+  if (const Entry* en = r.find("gradient_checkpointing")) {
+    // true | false | N (every Nth layer's input kept)
+    bool on = false;
+    int64_t n = 0;
+    if (en->node.IsScalar() && YAML::convert<bool>::decode(en->node, on))
+      c.gradient_checkpointing = on ? 1 : 0;
+    else if (r.integer("gradient_checkpointing", n, 0, 1 << 20))
+      c.gradient_checkpointing = n;
+  }
+  std::string s;
+  if (r.str("activation_dtype", s)) {
+    if (s == "f32")
+      c.activation_dtype = TrainConfig::ActivationDType::f32;
+    else if (s == "bf16")
+      c.activation_dtype = TrainConfig::ActivationDType::bf16;
+    else
+      r.bad("activation_dtype", fmt::format("unknown value '{}' (expected f32 or bf16)", s));
+  }
+  if (r.str("optim.kind", s)) {
+    if (s == "adamw")
+      c.optimizer = OptimizerKind::adamw;
+    else if (s == "adamw8bit")
+      c.optimizer = OptimizerKind::adamw8bit;
+    else
+      r.bad("optim.kind", fmt::format("unknown optimizer '{}' (expected adamw or adamw8bit)", s));
+  }
+  if (r.str("precision", s)) {
+    if (const auto p = train_precision_from_name(s))
+      c.precision = *p;
+    else
+      r.bad("precision", fmt::format("unknown value '{}' (expected fp32, bf16 or fp16)", s));
+  }
+  if (r.str("quantize_base", s)) {
+    bool found = false;
+    for (auto q : {TrainConfig::BaseQuant::none, TrainConfig::BaseQuant::nf4, TrainConfig::BaseQuant::q4_0,
+                   TrainConfig::BaseQuant::q8_0})
+      if (s == base_quant_name(q)) {
+        c.quantize_base = q;
+        found = true;
+      }
+    if (!found) r.bad("quantize_base", fmt::format("unknown value '{}' (expected none, nf4, q4_0 or q8_0)", s));
+  }
 }
 
 void read_production_keys(const Reader& r, TrainConfig& c) {
@@ -345,6 +391,7 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   }
   c.lora.seed = c.seed;
   read_production_keys(r, c);
+  read_memory_keys(r, c);
 
   if (c.steps > 0 && c.epochs > 0) r.bad("epochs", "set either steps or epochs, not both");
   // Evaluation needs an eval split; the trainer has one exactly when data.eval or data.eval_fraction is set.
@@ -461,8 +508,26 @@ std::vector<std::pair<std::string, std::string>> run_identity(const TrainConfig&
       {"batch_size", std::to_string(c.batch_size)},
       {"grad_accum", std::to_string(c.grad_accum)},
       {"seed", std::to_string(c.seed)},
+      {"activation_dtype", activation_dtype_name(c.activation_dtype)},
+      {"optim.kind", optimizer_kind_name(c.optimizer)},
+      {"precision", train_precision_name(c.precision)},
+      {"quantize_base", base_quant_name(c.quantize_base)},
   };
   return id;
+}
+
+const char* activation_dtype_name(TrainConfig::ActivationDType d) {
+  return d == TrainConfig::ActivationDType::bf16 ? "bf16" : "f32";
+}
+
+const char* base_quant_name(TrainConfig::BaseQuant q) {
+  switch (q) {
+    case TrainConfig::BaseQuant::none: return "none";
+    case TrainConfig::BaseQuant::nf4: return "nf4";
+    case TrainConfig::BaseQuant::q4_0: return "q4_0";
+    case TrainConfig::BaseQuant::q8_0: return "q8_0";
+  }
+  return "?";
 }
 
 }  // namespace loom

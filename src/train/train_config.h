@@ -106,6 +106,23 @@ struct TrainConfig {
   enum class LogFormat { text, json };
   LogFormat log_format = LogFormat::text;
 
+  // ---- memory and precision levers (docs/training.md "Training bigger") ----
+  // gradient_checkpointing: keep the input of every Nth layer and recompute the
+  // others in the backward (0: off; `true` = 1, every layer).
+  int64_t gradient_checkpointing = 0;
+  // activation_dtype: how the activations kept for the backward are stored.
+  enum class ActivationDType { f32, bf16 };
+  ActivationDType activation_dtype = ActivationDType::f32;
+  // optim.kind: AdamW with f32 moments, or block-wise 8-bit moments (bitsandbytes' AdamW8bit).
+  OptimizerKind optimizer = OptimizerKind::adamw;
+  // precision: compute of what is trained (LoRA products; a full fine-tune's
+  // weight products); master weights and optimizer state stay f32. fp16 adds
+  // dynamic loss scaling (torch GradScaler's rules).
+  TrainPrecision precision = TrainPrecision::fp32;
+  // quantize_base: the frozen weights of an f16/bf16/f32 model quantized at load (QLoRA).
+  enum class BaseQuant { none, nf4, q4_0, q8_0 };
+  BaseQuant quantize_base = BaseQuant::none;
+
   std::string source;  // the config file name, for messages
   std::string text;    // the YAML as given, each --set appended as a "# --set key=value" line (checkpoints keep it)
   std::vector<std::string> warnings;  // settings that have no effect, "file:line:col: ..."; run_training prints them
@@ -127,5 +144,8 @@ std::optional<int64_t> parse_byte_size(std::string_view text);
 // values): model, method, data, LoRA shape, batch, optimizer, schedule, seed.
 // Each entry is (key, value as text); compare with the checkpoint's list.
 std::vector<std::pair<std::string, std::string>> run_identity(const TrainConfig& c);
+
+const char* activation_dtype_name(TrainConfig::ActivationDType d);
+const char* base_quant_name(TrainConfig::BaseQuant q);
 
 }  // namespace loom

@@ -18,6 +18,21 @@ const char* backward_mode_name(BackwardMode m) {
   return "?";
 }
 
+const char* train_precision_name(TrainPrecision p) {
+  switch (p) {
+    case TrainPrecision::fp32: return "fp32";
+    case TrainPrecision::bf16: return "bf16";
+    case TrainPrecision::fp16: return "fp16";
+  }
+  return "?";
+}
+
+std::optional<TrainPrecision> train_precision_from_name(std::string_view name) {
+  for (TrainPrecision p : {TrainPrecision::fp32, TrainPrecision::bf16, TrainPrecision::fp16})
+    if (name == train_precision_name(p)) return p;
+  return std::nullopt;
+}
+
 BackwardMode backward_mode_for(CpuClass c) {
   // From LoRA training tokens/s of SmolLM2-135M per class (docs/training.md,
   // "Backward speed by CPU"). bf16 leads where AMX-BF16 or AVX512-BF16 multiply

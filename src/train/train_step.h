@@ -48,6 +48,12 @@ BackwardMode backward_mode_for(CpuClass c);
 // masks applied.
 BackwardMode default_backward_mode();
 
+// precision: the compute of what is trained (LoRA products; a full fine-tune's
+// weight products). Master weights and optimizer state stay f32.
+enum class TrainPrecision { fp32, bf16, fp16 };
+const char* train_precision_name(TrainPrecision p);
+std::optional<TrainPrecision> train_precision_from_name(std::string_view name);
+
 class TrainSession {
  public:
   // `weights` must be prepared for `backend` (prepare_weights). Keeps references to all arguments.

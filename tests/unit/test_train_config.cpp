@@ -128,6 +128,30 @@ TEST(TrainConfig, EveryKeyRead) {
   EXPECT_EQ(c.threads, 3);
 }
 
+TEST(TrainConfig, MemoryAndPrecisionKeys) {
+  const TrainConfig d = parse(kMinimal);
+  EXPECT_EQ(d.gradient_checkpointing, 0);
+  EXPECT_EQ(d.activation_dtype, TrainConfig::ActivationDType::f32);
+  EXPECT_EQ(d.optimizer, OptimizerKind::adamw);
+  EXPECT_EQ(d.precision, TrainPrecision::fp32);
+  EXPECT_EQ(d.quantize_base, TrainConfig::BaseQuant::none);
+  EXPECT_EQ(parse(kMinimal + "gradient_checkpointing: true\n").gradient_checkpointing, 1);
+  EXPECT_EQ(parse(kMinimal + "gradient_checkpointing: false\n").gradient_checkpointing, 0);
+  EXPECT_EQ(parse(kMinimal + "gradient_checkpointing: 4\n").gradient_checkpointing, 4);
+  const TrainConfig c = parse(kMinimal + "activation_dtype: bf16\noptim:\n  kind: adamw8bit\nprecision: fp16\n"
+                                         "quantize_base: nf4\n");
+  EXPECT_EQ(c.activation_dtype, TrainConfig::ActivationDType::bf16);
+  EXPECT_EQ(c.optimizer, OptimizerKind::adamw8bit);
+  EXPECT_EQ(c.precision, TrainPrecision::fp16);
+  EXPECT_EQ(c.quantize_base, TrainConfig::BaseQuant::nf4);
+  expect_bad(kMinimal + "gradient_checkpointing: -1\n", {"'gradient_checkpointing'", "out of range"});
+  expect_bad(kMinimal + "gradient_checkpointing: often\n", {"'gradient_checkpointing'", "expected an integer"});
+  expect_bad(kMinimal + "activation_dtype: f8\n", {"'activation_dtype'", "f32 or bf16"});
+  expect_bad(kMinimal + "optim:\n  kind: sgd\n", {"cfg.yaml:7:3", "'optim.kind'", "adamw or adamw8bit"});
+  expect_bad(kMinimal + "precision: half\n", {"'precision'", "fp32, bf16 or fp16"});
+  expect_bad(kMinimal + "quantize_base: nf8\n", {"'quantize_base'", "nf4, q4_0 or q8_0"});
+}
+
 TEST(TrainConfig, UnknownKeysNamedWithLine) {
   expect_bad(kMinimal + "lerning_rate: 1\n", {"cfg.yaml:6:1", "unknown key 'lerning_rate'"});
   expect_bad(kMinimal + "optim:\n  lrr: 1\n", {"cfg.yaml:7:3", "unknown key 'optim.lrr'"});
