@@ -20,6 +20,7 @@
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "kernels/blockwise8.h"
 #include "kernels/shapes.h"
 
 namespace loom {
@@ -136,6 +137,27 @@ struct AdamWUpdate {
   float b2, w2;     // beta2, 1 - beta2
   float bc2_sqrt;   // sqrt(1 - beta2^t)
   float eps;
+};
+
+// One step of bitsandbytes' blockwise 8-bit AdamW (optim.kind adamw8bit): the
+// same scalars as AdamWUpdate plus beta1 (its m = b1 m + w1 g order).
+struct Adam8bitUpdate {
+  float keep;       // 1 - lr * weight_decay
+  float step_size;  // lr / (1 - beta1^t)
+  float b1, w1;     // beta1, 1 - beta1
+  float b2, w2;     // beta2, 1 - beta2
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float eps;
+};
+// A tensor's 8-bit moments: codes [n] and absmax [blockwise8_blocks(n)] each,
+// quantized with the signed (m) and unsigned (v) dynamic maps.
+struct Adam8bitState {
+  uint8_t* m = nullptr;
+  float* m_absmax = nullptr;
+  uint8_t* v = nullptr;
+  float* v_absmax = nullptr;
+  const Blockwise8Map* m_map = nullptr;
+  const Blockwise8Map* v_map = nullptr;
 };
 
 // The largest ops of a training step, for the memory estimate made before the
@@ -257,6 +279,16 @@ class Backend {
 
   // ---- optimizer
   virtual void adamw_update(const AdamWUpdate& u, float* p, const float* g, float* m, float* v, size_t n) = 0;
+  // Block-wise 8-bit (kernels/blockwise8.h), bit-equal to bitsandbytes' CPU
+  // functions: codes [n], absmax [blockwise8_blocks(n)], blocks from x's start.
+  virtual void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes,
+                                  float* absmax) = 0;
+  virtual void dequantize_blockwise(const Blockwise8Map& map, const uint8_t* codes, const float* absmax, size_t n,
+                                    float* out) = 0;
+  // One 8-bit AdamW step of one tensor of n elements: dequantize its moments,
+  // update them and p, quantize them again (fused, block by block).
+  virtual void adamw8bit_update(const Adam8bitUpdate& u, float* p, const float* g, const Adam8bitState& s,
+                                size_t n) = 0;
   // sum of squares in double (gradient norms).
   virtual double sum_squares(const float* x, size_t n) = 0;
 };

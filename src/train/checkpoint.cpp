@@ -29,7 +29,7 @@ namespace {
 constexpr const char* kFormatName = "loom-checkpoint";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kParams = "params.f32";
-constexpr const char* kAdamM = "adam_m.f32";
+constexpr const char* kAdamM = "adam_m.f32";  // AdamW::state_parts()' first two
 constexpr const char* kAdamV = "adam_v.f32";
 constexpr const char* kState = "state.json";
 constexpr const char* kConfig = "config.yaml";
@@ -178,6 +178,19 @@ void read_floats(const fs::path& p, std::span<float> dst, std::string_view what)
   std::memcpy(dst.data(), f.data(), dst.size_bytes());
 }
 
+// Reads a raw file of exactly `bytes` bytes into dst.
+void read_bytes(const fs::path& p, void* dst, size_t bytes, std::string_view what) {
+  std::error_code ec;
+  const auto size = fs::file_size(p, ec);
+  if (ec) fail(ErrorKind::io, "{}: cannot read: {}", p.string(), ec.message());
+  if (size != bytes)
+    fail(ErrorKind::invalid_input, "{}: holds {} bytes of {}, this run has {} (another model, method or LoRA shape)",
+         p.string(), size, what, bytes);
+  if (bytes == 0) return;
+  const MappedFile f(p.string());
+  std::memcpy(dst, f.data(), bytes);
+}
+
 }  // namespace
 
 std::optional<double> CheckpointState::eval_loss() const {
@@ -201,7 +214,7 @@ std::optional<int64_t> checkpoint_step(std::string_view name) {
 CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointState& st, std::span<const float> params,
                                      const AdamW& opt, const std::function<void(std::string_view)>& on_stage) {
   LOOM_ASSERT(st.step == opt.step_count());
-  LOOM_ASSERT(opt.exp_avg().size() == params.size());
+  LOOM_ASSERT(opt.n_params() == params.size());
   const auto t0 = std::chrono::steady_clock::now();
   const auto stage = [&](std::string_view s) {
     if (on_stage) on_stage(s);
@@ -226,9 +239,15 @@ CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointSta
       info.bytes += static_cast<int64_t>(bytes.size());
     };
     put(kParams, bytes_of(params));
-    put(kAdamM, bytes_of(opt.exp_avg()));
-    put(kAdamV, bytes_of(opt.exp_avg_sq()));
-    put(kState, state_json(st).dump(1) + "\n");
+    // adam_m.f32, adam_v.f32 and, for adamw8bit, the codes and absmax of its 8-bit moments.
+    json state = state_json(st), moments = json::array();
+    for (const AdamW::StatePart& part : opt.state_parts()) {
+      put(part.file, {static_cast<const char*>(part.data), part.bytes});
+      moments.push_back(part.file);
+    }
+    state["optimizer"]["kind"] = optimizer_kind_name(opt.kind());
+    state["optimizer"]["moments"] = moments;
+    put(kState, state.dump(1) + "\n");
     put(kConfig, st.config_text);
     put(kMetrics, st.metrics_text);
     stage("files_written");
@@ -308,9 +327,15 @@ CheckpointState read_checkpoint_state(const std::string& path) {
 void load_checkpoint_arenas(const std::string& path, std::span<float> params, AdamW& opt) {
   const fs::path dir(path);
   const CheckpointState st = read_checkpoint_state(path);
+  // Checkpoints from before adamw8bit name no kind: adamw.
+  const json state = read_json_file((dir / kState).string());
+  const std::string kind = state.value("optimizer", json::object()).value("kind", "adamw");
+  if (kind != optimizer_kind_name(opt.kind()))
+    fail(ErrorKind::invalid_input, "{}: the checkpoint's optimizer state is optim.kind {}, this run uses {}", path,
+         kind, optimizer_kind_name(opt.kind()));
   read_floats(dir / kParams, params, "parameter");
-  read_floats(dir / kAdamM, opt.exp_avg(), "first-moment");
-  read_floats(dir / kAdamV, opt.exp_avg_sq(), "second-moment");
+  for (const AdamW::StatePart& part : opt.state_parts())
+    read_bytes(dir / part.file, part.data, part.bytes, "optimizer state");
   opt.set_step_count(st.step);
 }
 

@@ -104,6 +104,12 @@ std::string FullParams::tensor_at(size_t offset) const {
   return "";
 }
 
+std::vector<TensorSpan> FullParams::tensor_spans() const {
+  std::vector<TensorSpan> out;
+  for (const Span& s : spans_) out.push_back({s.offset, s.size});
+  return out;
+}
+
 void FullParams::zero_grads() { std::memset(grads_.data(), 0, grads_.size() * sizeof(float)); }
 
 std::vector<ParamGroup> FullParams::param_groups(double lr, double weight_decay) const {

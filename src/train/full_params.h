@@ -47,6 +47,7 @@ class FullParams {
   // The Hugging Face name of the weight holding arena element `offset`
   // ("model.layers.3.mlp.up_proj.weight"); "" past the end.
   std::string tensor_at(size_t offset) const;
+  std::vector<TensorSpan> tensor_spans() const;  // every weight's run of the arena
 
  private:
   struct Span {

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/mapped_file.h"
 #include "io/file_write.h"
+#include "kernels/blockwise8.h"
 
 namespace loom {
 
@@ -73,14 +74,8 @@ double clip_grad_global_norm(std::span<float> grads, double max_norm, double* sc
 }
 
 AdamW::AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params,
-             LrSchedule schedule)
-    : config_(config),
-      groups_(std::move(groups)),
-      schedule_(schedule),
-      be_(backend),
-      n_(n_params),
-      m_(backend.alloc(n_params * sizeof(float))),
-      v_(backend.alloc(n_params * sizeof(float))) {
+             LrSchedule schedule, OptimizerKind kind, std::vector<TensorSpan> tensors)
+    : config_(config), groups_(std::move(groups)), schedule_(schedule), be_(backend), kind_(kind), n_(n_params) {
   std::vector<std::pair<size_t, size_t>> spans;
   for (const auto& g : groups_) {
     if (g.offset > n_params || g.size > n_params - g.offset)
@@ -98,6 +93,60 @@ AdamW::AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> group
   if (!(config_.beta1 >= 0 && config_.beta1 < 1 && config_.beta2 >= 0 && config_.beta2 < 1 && config_.eps > 0))
     fail(ErrorKind::invalid_input, "AdamW: betas ({}, {}) must be in [0, 1) and eps {} > 0", config_.beta1,
          config_.beta2, config_.eps);
+  plan_segments(tensors);
+  m_ = backend.alloc(n_f32_ * sizeof(float));
+  v_ = backend.alloc(n_f32_ * sizeof(float));
+  if (kind_ != OptimizerKind::adamw8bit) return;
+  mq_ = backend.alloc(n_q8_);
+  vq_ = backend.alloc(n_q8_);
+  ma_ = backend.alloc(n_blocks_ * sizeof(float));
+  va_ = backend.alloc(n_blocks_ * sizeof(float));
+  maps_ = backend.alloc(2 * sizeof(Blockwise8Map));
+  auto* maps = static_cast<Blockwise8Map*>(maps_.data());
+  build_blockwise8_map(maps[0], /*is_signed=*/true);
+  build_blockwise8_map(maps[1], /*is_signed=*/false);
+}
+
+void AdamW::plan_segments(const std::vector<TensorSpan>& tensors) {
+  if (kind_ == OptimizerKind::adamw) {  // the moments mirror the parameter arena
+    for (size_t i = 0; i < groups_.size(); ++i)
+      segments_.push_back({groups_[i].offset, groups_[i].size, i, false, groups_[i].offset, 0});
+    n_f32_ = n_;
+    return;
+  }
+  std::vector<TensorSpan> ts = tensors;
+  std::sort(ts.begin(), ts.end(), [](const TensorSpan& a, const TensorSpan& b) { return a.offset < b.offset; });
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (ts[i].offset > n_ || ts[i].size > n_ - ts[i].offset)
+      fail(ErrorKind::invalid_input, "optimizer tensor [{}, {}) is outside the {} parameters", ts[i].offset,
+           ts[i].offset + ts[i].size, n_);
+    if (i > 0 && ts[i].offset < ts[i - 1].offset + ts[i - 1].size)
+      fail(ErrorKind::invalid_input, "optimizer tensors overlap at parameter {}", ts[i].offset);
+  }
+  // Each group cut at the tensors' bounds inside it: one piece per tensor (or gap).
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const size_t lo = groups_[gi].offset, hi = lo + groups_[gi].size;
+    std::vector<size_t> cuts = {lo, hi};
+    for (const TensorSpan& t : ts)
+      for (size_t c : {t.offset, t.offset + t.size})
+        if (c > lo && c < hi) cuts.push_back(c);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    for (size_t k = 0; k + 1 < cuts.size(); ++k)
+      segments_.push_back({cuts[k], cuts[k + 1] - cuts[k], gi, cuts[k + 1] - cuts[k] >= kMin8bitSize, 0, 0});
+  }
+  std::sort(segments_.begin(), segments_.end(), [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+  for (Segment& s : segments_) {
+    if (s.q8) {
+      s.at = n_q8_;
+      s.block = n_blocks_;
+      n_q8_ += s.size;
+      n_blocks_ += blockwise8_blocks(s.size);
+    } else {
+      s.at = n_f32_;
+      n_f32_ += s.size;
+    }
+  }
 }
 
 double AdamW::current_lr(size_t group) const {
@@ -125,20 +174,54 @@ StepStats AdamW::step(std::span<float> params, std::span<float> grads, std::opti
   u.w2 = static_cast<float>(1.0 - config_.beta2);
   u.eps = static_cast<float>(config_.eps);
   u.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(config_.beta2, t)));
-  for (const auto& g : groups_) {
+  Adam8bitUpdate q{};
+  q.b1 = static_cast<float>(config_.beta1);
+  q.w1 = u.w1;
+  q.b2 = u.b2;
+  q.w2 = u.w2;
+  q.eps = u.eps;
+  q.bc2_sqrt = u.bc2_sqrt;
+  const auto* maps = static_cast<const Blockwise8Map*>(maps_.data());
+  for (const Segment& s : segments_) {
+    const ParamGroup& g = groups_[s.group];
     const double lr = g.lr * st.lr_multiplier * lr_scale_;
-    u.keep = static_cast<float>(1.0 - lr * (g.decay ? g.weight_decay : 0.0));
-    u.step_size = static_cast<float>(lr / bc1);
-    be_.adamw_update(u, params.data() + g.offset, grads.data() + g.offset, m_.floats() + g.offset,
-                     v_.floats() + g.offset, g.size);
+    u.keep = q.keep = static_cast<float>(1.0 - lr * (g.decay ? g.weight_decay : 0.0));
+    u.step_size = q.step_size = static_cast<float>(lr / bc1);
+    float* p = params.data() + s.offset;
+    const float* gr = grads.data() + s.offset;
+    if (!s.q8) {
+      be_.adamw_update(u, p, gr, m_.floats() + s.at, v_.floats() + s.at, s.size);
+      continue;
+    }
+    const Adam8bitState state{static_cast<uint8_t*>(mq_.data()) + s.at, ma_.floats() + s.block,
+                              static_cast<uint8_t*>(vq_.data()) + s.at, va_.floats() + s.block, &maps[0], &maps[1]};
+    be_.adamw8bit_update(q, p, gr, state, s.size);
   }
   return st;
 }
 
+std::vector<AdamW::StatePart> AdamW::state_parts() const {
+  std::vector<StatePart> out = {{"adam_m.f32", m_.data(), n_f32_ * sizeof(float)},
+                                {"adam_v.f32", v_.data(), n_f32_ * sizeof(float)}};
+  if (kind_ == OptimizerKind::adamw8bit) {
+    out.push_back({"adam_m.q8", mq_.data(), n_q8_});
+    out.push_back({"adam_m_absmax.f32", ma_.data(), n_blocks_ * sizeof(float)});
+    out.push_back({"adam_v.q8", vq_.data(), n_q8_});
+    out.push_back({"adam_v_absmax.f32", va_.data(), n_blocks_ * sizeof(float)});
+  }
+  return out;
+}
+
+size_t AdamW::state_bytes() const {
+  size_t n = maps_.bytes();
+  for (const StatePart& p : state_parts()) n += p.bytes;
+  return n;
+}
+
 namespace {
 constexpr char kMagic[8] = {'L', 'O', 'O', 'M', 'A', 'D', 'A', 'M'};
-constexpr uint32_t kVersion = 1;
-constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;  // magic, version, pad, n_params, step
+constexpr uint32_t kVersion = 2;  // 1: adamw only, m and v without sizes
+constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 8;  // magic, version, kind, n_params, step
 
 template <typename T>
 void put(std::string& out, const T& v) {
@@ -148,42 +231,60 @@ void put(std::string& out, const T& v) {
 
 void AdamW::save(const std::string& path) const {
   std::string out;
-  out.reserve(kHeaderBytes + 8 * n_ + 8);
+  out.reserve(kHeaderBytes + state_bytes() + 64);
   out.append(kMagic, 8);
   put(out, kVersion);
-  put(out, uint32_t{0});
+  put(out, static_cast<uint32_t>(kind_));
   put(out, static_cast<uint64_t>(n_));
   put(out, step_);
-  out.append(reinterpret_cast<const char*>(m_.data()), n_ * sizeof(float));
-  out.append(reinterpret_cast<const char*>(v_.data()), n_ * sizeof(float));
+  for (const StatePart& p : state_parts()) {
+    put(out, static_cast<uint64_t>(p.bytes));
+    if (p.bytes) out.append(static_cast<const char*>(p.data), p.bytes);
+  }
   put(out, fnv1a64(out));
   write_file_atomic(path, out);
 }
 
 void AdamW::load(const std::string& path) {
   const std::string bytes = read_text_file(path);
-  const size_t want = kHeaderBytes + 8 * n_ + 8;
-  if (bytes.size() < kHeaderBytes || std::memcmp(bytes.data(), kMagic, 8) != 0)
+  if (bytes.size() < kHeaderBytes + 8 || std::memcmp(bytes.data(), kMagic, 8) != 0)
     fail(ErrorKind::invalid_input, "{}: not a loom optimizer state file (bad magic)", path);
-  uint32_t version;
+  uint32_t version, kind;
   uint64_t n;
   int64_t step;
   std::memcpy(&version, bytes.data() + 8, 4);
+  std::memcpy(&kind, bytes.data() + 12, 4);
   std::memcpy(&n, bytes.data() + 16, 8);
   std::memcpy(&step, bytes.data() + 24, 8);
-  if (version != kVersion)
-    fail(ErrorKind::unsupported, "{}: optimizer state version {} (this build reads {})", path, version, kVersion);
+  if (version != kVersion && version != 1)
+    fail(ErrorKind::unsupported, "{}: optimizer state version {} (this build reads 1 and {})", path, version, kVersion);
+  if (version == 1) kind = 0;  // adamw; the field was padding
+  uint64_t stored;
+  std::memcpy(&stored, bytes.data() + bytes.size() - 8, 8);
+  if (stored != fnv1a64(std::string_view(bytes).substr(0, bytes.size() - 8)))
+    fail(ErrorKind::invalid_input, "{}: checksum mismatch (file corrupted or truncated)", path);
+  if (kind != static_cast<uint32_t>(kind_))
+    fail(ErrorKind::invalid_input, "{}: optimizer state of optim.kind {}, this run uses {}", path,
+         kind <= 1 ? optimizer_kind_name(static_cast<OptimizerKind>(kind)) : "?", optimizer_kind_name(kind_));
   if (n != n_)
     fail(ErrorKind::invalid_input, "{}: optimizer state has {} parameters, the model has {}", path, n, n_);
-  if (bytes.size() != want)
-    fail(ErrorKind::invalid_input, "{}: size {} bytes, expected {} (truncated or padded)", path, bytes.size(), want);
-  uint64_t stored;
-  std::memcpy(&stored, bytes.data() + want - 8, 8);
-  if (stored != fnv1a64(std::string_view(bytes).substr(0, want - 8)))
-    fail(ErrorKind::invalid_input, "{}: checksum mismatch (file corrupted)", path);
   if (step < 0) fail(ErrorKind::invalid_input, "{}: negative step counter {}", path, step);
-  std::memcpy(m_.data(), bytes.data() + kHeaderBytes, 4 * n);
-  std::memcpy(v_.data(), bytes.data() + kHeaderBytes + 4 * n, 4 * n);
+  size_t at = kHeaderBytes;
+  const size_t end = bytes.size() - 8;
+  for (const StatePart& p : state_parts()) {
+    uint64_t size = p.bytes;
+    if (version != 1) {
+      if (end - at < 8) fail(ErrorKind::invalid_input, "{}: ends before {} (truncated)", path, p.file);
+      std::memcpy(&size, bytes.data() + at, 8);
+      at += 8;
+    }
+    if (size != p.bytes || end - at < size)
+      fail(ErrorKind::invalid_input, "{}: {} holds {} bytes, this optimizer has {} (another model or layout)", path,
+           p.file, size, p.bytes);
+    if (size) std::memcpy(p.data, bytes.data() + at, size);
+    at += size;
+  }
+  if (at != end) fail(ErrorKind::invalid_input, "{}: {} bytes past the state (padded)", path, end - at);
   step_ = step;
 }
 

@@ -45,9 +45,18 @@ struct ParamGroup {
 // LoRA+: B matrices learn `ratio` times faster (lr_B = ratio * lr). Returns a copy.
 std::vector<ParamGroup> apply_lora_plus(std::vector<ParamGroup> groups, double ratio);
 
-// optim.kind: f32 moments, or bitsandbytes-style block-wise 8-bit moments.
+// optim.kind: f32 moments, or bitsandbytes-style block-wise 8-bit moments
+// (bnb.optim.AdamW8bit: blocks of 256, tensors under kMin8bitSize elements keep f32).
 enum class OptimizerKind { adamw, adamw8bit };
 const char* optimizer_kind_name(OptimizerKind k);
+inline constexpr size_t kMin8bitSize = 4096;  // bitsandbytes' min_8bit_size
+
+// One parameter tensor's run [offset, offset + size) of the arena: the unit
+// adamw8bit quantizes (its blocks start at the tensor's first element).
+struct TensorSpan {
+  size_t offset = 0;
+  size_t size = 0;
+};
 
 struct AdamWConfig {
   double beta1 = 0.9;
@@ -74,8 +83,11 @@ class AdamW {
  public:
   // Groups must lie inside [0, n_params) and not overlap (throws invalid_input).
   // The moments live in `backend`'s memory and every update runs as its ops.
+  // adamw8bit: each piece of a group inside one of `tensors` (none given: each
+  // group is one tensor) with >= kMin8bitSize elements gets 8-bit moments, the
+  // others f32 ones updated as adamw does.
   AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params,
-        LrSchedule schedule = {});
+        LrSchedule schedule = {}, OptimizerKind kind = OptimizerKind::adamw, std::vector<TensorSpan> tensors = {});
 
   // One update: clips `grads` in place, then updates `params` group by group
   // with lr = group.lr * schedule.multiplier(step_count()). Elements outside
@@ -93,14 +105,31 @@ class AdamW {
   // train/faults.h). Not part of save(): the checkpoint's FaultState holds it.
   void set_lr_scale(double scale) { lr_scale_ = scale; }
   double lr_scale() const { return lr_scale_; }
-  // Moment arenas, same layout as the parameter arena.
-  std::span<const float> exp_avg() const { return {m_.floats(), n_}; }
-  std::span<const float> exp_avg_sq() const { return {v_.floats(), n_}; }
-  std::span<float> exp_avg() { return {m_.floats(), n_}; }
-  std::span<float> exp_avg_sq() { return {v_.floats(), n_}; }
+  // The f32 moments: adamw, arenas of the parameter arena's layout; adamw8bit,
+  // those of the small pieces only, back to back in arena order.
+  std::span<const float> exp_avg() const { return {m_.floats(), n_f32_}; }
+  std::span<const float> exp_avg_sq() const { return {v_.floats(), n_f32_}; }
+  std::span<float> exp_avg() { return {m_.floats(), n_f32_}; }
+  std::span<float> exp_avg_sq() { return {v_.floats(), n_f32_}; }
   void set_step_count(int64_t step) { step_ = step; }
+  OptimizerKind kind() const { return kind_; }
+  size_t n_params() const { return n_; }
+  size_t n_8bit() const { return n_q8_; }  // parameters whose moments are 8-bit
 
-  // Binary state file: magic, version, n_params, step, m, v, FNV-1a checksum.
+  // The whole state as files of a checkpoint (raw bytes in the backend's
+  // memory): adam_m.f32 and adam_v.f32, and for adamw8bit the codes
+  // (adam_m.q8, adam_v.q8) and block absmax (adam_m_absmax.f32, adam_v_absmax.f32).
+  struct StatePart {
+    const char* file;
+    void* data;
+    size_t bytes;
+  };
+  std::vector<StatePart> state_parts() const;
+  // Bytes of optimizer state held (moments, codes, absmax and the two maps).
+  size_t state_bytes() const;
+
+  // Binary state file: magic, version, kind, n_params, step, each state part
+  // (size, bytes), FNV-1a checksum.
   // Written to a temp file then renamed. load() checks size and checksum and
   // throws loom::Error naming the file.
   void save(const std::string& path) const;
@@ -112,9 +141,23 @@ class AdamW {
   LrSchedule schedule_;
   int64_t step_ = 0;
   double lr_scale_ = 1;
+  // A piece of one group inside one tensor, with its moments' place.
+  struct Segment {
+    size_t offset = 0, size = 0, group = 0;
+    bool q8 = false;
+    size_t at = 0;     // into the f32 moments, or the codes (q8)
+    size_t block = 0;  // q8: first absmax
+  };
+  void plan_segments(const std::vector<TensorSpan>& tensors);
+
   Backend& be_;
+  OptimizerKind kind_ = OptimizerKind::adamw;
   size_t n_ = 0;
-  DeviceBuffer m_, v_;
+  std::vector<Segment> segments_;
+  size_t n_f32_ = 0, n_q8_ = 0, n_blocks_ = 0;
+  DeviceBuffer m_, v_;                   // f32 moments
+  DeviceBuffer mq_, vq_, ma_, va_;       // adamw8bit: codes and absmax
+  DeviceBuffer maps_;                    // adamw8bit: Blockwise8Map signed, unsigned
 };
 
 }  // namespace loom

@@ -97,6 +97,17 @@ class LoraTrainable final : public TrainableParams {
   void zero_grads() override { lora_.zero_grads(); }
   std::string tensor_at(size_t offset) const override { return lora_.tensor_at(offset); }
   std::vector<ParamGroup> param_groups(const TrainConfig& c) const override { return lora_param_groups(lora_, c); }
+  std::vector<TensorSpan> tensor_spans() const override {
+    std::vector<TensorSpan> out;
+    const auto r = static_cast<size_t>(lora_.config().r);
+    for (int64_t l = 0; l < lora_.n_layers(); ++l)
+      for (LoraTarget t : kAllLoraTargets)
+        if (const LoraSlot& s = lora_.slot(l, t); s.active) {
+          out.push_back({s.a_offset, r * static_cast<size_t>(s.in)});
+          out.push_back({s.b_offset, static_cast<size_t>(s.out) * r});
+        }
+    return out;
+  }
   std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
     return std::make_unique<TrainSession>(model.config(), model.weights(), lora_, backend, mode);
   }
@@ -125,6 +136,7 @@ class FullTrainable final : public TrainableParams {
   std::vector<ParamGroup> param_groups(const TrainConfig& c) const override {
     return full_.param_groups(c.lr, c.weight_decay);
   }
+  std::vector<TensorSpan> tensor_spans() const override { return full_.tensor_spans(); }
   std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
     return std::make_unique<TrainSession>(model.config(), model.weights(), full_, backend, mode);
   }

@@ -35,6 +35,9 @@ class TrainableParams {
   // LoRA: attention / MLP and A / B groups (mlp_lr, LoRA+); full: weights
   // (decay) and norms / biases (no decay).
   virtual std::vector<ParamGroup> param_groups(const TrainConfig& c) const = 0;
+  // Every tensor's run of the arena (what optim.kind adamw8bit quantizes block
+  // by block, and keeps in f32 under kMin8bitSize elements).
+  virtual std::vector<TensorSpan> tensor_spans() const = 0;
 
   // The session that runs forward and backward into grads() (TrainSession's
   // LoRA or full constructor). Keeps references to `model`, `backend` and this.

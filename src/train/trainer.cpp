@@ -243,7 +243,7 @@ void Trainer::build_optimizer() {
   }
   LrSchedule sched{.kind = c_.schedule, .warmup_steps = c_.warmup_steps, .total_steps = total_steps_};
   opt_ = std::make_unique<AdamW>(*backend_, c_.adam, params_->param_groups(c_),
-                                 static_cast<size_t>(params_->count()), sched);
+                                 static_cast<size_t>(params_->count()), sched, c_.optimizer, params_->tensor_spans());
 }
 
 void Trainer::log_start() {

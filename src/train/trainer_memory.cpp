@@ -78,7 +78,7 @@ std::vector<MemoryArena> Trainer::memory_arenas(int64_t planned_tokens) const {
       i64(session_->transposed_bytes()),
       i64(n_params * sizeof(float)),
       i64(params_->grads().size() * sizeof(float)),
-      i64((opt_->exp_avg().size() + opt_->exp_avg_sq().size()) * sizeof(float)),
+      i64(opt_->state_bytes()),  // adamw: 8 bytes a parameter; adamw8bit: ~2.03
       i64(activations),
       i64(scratch + ws - loss),
       i64(loss),

@@ -13,13 +13,16 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/attention_train.h"
+#include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/linear_backward.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_backward.h"
+#include "kernels/cpu/optim8bit.h"
 #include "kernels/cpu/paged_attention.h"
 #include "kernels/cpu/dequant.h"
+#include "kernels/cpu/round_precision.h"
 
 namespace loom {
 
@@ -375,6 +378,21 @@ class CpuBackend final : public Backend {
       const float denom = std::sqrt(v[i]) / u.bc2_sqrt + u.eps;
       p[i] = p[i] - u.step_size * (m[i] / denom);
     }
+  }
+
+  void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes,
+                          float* absmax) override {
+    quantize_blockwise_cpu(pool_, map, x, n, codes, absmax);
+  }
+
+  void dequantize_blockwise(const Blockwise8Map& map, const uint8_t* codes, const float* absmax, size_t n,
+                            float* out) override {
+    dequantize_blockwise_cpu(pool_, map, codes, absmax, n, out);
+  }
+
+  void adamw8bit_update(const Adam8bitUpdate& u, float* p, const float* g, const Adam8bitState& s,
+                        size_t n) override {
+    adamw8bit_update_cpu(pool_, u, p, g, s, n);
   }
 
   double sum_squares(const float* x, size_t n) override {
