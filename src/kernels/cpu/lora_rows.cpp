@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
@@ -15,6 +16,133 @@ namespace {
 
 // Columns per unit of the second pass.
 constexpr int64_t kLoraCols = 64;
+// Rows of one adapter computed together: by the first pass (each A chunk read
+// once for them) and by the second (B's block transposed once for them).
+constexpr int kTileRows = 3;
+constexpr int kRunRows = 16;
+// The second pass transposes B's block when a run has this many rows and the
+// rank fits its stack buffer; shorter runs take dot8 row by row.
+constexpr int kMinTransposedRun = 4;
+constexpr int64_t kMaxTransposedRank = 64;
+
+// Every dot product here ends as simd::dot4 / dot8 do: 8 lane sums, then
+// ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) for each of 4 accumulators.
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// s[i][j] = dot(x[i], a[j]) over n floats, NR rows x NA factor rows: each
+// result the same operations as simd::dot4(x[i], a[j..]) gives (one FMA chain
+// per lane, reduce4, scalar tail), but each chunk of a[j] is read once for all rows.
+template <int NR, int NA>
+inline void dot_tile(const float* const* x, const float* const* a, int64_t n, float (*s)[NA]) {
+  static_assert(NA % 4 == 0);
+  __m256 acc[NR][NA];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NA; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t n8 = n & ~int64_t{7};
+  for (int64_t c = 0; c < n8; c += 8) {
+    __m256 xc[NR];
+    for (int i = 0; i < NR; ++i) xc[i] = _mm256_loadu_ps(x[i] + c);
+    for (int j = 0; j < NA; ++j) {
+      const __m256 ac = _mm256_loadu_ps(a[j] + c);
+      for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(xc[i], ac, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NA; j += 4)
+      _mm_storeu_ps(&s[i][j], reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
+  for (int64_t c = n8; c < n; ++c)
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], a[j][c], s[i][j]);
+}
+
+bool same_factor(const LoraFactor* f, const LoraFactor* g) {
+  if (f == g) return true;
+  if (f == nullptr || g == nullptr) return false;
+  return f->a == g->a && f->b == g->b && f->rank == g->rank && f->in == g->in && f->out == g->out &&
+         f->scale == g->scale;
+}
+
+// Jobs [first, first + count) read the same x (q/k/v, gate/up): the first pass
+// runs them as one product, the A factors of a row's adapter one after another.
+struct JobGroup {
+  int64_t first = 0, count = 0;
+};
+
+// The first pass's view of a call.
+struct FirstPass {
+  std::span<const LoraRowsJob> jobs;
+  std::span<const int32_t> rows;
+  int64_t R, T;
+  float* u;
+
+  const LoraFactor* factor(int64_t job, int64_t k) const { return jobs[static_cast<size_t>(job)].factors[k]; }
+  // Rows k and k2 have the same factors for every job of g.
+  bool same_rows(const JobGroup& g, int64_t k, int64_t k2) const {
+    for (int64_t j = g.first; j < g.first + g.count; ++j)
+      if (!same_factor(factor(j, k), factor(j, k2))) return false;
+    return true;
+  }
+
+  // u[job, row, :] = scale * (A x[row]) for the NR rows listed at k0.. (one
+  // adapter) and every job of g, NA factor rows at a time across the jobs'
+  // concatenated A (the last block padded with its last row).
+  template <int NR, int NA>
+  void tile(const JobGroup& g, int64_t k0) const {
+    const LoraRowsJob& j0 = jobs[static_cast<size_t>(g.first)];
+    const float* xs[NR];
+    int64_t row[NR];
+    for (int i = 0; i < NR; ++i) {
+      row[i] = rows[static_cast<size_t>(k0 + i)];
+      xs[i] = j0.x + row[i] * j0.ldx;
+    }
+    int64_t job = g.first, r = 0;  // cursor over the concatenated factor rows
+    auto skip_empty = [&] {
+      while (job < g.first + g.count && factor(job, k0) == nullptr) ++job;
+    };
+    skip_empty();
+    while (job < g.first + g.count) {
+      const float* ap[NA];
+      int64_t at_job[NA], at_r[NA];
+      int m = 0;
+      for (; m < NA && job < g.first + g.count; ++m) {
+        const LoraFactor& f = *factor(job, k0);
+        ap[m] = f.a + r * f.in;
+        at_job[m] = job;
+        at_r[m] = r;
+        if (++r == f.rank) {
+          r = 0;
+          ++job;
+          skip_empty();
+        }
+      }
+      for (int q = m; q < NA; ++q) ap[q] = ap[m - 1];
+      float s[NR][NA];
+      dot_tile<NR, NA>(xs, ap, factor(at_job[0], k0)->in, s);
+      for (int q = 0; q < m; ++q) {
+        const float scale = factor(at_job[q], k0)->scale;
+        for (int i = 0; i < NR; ++i) u[(at_job[q] * T + row[i]) * R + at_r[q]] = s[i][q] * scale;
+      }
+    }
+  }
+
+  // The listed rows [k0, k1) of group g, in tiles of one adapter's rows.
+  void run(const JobGroup& g, int64_t k0, int64_t k1) const {
+    for (int64_t k = k0; k < k1;) {
+      int n = 1;
+      while (n < kTileRows && k + n < k1 && same_rows(g, k, k + n)) ++n;
+      if (n == 3)
+        tile<3, 4>(g, k);
+      else if (n == 2)
+        tile<2, 4>(g, k);
+      else
+        tile<1, 8>(g, k);
+      k += n;
+    }
+  }
+};
 
 // y[n0, n1) += B[n0, n1) u with 8 rows of B per dot product (padded with the last row).
 void add_b_times_u(const LoraFactor& f, const float* u, float* y, int64_t c0, int64_t c1) {
@@ -33,17 +161,79 @@ void add_b_times_u(const LoraFactor& f, const float* u, float* y, int64_t c0, in
   }
 }
 
-// u[:rank] = scale * (A x), 4 rows of A per dot product (padded with the last row).
-void scaled_a_times_x(const LoraFactor& f, const float* x, float* u) {
-  const int64_t r = f.rank, in = f.in;
-  for (int64_t j = 0; j < r; j += 4) {
-    const float* rows[4];
-    for (int64_t k = 0; k < 4; ++k) rows[k] = f.a + std::min(j + k, r - 1) * in;
-    float s[4];
-    simd::dot4(x, rows, in, s);
-    for (int64_t k = 0; k < 4 && j + k < r; ++k) u[j + k] = s[k] * f.scale;
+// bt[j * kLoraCols + n - c0] = B[n, j] for n in [c0, c1) (columns up to the next 8 zeroed).
+void transpose_b_block(const LoraFactor& f, int64_t c0, int64_t c1, float* bt) {
+  const int64_t r = f.rank, w = c1 - c0, w8 = (w + 7) & ~int64_t{7};
+  for (int64_t n = 0; n < w; ++n)
+    for (int64_t j = 0; j < r; ++j) bt[j * kLoraCols + n] = f.b[(c0 + n) * r + j];
+  for (int64_t j = 0; j < r; ++j)
+    for (int64_t n = w; n < w8; ++n) bt[j * kLoraCols + n] = 0.0f;
+}
+
+// The same sums as add_b_times_u with columns in the lanes: lane sums over
+// rank chunks into acc[l] (l = the rank's lane), then the same tree and tail,
+// so each y element gets the same bits, with B's block read once for a run.
+void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y, int64_t w) {
+  const int64_t r8 = r & ~int64_t{7};
+  for (int64_t n = 0; n < w; n += 8) {
+    __m256 acc[8];
+    for (int l = 0; l < 8; ++l) acc[l] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < r8; c += 8)
+      for (int l = 0; l < 8; ++l)
+        acc[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c + l), _mm256_loadu_ps(bt + (c + l) * kLoraCols + n),
+                                 acc[l]);
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
+                             _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
+    for (int64_t c = r8; c < r; ++c)
+      s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), _mm256_loadu_ps(bt + c * kLoraCols + n), s);
+    if (n + 8 <= w) {
+      _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
+    } else {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, s);
+      for (int64_t m = 0; n + m < w; ++m) y[n + m] += v[m];
+    }
   }
 }
+
+// The second pass's view of a call: units job-major, then column block, then
+// listed row (rows of one adapter adjacent), so a run of units shares one block of B.
+struct SecondPass {
+  std::span<const LoraRowsJob> jobs;
+  std::span<const int32_t> rows;
+  int64_t R, T, NR;
+  const float* u;
+  int64_t first[4];  // first unit of each job
+
+  void run(int64_t b, int64_t e) const {
+    alignas(32) float bt[kMaxTransposedRank * kLoraCols];
+    for (int64_t i = b; i < e;) {
+      int64_t j = 0;
+      while (i >= first[j + 1]) ++j;
+      const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
+      const int64_t k = (i - first[j]) % NR, cb = (i - first[j]) / NR;
+      const LoraFactor* f = job.factors[k];
+      // The run: listed rows k.. of this block with the same factor, inside [b, e).
+      int64_t n = 1;
+      while (n < kRunRows && k + n < NR && i + n < e && same_factor(job.factors[k + n], f)) ++n;
+      if (f != nullptr) {
+        const int64_t c0 = cb * kLoraCols, c1 = std::min(f->out, c0 + kLoraCols);
+        const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
+        if (transposed) transpose_b_block(*f, c0, c1, bt);
+        for (int64_t m = 0; m < n; ++m) {
+          const int64_t row = rows[static_cast<size_t>(k + m)];
+          const float* ur = u + (j * T + row) * R;
+          float* y = job.y + row * job.ldy;
+          if (transposed)
+            add_bt_times_u(bt, f->rank, ur, y + c0, c1 - c0);
+          else
+            add_b_times_u(*f, ur, y, c0, c1);
+        }
+      }
+      i += n;
+    }
+  }
+};
 
 // base[at, at + n) = x, as f32 or as IEEE half (the F16C instruction and the scalar tail agree).
 void store_row(void* base, int64_t at, const float* x, int64_t n, bool f16) {
@@ -65,33 +255,27 @@ void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<co
                int64_t max_rank, float* u, int64_t T) {
   LOOM_ASSERT(jobs.size() <= 3);
   const auto NR = static_cast<int64_t>(rows.size());
-  const int64_t R = max_rank, n_jobs = static_cast<int64_t>(jobs.size());
-  pool.parallel_for(n_jobs * NR, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const LoraRowsJob& job = jobs[static_cast<size_t>(i / NR)];
-      const int64_t k = i % NR, row = rows[static_cast<size_t>(k)];
-      const LoraFactor* f = job.factors[k];
-      if (f == nullptr) continue;
-      scaled_a_times_x(*f, job.x + row * job.ldx, u + ((i / NR) * T + row) * R);
-    }
+  const int64_t n_jobs = static_cast<int64_t>(jobs.size());
+  if (NR == 0 || n_jobs == 0) return;
+  JobGroup groups[3];
+  int64_t n_groups = 0;
+  for (int64_t j = 0; j < n_jobs; ++j) {
+    const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
+    const LoraRowsJob* prev = j > 0 ? &jobs[static_cast<size_t>(j - 1)] : nullptr;
+    if (prev != nullptr && prev->x == job.x && prev->ldx == job.ldx)
+      ++groups[n_groups - 1].count;
+    else
+      groups[n_groups++] = {j, 1};
+  }
+  const FirstPass p1{jobs, rows, max_rank, T, u};
+  pool.parallel_for(n_groups * NR, [&](int64_t b, int64_t e) {
+    for (int64_t g = b / NR; g < n_groups && g * NR < e; ++g)
+      p1.run(groups[g], std::max(b - g * NR, int64_t{0}), std::min(e - g * NR, NR));
   });
-  // Units of the second pass: job-major, then column block, then row (rows of
-  // one adapter adjacent), so a thread's run of units reuses one block of B.
-  int64_t first[4] = {0, 0, 0, 0};
+  SecondPass p2{jobs, rows, max_rank, T, NR, u, {0, 0, 0, 0}};
   for (int64_t j = 0; j < n_jobs; ++j)
-    first[j + 1] = first[j] + NR * ((jobs[static_cast<size_t>(j)].out + kLoraCols - 1) / kLoraCols);
-  pool.parallel_for(first[n_jobs], [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      int64_t j = 0;
-      while (i >= first[j + 1]) ++j;
-      const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
-      const int64_t k = i - first[j], row = rows[static_cast<size_t>(k % NR)];
-      const LoraFactor* f = job.factors[k % NR];
-      if (f == nullptr) continue;
-      const int64_t c0 = (k / NR) * kLoraCols, c1 = std::min(f->out, c0 + kLoraCols);
-      add_b_times_u(*f, u + (j * T + row) * R, job.y + row * job.ldy, c0, c1);
-    }
-  });
+    p2.first[j + 1] = p2.first[j] + NR * ((jobs[static_cast<size_t>(j)].out + kLoraCols - 1) / kLoraCols);
+  pool.parallel_for(p2.first[n_jobs], [&](int64_t b, int64_t e) { p2.run(b, e); });
 }
 
 void paged_store(ThreadPool& pool, const AttentionShape& s, void* k_store, void* v_store, DType dtype,

@@ -11,11 +11,16 @@
 namespace loom {
 
 // Two passes, each one parallel dispatch over all jobs and listed rows:
-//   u[j, row, :] = scale * (A x[row])        (rank dot products of length in, 4 at a time)
-//   y[row, n]   += dot(B[n, :], u[j, row, :]) (per column block, 8 at a time)
-// Each element is one fixed sequence of operations, so a row's result does not
-// depend on the other rows or on the threads. Rows of one adapter should be
-// adjacent in `rows` (each run then walks that adapter's A and B once).
+//   u[j, row, :] = scale * (A x[row])        (rank dot products of length in)
+//   y[row, n]   += dot(B[n, :], u[j, row, :]) (per column block of 64)
+// Adjacent jobs with the same x (the decoder's q/k/v and gate/up) are one
+// product in the first pass: a row's A factors of all of them, concatenated,
+// in blocks of 4 or 8 over each chunk of x. Rows of one adapter adjacent in
+// `rows` are computed together: up to 3 in the first pass (each chunk of A
+// read once for them), runs of 4..16 in the second (B's block transposed once,
+// columns in the SIMD lanes). Every element is still one fixed sequence of
+// operations (ref/lora_rows_ref.h states it), so a row's bits depend neither on
+// the other rows, nor on the grouping, nor on the threads.
 void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
                int64_t max_rank, float* u, int64_t T);
 

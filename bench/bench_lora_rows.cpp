@@ -1,0 +1,90 @@
+// Google Benchmark cases of the server's per-row LoRA (kernels/cpu/lora_rows.h)
+// at SmolLM2-135M's shapes, rank 8 (bench_serve.py's adapters): the q/k/v point
+// (three targets over one x), gate/up (two) and down (one), for
+//   decode16: 16 rows, each its own adapter (decode steps of 16 clients);
+//   prefill128: 128 rows of one adapter (a prefill chunk).
+// Time per call, one thread (CPU time).
+//   loom_bench --benchmark_filter=LoraRows
+#include <benchmark/benchmark.h>
+#include <fmt/format.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "kernels/cpu/lora_rows.h"
+
+namespace loom {
+namespace {
+
+struct LoraCase {
+  std::vector<int64_t> outs;  // one target per entry, all over x [T, in]
+  int64_t in, rows, adapters, rank;
+};
+
+void run_lora_rows(benchmark::State& state, LoraCase c) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-0.1f, 0.1f);
+  auto fill = [&](size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = dist(rng);
+    return v;
+  };
+  const auto n_jobs = static_cast<int64_t>(c.outs.size());
+  std::vector<std::vector<float>> as, bs;
+  std::vector<LoraFactor> factors;  // [adapter * n_jobs + job]
+  for (int64_t a = 0; a < c.adapters; ++a)
+    for (int64_t out : c.outs) {
+      as.push_back(fill(static_cast<size_t>(c.rank * c.in)));
+      bs.push_back(fill(static_cast<size_t>(out * c.rank)));
+    }
+  for (size_t i = 0; i < as.size(); ++i) {
+    const int64_t out = c.outs[i % c.outs.size()];
+    factors.push_back({as[i].data(), bs[i].data(), c.rank, c.in, out, 0.5f});
+  }
+  const int64_t T = c.rows;
+  std::vector<float> x = fill(static_cast<size_t>(T * c.in));
+  std::vector<std::vector<float>> ys;
+  std::vector<int32_t> rows;
+  std::vector<const LoraFactor*> per_row(static_cast<size_t>(n_jobs * T));
+  for (int64_t t = 0; t < T; ++t) rows.push_back(static_cast<int32_t>(t));
+  std::vector<LoraRowsJob> jobs;
+  for (int64_t j = 0; j < n_jobs; ++j) {
+    ys.push_back(fill(static_cast<size_t>(T * c.outs[j])));
+    for (int64_t t = 0; t < T; ++t)  // rows of one adapter adjacent, as BatchForward sorts them
+      per_row[static_cast<size_t>(j * T + t)] = &factors[static_cast<size_t>((t * c.adapters / T) * n_jobs + j)];
+  }
+  for (int64_t j = 0; j < n_jobs; ++j)
+    jobs.push_back({x.data(), c.in, ys[j].data(), c.outs[j], c.outs[j], per_row.data() + j * T});
+  std::vector<float> u(static_cast<size_t>(n_jobs * T * c.rank));
+  ThreadPool pool(1);
+  for (auto _ : state) {
+    lora_rows(pool, jobs, rows, c.rank, u.data(), T);
+    benchmark::DoNotOptimize(ys[0].data());
+  }
+  int64_t macs = 0;
+  for (int64_t out : c.outs) macs += T * c.rank * (c.in + out);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(static_cast<double>(2 * macs), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+const bool registered = [] {
+  const int64_t H = 576, KV = 192, F = 1536, r = 8;
+  struct Point {
+    const char* name;
+    std::vector<int64_t> outs;
+    int64_t in;
+  };
+  const Point points[] = {{"qkv", {H, KV, KV}, H}, {"gate_up", {F, F}, H}, {"down", {H}, F}};
+  for (const Point& p : points)
+    for (auto [shape, rows, adapters] : {std::tuple{"decode16", 16, 16}, std::tuple{"prefill128", 128, 1}}) {
+      const std::string name = fmt::format("LoraRows/{}/{}_r{}/t1", p.name, shape, r);
+      benchmark::RegisterBenchmark(name.c_str(), run_lora_rows, LoraCase{p.outs, p.in, rows, adapters, r})
+          ->Unit(benchmark::kMicrosecond);
+    }
+  return true;
+}();
+
+}  // namespace
+}  // namespace loom
