@@ -288,10 +288,11 @@ struct Outcome {
 // Uninterrupted, then stopped (as by SIGTERM) after each step in `stops` and
 // resumed, until done; the two must agree exactly.
 void expect_exact_resume(const std::string& model, const std::string& tag, const std::string& extra,
-                         const std::vector<int64_t>& stops, int resume_threads = 2) {
+                         const std::vector<int64_t>& stops, int resume_threads = 2,
+                         const std::vector<std::string>& overrides = {}) {
   RunDir rd(tag);
   const std::string a = (rd.tmp.path / "a").string(), b = (rd.tmp.path / "b").string();
-  const TrainConfig ca = parse_train_config(rd.yaml(model, a, extra), "a.yaml");
+  const TrainConfig ca = parse_train_config(rd.yaml(model, a, extra), "a.yaml", overrides);
   const TrainResult ra = run_training(ca, nullptr);
   ASSERT_EQ(ra.steps, 10);
 
@@ -304,7 +305,7 @@ void expect_exact_resume(const std::string& model, const std::string& tag, const
   };
   TrainRuntime rt;
   rt.stop_signal = &stop;
-  TrainResult rb = run_training(parse_train_config(yb, "b.yaml"), nullptr, hooks, rt);
+  TrainResult rb = run_training(parse_train_config(yb, "b.yaml", overrides), nullptr, hooks, rt);
   for (size_t i = 1; i <= stops.size(); ++i) {
     ASSERT_EQ(rb.stopped_by_signal, SIGTERM);
     EXPECT_EQ(rb.steps, stop_at);
@@ -312,7 +313,7 @@ void expect_exact_resume(const std::string& model, const std::string& tag, const
     stop = 0;
     stop_at = i < stops.size() ? stops[i] : -1;
     rt.resume = "";
-    TrainConfig cb = parse_train_config(yb, "b.yaml");
+    TrainConfig cb = parse_train_config(yb, "b.yaml", overrides);
     cb.threads = resume_threads;
     cb.log_interval = 3;  // allowed to change
     rb = run_training(cb, nullptr, hooks, rt);
@@ -329,6 +330,11 @@ void expect_exact_resume(const std::string& model, const std::string& tag, const
   // The checkpoints survived finish()'s whole-folder write of output_dir.
   EXPECT_FALSE(list_checkpoints(b + "/checkpoints").empty());
   EXPECT_TRUE(fs::exists(b + "/adapter_config.json") || fs::exists(b + "/config.json"));
+  if (ca.optimizer == OptimizerKind::adamw8bit) {  // the 8-bit moments went through the checkpoints
+    const std::string ck = list_checkpoints(b + "/checkpoints").front();
+    for (const char* f : {"adam_m.q8", "adam_v.q8", "adam_m_absmax.f32", "adam_v_absmax.f32"})
+      EXPECT_GT(fs::file_size(ck + "/" + f), 0u) << f;
+  }
 }
 
 TEST(CheckpointResume, LoraF32StoppedTwiceGivesTheSameRun) {
@@ -341,6 +347,18 @@ TEST(CheckpointResume, LoraQ4_1StoppedGivesTheSameRun) {
 
 TEST(CheckpointResume, FullFineTuneStoppedGivesTheSameModelFolder) {
   expect_exact_resume(src("tests/fixtures/model/tiny-llama.f32.gguf"), "full", "method: full\n", {3});
+}
+
+// optim.kind adamw8bit: the codes and absmax of every tensor of >= 4096
+// elements (the tiny model's matrices and embedding; LoRA r=64's A and B).
+TEST(CheckpointResume, Adam8bitFullFineTuneStoppedGivesTheSameModelFolder) {
+  expect_exact_resume(src("tests/fixtures/model/tiny-llama.f32.gguf"), "full8", "method: full\n", {3}, 2,
+                      {"optim.kind=adamw8bit"});
+}
+
+TEST(CheckpointResume, Adam8bitLoraStoppedTwiceGivesTheSameRun) {
+  expect_exact_resume(src("tests/fixtures/model/tiny-llama.f32.gguf"), "lora8", "", {2, 6}, 1,
+                      {"optim.kind=adamw8bit", "lora.r=64"});
 }
 
 TEST(CheckpointResume, ResumeAtAnotherThreadCountGivesTheSameRun) {
@@ -366,7 +384,7 @@ TEST(CheckpointResume, ChangedRunIdentityIsRefusedAllowedChangesAreAccepted) {
   stop = 0;
   rt.resume = "";
   for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
-           {"lora.r", "8"}, {"batch_size", "2"}, {"seed", "6"}, {"data.seq_len", "40"}}) {
+           {"lora.r", "8"}, {"batch_size", "2"}, {"seed", "6"}, {"data.seq_len", "40"}, {"optim.kind", "adamw8bit"}}) {
     SCOPED_TRACE(key);
     const TrainConfig c = parse_train_config(rd.yaml(model, out), "o.yaml", std::vector{key + "=" + value});
     test_util::expect_error([&] { run_training(c, nullptr, {}, rt); }, ErrorKind::invalid_input,
