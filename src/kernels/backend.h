@@ -238,6 +238,10 @@ class Backend {
   // mask a pure function of (seed, step, slot, element).
   virtual void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step,
                        uint64_t slot) = 0;
+  // Saved activations kept as bf16 (training's activation_dtype: bf16):
+  // dst [n] = src rounded to nearest even (kernels/cpu/bf16_rows.h), and back (exact).
+  virtual void to_bf16(uint16_t* dst, const float* src, int64_t n) = 0;
+  virtual void from_bf16(float* dst, const uint16_t* src, int64_t n) = 0;
 
   // ---- attention
   // Causal GQA over a contiguous K/V store (row p = position p); query t at

@@ -111,8 +111,9 @@ void check_memory_estimate(const MemoryEstimate& e, const MemoryLimit& limit, co
   if (limit.bytes <= 0 || e.total <= limit.bytes) return;
   fail(ErrorKind::invalid_input,
        "{}: the run {}, more than the limit of {} ({}); lower data.seq_len or batch_size (raise grad_accum to keep "
-       "the rows per step), or use method: lora, or backward: exact (no transposed weight copies); gradient "
-       "checkpointing will lower it further once it exists. Set memory_limit to override the limit",
+       "the rows per step), or use method: lora, or backward: exact (no transposed weight copies), or "
+       "gradient_checkpointing: N (only every Nth layer's input kept) and activation_dtype: bf16. Set "
+       "memory_limit to override the limit",
        source, format_memory_estimate(e), format_bytes(limit.bytes),
        limit.source == MemoryLimitSource::config ? "memory_limit"
        : limit.source == MemoryLimitSource::cgroup ? "the cgroup's memory limit"

@@ -152,8 +152,23 @@ void TrainSession::check_batch(const Batch& b) const {
   }
 }
 
+int64_t TrainSession::segment_layers() const {
+  const int64_t n = opts_.checkpoint_every;
+  return n > 0 && n < c_.n_layers ? n : 0;
+}
+
+void TrainSession::set_activation_options(const ActivationOptions& o) {
+  if (o.checkpoint_every < 0)
+    fail(ErrorKind::invalid_input, "gradient_checkpointing: {} is negative (0 is off, N keeps every Nth layer's input)",
+         o.checkpoint_every);
+  opts_ = o;
+  reserved_ = 0;  // laid out again at the next reserve()
+}
+
 size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) const {
   const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_ ? lora_->config().r : 0;
+  const int64_t L = c_.n_layers, N = segment_layers();
+  const bool records = bf16_records();
   // Dropout's saved inputs whenever the adapters have dropout (evaluation runs
   // without it in the same layout, so switching never re-lays out).
   const bool dropout = lora_ && lora_->config().dropout > 0;
@@ -163,11 +178,16 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
     total += static_cast<size_t>(n);
     return p;
   };
-  ActsLayout none;
-  ActsLayout& o = out ? *out : none;
-  o.layers.resize(static_cast<size_t>(c_.n_layers));
-  for (int64_t l = 0; l < c_.n_layers; ++l) {
-    LayerActs& a = o.layers[static_cast<size_t>(l)];
+  auto carve_bf16 = [&](int64_t n) { return reinterpret_cast<uint16_t*>(carve((n + 1) / 2)); };
+  auto active = [&](int64_t l, int t) { return lora_ && lora_->slot(l, static_cast<LoraTarget>(t)).active; };
+  auto active_any = [&](int t) {
+    for (int64_t l = 0; l < L; ++l)
+      if (active(l, t)) return true;
+    return false;
+  };
+  auto target_in = [&](int t) { return lora_target_in(c_, static_cast<LoraTarget>(t)); };
+  // Every buffer of one layer; `l` < 0: a slot shared by layers (adapters active in any).
+  auto carve_layer = [&](LayerActs& a, int64_t l) {
     a.x = carve(T * H);
     a.rstd1 = carve(T);
     a.xn1 = carve(T * H);
@@ -182,10 +202,56 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
     a.gate = carve(T * F);
     a.up = carve(T * F);
     for (int t = 0; t < kLoraTargetCount; ++t) {
-      const bool active = lora_ && lora_->slot(l, static_cast<LoraTarget>(t)).active;
-      a.ax[static_cast<size_t>(t)] = active ? carve(T * r) : nullptr;
-      a.xd[static_cast<size_t>(t)] =
-          active && dropout ? carve(T * lora_->slot(l, static_cast<LoraTarget>(t)).in) : nullptr;
+      const bool on = l >= 0 ? active(l, t) : active_any(t);
+      a.ax[static_cast<size_t>(t)] = on ? carve(T * r) : nullptr;
+      a.xd[static_cast<size_t>(t)] = on && dropout ? carve(T * target_in(t)) : nullptr;
+    }
+  };
+  ActsLayout none;
+  ActsLayout& o = out ? *out : none;
+  o.layers.assign(static_cast<size_t>(L), LayerActs{});
+  o.checkpoints.clear();
+  o.records.clear();
+  if (N == 0 && !records) {
+    for (int64_t l = 0; l < L; ++l) carve_layer(o.layers[static_cast<size_t>(l)], l);
+  } else {
+    std::vector<LayerActs> slots(static_cast<size_t>(N > 0 ? N : 2));
+    for (LayerActs& a : slots) carve_layer(a, -1);
+    for (int64_t l = 0; l < L; ++l) {
+      LayerActs& a = o.layers[static_cast<size_t>(l)];
+      a = slots[static_cast<size_t>(N > 0 ? l % N : l % 2)];
+      for (int t = 0; t < kLoraTargetCount; ++t)
+        if (!active(l, t)) a.ax[static_cast<size_t>(t)] = a.xd[static_cast<size_t>(t)] = nullptr;
+    }
+    const int64_t n_checkpoints = N > 0 ? (L + N - 1) / N - 1 : 0;  // the last segment is never recomputed
+    for (int64_t k = 0; k < n_checkpoints; ++k)
+      o.checkpoints.push_back(opts_.bf16 ? reinterpret_cast<float*>(carve_bf16(T * H)) : carve(T * H));
+    if (records) {
+      // The small ones (rstd, lse, A x) of every layer stay f32 and per layer; the
+      // large ones of layers 0 .. L-2 get bf16 records (the last layer's stay in its slot).
+      for (int64_t l = 0; l < L; ++l) {
+        LayerActs& a = o.layers[static_cast<size_t>(l)];
+        a.rstd1 = carve(T);
+        a.lse = carve(T * c_.n_heads);
+        a.rstd2 = carve(T);
+        for (int t = 0; t < kLoraTargetCount; ++t) a.ax[static_cast<size_t>(t)] = active(l, t) ? carve(T * r) : nullptr;
+      }
+      o.records.resize(static_cast<size_t>(L - 1));
+      for (int64_t l = 0; l + 1 < L; ++l) {
+        LayerRecord& rec = o.records[static_cast<size_t>(l)];
+        rec.x = carve_bf16(T * H);
+        rec.xn1 = carve_bf16(T * H);
+        rec.q = carve_bf16(T * Q);
+        rec.k = carve_bf16(T * KV);
+        rec.v = carve_bf16(T * KV);
+        rec.att = carve_bf16(T * Q);
+        rec.xmid = carve_bf16(T * H);
+        rec.xn2 = carve_bf16(T * H);
+        rec.gate = carve_bf16(T * F);
+        rec.up = carve_bf16(T * F);
+        for (int t = 0; t < kLoraTargetCount; ++t)
+          rec.xd[static_cast<size_t>(t)] = active(l, t) && dropout ? carve_bf16(T * target_in(t)) : nullptr;
+      }
     }
   }
   o.x_final = carve(T * H);
@@ -193,6 +259,34 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
   o.xn_final = carve(T * H);
   o.rope_cs = carve(T * c_.head_dim);
   return total;
+}
+
+std::array<TrainSession::RecordField, 10 + kLoraTargetCount> TrainSession::record_fields(int64_t l, int64_t T) const {
+  const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate;
+  const LayerActs& a = layers_[static_cast<size_t>(l)];
+  const LayerRecord& r = records_[static_cast<size_t>(l)];
+  std::array<RecordField, 10 + kLoraTargetCount> f{
+      RecordField{a.x, r.x, T * H},       RecordField{a.xn1, r.xn1, T * H}, RecordField{a.q, r.q, T * Q},
+      RecordField{a.k, r.k, T * KV},      RecordField{a.v, r.v, T * KV},    RecordField{a.att, r.att, T * Q},
+      RecordField{a.xmid, r.xmid, T * H}, RecordField{a.xn2, r.xn2, T * H}, RecordField{a.gate, r.gate, T * F},
+      RecordField{a.up, r.up, T * F}};
+  for (int t = 0; t < kLoraTargetCount; ++t) {
+    uint16_t* h = r.xd[static_cast<size_t>(t)];
+    f[static_cast<size_t>(10 + t)] =
+        h ? RecordField{a.xd[static_cast<size_t>(t)], h, T * lora_target_in(c_, static_cast<LoraTarget>(t))}
+          : RecordField{nullptr, nullptr, 0};
+  }
+  return f;
+}
+
+void TrainSession::save_record(int64_t l, int64_t T) {
+  for (const auto& [f, h, n] : record_fields(l, T))
+    if (n > 0) be_.to_bf16(h, f, n);
+}
+
+void TrainSession::load_record(int64_t l, int64_t T) {
+  for (const auto& [f, h, n] : record_fields(l, T))
+    if (n > 0) be_.from_bf16(f, h, n);
 }
 
 size_t TrainSession::work_floats(int64_t T) const {
@@ -212,11 +306,12 @@ size_t TrainSession::activation_bytes_for(int64_t tokens) const {
 }
 
 size_t TrainSession::scratch_bytes_for(int64_t tokens) const {
-  return (work_floats(tokens) + bt_floats()) * sizeof(float) + 2 * static_cast<size_t>(tokens) * sizeof(int32_t);
+  return (work_floats(tokens) + bt_floats() + lora_work_floats(tokens)) * sizeof(float) +
+         2 * static_cast<size_t>(tokens) * sizeof(int32_t);
 }
 
 size_t TrainSession::scratch_bytes() const {
-  return work_.bytes() + bt_.bytes() + (pos_.capacity() + seq_start_.capacity()) * sizeof(int32_t);
+  return work_.bytes() + bt_.bytes() + lora_work_.bytes() + (pos_.capacity() + seq_start_.capacity()) * sizeof(int32_t);
 }
 
 size_t TrainSession::transposed_bytes() const {
@@ -235,6 +330,8 @@ void TrainSession::reserve(int64_t T) {
   ActsLayout o;
   activation_layout(T, acts_.floats(), &o);
   layers_ = std::move(o.layers);
+  checkpoints_ = std::move(o.checkpoints);
+  records_ = std::move(o.records);
   x_final_ = o.x_final;
   rstd_final_ = o.rstd_final;
   xn_final_ = o.xn_final;
@@ -263,6 +360,7 @@ void TrainSession::reserve(int64_t T) {
   dax_ = take(T * r);
   LOOM_ASSERT(p <= work_.floats() + work_.n_floats());
   if (bt_.empty() && bt_floats() > 0) bt_ = be_.alloc(bt_floats() * sizeof(float));
+  reserve_lora_work(T);
   pos_.reserve(static_cast<size_t>(T));
   seq_start_.reserve(static_cast<size_t>(T));
   be_.reserve_workspace(*ws_, workspace_shape(T));
@@ -282,9 +380,12 @@ WorkspaceShape TrainSession::workspace_shape(int64_t tokens) const {
   return s;
 }
 
-void TrainSession::forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step) {
+float* TrainSession::next_input(int64_t l) {
+  return l + 1 < c_.n_layers ? layers_[static_cast<size_t>(l + 1)].x : x_final_;
+}
+
+void TrainSession::forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* x_next) {
   LayerActs& a = layers_[static_cast<size_t>(l)];
-  float* x_next = l + 1 < c_.n_layers ? layers_[static_cast<size_t>(l + 1)].x : x_final_;
   LayerBuffers b;
   b.x = a.x;
   b.xn1 = a.xn1;
@@ -318,7 +419,8 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   be_.swiglu(h, a.gate, a.up, T, F);
   if (G) be_.linear_backward_weight(*ws_, dx, h, G->w_down, T, H, F);
   input_grad(L.w_down, wt(&TransposedLayer::w_down), dx, dff_, T);
-  lora_backward(l, LoraTarget::down, h, dx, dff_, T, dropout, step);
+  const LoraGrad g_down[] = {{LoraTarget::down, dx}};
+  lora_backward(l, g_down, h, dff_, T, dropout, step);
   // dgate -> dgate_, dup -> dup_ (h is no longer needed).
   be_.swiglu_backward(dgate_, dup_, dff_, a.gate, a.up, T * F);
   if (G) {
@@ -327,14 +429,15 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   }
   input_grad(L.w_gate, wt(&TransposedLayer::w_gate), dgate_, dxn_, T);
   input_grad(L.w_up, wt(&TransposedLayer::w_up), dup_, dxn_, T, true);
-  lora_backward(l, LoraTarget::gate, a.xn2, dgate_, dxn_, T, dropout, step);
-  lora_backward(l, LoraTarget::up, a.xn2, dup_, dxn_, T, dropout, step);
+  const LoraGrad g_gate_up[] = {{LoraTarget::gate, dgate_}, {LoraTarget::up, dup_}};
+  lora_backward(l, g_gate_up, a.xn2, dxn_, T, dropout, step);
   be_.rmsnorm_backward(dx, G ? G->ffn_norm : nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
 
   // xmid = x + o(att): dx now is d(xmid), which is also d(x)'s residual part.
   if (G) be_.linear_backward_weight(*ws_, dx, a.att, G->wo, T, H, Q);
   input_grad(L.wo, wt(&TransposedLayer::wo), dx, datt_, T);
-  lora_backward(l, LoraTarget::o, a.att, dx, datt_, T, dropout, step);
+  const LoraGrad g_o[] = {{LoraTarget::o, dx}};
+  lora_backward(l, g_o, a.att, datt_, T, dropout, step);
   be_.zero(dq_, T * Q);
   be_.zero(dk_, T * KV);
   be_.zero(dv_, T * KV);
@@ -359,9 +462,8 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
     input_grad(L.wk, wt(&TransposedLayer::wk), dk_, dxn_, T, true);
     input_grad(L.wv, wt(&TransposedLayer::wv), dv_, dxn_, T, true);
   }
-  const LoraTarget qkv[] = {LoraTarget::q, LoraTarget::k, LoraTarget::v};
-  const float* dqkv[] = {dq_, dk_, dv_};
-  for (int i = 0; i < 3; ++i) lora_backward(l, qkv[i], a.xn1, dqkv[i], need_dx ? dxn_ : nullptr, T, dropout, step);
+  const LoraGrad g_qkv[] = {{LoraTarget::q, dq_}, {LoraTarget::k, dk_}, {LoraTarget::v, dv_}};
+  lora_backward(l, g_qkv, a.xn1, need_dx ? dxn_ : nullptr, T, dropout, step);
   if (!need_dx) return;
   be_.rmsnorm_backward(dx, G ? G->attn_norm : nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
 }
@@ -380,7 +482,18 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
 
   dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
   dec_.rope_table(pos_.data(), T, rope_cs_);
-  for (int64_t l = 0; l < c_.n_layers; ++l) forward_layer(l, T, dropout, step);
+  const int64_t N = segment_layers();
+  for (int64_t l = 0; l < c_.n_layers; ++l) {
+    if (backward && N > 0 && l % N == 0 && static_cast<size_t>(l / N) < checkpoints_.size()) {
+      float* c = checkpoints_[static_cast<size_t>(l / N)];
+      if (opts_.bf16)
+        be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
+      else
+        std::memcpy(c, layers_[static_cast<size_t>(l)].x, static_cast<size_t>(T * H) * sizeof(float));
+    }
+    forward_layer(l, T, dropout, step, next_input(l));
+    if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
+  }
   dec_.final_norm(x_final_, nullptr, T, xn_final_, rstd_final_);
 
   // d(final-norm output) lands in tmp_; d(residual stream) in dres_.
@@ -406,11 +519,40 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   be_.zero(dres_, T * H);
   be_.rmsnorm_backward(dres_, full_ ? full_->output_norm_grad() : nullptr, dh, x_final_, w_.output_norm, rstd_final_,
                        T, H);
-  for (int64_t l = c_.n_layers - 1; l >= 0; --l) backward_layer(l, T, dropout, step, dres_);
+  backward_segments(T, dropout, step);
   // dres_ is now d(embedding rows); with LoRA the embedding is frozen and it stops here.
   if (full_)
     be_.embedding_backward(full_->token_embd_grad(), dres_, batch.tokens.data(), T, c_.vocab_size, H);
   return res;
+}
+
+// The layers' backward, last to first, into dres_. With checkpointing each
+// segment but the last is first recomputed from its checkpoint (its last
+// layer's output, not needed, spills into dxn_: between layers of the backward
+// only dres_ is live); with bf16 records each layer is first widened into its slot.
+void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
+  const int64_t L = c_.n_layers, N = segment_layers();
+  if (N == 0) {
+    for (int64_t l = L - 1; l >= 0; --l) {
+      if (bf16_records() && l + 1 < L) load_record(l, T);
+      backward_layer(l, T, dropout, step, dres_);
+    }
+    return;
+  }
+  const int64_t n_segments = (L + N - 1) / N;
+  for (int64_t k = n_segments - 1; k >= 0; --k) {
+    const int64_t s = k * N, e = std::min(L, s + N);
+    if (k + 1 < n_segments) {
+      const float* c = checkpoints_[static_cast<size_t>(k)];
+      float* x = layers_[static_cast<size_t>(s)].x;
+      if (opts_.bf16)
+        be_.from_bf16(x, reinterpret_cast<const uint16_t*>(c), T * c_.hidden);
+      else
+        std::memcpy(x, c, static_cast<size_t>(T * c_.hidden) * sizeof(float));
+      for (int64_t l = s; l < e; ++l) forward_layer(l, T, dropout, step, l + 1 < e ? next_input(l) : dxn_);
+    }
+    for (int64_t l = e - 1; l >= s; --l) backward_layer(l, T, dropout, step, dres_);
+  }
 }
 
 LossResult TrainSession::forward_backward(const Batch& batch, float grad_scale, uint64_t step) {

@@ -7,7 +7,9 @@
 
 #include <array>
 #include <optional>
+#include <span>
 #include <string_view>
+#include <tuple>
 #include <cstdint>
 #include <vector>
 
@@ -81,6 +83,37 @@ class TrainSession {
   // LossResult::n_correct: the targets that are the argmax of their logits.
   LossResult forward_loss(const Batch& batch);
 
+  // How the forward keeps what the backward needs (TrainConfig's
+  // gradient_checkpointing and activation_dtype). Call before the first step;
+  // a change re-lays out the buffers at the next reserve().
+  //  checkpoint_every N > 0 (and < the layer count): only the input of every Nth
+  //    layer (each segment's start) is kept; the backward recomputes a segment's
+  //    forward from it into N layer slots, then runs the segment's backward. The
+  //    last segment keeps its forward activations (no recompute). Gradients are
+  //    bit-identical to N = 0 (same kernels, same counter-based dropout masks).
+  //    N >= the layer count is the same as 0.
+  //  bf16: the kept activations are stored as bf16 and widened to f32 for the
+  //    backward: with checkpointing the checkpoints, without it every layer's
+  //    inputs, norm outputs, q/k/v, attention output, gate/up and dropout inputs
+  //    (rstd, lse and the LoRA A x stay f32; the last layer stays f32).
+  struct ActivationOptions {
+    int64_t checkpoint_every = 0;
+    bool bf16 = false;
+  };
+  void set_activation_options(const ActivationOptions& o);
+  const ActivationOptions& activation_options() const { return opts_; }
+
+  // The compute of the trained products (TrainPrecision; LoRA only: a full
+  // fine-tune refuses bf16/fp16 with loom::Error(unsupported)): bf16/fp16 round
+  // the LoRA products' operands (x, A, u = scale A x, B, the output gradient dy,
+  // du) and sum in f32; fp16 gradients can overflow to inf (loss scaling's
+  // signal, train/loss_scaler.h). Call before the first step.
+  void set_precision(TrainPrecision p);
+  TrainPrecision precision() const { return precision_; }
+  // q/k/v and gate/up LoRA A products as one GEMM each (default); off: one per
+  // adapter (the same bits in fp32; for tests and benchmarks).
+  void set_fused_lora(bool on) { fused_lora_ = on; }
+
   // Sizes every buffer of a step (saved activations, backward temporaries) for
   // micro-batches of up to `tokens` rows x seq_len tokens, once: smaller batches
   // (an epoch's last, evaluation) reuse them as they are. A batch larger than
@@ -104,6 +137,11 @@ class TrainSession {
     std::array<float*, kLoraTargetCount> ax{};  // scale * A x (dropped x), [T, r]
     std::array<float*, kLoraTargetCount> xd{};  // dropped adapter input (dropout > 0 only)
   };
+  // bf16 copies of one layer's large saved activations (bf16 without checkpointing).
+  struct LayerRecord {
+    uint16_t *x, *xn1, *q, *k, *v, *att, *xmid, *xn2, *gate, *up;
+    std::array<uint16_t*, kLoraTargetCount> xd{};
+  };
   class SavedAttention;
   class TrainedAdapters;  // train_step_lora.cpp
   static std::unique_ptr<LayerAdapters> make_trained_adapters(TrainSession& s);
@@ -114,24 +152,55 @@ class TrainSession {
   // Where the saved activations of micro-batches of up to T tokens sit, as
   // offsets (in floats) from the arena's start: activation_layout(T, nullptr)
   // only counts.
+  // With checkpointing or bf16 records several layers' LayerActs share slots
+  // (layer l uses slot l - segment start, or l % 2), so layers[l] aliases.
   struct ActsLayout {
     std::vector<LayerActs> layers;
+    std::vector<float*> checkpoints;   // segment k's input (k < last segment): f32, or bf16 bits
+    std::vector<LayerRecord> records;  // bf16 records of layers 0 .. L-2 (bf16 without checkpointing)
     float *x_final = nullptr, *rstd_final = nullptr, *xn_final = nullptr, *rope_cs = nullptr;
   };
   size_t activation_layout(int64_t T, float* base, ActsLayout* out) const;
+  // The checkpoint interval in effect (0: none; N >= layers counts as none).
+  int64_t segment_layers() const;
+  bool bf16_records() const { return opts_.bf16 && segment_layers() == 0 && c_.n_layers > 1; }
+  // The (float*, bf16*, count) pairs of layer l's record, and the two directions.
+  using RecordField = std::tuple<float*, uint16_t*, int64_t>;
+  std::array<RecordField, 10 + kLoraTargetCount> record_fields(int64_t l, int64_t T) const;
+  void save_record(int64_t l, int64_t T);
+  void load_record(int64_t l, int64_t T);
+  void backward_segments(int64_t T, bool dropout, uint64_t step);
   size_t work_floats(int64_t T) const;
   size_t bt_floats() const;
 
   LossResult run(const Batch& batch, float grad_scale, uint64_t step, bool backward);
   void check_batch(const Batch& batch) const;
-  void forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step);
+  // x_next: where the layer's output goes (the next layer's input, or a spill).
+  void forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* x_next);
+  float* next_input(int64_t l);
   void backward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* dx);
-  // y [T, out] += scale * B (A x) for one adapter; saves what its backward needs.
-  void lora_forward(int64_t l, LoraTarget t, const float* x, float* y, int64_t T, bool dropout,
-                    uint64_t step);
-  // From dy [T, out]: dA +=, dB +=, dx [T, in] += (dx nullptr: not needed).
-  void lora_backward(int64_t l, LoraTarget t, const float* x, const float* dy, float* dx, int64_t T,
+  // train_step_lora.cpp. y [T, out] += scale * B (A x) for the adapters of one
+  // point of the layer (jobs over the same x); saves what their backward needs.
+  void lora_forward(int64_t l, std::span<const AdapterJob> jobs, int64_t T, bool dropout, uint64_t step);
+  // From each adapter's dy [T, out] (adapters over the same x): dA +=, dB +=,
+  // dx [T, in] += (dx nullptr: not needed).
+  struct LoraGrad {
+    LoraTarget target;
+    const float* dy;
+  };
+  void lora_backward(int64_t l, std::span<const LoraGrad> grads, const float* x, float* dx, int64_t T,
                      bool dropout, uint64_t step);
+  void lora_forward_b(int64_t l, LoraTarget t, float* y, int64_t T);
+  void lora_backward_b(int64_t l, LoraTarget t, const float* dy, int64_t T);
+  const float* lora_operand(float* dst, const float* src, int64_t n);
+  // The LoRA scratch (not saved): rounded operands, a group's stacked A products.
+  struct LoraWork {
+    float *xr = nullptr, *dyr = nullptr, *bq = nullptr, *cat = nullptr, *a = nullptr, *ga = nullptr;
+    size_t floats = 0;
+  };
+  LoraWork lora_work_layout(int64_t T, float* base) const;
+  size_t lora_work_floats(int64_t T) const;
+  void reserve_lora_work(int64_t T);
 
   // dx [T, in] (+)= dy [T, out] W of a frozen weight (Wt: its transpose, or null).
   void input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
@@ -155,14 +224,21 @@ class TrainSession {
   int64_t tokens_ = 0;    // of the current run
   bool dropout_ = false;  // of the current run
   uint64_t step_ = 0;     // of the current run
+  ActivationOptions opts_;
   DeviceBuffer acts_;  // every saved activation, carved into layers_ and the views below
   std::vector<LayerActs> layers_;
+  std::vector<float*> checkpoints_;
+  std::vector<LayerRecord> records_;
   // Empty with the exact backward; a null handle inside: W read directly (bf16 + AMX).
   std::vector<TransposedLayer> wt_;
   WeightHandle output_t_;
   float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr, *rope_cs_ = nullptr;
   DeviceBuffer work_;  // backward / temporary buffers (not saved)
   DeviceBuffer bt_;    // a LoRA B transposed (the widest)
+  TrainPrecision precision_ = TrainPrecision::fp32;
+  bool fused_lora_ = true;
+  DeviceBuffer lora_work_;  // carved into lw_
+  LoraWork lw_;
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,
         *dup_ = nullptr, *dgate_ = nullptr, *dres_ = nullptr, *tmp_ = nullptr, *dax_ = nullptr;
   std::vector<int32_t> pos_, seq_start_;

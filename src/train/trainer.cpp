@@ -163,6 +163,8 @@ void Trainer::setup() {
          model_->config().max_context);
   load_data();
   session_ = params_->make_session(*model_, *backend_, c_.backward);
+  session_->set_activation_options(
+      {c_.gradient_checkpointing, c_.activation_dtype == TrainConfig::ActivationDType::bf16});
   build_optimizer();
   res_.trainable_params = params_->count();
   res_.total_params = model_->parameter_count() + params_->added_params();

@@ -14,6 +14,7 @@
 #include "core/rng.h"
 #include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/bf16_rows.h"
+#include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/linear_backward.h"
 #include "kernels/cpu/loss.h"
@@ -284,6 +285,22 @@ class CpuBackend final : public Backend {
     CounterRng rng(seed ^ splitmix64(step * 0x9e3779b97f4a7c15ull + slot + 1));
     const auto keep_scale = static_cast<float>(1.0 / (1.0 - p));
     for (int64_t i = 0; i < n; ++i) dst[i] = rng.next_double() < p ? 0.0f : src[i] * keep_scale;
+  }
+
+  void to_bf16(uint16_t* dst, const float* src, int64_t n) override {
+    constexpr int64_t kChunk = 16384;  // elements convert alone: any split gives the same bits
+    pool_.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t b, int64_t e) {
+      const int64_t i0 = b * kChunk, i1 = std::min(n, e * kChunk);
+      f32_to_bf16_rows(dst + i0, src + i0, i1 - i0);
+    });
+  }
+
+  void from_bf16(float* dst, const uint16_t* src, int64_t n) override {
+    constexpr int64_t kChunk = 16384;
+    pool_.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t b, int64_t e) {
+      const int64_t i0 = b * kChunk, i1 = std::min(n, e * kChunk);
+      bf16_to_f32_rows(dst + i0, src + i0, i1 - i0);
+    });
   }
 
   void attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out, int64_t T,
