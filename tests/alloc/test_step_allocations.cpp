@@ -118,7 +118,7 @@ struct TempDir {
 // 4 rows of one sample each (pack: false) in batches of 3: every epoch ends
 // with a batch of 1 row, which must reuse the buffers of the 3-row batches.
 TrainConfig tiny_config(const TempDir& tmp, const std::string& method, const std::string& backward,
-                        double dropout) {
+                        double dropout, const std::string& extra = "") {
   const std::string yaml = fmt::format(
       "model: {}\n"
       "data:\n  train: {}\n  eval: {}\n  seq_len: 48\n  pack: false\n"
@@ -131,9 +131,9 @@ TrainConfig tiny_config(const TempDir& tmp, const std::string& method, const std
       "steps: 40\n"
       "output_dir: {}\n"
       "seed: 5\n"
-      "threads: 2\n",
+      "threads: 2\n{}",
       src("tests/fixtures/model/tiny-llama.f32.gguf"), src("tests/fixtures/train_data/text.jsonl"),
-      src("tests/fixtures/train_data/eval.jsonl"), method, backward, dropout, (tmp.path / "out").string());
+      src("tests/fixtures/train_data/eval.jsonl"), method, backward, dropout, (tmp.path / "out").string(), extra);
   return parse_train_config(yaml, "alloc.yaml");
 }
 
@@ -149,9 +149,9 @@ void compute_step(Trainer& t, std::vector<Batch>& micro, int64_t step) {
 }
 
 void expect_steady_state_allocates_nothing(const std::string& method, const std::string& backward,
-                                           double dropout) {
+                                           double dropout, const std::string& extra = "") {
   TempDir tmp;
-  Trainer t(tiny_config(tmp, method, backward, dropout), nullptr);
+  Trainer t(tiny_config(tmp, method, backward, dropout, extra), nullptr);
   t.setup();
   std::vector<Batch> micro(2);
   compute_step(t, micro, 0);  // the first step sizes the workspaces' scratch
@@ -198,6 +198,17 @@ TEST(StepAllocations, LoraExact) { expect_steady_state_allocates_nothing("lora",
 TEST(StepAllocations, FullF16) { expect_steady_state_allocates_nothing("full", "f16", 0.0); }
 TEST(StepAllocations, FullBf16) { expect_steady_state_allocates_nothing("full", "bf16", 0.0); }
 TEST(StepAllocations, FullExact) { expect_steady_state_allocates_nothing("full", "exact", 0.0); }
+// Gradient checkpointing (the tiny model's 2 layers: N = 1 recomputes layer 0)
+// and bf16 records of the saved activations.
+TEST(StepAllocations, LoraCheckpointingDropout) {
+  expect_steady_state_allocates_nothing("lora", "bf16", 0.1, "gradient_checkpointing: 1\n");
+}
+TEST(StepAllocations, LoraBf16Activations) {
+  expect_steady_state_allocates_nothing("lora", "bf16", 0.1, "activation_dtype: bf16\n");
+}
+TEST(StepAllocations, FullCheckpointingBf16) {
+  expect_steady_state_allocates_nothing("full", "bf16", 0.0, "gradient_checkpointing: true\nactivation_dtype: bf16\n");
+}
 
 // The whole Trainer::train_step (silent log, its records included): nothing retained.
 TEST(StepAllocations, TrainStepRetainsNothing) {
