@@ -118,14 +118,14 @@ struct TempDir {
 // 4 rows of one sample each (pack: false) in batches of 3: every epoch ends
 // with a batch of 1 row, which must reuse the buffers of the 3-row batches.
 TrainConfig tiny_config(const TempDir& tmp, const std::string& method, const std::string& backward,
-                        double dropout, const std::string& extra = "") {
+                        double dropout, const std::string& extra = "", const std::string& optim_kind = "adamw") {
   const std::string yaml = fmt::format(
       "model: {}\n"
       "data:\n  train: {}\n  eval: {}\n  seq_len: 48\n  pack: false\n"
       "method: {}\n"
       "backward: {}\n"
       "lora:\n  r: 4\n  dropout: {}\n"
-      "optim:\n  lr: 1e-3\n"
+      "optim:\n  lr: 1e-3\n  kind: {}\n"
       "batch_size: 3\n"
       "grad_accum: 2\n"
       "steps: 40\n"
@@ -133,7 +133,8 @@ TrainConfig tiny_config(const TempDir& tmp, const std::string& method, const std
       "seed: 5\n"
       "threads: 2\n{}",
       src("tests/fixtures/model/tiny-llama.f32.gguf"), src("tests/fixtures/train_data/text.jsonl"),
-      src("tests/fixtures/train_data/eval.jsonl"), method, backward, dropout, (tmp.path / "out").string(), extra);
+      src("tests/fixtures/train_data/eval.jsonl"), method, backward, dropout, optim_kind, (tmp.path / "out").string(),
+      extra);
   return parse_train_config(yaml, "alloc.yaml");
 }
 
@@ -149,9 +150,10 @@ void compute_step(Trainer& t, std::vector<Batch>& micro, int64_t step) {
 }
 
 void expect_steady_state_allocates_nothing(const std::string& method, const std::string& backward,
-                                           double dropout, const std::string& extra = "") {
+                                           double dropout, const std::string& extra = "",
+                                           const std::string& optim_kind = "adamw") {
   TempDir tmp;
-  Trainer t(tiny_config(tmp, method, backward, dropout, extra), nullptr);
+  Trainer t(tiny_config(tmp, method, backward, dropout, extra, optim_kind), nullptr);
   t.setup();
   std::vector<Batch> micro(2);
   compute_step(t, micro, 0);  // the first step sizes the workspaces' scratch
@@ -198,6 +200,8 @@ TEST(StepAllocations, LoraExact) { expect_steady_state_allocates_nothing("lora",
 TEST(StepAllocations, FullF16) { expect_steady_state_allocates_nothing("full", "f16", 0.0); }
 TEST(StepAllocations, FullBf16) { expect_steady_state_allocates_nothing("full", "bf16", 0.0); }
 TEST(StepAllocations, FullExact) { expect_steady_state_allocates_nothing("full", "exact", 0.0); }
+// optim.kind adamw8bit: the 8-bit update works in its blocks' stack buffers.
+TEST(StepAllocations, FullExactAdam8bit) { expect_steady_state_allocates_nothing("full", "exact", 0.0, "", "adamw8bit"); }
 // Gradient checkpointing (the tiny model's 2 layers: N = 1 recomputes layer 0)
 // and bf16 records of the saved activations.
 TEST(StepAllocations, LoraCheckpointingDropout) {
