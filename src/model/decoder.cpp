@@ -1,5 +1,6 @@
 #include "model/decoder.h"
 
+#include <algorithm>
 #include <iterator>
 
 #include "core/error.h"
@@ -59,7 +60,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   // Attention block: one activation quantization and one dispatch for q, k and v.
   be_.rmsnorm(b.xn1, b.rstd1, b.x, L.attn_norm, T, H, eps);
   const MatmulTarget qkv[] = {{P.wq.get(), b.q, Q}, {P.wk.get(), k, KV}, {P.wv.get(), v, KV}};
-  be_.matmul_multi(ws, qkv, b.xn1, H, T);
+  base_products(ws, l, AdapterPoint::qkv, qkv, b.xn1, H, T, adapters);
   if (L.bq != nullptr) {
     be_.add_bias(b.q, L.bq, T, Q);
     be_.add_bias(k, L.bk, T, KV);
@@ -74,7 +75,8 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   be_.rope(w_.rope, rope_cs, b.q, T, c_.n_heads, false);
   be_.rope(w_.rope, rope_cs, k, T, c_.n_kv_heads, false);
   attn.attend(l, b.q, k, v, b.att);
-  be_.matmul(ws, *P.wo, b.att, Q, b.o, H, T);
+  const MatmulTarget o[] = {{P.wo.get(), b.o, H}};
+  base_products(ws, l, AdapterPoint::o, o, b.att, Q, T, adapters);
   if (adapters != nullptr) {
     const AdapterJob jobs[] = {{LoraTarget::o, b.att, Q, b.o, H}};
     adapters->apply(l, jobs);
@@ -84,18 +86,37 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   // MLP block.
   be_.rmsnorm(b.xn2, b.rstd2, b.xmid, L.ffn_norm, T, H, eps);
   const MatmulTarget gate_up[] = {{P.w_gate.get(), b.gate, F}, {P.w_up.get(), b.up, F}};
-  be_.matmul_multi(ws, gate_up, b.xn2, H, T);
+  base_products(ws, l, AdapterPoint::gate_up, gate_up, b.xn2, H, T, adapters);
   if (adapters != nullptr) {
     const AdapterJob jobs[] = {{LoraTarget::gate, b.xn2, H, b.gate, F}, {LoraTarget::up, b.xn2, H, b.up, F}};
     adapters->apply(l, jobs);
   }
   be_.swiglu(b.h, b.gate, b.up, T, F);
-  be_.matmul(ws, *P.w_down, b.h, F, b.down, H, T);
+  const MatmulTarget down[] = {{P.w_down.get(), b.down, H}};
+  base_products(ws, l, AdapterPoint::down, down, b.h, F, T, adapters);
   if (adapters != nullptr) {
     const AdapterJob jobs[] = {{LoraTarget::down, b.h, F, b.down, H}};
     adapters->apply(l, jobs);
   }
   be_.add(b.out, b.xmid, b.down, T * H);
+}
+
+void Decoder::base_products(Workspace& ws, int64_t l, AdapterPoint point, std::span<const MatmulTarget> base,
+                            const float* x, int64_t ldx, int64_t T, LayerAdapters* adapters) const {
+  const std::span<const MatmulTarget> extra =
+      adapters != nullptr ? adapters->base_pass(l, point) : std::span<const MatmulTarget>();
+  if (extra.empty()) {
+    if (base.size() == 1)
+      be_.matmul(ws, *base[0].W, x, ldx, base[0].y, base[0].ldy < 0 ? base[0].W->rows() : base[0].ldy, T);
+    else
+      be_.matmul_multi(ws, base, x, ldx, T);
+    return;
+  }
+  LOOM_ASSERT(base.size() + extra.size() <= kMaxPassTargets);
+  MatmulTarget all[kMaxPassTargets];
+  std::copy(base.begin(), base.end(), all);
+  std::copy(extra.begin(), extra.end(), all + base.size());
+  be_.matmul_multi(ws, std::span<const MatmulTarget>(all, base.size() + extra.size()), x, ldx, T);
 }
 
 void Decoder::final_norm(const float* x, const int64_t* rows, int64_t n, float* out, float* rstd) const {

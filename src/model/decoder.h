@@ -72,16 +72,36 @@ struct AdapterJob {
   float* y;
   int64_t ldy;
 };
+// The four adaptation points of a layer, in order.
+enum class AdapterPoint { qkv, o, gate_up, down };
+
 // Extra terms on a layer's linear outputs (LoRA adapters). apply() is called
 // once after q/k/v, o, gate/up and down with the jobs of that point.
+//
+// base_pass() (optional) returns products to run in the same matmul_multi
+// call as the point's base weights, over the same x: e.g. each target's A
+// prepared for the backend (Backend::prepare_weight, refilled with `recycle`
+// after each update), writing x A^T into the adapters' own buffer, which the
+// point's apply() then reads instead of computing A x itself. x is then read,
+// quantized and dispatched once per weight dtype for the base weights and
+// them: one pass when A is prepared in the base's dtype (an f32/bf16 base),
+// one more dispatch of the same call otherwise (a quantized base). Each result
+// is bit-identical to its own matmul. Training (train/train_step_lora.cpp)
+// can return its stacked [A_q; A_k; A_v] and [A_gate; A_up] here when the
+// adapters read x undropped (dropout 0) and compute in fp32; with dropout
+// each adapter reads its own dropped x and this does not apply.
 class LayerAdapters {
  public:
   virtual ~LayerAdapters() = default;
+  virtual std::span<const MatmulTarget> base_pass(int64_t layer, AdapterPoint point) { return {}; }
   virtual void apply(int64_t layer, std::span<const AdapterJob> jobs) = 0;
 };
 
 class Decoder {
  public:
+  // Most products one point's matmul_multi may carry: base weights plus base_pass().
+  static constexpr size_t kMaxPassTargets = 16;
+
   // `weights` must be prepared (prepare_weights) for `backend`.
   Decoder(const ModelConfig& config, const ModelWeights& weights, Backend& backend);
 
@@ -105,6 +125,10 @@ class Decoder {
   void logits(Workspace& ws, const float* xn, int64_t n, float* logits) const;
 
  private:
+  // y = x W^T for the point's base targets plus the adapters' base_pass() products, one call.
+  void base_products(Workspace& ws, int64_t l, AdapterPoint point, std::span<const MatmulTarget> base,
+                     const float* x, int64_t ldx, int64_t T, LayerAdapters* adapters) const;
+
   const ModelConfig& c_;
   const ModelWeights& w_;
   Backend& be_;
