@@ -19,11 +19,13 @@ constexpr DTypeTraits kTraits[] = {
     {DType::i8, "i8", 1, 1, false},       {DType::i16, "i16", 1, 2, false},
     {DType::i32, "i32", 1, 4, false},     {DType::i64, "i64", 1, 8, false},
     {DType::f64, "f64", 1, 8, false},     {DType::bf16, "bf16", 1, 2, false},
+    {DType::nf4, "nf4", 64, 36, true},
 };
 
 }  // namespace
 
 std::optional<DTypeTraits> dtype_traits_of_id(uint32_t id) {
+  if (id == static_cast<uint32_t>(DType::nf4)) return std::nullopt;  // not a ggml_type
   for (const auto& t : kTraits)
     if (static_cast<uint32_t>(t.type) == id) return t;
   return std::nullopt;

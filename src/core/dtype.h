@@ -30,6 +30,10 @@ enum class DType : uint32_t {
   i64 = 27,
   f64 = 28,
   bf16 = 30,
+  // loom's own types, outside GGUF's id range (never read from or written to a
+  // GGUF file): nf4 = bitsandbytes' 4-bit NormalFloat in blocks of 64 with the
+  // (double-quantized) absmax expanded to f32 (kernels/ref/nf4_ref.h).
+  nf4 = 1000,
 };
 
 struct DTypeTraits {
@@ -40,7 +44,8 @@ struct DTypeTraits {
   bool quantized;
 };
 
-// Returns nullopt for ids that loom does not know (e.g. IQ types); callers
+// Returns nullopt for ids that loom does not know (e.g. IQ types) and for
+// loom's own types (nf4), which no GGUF file may carry; callers
 // turn that into an "unsupported tensor type" error naming the tensor.
 std::optional<DTypeTraits> dtype_traits_of_id(uint32_t ggml_type_id);
 const DTypeTraits& dtype_traits(DType type);

@@ -275,8 +275,16 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   }
 
   // Features the forward pass does not implement: refuse rather than run a different model.
-  if (hf_find(j, "quantization_config") != nullptr)
-    fail(ErrorKind::unsupported, "{}: key 'quantization_config': pre-quantized checkpoints are not supported", path);
+  // bitsandbytes 4-bit folders are read by the weight loader (model/bnb_folder.h),
+  // which checks the rest of quantization_config; other methods are refused here.
+  if (const json* q = hf_find(j, "quantization_config"); q != nullptr && !q->is_null()) {
+    const auto m = q->is_object() ? q->find("quant_method") : q->end();
+    if (!q->is_object() || m == q->end() || !m->is_string() || m->get<std::string>() != "bitsandbytes")
+      fail(ErrorKind::unsupported,
+           "{}: key 'quantization_config': quant_method '{}' is not supported (pre-quantized checkpoints other "
+           "than bitsandbytes 4-bit are not)",
+           path, q->is_object() && m != q->end() && m->is_string() ? m->get<std::string>() : std::string("?"));
+  }
   if (const auto act = hf_opt_string(j, "hidden_act", path); act && *act != "silu")
     fail(ErrorKind::unsupported, "{}: hidden_act '{}' is not supported (only silu)", path, *act);
   if (c.arch == Arch::llama && hf_opt_bool(j, "attention_bias", path).value_or(false))

@@ -4,7 +4,9 @@
 
 #include "io/gguf.h"
 #include "io/hf_folder.h"
+#include "model/bnb_folder.h"
 #include "model/config_load.h"
+#include "model/quantize_base.h"
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
 
@@ -33,16 +35,27 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     // The architecture is checked before the weights so that an unsupported
     // model says so, rather than complaining about its files.
     const std::string config_path = path + "/config.json";
-    m->config_ = config_from_hf(read_json_file(config_path), config_path);
+    const nlohmann::json config_json = read_json_file(config_path);
+    m->config_ = config_from_hf(config_json, config_path);
+    const std::optional<BnbQuantConfig> bnb = bnb_quant_config(config_json, config_path);
     m->hf_ = HfFolder::open(path);
     const HfFolder& hf = *m->hf_;
+    // bitsandbytes 4-bit weights become nf4 tensors; the store joins the weights below.
+    std::vector<std::vector<uint8_t>> bnb_store;
+    std::map<std::string, Tensor, std::less<>> bnb_weights;
+    if (bnb) {
+      bnb_weights = load_bnb_weights(hf, *bnb, bnb_store);
+      m->bnb_quant_type_ = bnb->quant_type;
+    }
     m->weights_ = bind_weights(
         m->config_, WeightNaming::hugging_face,
-        [&hf](std::string_view name) -> std::optional<Tensor> {
+        [&hf, &bnb_weights](std::string_view name) -> std::optional<Tensor> {
+          if (const auto it = bnb_weights.find(name); it != bnb_weights.end()) return it->second;
           const Tensor* t = hf.find_tensor(name);
           return t ? std::optional<Tensor>(*t) : std::nullopt;
         },
         path);
+    for (auto& b : bnb_store) m->weights_.owned_bytes.push_back(std::move(b));
     const TokenizerSettings settings = hf.tokenizer_settings();
     m->chat_template_ = settings.chat_template;
     for (int64_t id : hf.generation_defaults().eos_token_ids)
@@ -65,6 +78,12 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
         path);
     m->chat_template_ = g.opt_string("tokenizer.chat_template");
     if (with_tokenizer) m->tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_gguf(g));
+  }
+  if (options.quantize_base) {
+    if (options.dequantize)
+      fail(ErrorKind::internal, "Model::load({}): quantize_base together with dequantize", path);
+    // The sources are the file's read-only mapping: each is released once copied.
+    quantize_base_weights(m->weights_, *options.quantize_base, path, /*release_source=*/true);
   }
   if (options.dequantize) dequantize_weights(m->weights_);
   if (options.before_pack) options.before_pack(m->weights_, m->config_);

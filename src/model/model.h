@@ -26,6 +26,9 @@ class Model {
     bool pack = true;            // false: weights not prepared for a backend (inspection only: `loom info`)
     Backend* backend = nullptr;  // prepares the weights for its products; required when pack
     bool dequantize = false;     // expand every matrix to f32 first (reference checks, --f32)
+    // QLoRA's quantize_base: the layer matrices of an f32/f16/bf16 model quantized
+    // at load to q8_0, q4_0 or nf4 (model/quantize_base.h); nullopt keeps them.
+    std::optional<DType> quantize_base = std::nullopt;
     // Runs after the weights are bound (and dequantized) and before packing, e.g.
     // to merge an adapter into f32 copies of some matrices (model/adapter_merge.h).
     std::function<void(ModelWeights&, const ModelConfig&)> before_pack = nullptr;
@@ -49,6 +52,9 @@ class Model {
   bool is_gguf() const { return gguf_ != nullptr; }
   const gguf::File* gguf_file() const { return gguf_.get(); }
 
+  // The folder's bitsandbytes quantization ("nf4"), empty for other models.
+  const std::string& bnb_quant_type() const { return bnb_quant_type_; }
+
   // Counts and bytes of the weights, for `loom info`.
   int64_t parameter_count() const;
   size_t weight_bytes() const;
@@ -64,6 +70,7 @@ class Model {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<std::string> chat_template_;
   std::vector<int32_t> extra_eos_;
+  std::string bnb_quant_type_;
 };
 
 }  // namespace loom

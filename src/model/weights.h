@@ -41,6 +41,9 @@ struct ModelWeights {
   std::vector<PreparedLayer> prepared;  // filled by prepare_weights(); the forward pass multiplies these
   WeightHandle output_prepared;
   std::vector<std::vector<float>> owned;  // f32 copies of vectors stored as f16/bf16/misaligned
+  // Matrices made at load: quantize_base's copies (model/quantize_base.h), bitsandbytes
+  // 4-bit weights converted to nf4 (model/bnb_folder.h).
+  std::vector<std::vector<uint8_t>> owned_bytes;
 };
 
 // Tensor names of the two on-disk layouts.

@@ -160,6 +160,15 @@ class FullTrainable final : public TrainableParams {
 TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool) {
   TrainableModel out;
   Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
+  if (c.quantize_base != TrainConfig::BaseQuant::none) {
+    if (c.method == TrainMethod::full)
+      fail(ErrorKind::invalid_input,
+           "quantize_base: {} freezes a quantized base, so it needs method: lora (full fine-tuning trains the "
+           "weights in f32)",
+           base_quant_name(c.quantize_base));
+    using Q = TrainConfig::BaseQuant;
+    lo.quantize_base = c.quantize_base == Q::nf4 ? DType::nf4 : c.quantize_base == Q::q4_0 ? DType::q4_0 : DType::q8_0;
+  }
   if (c.method == TrainMethod::full)
     lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) {
       out.params = std::make_unique<FullTrainable>(w, mc, pool);

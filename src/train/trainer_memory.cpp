@@ -32,9 +32,11 @@ size_t data_bytes(const TrainData& d) {
   return n;
 }
 
-// The frozen weights as the file maps them (GGUF: every tensor's bytes).
+// The frozen weights as the file maps them (GGUF: every tensor's bytes). With
+// quantize_base the layer matrices are owned copies and their file pages are
+// released: the weights' own sizes count then.
 size_t mapped_weight_bytes(const Model& m) {
-  if (const gguf::File* f = m.gguf_file()) {
+  if (const gguf::File* f = m.gguf_file(); f != nullptr && m.weights().owned_bytes.empty()) {
     size_t n = 0;
     for (const gguf::TensorInfo& t : f->tensors()) n += t.nbytes;
     return n;

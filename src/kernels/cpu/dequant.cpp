@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/nf4.h"
 #include "kernels/quant_blocks.h"
 
 namespace loom {
@@ -241,6 +242,7 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
     case DType::q5_k: dequant_q45_k<BlockQ5_K, true>(src, dst, nb); return;
     case DType::q6_k: dequant_q6_k(src, dst, nb); return;
     case DType::q8_k: dequant_q8_k(src, dst, nb); return;
+    case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;
   }
   LOOM_ASSERT(false && "dequantize_row: unhandled dtype");
 }

@@ -197,6 +197,7 @@ bool matmul_supports(DType type) {
     case DType::f32:
     case DType::f16:
     case DType::bf16:
+    case DType::nf4:
     case DType::q4_0:
     case DType::q4_1:
     case DType::q5_0:

@@ -1,5 +1,5 @@
 // Matrix products y = x W^T of f32 activations with weights of any GGUF type
-// (f32, f16, bf16, q4_0 .. q8_0, q2_k .. q6_k): the op that decides inference speed.
+// (f32, f16, bf16, q4_0 .. q8_0, q2_k .. q6_k, nf4): the op that decides inference speed.
 #pragma once
 
 #include <cstddef>
@@ -34,6 +34,8 @@ namespace loom {
 //   q6_k/q3_k: per 256: acc = fma(float(sum_j sc_j idot_j), d * d_x, acc)
 //   q2_k:      as q6_k, then acc = fma(-float(sum_j m_j xsum_j), dmin * d_x, acc)
 //   float:     acc = fma(w[k], x[k], acc) for k = 0, 1, ...
+//   nf4:       per 64: s = fma chain of code[q_k] * x[k] from 0, then
+//              acc = fma(s, absmax, acc)   (f32 activations; kernels/cpu/nf4.h)
 // Hence results are
 //  - deterministic: independent of the thread count (threads split output rows);
 //  - batch invariant: row t of y is bit-identical whether computed with T = 1 or in

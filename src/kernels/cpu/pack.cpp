@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/quant_blocks.h"
 
@@ -258,6 +259,8 @@ size_t panel_block_bytes(DType type) {
       return 1600;
     case DType::q3_k:
       return 1824;
+    case DType::nf4:
+      return kNf4PanelBlockBytes;
     default:
       break;
   }
@@ -284,6 +287,9 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
     case DType::bf16:
       for (int r = 0; r < nrows; ++r)
         for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * 32 + r * 2, rows[r] + k * 2, 2);
+      return;
+    case DType::nf4:
+      for (int r = 0; r < nrows; ++r) pack_nf4_row(rows[r], r, K, dst);
       return;
     default:
       break;

@@ -52,6 +52,8 @@ constexpr int kPanelRows = 16;
 //  q3_k (1824): d @0, scale i8[16][16] @32, 8 groups @288 of 192 bytes: the two
 //               2-bit words, then the bit-2 word, of u = q + 4 (0..7)
 //  f32 / f16 / bf16: element k of rows 0..15 contiguous (64 / 32 / 32 bytes)
+//  nf4 (576, per 64): f32 absmax[16] @0, 32 code-pair slots of 16 bytes @64
+//               (kernels/cpu/nf4.h)
 // (2-bit words: word h, bits 2s..2s+1 of byte i = bits 0..1 of element 4(4h+s)+i;
 //  bit-2 word: bit o of byte i = bit 2 of element 4o+i.)
 size_t panel_block_bytes(DType type);
