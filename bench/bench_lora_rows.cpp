@@ -5,15 +5,21 @@
 //   prefill128: 128 rows of one adapter (a prefill chunk).
 // Time per call, one thread (CPU time).
 //   loom_bench --benchmark_filter=LoraRows
+// BasePass/<base dtype>/{separate,fused}: the q/k/v base products and the
+// three r=16 A factors (f32) over 128 rows, as two matmul_multi calls or one
+// (model/decoder.h's LayerAdapters::base_pass).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/thread_pool.h"
 #include "kernels/cpu/lora_rows.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/ref/dequant_ref.h"
 
 namespace loom {
 namespace {
@@ -69,7 +75,57 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
       benchmark::Counter(static_cast<double>(2 * macs), benchmark::Counter::kIsIterationInvariantRate);
 }
 
+struct BasePassCase {
+  DType base;
+  bool fused;
+};
+
+void run_base_pass(benchmark::State& state, BasePassCase c) {
+  const int64_t H = 576, KV = 192, r = 16, T = 128;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  auto tensor = [&](DType type, int64_t N, int64_t K, std::vector<uint8_t>& bytes) {
+    std::vector<float> f(static_cast<size_t>(N * K));
+    for (auto& v : f) v = dist(rng);
+    bytes.resize(dtype_row_bytes(type, K) * static_cast<size_t>(N));
+    if (type == DType::f32)
+      std::memcpy(bytes.data(), f.data(), bytes.size());
+    else
+      for (int64_t n = 0; n < N; ++n)
+        quantize_row_ref(type, f.data() + n * K, bytes.data() + static_cast<size_t>(n) * dtype_row_bytes(type, K), K);
+    return make_tensor(bytes.data(), type, {N, K});
+  };
+  std::vector<uint8_t> raw[6];
+  const int64_t rows[6] = {H, KV, KV, r, r, r};
+  std::vector<PackedWeight> w;
+  for (int i = 0; i < 6; ++i) w.push_back(PackedWeight::pack(tensor(i < 3 ? c.base : DType::f32, rows[i], H, raw[i]), nullptr, "w"));
+  std::vector<float> x(static_cast<size_t>(T * H), 0.5f), y(static_cast<size_t>(T * (H + 2 * KV + 3 * r)));
+  std::vector<MatmulOut> outs;
+  float* p = y.data();
+  for (int i = 0; i < 6; ++i) {
+    outs.push_back({&w[static_cast<size_t>(i)], p, rows[i]});
+    p += T * rows[i];
+  }
+  ThreadPool pool(1);
+  MatmulScratch scratch;
+  const std::span<const MatmulOut> all(outs);
+  for (auto _ : state) {
+    if (c.fused) {
+      matmul_multi(pool, all, x.data(), H, T, scratch);
+    } else {
+      matmul_multi(pool, all.first(3), x.data(), H, T, scratch);
+      matmul_multi(pool, all.subspan(3), x.data(), H, T, scratch);
+    }
+    benchmark::DoNotOptimize(y.data());
+  }
+}
+
 const bool registered = [] {
+  for (DType base : {DType::f32, DType::bf16, DType::q4_1})
+    for (bool fused : {false, true}) {
+      const std::string name = fmt::format("BasePass/{}/{}/T128_qkv_r16/t1", dtype_name(base), fused ? "fused" : "separate");
+      benchmark::RegisterBenchmark(name.c_str(), run_base_pass, BasePassCase{base, fused})->Unit(benchmark::kMicrosecond);
+    }
   const int64_t H = 576, KV = 192, F = 1536, r = 8;
   struct Point {
     const char* name;
