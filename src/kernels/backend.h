@@ -229,6 +229,13 @@ class Backend {
   // y [T, n] += bias [n] on every row.
   virtual void add_bias(float* y, const float* bias, int64_t T, int64_t n) = 0;
   virtual void scale(float* x, float s, int64_t n) = 0;
+  // dst [n] = src rounded to the precision of `to` and kept as f32 (bf16, f16;
+  // f32: a copy): the operands of mixed-precision products
+  // (kernels/cpu/round_precision.h says how). dst may alias src.
+  virtual void round_to(DType to, float* dst, const float* src, int64_t n) = 0;
+  // dst [rows, cols] (rows ld_dst floats apart) = src [rows, cols] (rows ld_src apart).
+  virtual void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows,
+                       int64_t cols) = 0;
   virtual void zero(float* x, int64_t n) = 0;
   // dst [cols, rows] = src [rows, cols]^T.
   virtual void transpose(float* dst, const float* src, int64_t rows, int64_t cols) = 0;

@@ -24,6 +24,7 @@
 #include "kernels/cpu/paged_attention.h"
 #include "kernels/cpu/dequant.h"
 #include "kernels/cpu/round_precision.h"
+#include "kernels/cpu/round_precision.h"
 
 namespace loom {
 
@@ -266,6 +267,20 @@ class CpuBackend final : public Backend {
 
   void scale(float* x, float s, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) x[i] *= s;
+  }
+
+  void round_to(DType to, float* dst, const float* src, int64_t n) override {
+    constexpr int64_t kChunk = 16384;  // elements are rounded alone: any split gives the same bits
+    if (n <= kChunk) return round_to_precision(to, dst, src, n);
+    pool_.parallel_for((n + kChunk - 1) / kChunk, [&](int64_t b, int64_t e) {
+      const int64_t i0 = b * kChunk, i1 = std::min(n, e * kChunk);
+      round_to_precision(to, dst + i0, src + i0, i1 - i0);
+    });
+  }
+
+  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override {
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(dst + i * ld_dst, src + i * ld_src, static_cast<size_t>(cols) * sizeof(float));
   }
 
   void zero(float* x, int64_t n) override { std::memset(x, 0, static_cast<size_t>(n) * sizeof(float)); }
