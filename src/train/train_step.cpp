@@ -157,6 +157,21 @@ int64_t TrainSession::segment_layers() const {
   return n > 0 && n < c_.n_layers ? n : 0;
 }
 
+int64_t TrainSession::n_segments() const {
+  const int64_t N = segment_layers();
+  return N == 0 ? 1 : (c_.n_layers + N - 1) / N;
+}
+
+int64_t TrainSession::segment_start(int64_t k) const {
+  const int64_t N = segment_layers();
+  return k == 0 ? 0 : c_.n_layers - (n_segments() - k) * N;
+}
+
+int64_t TrainSession::segment_of(int64_t l) const {
+  const int64_t N = segment_layers(), first = segment_start(1);
+  return N == 0 || l < first ? 0 : 1 + (l - first) / N;
+}
+
 void TrainSession::set_activation_options(const ActivationOptions& o) {
   if (o.checkpoint_every < 0)
     fail(ErrorKind::invalid_input, "gradient_checkpointing: {} is negative (0 is off, N keeps every Nth layer's input)",
@@ -219,11 +234,11 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
     for (LayerActs& a : slots) carve_layer(a, -1);
     for (int64_t l = 0; l < L; ++l) {
       LayerActs& a = o.layers[static_cast<size_t>(l)];
-      a = slots[static_cast<size_t>(N > 0 ? l % N : l % 2)];
+      a = slots[static_cast<size_t>(N > 0 ? l - segment_start(segment_of(l)) : l % 2)];
       for (int t = 0; t < kLoraTargetCount; ++t)
         if (!active(l, t)) a.ax[static_cast<size_t>(t)] = a.xd[static_cast<size_t>(t)] = nullptr;
     }
-    const int64_t n_checkpoints = N > 0 ? (L + N - 1) / N - 1 : 0;  // the last segment is never recomputed
+    const int64_t n_checkpoints = N > 0 ? n_segments() - 1 : 0;  // the last segment is never recomputed
     for (int64_t k = 0; k < n_checkpoints; ++k)
       o.checkpoints.push_back(opts_.bf16 ? reinterpret_cast<float*>(carve_bf16(T * H)) : carve(T * H));
     if (records) {
@@ -484,8 +499,9 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   dec_.rope_table(pos_.data(), T, rope_cs_);
   const int64_t N = segment_layers();
   for (int64_t l = 0; l < c_.n_layers; ++l) {
-    if (backward && N > 0 && l % N == 0 && static_cast<size_t>(l / N) < checkpoints_.size()) {
-      float* c = checkpoints_[static_cast<size_t>(l / N)];
+    const int64_t k = segment_of(l);
+    if (backward && N > 0 && l == segment_start(k) && static_cast<size_t>(k) < checkpoints_.size()) {
+      float* c = checkpoints_[static_cast<size_t>(k)];
       if (opts_.bf16)
         be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
       else
@@ -539,10 +555,10 @@ void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
     }
     return;
   }
-  const int64_t n_segments = (L + N - 1) / N;
-  for (int64_t k = n_segments - 1; k >= 0; --k) {
-    const int64_t s = k * N, e = std::min(L, s + N);
-    if (k + 1 < n_segments) {
+  const int64_t n = n_segments();
+  for (int64_t k = n - 1; k >= 0; --k) {
+    const int64_t s = segment_start(k), e = k + 1 < n ? segment_start(k + 1) : L;
+    if (k + 1 < n) {
       const float* c = checkpoints_[static_cast<size_t>(k)];
       float* x = layers_[static_cast<size_t>(s)].x;
       if (opts_.bf16)

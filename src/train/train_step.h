@@ -87,11 +87,12 @@ class TrainSession {
   // gradient_checkpointing and activation_dtype). Call before the first step;
   // a change re-lays out the buffers at the next reserve().
   //  checkpoint_every N > 0 (and < the layer count): only the input of every Nth
-  //    layer (each segment's start) is kept; the backward recomputes a segment's
-  //    forward from it into N layer slots, then runs the segment's backward. The
-  //    last segment keeps its forward activations (no recompute). Gradients are
-  //    bit-identical to N = 0 (same kernels, same counter-based dropout masks).
-  //    N >= the layer count is the same as 0.
+  //    layer (each segment's start; segments end at the last layer, so the first
+  //    may be shorter) is kept; the backward recomputes a segment's forward from
+  //    it into N layer slots, then runs the segment's backward. The last segment
+  //    keeps its forward activations (no recompute). Gradients are bit-identical
+  //    to N = 0 (same kernels, same counter-based dropout masks). N >= the layer
+  //    count is the same as 0.
   //  bf16: the kept activations are stored as bf16 and widened to f32 for the
   //    backward: with checkpointing the checkpoints, without it every layer's
   //    inputs, norm outputs, q/k/v, attention output, gate/up and dropout inputs
@@ -163,6 +164,11 @@ class TrainSession {
   size_t activation_layout(int64_t T, float* base, ActsLayout* out) const;
   // The checkpoint interval in effect (0: none; N >= layers counts as none).
   int64_t segment_layers() const;
+  // Segments are aligned to the last layer: the last one (never recomputed) has
+  // N layers, the first L - N * (segments - 1).
+  int64_t n_segments() const;
+  int64_t segment_start(int64_t k) const;
+  int64_t segment_of(int64_t l) const;
   bool bf16_records() const { return opts_.bf16 && segment_layers() == 0 && c_.n_layers > 1; }
   // The (float*, bf16*, count) pairs of layer l's record, and the two directions.
   using RecordField = std::tuple<float*, uint16_t*, int64_t>;
