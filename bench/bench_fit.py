@@ -337,6 +337,9 @@ def main():
     ap.add_argument("-r", "--rank", type=int, default=16)
     ap.add_argument("--loom", default=os.path.join(ROOT, "build/loom"))
     ap.add_argument("--loom-type", default="Q4_0", help="models/random-<shape>.<TYPE>.gguf")
+    ap.add_argument("--loom-model", action="append", default=[], metavar="SHAPE=PATH",
+                    help="the GGUF loom trains for SHAPE instead (e.g. one written with make_random_model.py "
+                         "--context 131072, when the ladder goes past the default file's 8192)")
     ap.add_argument("--loom-set", action="append", default=None,
                     help=f"KEY=VALUE of the loom config (repeatable; default: {' '.join(LOOM_BEST)}); "
                          "'none' for loom's defaults")
@@ -373,7 +376,8 @@ def main():
     results = []
     for name in a.models:
         if not a.no_loom:
-            model = os.path.join(ROOT, "models", f"random-{name}.{a.loom_type}.gguf")
+            model = dict(kv.partition("=")[::2] for kv in a.loom_model).get(
+                name, os.path.join(ROOT, "models", f"random-{name}.{a.loom_type}.gguf"))
             if not os.path.isfile(model):
                 raise SystemExit(f"{model} missing: .venv-ref/bin/python scripts/make_random_model.py --shape {name} "
                                  f"--format gguf --type {a.loom_type.lower()}")
