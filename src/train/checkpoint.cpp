@@ -111,6 +111,10 @@ CheckpointState state_from_json(const json& j) {
   st.faults.skipped_steps = f.at("skipped_steps").get<int64_t>();
   st.faults.rollbacks = f.at("rollbacks").get<int64_t>();
   st.faults.lr_scale = f.at("lr_scale").get<double>();
+  if (j.contains("loss_scaler")) {
+    const json& ls = j.at("loss_scaler");
+    st.loss_scaler = LossScalerState{ls.at("scale").get<float>(), ls.at("growth_tracker").get<int64_t>()};
+  }
   for (const json& p : j.at("run_identity")) st.identity.emplace_back(p.at(0).get<std::string>(), p.at(1).get<std::string>());
   for (const auto& [k, v] : j.at("input_hashes").items()) st.input_hashes.emplace_back(k, v.get<std::string>());
   const json& m = j.at("metrics");
@@ -245,6 +249,8 @@ CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointSta
       put(part.file, {static_cast<const char*>(part.data), part.bytes});
       moments.push_back(part.file);
     }
+    if (st.loss_scaler)
+      state["loss_scaler"] = {{"scale", st.loss_scaler->scale}, {"growth_tracker", st.loss_scaler->growth_tracker}};
     state["optimizer"]["kind"] = optimizer_kind_name(opt.kind());
     state["optimizer"]["moments"] = moments;
     put(kState, state.dump(1) + "\n");

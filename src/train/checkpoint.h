@@ -22,6 +22,7 @@
 
 #include "train/data.h"
 #include "train/faults.h"
+#include "train/loss_scaler.h"
 #include "train/optimizer.h"
 
 namespace loom {
@@ -50,6 +51,7 @@ struct CheckpointState {
   uint64_t dropout_seed = 0;
   LrSchedule schedule;         // kind, warm-up, total steps; its position is `step`
   FaultState faults;           // non-finite steps, rollbacks and the learning-rate scale they left
+  std::optional<LossScalerState> loss_scaler;  // fp16's loss scale and growth tracker (absent otherwise)
   std::string reason;          // "interval", "minutes", "signal SIGTERM", "memory_alarm", ...
   RunIdentity identity;        // run_identity(config) of the run that wrote it
   std::string config_text;     // the YAML as given (config.yaml in the folder)

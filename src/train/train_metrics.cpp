@@ -70,7 +70,12 @@ TrainMetrics::TrainMetrics(MetricsRegistry& r)
       memory_alarm_(r.gauge("loom_train_memory_alarm_level",
                             "memory_alarm thresholds crossed (0: below all; 2: above the upper of two).")),
       progress_(r.gauge("loom_train_progress_ratio", "Steps done / total steps (0..1).")),
-      eta_(r.gauge("loom_train_eta_seconds", "Estimated seconds until the last step.")) {
+      eta_(r.gauge("loom_train_eta_seconds", "Estimated seconds until the last step.")),
+      loss_scale_(r.gauge("loom_train_loss_scale", "fp16 loss scale after the last step (1: no loss scaling).")),
+      loss_scale_skips_(r.counter("loom_train_loss_scale_skipped_steps_total",
+                                  "fp16 steps not applied because the scaled gradients overflowed (the scale "
+                                  "was halved); not faults.")) {
+  loss_scale_.set(1);
   eval_loss_.set(kNaN);
   eval_accuracy_.set(kNaN);
   loss_.set(kNaN);
@@ -120,6 +125,11 @@ void TrainMetrics::on_eval(int64_t step, double loss, std::optional<double> toke
 }
 
 void TrainMetrics::on_skipped_step() { skipped_steps_.inc(); }
+
+void TrainMetrics::on_loss_scale(double scale, bool skipped) {
+  loss_scale_.set(scale);
+  if (skipped) loss_scale_skips_.inc();
+}
 
 void TrainMetrics::on_checkpoint(double seconds) {
   checkpoints_.inc();

@@ -43,6 +43,9 @@ class TrainMetrics {
   void on_eval(int64_t step, double loss, std::optional<double> token_accuracy);
   // A step with a non-finite loss or gradient was not applied.
   void on_skipped_step();
+  // fp16 loss scaling: the scale after a step, and whether the step was
+  // skipped for overflowing gradients (a normal event, not a fault).
+  void on_loss_scale(double scale, bool skipped);
   // A checkpoint was written in `seconds`.
   void on_checkpoint(double seconds);
   void on_memory(const MemoryFigures& m);
@@ -101,6 +104,8 @@ class TrainMetrics {
   Gauge& memory_alarm_;
   Gauge& progress_;
   Gauge& eta_;
+  Gauge& loss_scale_;
+  Counter& loss_scale_skips_;
 
   mutable std::mutex mu_;  // guards everything below
   std::string model_, method_, endpoint_;

@@ -153,6 +153,9 @@ void Trainer::setup() {
   backend_ = make_backend(c_.device, *pool_);  // first: a device this build lacks writes nothing
   prepare_resume();  // before any output is opened: a refused resume changes nothing
   open_outputs();
+  if (c_.method == TrainMethod::full && c_.precision != TrainPrecision::fp32)
+    fail(ErrorKind::unsupported, "{}: precision: {} with method: full is not built yet (full fine-tuning's products "
+         "run in fp32); use precision: fp32, or method: lora", c_.source, train_precision_name(c_.precision));
   if (c_.method == TrainMethod::full && (c_.lora_plus_ratio || c_.mlp_lr))
     fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c_.source);
   TrainableModel tm = load_trainable_model(c_, *backend_, *pool_);
@@ -163,6 +166,7 @@ void Trainer::setup() {
          model_->config().max_context);
   load_data();
   session_ = params_->make_session(*model_, *backend_, c_.backward);
+  setup_precision();
   session_->set_activation_options(
       {c_.gradient_checkpointing, c_.activation_dtype == TrainConfig::ActivationDType::bf16});
   build_optimizer();
@@ -291,7 +295,8 @@ StepReport Trainer::train_step() {
   params_->zero_grads();
   double loss_sum = 0;
   if (r.loss_tokens > 0) {
-    const float scale = 1.0f / static_cast<float>(r.loss_tokens);
+    float scale = 1.0f / static_cast<float>(r.loss_tokens);
+    if (scaler_) scale *= scaler_->scale();  // fp16: a power of two, exact
     // Each micro-batch draws its own dropout masks (as PEFT's successive
     // forwards do): counter step * grad_accum + i, so grad_accum 1 keeps `step`.
     for (size_t i = 0; i < micro_.size(); ++i) {
@@ -302,6 +307,11 @@ StepReport Trainer::train_step() {
       input_tokens_ += b.rows * b.seq_len;
     }
   }
+  // fp16: the gradients back to their true size before the check, clipping and AdamW (GradScaler.unscale_).
+  if (scaler_) {
+    const std::span<float> g = params_->grads();
+    backend_->scale(g.data(), scaler_->inv_scale(), static_cast<int64_t>(g.size()));
+  }
   r.step = step + 1;
   r.loss = r.target_tokens > 0 ? loss_sum / static_cast<double>(r.target_tokens) : std::nan("");
   inject_step_faults(r);  // LOOM_FAILPOINTS site "step" (a test facility)
@@ -309,11 +319,17 @@ StepReport Trainer::train_step() {
   // A NaN or inf in the loss or a gradient: nothing is applied (trainer_faults.cpp).
   double grad_norm = 0;
   if (const std::optional<NonFiniteStep> bad = check_finite(r, grad_norm)) {
-    r = skip_step(r, *bad, ts);
+    // An fp16 overflow at a loss scale of at least 1 is loss scaling at work;
+    // a non-finite loss, or gradients that overflow even unscaled, are faults.
+    r = scaler_ && !bad->loss && scaler_->scale() >= 1.0f ? loss_scale_skip(r, *bad, ts) : skip_step(r, *bad, ts);
     current_step_ = 0;
     return r;
   }
   faults_.bad_in_a_row = 0;
+  if (scaler_) {
+    scaler_->update(false);
+    if (rt_.metrics) rt_.metrics->on_loss_scale(scaler_->scale(), false);
+  }
   r.lr = opt_->current_lr(0);
   r.grad_norm = opt_->step(params_->params(), params_->grads(), grad_norm).grad_norm;
   params_->after_update(*model_, *session_, *backend_);
@@ -452,6 +468,11 @@ void Trainer::load_checkpoint(const std::string& path) {
   load_checkpoint_arenas(path, params_->params(), *opt_);
   params_->after_update(*model_, *session_, *backend_);  // full: the backend's copies of the weights
   restore_faults(st.faults);
+  if (scaler_) {
+    if (!st.loss_scaler)
+      fail(ErrorKind::invalid_input, "checkpoint {}: no loss scaler state, but precision is fp16", path);
+    scaler_->restore(*st.loss_scaler);
+  }
   loader_->seek(st.cursor);
   res_.step_losses = std::move(st.step_losses);
   evals_ = std::move(st.evals);
@@ -490,6 +511,7 @@ CheckpointState Trainer::checkpoint_state(std::string_view reason) {
   st.dropout_seed = c_.lora.seed;
   st.schedule = opt_->schedule();
   st.faults = faults_;
+  if (scaler_) st.loss_scaler = scaler_->state();
   st.reason = std::string(reason);
   st.identity = run_identity(c_);
   st.config_text = c_.text;

@@ -20,6 +20,7 @@
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/faults.h"
+#include "train/loss_scaler.h"
 #include "train/memory.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
@@ -122,6 +123,8 @@ class Trainer {
   // far; a checkpoint keeps them and load_checkpoint gives them back through
   // restore_faults (which also sets the optimizer's lr scale).
   const FaultState& faults() const { return faults_; }
+  // precision: fp16's loss scaler (train/loss_scaler.h); null otherwise.
+  const LossScaler* loss_scaler() const { return scaler_ ? &*scaler_ : nullptr; }
   void restore_faults(const FaultState& f);
   // The error `e` ends the run: an error record naming what failed, the step
   // and the checkpoint to resume from; `e` is marked reported (the app prints
@@ -162,6 +165,9 @@ class Trainer {
   void inject_step_faults(StepReport& r);
   std::optional<NonFiniteStep> check_finite(const StepReport& r, double& grad_norm);
   StepReport skip_step(StepReport r, const NonFiniteStep& bad, Clock::time_point started);
+  // fp16: a step whose scaled gradients overflowed, not applied; the scale halves (not a fault).
+  StepReport loss_scale_skip(StepReport r, const NonFiniteStep& bad, Clock::time_point started);
+  void setup_precision();
   void on_divergence(const StepReport& r, const NonFiniteStep& bad);
   [[noreturn]] void stop_diverged(const StepReport& r, const NonFiniteStep& bad, const std::string& why);
   // trainer_memory.cpp: the estimate and limit check at the end of setup()
@@ -190,6 +196,7 @@ class Trainer {
   double train_seconds_ = 0;
   int64_t input_tokens_ = 0;
   FaultState faults_;
+  std::optional<LossScaler> scaler_;  // precision: fp16 only
   int64_t attempt_ = 0;       // the last step attempt's number (failpoints' step)
   int64_t current_step_ = 0;  // the step train_step is running (0: none), for error records
   MemoryLimit mem_limit_;

@@ -104,6 +104,51 @@ StepReport Trainer::skip_step(StepReport r, const NonFiniteStep& bad, Clock::tim
   return r;
 }
 
+// precision (train_step.h): the session's products; fp16 adds the loss scaler
+// and says when optim.eps is too small for the gradients fp16 holds.
+void Trainer::setup_precision() {
+  session_->set_precision(c_.precision);
+  if (c_.precision != TrainPrecision::fp16) return;
+  scaler_.emplace();
+  if (rt_.metrics) rt_.metrics->on_loss_scale(scaler_->scale(), false);
+  // loom's AdamW adds eps in f32 (sqrt(v_hat) + eps), where 1e-8 is exact: the
+  // fp16 optimizer's failure (eps rounding to 0, 0/0) cannot happen here. What
+  // fp16 does bound is the gradient: the products hold it scaled by the loss
+  // scale, so the smallest non-zero gradient they carry is fp16's smallest
+  // subnormal over the scale (2^-24 / 2^16 = 9.1e-13 at the start). An eps
+  // below that no longer damps the step of gradients at fp16's resolution.
+  const double smallest = std::ldexp(1.0, -24) / scaler_->scale();
+  if (c_.adam.eps < smallest)
+    log_->record(LogLevel::warning, "config",
+                 fmt::format("{}: optim.eps {:.3g} is below the smallest gradient fp16 products hold at the "
+                             "initial loss scale {} ({:.3g} = 2^-24 / scale): AdamW's step m / (sqrt(v) + eps) "
+                             "is then about the full learning rate for any gradient at fp16's resolution, "
+                             "rounding noise included; use optim.eps: 1e-6 (or at least {:.3g})",
+                             c_.source, c_.adam.eps, scaler_->scale(), smallest, smallest),
+                 {{"optim", {{"eps", c_.adam.eps}}}, {"smallest_fp16_gradient", smallest}});
+}
+
+StepReport Trainer::loss_scale_skip(StepReport r, const NonFiniteStep& bad, Clock::time_point started) {
+  const float was = scaler_->scale();
+  scaler_->update(true);
+  r.skipped = true;
+  r.lr = opt_->current_lr(0);
+  r.grad_norm = std::nan("");
+  r.input_tokens = input_tokens_;
+  r.step_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  train_seconds_ += r.step_seconds;
+  log_->record(LogLevel::info, "loss_scale",
+               fmt::format("step {}: fp16 gradients overflowed at loss scale {} ({}); step not applied, loss "
+                           "scale now {}", r.step, was, describe(bad), scaler_->scale()),
+               {{"step", r.step},
+                {"attempt", attempt_},
+                {"loss_scale", scaler_->scale()},
+                {"previous_loss_scale", was},
+                {"tensor", bad.tensor}});
+  if (rt_.metrics) rt_.metrics->on_loss_scale(scaler_->scale(), true);
+  return r;
+}
+
 void Trainer::on_divergence(const StepReport& r, const NonFiniteStep& bad) {
   if (c_.on_divergence == TrainConfig::OnDivergence::stop) stop_diverged(r, bad, "on_divergence: stop");
   if (faults_.rollbacks >= c_.max_rollbacks)

@@ -14,7 +14,6 @@
 #include "core/rng.h"
 #include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/bf16_rows.h"
-#include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/linear_backward.h"
 #include "kernels/cpu/loss.h"
@@ -23,7 +22,6 @@
 #include "kernels/cpu/optim8bit.h"
 #include "kernels/cpu/paged_attention.h"
 #include "kernels/cpu/dequant.h"
-#include "kernels/cpu/round_precision.h"
 #include "kernels/cpu/round_precision.h"
 
 namespace loom {
@@ -278,11 +276,6 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override {
-    for (int64_t i = 0; i < rows; ++i)
-      std::memcpy(dst + i * ld_dst, src + i * ld_src, static_cast<size_t>(cols) * sizeof(float));
-  }
-
   void zero(float* x, int64_t n) override { std::memset(x, 0, static_cast<size_t>(n) * sizeof(float)); }
 
   void transpose(float* dst, const float* src, int64_t rows, int64_t cols) override {
@@ -300,6 +293,11 @@ class CpuBackend final : public Backend {
     CounterRng rng(seed ^ splitmix64(step * 0x9e3779b97f4a7c15ull + slot + 1));
     const auto keep_scale = static_cast<float>(1.0 / (1.0 - p));
     for (int64_t i = 0; i < n; ++i) dst[i] = rng.next_double() < p ? 0.0f : src[i] * keep_scale;
+  }
+
+  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override {
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(dst + i * ld_dst, src + i * ld_src, static_cast<size_t>(cols) * sizeof(float));
   }
 
   void to_bf16(uint16_t* dst, const float* src, int64_t n) override {
