@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -118,6 +119,39 @@ TEST(Checkpoint, WritesAVerifiedFolderThatLoadsBack) {
   AdamW opt_small(*f.cpu.backend, AdamWConfig{}, {}, small.size());
   test_util::expect_error([&] { load_checkpoint_arenas(p, small, opt_small); }, ErrorKind::invalid_input,
                           {"params.f32", "1000", "10"});
+}
+
+// optim.kind adamw8bit: the codes and absmax are files of the checkpoint and
+// load back bit for bit; an adamw optimizer refuses them (and the reverse).
+TEST(Checkpoint, Adam8bitStateLoadsBackAndAnotherKindIsRefused) {
+  Fixture f;
+  const size_t n = 5000 + 1000;
+  f.params.resize(n, 0.25f);
+  ParamGroup g;
+  g.size = n;
+  const std::vector<TensorSpan> tensors = {{0, 5000}, {5000, 1000}};
+  f.opt = std::make_unique<AdamW>(*f.cpu.backend, AdamWConfig{}, std::vector<ParamGroup>{g}, n, LrSchedule{},
+                                  OptimizerKind::adamw8bit, tensors);
+  const std::string p = f.write(2);
+  EXPECT_EQ(verify_checkpoint(p), "");
+  for (const char* name : {"adam_m.q8", "adam_v.q8", "adam_m_absmax.f32", "adam_v_absmax.f32"})
+    EXPECT_TRUE(fs::exists(fs::path(p) / name)) << name;
+  EXPECT_EQ(fs::file_size(fs::path(p) / "adam_m.q8"), 5000u);
+  EXPECT_EQ(fs::file_size(fs::path(p) / "adam_m.f32"), 1000u * 4);
+  std::vector<float> params(n, 0.f);
+  AdamW opt(*f.cpu.backend, AdamWConfig{}, {g}, n, {}, OptimizerKind::adamw8bit, tensors);
+  load_checkpoint_arenas(p, params, opt);
+  EXPECT_EQ(params, f.params);
+  const auto a = f.opt->state_parts(), b = opt.state_parts();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(std::memcmp(a[i].data, b[i].data, a[i].bytes), 0) << a[i].file;
+  AdamW f32(*f.cpu.backend, AdamWConfig{}, {g}, n);
+  test_util::expect_error([&] { load_checkpoint_arenas(p, params, f32); }, ErrorKind::invalid_input,
+                          {"optim.kind adamw8bit", "uses adamw"});
+  // A damaged code file is caught by the manifest's checksum.
+  write_bytes(fs::path(p) / "adam_v.q8", std::string(5000, '\x07'));
+  EXPECT_NE(verify_checkpoint(p).find("adam_v.q8"), std::string::npos);
 }
 
 // Each kind of damage: the newest checkpoint is skipped with the reason, the
