@@ -19,7 +19,7 @@ and the default model's bf16 form (models/variants/SmolLM2-135M-Instruct.BF16.gg
 the same weights as the Q4_1 file expanded by llama.cpp) for the losses.
 
 Usage: python3 bench/bench_qlora.py [--loom build/loom] [--model PATH] [--seq-len 512]
-                                    [--quant none,q8_0,q4_0,nf4] [--steps 4] [-t 2]
+                                    [--quant none,q8_0,q4_0,nf4] [--steps 4] [-t 2] [--backward auto]
 Results: a table on stdout and bench/results/qlora-<date>-<model>.{json,md}.
 """
 import argparse
@@ -37,11 +37,11 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 MIB = 1024.0 * 1024.0
 
 
-def config_text(model, data, seq_len, steps, threads, quant, out_dir, metrics):
+def config_text(model, data, seq_len, steps, threads, quant, out_dir, metrics, backward="auto"):
     return (f"model: {model}\ndata:\n  train: {data}\n  format: text\n  seq_len: {seq_len}\n"
             f"lora:\n  r: 8\n  alpha: 16\n  dropout: 0.0\n  target_modules: [{', '.join(TARGETS)}]\n"
             f"optim:\n  lr: 1e-4\nbatch_size: 1\nsteps: {steps}\nthreads: {threads}\nseed: 1\n"
-            f"quantize_base: {quant}\n"
+            f"quantize_base: {quant}\nbackward: {backward}\n"
             f"metrics_file: {metrics}\noutput_dir: {out_dir}\noverwrite: true\n")
 
 
@@ -56,9 +56,10 @@ def run_case(a, tmp, data, quant):
     metrics = os.path.join(tmp, f"metrics-{quant}.jsonl")
     cfg = os.path.join(tmp, f"{quant}.yaml")
     with open(cfg, "w") as f:
-        f.write(config_text(a.model, data, a.seq_len, a.steps, a.threads, quant, os.path.join(tmp, "out"), metrics))
+        f.write(config_text(a.model, data, a.seq_len, a.steps, a.threads, quant, os.path.join(tmp, "out"), metrics,
+                            a.backward))
     rc, _, err, peak, wall = run_measured([a.loom, "train", cfg, "--log-format", "json"])
-    run = {"model": a.model, "quantize_base": quant, "seq_len": a.seq_len, "rc": rc, "peak_rss_mib": peak,
+    run = {"model": a.model, "quantize_base": quant, "backward": a.backward, "seq_len": a.seq_len, "rc": rc, "peak_rss_mib": peak,
            "wall_s": wall}
     mem = memory_event(err)
     if mem:
@@ -98,6 +99,7 @@ def main():
     ap.add_argument("--quant", default="none,q8_0,q4_0,nf4")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--backward", default="auto", help="backward: auto|exact|f16|bf16|int8 (exact keeps no W^T copies)")
     a = ap.parse_args()
     if a.threads > 2:
         sys.exit("at most 2 threads on the shared machine")
@@ -114,7 +116,7 @@ def main():
     print(md)
     out = os.path.join(ROOT, "bench", "results")
     os.makedirs(out, exist_ok=True)
-    stem = f"qlora-{datetime.date.today().isoformat()}-{os.path.basename(a.model.rstrip('/'))}"
+    stem = f"qlora-{datetime.date.today().isoformat()}-{os.path.basename(a.model.rstrip('/'))}-{a.backward}"
     with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump(runs, f, indent=1)
     with open(os.path.join(out, stem + ".md"), "w") as f:
