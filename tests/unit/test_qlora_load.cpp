@@ -27,6 +27,8 @@
 #include "model/forward.h"
 #include "model/model.h"
 #include "model/quantize_base.h"
+#include "train/train_config.h"
+#include "train/trainer.h"
 #include "expect_error.h"
 #include "temp_dir.h"
 
@@ -265,6 +267,30 @@ TEST(BnbFolder, RefusesBrokenTensors) {
     m.bytes[4] ^= 1;
     expect_error([&] { load(b.write()); }, ErrorKind::invalid_input, {kQ + ".quant_map", "NF4 code table"});
   }
+}
+
+// LoRA training on a quantize_base base: the tiny f16 GGUF (its layers become
+// q8_0 / q4_0 / nf4 at load), the loss falls; full fine-tuning is refused.
+TrainConfig qlora_config(const test_util::TempDir& tmp, const std::string& quant, const std::string& method) {
+  const std::string src = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/";
+  return parse_train_config(
+      fmt::format("model: {}\ndata:\n  train: {}\n  seq_len: 48\nlora:\n  r: 4\n  dropout: 0\noptim:\n  lr: 1e-2\n"
+                  "method: {}\nbatch_size: 2\nsteps: 10\noutput_dir: {}\nseed: 3\nthreads: 2\nquantize_base: {}\n",
+                  fixture("tiny.f16.gguf"), src + "train_data/text.jsonl", method, (tmp.path / "out").string(), quant),
+      "test.yaml");
+}
+
+TEST(QuantizeBase, LoraTrainingLossFalls) {
+  for (const char* q : {"q8_0", "q4_0", "nf4"}) {
+    test_util::TempDir tmp("qlora_train");
+    const TrainResult r = run_training(qlora_config(tmp, q, "lora"), nullptr);
+    ASSERT_EQ(r.step_losses.size(), 10u) << q;
+    for (double l : r.step_losses) EXPECT_TRUE(std::isfinite(l)) << q;
+    EXPECT_LT(r.step_losses.back(), r.step_losses.front() - 0.1) << q;
+  }
+  test_util::TempDir tmp("qlora_full");
+  expect_error([&] { run_training(qlora_config(tmp, "nf4", "full"), nullptr); }, ErrorKind::invalid_input,
+               {"quantize_base: nf4", "method: lora"});
 }
 
 }  // namespace
