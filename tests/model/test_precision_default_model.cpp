@@ -1,0 +1,112 @@
+// precision bf16 / fp16 on the default model (SmolLM2-135M-Instruct Q4_1):
+// the LoRA gradients of one batch against fp32's (backward bf16 in all three,
+// as `loom train` runs on this machine class), and fused against unfused q/k/v,
+// gate/up A products (bit-identical).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+
+#include "core/rng.h"
+#include "model/model.h"
+#include "train/train_step.h"
+
+namespace loom {
+namespace {
+
+const std::string kModel = std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+Batch one_row(int64_t T, int64_t vocab) {
+  Batch b;
+  b.rows = 1;
+  b.seq_len = T;
+  CounterRng rng(11);
+  for (int64_t t = 0; t < T; ++t) {
+    b.tokens.push_back(static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(vocab)));
+    b.positions.push_back(static_cast<int32_t>(t));
+    b.seq_start.push_back(0);
+  }
+  for (int64_t t = 0; t < T; ++t) b.targets.push_back(t + 1 < T ? b.tokens[static_cast<size_t>(t + 1)] : -100);
+  b.target_tokens = T - 1;
+  return b;
+}
+
+TEST(PrecisionDefaultModel, GradientErrorAgainstFp32) {
+  if (!std::ifstream(kModel).good()) GTEST_SKIP() << kModel << " is missing: run scripts/fetch_model";
+  ThreadPool pool(2);
+  auto backend = make_backend(kCpu, pool);
+  auto model = Model::load(kModel, {.tokenizer = false, .pack = true, .backend = backend.get()});
+  const ModelConfig& mc = model->config();
+  LoraConfig lc;
+  lc.r = 8;
+  lc.alpha = 16;
+  const std::vector<std::string> all = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  lc.set_targets(all);
+  LoraModel lora(mc, lc);
+  CounterRng rng(3);  // non-zero B: every adapter passes gradient to A and its input
+  for (int64_t l = 0; l < mc.n_layers; ++l)
+    for (LoraTarget t : kAllLoraTargets) {
+      Tensor B = lora.b(l, t);
+      for (int64_t i = 0; i < B.numel(); ++i) B.as<float>()[i] = static_cast<float>(rng.next_double() - 0.5) * 0.02f;
+    }
+  const Batch batch = one_row(128, mc.vocab_size);
+  const float scale = 1.0f / static_cast<float>(batch.target_tokens);
+  // loss_scale: as the Trainer runs fp16 (GradScaler's initial 2^16), unscaled after.
+  auto run = [&](TrainPrecision p, bool fused, double& loss, float loss_scale = 1.0f) {
+    TrainSession s(mc, model->weights(), lora, *backend, BackwardMode::bf16);
+    s.set_precision(p);
+    s.set_fused_lora(fused);
+    lora.zero_grads();
+    loss = s.forward_backward(batch, scale * loss_scale).loss_sum / static_cast<double>(batch.target_tokens);
+    std::vector<float> g(lora.grads(), lora.grads() + lora.param_count());
+    for (float& x : g) x *= 1.0f / loss_scale;
+    return g;
+  };
+  double l32 = 0, l_unfused = 0;
+  const std::vector<float> g32 = run(TrainPrecision::fp32, true, l32);
+  const std::vector<float> g32u = run(TrainPrecision::fp32, false, l_unfused);
+  EXPECT_EQ(l32, l_unfused);
+  EXPECT_EQ(std::memcmp(g32.data(), g32u.data(), g32.size() * sizeof(float)), 0) << "fused != unfused";
+  // Stated tolerances (|g - g_fp32| / |g_fp32|, L2), from the measured figures
+  // (docs/training.md) with headroom: bf16 operands keep 8 significant bits
+  // (2^-9 relative each), fp16 11 (2^-12); sums over the batch's tokens cancel
+  // (dA = sum_t du_t x_t), which multiplies the relative error. On this model
+  // and batch fp16's error is only ~3x below bf16's (not 8x: the cause is not
+  // established; the tiny model shows 20x), with or without a loss scale.
+  const struct {
+    TrainPrecision p;
+    float loss_scale;
+    double tol;
+    double min_cosine;
+  } cases[] = {{TrainPrecision::bf16, 1.0f, 0.2, 0.99},   // measured 1.3e-1, cosine 0.9952
+               {TrainPrecision::fp16, 65536.0f, 0.08, 0.998},  // measured 4.5e-2 at scale 8192, cosine 0.99906
+               {TrainPrecision::fp16, 1.0f, 0.08, 0.998}};
+  for (const auto& [p, first_scale, tol, min_cosine] : cases) {
+    double loss = 0;
+    // As GradScaler would: halve the scale until the gradients are finite.
+    float loss_scale = first_scale;
+    std::vector<float> g = run(p, true, loss, loss_scale);
+    while (!std::all_of(g.begin(), g.end(), [](float x) { return std::isfinite(x); }) && loss_scale > 1.0f)
+      g = run(p, true, loss, loss_scale *= 0.5f);
+    double diff = 0, norm = 0, dot = 0, norm_p = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      diff += (static_cast<double>(g[i]) - g32[i]) * (static_cast<double>(g[i]) - g32[i]);
+      norm += static_cast<double>(g32[i]) * g32[i];
+      norm_p += static_cast<double>(g[i]) * g[i];
+      dot += static_cast<double>(g[i]) * g32[i];
+    }
+    const double rel = std::sqrt(diff / norm), cosine = dot / std::sqrt(norm * norm_p);
+    std::printf("[ precision %s, loss scale %g ] SmolLM2 Q4_1, 128 tokens, %lld LoRA gradients: |g - g_fp32| / "
+                "|g_fp32| = %.2e, cosine %.8f; loss %.6f (fp32 %.6f)\n",
+                train_precision_name(p), loss_scale, static_cast<long long>(g.size()), rel, cosine, loss, l32);
+    EXPECT_LT(rel, tol) << train_precision_name(p);
+    EXPECT_GT(cosine, min_cosine) << train_precision_name(p);
+    EXPECT_GT(rel, 0) << train_precision_name(p);
+    EXPECT_LT(std::fabs(loss - l32), 1e-2 * l32) << train_precision_name(p);
+  }
+}
+
+}  // namespace
+}  // namespace loom
