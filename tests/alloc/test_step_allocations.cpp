@@ -213,6 +213,12 @@ TEST(StepAllocations, LoraBf16Activations) {
 TEST(StepAllocations, FullCheckpointingBf16) {
   expect_steady_state_allocates_nothing("full", "bf16", 0.0, "gradient_checkpointing: true\nactivation_dtype: bf16\n");
 }
+// precision: the LoRA operands rounded into the session's LoRA scratch; fp16's
+// loss scaling (unscale, scaler update) in the step.
+TEST(StepAllocations, LoraFp16PrecisionDropout) {
+  expect_steady_state_allocates_nothing("lora", "bf16", 0.1, "precision: fp16\n");
+}
+TEST(StepAllocations, LoraBf16Precision) { expect_steady_state_allocates_nothing("lora", "bf16", 0.0, "precision: bf16\n"); }
 
 // The whole Trainer::train_step (silent log, its records included): nothing retained.
 TEST(StepAllocations, TrainStepRetainsNothing) {
