@@ -175,7 +175,7 @@ TEST(TrainMemory, EstimateTextAndRefusalNameTheKeysThatLowerIt) {
     FAIL();
   } catch (const Error& err) {
     const std::string m = err.what();
-    for (const char* key : {"data.seq_len", "batch_size", "grad_accum", "method: lora", "backward", "gradient checkpointing",
+    for (const char* key : {"data.seq_len", "batch_size", "grad_accum", "method: lora", "backward", "gradient_checkpointing", "activation_dtype: bf16",
                             "memory_limit", "1.00 GiB"})
       EXPECT_NE(m.find(key), std::string::npos) << key << " missing from: " << m;
   }
