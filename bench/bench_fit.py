@@ -17,7 +17,7 @@ not count) of real steps of the same LoRA on a transformers LlamaForCausalLM bui
 weights in the same shape (no files), in two settings: its defaults (f32, no gradient checkpointing)
 and its best memory settings on CPU (bf16 base weights, gradient checkpointing, non-reentrant). A
 full model at every seq_len would not run on a 24 GiB machine, so PEFT is measured with the first
-1 and 2 decoder layers at two short seq_lens (--peft-fit-seqs) and its peak RSS extrapolated,
+1 and 2 decoder layers (--peft-fit-layers) at two short seq_lens (--peft-fit-seqs) and its peak RSS extrapolated,
 bilinearly in layers and tokens: RSS(L, S) = a + b S + L (c + d S) (activations and the loss's
 logits grow with S; sdpa attention keeps no S x S matrix). Where the full model's extrapolated RSS
 is under --real-max-gib it is also run for real, which checks the extrapolation. Every PEFT figure
@@ -250,7 +250,7 @@ def peft_cases(a, name, seqs):
     rows = []
     for mode in a.peft_modes:
         pts, raw = [], []
-        for L in (1, 2):
+        for L in a.peft_fit_layers:
             for S in a.peft_fit_seqs:
                 r = peft_run(a, shape, mode, L, S)
                 raw.append(r)
@@ -303,7 +303,7 @@ def tables(a, results, seqs):
     out = [f"LoRA r={a.rank} (all 7 targets), batch 1, one AdamW step; budget {a.budget_gib:g} GiB; GiB per case.",
            f"loom settings: {', '.join(a.loom_set) or 'defaults'}; base {a.loom_type} GGUF. "
            "loom: the estimate (peak RSS of a real run in parentheses); PEFT: peak RSS, measured or "
-           "extrapolated from 1/2-layer runs at seq_len " + ",".join(map(str, a.peft_fit_seqs)) + ".", ""]
+           "extrapolated from " + "/".join(map(str, a.peft_fit_layers)) + "-layer runs at seq_len " + ",".join(map(str, a.peft_fit_seqs)) + ".", ""]
     for name in a.models:
         head = ["seq_len", "loom"] + [PEFT_MODES[m]["label"] for m in a.peft_modes]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -351,6 +351,9 @@ def main():
     ap.add_argument("--python", default=os.path.join(ROOT, ".venv-ref/bin/python"))
     ap.add_argument("--peft-modes", default="default,best")
     ap.add_argument("--peft-fit-seqs", default="256,512")
+    ap.add_argument("--peft-fit-layers", default="1,2",
+                    help="the two layer counts PEFT is measured with (1,4 is steadier for 8B: the 1-to-2-layer "
+                         "difference of one run is noisy)")
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--no-loom", action="store_true")
     a = ap.parse_args()
@@ -362,6 +365,9 @@ def main():
     a.peft_fit_seqs = [int(s) for s in a.peft_fit_seqs.split(",") if s]
     if len(a.peft_fit_seqs) != 2:
         raise SystemExit("--peft-fit-seqs: give two seq_lens")
+    a.peft_fit_layers = [int(s) for s in a.peft_fit_layers.split(",") if s]
+    if len(a.peft_fit_layers) != 2 or min(a.peft_fit_layers) < 1:
+        raise SystemExit("--peft-fit-layers: give two layer counts >= 1")
     a.peft_modes = [m for m in a.peft_modes.split(",") if m]
     for m in a.peft_modes:
         if m not in PEFT_MODES:
