@@ -9,7 +9,7 @@ steps after the first (warm-up), and peak resident memory of the whole process.
 
 Usage: python3 bench/bench_train_vs_peft.py [-t 2] [--seq-len 512] [--batch 2] [--steps 6]
                                             [--loom build/loom] [--python /opt/loom-ref/bin/python]
-                                            [--backward f16,int8] [--no-peft] [--no-loom]
+                                            [--backward f16,int8] [--set KEY=VALUE ...] [--no-peft] [--no-loom]
 The PEFT side needs a Python with torch, transformers, peft and gguf (scripts/fixtures/requirements.txt).
 Results: a table on stdout and bench/results/train-<date>-t<T>.json.
 """
@@ -103,6 +103,8 @@ def main():
     ap.add_argument("--loom", default=os.path.join(ROOT, "build/loom"))
     ap.add_argument("--python", default="/opt/loom-ref/bin/python")
     ap.add_argument("--backward", default="f16,int8", help="loom backward modes to run (exact,f16,int8)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra loom config setting for every loom run (loom train --set), e.g. precision=bf16")
     ap.add_argument("--no-peft", action="store_true")
     ap.add_argument("--no-loom", action="store_true")
     a = ap.parse_args()
@@ -125,8 +127,9 @@ def main():
                         f"  target_modules: [{', '.join(TARGETS)}]\noptim:\n  lr: 1e-4\n"
                         f"batch_size: {a.batch}\nsteps: {a.steps}\nthreads: {a.threads}\n"
                         f"backward: {mode}\nmetrics_file: {metrics}\noutput_dir: {os.path.join(tmp, 'out-' + mode)}\n")
-            rc, out, err, peak, wall = run_measured([a.loom, "train", cfg], env)
-            run = {"side": f"loom (Q4_1 GGUF, backward {mode})", "rc": rc, "peak_rss_mib": peak, "wall_s": wall}
+            sets = [arg for kv in a.set for arg in ("--set", kv)]
+            rc, out, err, peak, wall = run_measured([a.loom, "train", cfg] + sets, env)
+            run = {"side": f"loom (Q4_1 GGUF, backward {mode}{''.join(' ' + kv for kv in a.set)})", "rc": rc, "peak_rss_mib": peak, "wall_s": wall}
             if rc == 0:
                 steps = [json.loads(l) for l in open(metrics) if '"loss"' in l]
                 run["step_seconds"] = [s["step_seconds"] for s in steps]
