@@ -128,7 +128,9 @@ std::vector<float> run_layers(const Model& m, Backend& be, int mode) {
   const LayerBuffers b = acts.layer();
   for (int64_t l = 0; l < c.n_layers; ++l)
     dec.layer(*ws, l, T, b, acts.rope_cs, attn, mode == 0 ? nullptr : &adapters);
-  if (mode == 2) EXPECT_EQ(adapters.base_pass_calls, 4 * c.n_layers);
+  if (mode == 2) {
+    EXPECT_EQ(adapters.base_pass_calls, 4 * c.n_layers);
+  }
   return std::vector<float>(acts.x, acts.x + T * c.hidden);
 }
 

@@ -58,7 +58,9 @@ TEST(RoundPrecision, BackendSplitsAndAliasesGiveTheSameBits) {
     round_to_precision(to, a.data(), x.data(), static_cast<int64_t>(x.size()));
     cpu.backend->round_to(to, b.data(), b.data(), static_cast<int64_t>(b.size()));  // in place
     for (size_t i = 0; i < x.size(); ++i)
-      if (!std::isnan(a[i])) ASSERT_EQ(bits(a[i]), bits(b[i])) << dtype_name(to) << " element " << i;
+      if (!std::isnan(a[i])) {
+        ASSERT_EQ(bits(a[i]), bits(b[i])) << dtype_name(to) << " element " << i;
+      }
   }
 }
 
