@@ -33,11 +33,11 @@ import argparse
 import datetime
 import json
 import os
-import random
-import subprocess
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import make_data, memory_record, run_measured  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -105,41 +105,6 @@ def log(msg):
     print(f"[fit] {msg}", file=sys.stderr, flush=True)
 
 
-def run_measured(cmd, env=None, timeout=None):
-    """Runs cmd; returns (rc, stdout, stderr, peak RSS of that process in MiB, wall seconds)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid != 0:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                p.kill()
-                pid, status, usage = os.wait4(p.pid, 0)
-                break
-            time.sleep(0.2)
-        rc = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return rc, out.read(), err.read(), usage.ru_maxrss / 1024.0, time.perf_counter() - t0
-
-
-def make_data(path, n_rows, seq_len):
-    """Texts well over seq_len tokens (SmolLM2's tokenizer: about 1.3 tokens a word)."""
-    rng = random.Random(0)
-    words = []
-    for name in ("README.md", "docs/architecture.md", "docs/training.md"):
-        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-            words += f.read().split()
-    with open(path, "w") as f:
-        for _ in range(n_rows):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq_len + 64))}) + "\n")
-
-
-# ------------------------------------------------------------------------------------------- loom
-
 def loom_config(a, tmp, model, seq, steps, limit, tag):
     data = os.path.join(tmp, f"data-{seq}.jsonl")
     if not os.path.exists(data):
@@ -166,19 +131,6 @@ def loom_config(a, tmp, model, seq, steps, limit, tag):
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
-
-
-def memory_record(stderr):
-    for line in stderr.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            j = json.loads(line)
-        except ValueError:
-            continue
-        if j.get("event", {}).get("action") == "memory" and "memory" in j.get("loom", {}):
-            return j["loom"]["memory"]
-    return None
 
 
 def loom_case(a, tmp, name, model, seq):

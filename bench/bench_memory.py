@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train_vs_peft import make_data, run_measured, steady_tokens_per_s  # noqa: E402
+from bench_util import make_data, memory_record as memory_event, run_measured, steady_tokens_per_s  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODELS = ["models/SmolLM2-135M-Instruct.Q4_1.gguf", "models/random-llama-3.2-1b.Q4_0.gguf"]
@@ -43,13 +43,6 @@ def config_text(model, data, seq_len, steps, threads, ckpt, dtype, out_dir, metr
             f"optim:\n  lr: 1e-4\nbatch_size: 1\nsteps: {steps}\nthreads: {threads}\n"
             f"gradient_checkpointing: {ckpt}\nactivation_dtype: {dtype}\n"
             f"metrics_file: {metrics}\noutput_dir: {out_dir}\noverwrite: true\n")
-
-
-def memory_event(stderr_text):
-    for line in stderr_text.splitlines():
-        if line.startswith("{") and '"action":"memory"' in line:
-            return json.loads(line)["loom"]["memory"]
-    return None
 
 
 def run_case(a, tmp, data, model, seq_len, ckpt, dtype):

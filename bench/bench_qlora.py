@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train_vs_peft import make_data, run_measured, steady_tokens_per_s  # noqa: E402
+from bench_util import make_data, memory_record as memory_event, run_measured, steady_tokens_per_s  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,13 +43,6 @@ def config_text(model, data, seq_len, steps, threads, quant, out_dir, metrics, b
             f"optim:\n  lr: 1e-4\nbatch_size: 1\nsteps: {steps}\nthreads: {threads}\nseed: 1\n"
             f"quantize_base: {quant}\nbackward: {backward}\n"
             f"metrics_file: {metrics}\noutput_dir: {out_dir}\noverwrite: true\n")
-
-
-def memory_event(stderr_text):
-    for line in stderr_text.splitlines():
-        if line.startswith("{") and '"action":"memory"' in line:
-            return json.loads(line)["loom"]["memory"]
-    return None
 
 
 def run_case(a, tmp, data, quant):

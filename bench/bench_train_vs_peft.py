@@ -17,11 +17,11 @@ import argparse
 import datetime
 import json
 import os
-import random
-import subprocess
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import make_data, run_measured, steady_tokens_per_s  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -61,35 +61,6 @@ for s in range(cfg["steps"]):
 print(json.dumps({"step_seconds": times, "losses": losses, "torch": torch.__version__,
                   "torch_threads": torch.get_num_threads()}))
 '''
-
-
-def run_measured(cmd, env=None):
-    """Runs cmd; returns (returncode, stdout, stderr, peak RSS of that process in MiB, wall seconds)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
-        _, status, usage = os.wait4(p.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return p.returncode, out.read(), err.read(), usage.ru_maxrss / 1024.0, time.perf_counter() - t0
-
-
-def make_data(path, n_rows, seq_len):
-    """Long English-like texts (every one well over seq_len tokens)."""
-    rng = random.Random(0)
-    words = []
-    for name in ("README.md", "docs/architecture.md", "docs/training.md"):
-        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-            words += f.read().split()
-    with open(path, "w") as f:
-        for _ in range(n_rows):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(2 * seq_len))}) + "\n")
-
-
-def steady_tokens_per_s(step_seconds, tokens_per_step):
-    rest = step_seconds[1:] if len(step_seconds) > 1 else step_seconds
-    return tokens_per_step * len(rest) / sum(rest)
 
 
 def main():
