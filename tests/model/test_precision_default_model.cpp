@@ -1,5 +1,6 @@
-// precision bf16 / fp16 on the default model (SmolLM2-135M-Instruct Q4_1):
-// the LoRA gradients of one batch against fp32's (backward f16 in all three),
+// precision bf16 / fp16 on the default model (SmolLM2-135M-Instruct Q4_1, and
+// the same weights in bf16): the LoRA gradients of one batch against fp32's
+// (backward f16 in all three),
 // and fused against unfused q/k/v,
 // gate/up A products (bit-identical).
 #include <gtest/gtest.h>
@@ -10,7 +11,9 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <span>
 #include <utility>
+#include <vector>
 
 #include "core/rng.h"
 #include "model/model.h"
@@ -20,6 +23,16 @@ namespace loom {
 namespace {
 
 const std::string kModel = std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+// The same weights in bf16 (scripts/make_gguf_variants): its products take f32
+// activations, so the forward is smooth in the LoRA operands (see below).
+const std::string kBf16 = std::string(LOOM_SOURCE_DIR) + "/models/variants/SmolLM2-135M-Instruct.BF16.gguf";
+
+struct PrecisionCase {
+  TrainPrecision p;
+  float loss_scale;
+  double tol;
+  double min_cosine;
+};
 
 Batch one_row(int64_t T, int64_t vocab) {
   Batch b;
@@ -36,11 +49,13 @@ Batch one_row(int64_t T, int64_t vocab) {
   return b;
 }
 
-TEST(PrecisionDefaultModel, GradientErrorAgainstFp32) {
-  if (!std::ifstream(kModel).good()) GTEST_SKIP() << kModel << " is missing: run scripts/fetch_model";
+// The LoRA gradients of one 128-token row at each case's precision against
+// fp32's, on two rows (random tokens, README text); returns the relative errors.
+std::vector<double> gradient_errors(const std::string& path, std::span<const PrecisionCase> cases) {
   ThreadPool pool(2);
   auto backend = make_backend(kCpu, pool);
-  auto model = Model::load(kModel, {.tokenizer = true, .pack = true, .backend = backend.get()});
+  auto model = Model::load(path, {.tokenizer = true, .pack = true, .backend = backend.get()});
+  std::vector<double> errors;
   const ModelConfig& mc = model->config();
   LoraConfig lc;
   lc.r = 8;
@@ -61,7 +76,8 @@ TEST(PrecisionDefaultModel, GradientErrorAgainstFp32) {
     std::ifstream f(std::string(LOOM_SOURCE_DIR) + "/README.md");
     const std::string readme((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     const std::vector<int32_t> ids = model->tokenizer().encode(readme, false, false);
-    ASSERT_GE(ids.size(), 129u);
+    EXPECT_GE(ids.size(), 129u);
+    if (ids.size() < 129u) return errors;
     for (size_t t = 0; t < 128; ++t) {
       text.tokens[t] = ids[t];
       text.targets[t] = t + 1 < 128 ? ids[t + 1] : -100;
@@ -94,14 +110,6 @@ TEST(PrecisionDefaultModel, GradientErrorAgainstFp32) {
   // (the tiny model shows 20x), and it does not change with the loss scale:
   // not explained yet (docs/training.md). The base's backward is f16 (dy not
   // rounded) in all runs, so its rounding does not amplify the differences.
-  const struct {
-    TrainPrecision p;
-    float loss_scale;
-    double tol;
-    double min_cosine;
-  } cases[] = {{TrainPrecision::bf16, 1.0f, 0.2, 0.99},     // measured 1.3e-1 / 9.5e-2, cosine >= 0.9950
-               {TrainPrecision::fp16, 65536.0f, 0.15, 0.995},  // measured 4.5e-2 / 8.2e-2, cosine >= 0.9965
-               {TrainPrecision::fp16, 1.0f, 0.15, 0.995}};
   for (const auto& [p, first_scale, tol, min_cosine] : cases) {
     double loss = 0;
     // As GradScaler would: halve the scale until the gradients are finite.
@@ -117,15 +125,46 @@ TEST(PrecisionDefaultModel, GradientErrorAgainstFp32) {
       dot += static_cast<double>(g[i]) * g32[i];
     }
     const double rel = std::sqrt(diff / norm), cosine = dot / std::sqrt(norm * norm_p);
-    std::printf("[ precision %s, loss scale %g ] SmolLM2 Q4_1, 128 tokens of %s, %lld LoRA gradients: |g - g_fp32| / "
+    errors.push_back(rel);
+    std::printf("[ precision %s, loss scale %g ] %s, 128 tokens of %s, %lld LoRA gradients: |g - g_fp32| / "
                 "|g_fp32| = %.2e, cosine %.8f; loss %.6f (fp32 %.6f)\n",
-                train_precision_name(p), loss_scale, name, static_cast<long long>(g.size()), rel, cosine, loss, l32);
+                train_precision_name(p), loss_scale, path.c_str() + path.rfind('/') + 1, name, static_cast<long long>(g.size()), rel, cosine, loss, l32);
     EXPECT_LT(rel, tol) << train_precision_name(p);
     EXPECT_GT(cosine, min_cosine) << train_precision_name(p);
     EXPECT_GT(rel, 0) << train_precision_name(p);
     EXPECT_LT(std::fabs(loss - l32), 1e-2 * l32) << train_precision_name(p);
   }
   }
+  return errors;
+}
+
+// On the Q4_1 model the base products quantize their activations to 8 bits
+// (q8_1), which makes the forward piecewise constant: any change of a LoRA
+// operand flips some activation codes downstream, and those flips, not the
+// operands' own rounding, dominate the difference (it grows like the square
+// root of the perturbation: bf16's is sqrt(8) = 2.8x fp16's on random tokens,
+// and rounding A alone to fp16 already gives 7e-2). Hence the loose tolerances
+// here; the bf16 base below shows the precisions' own error.
+TEST(PrecisionDefaultModel, GradientErrorAgainstFp32) {
+  if (!std::ifstream(kModel).good()) GTEST_SKIP() << kModel << " is missing: run scripts/fetch_model";
+  const PrecisionCase cases[] = {{TrainPrecision::bf16, 1.0f, 0.2, 0.99},     // measured 1.3e-1 / 9.5e-2, cosine >= 0.9950
+                                 {TrainPrecision::fp16, 65536.0f, 0.15, 0.995},  // measured 4.5e-2 / 8.2e-2, cosine >= 0.9965
+                                 {TrainPrecision::fp16, 1.0f, 0.15, 0.995}};
+  gradient_errors(kModel, cases);
+}
+
+// The same weights in bf16: no activation quantization in the base, so the
+// error is the precisions' own: bf16 ~3e-3, fp16 ~3.5e-4 (8x less, its 3 more
+// bits), fp16 at loss scale 1 a little worse (small gradients fall into fp16's
+// subnormals: what loss scaling is for).
+TEST(PrecisionDefaultModel, GradientErrorAgainstFp32OnABf16Base) {
+  if (!std::ifstream(kBf16).good()) GTEST_SKIP() << kBf16 << " absent (scripts/make_gguf_variants)";
+  const PrecisionCase cases[] = {{TrainPrecision::bf16, 1.0f, 6e-3, 0.99998},       // measured 2.9e-3 / 3.0e-3
+                                 {TrainPrecision::fp16, 65536.0f, 8e-4, 0.9999998},  // measured 3.2e-4 / 3.7e-4
+                                 {TrainPrecision::fp16, 1.0f, 1e-3, 0.9999995}};     // measured 3.3e-4 / 5.1e-4
+  const std::vector<double> e = gradient_errors(kBf16, cases);
+  ASSERT_EQ(e.size(), 6u);
+  for (size_t row = 0; row < 2; ++row) EXPECT_LT(4 * e[row * 3 + 1], e[row * 3]) << "fp16 not 4x closer than bf16";
 }
 
 }  // namespace
