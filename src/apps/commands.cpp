@@ -11,10 +11,13 @@ extern const Command kMergeCommand;
 extern const Command kTrainCommand;
 extern const Command kServeCommand;
 extern const Command kPlotCommand;
+extern const Command kPerplexityCommand;
+extern const Command kQuantizeCommand;
+extern const Command kImatrixCommand;
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {kInfoCommand, kTokenizeCommand, kGenerateCommand, kChatCommand,
-                                             kBenchCommand, kMergeCommand, kTrainCommand, kPlotCommand,
+                                             kBenchCommand, kPerplexityCommand, kImatrixCommand, kQuantizeCommand, kMergeCommand, kTrainCommand, kPlotCommand,
                                              kServeCommand};
   return table;
 }

@@ -162,6 +162,76 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
   }
 }
 
+AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+  std::error_code ec;
+  const auto parent = fs::path(path_).parent_path();
+  if (!parent.empty()) {
+    fs::create_directories(parent, ec);
+    if (ec) fail(ErrorKind::io, "{}: cannot create folder {}: {}", path_, parent.string(), ec.message());
+  }
+  tmp_ = path_ + ".tmp." + std::to_string(getpid());
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(ErrorKind::io, "{}: cannot open {} for writing: {}", path_, tmp_, std::strerror(errno));
+  buf_.reserve(size_t{4} << 20);
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFileWriter::flush_buffer() {
+  size_t off = 0;
+  while (off < buf_.size()) {
+    const ssize_t n = ::write(fd_, buf_.data() + off, buf_.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(ErrorKind::io, "{}: write failed after {} bytes: {}", path_, written_, std::strerror(errno));
+    off += static_cast<size_t>(n);
+  }
+  buf_.clear();
+}
+
+void AtomicFileWriter::write(const void* data, size_t n) {
+  LOOM_ASSERT(fd_ >= 0 && "write after commit");
+  const auto* p = static_cast<const char*>(data);
+  written_ += n;
+  while (n > 0) {
+    const size_t take = std::min(n, buf_.capacity() - buf_.size());
+    buf_.insert(buf_.end(), p, p + take);
+    p += take;
+    n -= take;
+    if (buf_.size() == buf_.capacity()) flush_buffer();
+  }
+}
+
+void AtomicFileWriter::pad_to(size_t alignment) {
+  static constexpr char kZeros[64] = {};
+  size_t pad = (alignment - written_ % alignment) % alignment;
+  while (pad > 0) {
+    const size_t n = std::min(pad, sizeof(kZeros));
+    write(kZeros, n);
+    pad -= n;
+  }
+}
+
+void AtomicFileWriter::commit() {
+  LOOM_ASSERT(fd_ >= 0 && "commit twice");
+  flush_buffer();
+  if (::fsync(fd_) != 0) fail(ErrorKind::io, "{}: fsync of {} failed: {}", path_, tmp_, std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  std::error_code ec;
+  fs::rename(tmp_, path_, ec);
+  if (ec) {
+    ::unlink(tmp_.c_str());
+    fail(ErrorKind::io, "{}: cannot rename {} over it: {}", path_, tmp_, ec.message());
+  }
+  const auto parent = fs::path(path_).parent_path();
+  fsync_path(parent.empty() ? fs::path(".") : parent, true);
+}
+
 bool is_model_or_adapter_folder(const std::string& dir) {
   std::error_code ec;
   const fs::path d(dir);

@@ -17,6 +17,35 @@ namespace loom {
 // renames it over `path`. Throws loom::Error (io) naming the file on failure.
 void write_file_atomic(const std::string& path, std::string_view bytes);
 
+// A large file written as a stream and published whole: bytes go to
+// `path`.tmp.PID; commit() flushes, fsyncs and renames it over `path` (and
+// fsyncs the parent). Destroyed without commit() (an error, an exception
+// unwinding), the temporary file is removed and `path` is untouched. For
+// outputs too big to hold in memory: GGUF models, perplexity log-prob files.
+class AtomicFileWriter {
+ public:
+  // Creates missing parent folders and opens the temporary file. Throws io.
+  explicit AtomicFileWriter(std::string path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  void write(const void* data, size_t n);  // throws io naming `path`
+  void write(std::string_view bytes) { write(bytes.data(), bytes.size()); }
+  // Zero bytes up to the next multiple of `alignment` of the bytes written.
+  void pad_to(size_t alignment);
+  uint64_t size() const { return written_; }
+  void commit();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t written_ = 0;
+  std::vector<char> buf_;
+  void flush_buffer();
+};
+
 // Whether `dir` holds an output loom writes (or reads): a PEFT adapter
 // (adapter_config.json) or a model folder (config.json and a .safetensors file).
 bool is_model_or_adapter_folder(const std::string& dir);

@@ -67,9 +67,9 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
     be_.add_bias(v, L.bv, T, KV);
   }
   if (adapters != nullptr) {
-    const AdapterJob jobs[] = {{LoraTarget::q, b.xn1, H, b.q, Q},
-                               {LoraTarget::k, b.xn1, H, k, KV},
-                               {LoraTarget::v, b.xn1, H, v, KV}};
+    const AdapterJob jobs[] = {{LoraTarget::q, b.xn1, H, b.q, Q, T},
+                               {LoraTarget::k, b.xn1, H, k, KV, T},
+                               {LoraTarget::v, b.xn1, H, v, KV, T}};
     adapters->apply(l, jobs);
   }
   be_.rope(w_.rope, rope_cs, b.q, T, c_.n_heads, false);
@@ -78,7 +78,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   const MatmulTarget o[] = {{P.wo.get(), b.o, H}};
   base_products(ws, l, AdapterPoint::o, o, b.att, Q, T, adapters);
   if (adapters != nullptr) {
-    const AdapterJob jobs[] = {{LoraTarget::o, b.att, Q, b.o, H}};
+    const AdapterJob jobs[] = {{LoraTarget::o, b.att, Q, b.o, H, T}};
     adapters->apply(l, jobs);
   }
   be_.add(b.xmid, b.x, b.o, T * H);
@@ -88,14 +88,14 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   const MatmulTarget gate_up[] = {{P.w_gate.get(), b.gate, F}, {P.w_up.get(), b.up, F}};
   base_products(ws, l, AdapterPoint::gate_up, gate_up, b.xn2, H, T, adapters);
   if (adapters != nullptr) {
-    const AdapterJob jobs[] = {{LoraTarget::gate, b.xn2, H, b.gate, F}, {LoraTarget::up, b.xn2, H, b.up, F}};
+    const AdapterJob jobs[] = {{LoraTarget::gate, b.xn2, H, b.gate, F, T}, {LoraTarget::up, b.xn2, H, b.up, F, T}};
     adapters->apply(l, jobs);
   }
   be_.swiglu(b.h, b.gate, b.up, T, F);
   const MatmulTarget down[] = {{P.w_down.get(), b.down, H}};
   base_products(ws, l, AdapterPoint::down, down, b.h, F, T, adapters);
   if (adapters != nullptr) {
-    const AdapterJob jobs[] = {{LoraTarget::down, b.h, F, b.down, H}};
+    const AdapterJob jobs[] = {{LoraTarget::down, b.h, F, b.down, H, T}};
     adapters->apply(l, jobs);
   }
   be_.add(b.out, b.xmid, b.down, T * H);

@@ -64,13 +64,15 @@ class AttentionStep {
   virtual void attend(int64_t layer, const float* q, const float* k, const float* v, float* att) = 0;
 };
 
-// y [T, out] (rows ldy apart) += the adapter's term for input x (rows ldx apart).
+// y [rows, out] (rows ldy apart) += the adapter's term for input x (rows ldx
+// apart). `rows` is the step's T (observers such as calibration read x over it).
 struct AdapterJob {
   LoraTarget target;
   const float* x;
   int64_t ldx;
   float* y;
   int64_t ldy;
+  int64_t rows = 0;
 };
 // The four adaptation points of a layer, in order.
 enum class AdapterPoint { qkv, o, gate_up, down };

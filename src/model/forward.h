@@ -34,6 +34,10 @@ class InferenceSession {
   // Forgets positions >= n (n <= n_past), e.g. to restart a conversation.
   void truncate(int64_t n);
   size_t kv_bytes() const { return cache_.bytes(); }
+  // Adapters every layer calls after its projections (null: none, the default).
+  // Calibration (quant/: importance matrices, activation statistics) observes
+  // the inputs of every linear layer through it.
+  void set_layer_hook(LayerAdapters* hook) { hook_ = hook; }
 
  private:
   void forward_batch(const int32_t* tokens, int64_t T, bool all_logits, float* logits_out);
@@ -47,6 +51,7 @@ class InferenceSession {
   StepActivations acts_;  // of one micro-batch
   std::vector<int32_t> pos_;
   std::vector<float> logits_;
+  LayerAdapters* hook_ = nullptr;
 };
 
 }  // namespace loom

@@ -1,0 +1,244 @@
+#include "quant/quantize_plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <regex>
+
+#include "core/error.h"
+
+namespace loom {
+namespace {
+
+struct FileTypeInfo {
+  FileType type;
+  const char* name;
+  DType default_type;
+};
+
+constexpr FileTypeInfo kFileTypes[] = {
+    {FileType::all_f32, "F32", DType::f32},     {FileType::f16, "F16", DType::f16},
+    {FileType::bf16, "BF16", DType::bf16},      {FileType::q4_0, "Q4_0", DType::q4_0},
+    {FileType::q4_1, "Q4_1", DType::q4_1},      {FileType::q5_0, "Q5_0", DType::q5_0},
+    {FileType::q5_1, "Q5_1", DType::q5_1},      {FileType::q8_0, "Q8_0", DType::q8_0},
+    {FileType::q2_k, "Q2_K", DType::q2_k},      {FileType::q2_k_s, "Q2_K_S", DType::q2_k},
+    {FileType::q3_k_s, "Q3_K_S", DType::q3_k},  {FileType::q3_k_m, "Q3_K_M", DType::q3_k},
+    {FileType::q3_k_l, "Q3_K_L", DType::q3_k},  {FileType::q4_k_s, "Q4_K_S", DType::q4_k},
+    {FileType::q4_k_m, "Q4_K_M", DType::q4_k},  {FileType::q5_k_s, "Q5_K_S", DType::q5_k},
+    {FileType::q5_k_m, "Q5_K_M", DType::q5_k},  {FileType::q6_k, "Q6_K", DType::q6_k},
+};
+
+const FileTypeInfo& info(FileType t) {
+  for (const auto& i : kFileTypes)
+    if (i.type == t) return i;
+  LOOM_ASSERT(false && "unknown FileType");
+  return kFileTypes[0];
+}
+
+// llama.cpp's broad tensor categories (tensor_get_category), checked in its order.
+enum class Category { output, token_embd, attn_qkv, attn_kv_b, attn_v, attn_k, attn_q, attn_output, ffn_up,
+                      ffn_gate, ffn_down, other };
+
+Category category_of(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (name == "output.weight") return Category::output;
+  if (name == "token_embd.weight") return Category::token_embd;
+  if (has("attn_qkv.weight")) return Category::attn_qkv;
+  if (has("attn_kv_b.weight")) return Category::attn_kv_b;
+  if (has("attn_v.weight")) return Category::attn_v;
+  if (has("attn_k.weight")) return Category::attn_k;
+  if (has("attn_q.weight")) return Category::attn_q;
+  if (has("attn_output.weight")) return Category::attn_output;
+  if (has("ffn_up")) return Category::ffn_up;
+  if (has("ffn_gate")) return Category::ffn_gate;
+  if (has("ffn_down")) return Category::ffn_down;
+  return Category::other;
+}
+
+bool is_attn_v_like(Category c) { return c == Category::attn_v || c == Category::attn_qkv || c == Category::attn_kv_b; }
+
+// Layers that get more bits in the _M mixes: the first and last eighth, and
+// every third layer between them.
+bool use_more_bits(int64_t i, int64_t n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; }
+
+int layer_of(const std::string& name) {
+  int layer = -1;
+  if (name.rfind("blk.", 0) == 0) {
+    const char* b = name.c_str() + 4;
+    const auto [p, ec] = std::from_chars(b, name.c_str() + name.size(), layer);
+    if (ec != std::errc() || *p != '.') layer = -1;
+  }
+  return layer;
+}
+
+// ggml_n_dims: dimensions up to the last one larger than 1.
+size_t effective_dims(const std::vector<int64_t>& shape) {
+  size_t lead = 0;
+  while (lead + 1 < shape.size() && shape[lead] == 1) ++lead;
+  return shape.size() - lead;
+}
+
+// Counters of the mix rules, advanced in processing order.
+struct MixState {
+  int64_t n_attention_wv = 0, i_attention_wv = 0;
+  int64_t n_ffn = 0, i_ffn_down = 0;
+  bool tied_embeddings = true;
+};
+
+// llama_tensor_get_type_impl for the file types loom writes.
+DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt, DType t, const TensorInput& tensor,
+               Category cat) {
+  const FileType f = opt.file_type;
+  const int64_t n_gqa = m.n_kv_heads > 0 ? m.n_heads / m.n_kv_heads : 1;
+  if (cat == Category::output || (s.tied_embeddings && cat == Category::token_embd)) {
+    if (opt.output_type) return *opt.output_type;
+    if (tensor.shape.back() % dtype_block_size(t) != 0) return DType::q8_0;
+    return t != DType::q8_0 ? DType::q6_k : t;
+  }
+  if (cat == Category::token_embd) return opt.token_embedding_type ? *opt.token_embedding_type : t;
+  if (is_attn_v_like(cat)) {
+    const int64_t i = s.i_attention_wv, n = s.n_attention_wv;
+    if (f == FileType::q2_k) t = n_gqa >= 4 ? DType::q4_k : DType::q3_k;
+    else if (f == FileType::q2_k_s && n_gqa >= 4) t = DType::q4_k;
+    else if (f == FileType::q3_k_m) t = i < 2 ? DType::q5_k : DType::q4_k;
+    else if (f == FileType::q3_k_l) t = DType::q5_k;
+    else if ((f == FileType::q4_k_m || f == FileType::q5_k_m) && use_more_bits(i, n)) t = DType::q6_k;
+    else if (f == FileType::q4_k_s && i < 4) t = DType::q5_k;
+    if (m.is_70b && (t == DType::q3_k || t == DType::q4_k)) t = DType::q5_k;
+    ++s.i_attention_wv;
+    return t;
+  }
+  if (cat == Category::ffn_down) {
+    const int64_t i = s.i_ffn_down, n = s.n_ffn;
+    if (f == FileType::q2_k) t = DType::q3_k;
+    else if (f == FileType::q2_k_s) { if (i < n / 8) t = DType::q4_k; }
+    else if (f == FileType::q3_k_m) t = i < n / 16 ? DType::q5_k : DType::q4_k;
+    else if (f == FileType::q3_k_l) t = DType::q5_k;
+    else if (f == FileType::q4_k_m) { if (use_more_bits(i, n)) t = DType::q6_k; }
+    else if (f == FileType::q5_k_m && use_more_bits(i, n)) t = DType::q6_k;
+    else if (f == FileType::q4_k_s && i < n / 8) t = DType::q5_k;
+    else if ((f == FileType::q4_0 || f == FileType::q5_0) && opt.has_imatrix && i < n / 8)
+      t = f == FileType::q4_0 ? DType::q4_1 : DType::q5_1;
+    ++s.i_ffn_down;
+    return t;
+  }
+  if (cat == Category::attn_output) {
+    if (f == FileType::q2_k) t = DType::q3_k;
+    else if (f == FileType::q3_k_m) t = DType::q4_k;
+    else if (f == FileType::q3_k_l) t = DType::q5_k;
+    return t;
+  }
+  if (cat == Category::attn_qkv) {
+    if (f == FileType::q3_k_m || f == FileType::q3_k_l) t = DType::q4_k;
+    else if (f == FileType::q4_k_m) t = DType::q5_k;
+    else if (f == FileType::q5_k_m) t = DType::q6_k;
+  }
+  return t;
+}
+
+// tensor_type_fallback: a k-quant whose 256 does not divide the row width
+// becomes a 32-block type; if even that does not fit, f16.
+DType fit_to_width(DType t, int64_t cols, bool& fell_back) {
+  if (cols % dtype_block_size(t) == 0) return t;
+  fell_back = true;
+  switch (t) {
+    case DType::q2_k: case DType::q3_k: t = DType::q4_0; break;
+    case DType::q4_k: t = DType::q5_0; break;
+    case DType::q5_k: t = DType::q5_1; break;
+    case DType::q6_k: t = DType::q8_0; break;
+    default: break;
+  }
+  return cols % dtype_block_size(t) == 0 ? t : DType::f16;
+}
+
+}  // namespace
+
+std::optional<FileType> file_type_from_name(std::string_view name) {
+  std::string upper(name);
+  for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  for (const auto& i : kFileTypes)
+    if (upper == i.name) return i.type;
+  uint32_t id = 0;
+  const auto [p, ec] = std::from_chars(name.data(), name.data() + name.size(), id);
+  if (ec == std::errc() && p == name.data() + name.size())
+    for (const auto& i : kFileTypes)
+      if (static_cast<uint32_t>(i.type) == id) return i.type;
+  return std::nullopt;
+}
+
+const char* file_type_name(FileType t) { return info(t).name; }
+DType file_type_default(FileType t) { return info(t).default_type; }
+
+std::vector<FileType> all_file_types() {
+  std::vector<FileType> v;
+  for (const auto& i : kFileTypes) v.push_back(i.type);
+  return v;
+}
+
+bool tensor_is_quantizable(const TensorInput& t, bool quantize_output) {
+  if (effective_dims(t.shape) < 2) return false;
+  const std::string& n = t.name;
+  if (n.size() < 6 || n.compare(n.size() - 6, 6, "weight") != 0) return false;
+  if (n.find("_norm.weight") != std::string::npos) return false;
+  if (!quantize_output && n == "output.weight") return false;
+  for (const char* skip : {"ffn_gate_inp.weight", "position_embd", "token_types", "rope_freqs", "attn_rel_b.weight"})
+    if (n.find(skip) != std::string::npos) return false;
+  return true;
+}
+
+std::vector<TensorPlan> plan_quantization(std::vector<TensorInput> tensors, const ModelShapeInfo& model,
+                                          const QuantizeOptions& opt) {
+  // llama_model_loader's weights_map order: by layer (no layer first), then by name.
+  std::stable_sort(tensors.begin(), tensors.end(), [](const TensorInput& a, const TensorInput& b) {
+    const int la = layer_of(a.name), lb = layer_of(b.name);
+    return la != lb ? la < lb : a.name < b.name;
+  });
+  std::vector<std::pair<std::regex, DType>> overrides;
+  for (const auto& o : opt.overrides) {
+    try {
+      overrides.emplace_back(std::regex(o.pattern), o.type);
+    } catch (const std::regex_error& e) {
+      fail(ErrorKind::invalid_input, "--tensor-type pattern '{}' is not a valid regular expression: {}", o.pattern,
+           e.what());
+    }
+  }
+  MixState s;
+  s.n_ffn = model.n_layers;
+  for (const auto& t : tensors) {
+    const Category c = category_of(t.name);
+    if (is_attn_v_like(c)) ++s.n_attention_wv;
+    if (c == Category::output) s.tied_embeddings = false;
+  }
+  const DType base = file_type_default(opt.file_type);
+  std::vector<TensorPlan> plan;
+  plan.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    TensorPlan p{t.name, t.dtype, t.dtype};
+    p.quantized = tensor_is_quantizable(t, opt.quantize_output);
+    if (p.quantized) {
+      const Category c = category_of(t.name);
+      if (opt.token_embedding_type && c == Category::token_embd) {
+        p.to = *opt.token_embedding_type;
+      } else if (opt.output_type && c == Category::output) {
+        p.to = *opt.output_type;
+      } else {
+        p.to = base;
+        if (dtype_is_quantized(base)) {
+          bool manual = false;
+          for (const auto& [re, type] : overrides)
+            if (std::regex_search(t.name, re)) {
+              p.to = type;
+              manual = true;
+              break;
+            }
+          if (!manual && !opt.pure) p.to = mix_type(s, model, opt, p.to, t, c);
+          p.to = fit_to_width(p.to, t.shape.back(), p.fallback);
+        }
+      }
+    }
+    plan.push_back(std::move(p));
+  }
+  return plan;
+}
+
+}  // namespace loom

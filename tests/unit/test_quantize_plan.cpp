@@ -1,0 +1,137 @@
+// llama-quantize's type rules (quant/quantize_plan.h) on model shapes: the
+// expectations below are worked out from llama.cpp's llama_tensor_get_type;
+// tests/model/test_quantize_variants.cpp checks the same rules against files
+// llama-quantize wrote.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "expect_error.h"
+#include "quant/quantize_plan.h"
+
+namespace loom {
+namespace {
+
+// A Llama-shaped tensor list: hidden H, FFN F, `layers` layers, vocab V.
+std::vector<TensorInput> llama_tensors(int64_t layers, int64_t H, int64_t F, int64_t kv, int64_t V, bool tied) {
+  std::vector<TensorInput> t = {{"token_embd.weight", DType::f16, {V, H}}, {"output_norm.weight", DType::f32, {H}}};
+  if (!tied) t.push_back({"output.weight", DType::f16, {V, H}});
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    t.push_back({p + "attn_norm.weight", DType::f32, {H}});
+    t.push_back({p + "attn_q.weight", DType::f16, {H, H}});
+    t.push_back({p + "attn_k.weight", DType::f16, {kv, H}});
+    t.push_back({p + "attn_v.weight", DType::f16, {kv, H}});
+    t.push_back({p + "attn_output.weight", DType::f16, {H, H}});
+    t.push_back({p + "ffn_norm.weight", DType::f32, {H}});
+    t.push_back({p + "ffn_gate.weight", DType::f16, {F, H}});
+    t.push_back({p + "ffn_up.weight", DType::f16, {F, H}});
+    t.push_back({p + "ffn_down.weight", DType::f16, {H, F}});
+  }
+  return t;
+}
+
+std::map<std::string, DType> plan_map(const std::vector<TensorPlan>& plan) {
+  std::map<std::string, DType> m;
+  for (const auto& p : plan) m[p.name] = p.to;
+  return m;
+}
+
+TEST(QuantizePlan, Q4KMOnSmolLM2ShapeFallsBackForNarrowRows) {
+  // SmolLM2-135M: 30 layers, 576 wide (not a multiple of 256), 9/3 heads, tied embeddings.
+  QuantizeOptions o;
+  o.file_type = FileType::q4_k_m;
+  const auto plan = plan_quantization(llama_tensors(30, 576, 1536, 192, 49152, true), {30, 9, 3}, o);
+  const auto m = plan_map(plan);
+  EXPECT_EQ(m.at("token_embd.weight"), DType::q8_0);   // output rule on the tied embedding; 576 % 256
+  EXPECT_EQ(m.at("output_norm.weight"), DType::f32);
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q8_0);  // use_more_bits: q6_k -> q8_0 fallback
+  EXPECT_EQ(m.at("blk.3.attn_v.weight"), DType::q5_0);  // q4_k -> q5_0 fallback
+  EXPECT_EQ(m.at("blk.5.attn_v.weight"), DType::q8_0);  // (5 - 3) % 3 == 2
+  EXPECT_EQ(m.at("blk.27.attn_v.weight"), DType::q8_0); // the last eighth
+  EXPECT_EQ(m.at("blk.0.attn_q.weight"), DType::q5_0);
+  EXPECT_EQ(m.at("blk.4.ffn_down.weight"), DType::q4_k);  // 1536 wide: a k-quant fits
+  EXPECT_EQ(m.at("blk.5.ffn_down.weight"), DType::q6_k);
+  EXPECT_EQ(m.at("blk.4.ffn_gate.weight"), DType::q5_0);
+  int fallbacks = 0;
+  for (const auto& p : plan) fallbacks += p.fallback;
+  EXPECT_GT(fallbacks, 100);
+  EXPECT_EQ(plan.front().name, "output_norm.weight");  // no-layer tensors first, by name
+  EXPECT_EQ(plan[2].name, "blk.0.attn_k.weight");
+}
+
+TEST(QuantizePlan, KMixesOnA256MultipleShape) {
+  // A 7B-like shape: 32 layers of 4096, MHA (n_gqa 1), separate output.
+  const auto t = llama_tensors(32, 4096, 11008, 4096, 32000, false);
+  QuantizeOptions o;
+  o.file_type = FileType::q3_k_m;
+  auto m = plan_map(plan_quantization(t, {32, 32, 32}, o));
+  EXPECT_EQ(m.at("output.weight"), DType::q6_k);
+  EXPECT_EQ(m.at("token_embd.weight"), DType::q3_k);
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q5_k);
+  EXPECT_EQ(m.at("blk.1.attn_v.weight"), DType::q5_k);
+  EXPECT_EQ(m.at("blk.2.attn_v.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.1.ffn_down.weight"), DType::q5_k);  // i < 32 / 16
+  EXPECT_EQ(m.at("blk.2.ffn_down.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.0.attn_output.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.0.ffn_up.weight"), DType::q3_k);
+  EXPECT_EQ(m.at("blk.0.ffn_down.weight"), DType::q5_k);  // ffn_down's 11008 = 43 x 256
+  o.file_type = FileType::q2_k;
+  m = plan_map(plan_quantization(t, {32, 32, 32}, o));
+  EXPECT_EQ(m.at("blk.7.attn_v.weight"), DType::q3_k);  // n_gqa < 4
+  EXPECT_EQ(m.at("blk.7.ffn_down.weight"), DType::q3_k);
+  EXPECT_EQ(m.at("blk.7.attn_output.weight"), DType::q3_k);
+  EXPECT_EQ(m.at("blk.7.attn_q.weight"), DType::q2_k);
+  m = plan_map(plan_quantization(t, {32, 32, 8}, o));  // GQA 4: attn_v gets q4_k
+  EXPECT_EQ(m.at("blk.7.attn_v.weight"), DType::q4_k);
+  o.file_type = FileType::q4_k_s;
+  m = plan_map(plan_quantization(t, {32, 32, 32}, o));
+  EXPECT_EQ(m.at("blk.3.attn_v.weight"), DType::q5_k);
+  EXPECT_EQ(m.at("blk.4.attn_v.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.3.ffn_down.weight"), DType::q5_k);  // i < n / 8
+  EXPECT_EQ(m.at("blk.4.ffn_down.weight"), DType::q4_k);
+  o.file_type = FileType::q4_0;
+  o.has_imatrix = true;
+  m = plan_map(plan_quantization(t, {32, 32, 32}, o));
+  EXPECT_EQ(m.at("blk.3.ffn_down.weight"), DType::q4_1);
+  EXPECT_EQ(m.at("blk.4.ffn_down.weight"), DType::q4_0);
+}
+
+TEST(QuantizePlan, PureOverridesAndPlainTypes) {
+  const auto t = llama_tensors(4, 576, 1536, 192, 49152, true);
+  QuantizeOptions o;
+  o.file_type = FileType::q6_k;
+  o.pure = true;
+  auto m = plan_map(plan_quantization(t, {4, 9, 3}, o));
+  EXPECT_EQ(m.at("token_embd.weight"), DType::q8_0);  // pure still falls back: 576 % 256
+  EXPECT_EQ(m.at("blk.1.ffn_down.weight"), DType::q6_k);
+  o.pure = false;
+  o.overrides = {{"attn_(q|k)", DType::q8_0}, {"ffn_down", DType::f16}};
+  o.token_embedding_type = DType::q4_0;
+  m = plan_map(plan_quantization(t, {4, 9, 3}, o));
+  EXPECT_EQ(m.at("blk.2.attn_q.weight"), DType::q8_0);
+  EXPECT_EQ(m.at("blk.2.attn_k.weight"), DType::q8_0);
+  EXPECT_EQ(m.at("blk.2.ffn_down.weight"), DType::f16);
+  EXPECT_EQ(m.at("token_embd.weight"), DType::q4_0);
+  o = {};
+  o.file_type = FileType::bf16;
+  m = plan_map(plan_quantization(t, {4, 9, 3}, o));
+  EXPECT_EQ(m.at("blk.0.attn_q.weight"), DType::bf16);
+  EXPECT_EQ(m.at("blk.0.attn_norm.weight"), DType::f32);
+  o.overrides = {{"(", DType::q8_0}};
+  o.file_type = FileType::q8_0;
+  test_util::expect_error([&] { plan_quantization(t, {4, 9, 3}, o); }, ErrorKind::invalid_input, {"("});
+}
+
+TEST(QuantizePlan, FileTypeNames) {
+  for (FileType f : all_file_types()) EXPECT_EQ(file_type_from_name(file_type_name(f)), f);
+  EXPECT_EQ(file_type_from_name("q4_k_m"), FileType::q4_k_m);
+  EXPECT_EQ(file_type_from_name("15"), FileType::q4_k_m);
+  EXPECT_EQ(file_type_default(FileType::q5_k_s), DType::q5_k);
+  EXPECT_FALSE(file_type_from_name("IQ2_XXS"));
+  EXPECT_FALSE(file_type_from_name("Q4_K_X"));
+  EXPECT_FALSE(file_type_from_name("4"));
+}
+
+}  // namespace
+}  // namespace loom
