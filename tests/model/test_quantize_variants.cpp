@@ -2,7 +2,9 @@
 // type scripts/make_gguf_variants made with llama-quantize --allow-requantize
 // from models/SmolLM2-135M-Instruct.Q4_1.gguf, loom's quantize_gguf of the same
 // file gives the same tensors in the same order, each of the same type, with
-// byte-identical data, and the llama-quantize metadata keys.
+// byte-identical data, and the llama-quantize metadata keys; and the same with
+// llama-imatrix's importance matrix (models/variants/imatrix.gguf) for the files
+// llama-quantize --imatrix made from it.
 //
 // Without models/variants/ the test skips, unless LOOM_REQUIRE_GGUF_VARIANTS=1
 // (set by scripts/test), where a missing file fails.
@@ -11,9 +13,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <vector>
 
 #include "io/gguf.h"
 #include "quant/gguf_quantize.h"
+#include "quant/imatrix.h"
 
 namespace loom {
 namespace {
@@ -27,11 +32,9 @@ bool required() {
   return v != nullptr && std::string(v) == "1";
 }
 
-class QuantizeVariants : public ::testing::TestWithParam<const char*> {};
-
-TEST_P(QuantizeVariants, EqualsLlamaQuantizeByteForByte) {
-  const std::string type = GetParam();
-  const std::string ref_path = kRoot + "models/variants/SmolLM2-135M-Instruct." + type + ".gguf";
+// Quantizes the source as `type` (with the importance matrix when given) and
+// compares every tensor and the file size with llama-quantize's file `ref_path`.
+void expect_equals_llama_quantize(const std::string& type, const std::string& ref_path, const std::string& imatrix) {
   if (!fs::exists(ref_path) || !fs::exists(kSource)) {
     if (required()) FAIL() << ref_path << " is missing: run scripts/make_gguf_variants";
     GTEST_SKIP() << ref_path << " is missing: run scripts/make_gguf_variants (scripts/test does)";
@@ -41,6 +44,16 @@ TEST_P(QuantizeVariants, EqualsLlamaQuantizeByteForByte) {
   GgufQuantizeOptions opt;
   opt.plan.file_type = *file_type_from_name(type);
   opt.allow_requantize = true;
+  std::map<std::string, std::vector<float>> importance;
+  if (!imatrix.empty()) {
+    const Imatrix m = load_imatrix(imatrix);
+    importance = m.importance();
+    opt.importance = &importance;
+    opt.plan.has_imatrix = true;
+    opt.imatrix_file = imatrix;
+    opt.imatrix_datasets = m.datasets;
+    opt.imatrix_chunks = m.chunk_count;
+  }
   const std::string out = (fs::temp_directory_path() / ("loom_quantize_" + type + "_" + std::to_string(getpid()) +
                                                          ".gguf")).string();
   ThreadPool pool(2);
@@ -69,10 +82,35 @@ TEST_P(QuantizeVariants, EqualsLlamaQuantizeByteForByte) {
   EXPECT_EQ(got->get_uint("general.file_type"), ref->get_uint("general.file_type"));
   EXPECT_EQ(got->get_uint("general.quantization_version"), ref->get_uint("general.quantization_version"));
   EXPECT_EQ(got->get_string("tokenizer.ggml.model"), ref->get_string("tokenizer.ggml.model"));
-  EXPECT_EQ(static_cast<uint64_t>(fs::file_size(out)), static_cast<uint64_t>(fs::file_size(ref_path)));
+  if (!imatrix.empty()) {
+    EXPECT_EQ(got->get_uint("quantize.imatrix.entries_count"), ref->get_uint("quantize.imatrix.entries_count"));
+    EXPECT_EQ(got->get_uint("quantize.imatrix.chunks_count"), ref->get_uint("quantize.imatrix.chunks_count"));
+    EXPECT_TRUE(s.without_importance.empty() || s.without_importance == std::vector<std::string>{"token_embd.weight"});
+  } else {
+    EXPECT_EQ(static_cast<uint64_t>(fs::file_size(out)), static_cast<uint64_t>(fs::file_size(ref_path)));
+  }
   EXPECT_GT(s.bytes_out, 0u);
   fs::remove(out);
 }
+
+class QuantizeVariants : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(QuantizeVariants, EqualsLlamaQuantizeByteForByte) {
+  const std::string type = GetParam();
+  expect_equals_llama_quantize(type, kRoot + "models/variants/SmolLM2-135M-Instruct." + type + ".gguf", "");
+}
+
+class QuantizeVariantsImatrix : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(QuantizeVariantsImatrix, EqualsLlamaQuantizeWithTheSameImportanceMatrix) {
+  const std::string type = GetParam();
+  expect_equals_llama_quantize(type, kRoot + "models/variants/SmolLM2-135M-Instruct." + type + ".imatrix.gguf",
+                               kRoot + "models/variants/imatrix.gguf");
+}
+
+INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsImatrix,
+                         ::testing::Values("Q4_0", "Q5_1", "Q2_K", "Q3_K_S", "Q4_K_M", "Q6_K"),
+                         [](const auto& info) { return std::string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariants,
                          ::testing::Values("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M",
