@@ -14,10 +14,12 @@ extern const Command kPlotCommand;
 extern const Command kPerplexityCommand;
 extern const Command kQuantizeCommand;
 extern const Command kImatrixCommand;
+extern const Command kExportCommand;
+extern const Command kExportLoraCommand;
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {kInfoCommand, kTokenizeCommand, kGenerateCommand, kChatCommand,
-                                             kBenchCommand, kPerplexityCommand, kImatrixCommand, kQuantizeCommand, kMergeCommand, kTrainCommand, kPlotCommand,
+                                             kBenchCommand, kPerplexityCommand, kImatrixCommand, kQuantizeCommand, kExportCommand, kExportLoraCommand, kMergeCommand, kTrainCommand, kPlotCommand,
                                              kServeCommand};
   return table;
 }

@@ -12,6 +12,7 @@
 #include "tokenizer/loader_util.h"
 #include "tokenizer/pipeline.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer_gguf.h"
 #include "tokenizer/unicode.h"
 
 namespace loom {
@@ -27,6 +28,8 @@ enum TokenType : int32_t {
 };
 
 const std::string kMetaspace = "\xE2\x96\x81";  // U+2581
+
+}  // namespace
 
 // tokenizer.ggml.pre -> the pre-tokenizer of the model's tokenizer.json.
 void set_byte_level_pre(TokenizerSpec& spec, const std::string& pre, const std::string& file) {
@@ -66,6 +69,8 @@ void set_byte_level_pre(TokenizerSpec& spec, const std::string& pre, const std::
          file, pre);
   }
 }
+
+namespace {
 
 // transformers' generate_merges: every split of every token into two tokens,
 // best score first, then longer left part, then longer right part; ties keep

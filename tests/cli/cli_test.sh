@@ -31,7 +31,7 @@ expect() {
   pass=$((pass + 1))
 }
 
-for cmd in info tokenize generate chat bench; do
+for cmd in info tokenize generate chat bench perplexity imatrix quantize export export-lora; do
   expect "help $cmd" 0 "usage|options" -- "$loom" "$cmd" --help
 done
 expect "no command" nonzero "usage" -- "$loom"
@@ -168,6 +168,34 @@ printf '\n' >"$tmp/emptykey"
 expect "serve api key file blank" 1 "first line is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key-file "$tmp/emptykey" --port 0
 expect "serve zero connections" 2 "max-connections" -- timeout 20 "$loom" serve -m "$tiny" --max-connections 0 --port 0
 expect "serve zero header timeout" 2 "http-header-timeout" -- timeout 20 "$loom" serve -m "$tiny" --http-header-timeout 0 --port 0
+
+# Compression and export (docs/quantization.md): bad flags and inputs are refused by name; outputs are
+# written whole (nothing is left behind by a refused run).
+ppltext=$src/tests/fixtures/perplexity/text.txt
+expect "quantize bad type" 1 "--type Q4_K_X: not a file type" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --type Q4_K_X
+expect "quantize wrote nothing" 0 "^absent$" -- sh -c "test -e '$tmp/q.gguf' || echo absent"
+expect "quantize bad override" 1 "--tensor-type attn_v: expected PATTERN=TYPE" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --tensor-type attn_v
+expect "quantize bad override type" 1 "--tensor-type q9_9: not a tensor type" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --tensor-type attn_v=q9_9
+expect "quantize requantize refused" 1 "already q4_1.*--allow-requantize" -- "$loom" quantize -m "$src/tests/fixtures/model/tiny-llama.q4_1.gguf" -o "$tmp/q.gguf" --type Q8_0
+expect "quantize missing imatrix" 1 "no-such.dat" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --imatrix "$tmp/no-such.dat"
+expect "quantize to Q8_0" 0 "wrote" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --type Q8_0 -t 2
+expect "quantized file runs" 0 "" -- "$loom" generate -m "$tmp/q.gguf" -p hi -n 2
+expect "quantize unwritable output" 3 "cannot" -- "$loom" quantize -m "$tiny" -o /proc/no/q.gguf --type Q8_0
+expect "perplexity needs a text" 1 "-f FILE" -- "$loom" perplexity -m "$tiny"
+printf 'a short text' >"$tmp/short.txt"
+expect "perplexity short text" 1 "tokenizes to .* tokens.*needs at least" -- "$loom" perplexity -m "$tiny" -f "$tmp/short.txt" -c 64
+expect "perplexity chunk beyond context" 1 "longer than the model's context" -- "$loom" perplexity -m "$tiny" -f "$ppltext" -c 1024
+expect "perplexity kl without base" 1 "--kl-divergence needs --kl-divergence-base" -- "$loom" perplexity -m "$tiny" --kl-divergence
+expect "perplexity bad base file" 1 "not a log-prob file" -- "$loom" perplexity -m "$tiny" --kl-divergence --kl-divergence-base "$ppltext"
+expect "perplexity runs" 0 "Final estimate: PPL = " -- "$loom" perplexity -m "$tiny" -f "$ppltext" -c 64 --chunks 3
+expect "imatrix writes" 0 "entries over 2 chunks" -- "$loom" imatrix -m "$tiny" -f "$ppltext" -c 64 --chunks 2 -o "$tmp/im.gguf"
+expect "quantize with imatrix" 0 "14 importance matrix entries" -- "$loom" quantize -m "$tiny" -o "$tmp/qi.gguf" --type Q4_0 --imatrix "$tmp/im.gguf"
+cp -r "$tmp/adapter" "$tmp/adapter-nobase"
+sed -i 's|"base_model_name_or_path": *"[^"]*"|"base_model_name_or_path": "/nonexistent/base"|' "$tmp/adapter-nobase/adapter_config.json"
+expect "export-lora needs a base" 1 "'/nonexistent/base' is not a file or folder here; give the base model with -m" -- "$loom" export-lora --adapter "$tmp/adapter-nobase" -o "$tmp/l.gguf"
+expect "export-lora writes" 0 "LoRA pairs" -- "$loom" export-lora --adapter "$tmp/adapter" -m "$tiny" -o "$tmp/l.gguf"
+expect "export merged" 0 "wrote" -- "$loom" export -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/merged.gguf"
+expect "export hf folder without tokenizer" 1 "no tokenizer.json" -- "$loom" export -m "$src/tests/fixtures/model/tiny-llama" -o "$tmp/x.gguf"
 
 # --device: a name that is no device is a flag error; a device this build has no backend for is refused by name.
 expect "device not a name" 2 "--device: must be cpu, cuda, cuda:N, npu or npu:N, not 'gpu'" -- \

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "io/gguf.h"
+#include "model/gguf_export.h"
 #include "quant/gguf_quantize.h"
 #include "quant/imatrix.h"
 
@@ -57,7 +58,7 @@ void expect_equals_llama_quantize(const std::string& type, const std::string& re
   const std::string out = (fs::temp_directory_path() / ("loom_quantize_" + type + "_" + std::to_string(getpid()) +
                                                          ".gguf")).string();
   ThreadPool pool(2);
-  const QuantizeSummary s = quantize_gguf(pool, *src, out, opt, nullptr);
+  const QuantizeSummary s = quantize_gguf(pool, gguf_source_of(*src), out, opt, nullptr);
   const auto got = gguf::File::open(out);
   ASSERT_EQ(got->tensors().size(), ref->tensors().size());
   int64_t mismatched = 0;
