@@ -1,0 +1,154 @@
+#include "quant/int_quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+
+namespace loom {
+namespace {
+
+// torch.finfo(float32).eps: compressed-tensors' stand-in for a zero scale.
+constexpr float kScaleEps = std::numeric_limits<float>::epsilon();
+
+// numpy's default (linear) quantile of sorted values.
+float quantile(const std::vector<float>& sorted, double q) {
+  const double pos = q * static_cast<double>(sorted.size() - 1);
+  const auto i = static_cast<size_t>(pos);
+  const double f = pos - static_cast<double>(i);
+  if (i + 1 >= sorted.size()) return sorted.back();
+  return static_cast<float>(sorted[i] + f * (static_cast<double>(sorted[i + 1]) - sorted[i]));
+}
+
+// Squared error of quantizing x[0..n) with (scale, zero).
+double squared_error(const float* x, int64_t n, float scale, float zero, const IntQuantSpec& spec) {
+  double e = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = static_cast<float>(int_quantize_value(x[i], scale, zero, spec));
+    const double d = static_cast<double>(x[i]) - static_cast<double>((q - zero) * scale);
+    e += d * d;
+  }
+  return e;
+}
+
+// The parameters of one set of values (a tensor, a row or a group), gathered in `v`.
+void params_of(std::vector<float>& v, const IntQuantSpec& spec, float& scale, float& zero) {
+  float lo = *std::min_element(v.begin(), v.end());
+  float hi = *std::max_element(v.begin(), v.end());
+  if (spec.range == RangeMethod::percentile) {
+    std::sort(v.begin(), v.end());
+    lo = quantile(v, (100.0 - spec.percentile) / 100.0);
+    hi = quantile(v, spec.percentile / 100.0);
+  }
+  int_quant_params_of(spec, lo, hi, scale, zero);
+  if (spec.range != RangeMethod::mse) return;
+  double best = squared_error(v.data(), static_cast<int64_t>(v.size()), scale, zero, spec);
+  const int steps = static_cast<int>(spec.mse_max_shrink * spec.mse_grid);
+  for (int i = 1; i <= steps; ++i) {
+    const float shrink = 1.0f - static_cast<float>(i) / static_cast<float>(spec.mse_grid);
+    float s, z;
+    int_quant_params_of(spec, shrink * lo, shrink * hi, s, z);
+    const double e = squared_error(v.data(), static_cast<int64_t>(v.size()), s, z, spec);
+    if (e < best) {
+      best = e;
+      scale = s;
+      zero = z;
+    }
+  }
+}
+
+}  // namespace
+
+void check_int_quant_spec(const IntQuantSpec& spec, int64_t cols, std::string_view what) {
+  if (spec.bits != 8 && spec.bits != 4)
+    fail(ErrorKind::invalid_input, "{}: {} bits; loom quantizes to 8 or 4", what, spec.bits);
+  if (spec.group > 0 && cols % spec.group != 0)
+    fail(ErrorKind::invalid_input, "{}: rows of {} values do not split into groups of {}", what, cols, spec.group);
+  if (spec.range == RangeMethod::percentile && !(spec.percentile > 50 && spec.percentile <= 100))
+    fail(ErrorKind::invalid_input, "{}: percentile {} is not in (50, 100]", what, spec.percentile);
+}
+
+void int_quant_params_of(const IntQuantSpec& spec, float lo, float hi, float& scale, float& zero) {
+  lo = std::min(lo, 0.0f);
+  hi = std::max(hi, 0.0f);
+  const auto range = static_cast<float>(spec.qmax() - spec.qmin());
+  if (spec.symmetric) {
+    scale = std::max(std::fabs(lo), std::fabs(hi)) / (range / 2);
+    zero = 0;
+  } else {
+    scale = (hi - lo) / range;
+    // An all-zero set has no range: compressed-tensors' 0/0 zero point is undefined there.
+    zero = scale > 0 ? std::nearbyint(std::clamp(static_cast<float>(spec.qmin()) - lo / scale,
+                                                 static_cast<float>(spec.qmin()), static_cast<float>(spec.qmax())))
+                     : 0.0f;
+  }
+  if (scale == 0) scale = kScaleEps;
+}
+
+int8_t int_quantize_value(float x, float scale, float zero, const IntQuantSpec& spec) {
+  float v = x / scale + zero;
+  v = std::clamp(v, static_cast<float>(spec.qmin()), static_cast<float>(spec.qmax()));
+  return static_cast<int8_t>(std::nearbyint(v));  // the default rounding mode: half to even, as torch.round
+}
+
+IntQuantParams choose_int_quant_params(const float* w, int64_t rows, int64_t cols, const IntQuantSpec& spec) {
+  IntQuantParams p;
+  std::vector<float> v;
+  auto add = [&](const float* x, int64_t n) {
+    v.assign(x, x + n);
+    float s, z;
+    params_of(v, spec, s, z);
+    p.scale.push_back(s);
+    p.zero.push_back(z);
+  };
+  if (spec.group < 0) {
+    add(w, rows * cols);
+  } else if (spec.group == 0) {
+    for (int64_t r = 0; r < rows; ++r) add(w + r * cols, cols);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < cols / spec.group; ++g) add(w + r * cols + g * spec.group, spec.group);
+  }
+  return p;
+}
+
+std::vector<int8_t> int_quantize(const float* w, int64_t rows, int64_t cols, const IntQuantSpec& spec,
+                                 const IntQuantParams& p) {
+  std::vector<int8_t> q(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = int_quant_param_index(spec, cols, r, c);
+      q[static_cast<size_t>(r * cols + c)] = int_quantize_value(w[r * cols + c], p.scale[i], p.zero[i], spec);
+    }
+  return q;
+}
+
+std::vector<float> int_dequantize(const int8_t* q, int64_t rows, int64_t cols, const IntQuantSpec& spec,
+                                  const IntQuantParams& p) {
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = int_quant_param_index(spec, cols, r, c);
+      x[static_cast<size_t>(r * cols + c)] = (static_cast<float>(q[r * cols + c]) - p.zero[i]) * p.scale[i];
+    }
+  return x;
+}
+
+RangeMethod range_method_from_name(std::string_view name) {
+  if (name == "minmax") return RangeMethod::minmax;
+  if (name == "percentile") return RangeMethod::percentile;
+  if (name == "mse") return RangeMethod::mse;
+  fail(ErrorKind::invalid_input, "range '{}': expected minmax, percentile or mse", name);
+}
+
+const char* range_method_name(RangeMethod m) {
+  switch (m) {
+    case RangeMethod::minmax: return "minmax";
+    case RangeMethod::percentile: return "percentile";
+    case RangeMethod::mse: return "mse";
+  }
+  return "?";
+}
+
+}  // namespace loom

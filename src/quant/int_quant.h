@@ -1,0 +1,78 @@
+// Integer weight quantization with the conventions of compressed-tensors (the
+// format vLLM and llm-compressor use, and loom writes): a range [min, max]
+// that always holds 0, per tensor, per output channel (row) or per group of
+// `group` columns of a row; symmetric: scale = max|x| / ((qmax - qmin) / 2),
+// zero 0; asymmetric: scale = (max - min) / (qmax - qmin), zero =
+// round(qmin - min / scale) clamped to [qmin, qmax]; q = clamp(round(x / scale
+// + zero)) with rounding half to even; x' = (q - zero) * scale. int8 codes are
+// in [-128, 127], int4 codes in [-8, 7].
+//
+// The range comes from the values' min and max, a percentile of them, or a
+// search over shrunk ranges that keeps the one with the least squared error
+// of the dequantized values (the MSE observer of llm-compressor, with an L2
+// norm).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom {
+
+enum class RangeMethod { minmax, percentile, mse };
+
+struct IntQuantSpec {
+  int bits = 8;              // 8 or 4
+  bool symmetric = true;
+  // 0: one scale per row (channel); -1: one for the whole tensor; > 0: per
+  // group of this many columns of a row (cols must be a multiple).
+  int64_t group = 0;
+  RangeMethod range = RangeMethod::minmax;
+  double percentile = 99.99;  // RangeMethod::percentile: the upper percentile (and 100 - p the lower)
+  int mse_grid = 100;         // RangeMethod::mse: shrink factors 1, 1 - 1/grid, ... down to 1 - max_shrink
+  double mse_max_shrink = 0.8;
+
+  int qmin() const { return -(1 << (bits - 1)); }
+  int qmax() const { return (1 << (bits - 1)) - 1; }
+  int64_t groups_per_row(int64_t cols) const { return group > 0 ? cols / group : 1; }
+};
+
+// Scales and zero points, one per (row, group) in row-major order; a
+// per-tensor spec holds one.
+struct IntQuantParams {
+  std::vector<float> scale;
+  std::vector<float> zero;  // integers, stored as floats
+};
+
+// Checks a spec against a matrix width; throws invalid_input naming `what`.
+void check_int_quant_spec(const IntQuantSpec& spec, int64_t cols, std::string_view what);
+
+// The scale and zero point of the range [lo, hi] (widened to hold 0).
+void int_quant_params_of(const IntQuantSpec& spec, float lo, float hi, float& scale, float& zero);
+
+// Chooses the parameters of a row-major rows x cols matrix.
+IntQuantParams choose_int_quant_params(const float* w, int64_t rows, int64_t cols, const IntQuantSpec& spec);
+
+// The (row, group) parameter index of element (r, c).
+inline int64_t int_quant_param_index(const IntQuantSpec& spec, int64_t cols, int64_t r, int64_t c) {
+  if (spec.group < 0) return 0;
+  if (spec.group == 0) return r;
+  return r * (cols / spec.group) + c / spec.group;
+}
+
+// q = clamp(round_half_even(x / scale + zero), qmin, qmax).
+int8_t int_quantize_value(float x, float scale, float zero, const IntQuantSpec& spec);
+
+// Codes of the whole matrix.
+std::vector<int8_t> int_quantize(const float* w, int64_t rows, int64_t cols, const IntQuantSpec& spec,
+                                 const IntQuantParams& p);
+// (q - zero) * scale of every element.
+std::vector<float> int_dequantize(const int8_t* q, int64_t rows, int64_t cols, const IntQuantSpec& spec,
+                                  const IntQuantParams& p);
+
+// "minmax" | "percentile" | "mse".
+RangeMethod range_method_from_name(std::string_view name);
+const char* range_method_name(RangeMethod m);
+
+}  // namespace loom
