@@ -19,13 +19,14 @@ constexpr DTypeTraits kTraits[] = {
     {DType::i8, "i8", 1, 1, false},       {DType::i16, "i16", 1, 2, false},
     {DType::i32, "i32", 1, 4, false},     {DType::i64, "i64", 1, 8, false},
     {DType::f64, "f64", 1, 8, false},     {DType::bf16, "bf16", 1, 2, false},
-    {DType::nf4, "nf4", 64, 36, true},
+    {DType::nf4, "nf4", 64, 36, true},    {DType::i8_ch, "i8_ch", 1, 1, true, 8},
 };
 
 }  // namespace
 
 std::optional<DTypeTraits> dtype_traits_of_id(uint32_t id) {
-  if (id == static_cast<uint32_t>(DType::nf4)) return std::nullopt;  // not a ggml_type
+  // loom's own types are not ggml_types.
+  if (id == static_cast<uint32_t>(DType::nf4) || id == static_cast<uint32_t>(DType::i8_ch)) return std::nullopt;
   for (const auto& t : kTraits)
     if (static_cast<uint32_t>(t.type) == id) return t;
   return std::nullopt;
@@ -41,7 +42,7 @@ const DTypeTraits& dtype_traits(DType type) {
 size_t dtype_row_bytes(DType t, int64_t n) {
   const auto& tr = dtype_traits(t);
   LOOM_ASSERT(n >= 0 && n % tr.block_size == 0);
-  return static_cast<size_t>(n / tr.block_size) * tr.block_bytes;
+  return tr.row_header_bytes + static_cast<size_t>(n / tr.block_size) * tr.block_bytes;
 }
 
 std::optional<DType> dtype_from_name(std::string_view name) {

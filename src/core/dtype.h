@@ -32,8 +32,11 @@ enum class DType : uint32_t {
   bf16 = 30,
   // loom's own types, outside GGUF's id range (never read from or written to a
   // GGUF file): nf4 = bitsandbytes' 4-bit NormalFloat in blocks of 64 with the
-  // (double-quantized) absmax expanded to f32 (kernels/ref/nf4_ref.h).
+  // (double-quantized) absmax expanded to f32 (kernels/ref/nf4_ref.h);
+  // i8_ch = int8 codes with one f32 scale and zero point per row (output
+  // channel), for W8A8 products (kernels/ref/i8ch_ref.h).
   nf4 = 1000,
+  i8_ch = 1001,
 };
 
 struct DTypeTraits {
@@ -42,10 +45,13 @@ struct DTypeTraits {
   int64_t block_size;    // elements per block (1 for plain types)
   size_t block_bytes;    // bytes per block
   bool quantized;
+  // Bytes in front of each row's first block (i8_ch: its f32 scale and zero
+  // point); 0 for every GGUF type. A row is the header, then its blocks.
+  size_t row_header_bytes = 0;
 };
 
 // Returns nullopt for ids that loom does not know (e.g. IQ types) and for
-// loom's own types (nf4), which no GGUF file may carry; callers
+// loom's own types (nf4, i8_ch), which no GGUF file may carry; callers
 // turn that into an "unsupported tensor type" error naming the tensor.
 std::optional<DTypeTraits> dtype_traits_of_id(uint32_t ggml_type_id);
 const DTypeTraits& dtype_traits(DType type);
@@ -54,9 +60,13 @@ inline const char* dtype_name(DType t) { return dtype_traits(t).name; }
 inline int64_t dtype_block_size(DType t) { return dtype_traits(t).block_size; }
 inline bool dtype_is_quantized(DType t) { return dtype_traits(t).quantized; }
 
-// Bytes for one row of `n` elements; n must be a multiple of the block size
-// (checked by callers that read files, asserted here).
+// Bytes for one row of `n` elements: the row header (if the type has one) plus
+// n / block_size blocks; n must be a multiple of the block size (checked by
+// callers that read files, asserted here). dtype_row_bytes(t, k) is also where
+// column k's block starts inside a row; a type with a row header cannot be
+// dequantized from there alone (dequantize_row_cols, kernels/cpu/dequant.h).
 size_t dtype_row_bytes(DType t, int64_t n);
+inline size_t dtype_row_header_bytes(DType t) { return dtype_traits(t).row_header_bytes; }
 
 // Parses names such as "f16", "Q4_K", "bf16" (case-insensitive).
 std::optional<DType> dtype_from_name(std::string_view name);

@@ -24,4 +24,17 @@ bool quantize_supported(DType type);
 void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, int64_t nrows,
                    int64_t n_per_row, const float* importance);
 
+// i8_ch rows (loom's own per-channel int8 type, kernels/ref/i8ch_ref.h) with the
+// caller's per-row scales and zero points (min-max, percentile, MSE search:
+// the caller's choice). Row r of `w` (`cols` floats) becomes the header
+// {scales[r], zeros[r]} and the codes q = clamp(round(w / scale + zero),
+// -128, 127): w / scale and + zero are f32 operations, round is half away
+// from zero (std::round); NaN results (0/0, NaN weights) give q = zero
+// (value 0), a zero scale gives q = zero for every weight. `zeros` may be null
+// (all 0: symmetric). `out` holds rows * dtype_row_bytes(DType::i8_ch, cols)
+// bytes. Throws Error(invalid_input) for cols < 1, rows < 0, a zero point that
+// is not an integer in [-128, 127] or a non-finite scale (naming the row).
+void quantize_rows_i8_ch(const float* w, int64_t rows, int64_t cols, const float* scales, const float* zeros,
+                         uint8_t* out);
+
 }  // namespace loom

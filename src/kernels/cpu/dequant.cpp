@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/nf4.h"
 #include "kernels/quant_blocks.h"
 
@@ -243,8 +244,16 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
     case DType::q6_k: dequant_q6_k(src, dst, nb); return;
     case DType::q8_k: dequant_q8_k(src, dst, nb); return;
     case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;
+    case DType::i8_ch: cpu::dequantize_row_i8ch(src, dst, n); return;
   }
   LOOM_ASSERT(false && "dequantize_row: unhandled dtype");
+}
+
+void dequantize_row_cols(DType type, const void* row, int64_t c0, float* dst, int64_t n) {
+  LOOM_ASSERT(c0 >= 0 && c0 % dtype_block_size(type) == 0);
+  if (type == DType::i8_ch) return cpu::dequantize_i8ch_cols(row, c0, dst, n);
+  LOOM_ASSERT(dtype_row_header_bytes(type) == 0);
+  dequantize_row(type, static_cast<const uint8_t*>(row) + dtype_row_bytes(type, c0), dst, n);
 }
 
 }  // namespace loom

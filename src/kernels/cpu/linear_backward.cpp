@@ -94,7 +94,6 @@ void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, f
     for (int64_t u = ti; u < units; u += tn) {
       const int64_t c0 = (u % n_cc) * cw, c1 = std::min(K, c0 + cw), cols = c1 - c0;
       const int64_t t0 = (u / n_cc) * tr, t1 = std::min(T, t0 + tr);
-      const size_t col_off = dtype_row_bytes(W.dtype, c0);
       for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
         const int64_t nr = std::min(kTileRows, N - n0);
         const float* B;
@@ -104,7 +103,7 @@ void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, f
           ldb = K;
         } else {
           for (int64_t i = 0; i < nr; ++i)
-            dequantize_row(W.dtype, W.row_ptr(n0 + i) + col_off, tile.data() + i * cw, cols);
+            dequantize_row_cols(W.dtype, W.row_ptr(n0 + i), c0, tile.data() + i * cw, cols);
           B = tile.data();
           ldb = cw;
         }
@@ -198,11 +197,12 @@ DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p) {
 namespace {
 
 // Columns of W (rows of W^T) per slice: whole blocks of a quantized type (256
-// covers the 32- and 256-element ones); one 16-row panel of W^T otherwise, so
-// that a thread's slice of an f32 weight that training repacks stays small.
+// covers the 32- and 256-element ones, and i8_ch's single columns); one 16-row
+// panel of W^T for the float types, so that a thread's slice of an f32 weight
+// that training repacks stays small.
 int64_t slice_cols(DType src) {
   const int64_t bs = dtype_block_size(src);
-  return bs == 1 ? cpu::kPanelRows : std::max<int64_t>(bs, 256) / bs * bs;
+  return bs == 1 && !dtype_is_quantized(src) ? cpu::kPanelRows : std::max<int64_t>(bs, 256) / bs * bs;
 }
 
 // How pack_transposed converts: f16 / bf16 moved as they are (exact), else
@@ -249,9 +249,8 @@ void transpose_slice(const TransposePlan& t, std::span<const Tensor> parts, int6
         for (int64_t c = 0; c < cols; ++c) wt[c * N + n0 + n] = w[n * t.K + k0 + c];
     } else {
       float row[256];
-      const size_t col_off = dtype_row_bytes(t.src, k0);
       for (int64_t n = 0; n < p.rows(); ++n) {
-        dequantize_row(t.src, p.row_ptr(n) + col_off, row, cols);
+        dequantize_row_cols(t.src, p.row_ptr(n), k0, row, cols);
         for (int64_t c = 0; c < cols; ++c) wt[c * N + n0 + n] = row[c];
       }
     }

@@ -8,6 +8,7 @@
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "kernels/cpu/panel.h"
+#include "kernels/ref/i8ch_ref.h"
 
 namespace loom {
 namespace {
@@ -33,6 +34,18 @@ void check_weight(const Tensor& W, const char* name) {
     fail(ErrorKind::invalid_input,
          "matmul: weight '{}' of type {} has {} columns, not a positive multiple of {}", name,
          dtype_name(W.dtype), W.cols(), bs);
+  if (W.dtype == DType::i8_ch) {
+    // Exact int32 sums need K * 127 * 255 < 2^31 (kernels/ref/i8ch_ref.h).
+    if (W.cols() > kI8ChMaxCols)
+      fail(ErrorKind::unsupported, "matmul: i8_ch weight '{}' has {} columns; i8_ch products take at most {}", name,
+           W.cols(), kI8ChMaxCols);
+    for (int64_t r = 0; r < W.rows(); ++r) {
+      const I8ChHeader h = i8ch_header(W.row_ptr(r));
+      if (!i8ch_header_valid(h))
+        fail(ErrorKind::invalid_input,
+             "matmul: i8_ch weight '{}' row {} has zero point {}, not an integer in [-128, 127]", name, r, h.zero);
+    }
+  }
 }
 
 // One weight matrix of a matmul call (several share the activations in
@@ -198,6 +211,7 @@ bool matmul_supports(DType type) {
     case DType::f16:
     case DType::bf16:
     case DType::nf4:
+    case DType::i8_ch:
     case DType::q4_0:
     case DType::q4_1:
     case DType::q5_0:
@@ -281,6 +295,8 @@ namespace cpu {
 
 bool amx_available() { return cpu_features().amx_int8 && amx_tile_state_granted(); }
 
+// i8_ch has no AMX-INT8 kernel (it was written on a machine without AMX to test
+// one on): with Isa::amx it runs the AVX-512 VNNI kernel.
 bool amx_supports(DType type) {
   return type == DType::q4_0 || type == DType::q4_1 || type == DType::q5_0 || type == DType::q5_1 ||
          type == DType::q8_0;

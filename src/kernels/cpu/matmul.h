@@ -1,5 +1,5 @@
 // Matrix products y = x W^T of f32 activations with weights of any GGUF type
-// (f32, f16, bf16, q4_0 .. q8_0, q2_k .. q6_k, nf4): the op that decides inference speed.
+// (f32, f16, bf16, q4_0 .. q8_0, q2_k .. q6_k, nf4, i8_ch): the op that decides inference speed.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +36,9 @@ namespace loom {
 //   float:     acc = fma(w[k], x[k], acc) for k = 0, 1, ...
 //   nf4:       per 64: s = fma chain of code[q_k] * x[k] from 0, then
 //              acc = fma(s, absmax, acc)   (f32 activations; kernels/cpu/nf4.h)
+//   i8_ch:     x quantized per row (one int8 scale per token), the exact int32
+//              acc = sum_k q_k qx_k - zero * xsum over the whole row, then
+//              y = float(acc) * (scale * s_x)   (kernels/ref/i8ch_ref.h; K <= 65536)
 // Hence results are
 //  - deterministic: independent of the thread count (threads split output rows);
 //  - batch invariant: row t of y is bit-identical whether computed with T = 1 or in

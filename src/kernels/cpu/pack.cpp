@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/quant_blocks.h"
@@ -261,6 +262,8 @@ size_t panel_block_bytes(DType type) {
       return 1824;
     case DType::nf4:
       return kNf4PanelBlockBytes;
+    case DType::i8_ch:
+      return 16;  // per column, plus the panel header (panel_bytes)
     default:
       break;
   }
@@ -271,6 +274,7 @@ size_t panel_block_bytes(DType type) {
 int64_t panel_block_elems(DType type) { return dtype_block_size(type); }
 
 size_t panel_bytes(DType type, int64_t K) {
+  if (type == DType::i8_ch) return i8ch_panel_bytes(K);
   return static_cast<size_t>(K / panel_block_elems(type)) * panel_block_bytes(type);
 }
 
@@ -290,6 +294,9 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
       return;
     case DType::nf4:
       for (int r = 0; r < nrows; ++r) pack_nf4_row(rows[r], r, K, dst);
+      return;
+    case DType::i8_ch:
+      pack_i8ch_panel(rows, nrows, K, dst);
       return;
     default:
       break;

@@ -54,6 +54,9 @@ constexpr int kPanelRows = 16;
 //  f32 / f16 / bf16: element k of rows 0..15 contiguous (64 / 32 / 32 bytes)
 //  nf4 (576, per 64): f32 absmax[16] @0, 32 code-pair slots of 16 bytes @64
 //               (kernels/cpu/nf4.h)
+//  i8_ch (no blocks): one 192-byte header per panel (scales, zero points,
+//               offset corrections), then 4-column words of 64 bytes
+//               (kernels/cpu/i8ch.h)
 // (2-bit words: word h, bits 2s..2s+1 of byte i = bits 0..1 of element 4(4h+s)+i;
 //  bit-2 word: bit o of byte i = bit 2 of element 4o+i.)
 size_t panel_block_bytes(DType type);
@@ -91,7 +94,9 @@ struct ActQ8K {
 };
 static_assert(sizeof(ActQ8K) == 384);
 
-enum class ActKind { q8x32, q8k, f32 };
+// i8row (i8_ch weights): the whole row quantized to int8 with one scale
+// (kernels/cpu/i8ch.h).
+enum class ActKind { q8x32, q8k, i8row, f32 };
 ActKind act_kind(DType type);
 // Bytes of one token's act row for K columns (f32: K floats).
 size_t act_row_bytes(DType type, int64_t K);

@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/panel_kernels.h"
@@ -342,6 +343,7 @@ struct FloatImpl {
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
   if (type == DType::nf4) return nf4_panel_kernel_avx2(a);
+  if (type == DType::i8_ch) return i8ch_panel_kernel_avx2(a);
   run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a);
 }
 

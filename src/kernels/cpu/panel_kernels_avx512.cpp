@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/panel_kernels.h"
@@ -340,6 +341,7 @@ struct FloatImpl {
 
 void panel_kernel_avx512(DType type, const KernelArgs& a) {
   if (type == DType::nf4) return nf4_panel_kernel_avx512(a);
+  if (type == DType::i8_ch) return i8ch_panel_kernel_avx512(a);
   run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a);
 }
 

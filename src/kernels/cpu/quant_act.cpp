@@ -1,10 +1,14 @@
-// Activation quantizers (q8_0, q8_1, q8_K) in AVX2, bit-identical to the scalar
-// *_ref versions in kernels/ref/dequant_ref.h, and the act rows the kernels read.
+// Activation quantizers (q8_0, q8_1, q8_K; i8_ch's whole-row codes) in AVX2,
+// bit-identical to the scalar *_ref versions in kernels/ref/dequant_ref.h and
+// kernels/ref/i8ch_ref.h, and the act rows the kernels read.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/quant_blocks.h"
@@ -30,11 +34,13 @@ inline float absmax(const float* x, int n) {
 }
 
 // 32 floats (already scaled and rounded to integers, NaN-free) -> int8 in order.
-inline void store_i8x32(__m256i i0, __m256i i1, __m256i i2, __m256i i3, int8_t* dst) {
+inline __m256i pack_i8x32(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
   const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
   const __m256i p = _mm256_packs_epi16(p01, p23);
-  const __m256i fixed = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), fixed);
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+inline void store_i8x32(__m256i i0, __m256i i1, __m256i i2, __m256i i3, int8_t* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), pack_i8x32(i0, i1, i2, i3));
 }
 
 // roundf (half away from zero), clamped to [-128, 127], NaN -> 0.
@@ -76,7 +82,57 @@ inline float q8_32(const float* x, int8_t* qs, int* sum) {
   return d;
 }
 
+// roundf (half away from zero), clamped to [-127, 127], NaN -> 0: the i8_ch
+// activation codes (never -128: the AVX2 kernel's sign trick relies on it).
+inline __m256i round_away_i8sym(__m256 v) {
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m256 frac = abs_ps(_mm256_sub_ps(v, t));
+  const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, _mm256_set1_ps(-0.0f)));
+  t = _mm256_add_ps(t, _mm256_and_ps(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ), one));
+  t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+  return _mm256_cvttps_epi32(_mm256_andnot_ps(nan, t));
+}
+
 }  // namespace
+
+void quantize_act_row_i8ch(const float* x, int64_t K, uint8_t* dst) {
+  // amax over the whole row; NaNs skipped as std::max(amax, |x|) skips them.
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(abs_ps(_mm256_loadu_ps(x + k)), vmax);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  float amax = _mm_cvtss_f32(m);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = amax / 127.0f;
+  const float id = s != 0.0f ? 1.0f / s : 0.0f;
+
+  uint8_t* q = dst + kI8ChActHeader;
+  const __m256 vid = _mm256_set1_ps(id);
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i vsum = _mm256_setzero_si256();
+  k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i) v[i] = round_away_i8sym(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * i), vid));
+    vsum = _mm256_add_epi32(vsum, _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_xor_si256(pack_i8x32(v[0], v[1], v[2], v[3]), bias));
+  }
+  int32_t sum = hsum_i32(vsum);
+  for (; k < K; ++k) {
+    const float v = x[k] * id;
+    const int c = std::isnan(v) ? 0 : static_cast<int>(std::clamp(std::round(v), -127.0f, 127.0f));
+    q[k] = static_cast<uint8_t>(c + 128);
+    sum += c;
+  }
+  const int64_t padded = static_cast<int64_t>(i8ch_act_row_bytes(K) - kI8ChActHeader);
+  std::memset(q + K, 0x80, static_cast<size_t>(padded - K));  // qx = 0
+  std::memset(dst, 0, kI8ChActHeader);
+  std::memcpy(dst, &s, 4);
+  std::memcpy(dst + 4, &sum, 4);
+}
 
 float quantize_block_q8_32(const float* x, int8_t* qs) {
   int sum;
@@ -127,6 +183,8 @@ ActKind act_kind(DType type) {
     case DType::q5_k:
     case DType::q6_k:
       return ActKind::q8k;
+    case DType::i8_ch:
+      return ActKind::i8row;
     default:
       return ActKind::f32;
   }
@@ -138,6 +196,8 @@ size_t act_row_bytes(DType type, int64_t K) {
       return static_cast<size_t>(K / 32) * sizeof(ActQ8x32);
     case ActKind::q8k:
       return static_cast<size_t>(K / QK_K) * sizeof(ActQ8K);
+    case ActKind::i8row:
+      return i8ch_act_row_bytes(K);
     case ActKind::f32:
       return static_cast<size_t>(K) * sizeof(float);
   }
@@ -177,6 +237,9 @@ void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst) {
       }
       return;
     }
+    case ActKind::i8row:
+      quantize_act_row_i8ch(x, K, dst);
+      return;
     case ActKind::f32:
       break;
   }

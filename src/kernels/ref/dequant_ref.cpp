@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/half.h"
 #include "kernels/quant_blocks.h"
+#include "kernels/ref/i8ch_ref.h"
 #include "kernels/ref/nf4_ref.h"
 
 namespace loom {
@@ -314,6 +315,7 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::q6_k: dequant_q6_k(src, dst, nb); return;
     case DType::q8_k: dequant_q8_k(src, dst, nb); return;
     case DType::nf4: dequantize_row_nf4_ref(src, dst, n); return;
+    case DType::i8_ch: dequantize_row_i8ch_ref(src, dst, n); return;  // src: the row's start (header)
   }
   LOOM_ASSERT(false && "dequantize_row_ref: unhandled dtype");
 }

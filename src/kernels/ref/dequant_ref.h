@@ -11,7 +11,8 @@ namespace loom {
 
 // Converts `n` elements of `type` at `src` to float. Handles every DType
 // (plain, integer and block types). `n` must be a multiple of the block size.
-// `src` and `dst` need no particular alignment.
+// `src` and `dst` need no particular alignment. For a type with a row header
+// (i8_ch) `src` is the start of a row and n at most its columns.
 void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n);
 
 // Activation quantizers, rounding exactly like ggml's *_ref functions:
