@@ -36,8 +36,8 @@ inline void store_rows(float* y, __m512 v, int64_t nv) {
 
 // Register tiles of P panels x C tokens: P * C accumulators, P weight vectors
 // and a broadcast; batches run 4 x 6 tiles (24 accumulators) through the
-// assembly loop dot_4x6, the edges (fewer panels or tokens) the same loop in
-// intrinsics. Decode (T = 1) runs 4 panels with two accumulator chains per
+// assembly loop dot_4x6 (2 x 6 through dot_2x6), the other edges (fewer panels
+// or tokens) the same loop in intrinsics. Decode (T = 1) runs 4 panels with two accumulator chains per
 // output (even / odd words) to hide vpdpbusd's latency.
 //
 // Cache blocking: for a batch, the words of a panel group are taken in chunks
@@ -191,20 +191,70 @@ void dot_4x6(__m512i* acc, const uint8_t* w, size_t ps, const uint8_t* x, size_t
 #undef LOOM_TOKEN
 }
 
-template <>
-void run_tile<4, 6>(const Tile& ta) {
-  __m512i acc[4][6];
-  start_acc<4, 6>(ta, acc);
+// The 2 x 6 tile (a thread's last 2 panels, e.g. SmolLM2's 576 rows on 2
+// threads: 18 panels each): 12 accumulators in zmm0..11, weights in zmm24/25.
+void dot_2x6(__m512i* acc, const uint8_t* w, size_t ps, const uint8_t* x, size_t as, int64_t n) {
+  const uint8_t* x3 = x + 3 * as;
+#define LOOM_ACC(i) "vmovdqa64 " #i "*64(%[acc]), %%zmm" #i "\n\t"
+#define LOOM_PUT(i) "vmovdqa64 %%zmm" #i ", " #i "*64(%[acc])\n\t"
+#define LOOM_TOKEN(xaddr, a0, a1)               \
+  "vpbroadcastd " xaddr ", %%zmm28\n\t"         \
+  "vpdpbusd %%zmm24, %%zmm28, %%zmm" #a0 "\n\t" \
+  "vpdpbusd %%zmm25, %%zmm28, %%zmm" #a1 "\n\t"
+  asm volatile(
+      LOOM_ACC(0) LOOM_ACC(1) LOOM_ACC(2) LOOM_ACC(3) LOOM_ACC(4) LOOM_ACC(5) LOOM_ACC(6) LOOM_ACC(7)
+      LOOM_ACC(8) LOOM_ACC(9) LOOM_ACC(10) LOOM_ACC(11)
+      "1:\n\t"
+      "vmovdqu64 (%[w]), %%zmm24\n\t"
+      "vmovdqu64 (%[w],%[ps]), %%zmm25\n\t"
+      // acc index = p * 6 + c
+      LOOM_TOKEN("(%[x])", 0, 6)
+      LOOM_TOKEN("(%[x],%[as])", 1, 7)
+      LOOM_TOKEN("(%[x],%[as],2)", 2, 8)
+      LOOM_TOKEN("(%[x3])", 3, 9)
+      LOOM_TOKEN("(%[x3],%[as])", 4, 10)
+      LOOM_TOKEN("(%[x3],%[as],2)", 5, 11)
+      "add $64, %[w]\n\t"
+      "add $4, %[x]\n\t"
+      "add $4, %[x3]\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      LOOM_PUT(0) LOOM_PUT(1) LOOM_PUT(2) LOOM_PUT(3) LOOM_PUT(4) LOOM_PUT(5) LOOM_PUT(6) LOOM_PUT(7)
+      LOOM_PUT(8) LOOM_PUT(9) LOOM_PUT(10) LOOM_PUT(11)
+      : [w] "+r"(w), [x] "+r"(x), [x3] "+r"(x3), [n] "+r"(n)
+      : [acc] "r"(acc), [ps] "r"(ps), [as] "r"(as)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm24", "xmm25", "xmm28");
+#undef LOOM_ACC
+#undef LOOM_PUT
+#undef LOOM_TOKEN
+}
+
+// A P x 6 tile through its assembly loop: the accumulators go through memory
+// once per tile (start and finish stay in intrinsics).
+template <int P>
+void run_tile_asm(const Tile& ta, void (*dot)(__m512i*, const uint8_t*, size_t, const uint8_t*, size_t, int64_t)) {
+  __m512i acc[P][6];
+  start_acc<P, 6>(ta, acc);
   if (ta.o1 > ta.o0) {
-    alignas(64) __m512i mem[24];
-    for (int p = 0; p < 4; ++p)
+    alignas(64) __m512i mem[P * 6];
+    for (int p = 0; p < P; ++p)
       for (int c = 0; c < 6; ++c) mem[p * 6 + c] = acc[p][c];
-    dot_4x6(mem, ta.pan + kI8ChPanelHeader + 64 * ta.o0, ta.ps, ta.act + kI8ChActHeader + 4 * ta.o0, ta.as,
-            ta.o1 - ta.o0);
-    for (int p = 0; p < 4; ++p)
+    dot(mem, ta.pan + kI8ChPanelHeader + 64 * ta.o0, ta.ps, ta.act + kI8ChActHeader + 4 * ta.o0, ta.as,
+        ta.o1 - ta.o0);
+    for (int p = 0; p < P; ++p)
       for (int c = 0; c < 6; ++c) acc[p][c] = mem[p * 6 + c];
   }
-  finish_acc<4, 6>(ta, acc);
+  finish_acc<P, 6>(ta, acc);
+}
+
+template <>
+void run_tile<4, 6>(const Tile& ta) {
+  run_tile_asm<4>(ta, dot_4x6);
+}
+template <>
+void run_tile<2, 6>(const Tile& ta) {
+  run_tile_asm<2>(ta, dot_2x6);
 }
 
 template <int P, int C>
