@@ -15,6 +15,7 @@
 #include "model/peft_adapter.h"
 #include "quant/gguf_quantize.h"
 #include "quant/imatrix.h"
+#include "quant/int_pipeline.h"
 
 namespace loom::app {
 namespace {
@@ -107,16 +108,105 @@ std::unique_ptr<Model> load_for_export(const std::string& path, const std::strin
   return Model::load(path, load);
 }
 
+// The flags of the integer methods (--method int8|int4|awq|smoothquant).
+struct IntFlags {
+  std::string method = "gguf", symmetry, granularity, range = "minmax", activations, dtype = "bf16";
+  int64_t group = 0;
+  double percentile = 99.99, alpha = 0.5;
+  std::string calib;
+  int64_t calib_ctx = 512, calib_chunks = 32;
+  bool overwrite = false;
+};
+
+void add_int_flags(CLI::App& app, IntFlags& f) {
+  app.add_option("--method", f.method,
+                 "gguf (a llama.cpp file type, --type), or a compressed-tensors folder: int8, int4, awq, smoothquant")
+      ->capture_default_str();
+  app.add_option("--scheme", f.symmetry, "int8/int4: sym or asym (default: int8 sym, int4/awq asym)");
+  app.add_option("--granularity", f.granularity, "int8: channel (default) or tensor; int4: group (default) or channel");
+  app.add_option("--group", f.group, "int4/awq: columns per scale (default 128)")->check(CLI::Range(int64_t{8}, int64_t{1} << 20));
+  app.add_option("--range", f.range, "how weight ranges are chosen: minmax, percentile, mse")->capture_default_str();
+  app.add_option("--percentile", f.percentile, "--range percentile: the upper percentile")->capture_default_str();
+  app.add_option("--activations", f.activations, "int8: dynamic (W8A8, per-token int8; default) or none (W8A16)");
+  app.add_option("--alpha", f.alpha, "smoothquant: migration strength in [0, 1]")->capture_default_str();
+  app.add_option("--calib", f.calib, "calibration text for awq and smoothquant (plain UTF-8)");
+  app.add_option("--calib-ctx", f.calib_ctx, "calibration tokens per chunk")->capture_default_str();
+  app.add_option("--calib-chunks", f.calib_chunks, "calibration chunks at most")->capture_default_str();
+  app.add_option("--dtype", f.dtype, "float type of the folder's other tensors and of the scales: bf16, f16, f32")
+      ->capture_default_str();
+  app.add_flag("--overwrite", f.overwrite, "the output folder may be replaced even if it is not a loom/PEFT output");
+}
+
+int run_int(const std::string& model_path, const QuantizeFlags& q, const IntFlags& f) {
+  IntQuantizeJob job;
+  job.model_path = model_path;
+  job.out_dir = q.out_path;
+  job.method = int_method_from_name(f.method);
+  job.scheme = default_scheme(job.method);
+  IntQuantSpec& spec = job.scheme.weights;
+  if (!f.symmetry.empty()) {
+    if (f.symmetry != "sym" && f.symmetry != "asym") fail(ErrorKind::invalid_input, "--scheme {}: expected sym or asym", f.symmetry);
+    spec.symmetric = f.symmetry == "sym";
+  }
+  if (!f.granularity.empty()) {
+    if (f.granularity == "channel") spec.group = 0;
+    else if (f.granularity == "tensor") spec.group = -1;
+    else if (f.granularity == "group") spec.group = spec.bits == 4 ? 128 : 128;
+    else fail(ErrorKind::invalid_input, "--granularity {}: expected channel, tensor or group", f.granularity);
+  }
+  if (f.group > 0) spec.group = f.group;
+  spec.range = range_method_from_name(f.range);
+  spec.percentile = f.percentile;
+  if (!f.activations.empty()) {
+    if (f.activations != "dynamic" && f.activations != "none")
+      fail(ErrorKind::invalid_input, "--activations {}: expected dynamic or none", f.activations);
+    if (spec.bits != 8 && f.activations == "dynamic")
+      fail(ErrorKind::invalid_input, "--activations dynamic goes with int8 weights (W8A8)");
+    job.scheme.int8_dynamic_activations = f.activations == "dynamic";
+  }
+  job.alpha = f.alpha;
+  job.calib_file = f.calib;
+  job.calib_ctx = f.calib_ctx;
+  job.calib_chunks = f.calib_chunks;
+  job.dtype = f.dtype == "f32" ? safetensors::StDType::f32 : f.dtype == "f16" ? safetensors::StDType::f16
+                                                                          : safetensors::StDType::bf16;
+  if (f.dtype != "f32" && f.dtype != "f16" && f.dtype != "bf16")
+    fail(ErrorKind::invalid_input, "--dtype {}: expected bf16, f16 or f32", f.dtype);
+  job.folder.overwrite = f.overwrite;
+  job.folder.what = "-o";
+  job.threads = q.threads;
+  check_folder_replaceable(job.out_dir, f.overwrite, "-o", "--overwrite");
+  check_folder_writable(job.out_dir, "-o");
+  const IntQuantizeReport r = run_int_quantize(job, [](const std::string& line) {
+    std::fprintf(stderr, "quantize: %s\n", line.c_str());
+  });
+  double worst = 0, sum = 0;
+  for (const auto& l : r.linears) {
+    worst = std::max(worst, l.relative_error);
+    sum += l.relative_error;
+  }
+  std::fprintf(stderr,
+               "quantize: %s, %zu linear weights (mean relative error %.4f, worst %.4f); wrote %s "
+               "(compressed-tensors)\n",
+               int_method_name(job.method), r.linears.size(), r.linears.empty() ? 0.0 : sum / r.linears.size(), worst,
+               job.out_dir.c_str());
+  return 0;
+}
+
 int run_quantize(int argc, char** argv) {
-  CLI::App app("Quantize a GGUF model or a Hugging Face folder to a llama.cpp file type (as llama-quantize).",
+  CLI::App app("Quantize a GGUF model or a Hugging Face folder: to a llama.cpp file type (as llama-quantize), or "
+               "to an INT8/INT4/AWQ/SmoothQuant compressed-tensors folder.",
                "quantize");
   std::string model_path;
   QuantizeFlags f;
+  IntFlags int_flags;
   app.add_option("-m,--model", model_path, "the input: a .gguf model or a Hugging Face folder (f32/f16/bf16)")
       ->required();
   add_quantize_flags(app, f, "Q4_K_M");
+  add_int_flags(app, int_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
+  if (int_flags.method != "gguf") return run_int(model_path, f, int_flags);
   finish_quantize_flags(f);
   if (std::filesystem::is_directory(model_path)) {
     const auto model = load_for_export(model_path, "");
@@ -127,8 +217,6 @@ int run_quantize(int argc, char** argv) {
   }
   return 0;
 }
-
-}  // namespace
 
 int run_export(int argc, char** argv) {
   CLI::App app("Write a model, with a LoRA adapter merged into it, as a GGUF file for llama.cpp and ollama.",
@@ -176,6 +264,8 @@ int run_export_lora(int argc, char** argv) {
                model_path.c_str(), out_path.c_str());
   return 0;
 }
+
+}  // namespace
 
 extern const Command kQuantizeCommand = {"quantize", run_quantize};
 extern const Command kExportCommand = {"export", run_export};

@@ -16,6 +16,10 @@ namespace loom::safetensors {
 namespace {
 
 bool writable(StDType t) { return t == StDType::f32 || t == StDType::f16 || t == StDType::bf16; }
+// add_raw also takes the integer types quantized checkpoints store (codes, zero points, shapes).
+bool writable_raw(StDType t) {
+  return writable(t) || t == StDType::i8 || t == StDType::u8 || t == StDType::i32 || t == StDType::i64;
+}
 
 // Rank in the reference library's dtype enum (its sort key, largest first).
 int reference_rank(StDType t) {
@@ -31,12 +35,12 @@ int reference_rank(StDType t) {
 Writer::Writer(std::string path) : path_(std::move(path)) {}
 
 void Writer::check_new(const std::string& name, StDType dtype, const std::vector<int64_t>& shape,
-                       size_t n_bytes) const {
+                       size_t n_bytes, bool raw) const {
   if (name.empty() || name == "__metadata__")
     fail(ErrorKind::invalid_input, "{}: invalid tensor name '{}'", path_, name);
-  if (!writable(dtype))
-    fail(ErrorKind::unsupported, "{}: tensor '{}': cannot write dtype {} (only F32, F16, BF16)", path_, name,
-         st_dtype_name(dtype));
+  if (!(raw ? writable_raw(dtype) : writable(dtype)))
+    fail(ErrorKind::unsupported, "{}: tensor '{}': cannot write dtype {} (only F32, F16, BF16{})", path_, name,
+         st_dtype_name(dtype), raw ? ", I8, U8, I32, I64" : "");
   for (const auto& e : tensors_)
     if (e.name == name) fail(ErrorKind::invalid_input, "{}: duplicate tensor '{}'", path_, name);
   uint64_t numel = 1;
@@ -51,7 +55,7 @@ void Writer::check_new(const std::string& name, StDType dtype, const std::vector
 
 void Writer::add(std::string name, std::span<const float> values, std::vector<int64_t> shape, StDType dtype) {
   const size_t esize = writable(dtype) ? st_dtype_size(dtype) : 0;
-  check_new(name, dtype, shape, values.size() * esize);
+  check_new(name, dtype, shape, values.size() * esize, false);
   std::string bytes(values.size() * esize, '\0');
   if (dtype == StDType::f32) {
     if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
@@ -65,7 +69,7 @@ void Writer::add(std::string name, std::span<const float> values, std::vector<in
 }
 
 void Writer::add_raw(std::string name, StDType dtype, std::vector<int64_t> shape, std::string_view bytes) {
-  check_new(name, dtype, shape, bytes.size());
+  check_new(name, dtype, shape, bytes.size(), true);
   tensors_.push_back({std::move(name), dtype, std::move(shape), std::string(bytes)});
 }
 

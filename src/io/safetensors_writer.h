@@ -1,4 +1,5 @@
-// Writer for safetensors files (F32 / F16 / BF16 tensors plus __metadata__),
+// Writer for safetensors files (F32 / F16 / BF16 tensors, integer tensors of
+// quantized checkpoints, plus __metadata__),
 // laid out like the reference library: compact JSON header padded with spaces
 // to a multiple of 8, tensor data back to back. Written via temp file + rename.
 #pragma once
@@ -30,7 +31,8 @@ class Writer {
   // reserved name) naming the file and the tensor.
   void add(std::string name, std::span<const float> values, std::vector<int64_t> shape,
            StDType dtype = StDType::f32);
-  // Adds already-encoded little-endian element bytes of `dtype` (F32, F16 or BF16).
+  // Adds already-encoded little-endian element bytes of `dtype` (F32, F16, BF16,
+  // or the integer types of quantized checkpoints: I8, U8, I32, I64).
   void add_raw(std::string name, StDType dtype, std::vector<int64_t> shape, std::string_view bytes);
   void set_metadata(std::string key, std::string value);
 
@@ -47,7 +49,8 @@ class Writer {
     std::vector<int64_t> shape;
     std::string bytes;
   };
-  void check_new(const std::string& name, StDType dtype, const std::vector<int64_t>& shape, size_t n_bytes) const;
+  void check_new(const std::string& name, StDType dtype, const std::vector<int64_t>& shape, size_t n_bytes,
+                 bool raw) const;
 
   std::string path_;
   std::vector<Entry> tensors_;

@@ -163,8 +163,10 @@ std::optional<BnbQuantConfig> bnb_quant_config(const json& config, const std::st
   if (!it->is_object()) fail(ErrorKind::invalid_input, "{} must be an object", where);
   const json& q = *it;
   const std::string method = str_key(q, "quant_method", where);
+  if (method == "compressed-tensors") return std::nullopt;  // model/compressed_tensors.h reads those
   if (method != "bitsandbytes")
-    fail(ErrorKind::unsupported, "{}: quant_method '{}' is not supported (bitsandbytes 4-bit folders are)", where,
+    fail(ErrorKind::unsupported,
+         "{}: quant_method '{}' is not supported (bitsandbytes 4-bit and compressed-tensors folders are)", where,
          method);
   if (bool_key(q, "load_in_8bit", false, where))
     fail(ErrorKind::unsupported,

@@ -275,15 +275,17 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   }
 
   // Features the forward pass does not implement: refuse rather than run a different model.
-  // bitsandbytes 4-bit folders are read by the weight loader (model/bnb_folder.h),
-  // which checks the rest of quantization_config; other methods are refused here.
+  // bitsandbytes 4-bit and compressed-tensors folders are read by the weight loader
+  // (model/bnb_folder.h, model/compressed_tensors.h), which checks the rest of
+  // quantization_config; other methods are refused here.
   if (const json* q = hf_find(j, "quantization_config"); q != nullptr && !q->is_null()) {
     const auto m = q->is_object() ? q->find("quant_method") : q->end();
-    if (!q->is_object() || m == q->end() || !m->is_string() || m->get<std::string>() != "bitsandbytes")
+    const std::string method = q->is_object() && m != q->end() && m->is_string() ? m->get<std::string>() : "?";
+    if (method != "bitsandbytes" && method != "compressed-tensors")
       fail(ErrorKind::unsupported,
            "{}: key 'quantization_config': quant_method '{}' is not supported (pre-quantized checkpoints other "
-           "than bitsandbytes 4-bit are not)",
-           path, q->is_object() && m != q->end() && m->is_string() ? m->get<std::string>() : std::string("?"));
+           "than bitsandbytes 4-bit and compressed-tensors INT8/INT4 are not)",
+           path, method);
   }
   if (const auto act = hf_opt_string(j, "hidden_act", path); act && *act != "silu")
     fail(ErrorKind::unsupported, "{}: hidden_act '{}' is not supported (only silu)", path, *act);

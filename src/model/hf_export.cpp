@@ -102,7 +102,8 @@ ModelConfig config_with_rope_table(const ModelConfig& c, const RopeTable& rope, 
 }
 
 // The files of write_hf_folder, written into the (staging) folder `out_dir`.
-void write_hf_files(const Model& model, const ModelConfig& c, const std::string& out_dir, safetensors::StDType dtype) {
+void write_hf_files(const Model& model, const ModelConfig& c, const std::string& out_dir, safetensors::StDType dtype,
+                    const HfExportHooks* hooks) {
   const ModelWeights& w = model.weights();
 
   const bool permuted = lora_needs_qk_permutation(c);
@@ -111,6 +112,13 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
     std::vector<float> m = to_f32(t);
     if (permuted && unpermute_heads > 0) to_hf_rows(m, unpermute_heads, c.head_dim, t.cols());
     st.add(name, m, {t.rows(), t.cols()}, dtype);
+  };
+  // A layer's linear weight: the hook's tensors when a quantized export asks for them.
+  auto add_linear = [&](const std::string& name, const Tensor& t, int64_t unpermute_heads) {
+    if (hooks == nullptr || !hooks->linear) return add_matrix(name, t, unpermute_heads);
+    std::vector<float> m = to_f32(t);
+    if (permuted && unpermute_heads > 0) to_hf_rows(m, unpermute_heads, c.head_dim, t.cols());
+    hooks->linear(name.substr(0, name.size() - std::string_view(".weight").size()), m, t.rows(), t.cols(), st);
   };
   auto add_vector = [&](const std::string& name, const float* v, int64_t n) {
     st.add(name, std::span<const float>(v, static_cast<size_t>(n)), {n}, dtype);
@@ -124,10 +132,10 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
     const std::string p = fmt::format("model.layers.{}.", l);
     add_vector(p + "input_layernorm.weight", L.attn_norm, c.hidden);
     add_vector(p + "post_attention_layernorm.weight", L.ffn_norm, c.hidden);
-    add_matrix(p + "self_attn.q_proj.weight", L.wq, c.n_heads);
-    add_matrix(p + "self_attn.k_proj.weight", L.wk, c.n_kv_heads);
-    add_matrix(p + "self_attn.v_proj.weight", L.wv, 0);
-    add_matrix(p + "self_attn.o_proj.weight", L.wo, 0);
+    add_linear(p + "self_attn.q_proj.weight", L.wq, c.n_heads);
+    add_linear(p + "self_attn.k_proj.weight", L.wk, c.n_kv_heads);
+    add_linear(p + "self_attn.v_proj.weight", L.wv, 0);
+    add_linear(p + "self_attn.o_proj.weight", L.wo, 0);
     if (L.bq) {  // biases are per row: q/k ones are permuted like the rows
       std::vector<float> bq(L.bq, L.bq + c.q_dim()), bk(L.bk, L.bk + c.kv_dim());
       if (permuted) {
@@ -138,9 +146,9 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
       add_vector(p + "self_attn.k_proj.bias", bk.data(), c.kv_dim());
       add_vector(p + "self_attn.v_proj.bias", L.bv, c.kv_dim());
     }
-    add_matrix(p + "mlp.gate_proj.weight", L.w_gate, 0);
-    add_matrix(p + "mlp.up_proj.weight", L.w_up, 0);
-    add_matrix(p + "mlp.down_proj.weight", L.w_down, 0);
+    add_linear(p + "mlp.gate_proj.weight", L.w_gate, 0);
+    add_linear(p + "mlp.up_proj.weight", L.w_up, 0);
+    add_linear(p + "mlp.down_proj.weight", L.w_down, 0);
   }
   st.set_metadata("format", "pt");
   st.write(safetensors::WriteOrder::reference);
@@ -175,6 +183,7 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
     cfg["mlp_bias"] = false;
   }
   cfg["torch_dtype"] = torch_dtype_name(dtype);
+  if (hooks != nullptr && !hooks->quantization_config.is_null()) cfg["quantization_config"] = hooks->quantization_config;
   nlohmann::ordered_json gen = nlohmann::ordered_json::object();
   if (!model.is_gguf()) {  // an HF source: keep its special ids
     const auto src = nlohmann::json::parse(read_file_bytes(model.path() + "/config.json"), nullptr, false);
@@ -211,7 +220,15 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
 void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype,
                      const FolderWriteOptions& opt) {
   const ModelConfig c = config_with_rope_table(model.config(), model.weights().rope, model.path());
-  write_folder_atomic(out_dir, [&](const std::string& staging) { write_hf_files(model, c, staging, dtype); }, opt);
+  write_folder_atomic(out_dir, [&](const std::string& staging) { write_hf_files(model, c, staging, dtype, nullptr); },
+                      opt);
+}
+
+void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype,
+                     const FolderWriteOptions& opt, const HfExportHooks& hooks) {
+  const ModelConfig c = config_with_rope_table(model.config(), model.weights().rope, model.path());
+  write_folder_atomic(out_dir, [&](const std::string& staging) { write_hf_files(model, c, staging, dtype, &hooks); },
+                      opt);
 }
 
 }  // namespace loom

@@ -2,10 +2,15 @@
 // Hugging Face folder: `loom merge` and `loom train` with method: full.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "io/file_write.h"
 #include "io/safetensors.h"
+#include "io/safetensors_writer.h"
 
 namespace loom {
 
@@ -23,5 +28,19 @@ class Model;
 // rope_freqs table that does not match the config's RoPE frequencies).
 void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype,
                      const FolderWriteOptions& opt = {});
+
+// What a quantized export changes (quant/: compressed-tensors folders).
+struct HfExportHooks {
+  // Called for the seven linear weights of every layer with the module's HF
+  // name ("model.layers.0.self_attn.q_proj") and its f32 values in HF row
+  // order; adds the module's tensors (e.g. "<module>.weight" as int8 and
+  // "<module>.weight_scale") to `st` in place of the plain weight.
+  std::function<void(const std::string& module, std::vector<float>& w, int64_t rows, int64_t cols,
+                     safetensors::Writer& st)> linear;
+  // Added to config.json as "quantization_config" when not null.
+  nlohmann::ordered_json quantization_config;
+};
+void write_hf_folder(const Model& model, const std::string& out_dir, safetensors::StDType dtype,
+                     const FolderWriteOptions& opt, const HfExportHooks& hooks);
 
 }  // namespace loom

@@ -1,0 +1,99 @@
+#include "quant/calibration.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+
+namespace loom {
+namespace {
+
+AdapterPoint point_of(LoraTarget t) {
+  switch (t) {
+    case LoraTarget::q: case LoraTarget::k: case LoraTarget::v: return AdapterPoint::qkv;
+    case LoraTarget::o: return AdapterPoint::o;
+    case LoraTarget::gate: case LoraTarget::up: return AdapterPoint::gate_up;
+    case LoraTarget::down: return AdapterPoint::down;
+  }
+  return AdapterPoint::qkv;
+}
+
+class StatsCollector final : public LayerAdapters {
+ public:
+  StatsCollector(const ModelConfig& c, CalibrationStats& out, int64_t sample_every, int64_t max_samples)
+      : c_(c), out_(out), every_(sample_every), max_samples_(max_samples) {
+    out_.layers.resize(static_cast<size_t>(c.n_layers));
+    for (auto& layer : out_.layers)
+      for (LoraTarget t : {LoraTarget::q, LoraTarget::o, LoraTarget::gate, LoraTarget::down}) {
+        ChannelStats& s = layer[static_cast<size_t>(point_of(t))];
+        s.width = lora_target_in(c, t);
+        s.min.assign(static_cast<size_t>(s.width), std::numeric_limits<float>::infinity());
+        s.max.assign(static_cast<size_t>(s.width), -std::numeric_limits<float>::infinity());
+        s.abs_sum.assign(static_cast<size_t>(s.width), 0.0);
+      }
+  }
+
+  void apply(int64_t layer, std::span<const AdapterJob> jobs) override {
+    const AdapterJob& j = jobs.front();  // every job of a point reads the same x
+    ChannelStats& s = out_.layers[static_cast<size_t>(layer)][static_cast<size_t>(point_of(j.target))];
+    const int64_t n = s.width;
+    for (int64_t r = 0; r < j.rows; ++r) {
+      const float* x = j.x + r * j.ldx;
+      for (int64_t i = 0; i < n; ++i) {
+        s.min[static_cast<size_t>(i)] = std::min(s.min[static_cast<size_t>(i)], x[i]);
+        s.max[static_cast<size_t>(i)] = std::max(s.max[static_cast<size_t>(i)], x[i]);
+        s.abs_sum[static_cast<size_t>(i)] += std::fabs(x[i]);
+      }
+      // s.tokens + r: the token's index in the whole text (points see every row, in order).
+      if (max_samples_ > 0 && (s.tokens + r) % every_ == 0 && s.sample_rows() < max_samples_)
+        s.samples.insert(s.samples.end(), x, x + n);
+    }
+    s.tokens += j.rows;
+  }
+
+ private:
+  const ModelConfig& c_;
+  CalibrationStats& out_;
+  int64_t every_, max_samples_;
+};
+
+}  // namespace
+
+CalibrationStats collect_calibration(InferenceSession& session, const ModelConfig& config,
+                                     std::span<const int32_t> tokens, const CalibrationOptions& opt,
+                                     const std::function<void(int64_t, int64_t)>& on_chunk) {
+  const int64_t n_ctx = opt.n_ctx;
+  if (n_ctx < 1 || session.n_ctx() < n_ctx)
+    fail(ErrorKind::invalid_input, "calibration: a chunk of {} tokens does not fit the session ({})", n_ctx,
+         session.n_ctx());
+  int64_t n_chunks = static_cast<int64_t>(tokens.size()) / n_ctx;
+  if (opt.max_chunks >= 0) n_chunks = std::min(n_chunks, opt.max_chunks);
+  if (n_chunks < 1)
+    fail(ErrorKind::invalid_input, "the calibration text tokenizes to {} tokens, less than one chunk of {}",
+         tokens.size(), n_ctx);
+  CalibrationStats stats;
+  stats.chunk_size = n_ctx;
+  const int64_t total = n_chunks * n_ctx;
+  const int64_t every = opt.max_samples > 0 ? std::max<int64_t>(1, total / opt.max_samples) : 1;
+  StatsCollector collector(config, stats, every, opt.max_samples);
+  session.set_layer_hook(&collector);
+  std::vector<int32_t> chunk;
+  try {
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      chunk.assign(tokens.begin() + c * n_ctx, tokens.begin() + (c + 1) * n_ctx);
+      if (opt.bos >= 0) chunk[0] = opt.bos;
+      session.truncate(0);
+      session.eval(chunk);
+      stats.chunks = c + 1;
+      if (on_chunk) on_chunk(c + 1, n_chunks);
+    }
+  } catch (...) {
+    session.set_layer_hook(nullptr);
+    throw;
+  }
+  session.set_layer_hook(nullptr);
+  return stats;
+}
+
+}  // namespace loom

@@ -1,0 +1,124 @@
+#include "quant/int_pipeline.h"
+
+#include <fmt/format.h>
+
+#include <numeric>
+
+#include "core/error.h"
+#include "core/mapped_file.h"
+#include "model/forward.h"
+#include "model/model.h"
+#include "quant/calibration.h"
+#include "tokenizer/tokenizer.h"
+
+namespace loom {
+namespace {
+
+bool needs_calibration(IntMethod m) { return m == IntMethod::awq || m == IntMethod::smoothquant; }
+
+// Activation statistics of the calibration text on the model as stored.
+CalibrationStats calibrate(const IntQuantizeJob& job, Backend& backend,
+                           const std::function<void(const std::string&)>& log, int64_t& tokens_used) {
+  auto model = Model::load(job.model_path, {.tokenizer = true, .pack = true, .backend = &backend});
+  const Tokenizer& tok = model->tokenizer();
+  const auto tokens = tok.encode(read_text_file(job.calib_file), true, false);
+  const int64_t n_ctx = std::min<int64_t>(job.calib_ctx, model->config().max_context);
+  CalibrationOptions opt;
+  opt.n_ctx = n_ctx;
+  opt.max_chunks = job.calib_chunks;
+  opt.bos = tok.add_bos() ? tok.bos() : -1;
+  opt.max_samples = job.method == IntMethod::awq ? job.awq_samples : 0;
+  InferenceSession session(model->config(), model->weights(), backend, n_ctx);
+  log(fmt::format("calibration: {} tokens in {}, chunks of {}", tokens.size(), job.calib_file, n_ctx));
+  CalibrationStats stats = collect_calibration(session, model->config(), tokens, opt, nullptr);
+  tokens_used = stats.chunks * n_ctx;
+  return stats;
+}
+
+// A group size every linear weight's rows split into: the requested one, or
+// the largest multiple of 32 below it that divides every input width (SmolLM2's
+// 576 takes 96 for 128), so one group size serves the whole model.
+int64_t fitting_group(int64_t requested, const ModelConfig& c, const std::function<void(const std::string&)>& log) {
+  const int64_t widths = std::gcd(std::gcd(c.hidden, c.q_dim()), c.intermediate);
+  if (widths % requested == 0) return requested;
+  for (int64_t g = requested / 32 * 32; g >= 32; g -= 32)
+    if (widths % g == 0) {
+      log(fmt::format("groups of {} do not divide the input widths ({}, {}, {}): using groups of {}", requested,
+                      c.hidden, c.q_dim(), c.intermediate, g));
+      return g;
+    }
+  fail(ErrorKind::invalid_input, "no group size of 32 to {} divides the input widths {}, {} and {}", requested,
+       c.hidden, c.q_dim(), c.intermediate);
+}
+
+}  // namespace
+
+IntMethod int_method_from_name(const std::string& name) {
+  if (name == "int8") return IntMethod::int8;
+  if (name == "int4") return IntMethod::int4;
+  if (name == "awq") return IntMethod::awq;
+  if (name == "smoothquant") return IntMethod::smoothquant;
+  fail(ErrorKind::invalid_input, "--method {}: expected gguf, int8, int4, awq or smoothquant", name);
+}
+
+const char* int_method_name(IntMethod m) {
+  switch (m) {
+    case IntMethod::int8: return "int8";
+    case IntMethod::int4: return "int4";
+    case IntMethod::awq: return "awq";
+    case IntMethod::smoothquant: return "smoothquant";
+  }
+  return "?";
+}
+
+CompressedTensorsScheme default_scheme(IntMethod m) {
+  CompressedTensorsScheme s;
+  if (m == IntMethod::int4 || m == IntMethod::awq) {
+    s.weights.bits = 4;
+    s.weights.group = 128;
+    s.weights.symmetric = false;
+  } else {
+    s.weights.bits = 8;
+    s.weights.group = 0;
+    s.weights.symmetric = true;
+    s.int8_dynamic_activations = true;
+  }
+  return s;
+}
+
+IntQuantizeReport run_int_quantize(const IntQuantizeJob& job, const std::function<void(const std::string&)>& log_fn) {
+  const std::function<void(const std::string&)> log = log_fn ? log_fn : [](const std::string&) {};
+  if (needs_calibration(job.method) && job.calib_file.empty())
+    fail(ErrorKind::invalid_input, "--method {} needs calibration text: give --calib FILE", int_method_name(job.method));
+  if (job.method == IntMethod::smoothquant && (job.scheme.weights.bits != 8 || !job.scheme.int8_dynamic_activations))
+    fail(ErrorKind::invalid_input, "--method smoothquant makes W8A8 models (int8 weights, int8 activations)");
+  ThreadPool pool(job.threads);
+  auto backend = make_backend(kCpu, pool);
+  IntQuantizeReport report;
+  CalibrationStats stats;
+  if (needs_calibration(job.method)) stats = calibrate(job, *backend, log, report.calib_tokens);
+
+  auto model = Model::load(job.model_path, {.tokenizer = true, .pack = false});
+  ModelWeights& w = model->mutable_weights();
+  const ModelConfig& c = model->config();
+  CompressedTensorsScheme scheme = job.scheme;
+  if (scheme.weights.group > 0) scheme.weights.group = fitting_group(scheme.weights.group, c, log);
+  auto on_smooth = [&](const SmoothReport& r) { report.smoothing.push_back(r); };
+  if (job.method == IntMethod::smoothquant) {
+    make_weights_mutable(w, c);
+    apply_smoothquant(w, c, stats, job.alpha, on_smooth);
+    log(fmt::format("smoothquant: alpha {} folded into {} norm/weight groups", job.alpha, report.smoothing.size()));
+  } else if (job.method == IntMethod::awq) {
+    make_weights_mutable(w, c);
+    AwqOptions opt;
+    opt.spec = scheme.weights;
+    opt.n_grid = job.awq_grid;
+    apply_awq(*backend, w, c, stats, opt, on_smooth);
+    log(fmt::format("awq: scales searched for {} mappings", report.smoothing.size()));
+  }
+  write_compressed_tensors_folder(*model, job.out_dir, job.dtype, scheme, job.folder,
+                                  [&](const LinearQuantReport& r) { report.linears.push_back(r); });
+  return report;
+}
+
+}  // namespace loom
