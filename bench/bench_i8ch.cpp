@@ -4,10 +4,14 @@
 // Names: Matmul/<type>/N<rows>xK<cols>/T<tokens>/t2. The weights are the same
 // normal(0, 0.05) values, quantized by quantize_row_ref (q8_0) and with min-max
 // scales and zero points (i8_ch). GFLOP/s counts 2 N K T.
+// MatmulRatio/i8_ch_vs_q8_0/...: both products in turn, each iteration; the
+// counters are the best time of each (us_q8_0, us_i8_ch) and their ratio
+// (speedup), which a busy machine disturbs far less than separate runs.
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <random>
 #include <string>
@@ -68,6 +72,34 @@ void run_i8ch_case(benchmark::State& state, I8ChCase c) {
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+void run_ratio_case(benchmark::State& state, I8ChCase c) {
+  auto wq = weights(DType::q8_0, c.N, c.K), wi = weights(DType::i8_ch, c.N, c.K);
+  ThreadPool pool(c.threads);
+  const PackedWeight pq = PackedWeight::pack(make_tensor(wq.data(), DType::q8_0, {c.N, c.K}), &pool);
+  const PackedWeight pi = PackedWeight::pack(make_tensor(wi.data(), DType::i8_ch, {c.N, c.K}), &pool);
+  std::vector<float> x(static_cast<size_t>(c.T * c.K)), y(static_cast<size_t>(c.T * c.N));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (auto& v : x) v = dist(rng);
+  MatmulScratch scratch;
+  double best_q = 1e30, best_i = 1e30;
+  using Clock = std::chrono::steady_clock;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    matmul(pool, pq, x.data(), y.data(), c.T, scratch);
+    const auto t1 = Clock::now();
+    matmul(pool, pi, x.data(), y.data(), c.T, scratch);
+    const auto t2 = Clock::now();
+    best_q = std::min(best_q, std::chrono::duration<double>(t1 - t0).count());
+    best_i = std::min(best_i, std::chrono::duration<double>(t2 - t1).count());
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["us_q8_0"] = best_q * 1e6;
+  state.counters["us_i8_ch"] = best_i * 1e6;
+  state.counters["speedup"] = best_q / best_i;
+}
+
 [[maybe_unused]] const int kRegistered = [] {
   struct Shape {
     int64_t N, K;
@@ -83,6 +115,13 @@ void run_i8ch_case(benchmark::State& state, I8ChCase c) {
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
       }
+  for (const Shape& s : shapes)
+    for (int64_t T : {1, 128, 512}) {
+      const std::string name = fmt::format("MatmulRatio/i8_ch_vs_q8_0/N{}xK{}/T{}/t2", s.N, s.K, T);
+      benchmark::RegisterBenchmark(name.c_str(), run_ratio_case, I8ChCase{DType::i8_ch, s.N, s.K, T, 2})
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
   return 0;
 }();
 
