@@ -247,7 +247,7 @@ TEST(I8Ch, DequantizeRowEqualsReferenceAtModelWidths) {
 TEST(I8Ch, ActivationRowEqualsReference) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   std::mt19937 rng(9);
-  for (int64_t K : {1, 7, 8, 31, 32, 33, 40, 100, 576, 2048, 14336}) {
+  for (int64_t K : {1, 7, 8, 15, 16, 17, 31, 32, 33, 40, 100, 576, 2048, 14336}) {
     for (int variant = 0; variant < 5; ++variant) {
       std::vector<float> x = random_floats(K, static_cast<uint32_t>(K * 10 + variant));
       if (variant == 1) std::fill(x.begin(), x.end(), 0.0f);
@@ -260,22 +260,30 @@ TEST(I8Ch, ActivationRowEqualsReference) {
       std::vector<int8_t> want(static_cast<size_t>(K));
       int32_t want_sum = 0;
       const float s = quantize_act_row_i8ch_ref(x.data(), K, want.data(), &want_sum);
-      std::vector<uint8_t> row(cpu::i8ch_act_row_bytes(K), 0xEE);
-      cpu::quantize_act_row_i8ch(x.data(), K, row.data());
-      float got_s;
-      int32_t got_sum;
-      std::memcpy(&got_s, row.data(), 4);
-      std::memcpy(&got_sum, row.data() + 4, 4);
-      const std::string what = "K=" + std::to_string(K) + " variant " + std::to_string(variant);
-      EXPECT_EQ(float_to_bits(got_s), float_to_bits(s)) << what;
-      EXPECT_EQ(got_sum, want_sum) << what;
-      for (int64_t k = 0; k < K; ++k) {
-        const int8_t q = want[static_cast<size_t>(k)];
-        ASSERT_GE(q, -127) << what;  // never -128 (the AVX2 sign trick needs it)
-        ASSERT_EQ(row[cpu::kI8ChActHeader + static_cast<size_t>(k)], static_cast<uint8_t>(q + 128)) << what << " k=" << k;
+      // The dispatching quantizer (LOOM_CPU steers it), and each version this CPU runs.
+      std::vector<void (*)(const float*, int64_t, uint8_t*)> fns = {cpu::quantize_act_row_i8ch,
+                                                                   cpu::quantize_act_row_i8ch_avx2};
+      if (cpu_features().has_avx512_f32()) fns.push_back(cpu::quantize_act_row_i8ch_avx512);
+      for (size_t f = 0; f < fns.size(); ++f) {
+        std::vector<uint8_t> row(cpu::i8ch_act_row_bytes(K), 0xEE);
+        fns[f](x.data(), K, row.data());
+        float got_s;
+        int32_t got_sum;
+        std::memcpy(&got_s, row.data(), 4);
+        std::memcpy(&got_sum, row.data() + 4, 4);
+        const std::string what =
+            "K=" + std::to_string(K) + " variant " + std::to_string(variant) + " quantizer " + std::to_string(f);
+        EXPECT_EQ(float_to_bits(got_s), float_to_bits(s)) << what;
+        EXPECT_EQ(got_sum, want_sum) << what;
+        for (int64_t k = 0; k < K; ++k) {
+          const int8_t q = want[static_cast<size_t>(k)];
+          ASSERT_GE(q, -127) << what;  // never -128 (the AVX2 sign trick needs it)
+          ASSERT_EQ(row[cpu::kI8ChActHeader + static_cast<size_t>(k)], static_cast<uint8_t>(q + 128))
+              << what << " k=" << k;
+        }
+        for (size_t k = cpu::kI8ChActHeader + static_cast<size_t>(K); k < row.size(); ++k)
+          ASSERT_EQ(row[k], 0x80) << what << " padding";  // qx = 0
       }
-      for (size_t k = cpu::kI8ChActHeader + static_cast<size_t>(K); k < row.size(); ++k)
-        ASSERT_EQ(row[k], 0x80) << what << " padding";  // qx = 0
     }
   }
 }

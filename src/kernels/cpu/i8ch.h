@@ -49,8 +49,12 @@ void dequantize_i8ch_cols(const void* row, int64_t c0, float* dst, int64_t n);
 // `nrows` (<= 16) i8_ch rows of K columns into one panel (missing rows: zeros).
 void pack_i8ch_panel(const uint8_t* const* rows, int nrows, int64_t K, uint8_t* dst);
 
-// One token's act row (quantize_act_row_i8ch_ref's codes, scale and sum).
+// One token's act row (quantize_act_row_i8ch_ref's codes, scale and sum): AVX2,
+// or the AVX-512 F/BW/VL version where usable_cpu_features().has_avx512_f32()
+// (the same float operations, so the same bytes).
 void quantize_act_row_i8ch(const float* x, int64_t K, uint8_t* dst);
+void quantize_act_row_i8ch_avx2(const float* x, int64_t K, uint8_t* dst);
+void quantize_act_row_i8ch_avx512(const float* x, int64_t K, uint8_t* dst);
 
 void i8ch_panel_kernel_avx2(const KernelArgs& a);
 void i8ch_panel_kernel_avx512(const KernelArgs& a);

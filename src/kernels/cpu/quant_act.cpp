@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/panel.h"
@@ -97,6 +98,12 @@ inline __m256i round_away_i8sym(__m256 v) {
 }  // namespace
 
 void quantize_act_row_i8ch(const float* x, int64_t K, uint8_t* dst) {
+  static const bool avx512 = usable_cpu_features().has_avx512_f32();
+  if (avx512) return quantize_act_row_i8ch_avx512(x, K, dst);
+  quantize_act_row_i8ch_avx2(x, K, dst);
+}
+
+void quantize_act_row_i8ch_avx2(const float* x, int64_t K, uint8_t* dst) {
   // amax over the whole row; NaNs skipped as std::max(amax, |x|) skips them.
   __m256 vmax = _mm256_setzero_ps();
   int64_t k = 0;
