@@ -2,7 +2,8 @@
 // vpdpbusd of the activations' u8 codes (qx + 128, a broadcast 4-byte word per
 // token) with the panel's s8 weight words; the accumulator starts at
 // -128 * sum(q) - zero * xsum, so it ends at the exact int32 acc; then
-// y = float(acc) * (scale * s). No float work inside the K loop.
+// y = float(acc) * (scale * s). No float work inside the K loop. (No AMX-INT8
+// version: the machine this was written on has no AMX to test one.)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
@@ -37,8 +38,8 @@ inline void store_rows(float* y, __m512 v, int64_t nv) {
 // Register tiles of P panels x C tokens: P * C accumulators, P weight vectors
 // and a broadcast; batches run 4 x 6 tiles (24 accumulators) through the
 // assembly loop dot_4x6 (2 x 6 through dot_2x6), the other edges (fewer panels
-// or tokens) the same loop in intrinsics. Decode (T = 1) runs 4 panels with two accumulator chains per
-// output (even / odd words) to hide vpdpbusd's latency.
+// or tokens) the same loop in intrinsics. Decode (T = 1) runs 4 panels with two
+// accumulator chains per output (even / odd words) to hide vpdpbusd's latency.
 //
 // Cache blocking: for a batch, the words of a panel group are taken in chunks
 // of at most kChunkWords (4 panels x 256 words x 64 bytes = 64 KiB, in L2) and
