@@ -99,6 +99,8 @@ const Value* Writer::find(std::string_view key) const {
 
 void Writer::add_tensor(std::string name, DType dtype, std::vector<int64_t> shape, Fill fill) {
   if (name.empty()) fail(ErrorKind::invalid_input, "a GGUF tensor needs a name");
+  if (!dtype_traits_of_id(static_cast<uint32_t>(dtype)))  // loom's own types (nf4, i8_ch) have no ggml id
+    fail(ErrorKind::invalid_input, "tensor '{}': {} is not a GGUF tensor type", name, dtype_name(dtype));
   for (const auto& t : tensors_)
     if (t.name == name) fail(ErrorKind::invalid_input, "tensor '{}' is added twice", name);
   if (shape.empty() || shape.size() > 4)

@@ -137,6 +137,9 @@ TEST(HfToGguf, TokenizerWithoutALlamaCppNameIsRefused) {
   gguf::Writer w;
   test_util::expect_error([&] { set_gguf_tokenizer(w, odd, 320, "", "odd"); }, ErrorKind::unsupported,
                           {"odd", "pre-tokenizer"});
+  // loom's own weight types have no ggml id: a GGUF file cannot carry them.
+  test_util::expect_error([&] { w.add_tensor("x.weight", DType::i8_ch, {4, 32}, [](uint8_t*) {}); },
+                          ErrorKind::invalid_input, {"x.weight", "i8_ch", "not a GGUF tensor type"});
 }
 
 // The GGUF LoRA's B rows are GGUF's q/k order: W_gguf + alpha/r * B_gguf A equals

@@ -117,7 +117,9 @@ TEST(SafetensorsWriter, ErrorsNameFileAndTensor) {
   expect_error([&] { w.add("t", closed_form(4), {4}); }, "duplicate");
   expect_error([&] { w.add("u", closed_form(5), {2, 2}); }, "'u'");
   expect_error([&] { w.add("__metadata__", closed_form(1), {1}); }, "__metadata__");
-  expect_error([&] { w.add_raw("i", StDType::i64, {1}, std::string(8, '\0')); }, "I64");
+  expect_error([&] { w.add_raw("i", StDType::f64, {1}, std::string(8, '\0')); }, "F64");  // not a checkpoint type
+  expect_error([&] { w.add("i", closed_form(1), {1}, StDType::i8); }, "I8");  // floats are not stored as integers
+  expect_error([&] { w.add_raw("i", StDType::i32, {2}, std::string(4, '\0')); }, "2 elements of I32 but 4 bytes");
   expect_error([&] { w.add("n", closed_form(2), {-1, -2}); }, "negative");
   const auto dir = std::filesystem::temp_directory_path() / ("loom_stw_ro_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
