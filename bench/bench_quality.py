@@ -43,6 +43,7 @@ INT_METHODS = [  # name, loom quantize flags
     ("INT4 g128 RTN (asym)", ["--method", "int4"]),
     ("INT4 g128 AWQ (asym)", ["--method", "awq", "--calib", "CALIB"]),
     ("SmoothQuant W8A8 (alpha 0.5)", ["--method", "smoothquant", "--alpha", "0.5", "--calib", "CALIB"]),
+    ("SmoothQuant W8A8 (alpha 0.7)", ["--method", "smoothquant", "--alpha", "0.7", "--calib", "CALIB"]),
 ]
 
 
