@@ -112,7 +112,8 @@ std::unique_ptr<Model> load_for_export(const std::string& path, const std::strin
 struct IntFlags {
   std::string method = "gguf", symmetry, granularity, range = "minmax", activations, dtype = "bf16";
   int64_t group = 0;
-  double percentile = 99.99, alpha = 0.5;
+  double percentile = 99.99;
+  std::string alpha = "0.5";
   std::string calib;
   int64_t calib_ctx = 512, calib_chunks = 32;
   bool overwrite = false;
@@ -128,7 +129,9 @@ void add_int_flags(CLI::App& app, IntFlags& f) {
   app.add_option("--range", f.range, "how weight ranges are chosen: minmax, percentile, mse")->capture_default_str();
   app.add_option("--percentile", f.percentile, "--range percentile: the upper percentile")->capture_default_str();
   app.add_option("--activations", f.activations, "int8: dynamic (W8A8, per-token int8; default) or none (W8A16)");
-  app.add_option("--alpha", f.alpha, "smoothquant: migration strength in [0, 1]")->capture_default_str();
+  app.add_option("--alpha", f.alpha,
+                 "smoothquant: migration strength in [0, 1], or auto (searched per layer on the calibration text)")
+      ->capture_default_str();
   app.add_option("--calib", f.calib, "calibration text for awq and smoothquant (plain UTF-8)");
   app.add_option("--calib-ctx", f.calib_ctx, "calibration tokens per chunk")->capture_default_str();
   app.add_option("--calib-chunks", f.calib_chunks, "calibration chunks at most")->capture_default_str();
@@ -164,7 +167,17 @@ int run_int(const std::string& model_path, const QuantizeFlags& q, const IntFlag
       fail(ErrorKind::invalid_input, "--activations dynamic goes with int8 weights (W8A8)");
     job.scheme.int8_dynamic_activations = f.activations == "dynamic";
   }
-  job.alpha = f.alpha;
+  if (f.alpha == "auto") {
+    job.alpha = -1;
+  } else {
+    try {
+      size_t used = 0;
+      job.alpha = std::stod(f.alpha, &used);
+      if (used != f.alpha.size()) throw std::invalid_argument(f.alpha);
+    } catch (const std::exception&) {
+      fail(ErrorKind::invalid_input, "--alpha {}: expected a number in [0, 1] or auto", f.alpha);
+    }
+  }
   job.calib_file = f.calib;
   job.calib_ctx = f.calib_ctx;
   job.calib_chunks = f.calib_chunks;

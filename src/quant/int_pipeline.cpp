@@ -27,7 +27,8 @@ CalibrationStats calibrate(const IntQuantizeJob& job, Backend& backend,
   opt.n_ctx = n_ctx;
   opt.max_chunks = job.calib_chunks;
   opt.bos = tok.add_bos() ? tok.bos() : -1;
-  opt.max_samples = job.method == IntMethod::awq ? job.awq_samples : 0;
+  const bool search = job.method == IntMethod::awq || (job.method == IntMethod::smoothquant && job.alpha < 0);
+  opt.max_samples = search ? job.awq_samples : 0;
   InferenceSession session(model->config(), model->weights(), backend, n_ctx);
   log(fmt::format("calibration: {} tokens in {}, chunks of {}", tokens.size(), job.calib_file, n_ctx));
   CalibrationStats stats = collect_calibration(session, model->config(), tokens, opt, nullptr);
@@ -104,7 +105,14 @@ IntQuantizeReport run_int_quantize(const IntQuantizeJob& job, const std::functio
   CompressedTensorsScheme scheme = job.scheme;
   if (scheme.weights.group > 0) scheme.weights.group = fitting_group(scheme.weights.group, c, log);
   auto on_smooth = [&](const SmoothReport& r) { report.smoothing.push_back(r); };
-  if (job.method == IntMethod::smoothquant) {
+  if (job.method == IntMethod::smoothquant && job.alpha < 0) {
+    make_weights_mutable(w, c);
+    apply_smoothquant_search(*backend, w, c, stats, {0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}, on_smooth);
+    double mean = 0;
+    for (const auto& r : report.smoothing) mean += r.ratio / static_cast<double>(report.smoothing.size());
+    log(fmt::format("smoothquant: alpha searched per mapping ({} mappings, mean alpha {:.2f})", report.smoothing.size(),
+                    mean));
+  } else if (job.method == IntMethod::smoothquant) {
     make_weights_mutable(w, c);
     apply_smoothquant(w, c, stats, job.alpha, on_smooth);
     log(fmt::format("smoothquant: alpha {} folded into {} norm/weight groups", job.alpha, report.smoothing.size()));

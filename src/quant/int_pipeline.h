@@ -31,10 +31,10 @@ struct IntQuantizeJob {
   std::string model_path, out_dir;
   IntMethod method = IntMethod::int8;
   CompressedTensorsScheme scheme;  // weights spec and activations, filled from the method by default_scheme()
-  double alpha = 0.5;              // SmoothQuant
+  double alpha = 0.5;              // SmoothQuant; < 0: searched per mapping on the calibration rows ("auto")
   int awq_grid = 20;
   std::string calib_file;          // text; needed by awq and smoothquant
-  int64_t calib_ctx = 512, calib_chunks = 32, awq_samples = 512;
+  int64_t calib_ctx = 512, calib_chunks = 32, awq_samples = 512;  // awq_samples: rows kept for AWQ / alpha auto
   safetensors::StDType dtype = safetensors::StDType::bf16;  // of the folder's float tensors and scales
   FolderWriteOptions folder;
   int threads = 1;

@@ -120,6 +120,64 @@ double awq_loss(Backend& be, Workspace& ws, const Mapping& m, const std::vector<
   return loss / static_cast<double>(count);
 }
 
+// SmoothQuant's s_j = range_j^alpha / (2 max_i |W_ij|)^(1 - alpha), at least 1e-5.
+std::vector<float> smoothquant_scales(const Mapping& m, const ChannelStats& x, double alpha) {
+  const int64_t width = x.width;
+  std::vector<float> s(static_cast<size_t>(width));
+  for (int64_t j = 0; j < width; ++j) {
+    const float range = x.max[static_cast<size_t>(j)] - x.min[static_cast<size_t>(j)];
+    float wmax = 0;
+    for (const Tensor* t : m.balance) {
+      const auto* d = static_cast<const float*>(t->data);
+      for (int64_t r = 0; r < t->rows(); ++r) wmax = std::max(wmax, std::fabs(d[r * width + j]));
+    }
+    wmax *= 2.0f;
+    const float sj = wmax > 0 ? static_cast<float>(std::pow(range, alpha) / std::pow(wmax, 1 - alpha)) : range;
+    s[static_cast<size_t>(j)] = std::max(sj, kMinSmoothScale);
+  }
+  return s;
+}
+
+// Squared error of the smoothed W8A8 products over the sampled rows: x / s
+// quantized per row to int8 (amax / 127, as i8_ch's activations), W s per
+// row to int8 (symmetric, compressed-tensors' rule), against the f32 product.
+double w8a8_loss(Backend& be, Workspace& ws, const Mapping& m, const std::vector<float>& s, const ChannelStats& x,
+                 const std::vector<std::vector<float>>& ref) {
+  const int64_t n = x.sample_rows(), width = x.width;
+  std::vector<float> xq(x.samples.size());
+  for (int64_t r = 0; r < n; ++r) {
+    const float* src = x.samples.data() + r * width;
+    float* dst = xq.data() + r * width;
+    float amax = 0;
+    for (int64_t j = 0; j < width; ++j) amax = std::max(amax, std::fabs(src[j] / s[static_cast<size_t>(j)]));
+    const float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+    for (int64_t j = 0; j < width; ++j) dst[j] = std::round(src[j] / s[static_cast<size_t>(j)] * id) * d;
+  }
+  IntQuantSpec spec;  // int8, per channel, symmetric
+  double loss = 0;
+  size_t count = 0;
+  std::vector<float> y;
+  for (size_t i = 0; i < m.balance.size(); ++i) {
+    const Tensor& t = *m.balance[i];
+    std::vector<float> ws_(static_cast<size_t>(t.numel()));
+    const auto* w = static_cast<const float*>(t.data);
+    for (int64_t r = 0; r < t.rows(); ++r)
+      for (int64_t j = 0; j < width; ++j) ws_[static_cast<size_t>(r * width + j)] = w[r * width + j] * s[static_cast<size_t>(j)];
+    const IntQuantParams p = choose_int_quant_params(ws_.data(), t.rows(), width, spec);
+    const auto q = int_quantize(ws_.data(), t.rows(), width, spec, p);
+    std::vector<float> wq = int_dequantize(q.data(), t.rows(), width, spec, p);
+    const Tensor view = make_tensor(wq.data(), DType::f32, {t.rows(), width});
+    y.resize(static_cast<size_t>(n * t.rows()));
+    be.matmul_dense(ws, view, xq.data(), y.data(), n);
+    for (size_t k = 0; k < y.size(); ++k) {
+      const double d = static_cast<double>(y[k]) - ref[i][k];
+      loss += d * d;
+    }
+    count += y.size();
+  }
+  return loss / static_cast<double>(count);
+}
+
 }  // namespace
 
 void make_weights_mutable(ModelWeights& w, const ModelConfig& c) {
@@ -146,22 +204,39 @@ void apply_smoothquant(ModelWeights& w, const ModelConfig& c, const CalibrationS
   if (!(alpha >= 0 && alpha <= 1)) fail(ErrorKind::invalid_input, "--alpha {}: must be in [0, 1]", alpha);
   for (size_t l = 0; l < w.layers.size(); ++l) {
     for (const Mapping& m : layer_mappings(w.layers[l], c)) {
-      const ChannelStats& x = stats.at(static_cast<int64_t>(l), m.input);
-      const int64_t width = x.width;
-      std::vector<float> s(static_cast<size_t>(width));
-      for (int64_t j = 0; j < width; ++j) {
-        const float range = x.max[static_cast<size_t>(j)] - x.min[static_cast<size_t>(j)];
-        float wmax = 0;
-        for (const Tensor* t : m.balance) {
-          const auto* d = static_cast<const float*>(t->data);
-          for (int64_t r = 0; r < t->rows(); ++r) wmax = std::max(wmax, std::fabs(d[r * width + j]));
-        }
-        wmax *= 2.0f;
-        const float sj = wmax > 0 ? static_cast<float>(std::pow(range, alpha) / std::pow(wmax, 1 - alpha)) : range;
-        s[static_cast<size_t>(j)] = std::max(sj, kMinSmoothScale);
-      }
+      const std::vector<float> s = smoothquant_scales(m, stats.at(static_cast<int64_t>(l), m.input), alpha);
       fold(m, s);
-      report_scales(report, {static_cast<int64_t>(l), m.name}, s);
+      report_scales(report, {static_cast<int64_t>(l), m.name, alpha}, s);
+    }
+  }
+}
+
+void apply_smoothquant_search(Backend& be, ModelWeights& w, const ModelConfig& c, const CalibrationStats& stats,
+                              const std::vector<double>& alphas, const SmoothCallback& report) {
+  auto ws = be.make_workspace();
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    for (const Mapping& m : layer_mappings(w.layers[l], c)) {
+      const ChannelStats& x = stats.at(static_cast<int64_t>(l), m.input);
+      if (x.sample_rows() == 0) fail(ErrorKind::invalid_input, "--alpha auto needs sampled calibration rows");
+      std::vector<std::vector<float>> ref;
+      for (const Tensor* t : m.balance) {
+        ref.emplace_back(static_cast<size_t>(x.sample_rows() * t->rows()));
+        be.matmul_dense(*ws, *t, x.samples.data(), ref.back().data(), x.sample_rows());
+      }
+      double best = std::numeric_limits<double>::infinity(), best_alpha = alphas.front();
+      std::vector<float> best_s;
+      for (double a : alphas) {
+        std::vector<float> s = smoothquant_scales(m, x, a);
+        const double e = w8a8_loss(be, *ws, m, s, x, ref);
+        if (e < best) {
+          best = e;
+          best_alpha = a;
+          best_s = std::move(s);
+        }
+      }
+      fold(m, best_s);
+      SmoothReport rep{static_cast<int64_t>(l), m.name, best_alpha, 0, best};
+      report_scales(report, rep, best_s);
     }
   }
 }

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "model/weights.h"
 #include "quant/calibration.h"
@@ -48,6 +49,14 @@ using SmoothCallback = std::function<void(const SmoothReport&)>;
 
 void apply_smoothquant(ModelWeights& w, const ModelConfig& c, const CalibrationStats& stats, double alpha,
                        const SmoothCallback& report);
+
+// SmoothQuant with alpha chosen per mapping on the calibration text: of
+// `alphas`, the one whose smoothed W8A8 product (weights int8 per channel,
+// symmetric; activations int8 per token, as loom's i8_ch runs them) is
+// closest, in squared error over the sampled calibration rows, to the f32
+// product. SmoothReport::ratio holds the chosen alpha.
+void apply_smoothquant_search(Backend& backend, ModelWeights& w, const ModelConfig& c, const CalibrationStats& stats,
+                              const std::vector<double>& alphas, const SmoothCallback& report);
 
 struct AwqOptions {
   IntQuantSpec spec;  // the weights' quantization (INT4 groups of 128)

@@ -60,7 +60,8 @@ std::vector<float> f32_of(const Tensor& t) {
   return out;
 }
 
-IntQuantizeReport quantize(IntMethod m, const std::string& out, int64_t group = 0, bool symmetric = true) {
+IntQuantizeReport quantize(IntMethod m, const std::string& out, int64_t group = 0, bool symmetric = true,
+                           double alpha = 0.5) {
   IntQuantizeJob job;
   job.model_path = kTiny;
   job.out_dir = out;
@@ -68,6 +69,7 @@ IntQuantizeReport quantize(IntMethod m, const std::string& out, int64_t group = 
   job.scheme = default_scheme(m);
   if (group > 0) job.scheme.weights.group = group;
   if (m == IntMethod::int4) job.scheme.weights.symmetric = symmetric;
+  job.alpha = alpha;
   job.calib_file = kFixtures + "perplexity/text.txt";
   job.calib_ctx = 64;
   job.calib_chunks = 8;
@@ -154,6 +156,16 @@ TEST(CompressedTensors, SmoothQuantKeepsNormTimesWeightAndAwqBeatsIdentity) {
     }
   EXPECT_LT(rel(a, b), 0.01);
   EXPECT_LT(rel(logits(dir.str() + "/sq", kIds), logits(kTiny, kIds)), 0.08);
+
+  // alpha searched per mapping: one of the grid's values each, and the folder runs.
+  const auto sq_auto = quantize(IntMethod::smoothquant, dir.str() + "/sq-auto", 0, true, -1);
+  ASSERT_EQ(sq_auto.smoothing.size(), 6u);
+  for (const auto& s : sq_auto.smoothing) {
+    EXPECT_GE(s.ratio, 0.2 - 1e-9) << s.mapping;
+    EXPECT_LE(s.ratio, 0.9 + 1e-9) << s.mapping;
+    EXPECT_TRUE(std::isfinite(s.error_after)) << s.mapping;
+  }
+  EXPECT_LT(rel(logits(dir.str() + "/sq-auto", kIds), logits(kTiny, kIds)), 0.08);
 
   const auto awq = quantize(IntMethod::awq, dir.str() + "/awq", 16);
   ASSERT_EQ(awq.smoothing.size(), 6u);  // q,k,v; gate,up; down per layer (4 heads share 2 K/V heads: no v -> o)
