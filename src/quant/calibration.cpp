@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "quant/observed_chunks.h"
 
 namespace loom {
 namespace {
@@ -77,22 +78,10 @@ CalibrationStats collect_calibration(InferenceSession& session, const ModelConfi
   const int64_t total = n_chunks * n_ctx;
   const int64_t every = opt.max_samples > 0 ? std::max<int64_t>(1, total / opt.max_samples) : 1;
   StatsCollector collector(config, stats, every, opt.max_samples);
-  session.set_layer_hook(&collector);
-  std::vector<int32_t> chunk;
-  try {
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      chunk.assign(tokens.begin() + c * n_ctx, tokens.begin() + (c + 1) * n_ctx);
-      if (opt.bos >= 0) chunk[0] = opt.bos;
-      session.truncate(0);
-      session.eval(chunk);
-      stats.chunks = c + 1;
-      if (on_chunk) on_chunk(c + 1, n_chunks);
-    }
-  } catch (...) {
-    session.set_layer_hook(nullptr);
-    throw;
-  }
-  session.set_layer_hook(nullptr);
+  run_observed_chunks(session, tokens, n_ctx, n_chunks, opt.bos, collector, [&](int64_t c, int64_t n) {
+    stats.chunks = c;
+    if (on_chunk) on_chunk(c, n);
+  });
   return stats;
 }
 

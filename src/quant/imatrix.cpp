@@ -9,6 +9,7 @@
 #include "io/gguf.h"
 #include "io/gguf_writer.h"
 #include "model/decoder.h"
+#include "quant/observed_chunks.h"
 
 namespace loom {
 namespace {
@@ -211,22 +212,10 @@ Imatrix compute_imatrix(InferenceSession& session, const ModelConfig& config, st
   Imatrix m;
   m.chunk_size = n_ctx;
   SquareCollector collector(config, m);
-  session.set_layer_hook(&collector);
-  std::vector<int32_t> chunk;
-  try {
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      chunk.assign(tokens.begin() + c * n_ctx, tokens.begin() + (c + 1) * n_ctx);
-      if (opt.bos >= 0) chunk[0] = opt.bos;
-      session.truncate(0);
-      session.eval(chunk);
-      m.chunk_count = c + 1;
-      if (on_chunk) on_chunk(c + 1, n_chunks);
-    }
-  } catch (...) {
-    session.set_layer_hook(nullptr);
-    throw;
-  }
-  session.set_layer_hook(nullptr);
+  run_observed_chunks(session, tokens, n_ctx, n_chunks, opt.bos, collector, [&](int64_t c, int64_t n) {
+    m.chunk_count = c;
+    if (on_chunk) on_chunk(c, n);
+  });
   return m;
 }
 
