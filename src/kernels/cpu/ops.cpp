@@ -69,6 +69,102 @@ void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, con
   rope_rotate(rope, x, T, n_heads, pos, 1.0f);
 }
 
+namespace {
+
+// simd::hsum of 4 vectors at once, with the same additions (lanes i and i + 4,
+// then 0 + 2 and 1 + 3, then the two): out[j] = hsum(v[j]) bit for bit.
+inline void hsum4(const __m256 v[4], float out[4]) {
+  const __m256 r01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
+  const __m256 r23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
+  // lanes: r01 = [r0 r1 r2 r3 | r0' r1' r2' r3'] of v0 | v1; r23 likewise of v2 | v3.
+  const __m256 x = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(1, 0, 1, 0));  // [r0 r1 r0'' r1'' | ...]
+  const __m256 y = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(3, 2, 3, 2));  // [r2 r3 r2'' r3'' | ...]
+  const __m256 s = _mm256_add_ps(x, y);  // [s0 s1 of v0, s0 s1 of v2 | s0 s1 of v1, s0 s1 of v3]
+  const __m256 u = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m256 w = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(3, 1, 3, 1));
+  const __m256 d = _mm256_add_ps(u, w);  // [d0 d2 d0 d2 | d1 d3 d1 d3]
+  alignas(32) float t[8];
+  _mm256_store_ps(t, d);
+  out[0] = t[0];
+  out[1] = t[4];
+  out[2] = t[1];
+  out[3] = t[5];
+}
+
+// scores[p] = dot(q, k_p) * scale for 4 keys a stride apart, each exactly as
+// simd::dot computes it (two accumulators over 16-wide steps of d, then hsum):
+// one pass over q for four keys instead of four. d must be a multiple of 16.
+inline void dot4(const float* q, const float* k, int64_t stride, int64_t d, float scale, float* scores) {
+  __m256 a0[4], a1[4];
+  for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+    for (int j = 0; j < 4; ++j) {
+      a0[j] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + j * stride + i), a0[j]);
+      a1[j] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + j * stride + i + 8), a1[j]);
+    }
+  }
+  __m256 v[4];
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_add_ps(a0[j], a1[j]);
+  float sums[4];
+  hsum4(v, sums);
+  for (int j = 0; j < 4; ++j) scores[j] = sums[j] * scale;
+}
+
+// o = sum_j (w_j * inv) v_j for d = 8 * N, the running sum kept in registers:
+// per element the same fused multiply-adds, in the same order, as zeroing o
+// and calling simd::axpy for every j.
+template <int N>
+void weighted_sum(float* o, const float* w, float inv, const float* v, int64_t stride, int64_t n) {
+  __m256 acc[N];
+  for (int c = 0; c < N; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 a = _mm256_set1_ps(w[j] * inv);
+    const float* vj = v + j * stride;
+    for (int c = 0; c < N; ++c) acc[c] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < N; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+}
+
+// One query row of one head: softmax(q K^T * scale) V over keys [0, n).
+void attend_row(const float* qv, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n, float scale,
+                float* w, float* o) {
+  float mx = -INFINITY;
+  int64_t p = 0;
+  if (d % 16 == 0)
+    for (; p + 4 <= n; p += 4) dot4(qv, kb + p * stride, stride, d, scale, w + p);
+  for (; p < n; ++p) w[p] = simd::dot(qv, kb + p * stride, d) * scale;
+  for (p = 0; p < n; ++p) mx = std::max(mx, w[p]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  p = 0;
+  for (; p + 8 <= n; p += 8) {
+    const __m256 e = simd::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(w + p), vmx));
+    _mm256_storeu_ps(w + p, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = simd::hsum(vsum);
+  for (; p < n; ++p) {
+    w[p] = std::exp(w[p] - mx);
+    sum += w[p];
+  }
+  const float inv = 1.0f / sum;
+  switch (d) {
+    case 64: return weighted_sum<8>(o, w, inv, vb, stride, n);
+    case 128: return weighted_sum<16>(o, w, inv, vb, stride, n);
+    case 32: return weighted_sum<4>(o, w, inv, vb, stride, n);
+    default: break;
+  }
+  std::fill(o, o + d, 0.0f);
+  for (int64_t j = 0; j < n; ++j) simd::axpy(o, w[j] * inv, vb + j * stride, d);
+}
+
+}  // namespace
+
+// Each (query row, head) is one unit with a fixed order of operations, so the
+// result does not depend on the thread count or on the other rows. Units are
+// dealt to threads round-robin: causal rows grow with the position, and
+// contiguous ranges would leave the last thread the most work.
 void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k, const float* v,
                float* out, int64_t T, const int32_t* pos, const int32_t* seq_start) {
   LOOM_ASSERT(s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0);
@@ -79,37 +175,11 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   const int64_t units = T * s.n_heads;
   pool.run([&](int ti, int tn) {
     std::vector<float> w(static_cast<size_t>(max_span) + 8);
-    const int64_t chunk = (units + tn - 1) / tn;
-    const int64_t ub = chunk * ti, ue = std::min(units, ub + chunk);
-    for (int64_t u = ub; u < ue; ++u) {
+    for (int64_t u = ti; u < units; u += tn) {
       const int64_t t = u / s.n_heads, h = u % s.n_heads, g = h / group;
-      const float* qv = q + (t * s.n_heads + h) * d;
       const int64_t first = seq_start ? seq_start[t] : 0, n = pos[t] - first + 1;
-      const float* kb = k + first * s.kv_stride + g * d;
-      const float* vb = v + first * s.kv_stride + g * d;
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < n; ++p) {
-        const float sc = simd::dot(qv, kb + p * s.kv_stride, d) * scale;
-        w[static_cast<size_t>(p)] = sc;
-        mx = std::max(mx, sc);
-      }
-      const __m256 vmx = _mm256_set1_ps(mx);
-      __m256 vsum = _mm256_setzero_ps();
-      int64_t p = 0;
-      for (; p + 8 <= n; p += 8) {
-        const __m256 e = simd::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(&w[static_cast<size_t>(p)]), vmx));
-        _mm256_storeu_ps(&w[static_cast<size_t>(p)], e);
-        vsum = _mm256_add_ps(vsum, e);
-      }
-      float sum = simd::hsum(vsum);
-      for (; p < n; ++p) {
-        w[static_cast<size_t>(p)] = std::exp(w[static_cast<size_t>(p)] - mx);
-        sum += w[static_cast<size_t>(p)];
-      }
-      float* o = out + (t * s.n_heads + h) * d;
-      std::fill(o, o + d, 0.0f);
-      const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < n; ++j) simd::axpy(o, w[static_cast<size_t>(j)] * inv, vb + j * s.kv_stride, d);
+      attend_row(q + (t * s.n_heads + h) * d, k + first * s.kv_stride + g * d, v + first * s.kv_stride + g * d,
+                 s.kv_stride, d, n, scale, w.data(), out + (t * s.n_heads + h) * d);
     }
   });
 }
