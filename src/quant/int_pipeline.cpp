@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <numeric>
 
 #include "core/error.h"
@@ -99,7 +100,10 @@ IntQuantizeReport run_int_quantize(const IntQuantizeJob& job, const std::functio
   CalibrationStats stats;
   if (needs_calibration(job.method)) stats = calibrate(job, *backend, log, report.calib_tokens);
 
-  auto model = Model::load(job.model_path, {.tokenizer = true, .pack = false});
+  // A GGUF source's tokenizer writes the folder's tokenizer files; an HF
+  // folder's files are copied as they are (and it may have none).
+  const bool gguf = !std::filesystem::is_directory(job.model_path);
+  auto model = Model::load(job.model_path, {.tokenizer = gguf, .pack = false});
   ModelWeights& w = model->mutable_weights();
   const ModelConfig& c = model->config();
   CompressedTensorsScheme scheme = job.scheme;

@@ -196,6 +196,15 @@ expect "export-lora needs a base" 1 "'/nonexistent/base' is not a file or folder
 expect "export-lora writes" 0 "LoRA pairs" -- "$loom" export-lora --adapter "$tmp/adapter" -m "$tiny" -o "$tmp/l.gguf"
 expect "export merged" 0 "wrote" -- "$loom" export -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/merged.gguf"
 expect "export hf folder without tokenizer" 1 "no tokenizer.json" -- "$loom" export -m "$src/tests/fixtures/model/tiny-llama" -o "$tmp/x.gguf"
+# INT8 / INT4 / SmoothQuant / AWQ compressed-tensors folders.
+expect "quantize bad method" 1 "--method int3: expected gguf, int8, int4, awq or smoothquant" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method int3
+expect "quantize bad scheme" 1 "--scheme maybe: expected sym or asym" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method int8 --scheme maybe
+expect "quantize bad alpha" 1 "--alpha lots: expected a number in \[0, 1\] or auto" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method smoothquant --alpha lots --calib "$ppltext"
+expect "smoothquant needs calibration" 1 "--method smoothquant needs calibration text: give --calib FILE" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method smoothquant
+expect "int4 group that fits nothing" 1 "no group size of 32 to 128 divides the input widths 64, 64 and 176" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method int4
+expect "int8 folder" 0 "wrote .*compressed-tensors" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method int8
+expect "int8 folder runs" 0 "" -- "$loom" generate -m "$tmp/ct" -p hi -n 2
+expect "int8 folder over a file" 1 "not a folder|is a file|cannot" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --method int8
 
 # --device: a name that is no device is a flag error; a device this build has no backend for is refused by name.
 expect "device not a name" 2 "--device: must be cpu, cuda, cuda:N, npu or npu:N, not 'gpu'" -- \
