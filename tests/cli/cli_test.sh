@@ -204,6 +204,10 @@ expect "smoothquant needs calibration" 1 "--method smoothquant needs calibration
 expect "int4 group that fits nothing" 1 "no group size of 32 to 128 divides the input widths 64, 64 and 176" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method int4
 expect "int8 folder" 0 "wrote .*compressed-tensors" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method int8
 expect "int8 folder runs" 0 "" -- "$loom" generate -m "$tmp/ct" -p hi -n 2
+expect "int8 folder as a LoRA base" 0 "adapter written to" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/ct" \
+  --set data.seq_len=32 --set output_dir="$tmp/adapter-ct" -t 1
+expect "int8 folder perplexity" 0 "Final estimate" -- "$loom" perplexity -m "$tmp/ct" -f "$ppltext" -c 64 --chunks 2
+expect "int8 folder bench" 0 "" -- "$loom" bench -m "$tmp/ct" -p 16 -n 4 -r 1
 expect "int8 folder over a file" 1 "not a folder|is a file|cannot" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --method int8
 
 # --device: a name that is no device is a flag error; a device this build has no backend for is refused by name.
