@@ -70,6 +70,10 @@ int run_serve(int argc, char** argv) {
   app.add_option("--kv-cache-memory", kv_memory, "bytes for the paged KV cache, e.g. 2G (default: max-seqs full "
                  "contexts, at most 2G)");
   app.add_option("--kv-cache-dtype", kv_dtype, "f16 or f32")->capture_default_str()->check(CLI::IsMember({"f16", "f32"}));
+  app.add_option("--lora-bits", so.lora_bits,
+                 "adapter storage: 32 (f32, memory-mapped) or 4 (4-bit, groups of 128; ~8x less memory per adapter)")
+      ->check(CLI::IsMember({4, 32}))
+      ->capture_default_str();
   app.add_option("--max-loras", so.max_loras, "adapters resident in memory at once (LRU)")->capture_default_str()
       ->check(CLI::Range(1, 4096));
   app.add_option("--max-batch-tokens", so.max_batch_tokens, "token rows per step (decodes + prefill chunks)")
@@ -140,6 +144,11 @@ int run_serve(int argc, char** argv) {
                static_cast<long long>(so.block_size), static_cast<long long>(so.max_seqs),
                static_cast<long long>(engine.max_model_len()), ho.host.c_str(), server.port(),
                ho.api_key.empty() ? "" : " (API key required)");
+  for (const AdapterInfo& a : engine.adapter_infos())
+    if (a.resident)
+      std::fprintf(stderr, "loom serve: adapter '%s': %.2f MiB (%s; %.2f MiB in f32)\n", a.name.c_str(),
+                   static_cast<double>(a.bytes) / (1 << 20), so.lora_bits == 4 ? "4-bit" : "f32",
+                   static_cast<double>(a.f32_bytes) / (1 << 20));
   std::fflush(stderr);
 
   std::signal(SIGINT, on_stop_signal);

@@ -1,7 +1,7 @@
 // Writing INT8 / INT4 models as Hugging Face folders in the compressed-tensors
 // format (what llm-compressor writes and vLLM, transformers with the
 // compressed-tensors package, and loom load): the seven linear weights of
-// every layer quantized (quant/int_quant.h), embeddings, lm_head and norms in
+// every layer quantized (kernels/int_quant.h), embeddings, lm_head and norms in
 // the folder's float dtype, and config.json's quantization_config saying how:
 //   int8 ("int-quantized"):  <module>.weight I8 [out, in], <module>.weight_scale
 //                            [out, 1] (channel) / [1] (tensor) / [out, in/group],
@@ -23,7 +23,7 @@
 
 #include "io/file_write.h"
 #include "io/safetensors.h"
-#include "quant/int_quant.h"
+#include "kernels/int_quant.h"
 
 namespace loom {
 

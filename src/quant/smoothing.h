@@ -30,7 +30,7 @@
 
 #include "model/weights.h"
 #include "quant/calibration.h"
-#include "quant/int_quant.h"
+#include "kernels/int_quant.h"
 
 namespace loom {
 

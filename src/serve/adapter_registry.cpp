@@ -101,8 +101,10 @@ void AdapterRegistry::check_contained(const std::string& path) const {
 }
 
 AdapterRegistry::AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs,
-                                 int64_t max_resident)
-    : config_(config), max_resident_(std::max<int64_t>(1, max_resident)) {
+                                 int64_t max_resident, int lora_bits)
+    : config_(config), max_resident_(std::max<int64_t>(1, max_resident)), lora_bits_(lora_bits) {
+  if (lora_bits != 32 && lora_bits != 4)
+    throw EngineError(EngineErrc::invalid_request, fmt::format("--lora-bits {}: 4 or 32", lora_bits), "lora_bits");
   for (const std::string& d : allowed_dirs) {
     std::error_code ec;
     const fs::path canon = fs::weakly_canonical(d, ec);
@@ -148,7 +150,45 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
   } catch (const Error& e) {
     throw load_failed(name, e.what());
   }
+  for (const ServeLoraPair& p : a->view.pairs)
+    if (p.present()) a->f32_bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
+  a->bytes = a->f32_bytes;
+  if (lora_bits_ == 4) pack_4bit(*a);
   return a;
+}
+
+// Group of 128 columns (the fitting multiple of 32 below it for rows it does not
+// divide: A's 576 take 96); B's rows of r values are one group each.
+void AdapterRegistry::pack_4bit(LoadedAdapter& a) const {
+  constexpr int64_t kGroup = 128;
+  size_t n = 0;
+  for (const ServeLoraPair& p : a.view.pairs) n += p.present() && p.rank() % 2 == 0 ? 2 : 0;
+  a.packed.reserve(n);  // Int4Rows point into these: no reallocation
+  a.bytes = 0;
+  for (ServeLoraPair& p : a.view.pairs) {
+    if (!p.present()) continue;
+    const int64_t r = p.rank(), in = p.a.dim(1), out = p.b.dim(0);
+    if (r % 2 != 0) {  // an odd rank has no 4-bit row layout here: kept in f32 (PEFT ranks are even in practice)
+      a.bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
+      continue;
+    }
+    const PackedInt4& qa = a.packed.emplace_back(
+        pack_int4_rows(static_cast<const float*>(p.a.data), r, in, fitting_int4_group(in, kGroup)));
+    const PackedInt4& qb = a.packed.emplace_back(
+        pack_int4_rows(static_cast<const float*>(p.b.data), out, r, fitting_int4_group(r, kGroup)));
+    p.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
+    p.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
+    p.a.data = nullptr;
+    p.b.data = nullptr;
+    a.bytes += qa.bytes() + qb.bytes();
+  }
+  bool all_packed = true;
+  for (const ServeLoraPair& p : a.view.pairs) all_packed = all_packed && (!p.present() || p.quantized());
+  if (all_packed) {  // nothing points into the f32 copies or the file any more
+    a.owned.clear();
+    a.tensors.pairs.clear();
+    a.tensors.mapping.reset();
+  }
 }
 
 void AdapterRegistry::add(const std::string& name, const std::string& path, bool runtime) {
@@ -209,7 +249,9 @@ bool AdapterRegistry::contains(const std::string& name) const {
 std::vector<AdapterInfo> AdapterRegistry::list() const {
   std::lock_guard lock(mu_);
   std::vector<AdapterInfo> out;
-  for (const Entry& e : entries_) out.push_back({e.name, e.path, e.created, e.loaded != nullptr});
+  for (const Entry& e : entries_)
+    out.push_back({e.name, e.path, e.created, e.loaded != nullptr, e.loaded ? e.loaded->bytes : 0,
+                   e.loaded ? e.loaded->f32_bytes : 0});
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/int_quant.h"
 #include "model/config.h"
 #include "serve/lora_set.h"
 #include "model/peft_adapter.h"
@@ -25,22 +26,31 @@ struct LoadedAdapter {
   // Unique per load (never reused): the prefix cache keys blocks by it, so a
   // prefix computed under one adapter is never reused under another.
   int64_t id = 0;
-  peft::AdapterTensors tensors;             // keeps the file mapping alive
+  peft::AdapterTensors tensors;             // keeps the file mapping alive (emptied when kept in 4 bits)
   std::vector<std::vector<float>> owned;    // q/k B rows permuted for the model
+  std::vector<PackedInt4> packed;           // the 4-bit factors (lora_bits 4)
   ServeAdapter view;
+  size_t bytes = 0;                         // memory of the factors as kept (f32 or 4-bit)
+  size_t f32_bytes = 0;                     // what they take in f32
 };
 
 struct AdapterInfo {
   std::string name, path;
   int64_t created = 0;  // unix seconds of registration
   bool resident = false;
+  size_t bytes = 0, f32_bytes = 0;  // the resident factors' memory as kept, and in f32 (0 when not resident)
 };
 
 class AdapterRegistry {
  public:
   // allowed_dirs: run-time loads must name a folder inside one of them
   // (checked after resolving symlinks and ".."); empty: run-time loading is off.
-  AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs, int64_t max_resident);
+  // lora_bits 4: every adapter's A and B are kept in 4 bits (kernels/int_quant.h:
+  // symmetric, one scale per group of 128 columns or the fitting multiple of
+  // 32 below, per row for B's short rows) and expanded to f32 only for the
+  // step that uses them; 32: kept in f32 (memory-mapped).
+  AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs, int64_t max_resident,
+                  int lora_bits = 32);
 
   // Loads and validates `path` and registers it as `name`. `runtime`: the
   // request came over HTTP, so the path and every file read from it (symlinks
@@ -77,9 +87,13 @@ class AdapterRegistry {
   // Drops the least recently used resident adapter that no one else holds; false if none.
   bool evict_one();
 
+  // Replaces the f32 views of `a` by 4-bit copies and releases the file mapping.
+  void pack_4bit(LoadedAdapter& a) const;
+
   const ModelConfig& config_;
   std::vector<std::string> allowed_;
   int64_t max_resident_;
+  int lora_bits_ = 32;
   mutable std::mutex mu_;
   std::vector<Entry> entries_;
   int64_t next_id_ = 1;

@@ -52,6 +52,7 @@ class BatchForward::RowAdapters final : public LayerAdapters {
     const size_t NR = rows.size();
     factors_.resize(3 * NR);
     pointers_.resize(3 * NR);
+    expand_4bit(layer, jobs);
     LoraRowsJob out[3];
     for (size_t j = 0; j < jobs.size(); ++j) {
       const AdapterJob& job = jobs[j];
@@ -59,8 +60,10 @@ class BatchForward::RowAdapters final : public LayerAdapters {
         const ServeAdapter* a = f_.row_adapter_[static_cast<size_t>(rows[i])];
         const ServeLoraPair& p = a->pair(layer, job.target);
         LoraFactor& fac = factors_[j * NR + i];
-        if (p.present())
-          fac = {p.a.as<const float>(), p.b.as<const float>(), p.rank(), p.a.dim(1), p.b.dim(0), a->scale};
+        if (p.present()) {
+          const auto [fa, fb] = p.quantized() ? expanded_of(&p) : std::pair{p.a.as<const float>(), p.b.as<const float>()};
+          fac = {fa, fb, p.rank(), p.a.dim(1), p.b.dim(0), a->scale};
+        }
         pointers_[j * NR + i] = p.present() ? &fac : nullptr;
       }
       out[j] = {job.x, job.ldx, job.y, job.ldy, lora_target_out(f_.c_, job.target), pointers_.data() + j * NR};
@@ -70,9 +73,37 @@ class BatchForward::RowAdapters final : public LayerAdapters {
   }
 
  private:
+  // Adapters kept in 4 bits: each distinct pair this point's rows use, expanded
+  // to f32 once for the call (the kernels then see the same f32 values every
+  // time, so a row's result does not depend on the others).
+  void expand_4bit(int64_t layer, std::span<const AdapterJob> jobs) {
+    expanded_pairs_.clear();
+    size_t need = 0;
+    for (const AdapterJob& job : jobs)
+      for (int32_t row : f_.lora_rows_) {
+        const ServeLoraPair& p = f_.row_adapter_[static_cast<size_t>(row)]->pair(layer, job.target);
+        if (!p.quantized() || find(&p) != nullptr) continue;
+        expanded_pairs_.push_back({&p, need});
+        need += static_cast<size_t>(p.a.numel() + p.b.numel());
+      }
+    if (expanded_.size() < need) expanded_.resize(need);
+    for (const auto& [p, at] : expanded_pairs_) p->to_f32(expanded_.data() + at, expanded_.data() + at + p->a.numel());
+  }
+  const std::pair<const ServeLoraPair*, size_t>* find(const ServeLoraPair* p) const {
+    for (const auto& e : expanded_pairs_)
+      if (e.first == p) return &e;
+    return nullptr;
+  }
+  std::pair<const float*, const float*> expanded_of(const ServeLoraPair* p) const {
+    const float* a = expanded_.data() + find(p)->second;
+    return {a, a + p->a.numel()};
+  }
+
   BatchForward& f_;
   std::vector<LoraFactor> factors_;
   std::vector<const LoraFactor*> pointers_;
+  std::vector<std::pair<const ServeLoraPair*, size_t>> expanded_pairs_;
+  std::vector<float> expanded_;
 };
 
 BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weights, Backend& backend, KvPool& kv,

@@ -4,8 +4,20 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kernels/int_quant.h"
 
 namespace loom {
+
+void ServeLoraPair::to_f32(float* a_out, float* b_out) const {
+  const int64_t r = a.dim(0), in = a.dim(1), out = b.dim(0);
+  if (!quantized()) {
+    std::copy_n(static_cast<const float*>(a.data), r * in, a_out);
+    std::copy_n(static_cast<const float*>(b.data), out * r, b_out);
+    return;
+  }
+  unpack_int4_rows(a4.codes, a4.scales, r, in, a4.group, a_out);
+  unpack_int4_rows(b4.codes, b4.scales, out, r, b4.group, b_out);
+}
 
 ServeAdapter ServeAdapter::empty(const ModelConfig& config, float scale) {
   ServeAdapter a;
@@ -31,7 +43,7 @@ void ServeAdapter::validate(const ModelConfig& config, std::string_view what) co
       if (!p.present()) continue;
       const char* name = lora_target_peft_name(t);
       const int64_t in = lora_target_in(config, t), out = lora_target_out(config, t);
-      if (p.a.dtype != DType::f32 || p.b.dtype != DType::f32 || p.b.data == nullptr)
+      if (p.a.dtype != DType::f32 || p.b.dtype != DType::f32 || (!p.quantized() && p.b.data == nullptr))
         fail(ErrorKind::invalid_input, "{}: layer {} {}: lora_A and lora_B must both be f32", what, l, name);
       if (p.a.ndim != 2 || p.b.ndim != 2 || p.a.dim(0) < 1 || p.a.dim(1) != in || p.b.dim(0) != out ||
           p.b.dim(1) != p.a.dim(0))

@@ -71,7 +71,7 @@ ServingEngine::ServingEngine(ServeOptions options)
       pool_(opt_.threads > 0 ? opt_.threads : default_thread_count()),
       backend_(make_backend(opt_.device, pool_)),
       model_(Model::load(opt_.model_path, {.tokenizer = true, .pack = true, .backend = backend_.get()})),
-      adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras) {
+      adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras, opt_.lora_bits) {
   const ModelConfig& c = model_->config();
   name_ = opt_.model_name;
   if (name_.empty()) name_ = std::filesystem::path(opt_.model_path).filename().string();

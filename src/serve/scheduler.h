@@ -41,6 +41,7 @@ struct ServeOptions {
   DType kv_dtype = DType::f16;
   int64_t block_size = 16;
   int64_t max_loras = 8;                  // adapters resident at once
+  int lora_bits = 32;                     // 4: adapters kept in 4 bits (AdapterRegistry)
   int64_t max_batch_tokens = 256;         // rows per step (decodes + prefill chunks)
   int threads = 0;                        // 0: physical cores
   Device device = kCpu;                   // which backend computes (kernels/backend.h)
@@ -63,6 +64,8 @@ class ServingEngine : public Engine {
 
   void submit(GenerationRequest request, std::shared_ptr<RequestStream> stream) override;
   std::vector<ModelInfo> list_models() override;
+  // The registered adapters with their memory (for the start-up log).
+  std::vector<AdapterInfo> adapter_infos() const { return adapters_.list(); }
   void load_adapter(const std::string& name, const std::string& path) override;
   void unload_adapter(const std::string& name) override;
   std::vector<int32_t> tokenize(const TokenizeRequest& request) override;

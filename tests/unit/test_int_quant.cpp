@@ -1,4 +1,4 @@
-// quant/int_quant.h against compressed-tensors' calculate_qparams and quantize
+// kernels/int_quant.h against compressed-tensors' calculate_qparams and quantize
 // (fixtures from scripts/fixtures/make_int_quant_fixtures.py: int8 and int4,
 // symmetric and asymmetric, per tensor / channel / group, on rows with an
 // outlier, zeros, a constant and tiny values): scales, zero points and codes
@@ -11,7 +11,7 @@
 #include <random>
 
 #include "expect_error.h"
-#include "quant/int_quant.h"
+#include "kernels/int_quant.h"
 
 namespace loom {
 namespace {

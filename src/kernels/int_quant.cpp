@@ -1,4 +1,4 @@
-#include "quant/int_quant.h"
+#include "kernels/int_quant.h"
 
 #include <algorithm>
 #include <cmath>
@@ -133,6 +133,47 @@ std::vector<float> int_dequantize(const int8_t* q, int64_t rows, int64_t cols, c
       x[static_cast<size_t>(r * cols + c)] = (static_cast<float>(q[r * cols + c]) - p.zero[i]) * p.scale[i];
     }
   return x;
+}
+
+int64_t fitting_int4_group(int64_t cols, int64_t wanted) {
+  if (wanted > 0 && cols % wanted == 0) return wanted;
+  for (int64_t g = wanted / 32 * 32; g >= 32; g -= 32)
+    if (cols % g == 0) return g;
+  return cols;
+}
+
+PackedInt4 pack_int4_rows(const float* w, int64_t rows, int64_t cols, int64_t group) {
+  LOOM_ASSERT(cols % 2 == 0 && group > 0 && cols % group == 0);
+  IntQuantSpec spec;
+  spec.bits = 4;
+  spec.group = group;
+  const IntQuantParams p = choose_int_quant_params(w, rows, cols, spec);
+  const std::vector<int8_t> q = int_quantize(w, rows, cols, spec, p);
+  PackedInt4 out;
+  out.rows = rows;
+  out.cols = cols;
+  out.group = group;
+  out.scales = p.scale;
+  out.codes.resize(static_cast<size_t>(rows * cols / 2));
+  for (size_t i = 0; i < out.codes.size(); ++i)
+    out.codes[i] = static_cast<uint8_t>((q[2 * i] + 8) | ((q[2 * i + 1] + 8) << 4));
+  return out;
+}
+
+void unpack_int4_rows(const uint8_t* codes, const float* scales, int64_t rows, int64_t cols, int64_t group,
+                      float* out) {
+  const int64_t groups = cols / group;
+  // Group by group with the scale fixed, so the inner loop over bytes vectorizes.
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = scales[r * groups + g];
+      const uint8_t* b = codes + (r * cols + g * group) / 2;
+      float* o = out + r * cols + g * group;
+      for (int64_t i = 0; i < group / 2; ++i) {
+        o[2 * i] = static_cast<float>((b[i] & 0xF) - 8) * s;
+        o[2 * i + 1] = static_cast<float>((b[i] >> 4) - 8) * s;
+      }
+    }
 }
 
 RangeMethod range_method_from_name(std::string_view name) {

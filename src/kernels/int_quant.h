@@ -71,6 +71,24 @@ std::vector<int8_t> int_quantize(const float* w, int64_t rows, int64_t cols, con
 std::vector<float> int_dequantize(const int8_t* q, int64_t rows, int64_t cols, const IntQuantSpec& spec,
                                   const IntQuantParams& p);
 
+// 4-bit symmetric storage of a row-major matrix, e.g. a LoRA factor the server
+// keeps in 4 bits: codes (code + 8) two to a byte, element 2i in the low
+// nibble, one f32 scale per group of `group` columns of a row, chosen with the
+// rule above (min-max range, scale = max|x| / 7.5).
+struct PackedInt4 {
+  std::vector<uint8_t> codes;  // rows * cols / 2
+  std::vector<float> scales;   // rows * (cols / group)
+  int64_t rows = 0, cols = 0, group = 0;
+  size_t bytes() const { return codes.size() + scales.size() * sizeof(float); }
+};
+// The group size for rows of `cols`: `wanted` when it divides them, else the
+// largest multiple of 32 below it that does, else the whole row.
+int64_t fitting_int4_group(int64_t cols, int64_t wanted);
+PackedInt4 pack_int4_rows(const float* w, int64_t rows, int64_t cols, int64_t group);  // cols even
+// out [rows x cols] = (code - 8) * scale.
+void unpack_int4_rows(const uint8_t* codes, const float* scales, int64_t rows, int64_t cols, int64_t group,
+                      float* out);
+
 // "minmax" | "percentile" | "mse".
 RangeMethod range_method_from_name(std::string_view name);
 const char* range_method_name(RangeMethod m);
