@@ -16,10 +16,11 @@ extern const Command kQuantizeCommand;
 extern const Command kImatrixCommand;
 extern const Command kExportCommand;
 extern const Command kExportLoraCommand;
+extern const Command kPruneCommand;
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {kInfoCommand, kTokenizeCommand, kGenerateCommand, kChatCommand,
-                                             kBenchCommand, kPerplexityCommand, kImatrixCommand, kQuantizeCommand, kExportCommand, kExportLoraCommand, kMergeCommand, kTrainCommand, kPlotCommand,
+                                             kBenchCommand, kPerplexityCommand, kImatrixCommand, kQuantizeCommand, kExportCommand, kExportLoraCommand, kPruneCommand, kMergeCommand, kTrainCommand, kPlotCommand,
                                              kServeCommand};
   return table;
 }

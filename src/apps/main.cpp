@@ -20,6 +20,12 @@ void print_usage() {
       "  train      fine-tune a model (LoRA adapter or all weights) from a YAML config\n"
       "  plot       draw training curves (loss, eval loss, token accuracy, lr, grad norm) as SVG or PNG\n"
       "  bench      measure prompt processing and generation speed\n"
+      "  perplexity score a text as llama-perplexity does (KL divergence against saved logits)\n"
+      "  imatrix    collect an importance matrix for quantization (llama-imatrix's format)\n"
+      "  quantize   quantize to a llama.cpp file type, or to an INT8/INT4/AWQ/SmoothQuant folder\n"
+      "  export     write a model (with a LoRA adapter merged) as GGUF\n"
+      "  export-lora write a LoRA adapter in llama.cpp's GGUF format\n"
+      "  prune      zero weights (magnitude, Wanda, N:M) or remove heads, channels and layers\n"
       "  serve      OpenAI-compatible HTTP server with continuous batching and multi-LoRA\n\n"
       "Run 'loom <command> --help' for a command's options.\n",
       stdout);

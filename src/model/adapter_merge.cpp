@@ -13,20 +13,6 @@
 namespace loom {
 namespace {
 
-Tensor* target_matrix(LayerWeights& L, LoraTarget t) {
-  switch (t) {
-    case LoraTarget::q: return &L.wq;
-    case LoraTarget::k: return &L.wk;
-    case LoraTarget::v: return &L.wv;
-    case LoraTarget::o: return &L.wo;
-    case LoraTarget::gate: return &L.w_gate;
-    case LoraTarget::up: return &L.w_up;
-    case LoraTarget::down: return &L.w_down;
-  }
-  LOOM_ASSERT(false);
-  return nullptr;
-}
-
 // An f32 row-major copy of any matrix the loader accepts.
 std::vector<float> to_f32(const Tensor& t) {
   std::vector<float> out(static_cast<size_t>(t.numel()));
@@ -47,7 +33,7 @@ void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTen
   for (const auto& [key, pair] : a.pairs) {
     const auto [layer, target] = key;
     LOOM_ASSERT(layer >= 0 && static_cast<size_t>(layer) < w.layers.size());
-    Tensor& t = *target_matrix(w.layers[static_cast<size_t>(layer)], target);
+    Tensor& t = target_matrix(w.layers[static_cast<size_t>(layer)], target);
     LOOM_ASSERT(t.rows() == pair.out && t.cols() == pair.in);
     const int64_t r = static_cast<int64_t>(pair.a.size()) / pair.in;
     std::vector<float> b = pair.b;

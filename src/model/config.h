@@ -40,6 +40,10 @@ struct ModelConfig {
   bool tied_embeddings = false;
   bool qkv_bias = false;       // qwen2
   std::string torch_dtype;     // config.json's storage dtype ("bfloat16"); empty when unknown (GGUF)
+  // `loom prune`'s unstructured pruning ("wanda 50% per row", "magnitude 2:4"):
+  // the zeros it left are kept by fine-tuning and merges. Empty: not pruned.
+  // config.json "loom_pruning": {"unstructured": ...}; GGUF loom.pruning.unstructured.
+  std::string unstructured_pruning;
 
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }

@@ -240,6 +240,7 @@ ModelConfig config_from_gguf(const gguf::File& f) {
     fail(ErrorKind::invalid_input, "{}: token_embd.weight has shape [{}, {}], expected [vocab {}, hidden {}]",
          file, embd->shape[0], embd->shape[1], c.vocab_size, c.hidden);
   c.tied_embeddings = f.find_tensor("output.weight") == nullptr;
+  c.unstructured_pruning = f.opt_string("loom.pruning.unstructured").value_or("");
 
   ConfigKeyNames k;
   k.vocab_size = key("vocab_size");
@@ -306,6 +307,8 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   c.rms_eps = hf_opt_number(j, "rms_norm_eps", path).value_or(1e-6);  // transformers' default
   c.tied_embeddings = hf_opt_bool(j, "tie_word_embeddings", path).value_or(false);
   c.torch_dtype = hf_opt_string(j, "torch_dtype", path).value_or(hf_opt_string(j, "dtype", path).value_or(""));
+  if (const auto p = j.find("loom_pruning"); p != j.end() && p->is_object())
+    c.unstructured_pruning = hf_opt_string(*p, "unstructured", path + " loom_pruning").value_or("");
 
   if (const auto hd = hf_opt_int(j, "head_dim", path)) {
     c.head_dim = *hd;

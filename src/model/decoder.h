@@ -97,6 +97,10 @@ class LayerAdapters {
   virtual ~LayerAdapters() = default;
   virtual std::span<const MatmulTarget> base_pass(int64_t layer, AdapterPoint point) { return {}; }
   virtual void apply(int64_t layer, std::span<const AdapterJob> jobs) = 0;
+  // The residual stream x [T, hidden] entering layer `layer` (n_layers: leaving
+  // the last), for observers such as layer pruning's calibration. Only
+  // InferenceSession calls it.
+  virtual void residual(int64_t layer, const float* x, int64_t T) {}
 };
 
 class Decoder {

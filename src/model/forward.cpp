@@ -71,7 +71,11 @@ void InferenceSession::forward_batch(const int32_t* tokens, int64_t T, bool all_
   dec_.rope_table(pos_.data(), T, acts_.rope_cs);
   const LayerBuffers b = acts_.layer();
   CacheAttention attn(dec_, cache_, n_past_, T, pos_.data());
-  for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, acts_.rope_cs, attn, hook_);
+  for (int64_t l = 0; l < c_.n_layers; ++l) {
+    if (hook_ != nullptr) hook_->residual(l, acts_.x, T);
+    dec_.layer(*ws_, l, T, b, acts_.rope_cs, attn, hook_);
+  }
+  if (hook_ != nullptr) hook_->residual(c_.n_layers, acts_.x, T);
   n_past_ += T;
   if (logits_out == nullptr) return;
   // Only the rows whose logits are wanted pass the final norm and the output projection.

@@ -21,6 +21,24 @@ namespace {
 Tensor vector_view(const float* v, int64_t n) { return make_tensor(const_cast<float*>(v), DType::f32, {n}); }
 
 // llama.cpp's general.* and <arch>.* keys for a config (what convert_hf_to_gguf.py writes).
+// The keys structured pruning changes: layers, MLP width, heads (and the
+// head size, which llama.cpp otherwise takes as hidden / heads).
+void set_shape_metadata(gguf::Writer& w, const ModelConfig& c) {
+  const std::string a = arch_name(c.arch);
+  auto u32 = [&](const std::string& k, int64_t v) { w.set_u32(a + "." + k, static_cast<uint32_t>(v)); };
+  u32("block_count", c.n_layers);
+  u32("feed_forward_length", c.intermediate);
+  u32("attention.head_count", c.n_heads);
+  u32("attention.head_count_kv", c.n_kv_heads);
+  if (c.head_dim * c.n_heads != c.hidden) {
+    u32("attention.key_length", c.head_dim);
+    u32("attention.value_length", c.head_dim);
+  } else {
+    w.erase(a + ".attention.key_length");
+    w.erase(a + ".attention.value_length");
+  }
+}
+
 void set_model_metadata(gguf::Writer& w, const ModelConfig& c, const std::string& name) {
   const std::string a = arch_name(c.arch);
   auto u32 = [&](const std::string& k, int64_t v) { w.set_u32(a + "." + k, static_cast<uint32_t>(v)); };
@@ -29,18 +47,12 @@ void set_model_metadata(gguf::Writer& w, const ModelConfig& c, const std::string
   w.set_string("general.name", name);
   u32("context_length", c.max_context);
   u32("embedding_length", c.hidden);
-  u32("block_count", c.n_layers);
-  u32("feed_forward_length", c.intermediate);
-  u32("attention.head_count", c.n_heads);
-  u32("attention.head_count_kv", c.n_kv_heads);
+  set_shape_metadata(w, c);
   w.set_f32(a + ".rope.freq_base", static_cast<float>(c.rope_theta));
   w.set_f32(a + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.rms_eps));
   u32("vocab_size", c.vocab_size);
   u32("rope.dimension_count", c.head_dim);
-  if (c.head_dim * c.n_heads != c.hidden) {
-    u32("attention.key_length", c.head_dim);
-    u32("attention.value_length", c.head_dim);
-  }
+  if (!c.unstructured_pruning.empty()) w.set_string("loom.pruning.unstructured", c.unstructured_pruning);
 }
 
 // Llama 3's frequency scaling as convert_hf_to_gguf.py stores it: one divisor
@@ -146,12 +158,15 @@ GgufModelSource gguf_source_of(const Model& m, const std::string& name) {
     const gguf::File& f = *m.gguf_file();
     std::map<std::string, GgufTensorSource> current;
     for (auto& t : weight_tensors(c, m.weights(), false)) current.emplace(t.name, std::move(t));
-    s.write_metadata = [&f](gguf::Writer& w) {
+    s.write_metadata = [&f, c](gguf::Writer& w) {
       gguf::copy_metadata(f, w);
       w.erase("general.file_type");
+      set_shape_metadata(w, c);  // the model may have been reshaped (structured pruning)
+      if (!c.unstructured_pruning.empty()) w.set_string("loom.pruning.unstructured", c.unstructured_pruning);
     };
     for (const auto& t : f.tensors()) {
       const auto it = current.find(t.name);
+      if (it == current.end() && t.name.starts_with("blk.")) continue;  // a layer pruned away
       s.tensors.push_back(it != current.end() ? it->second : GgufTensorSource{t.name, t.view(), shape_of(t), 0});
     }
     return s;

@@ -183,6 +183,7 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
     cfg["mlp_bias"] = false;
   }
   cfg["torch_dtype"] = torch_dtype_name(dtype);
+  if (!c.unstructured_pruning.empty()) cfg["loom_pruning"] = {{"unstructured", c.unstructured_pruning}};
   if (hooks != nullptr && !hooks->quantization_config.is_null()) cfg["quantization_config"] = hooks->quantization_config;
   nlohmann::ordered_json gen = nlohmann::ordered_json::object();
   if (!model.is_gguf()) {  // an HF source: keep its special ids

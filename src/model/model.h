@@ -43,6 +43,9 @@ class Model {
   const ModelWeights& weights() const { return weights_; }
   // For full fine-tuning, which updates the weights in place and repacks them.
   ModelWeights& mutable_weights() { return weights_; }
+  // Structured pruning (quant/prune_structured.h): the new shapes, once the
+  // caller has replaced the weights with matrices of those shapes.
+  void reshape(const ModelConfig& c) { config_ = c; }
   bool has_tokenizer() const { return tokenizer_ != nullptr; }
   const Tokenizer& tokenizer() const;
   // The chat template text from the model's metadata, if any.

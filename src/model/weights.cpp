@@ -4,10 +4,29 @@
 #include <cstring>
 #include <fmt/format.h>
 
+#include "core/error.h"
 #include "core/half.h"
 #include "kernels/cpu/dequant.h"
 
 namespace loom {
+
+Tensor& target_matrix(LayerWeights& L, LoraTarget t) {
+  switch (t) {
+    case LoraTarget::q: return L.wq;
+    case LoraTarget::k: return L.wk;
+    case LoraTarget::v: return L.wv;
+    case LoraTarget::o: return L.wo;
+    case LoraTarget::gate: return L.w_gate;
+    case LoraTarget::up: return L.w_up;
+    case LoraTarget::down: return L.w_down;
+  }
+  LOOM_ASSERT(false);
+  return L.wq;
+}
+
+const Tensor& target_matrix(const LayerWeights& L, LoraTarget t) {
+  return target_matrix(const_cast<LayerWeights&>(L), t);
+}
 namespace {
 
 class Binder {

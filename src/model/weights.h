@@ -13,6 +13,7 @@
 #include "kernels/backend.h"
 #include "kernels/shapes.h"
 #include "model/config.h"
+#include "model/lora.h"
 
 namespace loom {
 
@@ -45,6 +46,10 @@ struct ModelWeights {
   // 4-bit weights converted to nf4 (model/bnb_folder.h).
   std::vector<std::vector<uint8_t>> owned_bytes;
 };
+
+// The matrix of layer L that LoRA target t adapts (q -> wq, ..., down -> w_down).
+Tensor& target_matrix(LayerWeights& L, LoraTarget t);
+const Tensor& target_matrix(const LayerWeights& L, LoraTarget t);
 
 // Tensor names of the two on-disk layouts.
 enum class WeightNaming { gguf, hugging_face };

@@ -20,20 +20,13 @@ bool needs_calibration(IntMethod m) { return m == IntMethod::awq || m == IntMeth
 // Activation statistics of the calibration text on the model as stored.
 CalibrationStats calibrate(const IntQuantizeJob& job, Backend& backend,
                            const std::function<void(const std::string&)>& log, int64_t& tokens_used) {
-  auto model = Model::load(job.model_path, {.tokenizer = true, .pack = true, .backend = &backend});
-  const Tokenizer& tok = model->tokenizer();
-  const auto tokens = tok.encode(read_text_file(job.calib_file), true, false);
-  const int64_t n_ctx = std::min<int64_t>(job.calib_ctx, model->config().max_context);
   CalibrationOptions opt;
-  opt.n_ctx = n_ctx;
+  opt.n_ctx = job.calib_ctx;
   opt.max_chunks = job.calib_chunks;
-  opt.bos = tok.add_bos() ? tok.bos() : -1;
   const bool search = job.method == IntMethod::awq || (job.method == IntMethod::smoothquant && job.alpha < 0);
   opt.max_samples = search ? job.awq_samples : 0;
-  InferenceSession session(model->config(), model->weights(), backend, n_ctx);
-  log(fmt::format("calibration: {} tokens in {}, chunks of {}", tokens.size(), job.calib_file, n_ctx));
-  CalibrationStats stats = collect_calibration(session, model->config(), tokens, opt, nullptr);
-  tokens_used = stats.chunks * n_ctx;
+  CalibrationStats stats = calibrate_on_text(job.model_path, backend, job.calib_file, opt, log);
+  tokens_used = stats.chunks * stats.chunk_size;
   return stats;
 }
 

@@ -80,26 +80,6 @@ RandomAdapter make_adapter(const ModelConfig& c, int64_t rank, float scale, uint
   return ra;
 }
 
-Tensor* target_matrix(LayerWeights& L, LoraTarget t) {
-  switch (t) {
-    case LoraTarget::q:
-      return &L.wq;
-    case LoraTarget::k:
-      return &L.wk;
-    case LoraTarget::v:
-      return &L.wv;
-    case LoraTarget::o:
-      return &L.wo;
-    case LoraTarget::gate:
-      return &L.w_gate;
-    case LoraTarget::up:
-      return &L.w_up;
-    case LoraTarget::down:
-      return &L.w_down;
-  }
-  return nullptr;
-}
-
 // W' = W + scale * B A (in double) into f32 copies, before packing.
 std::function<void(ModelWeights&, const ModelConfig&)> merge_hook(const ServeAdapter& ad) {
   return [&ad](ModelWeights& w, const ModelConfig& c) {
@@ -107,7 +87,7 @@ std::function<void(ModelWeights&, const ModelConfig&)> merge_hook(const ServeAda
       for (LoraTarget t : kAllLoraTargets) {
         const ServeLoraPair& p = ad.pair(l, t);
         if (!p.present()) continue;
-        Tensor* W = target_matrix(w.layers[static_cast<size_t>(l)], t);
+        Tensor* W = &target_matrix(w.layers[static_cast<size_t>(l)], t);
         const int64_t out = W->rows(), in = W->cols(), r = p.rank();
         auto& m = w.owned.emplace_back(static_cast<size_t>(out * in));
         for (int64_t n = 0; n < out; ++n) {
