@@ -239,6 +239,7 @@ TokenizerSpec Tokenizer::spec_from_gguf(const gguf::File& f) {
           fail(ErrorKind::invalid_input, "{}: key 'tokenizer.ggml.scores': entry {} is not finite", f.path(),
                i);
       spec.merges = merges_from_scores(tokens, scores);
+      spec.scores = scores;
     }
     spec.byte_fallback = true;
     spec.fuse_unk = true;

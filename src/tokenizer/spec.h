@@ -78,6 +78,10 @@ struct TokenizerSpec {
   bool fuse_unk = false;
   bool ignore_merges = false;  // a word already in the vocabulary is one token
   std::optional<std::string> unk_token;
+  // SentencePiece piece scores (id -> score) when the tokenizer came from a
+  // GGUF "llama" vocabulary; kept so that writing it to GGUF again gives back
+  // the very scores it had. Empty otherwise (the merges are the model).
+  std::vector<float> scores;
 
   std::vector<AddedToken> added_tokens;
   std::vector<NormalizerStep> normalizers;

@@ -3,17 +3,21 @@
 // tokenizer of their GGUF twins, write GGUF files whose tensors equal the
 // committed GGUF fixtures byte for byte (q/k rows permuted as
 // convert_hf_to_gguf.py does), whose tokenizer metadata reloads to the same
-// ids, and which load and run to the same logits; and PEFT adapters in
-// llama.cpp's GGUF LoRA format, checked against loom's own merge.
+// ids, and which load and run to the same logits; the tiny Llama with a
+// SentencePiece-style (Llama 2) tokenizer exports and runs the same; and PEFT
+// adapters in llama.cpp's GGUF LoRA format, checked against loom's own merge.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "core/mapped_file.h"
 #include "expect_error.h"
 #include "io/gguf.h"
+#include "io/hf_folder.h"
+#include "io/safetensors.h"
 #include "kernels/backend.h"
 #include "model/adapter_merge.h"
 #include "model/forward.h"
@@ -21,6 +25,7 @@
 #include "model/model.h"
 #include "model/peft_adapter.h"
 #include "quant/gguf_quantize.h"
+#include "safetensors_test_util.h"
 #include "temp_dir.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/tokenizer_export.h"
@@ -140,6 +145,67 @@ TEST(HfToGguf, TokenizerWithoutALlamaCppNameIsRefused) {
   // loom's own weight types have no ggml id: a GGUF file cannot carry them.
   test_util::expect_error([&] { w.add_tensor("x.weight", DType::i8_ch, {4, 32}, [](uint8_t*) {}); },
                           ErrorKind::invalid_input, {"x.weight", "i8_ch", "not a GGUF tensor type"});
+}
+
+// The tiny Llama as a Llama 2-shaped HF folder: the SentencePiece-style
+// tokenizer of tests/fixtures/tokenizer/spm_style.json (1159 tokens, Prepend +
+// Replace normalizer, byte fallback), its embedding and output rows tiled to
+// 1160 (one padding row past the tokenizer, as models round their vocabulary up).
+const std::string kLlama2Template = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}";
+
+std::string spm_hf_folder(const std::string& dir) {
+  const std::string out = dir + "/tiny-llama-spm";
+  fs::create_directories(out);
+  nlohmann::json cfg = read_json_file(kModels + "tiny-llama/config.json");
+  cfg["vocab_size"] = 1160;
+  std::ofstream(out + "/config.json") << cfg.dump(2);
+  std::ofstream(out + "/tokenizer_config.json")
+      << nlohmann::json{{"add_bos_token", true}, {"chat_template", kLlama2Template}}.dump(2);
+  fs::copy_file(std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/tokenizer/spm_style.json", out + "/tokenizer.json");
+  fs::copy_file(kModels + "tiny-llama/generation_config.json", out + "/generation_config.json");
+  const auto st = safetensors::File::open(kModels + "tiny-llama/model.safetensors");
+  std::vector<testing_util::StEntry> entries;
+  for (const auto& t : st->tensors()) {
+    std::string bytes(reinterpret_cast<const char*>(t.data), t.nbytes());
+    std::vector<int64_t> shape(t.shape.begin(), t.shape.begin() + t.ndim);
+    if (shape.size() == 2 && shape[0] == 320) {  // embed_tokens, lm_head
+      const size_t row = bytes.size() / 320;
+      std::string tiled;
+      for (size_t r = 0; r < 1160; ++r) tiled.append(bytes, (r % 320) * row, row);
+      bytes = std::move(tiled);
+      shape[0] = 1160;
+    }
+    entries.push_back({t.name, "F32", shape, std::move(bytes)});
+  }
+  testing_util::write_file(out + "/model.safetensors", testing_util::st_build(entries, {{"format", "pt"}}));
+  return out;
+}
+
+// `loom export -m FOLDER` of a Llama 2-shaped folder: the file carries a GGUF
+// "llama" vocabulary (scores, the padding row, add_space_prefix, the chat
+// template), loads as a model whose tokenizer gives the folder's ids, and its
+// logits are the folder model's.
+TEST(HfToGguf, SentencePieceTokenizerFolderExportsAndRuns) {
+  test_util::TempDir dir("hf_to_gguf_spm");
+  const std::string hf = spm_hf_folder(dir.str());
+  const std::string out = export_f32(hf, dir.str() + "/out.gguf");
+  const auto f = gguf::File::open(out);
+  EXPECT_EQ(f->get_string("tokenizer.ggml.model"), "llama");
+  const auto tokens = f->get_string_array("tokenizer.ggml.tokens");
+  ASSERT_EQ(tokens.size(), 1160u);
+  EXPECT_EQ(tokens.back(), "[PAD1159]");
+  EXPECT_EQ(f->get_f32_array("tokenizer.ggml.scores").size(), 1160u);
+  EXPECT_TRUE(f->get_bool("tokenizer.ggml.add_space_prefix"));
+  EXPECT_EQ(f->get_string("tokenizer.chat_template"), kLlama2Template);
+  const auto folder = Model::load(hf, {.tokenizer = true, .pack = false});
+  const auto file = Model::load(out, {.tokenizer = true, .pack = false});
+  for (const std::string& text : {kText, std::string("Hello world\nline two"), std::string("def f(x):\n\treturn x**2")})
+    EXPECT_EQ(file->tokenizer().encode(text, true, true), folder->tokenizer().encode(text, true, true)) << text;
+  const auto ids = folder->tokenizer().encode(kText, true, true);
+  ASSERT_EQ(ids.front(), 1);
+  const auto a = logits_of(out, ids), b = logits_of(hf, ids);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-4) << i;
 }
 
 // The GGUF LoRA's B rows are GGUF's q/k order: W_gguf + alpha/r * B_gguf A equals

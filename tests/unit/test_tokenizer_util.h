@@ -97,4 +97,36 @@ inline std::string show(std::string_view s) {
   return out;
 }
 
+inline std::vector<int32_t> ids_of(const json& j) { return j.get<std::vector<int32_t>>(); }
+
+// ids, add_special prefix and both decodings of every corpus line.
+inline void check_reference(const Tokenizer& tok, const json& ref, const json& corpus, const std::string& name) {
+  const auto prefix = ids_of(ref["add_special_prefix"]);
+  int mismatches = 0;
+  for (size_t i = 0; i < corpus.size(); ++i) {
+    const std::string line = corpus[i].get<std::string>();
+    const auto want = ids_of(ref["ids"][i]);
+    const auto got = tok.encode(line, /*add_special=*/false, /*parse_special=*/true);
+    EXPECT_EQ(got, want) << name << " line " << i << ": \"" << show(line) << "\"";
+    mismatches += got != want;
+    auto with = prefix;
+    with.insert(with.end(), want.begin(), want.end());
+    EXPECT_EQ(tok.encode(line, true, true), with) << name << " add_special, line " << i;
+    const std::string decoded = ref["decoded"][i].is_null() ? line : ref["decoded"][i].get<std::string>();
+    EXPECT_EQ(tok.decode(want), decoded) << name << " decode, line " << i;
+    const std::string skipped = ref["decoded_skip_special"][i].is_null()
+                                    ? decoded
+                                    : ref["decoded_skip_special"][i].get<std::string>();
+    EXPECT_EQ(tok.decode(want, /*skip_special=*/true), skipped) << name << " decode skip_special, line " << i;
+    if (mismatches > 5) FAIL() << "too many mismatches for " << name;
+  }
+  if (ref.contains("ids_no_parse_special")) {
+    for (size_t i = 0; i < corpus.size(); ++i) {
+      EXPECT_EQ(tok.encode(corpus[i].get<std::string>(), false, false),
+                ids_of(ref["ids_no_parse_special"][i]))
+          << name << " parse_special=false, line " << i;
+    }
+  }
+}
+
 }  // namespace loom::tok_test
