@@ -94,6 +94,7 @@ void prune_heads(ModelWeights& w, ModelConfig& c, const CalibrationStats& stats,
       for (int64_t g : kv)
         for (int64_t h = 0; h < rep; ++h) heads.push_back(g * rep + h);
     }
+    report.kept_heads.push_back(heads);
     L.wq = keep_row_blocks(w, L.wq, heads, hd);
     L.bq = keep_vector_blocks(w, L.bq, heads, hd);
     L.wo = keep_col_blocks(w, L.wo, heads, hd);
@@ -110,7 +111,8 @@ void prune_heads(ModelWeights& w, ModelConfig& c, const CalibrationStats& stats,
   c.n_kv_heads -= groups;
 }
 
-void prune_channels(ModelWeights& w, ModelConfig& c, const CalibrationStats& stats, double fraction) {
+void prune_channels(ModelWeights& w, ModelConfig& c, const CalibrationStats& stats, double fraction,
+                    StructuredReport& report) {
   const int64_t I = c.intermediate;
   int64_t keep = static_cast<int64_t>(std::floor(static_cast<double>(I) * (1 - fraction) / 32)) * 32;
   if (keep >= I) keep = (I - 1) / 32 * 32;
@@ -122,6 +124,7 @@ void prune_channels(ModelWeights& w, ModelConfig& c, const CalibrationStats& sta
     for (int64_t k = 0; k < I; ++k)
       score[static_cast<size_t>(k)] = std::sqrt(xd.sq_sum[static_cast<size_t>(k)] * column_block_sq(L.w_down, k, 1));
     const std::vector<int64_t> kept = keep_highest(score, I - keep);
+    report.kept_channels.push_back(kept);
     L.w_gate = keep_row_blocks(w, L.w_gate, kept, 1);
     L.w_up = keep_row_blocks(w, L.w_up, kept, 1);
     L.w_down = keep_col_blocks(w, L.w_down, kept, 1);
@@ -171,7 +174,7 @@ StructuredReport prune_structure(ModelWeights& w, ModelConfig& c, const Structur
   report.kv_heads_before = c.n_kv_heads;
   report.intermediate_before = c.intermediate;
   if (spec.heads > 0) prune_heads(w, c, stats, spec.heads, report);
-  if (spec.channels > 0) prune_channels(w, c, stats, spec.channels);
+  if (spec.channels > 0) prune_channels(w, c, stats, spec.channels, report);
   if (spec.layers > 0) {
     std::vector<double> influence(static_cast<size_t>(c.n_layers));
     for (int64_t l = 0; l < c.n_layers; ++l) influence[static_cast<size_t>(l)] = stats.block_influence(l);

@@ -40,6 +40,9 @@ struct StructuredReport {
   int64_t heads_before = 0, heads_after = 0, kv_heads_before = 0, kv_heads_after = 0;
   int64_t intermediate_before = 0, intermediate_after = 0;
   std::vector<int64_t> removed_layers;  // original indices, ascending
+  // Per original layer, the query heads and SwiGLU channels kept (original
+  // indices, ascending; empty when that kind was not pruned).
+  std::vector<std::vector<int64_t>> kept_heads, kept_channels;
   std::string heads_how;                // "1 of 3 per KV group", "1 whole KV group", or empty
 };
 
