@@ -1,6 +1,7 @@
 #include "kernels/int_quant.h"
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <limits>
 
@@ -158,6 +159,22 @@ PackedInt4 pack_int4_rows(const float* w, int64_t rows, int64_t cols, int64_t gr
   for (size_t i = 0; i < out.codes.size(); ++i)
     out.codes[i] = static_cast<uint8_t>((q[2 * i] + 8) | ((q[2 * i + 1] + 8) << 4));
   return out;
+}
+
+void int_fake_quantize(const float* w, int64_t rows, int64_t cols, const IntQuantSpec& spec, float* out) {
+  const IntQuantParams p = choose_int_quant_params(w, rows, cols, spec);
+  const std::vector<int8_t> q = int_quantize(w, rows, cols, spec, p);
+  const std::vector<float> d = int_dequantize(q.data(), rows, cols, spec, p);
+  std::copy(d.begin(), d.end(), out);
+}
+
+int64_t fitting_common_group(int64_t requested, std::initializer_list<int64_t> widths) {
+  int64_t g = 0;
+  for (int64_t w : widths) g = std::gcd(g, w);
+  if (g % requested == 0) return requested;
+  for (int64_t c = requested / 32 * 32; c >= 32; c -= 32)
+    if (g % c == 0) return c;
+  return 0;
 }
 
 void unpack_int4_rows(const uint8_t* codes, const float* scales, int64_t rows, int64_t cols, int64_t group,

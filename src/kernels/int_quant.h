@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,6 +71,15 @@ std::vector<int8_t> int_quantize(const float* w, int64_t rows, int64_t cols, con
 // (q - zero) * scale of every element.
 std::vector<float> int_dequantize(const int8_t* q, int64_t rows, int64_t cols, const IntQuantSpec& spec,
                                   const IntQuantParams& p);
+
+// out = int_dequantize(int_quantize(w)) with the parameters chosen for w: the
+// values a quantized export holds (quantization-aware training's forward).
+void int_fake_quantize(const float* w, int64_t rows, int64_t cols, const IntQuantSpec& spec, float* out);
+
+// The group size one model uses for all its matrices: `requested` when it
+// divides every width, else the largest multiple of 32 below it that does
+// (SmolLM2's 576 takes 96 for 128); 0 when none does.
+int64_t fitting_common_group(int64_t requested, std::initializer_list<int64_t> widths);
 
 // 4-bit symmetric storage of a row-major matrix, e.g. a LoRA factor the server
 // keeps in 4 bits: codes (code + 8) two to a byte, element 2i in the low

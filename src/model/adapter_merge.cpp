@@ -20,7 +20,32 @@ std::vector<float> to_f32(const Tensor& t) {
   return out;
 }
 
+std::vector<uint8_t> zero_mask(const std::vector<float>& m) {
+  std::vector<uint8_t> z(m.size());
+  for (size_t i = 0; i < m.size(); ++i) z[i] = m[i] == 0.0f;
+  return z;
+}
+
 }  // namespace
+
+int64_t merge_lora_rows(float* w, const float* b, const float* a, int64_t out, int64_t r, int64_t in, double scale) {
+  std::vector<double> row(static_cast<size_t>(in));
+  int64_t bad = -1;
+  for (int64_t o = 0; o < out; ++o) {
+    std::fill(row.begin(), row.end(), 0.0);
+    for (int64_t k = 0; k < r; ++k) {
+      const double bk = b[o * r + k];
+      const float* ak = a + k * in;
+      for (int64_t i = 0; i < in; ++i) row[static_cast<size_t>(i)] += bk * ak[i];
+    }
+    float* dst = w + o * in;
+    for (int64_t i = 0; i < in; ++i) {
+      dst[i] = static_cast<float>(dst[i] + scale * row[static_cast<size_t>(i)]);
+      if (bad < 0 && !std::isfinite(dst[i])) bad = o;
+    }
+  }
+  return bad;
+}
 
 void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTensors& a, bool permute_qk,
                    std::string_view what) {
@@ -41,25 +66,15 @@ void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTen
       lora_permute_qk_rows(make_tensor(b.data(), DType::f32, {pair.out, r}),
                            target == LoraTarget::q ? c.n_heads : c.n_kv_heads, c.head_dim, /*hf_to_model=*/true);
     auto& m = w.owned.emplace_back(to_f32(t));
-    std::vector<double> row(static_cast<size_t>(pair.in));
-    for (int64_t o = 0; o < pair.out; ++o) {
-      std::fill(row.begin(), row.end(), 0.0);
-      for (int64_t k = 0; k < r; ++k) {
-        const double bk = b[static_cast<size_t>(o * r + k)];
-        const float* ak = pair.a.data() + k * pair.in;
-        for (int64_t i = 0; i < pair.in; ++i) row[static_cast<size_t>(i)] += bk * ak[i];
-      }
-      float* dst = m.data() + o * pair.in;
-      bool finite = true;
-      for (int64_t i = 0; i < pair.in; ++i) {
-        dst[i] = static_cast<float>(dst[i] + scale * row[static_cast<size_t>(i)]);
-        finite &= std::isfinite(dst[i]);
-      }
-      if (!finite)  // e.g. a huge lora_alpha: scale * B A overflows f32
-        fail(ErrorKind::invalid_input, "{}: tensor '{}': the merged weight W + {:g} * B A is not finite (row {}); "
-             "check lora_alpha ({:g}) and r ({}) in adapter_config.json", what,
-             peft::tensor_name(layer, target, false), scale, o, a.config.lora_alpha, a.config.r);
-    }
+    const std::vector<uint8_t> zeros = c.unstructured_pruning.empty() ? std::vector<uint8_t>{} : zero_mask(m);
+    if (const int64_t bad = merge_lora_rows(m.data(), b.data(), pair.a.data(), pair.out, r, pair.in, scale); bad >= 0)
+      // e.g. a huge lora_alpha: scale * B A overflows f32
+      fail(ErrorKind::invalid_input, "{}: tensor '{}': the merged weight W + {:g} * B A is not finite (row {}); "
+           "check lora_alpha ({:g}) and r ({}) in adapter_config.json", what,
+           peft::tensor_name(layer, target, false), scale, bad, a.config.lora_alpha, a.config.r);
+    // A pruned model keeps its zeros (loom prune; config unstructured_pruning).
+    for (size_t i = 0; i < zeros.size(); ++i)
+      if (zeros[i]) m[i] = 0.0f;
     t.data = m.data();
     t.dtype = DType::f32;
   }

@@ -34,16 +34,14 @@ CalibrationStats calibrate(const IntQuantizeJob& job, Backend& backend,
 // the largest multiple of 32 below it that divides every input width (SmolLM2's
 // 576 takes 96 for 128), so one group size serves the whole model.
 int64_t fitting_group(int64_t requested, const ModelConfig& c, const std::function<void(const std::string&)>& log) {
-  const int64_t widths = std::gcd(std::gcd(c.hidden, c.q_dim()), c.intermediate);
-  if (widths % requested == 0) return requested;
-  for (int64_t g = requested / 32 * 32; g >= 32; g -= 32)
-    if (widths % g == 0) {
-      log(fmt::format("groups of {} do not divide the input widths ({}, {}, {}): using groups of {}", requested,
-                      c.hidden, c.q_dim(), c.intermediate, g));
-      return g;
-    }
-  fail(ErrorKind::invalid_input, "no group size of 32 to {} divides the input widths {}, {} and {}", requested,
-       c.hidden, c.q_dim(), c.intermediate);
+  const int64_t g = fitting_common_group(requested, {c.hidden, c.q_dim(), c.intermediate});
+  if (g == 0)
+    fail(ErrorKind::invalid_input, "no group size of 32 to {} divides the input widths {}, {} and {}", requested,
+         c.hidden, c.q_dim(), c.intermediate);
+  if (g != requested)
+    log(fmt::format("groups of {} do not divide the input widths ({}, {}, {}): using groups of {}", requested,
+                    c.hidden, c.q_dim(), c.intermediate, g));
+  return g;
 }
 
 }  // namespace

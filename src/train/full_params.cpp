@@ -132,4 +132,35 @@ std::vector<ParamGroup> FullParams::param_groups(double lr, double weight_decay)
   return groups;
 }
 
+int64_t FullParams::keep_zeros() {
+  masked_spans_.clear();
+  size_t bits = 0;
+  for (size_t i = 0; i < spans_.size(); ++i)
+    if (spans_[i].name.starts_with("model.layers.") && spans_[i].name.ends_with("_proj.weight")) {
+      masked_spans_.push_back(i);
+      bits += spans_[i].size;
+    }
+  zero_bits_.assign((bits + 63) / 64, 0);
+  int64_t zeros = 0;
+  size_t bit = 0;
+  for (size_t i : masked_spans_) {
+    const float* p = params_.data() + spans_[i].offset;
+    for (size_t j = 0; j < spans_[i].size; ++j, ++bit)
+      if (p[j] == 0.0f) {
+        zero_bits_[bit / 64] |= uint64_t{1} << (bit % 64);
+        ++zeros;
+      }
+  }
+  return zeros;
+}
+
+void FullParams::apply_mask(float* arena) const {
+  size_t bit = 0;
+  for (size_t i : masked_spans_) {
+    float* p = arena + spans_[i].offset;
+    for (size_t j = 0; j < spans_[i].size; ++j, ++bit)
+      if ((zero_bits_[bit / 64] >> (bit % 64)) & 1) p[j] = 0.0f;
+  }
+}
+
 }  // namespace loom

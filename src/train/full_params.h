@@ -49,13 +49,25 @@ class FullParams {
   std::string tensor_at(size_t offset) const;
   std::vector<TensorSpan> tensor_spans() const;  // every weight's run of the arena
 
+  // A pruned model's zeros stay zero: the zeros of every layer's seven linear
+  // weights are remembered now; mask_grads() zeroes their gradients (before
+  // clipping and AdamW) and mask_params() the weights (after the update, so
+  // that no optimizer state can move them). Returns how many there are.
+  int64_t keep_zeros();
+  void mask_grads() { apply_mask(grads_.data()); }
+  void mask_params() { apply_mask(params_.data()); }
+
  private:
   struct Span {
     size_t offset, size;
     bool decay;
     std::string name;
   };
+  void apply_mask(float* arena) const;
+
   std::vector<Span> spans_;
+  std::vector<size_t> masked_spans_;  // indices into spans_ of the linear weights
+  std::vector<uint64_t> zero_bits_;   // their zeros, one bit per element in span order
   std::vector<float> params_, grads_;
   std::vector<LayerGrads> layers_;
   float *embd_grad_ = nullptr, *output_grad_ = nullptr, *output_norm_grad_ = nullptr;

@@ -21,7 +21,7 @@ namespace loom {
 namespace {
 
 // Groups whose children are keys; everything else is a leaf.
-const char* const kGroups[] = {"data", "lora", "optim", "schedule"};
+const char* const kGroups[] = {"data", "lora", "optim", "schedule", "qat"};
 const char* const kLeaves[] = {
     "model",          "data.train",         "data.eval",           "data.eval_fraction", "data.format",
     "data.seq_len",   "data.pack",          "data.train_on_prompt", "data.skip_bad_lines", "data.cache_dir",
@@ -34,7 +34,8 @@ const char* const kLeaves[] = {
     "device",         "checkpoint_interval", "checkpoint_minutes", "checkpoint_dir",    "keep_checkpoints",
     "max_bad_steps",  "on_divergence",      "rollback_lr_factor",  "max_rollbacks",     "memory_limit",
     "memory_alarm",   "metrics_port",       "metrics_host",        "log_file",          "log_format",
-    "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base"};
+    "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base",
+    "qat.bits",       "qat.group_size",     "qat.scheme",          "sparsity_mask"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -231,6 +232,24 @@ void read_memory_keys(const Reader& r, TrainConfig& c) {
       }
     if (!found) r.bad("quantize_base", fmt::format("unknown value '{}' (expected none, nf4, q4_0 or q8_0)", s));
   }
+  int64_t bits = 0;
+  if (r.integer("qat.bits", bits, 0, 8)) {
+    if (bits != 0 && bits != 4 && bits != 8) r.bad("qat.bits", fmt::format("{}: expected 4 or 8 (0: off)", bits));
+    c.qat.bits = static_cast<int>(bits);
+  }
+  r.integer("qat.group_size", c.qat.group_size, 0, int64_t{1} << 20);
+  if (c.qat.group_size > 0 && c.qat.group_size % 32 != 0)
+    r.bad("qat.group_size", fmt::format("{}: expected a multiple of 32 (or 0: one scale per row)", c.qat.group_size));
+  if (r.str("qat.scheme", s)) {
+    if (s != "sym" && s != "asym") r.bad("qat.scheme", fmt::format("unknown value '{}' (expected sym or asym)", s));
+    c.qat.symmetric = s == "sym";
+  }
+  if (r.str("sparsity_mask", s)) {
+    if (s == "auto") c.sparsity_mask = TrainConfig::SparsityMask::automatic;
+    else if (s == "on") c.sparsity_mask = TrainConfig::SparsityMask::on;
+    else if (s == "off") c.sparsity_mask = TrainConfig::SparsityMask::off;
+    else r.bad("sparsity_mask", fmt::format("unknown value '{}' (expected auto, on or off)", s));
+  }
 }
 
 void read_production_keys(const Reader& r, TrainConfig& c) {
@@ -392,6 +411,12 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   c.lora.seed = c.seed;
   read_production_keys(r, c);
   read_memory_keys(r, c);
+  if (c.qat.enabled() && c.method == TrainMethod::lora && c.lora.dropout > 0) {
+    c.warnings.push_back(fmt::format("{}: lora.dropout {} has no effect with qat: the adapters act inside the "
+                                     "fake-quantized W + s B A, where no dropout applies (dropout set to 0)",
+                                     c.source, c.lora.dropout));
+    c.lora.dropout = 0;
+  }
 
   if (c.steps > 0 && c.epochs > 0) r.bad("epochs", "set either steps or epochs, not both");
   // Evaluation needs an eval split; the trainer has one exactly when data.eval or data.eval_fraction is set.
@@ -512,6 +537,8 @@ std::vector<std::pair<std::string, std::string>> run_identity(const TrainConfig&
       {"optim.kind", optimizer_kind_name(c.optimizer)},
       {"precision", train_precision_name(c.precision)},
       {"quantize_base", base_quant_name(c.quantize_base)},
+      {"qat", c.qat.enabled() ? fmt::format("int{} g{} {}", c.qat.bits, c.qat.group_size,
+                                            c.qat.symmetric ? "sym" : "asym") : "off"},
   };
   return id;
 }

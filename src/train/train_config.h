@@ -122,6 +122,19 @@ struct TrainConfig {
   // quantize_base: the frozen weights of an f16/bf16/f32 model quantized at load (QLoRA).
   enum class BaseQuant { none, nf4, q4_0, q8_0 };
   BaseQuant quantize_base = BaseQuant::none;
+  // qat.*: quantization-aware training (train/qat.h): the forward sees the
+  // weights as `loom quantize --method int4|int8` exports them (bits 0: off).
+  struct Qat {
+    int bits = 0;              // qat.bits: 4 or 8
+    int64_t group_size = 128;  // qat.group_size: columns per scale (0: per row); fitted as quantize fits it
+    bool symmetric = true;     // qat.scheme: sym | asym
+    bool enabled() const { return bits > 0; }
+  } qat;
+  // sparsity_mask: a pruned model's zeros stay zero in full fine-tuning
+  // (gradients and updates masked). auto: when the model says it was pruned
+  // (`loom prune`'s unstructured methods); on: the zeros of any model; off.
+  enum class SparsityMask { automatic, on, off };
+  SparsityMask sparsity_mask = SparsityMask::automatic;
 
   std::string source;  // the config file name, for messages
   std::string text;    // the YAML as given, each --set appended as a "# --set key=value" line (checkpoints keep it)

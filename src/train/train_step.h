@@ -114,6 +114,11 @@ class TrainSession {
   // q/k/v and gate/up LoRA A products as one GEMM each (default); off: one per
   // adapter (the same bits in fp32; for tests and benchmarks).
   void set_fused_lora(bool on) { fused_lora_ = on; }
+  // Quantization-aware LoRA (train/qat.h): the model's matrices already hold
+  // fq(W + s B A), so the adapters add nothing to the forward and nothing to
+  // the input gradient; they still save A x and get their dA, dB (the
+  // straight-through estimator's chain rule through W + s B A).
+  void set_adapters_merged(bool on) { adapters_merged_ = on; }
 
   // Sizes every buffer of a step (saved activations, backward temporaries) for
   // micro-batches of up to `tokens` rows x seq_len tokens, once: smaller batches
@@ -243,6 +248,7 @@ class TrainSession {
   DeviceBuffer bt_;    // a LoRA B transposed (the widest)
   TrainPrecision precision_ = TrainPrecision::fp32;
   bool fused_lora_ = true;
+  bool adapters_merged_ = false;
   DeviceBuffer lora_work_;  // carved into lw_
   LoraWork lw_;
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,

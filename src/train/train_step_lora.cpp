@@ -100,6 +100,7 @@ void TrainSession::lora_forward_b(int64_t l, LoraTarget t, float* y, int64_t T) 
   float* ax = layers_[static_cast<size_t>(l)].ax[static_cast<size_t>(t)];
   be_.scale(ax, lora_->scale(), T * r);
   lora_operand(ax, ax, T * r);
+  if (adapters_merged_) return;  // QAT: s B A is inside the model's fq(W + s B A)
   const Tensor B = lora_->b(l, t);
   const float* b = lora_operand(lw_.bq, B.as<const float>(), s.out * r);
   be_.matmul_dense(*ws_, make_tensor(const_cast<float*>(b), DType::f32, {s.out, r}), ax, tmp_, T);
@@ -168,6 +169,7 @@ void TrainSession::lora_backward_b(int64_t l, LoraTarget t, const float* dy, int
 void TrainSession::lora_backward(int64_t l, std::span<const LoraGrad> grads, const float* x, float* dx, int64_t T,
                                  bool dropout, uint64_t step) {
   if (!lora_) return;
+  if (adapters_merged_) dx = nullptr;  // QAT: the base's input gradient used fq(W + s B A)
   LoraGrad act[kMaxGroup];
   int64_t n = 0;
   for (const LoraGrad& g : grads)

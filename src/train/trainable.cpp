@@ -11,6 +11,7 @@
 #include "model/peft_adapter.h"
 #include "train/full_params.h"
 #include "train/lora_params.h"
+#include "train/qat.h"
 
 namespace loom {
 
@@ -90,7 +91,12 @@ peft::AdapterTensors adapter_tensors(const LoraModel& lora, const ModelConfig& m
 
 class LoraTrainable final : public TrainableParams {
  public:
-  LoraTrainable(const ModelConfig& mc, const LoraConfig& config) : lora_(mc, config) {}
+  LoraTrainable(const ModelConfig& mc, const LoraConfig& config, ThreadPool& pool) : lora_(mc, config), pool_(pool) {}
+  // QAT: the model's matrices become fq(W + s B A), refreshed after every update.
+  void enable_qat(Model& model, const IntQuantSpec& spec) {
+    qat_ = std::make_unique<QatWeights>(model.mutable_weights(), model.config(), spec, /*lora=*/true);
+  }
+  const QatWeights* qat() const { return qat_.get(); }
 
   std::span<float> params() override { return {lora_.params(), static_cast<size_t>(lora_.param_count())}; }
   std::span<float> grads() override { return {lora_.grads(), static_cast<size_t>(lora_.param_count())}; }
@@ -109,12 +115,20 @@ class LoraTrainable final : public TrainableParams {
     return out;
   }
   std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
-    return std::make_unique<TrainSession>(model.config(), model.weights(), lora_, backend, mode);
+    auto session = std::make_unique<TrainSession>(model.config(), model.weights(), lora_, backend, mode);
+    session->set_adapters_merged(qat_ != nullptr);
+    return session;
   }
-  void after_update(Model&, TrainSession&, Backend&) override {}
+  void after_update(Model& model, TrainSession& session, Backend& backend) override {
+    if (!qat_) return;
+    qat_->refresh(model.mutable_weights(), pool_, &lora_);
+    prepare_weights(model.mutable_weights(), backend);
+    session.refresh_weights();
+  }
   int64_t added_params() const override { return lora_.param_count(); }
   std::string describe() const override {
-    return fmt::format("LoRA r={} alpha={}", lora_.config().r, lora_.config().alpha);
+    return fmt::format("LoRA r={} alpha={}{}", lora_.config().r, lora_.config().alpha,
+                       qat_ ? ", QAT " + qat_->describe() + " on W + s B A" : "");
   }
   const char* output_kind() const override { return "adapter"; }
   void write_output(const Model& model, const TrainConfig& c, const FolderWriteOptions& opt) override {
@@ -123,11 +137,26 @@ class LoraTrainable final : public TrainableParams {
 
  private:
   LoraModel lora_;
+  ThreadPool& pool_;
+  std::unique_ptr<QatWeights> qat_;
 };
 
 class FullTrainable final : public TrainableParams {
  public:
-  FullTrainable(ModelWeights& w, const ModelConfig& mc, ThreadPool& pool) : full_(w, mc, pool) {}
+  FullTrainable(ModelWeights& w, const ModelConfig& mc, ThreadPool& pool) : full_(w, mc, pool), pool_(pool) {}
+  int64_t keep_zeros() {
+    masked_ = true;
+    return full_.keep_zeros();
+  }
+  // QAT: the forward multiplies fq(W) of the arena's weights (made now, before packing).
+  void enable_qat(ModelWeights& w, const ModelConfig& mc, const IntQuantSpec& spec) {
+    qat_ = std::make_unique<QatWeights>(w, mc, spec, /*lora=*/false);
+    qat_->refresh(w, pool_, nullptr);
+  }
+  const QatWeights* qat() const { return qat_.get(); }
+  void before_update() override {
+    if (masked_) full_.mask_grads();
+  }
 
   std::span<float> params() override { return {full_.params(), static_cast<size_t>(full_.param_count())}; }
   std::span<float> grads() override { return {full_.grads(), static_cast<size_t>(full_.param_count())}; }
@@ -141,23 +170,52 @@ class FullTrainable final : public TrainableParams {
     return std::make_unique<TrainSession>(model.config(), model.weights(), full_, backend, mode);
   }
   void after_update(Model& model, TrainSession& session, Backend& backend) override {
+    if (masked_) full_.mask_params();
+    if (qat_) qat_->refresh(model.mutable_weights(), pool_, nullptr);
     prepare_weights(model.mutable_weights(), backend);
     session.refresh_weights();
   }
   int64_t added_params() const override { return 0; }
-  std::string describe() const override { return "full fine-tuning (f32)"; }
+  std::string describe() const override {
+    return qat_ ? "full fine-tuning (f32), QAT " + qat_->describe() : "full fine-tuning (f32)";
+  }
   const char* output_kind() const override { return "Hugging Face model folder"; }
   void write_output(const Model& model, const TrainConfig& c, const FolderWriteOptions& opt) override {
-    write_hf_folder(model, c.output_dir, c.output_dtype, opt);
+    if (!qat_) {
+      write_hf_folder(model, c.output_dir, c.output_dtype, opt);
+      return;
+    }
+    // The trained (latent) weights; `loom quantize` with the QAT scheme then exports what was trained.
+    ModelWeights& w = const_cast<Model&>(model).mutable_weights();
+    qat_->restore_latent(w);
+    try {
+      write_hf_folder(model, c.output_dir, c.output_dtype, opt);
+    } catch (...) {
+      qat_->point_at_fq(w);
+      throw;
+    }
+    qat_->point_at_fq(w);
   }
 
  private:
   FullParams full_;
+  ThreadPool& pool_;
+  bool masked_ = false;
+  std::unique_ptr<QatWeights> qat_;
 };
 
 }  // namespace
 
-TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool) {
+bool wants_sparsity_mask(const TrainConfig& c, const ModelConfig& mc) {
+  using M = TrainConfig::SparsityMask;
+  return c.sparsity_mask == M::on || (c.sparsity_mask == M::automatic && !mc.unstructured_pruning.empty());
+}
+
+TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
+                                    std::vector<std::string>* notes) {
+  auto note = [&](std::string s) {
+    if (notes != nullptr) notes->push_back(std::move(s));
+  };
   TrainableModel out;
   Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
   if (c.quantize_base != TrainConfig::BaseQuant::none) {
@@ -171,10 +229,24 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
   }
   if (c.method == TrainMethod::full)
     lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) {
-      out.params = std::make_unique<FullTrainable>(w, mc, pool);
+      auto full = std::make_unique<FullTrainable>(w, mc, pool);
+      if (wants_sparsity_mask(c, mc)) {
+        const int64_t zeros = full->keep_zeros();
+        note(fmt::format("sparsity_mask: {} zero weights of the linear layers stay zero{}", zeros,
+                         mc.unstructured_pruning.empty() ? "" : " (" + mc.unstructured_pruning + ")"));
+      }
+      if (c.qat.enabled()) full->enable_qat(w, mc, qat_spec(c.qat, mc));
+      out.params = std::move(full);
     };
   out.model = Model::load(c.model, lo);
-  if (c.method == TrainMethod::lora) out.params = std::make_unique<LoraTrainable>(out.model->config(), c.lora);
+  if (c.method == TrainMethod::lora) {
+    auto lora = std::make_unique<LoraTrainable>(out.model->config(), c.lora, pool);
+    if (c.qat.enabled()) lora->enable_qat(*out.model, qat_spec(c.qat, out.model->config()));
+    if (!out.model->config().unstructured_pruning.empty())
+      note(fmt::format("the model is pruned ({}): LoRA trains on it as it is; merging the adapter (loom merge, "
+                       "export) keeps its zeros", out.model->config().unstructured_pruning));
+    out.params = std::move(lora);
+  }
   LOOM_ASSERT(out.params);
   return out;
 }

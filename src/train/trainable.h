@@ -42,7 +42,11 @@ class TrainableParams {
   // The session that runs forward and backward into grads() (TrainSession's
   // LoRA or full constructor). Keeps references to `model`, `backend` and this.
   virtual std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) = 0;
-  // Called after every optimizer update. Full: the forward multiplies the
+  // Called after backward, before the gradient check, clipping and AdamW: a
+  // pruned model's full fine-tuning zeroes the pruned weights' gradients.
+  virtual void before_update() {}
+  // Called after every optimizer update (and once before the first step when
+  // quantization-aware training is on: train/qat.h). Full: the forward multiplies the
   // backend's prepared copies of the weights, so they are prepared again and the
   // session's transposed copies rebuilt. LoRA: nothing (adapters are read directly).
   virtual void after_update(Model& model, TrainSession& session, Backend& backend) = 0;
@@ -65,7 +69,11 @@ struct TrainableModel {
 // Loads c.model (tokenizer, weights prepared for `backend`). LoRA lays out and
 // initializes the adapters (seeded) after the load; full fine-tuning moves every
 // weight into an f32 arena before they are prepared (FullParams), so the forward
-// reads the weights being trained. `pool` dequantizes into that arena.
-TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool);
+// reads the weights being trained. `pool` dequantizes into that arena (and
+// computes QAT's fake-quantized weights; it must outlive the result). Pruned
+// weights stay zero in full fine-tuning (c.sparsity_mask). Messages for the
+// run's log go to `notes`.
+TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
+                                    std::vector<std::string>* notes = nullptr);
 
 }  // namespace loom

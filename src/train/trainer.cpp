@@ -158,7 +158,12 @@ void Trainer::setup() {
          "run in fp32); use precision: fp32, or method: lora", c_.source, train_precision_name(c_.precision));
   if (c_.method == TrainMethod::full && (c_.lora_plus_ratio || c_.mlp_lr))
     fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c_.source);
-  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_);
+  if (c_.qat.enabled() && c_.quantize_base != TrainConfig::BaseQuant::none)
+    fail(ErrorKind::invalid_input, "{}: qat trains against the quantized export of W + s B A in f32; it does not go "
+         "with quantize_base: {} (leave quantize_base: none)", c_.source, base_quant_name(c_.quantize_base));
+  std::vector<std::string> notes;
+  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes);
+  for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
   model_ = std::move(tm.model);
   params_ = std::move(tm.params);
   if (c_.seq_len > model_->config().max_context)
@@ -166,6 +171,7 @@ void Trainer::setup() {
          model_->config().max_context);
   load_data();
   session_ = params_->make_session(*model_, *backend_, c_.backward);
+  if (c_.qat.enabled()) params_->after_update(*model_, *session_, *backend_);  // QAT: the first fq weights
   setup_precision();
   session_->set_activation_options(
       {c_.gradient_checkpointing, c_.activation_dtype == TrainConfig::ActivationDType::bf16});
@@ -315,6 +321,7 @@ StepReport Trainer::train_step() {
   r.step = step + 1;
   r.loss = r.target_tokens > 0 ? loss_sum / static_cast<double>(r.target_tokens) : std::nan("");
   inject_step_faults(r);  // LOOM_FAILPOINTS site "step" (a test facility)
+  params_->before_update();  // a pruned model's masked gradients
   if (hooks_.after_backward) hooks_.after_backward(*this, params_->grads());
   // A NaN or inf in the loss or a gradient: nothing is applied (trainer_faults.cpp).
   double grad_norm = 0;
