@@ -57,6 +57,7 @@ int run_info(int argc, char** argv) {
               c.rope_layout == RopeLayout::interleaved ? "interleaved" : "half-split",
               c.rope_scaling.factor > 0 ? ", llama3 scaling" : "");
   std::printf("rms norm eps:    %g\n", c.rms_eps);
+  if (!c.unstructured_pruning.empty()) std::printf("pruned:          %s (zeros kept by fine-tuning)\n", c.unstructured_pruning.c_str());
   std::printf("embeddings:      %s\n", c.tied_embeddings || w.output.data == w.token_embd.data ? "tied" : "separate");
   if (model->has_tokenizer()) {
     const Tokenizer& tok = model->tokenizer();

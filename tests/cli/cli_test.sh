@@ -31,7 +31,7 @@ expect() {
   pass=$((pass + 1))
 }
 
-for cmd in info tokenize generate chat bench perplexity imatrix quantize export export-lora; do
+for cmd in info tokenize generate chat bench perplexity imatrix quantize export export-lora prune; do
   expect "help $cmd" 0 "usage|options" -- "$loom" "$cmd" --help
 done
 expect "no command" nonzero "usage" -- "$loom"
@@ -210,6 +210,34 @@ expect "int8 folder as a LoRA base" 0 "adapter written to" -- "$loom" train "$tm
 expect "int8 folder perplexity" 0 "Final estimate" -- "$loom" perplexity -m "$tmp/ct" -f "$ppltext" -c 64 --chunks 2
 expect "int8 folder bench" 0 "" -- "$loom" bench -m "$tmp/ct" -p 16 -n 4 -r 1
 expect "int8 folder over a file" 1 "not a folder|is a file|cannot" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --method int8
+
+# loom prune: unstructured (magnitude, Wanda, N:M) and structured (heads, channels, layers) to GGUF or a folder.
+expect "prune nothing asked" 1 "nothing to prune" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf"
+expect "prune bad method" 1 "--method sparsegpt2: expected magnitude or wanda" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method sparsegpt2
+expect "prune bad sparsity" 1 "--sparsity 1: expected a fraction in \[0, 1\)" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --sparsity 1
+expect "prune bad pattern" 1 "--pattern 2-4: expected N:M" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --pattern 2-4
+expect "prune pattern that does not divide" 1 "--pattern 2:5: .* not a multiple of 5" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --pattern 2:5
+expect "prune sparsity and pattern" 1 "not both" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --pattern 2:4 --sparsity 0.5
+expect "wanda needs calibration" 1 "--method wanda needs calibration text: give --calib FILE" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method wanda
+expect "structured needs calibration" 1 "structured pruning .* needs calibration text" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --channels 0.25
+expect "prune too many layers" 1 "--layers 2: the model has 2 layers" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --layers 2 --calib "$ppltext" --calib-ctx 32
+expect "prune bad type" 1 "--type Q9: not a file type" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --type Q9
+expect "prune wrote nothing" 0 "^absent$" -- sh -c "test -e '$tmp/p.gguf' || echo absent"
+expect "magnitude 2:4 to gguf" 0 "50.0% of them zero" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --pattern 2:4
+expect "pruned gguf runs" 0 "" -- "$loom" generate -m "$tmp/p.gguf" -p hi -n 2
+expect "pruned gguf says so" 0 "magnitude 2:4" -- "$loom" info -m "$tmp/p.gguf"
+expect "wanda to folder" 0 "wrote .*Hugging Face folder" -- "$loom" prune -m "$tiny" -o "$tmp/pf" --method wanda --sparsity 0.5 --calib "$ppltext" --calib-ctx 32 --dtype f32
+expect "pruned folder says so" 0 "wanda 50% per row" -- cat "$tmp/pf/config.json"
+expect "structured to gguf" 0 "heads 4 -> 2.*MLP channels 176 -> 128.*removed layers" -- sh -c "'$loom' prune -m '$tiny' -o '$tmp/ps.gguf' --heads 0.25 --channels 0.25 --layers 1 --calib '$ppltext' --calib-ctx 32 2>&1 | tr '\n' ' '"
+expect "structured gguf runs" 0 "Final estimate" -- "$loom" perplexity -m "$tmp/ps.gguf" -f "$ppltext" -c 32 --chunks 2
+expect "full fine-tuning keeps the zeros" 0 "sparsity_mask: [0-9]+ zero weights .* stay zero" -- "$loom" train "$tmp/train.yaml" --set model="$tmp/pf" \
+  --set method=full --set data.seq_len=32 --set steps=2 --set output_dir="$tmp/pf-ft" -t 1
+expect "qat lora" 0 "QAT int4 per row, symmetric on W \+ s B A" -- "$loom" train "$tmp/train.yaml" --set qat.bits=4 --set qat.group_size=0 \
+  --set data.seq_len=32 --set steps=2 --set output_dir="$tmp/qat" -t 1
+expect "qat group that fits nothing" 1 "qat.group_size 128: no multiple of 32" -- "$loom" train "$tmp/train.yaml" --set qat.bits=4 \
+  --set data.seq_len=32 --set steps=2 --set output_dir="$tmp/qat2" -t 1
+expect "qat with quantize_base" 1 "does not go with quantize_base" -- "$loom" train "$tmp/train.yaml" --set qat.bits=8 \
+  --set quantize_base=q8_0 --set output_dir="$tmp/qat3" -t 1
 
 # --device: a name that is no device is a flag error; a device this build has no backend for is refused by name.
 expect "device not a name" 2 "--device: must be cpu, cuda, cuda:N, npu or npu:N, not 'gpu'" -- \
