@@ -1,7 +1,8 @@
 // Builds a TokenizerSpec from GGUF tokenizer.* metadata: "gpt2" (byte-level
 // BPE, pre-tokenizer chosen by tokenizer.ggml.pre) and "llama" (SentencePiece
 // BPE with byte fallback, merges derived from the scores the way transformers
-// derives them, since llama.cpp stores none).
+// derives them, since llama.cpp stores none; ▁ put before each piece of text
+// as llama.cpp puts it).
 #include <algorithm>
 #include <cmath>
 #include <unordered_map>
@@ -243,13 +244,18 @@ TokenizerSpec Tokenizer::spec_from_gguf(const gguf::File& f) {
     }
     spec.byte_fallback = true;
     spec.fuse_unk = true;
+    // llama.cpp (llama_vocab::impl::tokenize, LLAMA_VOCAB_TYPE_SPM) cuts the
+    // control, unknown and user-defined tokens out of the text first, then puts
+    // a space before every remaining piece of text that starts the text or
+    // follows such a token when add_space_prefix is set (the default for
+    // "llama"), and turns every space into ▁. That is the Prepend("▁") +
+    // Replace(" ", "▁") normalizer of the original Llama 2 tokenizer.json,
+    // which runs on each piece of text between added tokens (these are all
+    // matched in the raw text). Not transformers' GGUF reading (Metaspace,
+    // prepend_scheme "first": ▁ only at the very start, and not before a space).
     const bool prefix = f.opt_bool("tokenizer.ggml.add_space_prefix").value_or(true);
-    PreTokenizerStep meta;
-    meta.kind = PreTokenizerStep::Kind::metaspace;
-    meta.replacement = kMetaspace;
-    meta.prepend_scheme = prefix ? PrependScheme::first : PrependScheme::never;
-    meta.split = false;
-    spec.pre_tokenizers = {meta};
+    if (prefix) spec.normalizers.push_back({NormalizerStep::Kind::prepend, kMetaspace, false, {}});
+    spec.normalizers.push_back({NormalizerStep::Kind::replace, " ", false, kMetaspace});
     DecoderStep replace, fallback, fuse, strip;
     replace.kind = DecoderStep::Kind::replace;
     replace.pattern = kMetaspace;
@@ -259,6 +265,10 @@ TokenizerSpec Tokenizer::spec_from_gguf(const gguf::File& f) {
     strip.kind = DecoderStep::Kind::strip;
     strip.content = " ";
     strip.start = 1;
+    // llama_detokenize drops one leading space of the first token's piece when
+    // add_space_prefix is set: the Strip decoder after Fuse. (After a first
+    // special token that is not printed llama.cpp keeps that space; loom, as
+    // Hugging Face's decode with skip_special_tokens, drops it.)
     spec.decoders = {replace, fallback, fuse};
     if (prefix) spec.decoders.push_back(strip);
     spec.kind = TokenizerKind::spm_bpe;

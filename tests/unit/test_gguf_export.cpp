@@ -199,8 +199,13 @@ TEST(HfToGguf, SentencePieceTokenizerFolderExportsAndRuns) {
   EXPECT_EQ(f->get_string("tokenizer.chat_template"), kLlama2Template);
   const auto folder = Model::load(hf, {.tokenizer = true, .pack = false});
   const auto file = Model::load(out, {.tokenizer = true, .pack = false});
-  for (const std::string& text : {kText, std::string("Hello world\nline two"), std::string("def f(x):\n\treturn x**2")})
-    EXPECT_EQ(file->tokenizer().encode(text, true, true), folder->tokenizer().encode(text, true, true)) << text;
+  // Also a text that starts with a space and a chat prompt (text after special
+  // tokens): the file is read as llama.cpp reads it, the Prepend + Replace form.
+  for (const std::string& text : {kText, std::string("Hello world\nline two"),
+                                  std::string("def f(x):\n\treturn x**2"), std::string("  leading spaces"),
+                                  std::string("<s>[INST] Hi [/INST] Hello </s><s>[INST]  again [/INST]")})
+    EXPECT_EQ(file->tokenizer().encode(text, true, true), folder->tokenizer().encode(text, true, true))
+        << text;
   const auto ids = folder->tokenizer().encode(kText, true, true);
   ASSERT_EQ(ids.front(), 1);
   const auto a = logits_of(out, ids), b = logits_of(hf, ids);

@@ -34,7 +34,7 @@ TEST_P(Reference, MatchesHuggingFace) {
   const std::string name = GetParam();
   ASSERT_TRUE(refs["tokenizers"].contains(name)) << name;
   const Tokenizer tok = load_named(name);
-  check_reference(tok, refs["tokenizers"][name], refs["corpus"], name);
+  check_reference(tok, reference_for(name), refs["corpus"], name);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tokenizers, Reference,

@@ -29,6 +29,17 @@ inline const json& references() {
   return j;
 }
 
+// The reference block a named tokenizer must give. A GGUF "llama" vocabulary
+// must tokenize as llama.cpp does, which for spm_style.gguf is the
+// tokenizer.json it was made from (Prepend + Replace normalizer): its
+// reference is the "spm_style" block. The fixture's own "spm_style.gguf" block
+// is transformers' GGUF loader (▁ only at the very start of the text), which
+// SpmGguf.TransformersGgufLoaderDiffersOnlyWhereLlamaCppDoes pins the
+// difference from.
+inline const json& reference_for(const std::string& name) {
+  return references()["tokenizers"][name == "spm_style.gguf" ? "spm_style" : name];
+}
+
 // make_tokenizer_fixtures.py's with_extra_added(): EXTRA_ADDED appended with ids
 // after the vocabulary, skipping contents already present.
 inline json with_extra_added(json j) {
