@@ -7,7 +7,8 @@ Each adapter is merged into the base (`loom merge --dtype f32`) and the merged m
 the same scheme (`loom quantize --method int4|int8 --scheme S --group G`). Reported for the plain
 run unquantized, the plain run quantized (PTQ) and the QAT run quantized (and unquantized):
 perplexity of the eval conversations (data/main_job/eval.jsonl rendered in ChatML, `loom perplexity`)
-and the task score (scripts/main_job_score.py: replies exactly "ANSWER: <n>" and right).
+the trainer's eval loss and token accuracy on the answers (what the runs were trained on), and the task
+score (scripts/main_job_score.py: replies exactly "ANSWER: <n>" and right).
 
 Usage: python3 bench/bench_qat.py [--loom build/loom] [--steps 180] [--bits 4] [--group 128]
                                   [--scheme sym] [-t 2] [--work DIR]
@@ -52,6 +53,16 @@ def train(a, name, extra):
     return out, (int(m.group(3)) if m else None)
 
 
+def answer_loss(a, model):
+    """The trainer's eval loss (answer tokens only) of `model` as it is: a 1-step run evaluated at step 0,
+    where the new adapter's B is still zero."""
+    out = os.path.join(a.work, "eval-run")
+    r = run([a.loom, "train", CONFIG, "--set", f"model={model}", "--set", "steps=1", "--set", "eval_at_start=true",
+             "--set", "eval_interval=1", "--set", f"output_dir={out}", "--set", f"threads={a.threads}", "--overwrite"])
+    m = re.search(r"eval at step 0: loss ([\d.]+) \(ppl [\d.]+\), token accuracy ([\d.]+)%", r.stderr)
+    return float(m.group(1)), float(m.group(2))
+
+
 def quality(a, model, text):
     js = os.path.join(a.work, "ppl.json")
     run([a.loom, "perplexity", "-m", model, "-f", text, "-c", "128", "-t", str(a.threads), "--json", js])
@@ -59,7 +70,8 @@ def quality(a, model, text):
     score = run([sys.executable, os.path.join(ROOT, "scripts/main_job_score.py"), a.loom, model, EVAL,
                  "--show", "0", "--threads", str(a.threads)]).stdout
     m = re.search(r"format 'ANSWER: <n>': (\d+)/(\d+).*?correct: (\d+)/(\d+)", score.replace("\n", " "))
-    return {"ppl": ppl, "format": int(m.group(1)) if m else None, "correct": int(m.group(3)) if m else None,
+    loss, acc = answer_loss(a, model)
+    return {"ppl": ppl, "answer_loss": loss, "answer_token_accuracy": acc, "format": int(m.group(1)) if m else None, "correct": int(m.group(3)) if m else None,
             "n": int(m.group(2)) if m else None, "score_text": score.strip().splitlines()[-1] if score.strip() else ""}
 
 
@@ -92,10 +104,11 @@ def main():
             q.update({"run": label, "train_tokens_per_s": tps})
             rows.append(q)
             print(f"  {label}: ppl {q['ppl']:.4f}, {q['score_text']}", flush=True)
-    md = ["| model | eval ppl | format | correct | training tok/s |", "|---|---|---|---|---|"]
+    md = ["| model | answer eval loss | answer token accuracy | ppl of the whole eval text | format | correct | "
+          "training tok/s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['run']} | {r['ppl']:.4f} | {r['format']}/{r['n']} | {r['correct']}/{r['n']} | "
-                  f"{r['train_tokens_per_s']} |")
+        md.append(f"| {r['run']} | {r['answer_loss']:.4f} | {r['answer_token_accuracy']:.2f}% | {r['ppl']:.4f} | "
+                  f"{r['format']}/{r['n']} | {r['correct']}/{r['n']} | {r['train_tokens_per_s']} |")
     print("\n".join(md))
     os.makedirs(os.path.join(ROOT, "bench/results"), exist_ok=True)
     stem = os.path.join(ROOT, "bench/results", f"qat-{datetime.date.today()}")
