@@ -11,7 +11,8 @@ the trainer's eval loss and token accuracy on the answers (what the runs were tr
 score (scripts/main_job_score.py: replies exactly "ANSWER: <n>" and right).
 
 Usage: python3 bench/bench_qat.py [--loom build/loom] [--steps 180] [--bits 4] [--group 128]
-                                  [--scheme sym] [-t 2] [--work DIR]
+                                  [--scheme sym] [--qat-start N] [--runs plain,qat] [-t 2] [--work DIR]
+--qat-start N: the QAT run trains plainly for N steps, then with QAT (qat.start_step).
 Results: a table on stdout and bench/results/qat-<date>.{json,md}.
 """
 import argparse
@@ -84,15 +85,21 @@ def main():
     ap.add_argument("--scheme", default="sym")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--work", default=os.path.join(ROOT, "out/bench_qat"))
+    ap.add_argument("--qat-start", type=int, default=0, help="qat.start_step: plain steps before QAT")
+    ap.add_argument("--runs", default="plain,qat", help="which runs: plain, qat or both")
     a = ap.parse_args()
     a.loom = os.path.abspath(a.loom)
     os.makedirs(a.work, exist_ok=True)
     text = os.path.join(a.work, "eval_chatml.txt")
     render_eval(text)
-    qat = ["--set", f"qat.bits={a.bits}", "--set", f"qat.group_size={a.group}", "--set", f"qat.scheme={a.scheme}"]
+    qat = ["--set", f"qat.bits={a.bits}", "--set", f"qat.group_size={a.group}", "--set", f"qat.scheme={a.scheme}",
+           "--set", f"qat.start_step={a.qat_start}"]
+    qat_name = "qat" if a.qat_start == 0 else f"qat-from-{a.qat_start}"
     method = "int4" if a.bits == 4 else "int8"
     rows = []
-    for name, extra in (("plain", []), ("qat", qat)):
+    for name, extra in (("plain", []), (qat_name, qat)):
+        if name.split("-")[0] not in a.runs.split(","):
+            continue
         adapter, tps = train(a, name, extra)
         merged = os.path.join(a.work, name + "-merged")
         run([a.loom, "merge", "-m", BASE, "--adapter", adapter, "-o", merged, "--dtype", "f32", "--overwrite"])

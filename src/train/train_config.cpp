@@ -35,7 +35,7 @@ const char* const kLeaves[] = {
     "max_bad_steps",  "on_divergence",      "rollback_lr_factor",  "max_rollbacks",     "memory_limit",
     "memory_alarm",   "metrics_port",       "metrics_host",        "log_file",          "log_format",
     "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base",
-    "qat.bits",       "qat.group_size",     "qat.scheme",          "sparsity_mask"};
+    "qat.bits",       "qat.group_size",     "qat.scheme",          "qat.start_step",    "sparsity_mask"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -240,6 +240,7 @@ void read_memory_keys(const Reader& r, TrainConfig& c) {
   r.integer("qat.group_size", c.qat.group_size, 0, int64_t{1} << 20);
   if (c.qat.group_size > 0 && c.qat.group_size % 32 != 0)
     r.bad("qat.group_size", fmt::format("{}: expected a multiple of 32 (or 0: one scale per row)", c.qat.group_size));
+  r.integer("qat.start_step", c.qat.start_step, 0, int64_t{1} << 40);
   if (r.str("qat.scheme", s)) {
     if (s != "sym" && s != "asym") r.bad("qat.scheme", fmt::format("unknown value '{}' (expected sym or asym)", s));
     c.qat.symmetric = s == "sym";
@@ -537,8 +538,8 @@ std::vector<std::pair<std::string, std::string>> run_identity(const TrainConfig&
       {"optim.kind", optimizer_kind_name(c.optimizer)},
       {"precision", train_precision_name(c.precision)},
       {"quantize_base", base_quant_name(c.quantize_base)},
-      {"qat", c.qat.enabled() ? fmt::format("int{} g{} {}", c.qat.bits, c.qat.group_size,
-                                            c.qat.symmetric ? "sym" : "asym") : "off"},
+      {"qat", c.qat.enabled() ? fmt::format("int{} g{} {} from step {}", c.qat.bits, c.qat.group_size,
+                                            c.qat.symmetric ? "sym" : "asym", c.qat.start_step) : "off"},
   };
   return id;
 }

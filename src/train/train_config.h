@@ -128,6 +128,7 @@ struct TrainConfig {
     int bits = 0;              // qat.bits: 4 or 8
     int64_t group_size = 128;  // qat.group_size: columns per scale (0: per row); fitted as quantize fits it
     bool symmetric = true;     // qat.scheme: sym | asym
+    int64_t start_step = 0;    // qat.start_step: QAT from this optimizer step on (a stage after plain training)
     bool enabled() const { return bits > 0; }
   } qat;
   // sparsity_mask: a pruned model's zeros stay zero in full fine-tuning

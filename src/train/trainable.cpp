@@ -93,10 +93,13 @@ class LoraTrainable final : public TrainableParams {
  public:
   LoraTrainable(const ModelConfig& mc, const LoraConfig& config, ThreadPool& pool) : lora_(mc, config), pool_(pool) {}
   // QAT: the model's matrices become fq(W + s B A), refreshed after every update.
-  void enable_qat(Model& model, const IntQuantSpec& spec) {
+  void start_qat(Model& model, TrainSession& session, Backend& backend, const IntQuantSpec& spec) override {
+    LOOM_ASSERT(!qat_);
     qat_ = std::make_unique<QatWeights>(model.mutable_weights(), model.config(), spec, /*lora=*/true);
+    session.set_adapters_merged(true);
+    after_update(model, session, backend);
   }
-  const QatWeights* qat() const { return qat_.get(); }
+  bool qat_started() const override { return qat_ != nullptr; }
 
   std::span<float> params() override { return {lora_.params(), static_cast<size_t>(lora_.param_count())}; }
   std::span<float> grads() override { return {lora_.grads(), static_cast<size_t>(lora_.param_count())}; }
@@ -115,9 +118,7 @@ class LoraTrainable final : public TrainableParams {
     return out;
   }
   std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
-    auto session = std::make_unique<TrainSession>(model.config(), model.weights(), lora_, backend, mode);
-    session->set_adapters_merged(qat_ != nullptr);
-    return session;
+    return std::make_unique<TrainSession>(model.config(), model.weights(), lora_, backend, mode);
   }
   void after_update(Model& model, TrainSession& session, Backend& backend) override {
     if (!qat_) return;
@@ -148,12 +149,13 @@ class FullTrainable final : public TrainableParams {
     masked_ = true;
     return full_.keep_zeros();
   }
-  // QAT: the forward multiplies fq(W) of the arena's weights (made now, before packing).
-  void enable_qat(ModelWeights& w, const ModelConfig& mc, const IntQuantSpec& spec) {
-    qat_ = std::make_unique<QatWeights>(w, mc, spec, /*lora=*/false);
-    qat_->refresh(w, pool_, nullptr);
+  // QAT: the forward multiplies fq(W) of the arena's weights.
+  void start_qat(Model& model, TrainSession& session, Backend& backend, const IntQuantSpec& spec) override {
+    LOOM_ASSERT(!qat_);
+    qat_ = std::make_unique<QatWeights>(model.mutable_weights(), model.config(), spec, /*lora=*/false);
+    after_update(model, session, backend);
   }
-  const QatWeights* qat() const { return qat_.get(); }
+  bool qat_started() const override { return qat_ != nullptr; }
   void before_update() override {
     if (masked_) full_.mask_grads();
   }
@@ -235,13 +237,11 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
         note(fmt::format("sparsity_mask: {} zero weights of the linear layers stay zero{}", zeros,
                          mc.unstructured_pruning.empty() ? "" : " (" + mc.unstructured_pruning + ")"));
       }
-      if (c.qat.enabled()) full->enable_qat(w, mc, qat_spec(c.qat, mc));
       out.params = std::move(full);
     };
   out.model = Model::load(c.model, lo);
   if (c.method == TrainMethod::lora) {
     auto lora = std::make_unique<LoraTrainable>(out.model->config(), c.lora, pool);
-    if (c.qat.enabled()) lora->enable_qat(*out.model, qat_spec(c.qat, out.model->config()));
     if (!out.model->config().unstructured_pruning.empty())
       note(fmt::format("the model is pruned ({}): LoRA trains on it as it is; merging the adapter (loom merge, "
                        "export) keeps its zeros", out.model->config().unstructured_pruning));

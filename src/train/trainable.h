@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "io/file_write.h"
+#include "kernels/int_quant.h"
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "train/optimizer.h"
@@ -50,6 +51,12 @@ class TrainableParams {
   // backend's prepared copies of the weights, so they are prepared again and the
   // session's transposed copies rebuilt. LoRA: nothing (adapters are read directly).
   virtual void after_update(Model& model, TrainSession& session, Backend& backend) = 0;
+
+  // Quantization-aware training from now on (train/qat.h): the model's
+  // matrices become fake-quantized, the session multiplies them, and every
+  // after_update() refreshes them. Called once, before the first QAT step.
+  virtual void start_qat(Model& model, TrainSession& session, Backend& backend, const IntQuantSpec& spec) = 0;
+  virtual bool qat_started() const = 0;
 
   // Parameters beyond the model's own (LoRA: the adapters; full: none).
   virtual int64_t added_params() const = 0;

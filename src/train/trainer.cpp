@@ -4,6 +4,8 @@
 // LR schedule.
 #include "train/trainer.h"
 
+#include "train/qat.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include "core/failpoints.h"
 #include "io/file_write.h"
 #include "train/checkpoint.h"
+#include "train/qat.h"
 #include "train/train_log.h"
 #include "train/train_metrics.h"
 #include "tokenizer/chat_template.h"
@@ -171,7 +174,10 @@ void Trainer::setup() {
          model_->config().max_context);
   load_data();
   session_ = params_->make_session(*model_, *backend_, c_.backward);
-  if (c_.qat.enabled()) params_->after_update(*model_, *session_, *backend_);  // QAT: the first fq weights
+  if (c_.qat.enabled()) {
+    qat_spec_ = qat_spec(c_.qat, model_->config());  // a group that fits nothing fails now
+    maybe_start_qat(0);  // qat.start_step 0: from the start (an eval at step 0 sees the quantized weights too)
+  }
   setup_precision();
   session_->set_activation_options(
       {c_.gradient_checkpointing, c_.activation_dtype == TrainConfig::ActivationDType::bf16});
@@ -291,6 +297,7 @@ StepReport Trainer::train_step() {
   const auto ts = Clock::now();
   const int64_t step = steps_done();
   current_step_ = step + 1;  // for the record of an error that ends the run
+  maybe_start_qat(step);
   // Peek the whole step first: the gradient scale needs its total target tokens.
   StepReport r;
   for (Batch& b : micro_) {
@@ -563,6 +570,15 @@ bool Trainer::checkpoint_due() const {
   const int64_t s = steps_done();
   if (c_.checkpoint_interval > 0 && s > 0 && s % c_.checkpoint_interval == 0) return true;
   return c_.checkpoint_minutes > 0 && seconds_since(last_checkpoint_time_) >= 60.0 * c_.checkpoint_minutes;
+}
+
+// QAT from qat.start_step on (also right after a resume past it).
+void Trainer::maybe_start_qat(int64_t step) {
+  if (!c_.qat.enabled() || params_->qat_started() || step < c_.qat.start_step) return;
+  params_->start_qat(*model_, *session_, *backend_, qat_spec_);
+  log_->record(LogLevel::info, "qat",
+               fmt::format("qat: from step {}, the forward multiplies the weights as int{} {} stores them", step + 1,
+                           c_.qat.bits, c_.qat.symmetric ? "sym" : "asym"));
 }
 
 bool Trainer::evaluated_at(int64_t step) const {

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/backend.h"
+#include "kernels/int_quant.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
@@ -107,6 +108,7 @@ class Trainer {
   bool checkpoint_due() const;
   const std::string& checkpoint_dir() const { return checkpoint_dir_; }
   const std::string& last_checkpoint() const { return last_checkpoint_; }  // written or loaded; "" if none
+  void maybe_start_qat(int64_t step);
   bool evaluated_at(int64_t step) const;
   // The signal number TrainRuntime::stop_signal holds (0: none).
   int stop_requested() const { return rt_.stop_signal ? rt_.stop_signal->load() : 0; }
@@ -185,6 +187,7 @@ class Trainer {
   std::unique_ptr<Backend> backend_;  // runs on pool_
   std::unique_ptr<Model> model_;
   std::unique_ptr<TrainableParams> params_;
+  IntQuantSpec qat_spec_;  // qat: the scheme, group fitted to the model
   std::unique_ptr<TrainSession> session_;  // references model_ and params_
   std::optional<TrainData> data_;
   std::unique_ptr<DataLoader> loader_;  // references data_

@@ -234,6 +234,8 @@ expect "full fine-tuning keeps the zeros" 0 "sparsity_mask: [0-9]+ zero weights 
   --set method=full --set data.seq_len=32 --set steps=2 --set output_dir="$tmp/pf-ft" -t 1
 expect "qat lora" 0 "QAT int4 per row, symmetric on W \+ s B A" -- "$loom" train "$tmp/train.yaml" --set qat.bits=4 --set qat.group_size=0 \
   --set data.seq_len=32 --set steps=2 --set output_dir="$tmp/qat" -t 1
+expect "qat as a later stage" 0 "qat: from step 2, the forward multiplies the weights as int8 asym" -- "$loom" train "$tmp/train.yaml" --set qat.bits=8 --set qat.scheme=asym \
+  --set qat.group_size=0 --set qat.start_step=1 --set data.seq_len=32 --set steps=2 --set output_dir="$tmp/qat-late" -t 1
 expect "qat group that fits nothing" 1 "qat.group_size 128: no multiple of 32" -- "$loom" train "$tmp/train.yaml" --set qat.bits=4 \
   --set data.seq_len=32 --set steps=2 --set output_dir="$tmp/qat2" -t 1
 expect "qat with quantize_base" 1 "does not go with quantize_base" -- "$loom" train "$tmp/train.yaml" --set qat.bits=8 \

@@ -158,7 +158,9 @@ TEST(Qat, ForwardWeightsAreTheQuantizedMerge) {
 
 TEST(Qat, ConfigKeys) {
   const std::string base = "model: m.gguf\ndata: {train: t.jsonl}\noutput_dir: o\nsteps: 1\n";
-  const TrainConfig c = parse_train_config(base + "qat: {bits: 4, group_size: 64, scheme: asym}\n", "c.yaml");
+  const TrainConfig c =
+      parse_train_config(base + "qat: {bits: 4, group_size: 64, scheme: asym, start_step: 7}\n", "c.yaml");
+  EXPECT_EQ(c.qat.start_step, 7);
   EXPECT_EQ(c.qat.bits, 4);
   EXPECT_EQ(c.qat.group_size, 64);
   EXPECT_FALSE(c.qat.symmetric);
