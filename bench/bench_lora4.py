@@ -7,7 +7,7 @@ README main job's 40 eval questions greedily (16 tokens, with log-probs); report
 identical, the task score of each (format "ANSWER: <n>" and right), the mean and largest difference of
 the chosen tokens' log-probs while the texts agree, the memory per adapter from the start-up log, and
 generation throughput with --clients concurrent requests spread over --copies registrations of the
-adapter (so several adapters are expanded per step).
+adapter (so several 4-bit adapters share each step).
 
 Usage: python3 bench/bench_lora4.py [--loom build/loom] [--adapter out/main_job-adapter] [-t 2]
        [--copies 8] [--clients 16] [--max-tokens 64]

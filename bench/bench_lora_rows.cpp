@@ -1,9 +1,12 @@
 // Google Benchmark cases of the server's per-row LoRA (kernels/cpu/lora_rows.h)
-// at SmolLM2-135M's shapes, rank 8 (bench_serve.py's adapters): the q/k/v point
-// (three targets over one x), gate/up (two) and down (one), for
+// at SmolLM2-135M's shapes, rank 8 (bench_serve.py's adapters) and 16
+// (bench_lora4.py's): the q/k/v point (three targets over one x), gate/up
+// (two) and down (one), for
 //   decode16: 16 rows, each its own adapter (decode steps of 16 clients);
-//   prefill128: 128 rows of one adapter (a prefill chunk).
-// Time per call, one thread (CPU time).
+//   decode16x8: 16 rows, two per adapter (bench_lora4.py's 16 clients over 8);
+//   prefill128: 128 rows of one adapter (a prefill chunk);
+// with f32 factors and, "_int4", factors kept in 4 bits as `serve --lora-bits 4`
+// keeps them (read in place). Time per call, one thread (CPU time).
 //   loom_bench --benchmark_filter=LoraRows
 // BasePass/<base dtype>/{separate,fused}: the q/k/v base products and the
 // three r=16 A factors (f32) over 128 rows, as two matmul_multi calls or one
@@ -19,6 +22,7 @@
 #include "core/thread_pool.h"
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/int_quant.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -27,6 +31,7 @@ namespace {
 struct LoraCase {
   std::vector<int64_t> outs;  // one target per entry, all over x [T, in]
   int64_t in, rows, adapters, rank;
+  bool int4 = false;
 };
 
 void run_lora_rows(benchmark::State& state, LoraCase c) {
@@ -45,9 +50,18 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
       as.push_back(fill(static_cast<size_t>(c.rank * c.in)));
       bs.push_back(fill(static_cast<size_t>(out * c.rank)));
     }
+  std::vector<PackedInt4> packed;
+  packed.reserve(2 * as.size());  // the factors point into these
   for (size_t i = 0; i < as.size(); ++i) {
     const int64_t out = c.outs[i % c.outs.size()];
-    factors.push_back({as[i].data(), bs[i].data(), c.rank, c.in, out, 0.5f});
+    factors.push_back({as[i].data(), bs[i].data(), c.rank, c.in, out, 0.5f, {}, {}});
+    if (!c.int4) continue;
+    const PackedInt4& qa = packed.emplace_back(pack_int4_rows(as[i].data(), c.rank, c.in, fitting_int4_group(c.in, 128)));
+    const PackedInt4& qb = packed.emplace_back(pack_int4_rows(bs[i].data(), out, c.rank, fitting_int4_group(c.rank, 128)));
+    LoraFactor& f = factors.back();
+    f.a = f.b = nullptr;
+    f.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
+    f.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
   }
   const int64_t T = c.rows;
   std::vector<float> x = fill(static_cast<size_t>(T * c.in));
@@ -126,19 +140,22 @@ const bool registered = [] {
       const std::string name = fmt::format("BasePass/{}/{}/T128_qkv_r16/t1", dtype_name(base), fused ? "fused" : "separate");
       benchmark::RegisterBenchmark(name.c_str(), run_base_pass, BasePassCase{base, fused})->Unit(benchmark::kMicrosecond);
     }
-  const int64_t H = 576, KV = 192, F = 1536, r = 8;
+  const int64_t H = 576, KV = 192, F = 1536;
   struct Point {
     const char* name;
     std::vector<int64_t> outs;
     int64_t in;
   };
   const Point points[] = {{"qkv", {H, KV, KV}, H}, {"gate_up", {F, F}, H}, {"down", {H}, F}};
-  for (const Point& p : points)
-    for (auto [shape, rows, adapters] : {std::tuple{"decode16", 16, 16}, std::tuple{"prefill128", 128, 1}}) {
-      const std::string name = fmt::format("LoraRows/{}/{}_r{}/t1", p.name, shape, r);
-      benchmark::RegisterBenchmark(name.c_str(), run_lora_rows, LoraCase{p.outs, p.in, rows, adapters, r})
-          ->Unit(benchmark::kMicrosecond);
-    }
+  for (int64_t r : {8, 16})
+    for (bool int4 : {false, true})
+      for (const Point& p : points)
+        for (auto [shape, rows, adapters] :
+             {std::tuple{"decode16", 16, 16}, std::tuple{"decode16x8", 16, 8}, std::tuple{"prefill128", 128, 1}}) {
+          const std::string name = fmt::format("LoraRows/{}/{}_r{}{}/t1", p.name, shape, r, int4 ? "_int4" : "");
+          benchmark::RegisterBenchmark(name.c_str(), run_lora_rows, LoraCase{p.outs, p.in, rows, adapters, r, int4})
+              ->Unit(benchmark::kMicrosecond);
+        }
   return true;
 }();
 

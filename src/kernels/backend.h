@@ -21,6 +21,7 @@
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "kernels/blockwise8.h"
+#include "kernels/int4_rows.h"
 #include "kernels/shapes.h"
 
 namespace loom {
@@ -89,12 +90,17 @@ struct MatmulTarget {
 };
 
 // One adapted linear of a per-row LoRA product (the server's multi-LoRA):
-// y[row] += scale * B (A x[row]) for rows whose factor is set.
+// y[row] += scale * B (A x[row]) for rows whose factor is set. A and B are
+// f32, or both kept in 4 bits (a4 / b4 set, a / b null): the kernels then read
+// the codes in place and compute exactly what they compute on the dequantized
+// values in f32.
 struct LoraFactor {
   const float* a = nullptr;  // [rank, in]
   const float* b = nullptr;  // [out, rank]
   int64_t rank = 0, in = 0, out = 0;
   float scale = 1.0f;
+  Int4Rows a4{}, b4{};       // [rank, in] and [out, rank] in 4 bits (kernels/int4_rows.h)
+  bool quantized() const { return !a4.empty(); }
 };
 struct LoraRowsJob {
   const float* x;

@@ -47,8 +47,8 @@ class AdapterRegistry {
   // (checked after resolving symlinks and ".."); empty: run-time loading is off.
   // lora_bits 4: every adapter's A and B are kept in 4 bits (kernels/int_quant.h:
   // symmetric, one scale per group of 128 columns or the fitting multiple of
-  // 32 below, per row for B's short rows) and expanded to f32 only for the
-  // step that uses them; 32: kept in f32 (memory-mapped).
+  // 32 below, per row for B's short rows), which the LoRA kernel reads in
+  // place (kernels/int4_rows.h); 32: kept in f32 (memory-mapped).
   AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs, int64_t max_resident,
                   int lora_bits = 32);
 

@@ -42,7 +42,9 @@ class BatchForward::PagedAttention final : public AttentionStep {
 };
 
 // Each row's own adapter (or none) on the linear outputs, as one backend
-// lora_rows op per adaptation point.
+// lora_rows op per adaptation point. A pair kept in 4 bits is passed as its
+// codes: the kernel reads them in place (the values it computes with are those
+// unpack_int4_rows gives, so a row's result does not depend on the others).
 class BatchForward::RowAdapters final : public LayerAdapters {
  public:
   explicit RowAdapters(BatchForward& f) : f_(f) {}
@@ -52,19 +54,18 @@ class BatchForward::RowAdapters final : public LayerAdapters {
     const size_t NR = rows.size();
     factors_.resize(3 * NR);
     pointers_.resize(3 * NR);
-    expand_4bit(layer, jobs);
     LoraRowsJob out[3];
     for (size_t j = 0; j < jobs.size(); ++j) {
       const AdapterJob& job = jobs[j];
       for (size_t i = 0; i < NR; ++i) {
         const ServeAdapter* a = f_.row_adapter_[static_cast<size_t>(rows[i])];
-        const ServeLoraPair& p = a->pair(layer, job.target);
-        LoraFactor& fac = factors_[j * NR + i];
-        if (p.present()) {
-          const auto [fa, fb] = p.quantized() ? expanded_of(&p) : std::pair{p.a.as<const float>(), p.b.as<const float>()};
-          fac = {fa, fb, p.rank(), p.a.dim(1), p.b.dim(0), a->scale};
+        if (i > 0 && a == f_.row_adapter_[static_cast<size_t>(rows[i - 1])]) {  // one factor for a run of rows
+          pointers_[j * NR + i] = pointers_[j * NR + i - 1];
+          continue;
         }
-        pointers_[j * NR + i] = p.present() ? &fac : nullptr;
+        const ServeLoraPair& p = a->pair(layer, job.target);
+        if (p.present()) factors_[j * NR + i] = factor_of(p, a->scale);
+        pointers_[j * NR + i] = p.present() ? &factors_[j * NR + i] : nullptr;
       }
       out[j] = {job.x, job.ldx, job.y, job.ldy, lora_target_out(f_.c_, job.target), pointers_.data() + j * NR};
     }
@@ -73,37 +74,22 @@ class BatchForward::RowAdapters final : public LayerAdapters {
   }
 
  private:
-  // Adapters kept in 4 bits: each distinct pair this point's rows use, expanded
-  // to f32 once for the call (the kernels then see the same f32 values every
-  // time, so a row's result does not depend on the others).
-  void expand_4bit(int64_t layer, std::span<const AdapterJob> jobs) {
-    expanded_pairs_.clear();
-    size_t need = 0;
-    for (const AdapterJob& job : jobs)
-      for (int32_t row : f_.lora_rows_) {
-        const ServeLoraPair& p = f_.row_adapter_[static_cast<size_t>(row)]->pair(layer, job.target);
-        if (!p.quantized() || find(&p) != nullptr) continue;
-        expanded_pairs_.push_back({&p, need});
-        need += static_cast<size_t>(p.a.numel() + p.b.numel());
-      }
-    if (expanded_.size() < need) expanded_.resize(need);
-    for (const auto& [p, at] : expanded_pairs_) p->to_f32(expanded_.data() + at, expanded_.data() + at + p->a.numel());
-  }
-  const std::pair<const ServeLoraPair*, size_t>* find(const ServeLoraPair* p) const {
-    for (const auto& e : expanded_pairs_)
-      if (e.first == p) return &e;
-    return nullptr;
-  }
-  std::pair<const float*, const float*> expanded_of(const ServeLoraPair* p) const {
-    const float* a = expanded_.data() + find(p)->second;
-    return {a, a + p->a.numel()};
+  static LoraFactor factor_of(const ServeLoraPair& p, float scale) {
+    LoraFactor f;
+    f.a = p.a.as<const float>();  // null when kept in 4 bits
+    f.b = p.b.as<const float>();
+    f.rank = p.rank();
+    f.in = p.a.dim(1);
+    f.out = p.b.dim(0);
+    f.scale = scale;
+    f.a4 = p.a4;
+    f.b4 = p.b4;
+    return f;
   }
 
   BatchForward& f_;
   std::vector<LoraFactor> factors_;
   std::vector<const LoraFactor*> pointers_;
-  std::vector<std::pair<const ServeLoraPair*, size_t>> expanded_pairs_;
-  std::vector<float> expanded_;
 };
 
 BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weights, Backend& backend, KvPool& kv,

@@ -4,20 +4,8 @@
 #include <algorithm>
 
 #include "core/error.h"
-#include "kernels/int_quant.h"
 
 namespace loom {
-
-void ServeLoraPair::to_f32(float* a_out, float* b_out) const {
-  const int64_t r = a.dim(0), in = a.dim(1), out = b.dim(0);
-  if (!quantized()) {
-    std::copy_n(static_cast<const float*>(a.data), r * in, a_out);
-    std::copy_n(static_cast<const float*>(b.data), out * r, b_out);
-    return;
-  }
-  unpack_int4_rows(a4.codes, a4.scales, r, in, a4.group, a_out);
-  unpack_int4_rows(b4.codes, b4.scales, out, r, b4.group, b_out);
-}
 
 ServeAdapter ServeAdapter::empty(const ModelConfig& config, float scale) {
   ServeAdapter a;

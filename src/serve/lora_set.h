@@ -9,32 +9,25 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/int4_rows.h"
 #include "model/config.h"
 #include "model/lora.h"
 
 namespace loom {
 
-// A LoRA factor kept in 4 bits (kernels/int_quant.h's PackedInt4 layout).
-struct Int4Rows {
-  const uint8_t* codes = nullptr;
-  const float* scales = nullptr;
-  int64_t group = 0;
-};
-
 // One adapted linear layer: y += scale * B (A x), A [r, in], B [out, r]
 // (PEFT's shapes, B's rows in the model's row order, i.e. q/k already permuted
 // for RopeLayout::interleaved models). A and B are f32 views, or, for an
-// adapter served in 4 bits, a4 / b4 hold them and a / b keep only their shapes
-// (null data). Not adapted: neither.
+// adapter served in 4 bits, a4 / b4 hold them (kernels/int4_rows.h, read in
+// place by the LoRA kernel) and a / b keep only their shapes (null data). Not
+// adapted: neither.
 struct ServeLoraPair {
   Tensor a;
   Tensor b;
   Int4Rows a4, b4;
-  bool quantized() const { return a4.codes != nullptr; }
+  bool quantized() const { return !a4.empty(); }
   bool present() const { return a.data != nullptr || quantized(); }
   int64_t rank() const { return a.dim(0); }
-  // A and B as f32 into a [r * in] and b [out * r] (dequantized when 4-bit).
-  void to_f32(float* a_out, float* b_out) const;
 };
 
 struct ServeAdapter {

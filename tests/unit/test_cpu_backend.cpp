@@ -129,7 +129,7 @@ TEST(CpuBackend, LoraRowsMatchesReferenceAndIsRowIndependent) {
   auto x = random_vec(static_cast<size_t>(T * in), 12);
   auto y0 = random_vec(static_cast<size_t>(T * out), 13);
   std::vector<LoraFactor> lf;
-  for (const Factor& fa : f) lf.push_back({fa.a.data(), fa.b.data(), fa.rank, in, out, fa.scale});
+  for (const Factor& fa : f) lf.push_back({fa.a.data(), fa.b.data(), fa.rank, in, out, fa.scale, {}, {}});
   std::vector<int32_t> rows;
   std::vector<const LoraFactor*> per_row;
   for (int32_t t = 0; t < T; ++t)

@@ -1,7 +1,8 @@
 // The server's per-row LoRA kernel (kernels/cpu/lora_rows.h) against its scalar
 // reference bit for bit: jobs over one x combined (q/k/v, gate/up), row tiles
 // and runs of one adapter, ranks with and without tails, past the transposed
-// path's rank, adapters that leave a target out, rows without an adapter.
+// path's rank, adapters that leave a target out, rows without an adapter; and
+// factors kept in 4 bits against the f32 kernel on their dequantized values.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -9,6 +10,7 @@
 
 #include "cpu_backend_util.h"
 #include "kernels/backend.h"
+#include "kernels/int_quant.h"
 #include "kernels/ref/lora_rows_ref.h"
 #include "ops_test_util.h"
 
@@ -23,11 +25,13 @@ struct Point {
   int64_t in = 0, T = 0;
   std::vector<int64_t> outs;
   std::vector<std::vector<int64_t>> ranks;  // [adapter][job]
+  std::vector<std::vector<int>> bits;       // [adapter][job]: 4 or 32; empty: all f32
   std::vector<int> row_adapter;             // [T], -1: none
   std::vector<int32_t> rows;                // listed rows (adapter's rows adjacent)
 
   std::vector<float> x;
   std::vector<std::vector<float>> a, b;  // [adapter * jobs + job]
+  std::vector<PackedInt4> packed;        // the 4-bit factors' A and B
   std::vector<LoraFactor> f;
   std::vector<std::vector<const LoraFactor*>> per_row;  // [job][listed row]
   std::vector<std::vector<float>> y0;                   // [job] initial y
@@ -40,16 +44,26 @@ struct Point {
     return r;
   }
 
-  void build(uint32_t seed) {
+  // `unpacked`: the 4-bit factors as f32 factors of their dequantized values
+  // (the same seed gives the same values either way).
+  void build(uint32_t seed, bool unpacked = false) {
     x = random_vec(static_cast<size_t>(T * in), seed++);
     const auto J = static_cast<size_t>(jobs());
     f.resize(ranks.size() * J);
+    packed.reserve(2 * ranks.size() * J);  // the factors point into these
     for (size_t ad = 0; ad < ranks.size(); ++ad)
       for (size_t j = 0; j < J; ++j) {
         const int64_t r = ranks[ad][j];
         a.push_back(random_vec(static_cast<size_t>(r * in), seed++, 0.3f));
         b.push_back(random_vec(static_cast<size_t>(outs[j] * r), seed++, 0.3f));
-        f[ad * J + j] = {a.back().data(), b.back().data(), r, in, outs[j], 0.25f * static_cast<float>(ad + 1)};
+        LoraFactor& fj = f[ad * J + j];
+        fj.a = a.back().data();
+        fj.b = b.back().data();
+        fj.rank = r;
+        fj.in = in;
+        fj.out = outs[j];
+        fj.scale = 0.25f * static_cast<float>(ad + 1);
+        if (r > 0 && !bits.empty() && bits[ad][j] == 4) pack(fj, unpacked);
       }
     per_row.assign(J, {});
     for (size_t j = 0; j < J; ++j) {
@@ -60,6 +74,21 @@ struct Point {
       }
       y0.push_back(random_vec(static_cast<size_t>(T * outs[j]), seed++));
     }
+  }
+
+  // A at fitting_int4_group(in, 128), B per row of r (the server's layout).
+  void pack(LoraFactor& fj, bool unpacked) {
+    const int64_t r = fj.rank;
+    const PackedInt4& qa = packed.emplace_back(pack_int4_rows(fj.a, r, in, fitting_int4_group(in, 128)));
+    const PackedInt4& qb = packed.emplace_back(pack_int4_rows(fj.b, fj.out, r, fitting_int4_group(r, 128)));
+    if (unpacked) {
+      unpack_int4_rows(qa.codes.data(), qa.scales.data(), r, in, qa.group, const_cast<float*>(fj.a));
+      unpack_int4_rows(qb.codes.data(), qb.scales.data(), fj.out, r, qb.group, const_cast<float*>(fj.b));
+      return;
+    }
+    fj.a = fj.b = nullptr;
+    fj.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
+    fj.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
   }
 
   std::vector<LoraRowsJob> make_jobs(std::vector<std::vector<float>>& y) const {
@@ -181,6 +210,96 @@ TEST(LoraRows, CombinedJobsEqualEachJobAloneAndEachRowAlone) {
           << "point " << i << " job " << j << " row " << row;
     }
   }
+}
+
+// Adapters some of whose factors are kept in 4 bits (A at SmolLM2's widths:
+// 576 in groups of 96, 1536 in groups of 128; widths whose only group is the
+// whole row, with and without a tail of 8; B per row), mixed with f32 factors
+// within one adapter and one tile, with f32 adapters and with rows without one;
+// ranks 8, 16, 10, 6 and past the transposed path (192: B rows of two groups;
+// 520: past the stack buffer); runs of 1..16 rows, so both second-pass paths
+// run. The kernel gives exactly what it gives on the dequantized values in f32,
+// and what the scalar reference gives.
+std::vector<Point> int4_points() {
+  std::vector<Point> ps;
+  Point qkv;
+  qkv.in = 576;
+  qkv.T = 160;
+  qkv.outs = {576, 192, 192};
+  qkv.ranks = {{8, 8, 8}, {16, 0, 16}, {10, 10, 10}, {16, 16, 16}, {192, 192, 192}};
+  qkv.bits = {{4, 4, 4}, {4, 4, 4}, {4, 32, 4}, {32, 32, 32}, {4, 4, 4}};
+  assign_rows(qkv, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16});
+  ps.push_back(qkv);
+  Point down;
+  down.in = 1536;
+  down.T = 48;
+  down.outs = {576};
+  down.ranks = {{8}, {16}, {12}, {520}};
+  down.bits = {{4}, {32}, {4}, {4}};
+  assign_rows(down, {1, 16, 3, 4, 2, 7, 5, 1});
+  ps.push_back(down);
+  Point tail;  // in 100: one group of 100 per row, a tail of 4 past the chunks of 8
+  tail.in = 100;
+  tail.T = 30;
+  tail.outs = {33, 40};
+  tail.ranks = {{6, 6}, {10, 4}};
+  tail.bits = {{4, 4}, {4, 32}};
+  assign_rows(tail, {4, 1, 6, 2, 5});
+  ps.push_back(tail);
+  Point whole;  // in 176: one group of 176 per row (no multiple of 32 divides it)
+  whole.in = 176;
+  whole.T = 20;
+  whole.outs = {70};
+  whole.ranks = {{8}, {14}};
+  whole.bits = {{4}, {4}};
+  assign_rows(whole, {5, 2, 3, 1});
+  ps.push_back(whole);
+  return ps;
+}
+
+TEST(LoraRows, FourBitFactorsEqualTheirDequantizedValuesBitForBit) {
+  ASSERT_EQ(fitting_int4_group(576, 128), 96);
+  ASSERT_EQ(fitting_int4_group(1536, 128), 128);
+  ASSERT_EQ(fitting_int4_group(100, 128), 100);
+  ASSERT_EQ(fitting_int4_group(176, 128), 176);
+  ASSERT_EQ(fitting_int4_group(192, 128), 96);
+  std::vector<Point> ps = int4_points();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    Point p = ps[i], twin = ps[i];
+    const auto seed = 500 + static_cast<uint32_t>(i) * 50;
+    p.build(seed);
+    twin.build(seed, /*unpacked=*/true);
+    ASSERT_FALSE(p.packed.empty());
+    const auto want = twin.kernel(1, 0, twin.jobs());
+    const auto ref = p.reference();
+    for (int threads : {1, 2}) {
+      const auto got = p.kernel(threads, 0, p.jobs());
+      for (size_t j = 0; j < want.size(); ++j) {
+        EXPECT_TRUE(same_bits(got[j], want[j])) << "point " << i << " job " << j << " threads " << threads;
+        EXPECT_TRUE(same_bits(got[j], ref[j])) << "point " << i << " job " << j << " threads " << threads;
+        EXPECT_FALSE(same_bits(got[j], p.y0[j])) << "point " << i << " job " << j << ": nothing added";
+      }
+    }
+  }
+}
+
+// Two 4-bit adapters differ only in their codes (a / b null in both): each
+// row still gets its own adapter's product, not its neighbour's.
+TEST(LoraRows, FourBitAdaptersAreToldApartByTheirCodes) {
+  Point p;
+  p.in = 64;
+  p.T = 12;
+  p.outs = {64};
+  p.ranks = {{8}, {8}};
+  p.bits = {{4}, {4}};
+  assign_rows(p, {5, 5});
+  Point twin = p;
+  p.build(900);
+  twin.build(900, /*unpacked=*/true);
+  for (Point* q : {&p, &twin}) q->f[1].scale = q->f[0].scale;
+  ASSERT_TRUE(p.f[0].a == nullptr && p.f[1].a == nullptr);
+  EXPECT_TRUE(same_bits(p.kernel(1, 0, 1)[0], twin.kernel(1, 0, 1)[0]));
+  EXPECT_TRUE(same_bits(p.kernel(1, 0, 1)[0], p.reference()[0]));
 }
 
 }  // namespace

@@ -194,7 +194,7 @@ TEST_F(ServingEngineTest, FourBitAdaptersServeTheirDequantizedValues) {
     GenerationRequest g = greedy_request("a0", random_prompt(static_cast<uint32_t>(40 + i), 9 + 5 * i), 12);
     g.logprobs = true;
     g.top_logprobs = 3;
-    // Batched with another adapter's request, so the 4-bit pair is expanded within a mixed step.
+    // Batched with another adapter's request, so the kernel reads the 4-bit codes within a mixed step.
     auto s4 = std::make_shared<RequestStream>(), other = std::make_shared<RequestStream>();
     e4.submit(g, s4);
     e4.submit(greedy_request("a1", random_prompt(static_cast<uint32_t>(90 + i), 17), 12), other);

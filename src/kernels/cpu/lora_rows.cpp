@@ -5,9 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/int4_dequant.h"
 #include "kernels/cpu/simd_rows.h"
 
 namespace loom {
@@ -24,12 +27,55 @@ constexpr int kRunRows = 16;
 // rank fits its stack buffer; shorter runs take dot8 row by row.
 constexpr int kMinTransposedRun = 4;
 constexpr int64_t kMaxTransposedRank = 64;
+// Columns of 4-bit A rows the first pass dequantizes at a time (8 rows: 8 KiB, in L1).
+constexpr int64_t kSegment = 256;
+// Floats of a 4-bit B the second pass dequantizes at a time: a block of 64
+// rows up to rank 64, fewer rows (a multiple of 8) past it.
+constexpr int64_t kBFloats = kLoraCols * kMaxTransposedRank;
 
 // Every dot product here ends as simd::dot4 / dot8 do: 8 lane sums, then
 // ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) for each of 4 accumulators.
 inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// One row of an A factor as the first pass reads it: f32, or 4-bit codes
+// (element e0 of the flattened matrix onwards).
+struct FactorRow {
+  const float* f32 = nullptr;
+  const Int4Rows* q = nullptr;
+  int64_t e0 = 0;
+
+  static FactorRow of(const LoraFactor& f, int64_t r) {
+    if (!f.quantized()) return {f.a + r * f.in, nullptr, 0};
+    return {nullptr, &f.a4, r * f.in};
+  }
+  bool operator==(const FactorRow& o) const { return f32 == o.f32 && q == o.q && e0 == o.e0; }
+  // Element c as unpack_int4_rows gives it.
+  float at(int64_t c) const {
+    return f32 != nullptr ? f32[c] : int4::value(q->codes, e0 + c, q->scales[(e0 + c) / q->group]);
+  }
+};
+
+// acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [0, n8).
+template <int NR, int NA>
+inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const float* const* a, int64_t n8) {
+  for (int64_t c = 0; c < n8; c += 8) {
+    __m256 xc[NR];
+    for (int i = 0; i < NR; ++i) xc[i] = _mm256_loadu_ps(x[i] + c);
+    for (int j = 0; j < NA; ++j) {
+      const __m256 ac = _mm256_loadu_ps(a[j] + c);
+      for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(xc[i], ac, acc[i][j]);
+    }
+  }
+}
+
+template <int NR, int NA>
+inline void reduce_tile(__m256 (&acc)[NR][NA], float (*s)[NA]) {
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NA; j += 4)
+      _mm_storeu_ps(&s[i][j], reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
 }
 
 // s[i][j] = dot(x[i], a[j]) over n floats, NR rows x NA factor rows: each
@@ -42,27 +88,52 @@ inline void dot_tile(const float* const* x, const float* const* a, int64_t n, fl
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NA; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t n8 = n & ~int64_t{7};
-  for (int64_t c = 0; c < n8; c += 8) {
-    __m256 xc[NR];
-    for (int i = 0; i < NR; ++i) xc[i] = _mm256_loadu_ps(x[i] + c);
-    for (int j = 0; j < NA; ++j) {
-      const __m256 ac = _mm256_loadu_ps(a[j] + c);
-      for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(xc[i], ac, acc[i][j]);
-    }
-  }
-  for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < NA; j += 4)
-      _mm_storeu_ps(&s[i][j], reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
+  accumulate<NR, NA>(acc, x, a, n8);
+  reduce_tile<NR, NA>(acc, s);
   for (int64_t c = n8; c < n; ++c)
     for (int i = 0; i < NR; ++i)
       for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], a[j][c], s[i][j]);
 }
 
-bool same_factor(const LoraFactor* f, const LoraFactor* g) {
+// dot_tile with some factor rows in 4 bits, kSegment columns at a time: each
+// 4-bit row's piece dequantized into `buf` [NA * kSegment] (L1) first, then
+// the same FMAs in the same order as over f32 rows holding those values.
+template <int NR, int NA>
+void dot_tile_int4(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA]) {
+  static_assert(NA % 4 == 0);
+  __m256 acc[NR][NA];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NA; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t n8 = n & ~int64_t{7};
+  for (int64_t c0 = 0; c0 < n8; c0 += kSegment) {
+    const int64_t w = std::min(kSegment, n8 - c0);
+    const float* xs[NR];
+    const float* as[NA];
+    for (int i = 0; i < NR; ++i) xs[i] = x[i] + c0;
+    for (int j = 0; j < NA; ++j) {
+      if (a[j].f32 != nullptr) {
+        as[j] = a[j].f32 + c0;
+      } else if (j > 0 && a[j] == a[j - 1]) {  // the padding of the last block
+        as[j] = as[j - 1];
+      } else {
+        int4::dequant_span(*a[j].q, a[j].e0 + c0, w, buf + j * kSegment);
+        as[j] = buf + j * kSegment;
+      }
+    }
+    accumulate<NR, NA>(acc, xs, as, w);
+  }
+  reduce_tile<NR, NA>(acc, s);
+  for (int64_t c = n8; c < n; ++c)
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], a[j].at(c), s[i][j]);
+}
+
+inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == g) return true;
   if (f == nullptr || g == nullptr) return false;
-  return f->a == g->a && f->b == g->b && f->rank == g->rank && f->in == g->in && f->out == g->out &&
-         f->scale == g->scale;
+  return f->a == g->a && f->b == g->b && f->a4.codes == g->a4.codes && f->b4.codes == g->b4.codes &&
+         f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in &&
+         f->out == g->out && f->scale == g->scale;
 }
 
 // Jobs [first, first + count) read the same x (q/k/v, gate/up): the first pass
@@ -86,11 +157,19 @@ struct FirstPass {
     return true;
   }
 
+  // Some factor of group g at listed row k is kept in 4 bits.
+  bool any_int4(const JobGroup& g, int64_t k) const {
+    for (int64_t j = g.first; j < g.first + g.count; ++j)
+      if (factor(j, k) != nullptr && factor(j, k)->quantized()) return true;
+    return false;
+  }
+
   // u[job, row, :] = scale * (A x[row]) for the NR rows listed at k0.. (one
   // adapter) and every job of g, NA factor rows at a time across the jobs'
-  // concatenated A (the last block padded with its last row).
-  template <int NR, int NA>
-  void tile(const JobGroup& g, int64_t k0) const {
+  // concatenated A (the last block padded with its last row). Int4: some of
+  // the factors are 4-bit (`buf`: dot_tile_int4's scratch).
+  template <int NR, int NA, bool Int4>
+  void tile(const JobGroup& g, int64_t k0, float* buf) const {
     const LoraRowsJob& j0 = jobs[static_cast<size_t>(g.first)];
     const float* xs[NR];
     int64_t row[NR];
@@ -104,12 +183,15 @@ struct FirstPass {
     };
     skip_empty();
     while (job < g.first + g.count) {
-      const float* ap[NA];
+      std::conditional_t<Int4, FactorRow, const float*> ap[NA];
       int64_t at_job[NA], at_r[NA];
       int m = 0;
       for (; m < NA && job < g.first + g.count; ++m) {
         const LoraFactor& f = *factor(job, k0);
-        ap[m] = f.a + r * f.in;
+        if constexpr (Int4)
+          ap[m] = FactorRow::of(f, r);
+        else
+          ap[m] = f.a + r * f.in;
         at_job[m] = job;
         at_r[m] = r;
         if (++r == f.rank) {
@@ -120,52 +202,77 @@ struct FirstPass {
       }
       for (int q = m; q < NA; ++q) ap[q] = ap[m - 1];
       float s[NR][NA];
-      dot_tile<NR, NA>(xs, ap, factor(at_job[0], k0)->in, s);
+      if constexpr (Int4)
+        dot_tile_int4<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
+      else
+        dot_tile<NR, NA>(xs, ap, factor(at_job[0], k0)->in, s);
       for (int q = 0; q < m; ++q) {
         const float scale = factor(at_job[q], k0)->scale;
         for (int i = 0; i < NR; ++i) u[(at_job[q] * T + row[i]) * R + at_r[q]] = s[i][q] * scale;
       }
     }
   }
+  // Tiles with a 4-bit factor go out of line, so that run's loop keeps the
+  // f32 path's code (and speed) as it was.
+  template <int NR, int NA>
+  [[gnu::noinline]] void tile_int4(const JobGroup& g, int64_t k0, float* buf) const {
+    tile<NR, NA, true>(g, k0, buf);
+  }
+  template <int NR, int NA>
+  void tile(const JobGroup& g, int64_t k0, float* buf) const {
+    if (any_int4(g, k0))
+      tile_int4<NR, NA>(g, k0, buf);
+    else
+      tile<NR, NA, false>(g, k0, buf);
+  }
 
   // The listed rows [k0, k1) of group g, in tiles of one adapter's rows.
   void run(const JobGroup& g, int64_t k0, int64_t k1) const {
+    alignas(32) float buf[8 * kSegment];  // 4-bit A rows, dequantized a segment at a time
     for (int64_t k = k0; k < k1;) {
       int n = 1;
       while (n < kTileRows && k + n < k1 && same_rows(g, k, k + n)) ++n;
       if (n == 3)
-        tile<3, 4>(g, k);
+        tile<3, 4>(g, k, buf);
       else if (n == 2)
-        tile<2, 4>(g, k);
+        tile<2, 4>(g, k, buf);
       else
-        tile<1, 8>(g, k);
+        tile<1, 8>(g, k, buf);
       k += n;
     }
   }
 };
 
-// y[n0, n1) += B[n0, n1) u with 8 rows of B per dot product (padded with the last row).
-void add_b_times_u(const LoraFactor& f, const float* u, float* y, int64_t c0, int64_t c1) {
-  const int64_t r = f.rank;
+// y[n, n + 8) += d, the columns below c1 only.
+inline void add_cols(float* y, int64_t n, int64_t c1, __m256 d) {
+  if (n + 8 <= c1) {
+    _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), d));
+  } else {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, d);
+    for (int64_t m = 0; n + m < c1; ++m) y[n + m] += v[m];
+  }
+}
+
+// y[c0, c1) += B[c0, c1) u with 8 rows of B per dot product (padded with the
+// last row); b_row(n): B's row n, r floats.
+template <typename BRow>
+inline void add_b_times_u(BRow b_row, int64_t r, const float* u, float* y, int64_t c0, int64_t c1) {
   for (int64_t n = c0; n < c1; n += 8) {
     const float* rows[8];
-    for (int64_t m = 0; m < 8; ++m) rows[m] = f.b + std::min(n + m, c1 - 1) * r;
-    const __m256 d = simd::dot8(u, rows, r);
-    if (n + 8 <= c1) {
-      _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), d));
-    } else {
-      alignas(32) float v[8];
-      _mm256_store_ps(v, d);
-      for (int64_t m = 0; n + m < c1; ++m) y[n + m] += v[m];
-    }
+    for (int64_t m = 0; m < 8; ++m) rows[m] = b_row(std::min(n + m, c1 - 1));
+    add_cols(y, n, c1, simd::dot8(u, rows, r));
   }
 }
 
 // bt[j * kLoraCols + n - c0] = B[n, j] for n in [c0, c1) (columns up to the next 8 zeroed).
-void transpose_b_block(const LoraFactor& f, int64_t c0, int64_t c1, float* bt) {
-  const int64_t r = f.rank, w = c1 - c0, w8 = (w + 7) & ~int64_t{7};
-  for (int64_t n = 0; n < w; ++n)
-    for (int64_t j = 0; j < r; ++j) bt[j * kLoraCols + n] = f.b[(c0 + n) * r + j];
+template <typename BRow>
+inline void transpose_b_block(BRow b_row, int64_t r, int64_t c0, int64_t c1, float* bt) {
+  const int64_t w = c1 - c0, w8 = (w + 7) & ~int64_t{7};
+  for (int64_t n = 0; n < w; ++n) {
+    const float* b = b_row(c0 + n);
+    for (int64_t j = 0; j < r; ++j) bt[j * kLoraCols + n] = b[j];
+  }
   for (int64_t j = 0; j < r; ++j)
     for (int64_t n = w; n < w8; ++n) bt[j * kLoraCols + n] = 0.0f;
 }
@@ -173,7 +280,7 @@ void transpose_b_block(const LoraFactor& f, int64_t c0, int64_t c1, float* bt) {
 // The same sums as add_b_times_u with columns in the lanes: lane sums over
 // rank chunks into acc[l] (l = the rank's lane), then the same tree and tail,
 // so each y element gets the same bits, with B's block read once for a run.
-void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y, int64_t w) {
+inline void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y, int64_t w) {
   const int64_t r8 = r & ~int64_t{7};
   for (int64_t n = 0; n < w; n += 8) {
     __m256 acc[8];
@@ -186,13 +293,7 @@ void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y, int64_
                              _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
     for (int64_t c = r8; c < r; ++c)
       s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), _mm256_loadu_ps(bt + c * kLoraCols + n), s);
-    if (n + 8 <= w) {
-      _mm256_storeu_ps(y + n, _mm256_add_ps(_mm256_loadu_ps(y + n), s));
-    } else {
-      alignas(32) float v[8];
-      _mm256_store_ps(v, s);
-      for (int64_t m = 0; n + m < w; ++m) y[n + m] += v[m];
-    }
+    add_cols(y, n, w, s);
   }
 }
 
@@ -204,6 +305,43 @@ struct SecondPass {
   int64_t R, T, NR;
   const float* u;
   int64_t first[4];  // first unit of each job
+
+  // y[row][s0, s1) += B[s0, s1) u[row] for the listed rows k.. of a run of n
+  // (one factor) of job j; b_row(n): B's row n. A long run with a narrow rank
+  // transposes B's block once for all of them (the same bits).
+  template <typename BRow>
+  void add_rows(BRow b_row, int64_t r, int64_t j, int64_t k, int64_t n, int64_t s0, int64_t s1, bool transposed,
+                float* bt) const {
+    const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
+    if (transposed) transpose_b_block(b_row, r, s0, s1, bt);
+    for (int64_t m = 0; m < n; ++m) {
+      const int64_t row = rows[static_cast<size_t>(k + m)];
+      const float* ur = u + (j * T + row) * R;
+      float* y = job.y + row * job.ldy;
+      if (transposed)
+        add_bt_times_u(bt, r, ur, y + s0, s1 - s0);
+      else
+        add_b_times_u(b_row, r, ur, y, s0, s1);
+    }
+  }
+
+  // add_rows over [c0, c1) with a 4-bit B, dequantized once for the run: the
+  // whole block (transposed: it fits) or pieces of a multiple of 8 rows (the
+  // dot products' own). Out of line, like FirstPass::tile_int4.
+  [[gnu::noinline]] void add_rows_int4(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
+                                       int64_t c1, bool transposed, float* bt) const {
+    const int64_t r = f.rank;
+    alignas(32) float bq[kBFloats];
+    std::vector<float> wide;  // only for a rank past the stack buffer
+    if (8 * r > kBFloats) wide.resize(static_cast<size_t>(8 * r));
+    float* buf = wide.empty() ? bq : wide.data();
+    const int64_t h = transposed ? c1 - c0 : std::max<int64_t>(8, kBFloats / r / 8 * 8);
+    for (int64_t s0 = c0; s0 < c1; s0 += h) {
+      const int64_t s1 = std::min(c1, s0 + h);
+      int4::dequant_span(f.b4, s0 * r, (s1 - s0) * r, buf);
+      add_rows([&](int64_t row) { return buf + (row - s0) * r; }, r, j, k, n, s0, s1, transposed, bt);
+    }
+  }
 
   void run(int64_t b, int64_t e) const {
     alignas(32) float bt[kMaxTransposedRank * kLoraCols];
@@ -219,16 +357,12 @@ struct SecondPass {
       if (f != nullptr) {
         const int64_t c0 = cb * kLoraCols, c1 = std::min(f->out, c0 + kLoraCols);
         const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
-        if (transposed) transpose_b_block(*f, c0, c1, bt);
-        for (int64_t m = 0; m < n; ++m) {
-          const int64_t row = rows[static_cast<size_t>(k + m)];
-          const float* ur = u + (j * T + row) * R;
-          float* y = job.y + row * job.ldy;
-          if (transposed)
-            add_bt_times_u(bt, f->rank, ur, y + c0, c1 - c0);
-          else
-            add_b_times_u(*f, ur, y, c0, c1);
-        }
+        const float* b0 = f->b;
+        const int64_t r = f->rank;
+        if (f->quantized())
+          add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
+        else
+          add_rows([b0, r](int64_t row) { return b0 + row * r; }, r, j, k, n, c0, c1, transposed, bt);
       }
       i += n;
     }

@@ -20,7 +20,12 @@ namespace loom {
 // read once for them), runs of 4..16 in the second (B's block transposed once,
 // columns in the SIMD lanes). Every element is still one fixed sequence of
 // operations (ref/lora_rows_ref.h states it), so a row's bits depend neither on
-// the other rows, nor on the grouping, nor on the threads.
+// the other rows, nor on the grouping, nor on the threads. A factor kept in 4
+// bits (LoraFactor::a4 / b4) is read in place (kernels/cpu/int4_dequant.h):
+// a tile's A rows 256 columns at a time, and a run's block of B once, are
+// dequantized into a stack buffer right before the same operations, so the
+// bits are those of the f32 kernel on the unpack_int4_rows values, and no
+// f32 copy of an adapter is made.
 void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
                int64_t max_rank, float* u, int64_t T);
 

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/int_quant.h"
+
 namespace loom::ref {
 
 float lora_dot(const float* a, const float* b, int64_t n) {
@@ -16,16 +18,26 @@ float lora_dot(const float* a, const float* b, int64_t n) {
 }
 
 void lora_rows(std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows) {
-  std::vector<float> u;
+  std::vector<float> u, a4, b4;
   for (const LoraRowsJob& job : jobs)
     for (size_t k = 0; k < rows.size(); ++k) {
       const LoraFactor* f = job.factors[k];
       if (f == nullptr) continue;
+      const float* a = f->a;
+      const float* b = f->b;
+      if (f->quantized()) {  // the values the codes stand for
+        a4.resize(static_cast<size_t>(f->rank * f->in));
+        b4.resize(static_cast<size_t>(f->out * f->rank));
+        unpack_int4_rows(f->a4.codes, f->a4.scales, f->rank, f->in, f->a4.group, a4.data());
+        unpack_int4_rows(f->b4.codes, f->b4.scales, f->out, f->rank, f->b4.group, b4.data());
+        a = a4.data();
+        b = b4.data();
+      }
       const float* x = job.x + rows[k] * job.ldx;
       float* y = job.y + rows[k] * job.ldy;
       u.resize(static_cast<size_t>(f->rank));
-      for (int64_t j = 0; j < f->rank; ++j) u[static_cast<size_t>(j)] = lora_dot(x, f->a + j * f->in, f->in) * f->scale;
-      for (int64_t n = 0; n < f->out; ++n) y[n] += lora_dot(u.data(), f->b + n * f->rank, f->rank);
+      for (int64_t j = 0; j < f->rank; ++j) u[static_cast<size_t>(j)] = lora_dot(x, a + j * f->in, f->in) * f->scale;
+      for (int64_t n = 0; n < f->out; ++n) y[n] += lora_dot(u.data(), b + n * f->rank, f->rank);
     }
 }
 
