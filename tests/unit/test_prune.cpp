@@ -216,10 +216,16 @@ TEST(PruneWeights, ExactCountsPerScope) {
       zeros += r.zeros;
       total += r.total;
       const Tensor& w = target_matrix(m->weights().layers[static_cast<size_t>(r.layer)], r.target);
-      if (scope == PruneScope::row) EXPECT_EQ(r.zeros, w.rows() * static_cast<int64_t>(std::floor(0.3 * w.cols())));
-      if (scope == PruneScope::matrix) EXPECT_EQ(r.zeros, static_cast<int64_t>(std::floor(0.3 * r.total)));
+      if (scope == PruneScope::row) {
+        EXPECT_EQ(r.zeros, w.rows() * static_cast<int64_t>(std::floor(0.3 * w.cols())));
+      }
+      if (scope == PruneScope::matrix) {
+        EXPECT_EQ(r.zeros, static_cast<int64_t>(std::floor(0.3 * r.total)));
+      }
     }
-    if (scope == PruneScope::global) EXPECT_EQ(zeros, static_cast<int64_t>(std::floor(0.3 * total)));
+    if (scope == PruneScope::global) {
+      EXPECT_EQ(zeros, static_cast<int64_t>(std::floor(0.3 * total)));
+    }
   }
 }
 
@@ -314,8 +320,12 @@ TEST(PruneStructured, EqualsTheModelWithTheRemovedUnitsZeroed) {
       }
     }
     EXPECT_EQ(c.n_layers, zc.n_layers - spec.layers);
-    if (spec.heads > 0) EXPECT_EQ(c.n_heads, 2);  // 1 of 2 per KV group
-    if (spec.channels > 0) EXPECT_EQ(c.intermediate, 128);  // 176 * 0.75 = 132, down to a multiple of 32
+    if (spec.heads > 0) {
+      EXPECT_EQ(c.n_heads, 2);  // 1 of 2 per KV group
+    }
+    if (spec.channels > 0) {
+      EXPECT_EQ(c.intermediate, 128);  // 176 * 0.75 = 132, down to a multiple of 32
+    }
     const std::vector<int32_t> tokens(fx.tokens.begin(), fx.tokens.begin() + 32);
     const std::vector<float> want = logits_of(zc, z, *be, tokens);
     const std::vector<float> got = logits_of(c, pruned->mutable_weights(), *be, tokens);
