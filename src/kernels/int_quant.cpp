@@ -162,10 +162,23 @@ PackedInt4 pack_int4_rows(const float* w, int64_t rows, int64_t cols, int64_t gr
 }
 
 void int_fake_quantize(const float* w, int64_t rows, int64_t cols, const IntQuantSpec& spec, float* out) {
-  const IntQuantParams p = choose_int_quant_params(w, rows, cols, spec);
-  const std::vector<int8_t> q = int_quantize(w, rows, cols, spec, p);
-  const std::vector<float> d = int_dequantize(q.data(), rows, cols, spec, p);
-  std::copy(d.begin(), d.end(), out);
+  if (spec.group < 0) {  // one range for the whole tensor
+    const IntQuantParams p = choose_int_quant_params(w, rows, cols, spec);
+    for (int64_t i = 0; i < rows * cols; ++i)
+      out[i] = (static_cast<float>(int_quantize_value(w[i], p.scale[0], p.zero[0], spec)) - p.zero[0]) * p.scale[0];
+    return;
+  }
+  // Group by group (QAT runs this on every matrix every step): the same
+  // parameters and operations as int_quantize then int_dequantize, in one pass.
+  const int64_t n = spec.group > 0 ? spec.group : cols;
+  std::vector<float> v;
+  for (int64_t at = 0; at < rows * cols; at += n) {
+    v.assign(w + at, w + at + n);
+    float s, z;
+    params_of(v, spec, s, z);
+    for (int64_t i = at; i < at + n; ++i)
+      out[i] = (static_cast<float>(int_quantize_value(w[i], s, z, spec)) - z) * s;
+  }
 }
 
 int64_t fitting_common_group(int64_t requested, std::initializer_list<int64_t> widths) {

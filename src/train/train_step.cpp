@@ -105,8 +105,8 @@ TrainSession::~TrainSession() = default;
 void TrainSession::refresh_weights() {
   LOOM_ASSERT(w_.prepared.size() == w_.layers.size() && w_.output_prepared != nullptr);
   if (backward_ == BackwardMode::exact) return;
-  // Full fine-tuning repacks every step: with the workspace's scratch, in place.
-  Workspace* scratch = full_ ? ws_.get() : nullptr;
+  // Full fine-tuning (and QAT's LoRA) repack every step: with the workspace's scratch, in place.
+  Workspace* scratch = full_ || adapters_merged_ ? ws_.get() : nullptr;
   auto t = [&](const Tensor& W, WeightHandle& old) {
     return be_.prepare_transposed(W, backward_, "backward weight", std::move(old), scratch);
   };
