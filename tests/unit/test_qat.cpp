@@ -156,6 +156,30 @@ TEST(Qat, ForwardWeightsAreTheQuantizedMerge) {
   EXPECT_EQ(target_matrix(model->weights().layers[1], LoraTarget::up).as<const float>()[0], W0.as<const float>()[0]);
 }
 
+// The one-pass fake quantization equals quantize-then-dequantize bit for bit.
+TEST(Qat, FakeQuantizeEqualsQuantizeThenDequantize) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 0.03f);
+  const int64_t rows = 6, cols = 192;
+  std::vector<float> w(static_cast<size_t>(rows * cols));
+  for (float& v : w) v = nd(rng);
+  w[7] = 0.8f;  // an outlier
+  for (int bits : {4, 8})
+    for (bool sym : {true, false})
+      for (int64_t group : {int64_t{-1}, int64_t{0}, int64_t{32}, int64_t{96}}) {
+        IntQuantSpec spec;
+        spec.bits = bits;
+        spec.symmetric = sym;
+        spec.group = group;
+        const IntQuantParams p = choose_int_quant_params(w.data(), rows, cols, spec);
+        const std::vector<int8_t> q = int_quantize(w.data(), rows, cols, spec, p);
+        const std::vector<float> want = int_dequantize(q.data(), rows, cols, spec, p);
+        std::vector<float> got(w.size());
+        int_fake_quantize(w.data(), rows, cols, spec, got.data());
+        EXPECT_EQ(got, want) << "bits " << bits << " sym " << sym << " group " << group;
+      }
+}
+
 TEST(Qat, ConfigKeys) {
   const std::string base = "model: m.gguf\ndata: {train: t.jsonl}\noutput_dir: o\nsteps: 1\n";
   const TrainConfig c =
