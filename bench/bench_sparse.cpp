@@ -254,21 +254,16 @@ void sparse24_matmul(ThreadPool& pool, const Sparse24& s, const float* x, float*
 
 // ---- data and checks
 
-std::vector<float> random_matrix(int64_t N, int64_t K) {
-  std::mt19937 rng(42);
-  std::normal_distribution<float> dist(0.0f, 0.05f);
-  std::vector<float> w(static_cast<size_t>(N * K));
-  for (auto& v : w) v = dist(rng);
-  return w;
+// n normal values (deterministic per seed): weights (stddev 0.05) and activations (1).
+std::vector<float> random_normal(int64_t n, uint32_t seed, float stddev) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = dist(rng);
+  return v;
 }
-
-std::vector<float> random_x(int64_t T, int64_t K) {
-  std::mt19937 rng(7);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(T * K));
-  for (auto& v : x) v = dist(rng);
-  return x;
-}
+std::vector<float> random_matrix(int64_t N, int64_t K) { return random_normal(N * K, 42, 0.05f); }
+std::vector<float> random_x(int64_t T, int64_t K) { return random_normal(T * K, 7, 1.0f); }
 
 void check_close(const char* what, const std::vector<float>& got, const std::vector<double>& want) {
   double amax = 0.0, err = 0.0;
