@@ -39,31 +39,42 @@ void fill_scores(const Target& t, int64_t i0, int64_t n, float* out) {
 }
 
 // The units of the segment passes: (segment, first element) in order.
-std::vector<std::pair<int64_t, int64_t>> chunk_units(std::span<const int64_t> sizes) {
-  std::vector<std::pair<int64_t, int64_t>> units;
+using Units = std::vector<std::pair<int64_t, int64_t>>;
+Units chunk_units(std::span<const int64_t> sizes) {
+  Units units;
   for (size_t s = 0; s < sizes.size(); ++s)
     for (int64_t i = 0; i < sizes[s]; i += kChunk) units.emplace_back(static_cast<int64_t>(s), i);
   return units;
 }
 
+// fn(s, i0, n, scores) for units [b, e), each chunk's scores filled in turn.
+template <typename F>
+void scored_chunks(std::span<const int64_t> sizes, const ScoreFill& fill, const Units& units, int64_t b, int64_t e,
+                   F&& fn) {
+  std::vector<float> scores(static_cast<size_t>(kChunk));
+  for (int64_t u = b; u < e; ++u) {
+    const auto [s, i0] = units[static_cast<size_t>(u)];
+    const int64_t n = std::min(kChunk, sizes[static_cast<size_t>(s)] - i0);
+    fill(s, i0, n, scores.data());
+    if (!fn(s, i0, n, scores.data())) return;
+  }
+}
+
 // Histogram of key >> 16 (`top` < 0) or of the low 16 bits of keys whose top half is `top`.
 std::vector<int64_t> key_histogram(ThreadPool& pool, std::span<const int64_t> sizes, const ScoreFill& fill,
-                                   const std::vector<std::pair<int64_t, int64_t>>& units, int64_t top) {
+                                   const Units& units, int64_t top) {
   std::vector<int64_t> hist(kBins, 0);
   std::mutex mu;
   pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t b, int64_t e) {
     std::vector<int64_t> local(kBins, 0);
-    std::vector<float> scores(static_cast<size_t>(kChunk));
-    for (int64_t u = b; u < e; ++u) {
-      const auto [s, i0] = units[static_cast<size_t>(u)];
-      const int64_t n = std::min(kChunk, sizes[static_cast<size_t>(s)] - i0);
-      fill(s, i0, n, scores.data());
+    scored_chunks(sizes, fill, units, b, e, [&](int64_t, int64_t, int64_t n, const float* scores) {
       for (int64_t i = 0; i < n; ++i) {
-        const uint32_t key = key_of(scores[static_cast<size_t>(i)]);
+        const uint32_t key = key_of(scores[i]);
         if (top < 0) ++local[key >> 16];
         else if (static_cast<int64_t>(key >> 16) == top) ++local[key & 0xFFFF];
       }
-    }
+      return true;
+    });
     std::lock_guard<std::mutex> lock(mu);
     for (size_t i = 0; i < kBins; ++i) hist[i] += local[i];
   });
@@ -145,27 +156,22 @@ void prune_lowest_over_segments(ThreadPool& pool, std::span<float* const> segmen
   const uint32_t threshold = (top << 16) | low;
   int64_t ties = k - below_top - below_low;
   // Ties first, in order, while every score is still the original one.
-  std::vector<float> scores(static_cast<size_t>(kChunk));
-  for (const auto& [s, i0] : units) {
-    if (ties == 0) break;
-    const int64_t n = std::min(kChunk, sizes[static_cast<size_t>(s)] - i0);
-    fill(s, i0, n, scores.data());
+  const int64_t all = static_cast<int64_t>(units.size());
+  if (ties > 0) scored_chunks(sizes, fill, units, 0, all, [&](int64_t s, int64_t i0, int64_t n, const float* scores) {
     for (int64_t i = 0; i < n && ties > 0; ++i)
-      if (key_of(scores[static_cast<size_t>(i)]) == threshold) {
+      if (key_of(scores[i]) == threshold) {
         segments[static_cast<size_t>(s)][i0 + i] = 0.0f;
         --ties;
       }
-  }
+    return ties > 0;
+  });
   // Then everything below the threshold (a zeroed tie now scores 0: below, zeroed again).
-  pool.parallel_for(static_cast<int64_t>(units.size()), [&](int64_t b, int64_t e) {
-    std::vector<float> sc(static_cast<size_t>(kChunk));
-    for (int64_t u = b; u < e; ++u) {
-      const auto [s, i0] = units[static_cast<size_t>(u)];
-      const int64_t n = std::min(kChunk, sizes[static_cast<size_t>(s)] - i0);
-      fill(s, i0, n, sc.data());
+  pool.parallel_for(all, [&](int64_t b, int64_t e) {
+    scored_chunks(sizes, fill, units, b, e, [&](int64_t s, int64_t i0, int64_t n, const float* scores) {
       for (int64_t i = 0; i < n; ++i)
-        if (key_of(sc[static_cast<size_t>(i)]) < threshold) segments[static_cast<size_t>(s)][i0 + i] = 0.0f;
-    }
+        if (key_of(scores[i]) < threshold) segments[static_cast<size_t>(s)][i0 + i] = 0.0f;
+      return true;
+    });
   });
 }
 

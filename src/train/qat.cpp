@@ -25,7 +25,7 @@ IntQuantSpec qat_spec(const TrainConfig::Qat& q, const ModelConfig& c) {
   return s;
 }
 
-QatWeights::QatWeights(ModelWeights& w, const ModelConfig& c, const IntQuantSpec& spec, bool lora)
+QatWeights::QatWeights(ModelWeights& w, const IntQuantSpec& spec, bool lora)
     : spec_(spec), lora_(lora) {
   for (size_t l = 0; l < w.layers.size(); ++l)
     for (LoraTarget t : kAllLoraTargets) {
@@ -45,7 +45,6 @@ QatWeights::QatWeights(ModelWeights& w, const ModelConfig& c, const IntQuantSpec
       W.dtype = DType::f32;
       m_.push_back(std::move(m));
     }
-  (void)c;
 }
 
 void QatWeights::refresh(ModelWeights& w, ThreadPool& pool, LoraModel* lora) {
@@ -54,9 +53,11 @@ void QatWeights::refresh(ModelWeights& w, ThreadPool& pool, LoraModel* lora) {
     std::vector<float> merged;
     for (int64_t i = b; i < e; ++i) {
       Matrix& m = m_[static_cast<size_t>(i)];
+      if (m.fixed) continue;
       const Tensor& W = target_matrix(w.layers[static_cast<size_t>(m.layer)], m.target);
       const float* src = m.latent;
-      if (lora != nullptr && lora->slot(m.layer, m.target).active) {
+      m.fixed = lora != nullptr && !lora->slot(m.layer, m.target).active;
+      if (lora != nullptr && !m.fixed) {
         merged.assign(m.latent, m.latent + W.numel());
         const Tensor A = lora->a(m.layer, m.target), B = lora->b(m.layer, m.target);
         merge_lora_rows(merged.data(), B.as<const float>(), A.as<const float>(), W.rows(), lora->config().r,

@@ -36,11 +36,11 @@ class QatWeights {
   // Takes over the seven matrices of every layer of `w`: their current values
   // (dequantized to f32; for full fine-tuning, the arena they point at) are the
   // latent weights, and the tensors are pointed at fake-quantized copies.
-  QatWeights(ModelWeights& w, const ModelConfig& c, const IntQuantSpec& spec, bool lora);
+  QatWeights(ModelWeights& w, const IntQuantSpec& spec, bool lora);
 
   // The tensors again fq(latent) (full: after an update), or fq(W + s B A)
-  // for the adapters' current values (LoRA). The caller then prepares the
-  // weights for the backend.
+  // for the adapters' current values (LoRA; a matrix without an adapter is
+  // fq(W) once). The caller then prepares the weights for the backend.
   void refresh(ModelWeights& w, ThreadPool& pool, LoraModel* lora);
 
   // Points the tensors back at the latent weights (full fine-tuning's output
@@ -59,6 +59,7 @@ class QatWeights {
     float* latent;              // the arena (full) or latent_copy
     std::vector<float> latent_copy;  // LoRA: the frozen base in f32
     std::vector<float> fq;      // what the forward multiplies
+    bool fixed = false;         // LoRA: no adapter on it, fq(W) made once
   };
   IntQuantSpec spec_;
   bool lora_;

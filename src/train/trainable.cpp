@@ -95,7 +95,7 @@ class LoraTrainable final : public TrainableParams {
   // QAT: the model's matrices become fq(W + s B A), refreshed after every update.
   void start_qat(Model& model, TrainSession& session, Backend& backend, const IntQuantSpec& spec) override {
     LOOM_ASSERT(!qat_);
-    qat_ = std::make_unique<QatWeights>(model.mutable_weights(), model.config(), spec, /*lora=*/true);
+    qat_ = std::make_unique<QatWeights>(model.mutable_weights(), spec, /*lora=*/true);
     session.set_adapters_merged(true);
     after_update(model, session, backend);
   }
@@ -152,7 +152,7 @@ class FullTrainable final : public TrainableParams {
   // QAT: the forward multiplies fq(W) of the arena's weights.
   void start_qat(Model& model, TrainSession& session, Backend& backend, const IntQuantSpec& spec) override {
     LOOM_ASSERT(!qat_);
-    qat_ = std::make_unique<QatWeights>(model.mutable_weights(), model.config(), spec, /*lora=*/false);
+    qat_ = std::make_unique<QatWeights>(model.mutable_weights(), spec, /*lora=*/false);
     after_update(model, session, backend);
   }
   bool qat_started() const override { return qat_ != nullptr; }

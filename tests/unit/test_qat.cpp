@@ -68,7 +68,7 @@ TEST(Qat, LoraGradientsAreTheStraightThroughChainRule) {
     spec.bits = 4;
     spec.symmetric = symmetric;
     spec.group = 0;  // the tiny widths (64, 176) take no group of 32
-    QatWeights qat(model->mutable_weights(), mc, spec, /*lora=*/true);
+    QatWeights qat(model->mutable_weights(), spec, /*lora=*/true);
     qat.refresh(model->mutable_weights(), pool, &lora);
     prepare_weights(model->mutable_weights(), *be);
     TrainSession session(mc, model->weights(), lora, *be, BackwardMode::exact);
@@ -142,7 +142,7 @@ TEST(Qat, ForwardWeightsAreTheQuantizedMerge) {
   IntQuantSpec spec;
   spec.bits = 8;
   spec.symmetric = false;
-  QatWeights qat(model->mutable_weights(), mc, spec, /*lora=*/true);
+  QatWeights qat(model->mutable_weights(), spec, /*lora=*/true);
   qat.refresh(model->mutable_weights(), pool, &lora);
   merge_lora_rows(merged.data(), B.as<const float>(), lora.a(1, LoraTarget::up).as<const float>(), W0.rows(), lc.r,
                   W0.cols(), lc.scale());
