@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "apps/train_monitor.h"
 #include "core/failpoints.h"
 #include "core/prometheus.h"
+#include "dist/communicator.h"
 #include "train/train_config.h"
 #include "train/train_metrics.h"
 #include "train/trainer.h"
@@ -44,6 +46,39 @@ void install_stop_handlers() {
 }
 
 constexpr int kExitStopped = 75;  // EX_TEMPFAIL: stopped by a signal after a checkpoint; resume with --resume
+
+struct RankArgs {
+  std::optional<std::string> resume;
+  const Failpoints* failpoints = nullptr;
+  double metrics_linger = 0;
+};
+
+// The training of this process: all of it, or one data-parallel rank's part (`comm`).
+int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm) {
+  // Bound before the model loads, so a port in use costs nothing; served until the run ends.
+  MetricsRegistry registry;
+  TrainMetrics metrics(registry);
+  std::unique_ptr<TrainMonitor> monitor;
+  TrainRuntime runtime;
+  runtime.resume = args.resume;
+  install_stop_handlers();
+  runtime.stop_signal = &g_stop_signal;
+  runtime.failpoints = args.failpoints;
+  runtime.comm = comm;
+  if (config.metrics_port > 0) {
+    monitor = std::make_unique<TrainMonitor>(metrics, config.metrics_host, config.metrics_port);
+    metrics.set_endpoint(monitor->url());
+    runtime.metrics = &metrics;
+  }
+  const bool root = comm == nullptr || comm->rank() == 0;
+  const TrainResult result = run_training(config, root ? stderr : nullptr, {}, runtime);
+  if (result.stopped_by_signal) return kExitStopped;
+  // --metrics-linger: serve the final values a while longer; a stop signal ends the wait.
+  const auto linger_end = std::chrono::steady_clock::now() + std::chrono::duration<double>(args.metrics_linger);
+  while (monitor && g_stop_signal == 0 && std::chrono::steady_clock::now() < linger_end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  return 0;
+}
 
 int run_train(int argc, char** argv) {
   CLI::App app("Fine-tune a model from a YAML config (see docs/training.md): a LoRA adapter (method: lora, the "
@@ -94,27 +129,29 @@ int run_train(int argc, char** argv) {
   if (!log_format.empty())
     config.log_format = log_format == "json" ? TrainConfig::LogFormat::json : TrainConfig::LogFormat::text;
   if (metrics_port >= 0) config.metrics_port = metrics_port;
-  // Bound before the model loads, so a port in use costs nothing; served until the run ends.
-  MetricsRegistry registry;
-  TrainMetrics metrics(registry);
-  std::unique_ptr<TrainMonitor> monitor;
-  TrainRuntime runtime;
-  if (resume->count() > 0) runtime.resume = resume_path;
-  install_stop_handlers();
-  runtime.stop_signal = &g_stop_signal;
-  runtime.failpoints = &failpoints;
-  if (config.metrics_port > 0) {
-    monitor = std::make_unique<TrainMonitor>(metrics, config.metrics_host, config.metrics_port);
-    metrics.set_endpoint(monitor->url());
-    runtime.metrics = &metrics;
+  RankArgs args;
+  if (resume->count() > 0) args.resume = resume_path;
+  args.failpoints = &failpoints;
+  args.metrics_linger = metrics_linger;
+  // Under mpirun / srun: one rank of a data-parallel run. Rank 0 alone logs,
+  // serves metrics and writes; a failing rank ends every rank at once.
+  std::unique_ptr<Communicator> comm =
+      launched_by_mpi() ? make_mpi_communicator(config.dist.algorithm) : make_single_process_communicator();
+  comm->set_timeout_seconds(config.dist.timeout_s);
+  if (comm->size() == 1) return run_rank(config, args, nullptr);
+  if (comm->rank() != 0) {
+    config.metrics_file.clear();
+    config.log_file.clear();
+    config.metrics_port = 0;
   }
-  const TrainResult result = run_training(config, stderr, {}, runtime);
-  if (result.stopped_by_signal) return kExitStopped;
-  // --metrics-linger: serve the final values a while longer; a stop signal ends the wait.
-  const auto linger_end = std::chrono::steady_clock::now() + std::chrono::duration<double>(metrics_linger);
-  while (monitor && g_stop_signal == 0 && std::chrono::steady_clock::now() < linger_end)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  return 0;
+  try {
+    return run_rank(config, args, comm.get());
+  } catch (const Error& e) {
+    comm->abort(e.what());  // rank 0 logged it already; the others print it here
+  } catch (const std::exception& e) {
+    comm->abort(e.what());
+  }
+  return 3;  // not reached: abort() ends the process
 }
 
 }  // namespace

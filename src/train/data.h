@@ -205,6 +205,9 @@ class DataLoader {
   // The same into `out`, reusing its vectors (sized once for batch_rows() full
   // rows): the steady-state step allocates nothing.
   void next(Batch& out);
+  // Moves past the batch next() would give, without filling it (data
+  // parallel: the micro-batches of the other ranks).
+  void skip();
   DataCursor cursor() const { return cursor_; }
   void seek(DataCursor c);  // throws invalid_input for a cursor outside the data
   int64_t batches_per_epoch() const;

@@ -14,13 +14,13 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   tied_ = w.output.data == w.token_embd.data;
   // Pass 1: sizes and offsets, in a fixed order; pass 2 copies and re-points.
   size_t total = 0;
-  auto add = [&](int64_t n, bool decay, std::string name) {
-    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name)});
+  auto add = [&](int64_t n, bool decay, std::string name, int64_t rows = 0) {
+    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name), rows});
     total += static_cast<size_t>(n);
     return spans_.size() - 1;
   };
   const int64_t H = c.hidden;
-  const size_t embd = add(w.token_embd.numel(), true, "model.embed_tokens.weight");
+  const size_t embd = add(w.token_embd.numel(), true, "model.embed_tokens.weight", w.token_embd.rows());
   struct LayerSpans {
     size_t attn_norm, wq, wk, wv, wo, bq = SIZE_MAX, bk = SIZE_MAX, bv = SIZE_MAX, ffn_norm, gate, up, down;
   };
@@ -29,23 +29,24 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     LayerSpans s{};
     const std::string p = fmt::format("model.layers.{}.", ls.size());  // Hugging Face names
     s.attn_norm = add(H, false, p + "input_layernorm.weight");
-    s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight");
-    s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight");
-    s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight");
-    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight");
+    s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight", L.wq.rows());
+    s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight", L.wk.rows());
+    s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight", L.wv.rows());
+    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight", L.wo.rows());
     if (L.bq != nullptr) {
       s.bq = add(L.wq.rows(), false, p + "self_attn.q_proj.bias");
       s.bk = add(L.wk.rows(), false, p + "self_attn.k_proj.bias");
       s.bv = add(L.wv.rows(), false, p + "self_attn.v_proj.bias");
     }
     s.ffn_norm = add(H, false, p + "post_attention_layernorm.weight");
-    s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight");
-    s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight");
-    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight");
+    s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight", L.w_gate.rows());
+    s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight", L.w_up.rows());
+    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight", L.w_down.rows());
     ls.push_back(s);
+    layer_ranges_.push_back({spans_[s.attn_norm].offset, spans_[s.down].offset + spans_[s.down].size});
   }
   const size_t out_norm = add(H, false, "model.norm.weight");
-  const size_t output = tied_ ? embd : add(w.output.numel(), true, "lm_head.weight");
+  const size_t output = tied_ ? embd : add(w.output.numel(), true, "lm_head.weight", w.output.rows());
 
   params_.assign(total, 0.0f);
   grads_.assign(total, 0.0f);
@@ -106,7 +107,7 @@ std::string FullParams::tensor_at(size_t offset) const {
 
 std::vector<TensorSpan> FullParams::tensor_spans() const {
   std::vector<TensorSpan> out;
-  for (const Span& s : spans_) out.push_back({s.offset, s.size});
+  for (const Span& s : spans_) out.push_back({s.offset, s.size, s.rows});
   return out;
 }
 

@@ -48,6 +48,8 @@ class FullParams {
   // ("model.layers.3.mlp.up_proj.weight"); "" past the end.
   std::string tensor_at(size_t offset) const;
   std::vector<TensorSpan> tensor_spans() const;  // every weight's run of the arena
+  // Layer l's run [begin, end) of the arena: its norms, matrices and biases.
+  const std::vector<std::pair<size_t, size_t>>& layer_ranges() const { return layer_ranges_; }
 
   // A pruned model's zeros stay zero: the zeros of every layer's seven linear
   // weights are remembered now; mask_grads() zeroes their gradients (before
@@ -62,6 +64,7 @@ class FullParams {
     size_t offset, size;
     bool decay;
     std::string name;
+    int64_t rows = 0;  // matrices: their rows
   };
   void apply_mask(float* arena) const;
 
@@ -70,6 +73,7 @@ class FullParams {
   std::vector<uint64_t> zero_bits_;   // their zeros, one bit per element in span order
   std::vector<float> params_, grads_;
   std::vector<LayerGrads> layers_;
+  std::vector<std::pair<size_t, size_t>> layer_ranges_;
   float *embd_grad_ = nullptr, *output_grad_ = nullptr, *output_norm_grad_ = nullptr;
   bool tied_ = false;
 };

@@ -56,6 +56,7 @@ inline constexpr size_t kMin8bitSize = 4096;  // bitsandbytes' min_8bit_size
 struct TensorSpan {
   size_t offset = 0;
   size_t size = 0;
+  int64_t rows = 0;  // a matrix [rows, size / rows] (PowerSGD's unit); 0: a vector
 };
 
 struct AdamWConfig {

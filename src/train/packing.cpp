@@ -207,6 +207,12 @@ void DataLoader::next(Batch& out) {
   if (cursor_.index == n) cursor_ = {cursor_.epoch + 1, 0};
 }
 
+void DataLoader::skip() {
+  const int64_t n = split_.rows.rows();
+  cursor_.index += std::min(batch_rows_, n - cursor_.index);
+  if (cursor_.index == n) cursor_ = {cursor_.epoch + 1, 0};
+}
+
 size_t Batch::capacity_bytes() const {
   return (tokens.capacity() + targets.capacity() + positions.capacity() + seq_start.capacity()) * sizeof(int32_t);
 }

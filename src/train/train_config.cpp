@@ -21,7 +21,7 @@ namespace loom {
 namespace {
 
 // Groups whose children are keys; everything else is a leaf.
-const char* const kGroups[] = {"data", "lora", "optim", "schedule", "qat"};
+const char* const kGroups[] = {"data", "lora", "optim", "schedule", "qat", "dist"};
 const char* const kLeaves[] = {
     "model",          "data.train",         "data.eval",           "data.eval_fraction", "data.format",
     "data.seq_len",   "data.pack",          "data.train_on_prompt", "data.skip_bad_lines", "data.cache_dir",
@@ -35,7 +35,9 @@ const char* const kLeaves[] = {
     "max_bad_steps",  "on_divergence",      "rollback_lr_factor",  "max_rollbacks",     "memory_limit",
     "memory_alarm",   "metrics_port",       "metrics_host",        "log_file",          "log_format",
     "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base",
-    "qat.bits",       "qat.group_size",     "qat.scheme",          "qat.start_step",    "sparsity_mask"};
+    "qat.bits",       "qat.group_size",     "qat.scheme",          "qat.start_step",    "sparsity_mask",
+    "dist.bucket_mb", "dist.overlap",       "dist.deterministic",  "dist.compression",  "dist.ratio",
+    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -253,6 +255,36 @@ void read_memory_keys(const Reader& r, TrainConfig& c) {
   }
 }
 
+// dist.*: how data-parallel ranks (mpirun) exchange gradients; ignored by one process.
+void read_dist_keys(const Reader& r, TrainConfig& c) {
+  TrainConfig::Dist& d = c.dist;
+  double mb = 0;
+  if (r.number("dist.bucket_mb", mb, 0, true, 1 << 16, false))
+    d.sync.bucket_bytes = std::max<size_t>(sizeof(float), static_cast<size_t>(mb * 1024 * 1024));
+  r.boolean("dist.overlap", d.sync.overlap);
+  r.boolean("dist.deterministic", d.sync.deterministic);
+  std::string s;
+  if (r.str("dist.compression", s)) {
+    if (const GradCompression* g = grad_compression_from_name(s))
+      d.sync.compression = *g;
+    else
+      r.bad("dist.compression", fmt::format("unknown value '{}' (expected none, topk or powersgd)", s));
+  }
+  r.number("dist.ratio", d.sync.topk_ratio, 0, true, 1, false);
+  int64_t rank = d.sync.powersgd_rank;
+  if (r.integer("dist.rank", rank, 1, 1024)) d.sync.powersgd_rank = static_cast<int>(rank);
+  if (r.str("dist.algorithm", s)) {
+    if (const CollectiveAlgorithm* a = collective_algorithm_from_name(s))
+      d.algorithm = *a;
+    else
+      r.bad("dist.algorithm", fmt::format("unknown value '{}' (expected auto, ring, tree, rabenseifner or "
+                                          "recursive_doubling)", s));
+  }
+  r.number("dist.timeout", d.timeout_s, 0, true, 1e7, false);
+  int64_t zero = 0;
+  if (r.integer("dist.zero", zero, 0, 1)) d.zero1 = zero == 1;
+}
+
 void read_production_keys(const Reader& r, TrainConfig& c) {
   constexpr int64_t kMax = int64_t{1} << 40;
   r.integer("checkpoint_interval", c.checkpoint_interval, 0, kMax);
@@ -411,6 +443,7 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   }
   c.lora.seed = c.seed;
   read_production_keys(r, c);
+  read_dist_keys(r, c);
   read_memory_keys(r, c);
   if (c.qat.enabled() && c.method == TrainMethod::lora && c.lora.dropout > 0) {
     c.warnings.push_back(fmt::format("{}: lora.dropout {} has no effect with qat: the adapters act inside the "

@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "core/device.h"
+#include "dist/communicator.h"
+#include "dist/grad_reducer.h"
 #include "io/safetensors.h"
 #include "train/data.h"
 #include "model/lora.h"
@@ -136,6 +138,15 @@ struct TrainConfig {
   // (`loom prune`'s unstructured methods); on: the zeros of any model; off.
   enum class SparsityMask { automatic, on, off };
   SparsityMask sparsity_mask = SparsityMask::automatic;
+
+  // dist.*: data parallel over MPI ranks (`mpirun -np N loom train`;
+  // docs/training.md "Scale-out"). One process ignores them.
+  struct Dist {
+    GradSyncOptions sync;  // dist.bucket_mb, overlap, deterministic, compression, ratio, rank
+    CollectiveAlgorithm algorithm = CollectiveAlgorithm::automatic;  // dist.algorithm
+    double timeout_s = 300;  // dist.timeout: a collective waiting longer ends the run (a rank died)
+    bool zero1 = false;      // dist.zero: 1 shards the optimizer state over the ranks (ZeRO stage 1)
+  } dist;
 
   std::string source;  // the config file name, for messages
   std::string text;    // the YAML as given, each --set appended as a "# --set key=value" line (checkpoints keep it)

@@ -552,6 +552,7 @@ void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
     for (int64_t l = L - 1; l >= 0; --l) {
       if (bf16_records() && l + 1 < L) load_record(l, T);
       backward_layer(l, T, dropout, step, dres_);
+      if (layer_done_) layer_done_(l);
     }
     return;
   }
@@ -567,7 +568,10 @@ void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
         std::memcpy(x, c, static_cast<size_t>(T * c_.hidden) * sizeof(float));
       for (int64_t l = s; l < e; ++l) forward_layer(l, T, dropout, step, l + 1 < e ? next_input(l) : dxn_);
     }
-    for (int64_t l = e - 1; l >= s; --l) backward_layer(l, T, dropout, step, dres_);
+    for (int64_t l = e - 1; l >= s; --l) {
+      backward_layer(l, T, dropout, step, dres_);
+      if (layer_done_) layer_done_(l);
+    }
   }
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -119,6 +120,10 @@ class TrainSession {
   // the input gradient; they still save A x and get their dA, dB (the
   // straight-through estimator's chain rule through W + s B A).
   void set_adapters_merged(bool on) { adapters_merged_ = on; }
+  // Called by forward_backward right after layer l's backward (last layer
+  // first): its gradients are final for this micro-batch. Data parallel hands
+  // the layer's bucket to the all-reduce here. Empty: nothing is called.
+  void set_layer_done(std::function<void(int64_t layer)> f) { layer_done_ = std::move(f); }
 
   // Sizes every buffer of a step (saved activations, backward temporaries) for
   // micro-batches of up to `tokens` rows x seq_len tokens, once: smaller batches
@@ -249,6 +254,7 @@ class TrainSession {
   TrainPrecision precision_ = TrainPrecision::fp32;
   bool fused_lora_ = true;
   bool adapters_merged_ = false;
+  std::function<void(int64_t)> layer_done_;
   DeviceBuffer lora_work_;  // carved into lw_
   LoraWork lw_;
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,

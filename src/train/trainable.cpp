@@ -112,9 +112,23 @@ class LoraTrainable final : public TrainableParams {
     for (int64_t l = 0; l < lora_.n_layers(); ++l)
       for (LoraTarget t : kAllLoraTargets)
         if (const LoraSlot& s = lora_.slot(l, t); s.active) {
-          out.push_back({s.a_offset, r * static_cast<size_t>(s.in)});
-          out.push_back({s.b_offset, static_cast<size_t>(s.out) * r});
+          out.push_back({s.a_offset, r * static_cast<size_t>(s.in), lora_.config().r});
+          out.push_back({s.b_offset, static_cast<size_t>(s.out) * r, s.out});
         }
+    return out;
+  }
+  std::vector<std::pair<size_t, size_t>> layer_ranges() const override {
+    std::vector<std::pair<size_t, size_t>> out;
+    const auto r = static_cast<size_t>(lora_.config().r);
+    for (int64_t l = 0; l < lora_.n_layers(); ++l) {
+      size_t lo = SIZE_MAX, hi = 0;
+      for (LoraTarget t : kAllLoraTargets)
+        if (const LoraSlot& s = lora_.slot(l, t); s.active) {
+          lo = std::min(lo, s.a_offset);
+          hi = std::max(hi, s.b_offset + static_cast<size_t>(s.out) * r);
+        }
+      out.push_back(lo == SIZE_MAX ? std::pair<size_t, size_t>{0, 0} : std::pair{lo, hi});
+    }
     return out;
   }
   std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
@@ -168,6 +182,7 @@ class FullTrainable final : public TrainableParams {
     return full_.param_groups(c.lr, c.weight_decay);
   }
   std::vector<TensorSpan> tensor_spans() const override { return full_.tensor_spans(); }
+  std::vector<std::pair<size_t, size_t>> layer_ranges() const override { return full_.layer_ranges(); }
   std::unique_ptr<TrainSession> make_session(const Model& model, Backend& backend, BackwardMode mode) override {
     return std::make_unique<TrainSession>(model.config(), model.weights(), full_, backend, mode);
   }

@@ -39,6 +39,9 @@ class TrainableParams {
   // Every tensor's run of the arena (what optim.kind adamw8bit quantizes block
   // by block, and keeps in f32 under kMin8bitSize elements).
   virtual std::vector<TensorSpan> tensor_spans() const = 0;
+  // Layer l's run [begin, end) of the arena (adjacent layers adjacent): data
+  // parallel reduces a layer's gradients as soon as its backward is done.
+  virtual std::vector<std::pair<size_t, size_t>> layer_ranges() const = 0;
 
   // The session that runs forward and backward into grads() (TrainSession's
   // LoRA or full constructor). Keeps references to `model`, `backend` and this.

@@ -43,23 +43,6 @@ std::string format_count(int64_t n) {
 
 std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string("null"); }
 
-// Summed loss, target tokens and correctly predicted ones (argmax = target)
-// over every target token of a split (no dropout, no gradients).
-LossResult eval_split(TrainSession& session, const DataSplit& split, int32_t pad_id, int64_t batch_rows) {
-  DataLoader loader(split, pad_id, batch_rows, /*shuffle=*/false, 0);
-  LossResult sum;
-  Batch b;  // one batch's memory for every batch
-  for (int64_t i = 0, nb = loader.batches_per_epoch(); i < nb; ++i) {
-    loader.next(b);
-    if (b.target_tokens == 0) continue;
-    const LossResult r = session.forward_loss(b);
-    sum.loss_sum += r.loss_sum;
-    sum.n_tokens += r.n_tokens;
-    sum.n_correct += r.n_correct;
-  }
-  return sum;
-}
-
 nlohmann::json json_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 // Everything the run will write is checked before the model loads, so a bad
@@ -155,6 +138,7 @@ void Trainer::setup() {
   pool_ = std::make_unique<ThreadPool>(resolve_thread_count(c_.threads, "threads"));  // 0: the default
   backend_ = make_backend(c_.device, *pool_);  // first: a device this build lacks writes nothing
   prepare_resume();  // before any output is opened: a refused resume changes nothing
+  agree_resume();    // data parallel: every rank resumes from rank 0's checkpoint
   open_outputs();
   if (c_.method == TrainMethod::full && c_.precision != TrainPrecision::fp32)
     fail(ErrorKind::unsupported, "{}: precision: {} with method: full is not built yet (full fine-tuning's products "
@@ -185,6 +169,7 @@ void Trainer::setup() {
   res_.trainable_params = params_->count();
   res_.total_params = model_->parameter_count() + params_->added_params();
   log_start();
+  setup_data_parallel();  // trainer_dist.cpp; nothing for one process
   micro_.resize(static_cast<size_t>(c_.grad_accum));
   check_memory();  // the estimate against memory_limit; then every step buffer is reserved
   t0_ = Clock::now();
@@ -204,6 +189,10 @@ void Trainer::start_metrics() {
 }
 
 void Trainer::open_outputs() {
+  on_root("open the outputs", [&] { open_root_outputs(); });
+}
+
+void Trainer::open_root_outputs() {
   check_outputs(c_, output_keep_);
   for (const std::string& w : c_.warnings) log_->record(LogLevel::warning, "config", w);
   if (!resume_state_) {  // a new run: checkpoints of an earlier one must not mix with its own
@@ -284,6 +273,11 @@ void Trainer::log_start() {
 }
 
 int64_t Trainer::loss_tokens(int64_t local) {
+  if (world() > 1) {  // the step's mean is over every rank's tokens
+    double n = static_cast<double>(local);
+    rt_.comm->allreduce_sum(std::span<double>(&n, 1));
+    local = static_cast<int64_t>(n);
+  }
   if (!hooks_.loss_tokens) return local;
   const int64_t n = hooks_.loss_tokens(*this, local);
   if (n < 0 || (local > 0 && n < 1))
@@ -300,25 +294,22 @@ StepReport Trainer::train_step() {
   maybe_start_qat(step);
   // Peek the whole step first: the gradient scale needs its total target tokens.
   StepReport r;
-  for (Batch& b : micro_) {
-    loader_->next(b);  // into the batch's own memory
-    r.target_tokens += b.target_tokens;
-  }
+  load_step_batches(r);  // this rank's micro-batches (trainer_dist.cpp)
   r.loss_tokens = loss_tokens(r.target_tokens);
   params_->zero_grads();
   double loss_sum = 0;
+  const int64_t input_before = input_tokens_;
   if (r.loss_tokens > 0) {
     float scale = 1.0f / static_cast<float>(r.loss_tokens);
     if (scaler_) scale *= scaler_->scale();  // fp16: a power of two, exact
-    // Each micro-batch draws its own dropout masks (as PEFT's successive
-    // forwards do): counter step * grad_accum + i, so grad_accum 1 keeps `step`.
-    for (size_t i = 0; i < micro_.size(); ++i) {
-      const Batch& b = micro_[i];
-      if (b.target_tokens == 0) continue;
-      const auto mask_counter = static_cast<uint64_t>(step) * micro_.size() + i;
-      loss_sum += session_->forward_backward(b, scale, mask_counter).loss_sum;
-      input_tokens_ += b.rows * b.seq_len;
-    }
+    loss_sum = backward_step(scale, step);  // data parallel: gradients summed over the ranks on return
+  }
+  if (world() > 1) {  // the step's loss and tokens over every rank
+    double v[2] = {loss_sum, static_cast<double>(input_tokens_ - input_before)};
+    rt_.comm->allreduce_sum(std::span<double>(v, 2));
+    loss_sum = v[0];
+    input_tokens_ = input_before + static_cast<int64_t>(v[1]);
+    r.target_tokens = r.loss_tokens;
   }
   // fp16: the gradients back to their true size before the check, clipping and AdamW (GradScaler.unscale_).
   if (scaler_) {
@@ -359,7 +350,8 @@ StepReport Trainer::train_step() {
               .tokens_per_s = tok_s, .elapsed_s = elapsed, .eta_s = eta, .tokens = input_tokens_});
   write_metrics_step(r, tok_s);
   if (rt_.metrics) rt_.metrics->on_step(r, total_steps_, tok_s, eta);
-  watch_memory();  // memory_alarm (a checkpoint at the top threshold)
+  // memory_alarm: a checkpoint at the top threshold (data parallel: any rank's crossing).
+  if (agree_any(watch_memory())) write_checkpoint("memory_alarm");
   if (hooks_.after_optimizer_step) hooks_.after_optimizer_step(*this, r);
   current_step_ = 0;
   return r;
@@ -379,7 +371,7 @@ void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
 std::optional<double> Trainer::evaluate() {
   LOOM_ASSERT(opt_);  // setup() ran
   if (!data_->eval) return std::nullopt;
-  const LossResult sum = eval_split(*session_, *data_->eval, data_->pad_id, c_.batch_size);
+  const LossResult sum = eval_shard(*data_->eval);  // data parallel: each rank a share
   EvalReport e;
   e.step = steps_done();
   e.tokens = sum.n_tokens;
@@ -420,7 +412,7 @@ TrainResult Trainer::finish() {
   out_opt.what = "output_dir";
   out_opt.force = "--overwrite (or overwrite: true)";
   out_opt.keep = output_keep_;  // the checkpoints stay (hard links into the new folder)
-  params_->write_output(*model_, c_, out_opt);
+  on_root("write the output", [&] { params_->write_output(*model_, c_, out_opt); });
   res_.adapter_dir = c_.output_dir;
   if (rt_.metrics) rt_.metrics->on_finish();
   const std::string out = std::filesystem::absolute(c_.output_dir).string();
@@ -549,10 +541,14 @@ void Trainer::write_checkpoint(std::string_view reason) {
   const auto stage = [&](std::string_view s) {
     if (s == "files_written") fail_point(rt_.failpoints, "checkpoint_write", step);
   };
-  const CheckpointWriteInfo info =
-      loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params_->params(), *opt_, stage);
+  CheckpointWriteInfo info;
+  on_root("write a checkpoint", [&] {
+    info = loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params_->params(), *opt_, stage);
+  });
+  broadcast_text(info.path);  // every rank rolls back to / resumes from the same folder
   last_checkpoint_ = info.path;
   last_checkpoint_time_ = Clock::now();
+  if (!is_root()) return;  // the pruning and the record are rank 0's
   const std::vector<std::string> pruned = prune_checkpoints(checkpoint_dir_, c_.keep_checkpoints);
   if (rt_.metrics) rt_.metrics->on_checkpoint(info.seconds);
   nlohmann::json removed = nlohmann::json::array();
@@ -566,10 +562,12 @@ void Trainer::write_checkpoint(std::string_view reason) {
                                 {"seconds", info.seconds}, {"removed", removed}}}});
 }
 
-bool Trainer::checkpoint_due() const {
+bool Trainer::checkpoint_due() {
   const int64_t s = steps_done();
   if (c_.checkpoint_interval > 0 && s > 0 && s % c_.checkpoint_interval == 0) return true;
-  return c_.checkpoint_minutes > 0 && seconds_since(last_checkpoint_time_) >= 60.0 * c_.checkpoint_minutes;
+  if (c_.checkpoint_minutes <= 0) return false;
+  const bool due = seconds_since(last_checkpoint_time_) >= 60.0 * c_.checkpoint_minutes;
+  return agree_any(is_root() && due);  // rank 0's clock
 }
 
 // QAT from qat.start_step on (also right after a resume past it).

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,6 +16,8 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "dist/communicator.h"
+#include "dist/grad_reducer.h"
 #include "kernels/backend.h"
 #include "kernels/int_quant.h"
 #include "model/model.h"
@@ -63,6 +66,11 @@ struct TrainRuntime {
   const Failpoints* failpoints = nullptr;
   // The loom_train_ Prometheus series the trainer keeps up to date.
   TrainMetrics* metrics = nullptr;
+  // Data parallel (dist/communicator.h): this process is rank comm->rank() of
+  // comm->size(). Each rank trains on its own micro-batches of every step and
+  // the gradients are summed over ranks; rank 0 alone writes logs, metrics,
+  // checkpoints and the output. nullptr or size 1: one process.
+  Communicator* comm = nullptr;
 };
 
 class Trainer {
@@ -104,14 +112,16 @@ class Trainer {
   // loader cursor, metrics history, and metrics_file rewritten to its lines.
   // setup() calls it for --resume; rollback calls it mid-run.
   void load_checkpoint(const std::string& path);
-  // Whether checkpoint_interval / checkpoint_minutes ask for one now.
-  bool checkpoint_due() const;
+  // Whether checkpoint_interval / checkpoint_minutes ask for one now (data
+  // parallel: rank 0's clock decides for every rank).
+  bool checkpoint_due();
   const std::string& checkpoint_dir() const { return checkpoint_dir_; }
   const std::string& last_checkpoint() const { return last_checkpoint_; }  // written or loaded; "" if none
   void maybe_start_qat(int64_t step);
   bool evaluated_at(int64_t step) const;
-  // The signal number TrainRuntime::stop_signal holds (0: none).
-  int stop_requested() const { return rt_.stop_signal ? rt_.stop_signal->load() : 0; }
+  // The signal number TrainRuntime::stop_signal holds (0: none); data
+  // parallel: the largest over the ranks, so every rank stops at the same step.
+  int stop_requested();
   // Writes a checkpoint for signal `sig`, logs how to resume, and returns the
   // result with stopped_by_signal set (run_training's early return).
   TrainResult stop(int sig);
@@ -134,6 +144,12 @@ class Trainer {
   void log_failure(Error& e);
 
   int64_t steps_done() const { return opt_ ? opt_->step_count() : 0; }
+  // Data parallel: this rank and the number of ranks (0 and 1 for one process).
+  int rank() const { return rt_.comm ? rt_.comm->rank() : 0; }
+  int world() const { return rt_.comm ? rt_.comm->size() : 1; }
+  bool is_root() const { return rank() == 0; }
+  // The last step's gradient exchange (data parallel; zero for one process).
+  const GradSyncStats& sync_stats() const { return sync_stats_; }
   int64_t total_steps() const { return total_steps_; }
   const TrainConfig& config() const { return c_; }
   const TrainResult& result() const { return res_; }
@@ -175,7 +191,19 @@ class Trainer {
   // trainer_memory.cpp: the estimate and limit check at the end of setup()
   // (then the buffers are reserved), and the alarm check after every step.
   void check_memory();
-  void watch_memory();
+  bool watch_memory();  // true: the top alarm threshold was just crossed (a checkpoint is due)
+  // Data parallel (trainer_dist.cpp): the step's micro-batches of this rank,
+  // the gradient exchange overlapped with the last backward, the evaluation
+  // shards, and work only rank 0 does with its outcome shared.
+  void setup_data_parallel();
+  void load_step_batches(StepReport& r);
+  double backward_step(float scale, int64_t step);
+  LossResult eval_shard(const DataSplit& split);
+  bool agree_any(bool local);
+  void broadcast_text(std::string& text);  // rank 0's text on every rank
+  void agree_resume();
+  void open_root_outputs();
+  void on_root(std::string_view what, const std::function<void()>& work);
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
 
   TrainConfig c_;
@@ -215,6 +243,9 @@ class Trainer {
   Clock::time_point last_checkpoint_time_;
   std::vector<std::pair<std::string, std::string>> input_hashes_;
   std::vector<EvalPoint> evals_;
+  std::unique_ptr<GradientReducer> reducer_;  // data parallel only
+  std::vector<float> accum_;  // dist.deterministic with grad_accum > 1: the sum of the earlier micro-batches
+  GradSyncStats sync_stats_;
 };
 
 // Runs the whole training described by `config`: setup, an evaluation at step

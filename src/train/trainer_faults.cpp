@@ -196,7 +196,7 @@ void Trainer::restore_faults(const FaultState& f) {
 }
 
 void Trainer::log_failure(Error& e) {
-  if (e.reported()) return;
+  if (e.reported() || !is_root()) return;  // other ranks have no log: the app prints their errors
   e.set_reported();
   if (!opt_) {  // setup() did not finish: bad config, model or data; nothing to resume
     log_->error("error", e.what(), error_type(e.kind()), {{"exit_code", error_exit_code(e.kind())}});

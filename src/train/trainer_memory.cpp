@@ -138,8 +138,8 @@ void Trainer::check_memory() {
   mem_alarm_.emplace(c_.memory_alarm, mem_limit_.bytes);
 }
 
-void Trainer::watch_memory() {
-  if (!mem_alarm_) return;
+bool Trainer::watch_memory() {
+  if (!mem_alarm_) return false;
   const int64_t rss = process_rss_bytes();
   const std::optional<MemoryAlarm::Change> ch = mem_alarm_->update(rss);
   if (rt_.metrics) {  // loom_train_memory_bytes{arena}, RSS, limit, alarm level
@@ -156,7 +156,7 @@ void Trainer::watch_memory() {
     for (const MemoryArena& a : m.arenas) f.arenas.emplace_back(a.name, a.bytes);
     rt_.metrics->on_memory(f);
   }
-  if (!ch) return;
+  if (!ch) return false;
   const bool up = ch->to > ch->from;
   const bool top = up && ch->to == mem_alarm_->levels();
   log_->record(up ? LogLevel::warning : LogLevel::info, "memory_alarm",
@@ -169,7 +169,7 @@ void Trainer::watch_memory() {
                             {"threshold", ch->threshold}, {"alarm_level", ch->to}}}},
                "alert");
   // At the top threshold the OS may kill the run next: keep what it has done.
-  if (top) write_checkpoint("memory_alarm");
+  return top;
 }
 
 }  // namespace loom

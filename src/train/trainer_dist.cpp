@@ -1,0 +1,189 @@
+// The Trainer under data parallel (TrainRuntime::comm with N > 1 ranks). A
+// step of N ranks with grad_accum G is the step of one process with grad_accum
+// N * G over the same rows: rank R takes micro-batches R*G .. R*G+G-1 of the
+// step's N*G (the loader's cursor stays global, so checkpoints do not depend
+// on N), draws the dropout masks that micro-batch would draw, and the
+// gradients, scaled by 1 / (the step's target tokens over all ranks), are
+// summed over the ranks by the GradientReducer while the last backward runs.
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "train/train_log.h"
+#include "train/trainer.h"
+
+namespace loom {
+
+void Trainer::setup_data_parallel() {
+  if (world() == 1) return;
+  std::vector<GradMatrix> matrices;
+  for (const TensorSpan& t : params_->tensor_spans())
+    if (t.rows > 0) matrices.push_back({t.offset, t.rows, static_cast<int64_t>(t.size) / t.rows});
+  GradSyncOptions o = c_.dist.sync;
+  o.seed = c_.seed;
+  reducer_ = std::make_unique<GradientReducer>(*rt_.comm, params_->grads(), params_->layer_ranges(),
+                                               std::move(matrices), o);
+  const GradSyncOptions& s = reducer_->options();
+  std::string how = s.compression == GradCompression::none ? std::string("uncompressed")
+                    : s.compression == GradCompression::topk
+                        ? fmt::format("top-k {:.3g}% with error feedback", 100 * s.topk_ratio)
+                        : fmt::format("PowerSGD rank {} with error feedback", s.powersgd_rank);
+  log_->record(LogLevel::info, "dist",
+               fmt::format("data parallel: {}; a step is {} ranks x {} x {} rows; gradients in {} buckets of up to "
+                           "{:.1f} MiB, {}, {}{}, all-reduce {}",
+                           rt_.comm->describe(), world(), c_.grad_accum, c_.batch_size, reducer_->bucket_count(),
+                           static_cast<double>(s.bucket_bytes) / (1024.0 * 1024.0),
+                           s.overlap ? "overlapped with the backward" : "after the backward", how,
+                           s.deterministic ? ", deterministic (rank order)" : "",
+                           collective_algorithm_name(c_.dist.algorithm)),
+               {{"dist", {{"ranks", world()}, {"library", rt_.comm->describe()}, {"buckets", reducer_->bucket_count()},
+                          {"bucket_bytes", s.bucket_bytes}, {"overlap", s.overlap},
+                          {"deterministic", s.deterministic}, {"compression", grad_compression_name(s.compression)},
+                          {"algorithm", collective_algorithm_name(c_.dist.algorithm)}}}});
+}
+
+void Trainer::load_step_batches(StepReport& r) {
+  const auto G = static_cast<int64_t>(micro_.size());
+  const int64_t W = world(), R = rank();
+  for (int64_t k = 0; k < W * G; ++k) {
+    if (k / G != R) {
+      loader_->skip();  // another rank's micro-batch
+      continue;
+    }
+    Batch& b = micro_[static_cast<size_t>(k % G)];
+    loader_->next(b);  // into the batch's own memory
+    r.target_tokens += b.target_tokens;
+  }
+}
+
+// The step's micro-batches of this rank; the last one's backward hands each
+// finished layer to the reducer. Returns the local loss sum.
+double Trainer::backward_step(float scale, int64_t step) {
+  const auto G = static_cast<int64_t>(micro_.size());
+  const int64_t W = world(), R = rank();
+  int64_t last = -1;
+  for (int64_t i = 0; i < G; ++i)
+    if (micro_[static_cast<size_t>(i)].target_tokens > 0) last = i;
+  if (reducer_) reducer_->begin_step();
+  // dist.deterministic: each micro-batch's gradient is computed on its own and
+  // added to the sum of the earlier ones, ((g0 + g1) + g2) ..., the order in
+  // which the ranks' gradients are summed: N ranks give the bits of one
+  // process with grad_accum N. (Otherwise the kernels accumulate into the arena.)
+  const bool separate = c_.dist.sync.deterministic && G > 1;
+  const std::span<float> grads = params_->grads();
+  bool any = false;
+  double loss_sum = 0;
+  for (int64_t i = 0; i < G; ++i) {
+    const Batch& b = micro_[static_cast<size_t>(i)];
+    if (b.target_tokens == 0) continue;
+    if (separate && any) {
+      accum_.assign(grads.begin(), grads.end());
+      params_->zero_grads();
+    }
+    // Each micro-batch draws its own dropout masks (as PEFT's successive
+    // forwards do): counter step * (N G) + R G + i, the one process's numbering.
+    const auto mask_counter = static_cast<uint64_t>(step * W * G + R * G + i);
+    // The last backward hands each finished layer to the all-reduce (not when
+    // the earlier micro-batches' sum is still to be added).
+    if (reducer_ && i == last && !(separate && any))
+      session_->set_layer_done([this](int64_t l) { reducer_->layer_done(l); });
+    loss_sum += session_->forward_backward(b, scale, mask_counter).loss_sum;
+    session_->set_layer_done({});
+    if (separate && any)
+      for (size_t j = 0; j < grads.size(); ++j) grads[j] = accum_[j] + grads[j];
+    any = true;
+    input_tokens_ += b.rows * b.seq_len;
+  }
+  if (reducer_) sync_stats_ = reducer_->finish();
+  return loss_sum;
+}
+
+// This rank's share of an evaluation (batches i with i mod N = R), summed over the ranks.
+LossResult Trainer::eval_shard(const DataSplit& split) {
+  DataLoader loader(split, data_->pad_id, c_.batch_size, /*shuffle=*/false, 0);
+  LossResult sum;
+  Batch b;  // one batch's memory for every batch
+  const int64_t W = world(), R = rank();
+  for (int64_t i = 0, nb = loader.batches_per_epoch(); i < nb; ++i) {
+    if (i % W != R) {
+      loader.skip();
+      continue;
+    }
+    loader.next(b);
+    if (b.target_tokens == 0) continue;
+    const LossResult r = session_->forward_loss(b);
+    sum.loss_sum += r.loss_sum;
+    sum.n_tokens += r.n_tokens;
+    sum.n_correct += r.n_correct;
+  }
+  if (W > 1) {
+    double v[3] = {sum.loss_sum, static_cast<double>(sum.n_tokens), static_cast<double>(sum.n_correct)};
+    rt_.comm->allreduce_sum(std::span<double>(v, 3));
+    sum.loss_sum = v[0];
+    sum.n_tokens = static_cast<int64_t>(v[1]);
+    sum.n_correct = static_cast<int64_t>(v[2]);
+  }
+  return sum;
+}
+
+bool Trainer::agree_any(bool local) {
+  if (world() == 1) return local;
+  int64_t v = local ? 1 : 0;
+  rt_.comm->allreduce_max(std::span<int64_t>(&v, 1));
+  return v != 0;
+}
+
+// `work` runs on rank 0 only; its failure is every rank's (the others would
+// otherwise wait for rank 0 in the next collective until dist.timeout).
+void Trainer::on_root(std::string_view what, const std::function<void()>& work) {
+  if (world() == 1) {
+    work();
+    return;
+  }
+  std::string message;
+  int64_t head[2] = {-1, 0};  // error kind (-1: none), message length
+  if (is_root()) {
+    try {
+      work();
+    } catch (const Error& e) {
+      message = e.what();
+      head[0] = static_cast<int64_t>(e.kind());
+      head[1] = static_cast<int64_t>(message.size());
+    }
+  }
+  rt_.comm->broadcast(head, sizeof(head), 0);
+  if (head[0] < 0) return;
+  message.resize(static_cast<size_t>(head[1]));
+  rt_.comm->broadcast(message.data(), message.size(), 0);
+  const auto kind = static_cast<ErrorKind>(head[0]);
+  if (is_root()) throw Error(kind, message);
+  fail(kind, "rank 0 could not {}: {}", what, message);
+}
+
+void Trainer::broadcast_text(std::string& text) {
+  if (world() == 1) return;
+  int64_t n = static_cast<int64_t>(text.size());
+  rt_.comm->broadcast(&n, sizeof(n), 0);
+  text.resize(static_cast<size_t>(n));
+  rt_.comm->broadcast(text.data(), text.size(), 0);
+}
+
+// Every rank reads the checkpoint itself: they must all find rank 0's.
+void Trainer::agree_resume() {
+  if (world() == 1) return;
+  std::string root_path = resume_path_;
+  broadcast_text(root_path);
+  if (root_path != resume_path_)
+    fail(ErrorKind::invalid_input, "--resume: rank {} finds {} but rank 0 resumes from {}: checkpoint_dir '{}' must "
+         "be a folder every rank reads (a shared filesystem)", rank(),
+         resume_path_.empty() ? std::string("no checkpoint") : "'" + resume_path_ + "'",
+         root_path.empty() ? std::string("nothing") : "'" + root_path + "'", checkpoint_dir_);
+}
+
+int Trainer::stop_requested() {
+  int64_t sig = rt_.stop_signal ? rt_.stop_signal->load() : 0;
+  if (world() > 1) rt_.comm->allreduce_max(std::span<int64_t>(&sig, 1));
+  return static_cast<int>(sig);
+}
+
+}  // namespace loom
