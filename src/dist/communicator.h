@@ -46,6 +46,7 @@ class Communicator {
   virtual void barrier() = 0;
   // Rank r's `send` (counts[r] bytes) lands at recv + sum(counts[0..r)) on
   // every rank (allgatherv), or only on `root` (gatherv; recv may be null elsewhere).
+  // allgatherv's `send` may be this rank's place inside `recv` (gathered in place).
   virtual void allgatherv(const void* send, void* recv, std::span<const size_t> counts) = 0;
   virtual void gatherv(const void* send, void* recv, std::span<const size_t> counts, int root) = 0;
 

@@ -139,8 +139,10 @@ class MpiCommunicator final : public Communicator {
     const std::vector<int> c = to_ints(counts, "allgatherv");
     const std::vector<int> d = displacements(c, "allgatherv");
     MpiRequest r;
-    MPI_Iallgatherv(send, c[static_cast<size_t>(rank_)], MPI_BYTE, recv, c.data(), d.data(), MPI_BYTE,
-                    MPI_COMM_WORLD, r.handle());
+    // This rank's part already in place (ZeRO-1's parameter gather): MPI wants MPI_IN_PLACE, not aliasing.
+    const bool in_place = send == static_cast<const char*>(recv) + d[static_cast<size_t>(rank_)];
+    MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, c[static_cast<size_t>(rank_)], MPI_BYTE, recv, c.data(), d.data(),
+                    MPI_BYTE, MPI_COMM_WORLD, r.handle());
     wait(r, "all-gather");
   }
   void gatherv(const void* send, void* recv, std::span<const size_t> counts, int root) override {

@@ -182,17 +182,18 @@ void read_floats(const fs::path& p, std::span<float> dst, std::string_view what)
   std::memcpy(dst.data(), f.data(), dst.size_bytes());
 }
 
-// Reads a raw file of exactly `bytes` bytes into dst.
-void read_bytes(const fs::path& p, void* dst, size_t bytes, std::string_view what) {
+// Reads bytes [offset, offset + bytes) of a raw file of exactly `total` bytes into dst.
+void read_bytes(const fs::path& p, void* dst, size_t bytes, size_t offset, size_t total, std::string_view what) {
   std::error_code ec;
   const auto size = fs::file_size(p, ec);
   if (ec) fail(ErrorKind::io, "{}: cannot read: {}", p.string(), ec.message());
-  if (size != bytes)
+  if (size != total)
     fail(ErrorKind::invalid_input, "{}: holds {} bytes of {}, this run has {} (another model, method or LoRA shape)",
-         p.string(), size, what, bytes);
+         p.string(), size, what, total);
+  LOOM_ASSERT(offset + bytes <= total);
   if (bytes == 0) return;
   const MappedFile f(p.string());
-  std::memcpy(dst, f.data(), bytes);
+  std::memcpy(dst, f.data() + offset, bytes);
 }
 
 }  // namespace
@@ -219,6 +220,14 @@ CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointSta
                                      const AdamW& opt, const std::function<void(std::string_view)>& on_stage) {
   LOOM_ASSERT(st.step == opt.step_count());
   LOOM_ASSERT(opt.n_params() == params.size());
+  const std::vector<AdamW::StatePart> parts = opt.state_parts();
+  return write_checkpoint(dir, st, params, opt.kind(), parts, on_stage);
+}
+
+CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointState& st, std::span<const float> params,
+                                     OptimizerKind kind, std::span<const AdamW::StatePart> parts,
+                                     const std::function<void(std::string_view)>& on_stage) {
+  for (const AdamW::StatePart& p : parts) LOOM_ASSERT(p.file_offset == 0 && p.bytes == p.file_bytes);  // whole
   const auto t0 = std::chrono::steady_clock::now();
   const auto stage = [&](std::string_view s) {
     if (on_stage) on_stage(s);
@@ -245,13 +254,13 @@ CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointSta
     put(kParams, bytes_of(params));
     // adam_m.f32, adam_v.f32 and, for adamw8bit, the codes and absmax of its 8-bit moments.
     json state = state_json(st), moments = json::array();
-    for (const AdamW::StatePart& part : opt.state_parts()) {
+    for (const AdamW::StatePart& part : parts) {
       put(part.file, {static_cast<const char*>(part.data), part.bytes});
       moments.push_back(part.file);
     }
     if (st.loss_scaler)
       state["loss_scaler"] = {{"scale", st.loss_scaler->scale}, {"growth_tracker", st.loss_scaler->growth_tracker}};
-    state["optimizer"]["kind"] = optimizer_kind_name(opt.kind());
+    state["optimizer"]["kind"] = optimizer_kind_name(kind);
     state["optimizer"]["moments"] = moments;
     put(kState, state.dump(1) + "\n");
     put(kConfig, st.config_text);
@@ -340,8 +349,8 @@ void load_checkpoint_arenas(const std::string& path, std::span<float> params, Ad
     fail(ErrorKind::invalid_input, "{}: the checkpoint's optimizer state is optim.kind {}, this run uses {}", path,
          kind, optimizer_kind_name(opt.kind()));
   read_floats(dir / kParams, params, "parameter");
-  for (const AdamW::StatePart& part : opt.state_parts())
-    read_bytes(dir / part.file, part.data, part.bytes, "optimizer state");
+  for (const AdamW::StatePart& part : opt.state_parts())  // a ZeRO-1 shard reads its run
+    read_bytes(dir / part.file, part.data, part.bytes, part.file_offset, part.file_bytes, "optimizer state");
   opt.set_step_count(st.step);
 }
 

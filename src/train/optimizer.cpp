@@ -74,8 +74,11 @@ double clip_grad_global_norm(std::span<float> grads, double max_norm, double* sc
 }
 
 AdamW::AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params,
-             LrSchedule schedule, OptimizerKind kind, std::vector<TensorSpan> tensors)
-    : config_(config), groups_(std::move(groups)), schedule_(schedule), be_(backend), kind_(kind), n_(n_params) {
+             LrSchedule schedule, OptimizerKind kind, std::vector<TensorSpan> tensors, OptimizerShard shard)
+    : config_(config), groups_(std::move(groups)), schedule_(schedule), be_(backend), kind_(kind), n_(n_params),
+      shard_{std::min(shard.begin, n_params), std::min(shard.end, n_params)} {
+  if (shard_.begin > shard_.end)
+    fail(ErrorKind::invalid_input, "optimizer shard [{}, {}) is empty or reversed", shard.begin, shard.end);
   std::vector<std::pair<size_t, size_t>> spans;
   for (const auto& g : groups_) {
     if (g.offset > n_params || g.size > n_params - g.offset)
@@ -94,6 +97,7 @@ AdamW::AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> group
     fail(ErrorKind::invalid_input, "AdamW: betas ({}, {}) must be in [0, 1) and eps {} > 0", config_.beta1,
          config_.beta2, config_.eps);
   plan_segments(tensors);
+  keep_shard();
   m_ = backend.alloc(n_f32_ * sizeof(float));
   v_ = backend.alloc(n_f32_ * sizeof(float));
   if (kind_ != OptimizerKind::adamw8bit) return;
@@ -149,6 +153,61 @@ void AdamW::plan_segments(const std::vector<TensorSpan>& tensors) {
   }
 }
 
+// Drops the segments outside the shard and re-bases the kept ones' state
+// offsets, remembering where they sit in the unsharded layout.
+void AdamW::keep_shard() {
+  all_f32_ = n_f32_, all_q8_ = n_q8_, all_blocks_ = n_blocks_;
+  const size_t lo = shard_.begin, hi = shard_.end;
+  if (lo == 0 && hi == n_) return;
+  std::vector<Segment> kept;
+  bool first_f32 = true, first_q8 = true;
+  n_f32_ = n_q8_ = n_blocks_ = 0;
+  if (kind_ == OptimizerKind::adamw) {  // moments mirror [lo, hi) of the arena; a group may be cut
+    for (Segment s : segments_) {
+      const size_t a = std::max(s.offset, lo), b = std::min(s.offset + s.size, hi);
+      if (a >= b) continue;
+      s.offset = a;
+      s.size = b - a;
+      s.at = a - lo;
+      kept.push_back(s);
+    }
+    first_f32_ = lo;
+    n_f32_ = hi - lo;
+    segments_ = std::move(kept);
+    return;
+  }
+  for (Segment s : segments_) {
+    const size_t end = s.offset + s.size;
+    if (end <= lo || s.offset >= hi) continue;
+    if (s.offset < lo || end > hi)
+      fail(ErrorKind::internal, "optimizer shard [{}, {}) cuts a tensor piece [{}, {})", lo, hi, s.offset, end);
+    if (s.q8) {
+      if (first_q8) first_q8_ = s.at, first_block_ = s.block, first_q8 = false;
+      s.at -= first_q8_;
+      s.block -= first_block_;
+      n_q8_ += s.size;
+      n_blocks_ += blockwise8_blocks(s.size);
+    } else {
+      if (first_f32) first_f32_ = s.at, first_f32 = false;
+      s.at -= first_f32_;
+      n_f32_ += s.size;
+    }
+    kept.push_back(s);
+  }
+  // An empty kind of piece starts where the next shard's would: after every earlier segment's.
+  if (first_f32 || first_q8) {
+    size_t f = 0, q = 0, bl = 0;
+    for (const Segment& s : segments_) {
+      if (s.offset >= lo) break;
+      if (s.q8) q += s.size, bl += blockwise8_blocks(s.size);
+      else f += s.size;
+    }
+    if (first_f32) first_f32_ = f;
+    if (first_q8) first_q8_ = q, first_block_ = bl;
+  }
+  segments_ = std::move(kept);
+}
+
 double AdamW::current_lr(size_t group) const {
   LOOM_ASSERT(group < groups_.size());
   return groups_[group].lr * schedule_.multiplier(step_) * lr_scale_;
@@ -201,13 +260,14 @@ StepStats AdamW::step(std::span<float> params, std::span<float> grads, std::opti
 }
 
 std::vector<AdamW::StatePart> AdamW::state_parts() const {
-  std::vector<StatePart> out = {{"adam_m.f32", m_.data(), n_f32_ * sizeof(float)},
-                                {"adam_v.f32", v_.data(), n_f32_ * sizeof(float)}};
+  constexpr size_t F = sizeof(float);
+  std::vector<StatePart> out = {{"adam_m.f32", m_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F},
+                                {"adam_v.f32", v_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F}};
   if (kind_ == OptimizerKind::adamw8bit) {
-    out.push_back({"adam_m.q8", mq_.data(), n_q8_});
-    out.push_back({"adam_m_absmax.f32", ma_.data(), n_blocks_ * sizeof(float)});
-    out.push_back({"adam_v.q8", vq_.data(), n_q8_});
-    out.push_back({"adam_v_absmax.f32", va_.data(), n_blocks_ * sizeof(float)});
+    out.push_back({"adam_m.q8", mq_.data(), n_q8_, first_q8_, all_q8_});
+    out.push_back({"adam_m_absmax.f32", ma_.data(), n_blocks_ * F, first_block_ * F, all_blocks_ * F});
+    out.push_back({"adam_v.q8", vq_.data(), n_q8_, first_q8_, all_q8_});
+    out.push_back({"adam_v_absmax.f32", va_.data(), n_blocks_ * F, first_block_ * F, all_blocks_ * F});
   }
   return out;
 }

@@ -66,6 +66,15 @@ struct AdamWConfig {
   double max_grad_norm = 1.0;  // <= 0 disables clipping
 };
 
+// ZeRO stage 1: this process keeps the optimizer state of, and updates, only
+// the parameters [begin, end) of the arena (data parallel ranks split it; see
+// train/trainer_dist.cpp). With optim.kind adamw8bit the bounds must fall
+// between tensors (its 8-bit blocks start at a tensor's first element).
+struct OptimizerShard {
+  size_t begin = 0;
+  size_t end = SIZE_MAX;  // SIZE_MAX: to the end (no sharding)
+};
+
 struct StepStats {
   double grad_norm = 0;   // global L2 norm before clipping
   double clip_scale = 1;  // factor the gradients were multiplied by
@@ -87,8 +96,10 @@ class AdamW {
   // adamw8bit: each piece of a group inside one of `tensors` (none given: each
   // group is one tensor) with >= kMin8bitSize elements gets 8-bit moments, the
   // others f32 ones updated as adamw does.
+  // `shard`: the part of the arena this AdamW keeps state for and updates (ZeRO-1).
   AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> groups, size_t n_params,
-        LrSchedule schedule = {}, OptimizerKind kind = OptimizerKind::adamw, std::vector<TensorSpan> tensors = {});
+        LrSchedule schedule = {}, OptimizerKind kind = OptimizerKind::adamw, std::vector<TensorSpan> tensors = {},
+        OptimizerShard shard = {});
 
   // One update: clips `grads` in place, then updates `params` group by group
   // with lr = group.lr * schedule.multiplier(step_count()). Elements outside
@@ -116,14 +127,19 @@ class AdamW {
   OptimizerKind kind() const { return kind_; }
   size_t n_params() const { return n_; }
   size_t n_8bit() const { return n_q8_; }  // parameters whose moments are 8-bit
+  const OptimizerShard& shard() const { return shard_; }
 
   // The whole state as files of a checkpoint (raw bytes in the backend's
   // memory): adam_m.f32 and adam_v.f32, and for adamw8bit the codes
   // (adam_m.q8, adam_v.q8) and block absmax (adam_m_absmax.f32, adam_v_absmax.f32).
+  // A shard's part is the run [file_offset, file_offset + bytes) of the
+  // unsharded part's file_bytes; the shards of the ranks, in rank order, are the whole.
   struct StatePart {
     const char* file;
     void* data;
     size_t bytes;
+    size_t file_offset = 0;
+    size_t file_bytes = 0;
   };
   std::vector<StatePart> state_parts() const;
   // Bytes of optimizer state held (moments, codes, absmax and the two maps).
@@ -150,12 +166,18 @@ class AdamW {
     size_t block = 0;  // q8: first absmax
   };
   void plan_segments(const std::vector<TensorSpan>& tensors);
+  void keep_shard();
 
   Backend& be_;
   OptimizerKind kind_ = OptimizerKind::adamw;
   size_t n_ = 0;
   std::vector<Segment> segments_;
   size_t n_f32_ = 0, n_q8_ = 0, n_blocks_ = 0;
+  OptimizerShard shard_;
+  // Where this shard's f32 moments, 8-bit codes and absmax start in the
+  // unsharded layout, and that layout's sizes (state_parts' file offsets).
+  size_t first_f32_ = 0, first_q8_ = 0, first_block_ = 0;
+  size_t all_f32_ = 0, all_q8_ = 0, all_blocks_ = 0;
   DeviceBuffer m_, v_;                   // f32 moments
   DeviceBuffer mq_, vq_, ma_, va_;       // adamw8bit: codes and absmax
   DeviceBuffer maps_;                    // adamw8bit: Blockwise8Map signed, unsigned

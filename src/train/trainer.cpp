@@ -250,7 +250,8 @@ void Trainer::build_optimizer() {
   }
   LrSchedule sched{.kind = c_.schedule, .warmup_steps = c_.warmup_steps, .total_steps = total_steps_};
   opt_ = std::make_unique<AdamW>(*backend_, c_.adam, params_->param_groups(c_),
-                                 static_cast<size_t>(params_->count()), sched, c_.optimizer, params_->tensor_spans());
+                                 static_cast<size_t>(params_->count()), sched, c_.optimizer, params_->tensor_spans(),
+                                 zero_shard());
 }
 
 void Trainer::log_start() {
@@ -337,6 +338,7 @@ StepReport Trainer::train_step() {
   }
   r.lr = opt_->current_lr(0);
   r.grad_norm = opt_->step(params_->params(), params_->grads(), grad_norm).grad_norm;
+  gather_zero_params();  // dist.zero 1: each rank updated its part
   params_->after_update(*model_, *session_, *backend_);
   res_.step_losses.push_back(r.loss);
   res_.trained_tokens += r.target_tokens;
@@ -361,10 +363,18 @@ void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
   if (!metrics_) return;
   std::fprintf(metrics_.get(),
                "{\"step\":%lld,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"target_tokens\":%lld,"
-               "\"input_tokens\":%lld,\"step_seconds\":%.4f,\"elapsed_seconds\":%.3f,\"tokens_per_s\":%.2f}\n",
+               "\"input_tokens\":%lld,\"step_seconds\":%.4f,\"elapsed_seconds\":%.3f,\"tokens_per_s\":%.2f",
                static_cast<long long>(r.step), json_number(r.loss).c_str(), json_number(r.lr).c_str(),
                json_number(r.grad_norm).c_str(), static_cast<long long>(r.target_tokens),
                static_cast<long long>(r.input_tokens), r.step_seconds, seconds_since(t0_), tok_s);
+  if (world() > 1)  // data parallel: what rank 0 sent for the gradients, and how long it waited at the step's end
+    std::fprintf(metrics_.get(),
+                 ",\"ranks\":%d,\"wire_bytes\":%lld,\"uncompressed_wire_bytes\":%lld,\"comm_seconds\":%.4f,"
+                 "\"comm_wait_seconds\":%.4f",
+                 world(), static_cast<long long>(sync_stats_.wire_bytes),
+                 static_cast<long long>(sync_stats_.uncompressed_wire_bytes), sync_stats_.comm_seconds,
+                 sync_stats_.wait_seconds);
+  std::fputs("}\n", metrics_.get());
   std::fflush(metrics_.get());
 }
 
@@ -500,6 +510,13 @@ void Trainer::load_checkpoint(const std::string& path) {
                fmt::format("resumed from {} at step {} of {} (written for: {})", path, st.step, total_steps_,
                            st.reason),
                {{"step", st.step}, {"checkpoint", {{"path", path}, {"reason", st.reason}}}});
+  if (st.world_size != world())  // the cursor is global: the rows re-shard over the ranks there are now
+    log_->record(LogLevel::warning, "resume",
+                 fmt::format("resume: the checkpoint was written by {} rank{}, this run has {}: a step now takes {} x "
+                             "{} x {} rows instead of {} x {} x {}", st.world_size, st.world_size == 1 ? "" : "s",
+                             world(), world(), c_.grad_accum, c_.batch_size, st.world_size, c_.grad_accum,
+                             c_.batch_size),
+                 {{"world_size", world()}, {"checkpoint_world_size", st.world_size}});
   if (st.schedule.kind != LrScheduleKind::constant && st.schedule.total_steps != total_steps_)
     log_->record(LogLevel::warning, "resume",
                  fmt::format("resume: the {} schedule now spans {} steps instead of {}: the learning rate from here "
@@ -519,6 +536,7 @@ CheckpointState Trainer::checkpoint_state(std::string_view reason) {
   st.faults = faults_;
   if (scaler_) st.loss_scaler = scaler_->state();
   st.reason = std::string(reason);
+  st.world_size = world();
   st.identity = run_identity(c_);
   st.config_text = c_.text;
   st.input_hashes = input_hashes_;
@@ -542,8 +560,11 @@ void Trainer::write_checkpoint(std::string_view reason) {
     if (s == "files_written") fail_point(rt_.failpoints, "checkpoint_write", step);
   };
   CheckpointWriteInfo info;
+  std::vector<AdamW::StatePart> parts = opt_->state_parts();
+  const std::vector<std::vector<char>> whole = gather_zero_state(parts);  // dist.zero 1: every rank's part
   on_root("write a checkpoint", [&] {
-    info = loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params_->params(), *opt_, stage);
+    info = loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params_->params(), opt_->kind(), parts,
+                                  stage);
   });
   broadcast_text(info.path);  // every rank rolls back to / resumes from the same folder
   last_checkpoint_ = info.path;

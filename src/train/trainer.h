@@ -203,6 +203,10 @@ class Trainer {
   void broadcast_text(std::string& text);  // rank 0's text on every rank
   void agree_resume();
   void open_root_outputs();
+  OptimizerShard zero_shard();
+  void log_zero_shard();           // dist.zero 1: this rank's part of the arena (empty list: none)
+  void gather_zero_params();             // every rank's updated part to every rank
+  std::vector<std::vector<char>> gather_zero_state(std::vector<AdamW::StatePart>& parts);
   void on_root(std::string_view what, const std::function<void()>& work);
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
 
@@ -244,7 +248,8 @@ class Trainer {
   std::vector<std::pair<std::string, std::string>> input_hashes_;
   std::vector<EvalPoint> evals_;
   std::unique_ptr<GradientReducer> reducer_;  // data parallel only
-  std::vector<float> accum_;  // dist.deterministic with grad_accum > 1: the sum of the earlier micro-batches
+  std::vector<float> accum_;
+  std::vector<size_t> zero_cuts_;  // dist.zero 1: rank r updates parameters [cuts[r], cuts[r + 1])  // dist.deterministic with grad_accum > 1: the sum of the earlier micro-batches
   GradSyncStats sync_stats_;
 };
 

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "train/train_log.h"
+#include "train/memory.h"
 #include "train/trainer.h"
 
 namespace loom {
@@ -40,6 +41,18 @@ void Trainer::setup_data_parallel() {
                           {"bucket_bytes", s.bucket_bytes}, {"overlap", s.overlap},
                           {"deterministic", s.deterministic}, {"compression", grad_compression_name(s.compression)},
                           {"algorithm", collective_algorithm_name(c_.dist.algorithm)}}}});
+  log_zero_shard();
+}
+
+void Trainer::log_zero_shard() {
+  if (zero_cuts_.empty()) return;
+  const auto R = static_cast<size_t>(rank());
+  log_->record(LogLevel::info, "dist",
+               fmt::format("ZeRO-1: rank 0 keeps the optimizer state of {} of {} parameters ({}; each rank about 1/{})",
+                           zero_cuts_[R + 1] - zero_cuts_[R], params_->count(), format_bytes(static_cast<int64_t>(
+                               opt_->state_bytes())), world()),
+               {{"zero", {{"stage", 1}, {"parameters", zero_cuts_[R + 1] - zero_cuts_[R]},
+                          {"optimizer_bytes", opt_->state_bytes()}}}});
 }
 
 void Trainer::load_step_batches(StepReport& r) {
@@ -158,6 +171,62 @@ void Trainer::on_root(std::string_view what, const std::function<void()>& work) 
   const auto kind = static_cast<ErrorKind>(head[0]);
   if (is_root()) throw Error(kind, message);
   fail(kind, "rank 0 could not {}: {}", what, message);
+}
+
+// ZeRO-1: the arena cut into one contiguous part per rank at tensor bounds,
+// each near an equal share of the parameters; rank r keeps the optimizer
+// state of part r and updates it. The same cuts on every rank.
+OptimizerShard Trainer::zero_shard() {
+  zero_cuts_.clear();
+  if (world() == 1 || !c_.dist.zero1) return {};
+  std::vector<TensorSpan> spans = params_->tensor_spans();
+  std::sort(spans.begin(), spans.end(), [](const TensorSpan& a, const TensorSpan& b) { return a.offset < b.offset; });
+  const auto n = static_cast<size_t>(params_->count());
+  const auto W = static_cast<size_t>(world());
+  zero_cuts_ = {0};
+  for (size_t r = 1; r < W; ++r) {
+    const size_t target = n * r / W;
+    size_t best = zero_cuts_.back();
+    for (const TensorSpan& t : spans)  // the tensor start nearest the target, not before the last cut
+      if (t.offset >= zero_cuts_.back() &&
+          (best == zero_cuts_.back() || (t.offset > target ? t.offset - target : target - t.offset) <
+                                            (best > target ? best - target : target - best)))
+        best = t.offset;
+    zero_cuts_.push_back(best);
+  }
+  zero_cuts_.push_back(n);
+  const auto R = static_cast<size_t>(rank());
+  return {zero_cuts_[R], zero_cuts_[R + 1]};
+}
+
+void Trainer::gather_zero_params() {
+  if (zero_cuts_.empty()) return;
+  std::vector<size_t> bytes;
+  for (size_t r = 0; r + 1 < zero_cuts_.size(); ++r) bytes.push_back((zero_cuts_[r + 1] - zero_cuts_[r]) * sizeof(float));
+  float* p = params_->params().data();
+  rt_.comm->allgatherv(p + zero_cuts_[static_cast<size_t>(rank())], p, bytes);
+}
+
+// Rank 0 gets every rank's part of each optimizer state part (rank order is
+// the unsharded layout) and `parts` point at the whole; the buffers returned
+// hold them. Without ZeRO nothing changes.
+std::vector<std::vector<char>> Trainer::gather_zero_state(std::vector<AdamW::StatePart>& parts) {
+  std::vector<std::vector<char>> whole;
+  if (zero_cuts_.empty()) return whole;
+  const auto W = static_cast<size_t>(world());
+  for (AdamW::StatePart& part : parts) {
+    std::vector<uint64_t> sizes(W);
+    const uint64_t mine = part.bytes;
+    rt_.comm->allgatherv(&mine, sizes.data(), std::vector<size_t>(W, sizeof(uint64_t)));
+    const std::vector<size_t> counts(sizes.begin(), sizes.end());
+    std::vector<char> buf(is_root() ? part.file_bytes : 0);
+    rt_.comm->gatherv(part.data, buf.data(), counts, 0);
+    part.data = buf.data();
+    part.bytes = part.file_bytes;
+    part.file_offset = 0;
+    whole.push_back(std::move(buf));
+  }
+  return whole;
 }
 
 void Trainer::broadcast_text(std::string& text) {

@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# Data-parallel `loom train` under mpirun (docs/training.md "Scale-out"), on the tiny model:
+#  1. N ranks with batch_size b = one process with grad_accum N: per-step and eval losses and the
+#     adapter within 1e-6 relative after 3 steps (2 and 4 ranks; later, Adam turns the last-bit
+#     differences of the sum's order into larger ones: that is what dist.deterministic is for);
+#  2. dist.deterministic: the same bits as one process (LoRA at 2 and 4 ranks, full fine-tuning);
+#  3. ZeRO-1 (dist.zero: 1): the same bits, adamw and adamw8bit, 2 and 3 ranks; the optimizer state
+#     per rank falls with N (full fine-tuning);
+#  4. every tunable (overlap off, small buckets, each all-reduce algorithm) gives the default's losses;
+#  5. compression (topk, powersgd) sends fewer bytes, as metrics_file reports;
+#  6. checkpoints: resumed on the same rank count, the uninterrupted run's bits; on another rank
+#     count, re-sharded with a warning; a changed grad_accum refused;
+#  7. a rank killed (SIGKILL) stops every rank within 30 s with a message naming it; --resume then
+#     finishes; a rank that hangs (SIGSTOP) ends the run after dist.timeout.
+# Exit 77 (skipped) without mpirun; under CI=true that is a failure.
+# Usage: dist_test.sh LOOM_BINARY SOURCE_DIR
+set -u
+loom=$1
+src=$2
+tiny=$src/tests/fixtures/model/tiny-llama.f32.gguf
+if ! command -v mpirun >/dev/null 2>&1; then
+  echo "mpirun not found (Debian: openmpi-bin; scripts/setup installs it)"
+  [[ "${CI:-}" == "true" ]] && exit 1
+  exit 77
+fi
+mpi=(mpirun --allow-run-as-root --oversubscribe --mca btl self,vader)
+tmp=$(mktemp -d)
+trap 'pkill -9 -f "$tmp/" 2>/dev/null; rm -rf "$tmp"' EXIT
+pass=0
+fail=0
+ok() { pass=$((pass + 1)); }
+bad() { echo "FAIL $*"; fail=$((fail + 1)); }
+
+python3 - "$tmp/train.jsonl" <<'EOF'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for i in range(37):
+        f.write(json.dumps({"text": f"line {i}: the {'quick' if i % 3 else 'slow'} fox jumps over dog {i * 7}"}) + "\n")
+EOF
+cat >"$tmp/base.yaml" <<EOF
+model: $tiny
+data: {train: $tmp/train.jsonl, seq_len: 32, pack: false, eval_fraction: 0.1}
+lora: {r: 4, dropout: 0.1}
+optim: {lr: 3.0e-3, weight_decay: 0.01}
+schedule: {kind: cosine, warmup_steps: 2}
+batch_size: 2
+steps: 6
+eval_interval: 3
+seed: 11
+threads: 1
+log_interval: 1
+EOF
+
+# run NAME RANKS GRAD_ACCUM [--set ...]: trains into $tmp/NAME (metrics $tmp/NAME.jsonl, output $tmp/NAME.out).
+run() {
+  local name=$1 np=$2 ga=$3
+  shift 3
+  local cmd=("$loom" train "$tmp/base.yaml" --set grad_accum="$ga" --set output_dir="$tmp/$name"
+    --set metrics_file="$tmp/$name.jsonl" --overwrite "$@")
+  if [[ $np == 1 ]]; then "${cmd[@]}" >"$tmp/$name.out" 2>&1; else "${mpi[@]}" -np "$np" "${cmd[@]}" >"$tmp/$name.out" 2>&1; fi
+  local rc=$?
+  [[ $rc == 0 ]] || { echo "run $name exited $rc:"; tail -5 "$tmp/$name.out"; }
+  return $rc
+}
+
+# close_losses A B TOL: every loss and eval_loss of the two metrics files within TOL relative.
+close_losses() {
+  python3 - "$tmp/$1.jsonl" "$tmp/$2.jsonl" "$3" <<'EOF'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+tol = float(sys.argv[3])
+if len(a) != len(b) or not a:
+    sys.exit(f"{len(a)} vs {len(b)} metrics lines")
+worst = 0.0
+for x, y in zip(a, b):
+    for k in ("loss", "eval_loss"):
+        if k in x:
+            worst = max(worst, abs(x[k] - y[k]) / max(abs(x[k]), 1e-30))
+print(f"  losses: {len(a)} lines, largest relative difference {worst:.2e} (tolerance {tol:g})")
+sys.exit(0 if worst <= tol else 1)
+EOF
+}
+
+# close_tensors FILE_A FILE_B TOL: every tensor of two safetensors files within TOL of its largest |value|.
+close_tensors() {
+  python3 - "$1" "$2" "$3" <<'EOF'
+import array, json, struct, sys
+def load(p):
+    b = open(p, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__":
+            continue
+        s, e = v["data_offsets"]
+        a = array.array("f")
+        a.frombytes(b[8 + n + s:8 + n + e])
+        out[k] = a
+    return out
+a, b = load(sys.argv[1]), load(sys.argv[2])
+tol = float(sys.argv[3])
+if a.keys() != b.keys():
+    sys.exit("different tensors")
+worst = 0.0
+for k in a:
+    m = max(abs(x) for x in a[k])
+    d = max(abs(x - y) for x, y in zip(a[k], b[k]))
+    if m > 0:
+        worst = max(worst, d / m)
+print(f"  tensors: {len(a)}, largest difference relative to the tensor's largest value {worst:.2e} (tolerance {tol:g})")
+sys.exit(0 if worst <= tol else 1)
+EOF
+}
+
+# The metrics lines' step, losses and gradient norm.
+losses() {
+  python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    print({k: j.get(k) for k in ("step", "loss", "eval_loss", "grad_norm")})' "$1"
+}
+
+# same_bits A B FILE: identical output file and identical losses.
+same_bits() {
+  if cmp -s "$tmp/$1/$3" "$tmp/$2/$3" && diff -q <(losses "$tmp/$1.jsonl") <(losses "$tmp/$2.jsonl") >/dev/null; then
+    ok
+  else
+    bad "$1 vs $2: $3 or the losses differ in bits"
+  fi
+}
+
+echo "1. N ranks = one process with grad_accum N (3 steps, an evaluation after each)"
+eq=(--set steps=3 --set eval_interval=1)
+# Adapters: 1e-6 at 2 ranks. At 4 the sum's order differs from the one process's in more places, and
+# AdamW's first steps divide gradients below eps = 1e-8 (sums of cancelling terms, ~1e-3 relative
+# rounding) by eps: measured 3.6e-3 of a B matrix's largest value after 3 steps, hence 1e-2 there.
+for n in 2 4; do
+  tol=1e-6
+  [[ $n == 4 ]] && tol=1e-2
+  run "one$n" 1 $n "${eq[@]}" && run "dp$n" $n 1 "${eq[@]}" && {
+    close_losses "one$n" "dp$n" 1e-6 && ok || bad "$n ranks: losses"
+    close_tensors "$tmp/one$n/adapter_model.safetensors" "$tmp/dp$n/adapter_model.safetensors" $tol && ok ||
+      bad "$n ranks: adapter"
+  }
+done
+
+echo "2. dist.deterministic: the bits of one process"
+det=(--set dist.deterministic=true)
+run one2d 1 2 "${det[@]}" && run dp2d 2 1 "${det[@]}" && same_bits one2d dp2d adapter_model.safetensors
+run one4d 1 4 "${det[@]}" && run dp4d 4 1 "${det[@]}" && same_bits one4d dp4d adapter_model.safetensors
+full=(--set method=full --set optim.lr=1e-4 --set steps=4)
+run one2f 1 2 "${full[@]}" "${det[@]}" && run dp2f 2 1 "${full[@]}" "${det[@]}" &&
+  same_bits one2f dp2f model.safetensors
+
+echo "3. ZeRO-1"
+run dp2z 2 1 "${det[@]}" --set dist.zero=1 && same_bits one2d dp2z adapter_model.safetensors
+run one3q 1 3 "${det[@]}" --set optim.kind=adamw8bit && run dp3q 3 1 "${det[@]}" --set optim.kind=adamw8bit \
+  --set dist.zero=1 && same_bits one3q dp3q adapter_model.safetensors
+run dp2fz 2 1 "${full[@]}" "${det[@]}" --set dist.zero=1 --set log_file="$tmp/dp2fz.log" &&
+  run one2fz 1 2 "${full[@]}" "${det[@]}" --set log_file="$tmp/one2fz.log" && {
+  same_bits one2f dp2fz model.safetensors
+  # The memory estimate's optimizer arena (bytes, ECS log): rank 0 of 2 holds about half.
+  optimizer_bytes() {
+    python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    a = json.loads(line).get("loom", {}).get("memory", {}).get("arenas", {})
+    if "optimizer" in a:
+        print(a["optimizer"]); break' "$1"
+  }
+  opt_one=$(optimizer_bytes "$tmp/one2fz.log")
+  opt_two=$(optimizer_bytes "$tmp/dp2fz.log")
+  if [[ -n "$opt_one" && -n "$opt_two" ]] && (( opt_two * 10 < opt_one * 6 && opt_two * 10 > opt_one * 4 )); then
+    echo "  optimizer state: $opt_one bytes in one process, $opt_two on rank 0 of 2"
+    ok
+  else
+    bad "ZeRO-1: optimizer bytes one process '$opt_one', rank 0 of 2 '$opt_two' (expected about half)"
+  fi
+}
+
+echo "4. tunables: the same bits (two ranks' sum a + b has one rounding whatever the algorithm)"
+for t in "dist.overlap=false" "dist.bucket_mb=0.01" "dist.algorithm=ring" "dist.algorithm=tree" \
+  "dist.algorithm=recursive_doubling" "dist.algorithm=rabenseifner"; do
+  name=t_${t//[.=]/_}
+  run "$name" 2 1 "${eq[@]}" --set "$t" && same_bits dp2 "$name" adapter_model.safetensors
+done
+grep -q "in 1 buckets" "$tmp/dp2.out" && grep -q "buckets of up to 0.0 MiB" "$tmp/t_dist_bucket_mb_0_01.out" &&
+  ! grep -q "in 1 buckets" "$tmp/t_dist_bucket_mb_0_01.out" && ok || bad "bucket_mb: the number of buckets"
+
+echo "5. compression: fewer bytes on the wire"
+for c in topk powersgd; do
+  run "c_$c" 2 1 --set dist.compression=$c --set dist.ratio=0.1 --set dist.rank=1 --set lora.r=16 &&
+    python3 - "$tmp/c_$c.jsonl" "$c" <<'EOF' && ok || bad "$c: wire bytes"
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+w, u = steps[-1]["wire_bytes"], steps[-1]["uncompressed_wire_bytes"]
+print(f"  {sys.argv[2]}: {w} bytes on the wire per step, uncompressed {u}")
+sys.exit(0 if 0 < w < 0.5 * u else 1)
+EOF
+done
+
+echo "6. checkpoints and resume"
+ck=(--set checkpoint_interval=3 --set keep_checkpoints=5 "${det[@]}" --set dist.zero=1)
+run full2 2 1 "${ck[@]}" && run res2 2 1 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" &&
+  same_bits full2 res2 adapter_model.safetensors
+if run res3 3 1 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" &&
+  grep -q "written by 2 ranks, this run has 3" "$tmp/res3.out"; then ok; else bad "resume on 3 ranks"; fi
+if ! run resga 1 2 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" >/dev/null &&
+  grep -q "grad_accum" "$tmp/resga.out"; then ok; else bad "resume with another grad_accum is not refused"; fi
+
+echo "7. a rank that dies or hangs"
+# rank_pid RANK: the pid of that rank of a run below $tmp.
+rank_pid() {
+  local p
+  for p in $(pgrep -f "$tmp/base.yaml"); do
+    tr '\0' '\n' </proc/"$p"/environ 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$p"; return; }
+  done
+}
+long=(--set steps=100000 --set checkpoint_interval=100 --set eval_interval=0)
+kill_test() {  # NAME SIGNAL TIMEOUT EXPECT
+  local name=$1
+  "${mpi[@]}" -np 2 "$loom" train "$tmp/base.yaml" "${long[@]}" --set dist.timeout="$3" --set output_dir="$tmp/$name" \
+    --set metrics_file="$tmp/$name.jsonl" --overwrite >"$tmp/$name.out" 2>&1 &
+  local job=$! waited=0
+  while [[ ! -d "$tmp/$name/checkpoints/step-00000100" && $waited -lt 600 ]]; do sleep 0.1; waited=$((waited + 1)); done
+  local victim
+  victim=$(rank_pid 1)
+  [[ -n "$victim" ]] || { bad "$name: rank 1 not found"; kill -9 $job; return; }
+  kill -"$2" "$victim"
+  local t0=$SECONDS
+  while kill -0 $job 2>/dev/null && ((SECONDS - t0 < 60)); do sleep 0.2; done
+  if kill -0 $job 2>/dev/null; then
+    bad "$name: still running 60 s after SIG$2 to rank 1"
+    pkill -9 -f "$tmp/base.yaml"
+    return
+  fi
+  wait $job
+  local rc=$? took=$((SECONDS - t0))
+  kill -CONT "$victim" 2>/dev/null
+  if [[ $rc != 0 ]] && grep -q "$4" "$tmp/$name.out" && ((took <= $5)); then
+    echo "  SIG$2 to rank 1: every rank stopped after ${took} s (exit $rc): $(grep -m1 "$4" "$tmp/$name.out" | cut -c1-150)"
+    ok
+  else
+    bad "$name: exit $rc after ${took} s; expected '$4' within $5 s"
+    tail -5 "$tmp/$name.out"
+  fi
+}
+kill_test killed KILL 300 "rank 1" 30
+# Resumed from the last checkpoint, with few steps left.
+last=$(ls -d "$tmp/killed/checkpoints"/step-* | tail -1)
+steps_done=$((10#${last##*step-}))
+"${mpi[@]}" -np 2 "$loom" train "$tmp/base.yaml" "${long[@]}" --set steps=$((steps_done + 5)) \
+  --set output_dir="$tmp/killed" --set metrics_file="$tmp/killed.jsonl" --resume >"$tmp/resumed.out" 2>&1 &&
+  grep -q "resumed from" "$tmp/resumed.out" && [[ -f "$tmp/killed/adapter_model.safetensors" ]] && ok ||
+  { bad "resume after the killed rank"; tail -5 "$tmp/resumed.out"; }
+kill_test hung STOP 3 "did not complete within dist.timeout" 30
+
+echo "$pass passed, $fail failed"
+[[ $fail == 0 ]]
