@@ -125,6 +125,25 @@ GradientReducer::~GradientReducer() {
   if (thread_.joinable()) thread_.join();
 }
 
+std::vector<float> GradientReducer::powersgd_q() const {
+  std::vector<float> out;
+  for (const auto& q : q_) out.insert(out.end(), q.begin(), q.end());
+  return out;
+}
+
+void GradientReducer::set_powersgd_q(std::span<const float> q) {
+  size_t n = 0;
+  for (const auto& v : q_) n += v.size();
+  if (q.size() != n)
+    fail(ErrorKind::invalid_input, "PowerSGD state: {} values, this run's matrices need {}", q.size(), n);
+  size_t at = 0;
+  for (auto& v : q_) {
+    std::copy(q.begin() + static_cast<std::ptrdiff_t>(at), q.begin() + static_cast<std::ptrdiff_t>(at + v.size()),
+              v.begin());
+    at += v.size();
+  }
+}
+
 size_t GradientReducer::state_bytes() const {
   size_t n = residual_.size() * sizeof(float) + scratch_.capacity();
   for (const auto& q : q_) n += q.size() * sizeof(float);

@@ -78,6 +78,12 @@ class GradientReducer {
   GradSyncStats finish();
 
   size_t bucket_count() const { return buckets_.size(); }
+  // The compression's state, for checkpoints: this rank's error-feedback
+  // residual (arena layout; empty without compression) and PowerSGD's Q of
+  // every compressed matrix, back to back (the same on every rank).
+  std::span<float> residual() { return residual_; }
+  std::vector<float> powersgd_q() const;
+  void set_powersgd_q(std::span<const float> q);  // throws invalid_input on a size mismatch
   const GradSyncOptions& options() const { return opt_; }
   // Bytes of error-feedback and compression state held (memory reports).
   size_t state_bytes() const;

@@ -226,7 +226,8 @@ CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointSta
 
 CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointState& st, std::span<const float> params,
                                      OptimizerKind kind, std::span<const AdamW::StatePart> parts,
-                                     const std::function<void(std::string_view)>& on_stage) {
+                                     const std::function<void(std::string_view)>& on_stage,
+                                     std::span<const AdamW::StatePart> extra) {
   for (const AdamW::StatePart& p : parts) LOOM_ASSERT(p.file_offset == 0 && p.bytes == p.file_bytes);  // whole
   const auto t0 = std::chrono::steady_clock::now();
   const auto stage = [&](std::string_view s) {
@@ -265,6 +266,7 @@ CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointSta
     put(kState, state.dump(1) + "\n");
     put(kConfig, st.config_text);
     put(kMetrics, st.metrics_text);
+    for (const AdamW::StatePart& part : extra) put(part.file, {static_cast<const char*>(part.data), part.bytes});
     stage("files_written");
     const std::optional<double> ev = st.eval_loss();
     const json manifest = {{"format", kFormatName}, {"format_version", kCheckpointFormat}, {"step", st.step},

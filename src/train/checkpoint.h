@@ -83,10 +83,12 @@ CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointSta
                                      const AdamW& opt,
                                      const std::function<void(std::string_view stage)>& on_stage = {});
 // The same from whole (unsharded) state parts: ZeRO-1's rank 0 writes the
-// parts it gathered from every rank.
+// parts it gathered from every rank. `extra`: more files of the run's state
+// (data parallel's gradient-compression state), checksummed like the others.
 CheckpointWriteInfo write_checkpoint(const std::string& dir, const CheckpointState& st, std::span<const float> params,
                                      OptimizerKind kind, std::span<const AdamW::StatePart> parts,
-                                     const std::function<void(std::string_view stage)>& on_stage = {});
+                                     const std::function<void(std::string_view stage)>& on_stage = {},
+                                     std::span<const AdamW::StatePart> extra = {});
 
 // "step-00000050" for 50; the step of such a name, or nullopt for any other name.
 std::string checkpoint_name(int64_t step);

@@ -482,6 +482,7 @@ void Trainer::load_checkpoint(const std::string& path) {
     fail(ErrorKind::invalid_input, "checkpoint {}: its history ({} step losses, seed {}) does not fit step {} of "
          "this run (seed {})", path, st.step_losses.size(), st.shuffle_seed, st.step, c_.seed);
   load_checkpoint_arenas(path, params_->params(), *opt_);
+  restore_compression_state(path, st.world_size);
   params_->after_update(*model_, *session_, *backend_);  // full: the backend's copies of the weights
   restore_faults(st.faults);
   if (scaler_) {
@@ -562,9 +563,11 @@ void Trainer::write_checkpoint(std::string_view reason) {
   CheckpointWriteInfo info;
   std::vector<AdamW::StatePart> parts = opt_->state_parts();
   const std::vector<std::vector<char>> whole = gather_zero_state(parts);  // dist.zero 1: every rank's part
+  std::vector<float> residuals, q;
+  const std::vector<AdamW::StatePart> extra = gather_compression_state(residuals, q);  // dist.compression
   on_root("write a checkpoint", [&] {
     info = loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params_->params(), opt_->kind(), parts,
-                                  stage);
+                                  stage, extra);
   });
   broadcast_text(info.path);  // every rank rolls back to / resumes from the same folder
   last_checkpoint_ = info.path;

@@ -7,8 +7,10 @@
 // summed over the ranks by the GradientReducer while the last backward runs.
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 
 #include "core/error.h"
+#include "core/mapped_file.h"
 #include "train/train_log.h"
 #include "train/memory.h"
 #include "train/trainer.h"
@@ -227,6 +229,63 @@ std::vector<std::vector<char>> Trainer::gather_zero_state(std::vector<AdamW::Sta
     whole.push_back(std::move(buf));
   }
   return whole;
+}
+
+namespace {
+constexpr const char* kResidualFile = "dist_residual.f32";  // every rank's residual, rank order
+constexpr const char* kPowerSgdFile = "dist_powersgd_q.f32";
+}  // namespace
+
+std::vector<AdamW::StatePart> Trainer::gather_compression_state(std::vector<float>& residuals, std::vector<float>& q) {
+  std::vector<AdamW::StatePart> out;
+  if (!reducer_ || reducer_->residual().empty()) return out;
+  const std::span<float> mine = reducer_->residual();
+  const auto W = static_cast<size_t>(world());
+  residuals.resize(is_root() ? W * mine.size() : 0);
+  rt_.comm->gatherv(mine.data(), residuals.data(), std::vector<size_t>(W, mine.size_bytes()), 0);
+  const size_t rb = residuals.size() * sizeof(float);
+  out.push_back({kResidualFile, residuals.data(), rb, 0, rb});
+  q = reducer_->powersgd_q();
+  const size_t qb = q.size() * sizeof(float);
+  if (!q.empty()) out.push_back({kPowerSgdFile, q.data(), qb, 0, qb});
+  return out;
+}
+
+// The residual of the same rank count resumes as it was. On another count the
+// ranks' residuals cannot be mapped one to one: rank 0 takes their sum (what is
+// still owed to the update), the others start at zero.
+void Trainer::restore_compression_state(const std::string& path, int64_t checkpoint_world) {
+  if (!reducer_ || reducer_->residual().empty()) return;
+  const std::span<float> mine = reducer_->residual();
+  std::fill(mine.begin(), mine.end(), 0.0f);
+  const std::filesystem::path dir(path);
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / kResidualFile, ec)) {
+    log_->record(LogLevel::warning, "resume",
+                 fmt::format("resume: {} holds no gradient-compression state (written without dist.compression): "
+                             "the error feedback starts from zero", path));
+    return;
+  }
+  const MappedFile f((dir / kResidualFile).string());
+  const size_t n = mine.size();
+  if (checkpoint_world < 1 || f.size() != static_cast<size_t>(checkpoint_world) * n * sizeof(float))
+    fail(ErrorKind::invalid_input, "{}: {} holds {} bytes, not {} ranks' residuals of {} gradients", path,
+         kResidualFile, f.size(), checkpoint_world, n);
+  const auto* all = reinterpret_cast<const float*>(f.data());
+  if (checkpoint_world == world()) {
+    std::copy(all + static_cast<size_t>(rank()) * n, all + static_cast<size_t>(rank() + 1) * n, mine.begin());
+  } else {
+    if (is_root())
+      for (int64_t r = 0; r < checkpoint_world; ++r)
+        for (size_t i = 0; i < n; ++i) mine[i] += all[static_cast<size_t>(r) * n + i];
+    log_->record(LogLevel::warning, "resume",
+                 fmt::format("resume: the error-feedback residuals of {} ranks go to rank 0 as their sum ({} ranks "
+                             "now)", checkpoint_world, world()));
+  }
+  if (c_.dist.sync.compression == GradCompression::powersgd && std::filesystem::exists(dir / kPowerSgdFile, ec)) {
+    const MappedFile qf((dir / kPowerSgdFile).string());
+    reducer_->set_powersgd_q({reinterpret_cast<const float*>(qf.data()), qf.size() / sizeof(float)});
+  }
 }
 
 void Trainer::broadcast_text(std::string& text) {

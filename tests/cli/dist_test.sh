@@ -206,6 +206,13 @@ echo "6. checkpoints and resume"
 ck=(--set checkpoint_interval=3 --set keep_checkpoints=5 "${det[@]}" --set dist.zero=1)
 run full2 2 1 "${ck[@]}" && run res2 2 1 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" &&
   same_bits full2 res2 adapter_model.safetensors
+# Compression's error feedback (and PowerSGD's Q) are in the checkpoint: resumed, the same bits.
+for c in topk powersgd; do
+  cc=(--set dist.compression=$c --set dist.ratio=0.1 --set dist.rank=1 --set lora.r=16)
+  run "full_$c" 2 1 "${ck[@]}" "${cc[@]}" &&
+    run "res_$c" 2 1 "${ck[@]}" "${cc[@]}" --resume "$tmp/full_$c/checkpoints/step-00000003" &&
+    same_bits "full_$c" "res_$c" adapter_model.safetensors
+done
 if run res3 3 1 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" &&
   grep -q "written by 2 ranks, this run has 3" "$tmp/res3.out"; then ok; else bad "resume on 3 ranks"; fi
 if ! run resga 1 2 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" >/dev/null &&
