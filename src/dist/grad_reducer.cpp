@@ -88,6 +88,8 @@ GradientReducer::GradientReducer(Communicator& comm, std::span<float> grads,
                                  GradSyncOptions options)
     : comm_(comm), grads_(grads), matrices_(std::move(matrices)), opt_(options) {
   LOOM_ASSERT(opt_.bucket_bytes >= sizeof(float));
+  std::sort(matrices_.begin(), matrices_.end(),
+            [](const GradMatrix& a, const GradMatrix& b) { return a.offset < b.offset; });
   plan_buckets(layer_ranges);
   if (opt_.compression != GradCompression::none) residual_.assign(grads_.size(), 0.0f);
   // PowerSGD pays where rank * (rows + cols) is well under rows * cols.
@@ -264,7 +266,7 @@ void GradientReducer::reduce(const Bucket& b) {
   if (opt_.compression == GradCompression::topk) {
     const double n = comm_.size();
     stats_.uncompressed_wire_bytes += static_cast<int64_t>(2.0 * (n - 1) / n * 4.0 * static_cast<double>(b.size));
-    reduce_topk(g, residual_.data() + b.offset, b.size);
+    reduce_topk(b);
   } else if (opt_.compression == GradCompression::powersgd) {
     reduce_powersgd(b);
   } else {
@@ -294,30 +296,52 @@ void GradientReducer::reduce_deterministic(float* g, size_t n) {
     for (size_t i = 0; i < n; ++i) g[i] += all[k * n + i];
 }
 
-// Top-k with error feedback: v = g + residual; the k largest |v| are sent as
-// (index, value); the residual keeps the rest. The sum is rebuilt in rank order.
-void GradientReducer::reduce_topk(float* g, float* residual, size_t n) {
-  const size_t k = std::clamp<size_t>(static_cast<size_t>(std::ceil(opt_.topk_ratio * static_cast<double>(n))), 1, n);
-  for (size_t i = 0; i < n; ++i) residual[i] += g[i];  // residual now holds v
-  // The k-th largest magnitude, then the entries above it (ties fill up to k).
-  std::vector<float> mag(n);
-  for (size_t i = 0; i < n; ++i) mag[i] = std::fabs(residual[i]);
-  std::nth_element(mag.begin(), mag.begin() + static_cast<std::ptrdiff_t>(k - 1), mag.end(), std::greater<float>());
-  const float threshold = mag[k - 1];
+// Top-k with error feedback, tensor by tensor (as Deep Gradient Compression
+// selects per layer: one bucket-wide threshold would starve the tensors with
+// small gradients, such as LoRA's A next to its B): v = g + residual; each
+// tensor's ceil(ratio n) largest |v| are sent as (index, value); the residual
+// keeps the rest. The sum is rebuilt in rank order.
+void GradientReducer::reduce_topk(const Bucket& b) {
+  float* g = grads_.data() + b.offset;
+  float* residual = residual_.data() + b.offset;
+  for (size_t i = 0; i < b.size; ++i) residual[i] += g[i];  // residual now holds v
   std::vector<SparseEntry> mine;
-  mine.reserve(k);
-  for (size_t i = 0; i < n && mine.size() < k; ++i)
-    if (std::fabs(residual[i]) > threshold) mine.push_back({static_cast<uint32_t>(i), residual[i]});
-  for (size_t i = 0; i < n && mine.size() < k; ++i)
-    if (std::fabs(residual[i]) == threshold) mine.push_back({static_cast<uint32_t>(i), residual[i]});
+  std::vector<float> mag;
+  // One tensor's run [lo, hi) of the bucket: the k-th largest magnitude, then
+  // the entries above it (ties fill up to k).
+  auto select = [&](size_t lo, size_t hi) {
+    const size_t n = hi - lo;
+    if (n == 0) return;
+    const size_t k =
+        std::clamp<size_t>(static_cast<size_t>(std::ceil(opt_.topk_ratio * static_cast<double>(n))), 1, n);
+    mag.resize(n);
+    for (size_t i = 0; i < n; ++i) mag[i] = std::fabs(residual[lo + i]);
+    std::nth_element(mag.begin(), mag.begin() + static_cast<std::ptrdiff_t>(k - 1), mag.end(), std::greater<float>());
+    const float threshold = mag[k - 1];
+    const size_t want = mine.size() + k;
+    for (size_t i = lo; i < hi && mine.size() < want; ++i)
+      if (std::fabs(residual[i]) > threshold) mine.push_back({static_cast<uint32_t>(i), residual[i]});
+    for (size_t i = lo; i < hi && mine.size() < want; ++i)
+      if (std::fabs(residual[i]) == threshold) mine.push_back({static_cast<uint32_t>(i), residual[i]});
+  };
+  size_t at = 0;  // the tensors inside the bucket, and the runs between them
+  for (size_t m : b.matrices) {
+    const size_t lo = matrices_[m].offset - b.offset;
+    if (lo < at) continue;  // overlapping spans: the first one wins
+    select(at, lo);
+    at = lo + static_cast<size_t>(matrices_[m].rows * matrices_[m].cols);
+    select(lo, at);
+  }
+  select(at, b.size);
   for (const SparseEntry& e : mine) residual[e.index] = 0;  // sent: no longer owed
   const auto N = static_cast<size_t>(comm_.size());
+  const size_t k = mine.size();  // the same on every rank: it depends only on the layout
   const size_t bytes = k * sizeof(SparseEntry);
   scratch_.resize(N * bytes);
   auto r = comm_.start_allgather(mine.data(), scratch_.data(), bytes);
   comm_.wait(*r, "gradient all-gather (dist.compression topk)");
   count_allgather(bytes);
-  std::fill(g, g + n, 0.0f);
+  std::fill(g, g + b.size, 0.0f);
   const auto* all = reinterpret_cast<const SparseEntry*>(scratch_.data());
   for (size_t e = 0; e < N * k; ++e) g[all[e].index] += all[e].value;
 }

@@ -63,7 +63,8 @@ class GradientReducer {
   // `grads`: the arena every rank lays out alike. layer_ranges[l]: the
   // contiguous run of layer l's gradients (adjacent layers adjacent); what no
   // layer covers (embedding, final norm, output) is reduced at finish().
-  // `matrices`: the arena's matrices (PowerSGD compresses the large ones).
+  // `matrices`: the arena's tensors (vectors as one row): top-k selects within
+  // each, PowerSGD compresses the large matrices.
   GradientReducer(Communicator& comm, std::span<float> grads, std::vector<std::pair<size_t, size_t>> layer_ranges,
                   std::vector<GradMatrix> matrices, GradSyncOptions options);
   ~GradientReducer();
@@ -100,7 +101,7 @@ class GradientReducer {
   void reduce(const Bucket& b);
   void reduce_plain(float* g, size_t n);
   void reduce_deterministic(float* g, size_t n);
-  void reduce_topk(float* g, float* residual, size_t n);
+  void reduce_topk(const Bucket& b);
   void reduce_powersgd(const Bucket& b);
   void count_allreduce(size_t bytes, bool compressed);
   void count_allgather(size_t bytes_per_rank);

@@ -20,8 +20,8 @@ namespace loom {
 void Trainer::setup_data_parallel() {
   if (world() == 1) return;
   std::vector<GradMatrix> matrices;
-  for (const TensorSpan& t : params_->tensor_spans())
-    if (t.rows > 0) matrices.push_back({t.offset, t.rows, static_cast<int64_t>(t.size) / t.rows});
+  for (const TensorSpan& t : params_->tensor_spans())  // vectors as one row
+    matrices.push_back({t.offset, std::max<int64_t>(t.rows, 1), static_cast<int64_t>(t.size) / std::max<int64_t>(t.rows, 1)});
   GradSyncOptions o = c_.dist.sync;
   o.seed = c_.seed;
   reducer_ = std::make_unique<GradientReducer>(*rt_.comm, params_->grads(), params_->layer_ranges(),
