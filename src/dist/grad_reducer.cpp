@@ -34,13 +34,18 @@ struct SparseEntry {
 
 // Gram-Schmidt on the columns of P [rows, r] (row-major), in double; a column
 // that vanishes becomes zero (it then carries nothing, as torch's PowerSGD).
+// Each column is projected out twice: after one pass a column that lay (nearly)
+// in the span of the earlier ones (P of a gradient of rank < r) is float
+// rounding noise that is not orthogonal to them, and normalized it would turn
+// P P^T M into something other than a projection of M.
 void orthonormalize_columns(float* p, int64_t rows, int64_t r) {
   for (int64_t k = 0; k < r; ++k) {
-    for (int64_t j = 0; j < k; ++j) {
-      double dot = 0;
-      for (int64_t i = 0; i < rows; ++i) dot += static_cast<double>(p[i * r + k]) * p[i * r + j];
-      for (int64_t i = 0; i < rows; ++i) p[i * r + k] -= static_cast<float>(dot) * p[i * r + j];
-    }
+    for (int pass = 0; pass < 2; ++pass)
+      for (int64_t j = 0; j < k; ++j) {
+        double dot = 0;
+        for (int64_t i = 0; i < rows; ++i) dot += static_cast<double>(p[i * r + k]) * p[i * r + j];
+        for (int64_t i = 0; i < rows; ++i) p[i * r + k] -= static_cast<float>(dot) * p[i * r + j];
+      }
     double norm = 0;
     for (int64_t i = 0; i < rows; ++i) norm += static_cast<double>(p[i * r + k]) * p[i * r + k];
     norm = std::sqrt(norm);
@@ -269,12 +274,15 @@ void GradientReducer::reduce(const Bucket& b) {
     reduce_topk(b);
   } else if (opt_.compression == GradCompression::powersgd) {
     reduce_powersgd(b);
+  } else if (opt_.deterministic) {
+    // An all-gather of the bucket: (N-1) B on the wire, against the plain all-reduce's 2 (N-1)/N B.
+    const double n = comm_.size();
+    stats_.uncompressed_wire_bytes += static_cast<int64_t>(2.0 * (n - 1) / n * 4.0 * static_cast<double>(b.size));
+    count_allgather(b.size * sizeof(float));
+    reduce_deterministic(g, b.size);
   } else {
     count_allreduce(b.size * sizeof(float), false);
-    if (opt_.deterministic)
-      reduce_deterministic(g, b.size);
-    else
-      reduce_plain(g, b.size);
+    reduce_plain(g, b.size);
   }
 }
 
@@ -392,11 +400,13 @@ void GradientReducer::reduce_powersgd(const Bucket& b) {
     at += n;
   }
   auto sum = [&](float* data, size_t n) {
-    count_allreduce(n * sizeof(float), true);
-    if (opt_.deterministic)
+    if (opt_.deterministic) {
+      count_allgather(n * sizeof(float));
       reduce_deterministic(data, n);
-    else
+    } else {
+      count_allreduce(n * sizeof(float), true);
       reduce_plain(data, n);
+    }
   };
   sum(msg.data(), msg.size());
   at = p_floats;

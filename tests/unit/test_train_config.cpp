@@ -379,5 +379,86 @@ TEST(TrainProductionConfig, RunIdentityHasWhatChangesTheRun) {
     EXPECT_TRUE(k != "steps" && k != "threads" && k != "log_interval" && k != "eval_interval") << k;
 }
 
+// dist.*: the data-parallel settings (src/train/train_config.cpp read_dist_keys).
+TEST(TrainDistConfig, Defaults) {
+  const TrainConfig c = parse(kMinimal);
+  EXPECT_EQ(c.dist.sync.bucket_bytes, size_t{25} << 20);
+  EXPECT_TRUE(c.dist.sync.overlap);
+  EXPECT_FALSE(c.dist.sync.deterministic);
+  EXPECT_EQ(c.dist.sync.compression, GradCompression::none);
+  EXPECT_DOUBLE_EQ(c.dist.sync.topk_ratio, 0.1);
+  EXPECT_EQ(c.dist.sync.powersgd_rank, 4);
+  EXPECT_EQ(c.dist.algorithm, CollectiveAlgorithm::automatic);
+  EXPECT_DOUBLE_EQ(c.dist.timeout_s, 300);
+  EXPECT_FALSE(c.dist.zero1);
+}
+
+TEST(TrainDistConfig, EveryKeyRead) {
+  const TrainConfig c = parse(kMinimal + "dist:\n  bucket_mb: 0.5\n  overlap: false\n  deterministic: true\n"
+                                         "  compression: powersgd\n  ratio: 0.05\n  rank: 2\n  algorithm: ring\n"
+                                         "  timeout: 12.5\n  zero: 1\n");
+  EXPECT_EQ(c.dist.sync.bucket_bytes, size_t{512} << 10);
+  EXPECT_FALSE(c.dist.sync.overlap);
+  EXPECT_TRUE(c.dist.sync.deterministic);
+  EXPECT_EQ(c.dist.sync.compression, GradCompression::powersgd);
+  EXPECT_DOUBLE_EQ(c.dist.sync.topk_ratio, 0.05);
+  EXPECT_EQ(c.dist.sync.powersgd_rank, 2);
+  EXPECT_EQ(c.dist.algorithm, CollectiveAlgorithm::ring);
+  EXPECT_DOUBLE_EQ(c.dist.timeout_s, 12.5);
+  EXPECT_TRUE(c.dist.zero1);
+}
+
+TEST(TrainDistConfig, EveryValueOfTheChoices) {
+  const std::pair<const char*, GradCompression> compressions[] = {
+      {"none", GradCompression::none}, {"topk", GradCompression::topk}, {"powersgd", GradCompression::powersgd}};
+  for (const auto& [name, value] : compressions)
+    EXPECT_EQ(parse(kMinimal, {std::string("dist.compression=") + name}).dist.sync.compression, value) << name;
+  const std::pair<const char*, CollectiveAlgorithm> algorithms[] = {
+      {"auto", CollectiveAlgorithm::automatic},
+      {"ring", CollectiveAlgorithm::ring},
+      {"tree", CollectiveAlgorithm::tree},
+      {"rabenseifner", CollectiveAlgorithm::rabenseifner},
+      {"recursive_doubling", CollectiveAlgorithm::recursive_doubling}};
+  for (const auto& [name, value] : algorithms)
+    EXPECT_EQ(parse(kMinimal, {std::string("dist.algorithm=") + name}).dist.algorithm, value) << name;
+  // The closed ends of the ranges.
+  EXPECT_DOUBLE_EQ(parse(kMinimal, {"dist.ratio=1"}).dist.sync.topk_ratio, 1.0);
+  EXPECT_EQ(parse(kMinimal, {"dist.rank=1"}).dist.sync.powersgd_rank, 1);
+  EXPECT_EQ(parse(kMinimal, {"dist.rank=1024"}).dist.sync.powersgd_rank, 1024);
+  EXPECT_FALSE(parse(kMinimal, {"dist.zero=0"}).dist.zero1);
+  EXPECT_EQ(parse(kMinimal, {"dist.bucket_mb=65536"}).dist.sync.bucket_bytes, size_t{1} << 36);
+  // A bucket smaller than one float is one float.
+  EXPECT_EQ(parse(kMinimal, {"dist.bucket_mb=1e-9"}).dist.sync.bucket_bytes, sizeof(float));
+  // Flat dotted keys in the file, as everywhere.
+  EXPECT_EQ(parse(kMinimal + "dist.compression: topk\n").dist.sync.compression, GradCompression::topk);
+}
+
+TEST(TrainDistConfig, BadValuesNamed) {
+  expect_bad(kMinimal + "dist:\n  compression: gzip\n", {"cfg.yaml:7:3", "'dist.compression'", "gzip",
+                                                          "none, topk or powersgd"});
+  expect_bad_set({"dist.bucket_mb=0"}, {"'dist.bucket_mb'", "out of range"});
+  expect_bad_set({"dist.bucket_mb=-1"}, {"'dist.bucket_mb'", "out of range"});
+  expect_bad_set({"dist.bucket_mb=65537"}, {"'dist.bucket_mb'", "out of range"});
+  expect_bad_set({"dist.bucket_mb=big"}, {"'dist.bucket_mb'", "expected a number"});
+  expect_bad_set({"dist.overlap=maybe"}, {"'dist.overlap'", "true or false"});
+  expect_bad_set({"dist.deterministic=2"}, {"'dist.deterministic'", "true or false"});
+  expect_bad_set({"dist.compression=''"}, {"'dist.compression'", "must not be empty"});
+  expect_bad_set({"dist.ratio=0"}, {"'dist.ratio'", "out of range (0, 1]"});
+  expect_bad_set({"dist.ratio=1.5"}, {"'dist.ratio'", "out of range (0, 1]"});
+  expect_bad_set({"dist.ratio=.nan"}, {"'dist.ratio'", "out of range"});
+  expect_bad_set({"dist.rank=0"}, {"'dist.rank'", "out of range [1, 1024]"});
+  expect_bad_set({"dist.rank=1025"}, {"'dist.rank'", "out of range [1, 1024]"});
+  expect_bad_set({"dist.rank=2.5"}, {"'dist.rank'", "expected an integer"});
+  expect_bad_set({"dist.algorithm=butterfly"}, {"'dist.algorithm'", "butterfly", "auto, ring, tree, rabenseifner or "
+                                                                                  "recursive_doubling"});
+  expect_bad_set({"dist.timeout=0"}, {"'dist.timeout'", "out of range"});
+  expect_bad_set({"dist.timeout=-5"}, {"'dist.timeout'", "out of range"});
+  expect_bad_set({"dist.zero=2"}, {"'dist.zero'", "out of range [0, 1]"});
+  expect_bad_set({"dist.zero=-1"}, {"'dist.zero'", "out of range [0, 1]"});
+  expect_bad_set({"dist.zero=true"}, {"'dist.zero'", "expected an integer"});
+  expect_bad_set({"dist.buckets=1"}, {"unknown key 'dist.buckets'"});
+  expect_bad(kMinimal + "dist: 3\n", {"'dist' must be a mapping"});
+}
+
 }  // namespace
 }  // namespace loom
