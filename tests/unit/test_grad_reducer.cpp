@@ -426,6 +426,34 @@ TEST(GradReducerTopK, SendsTheLargestMagnitudes) {
   }
 }
 
+// Two tensors in one bucket, the second 1000 times smaller: each still sends
+// its own ceil(ratio n) largest entries (a bucket-wide threshold would pick
+// only the first tensor's).
+TEST(GradReducerTopK, SelectsWithinEachTensor) {
+  Arena a = layered_arena(0, {200}, 0);
+  a.matrices = {{0, 10, 10}, {100, 1, 100}};  // a 10 x 10 matrix and a vector of 100
+  GradSyncOptions opt;
+  opt.compression = GradCompression::topk;
+  opt.topk_ratio = 0.2;
+  Grads g = random_grads(a.size, 5);
+  for (size_t i = 100; i < 200; ++i) g[i] *= 1e-3f;
+  ThreadGroup group(2);
+  const RunResult run = run_steps(group, a, opt, {{g, g}});
+  for (const auto& [lo, hi] : {std::pair<size_t, size_t>{0, 100}, {100, 200}}) {
+    std::vector<float> mags;
+    for (size_t i = lo; i < hi; ++i) mags.push_back(std::fabs(g[i]));
+    std::sort(mags.begin(), mags.end(), std::greater<float>());
+    size_t sent = 0;
+    for (size_t i = lo; i < hi; ++i) {
+      const bool top = std::fabs(g[i]) >= mags[19];
+      EXPECT_EQ(run.out[0][0][i], top ? 2 * g[i] : 0.0f) << "entry " << i;
+      sent += run.out[0][0][i] != 0.0f;
+    }
+    EXPECT_EQ(sent, 20u) << "tensor at " << lo;
+  }
+  EXPECT_EQ(run.stats[0][0].wire_bytes, int64_t{40} * 8);  // (N-1) * (20 + 20) pairs of 8 bytes
+}
+
 // Ratio 0.1 over three steps, against TopKModel bit for bit (the result is
 // exact arithmetic on the same floats in the same order, so no tolerance);
 // each rank sends exactly ceil(0.1 n) pairs per bucket.
