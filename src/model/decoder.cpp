@@ -81,6 +81,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
     const AdapterJob jobs[] = {{LoraTarget::o, b.att, Q, b.o, H, T}};
     adapters->apply(l, jobs);
   }
+  if (partial_ != nullptr) partial_->sum(b.o, T * H);  // tensor parallel: this rank's heads' share
   be_.add(b.xmid, b.x, b.o, T * H);
 
   // MLP block.
@@ -98,6 +99,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
     const AdapterJob jobs[] = {{LoraTarget::down, b.h, F, b.down, H, T}};
     adapters->apply(l, jobs);
   }
+  if (partial_ != nullptr) partial_->sum(b.down, T * H);  // tensor parallel: this rank's channels' share
   be_.add(b.out, b.xmid, b.down, T * H);
 }
 

@@ -13,6 +13,7 @@
 
 #include "kernels/backend.h"
 #include "model/config.h"
+#include "model/tensor_parallel.h"
 #include "model/lora.h"
 #include "model/weights.h"
 
@@ -129,6 +130,10 @@ class Decoder {
   void final_norm(const float* x, const int64_t* rows, int64_t n, float* out, float* rstd = nullptr) const;
   // logits [n, vocab] = xn [n, H] W_out^T.
   void logits(Workspace& ws, const float* xn, int64_t n, float* logits) const;
+  // Tensor parallel (model/tensor_parallel.h): the weights are one rank's
+  // shard and layer() sums the o and down products over the ranks.
+  void set_partial_sums(PartialSums* p) { partial_ = p; }
+  PartialSums* partial_sums() const { return partial_; }
 
  private:
   // y = x W^T for the point's base targets plus the adapters' base_pass() products, one call.
@@ -138,6 +143,7 @@ class Decoder {
   const ModelConfig& c_;
   const ModelWeights& w_;
   Backend& be_;
+  PartialSums* partial_ = nullptr;
 };
 
 }  // namespace loom

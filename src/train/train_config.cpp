@@ -37,7 +37,7 @@ const char* const kLeaves[] = {
     "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base",
     "qat.bits",       "qat.group_size",     "qat.scheme",          "qat.start_step",    "sparsity_mask",
     "dist.bucket_mb", "dist.overlap",       "dist.deterministic",  "dist.compression",  "dist.ratio",
-    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero"};
+    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero",        "dist.tp"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -283,6 +283,8 @@ void read_dist_keys(const Reader& r, TrainConfig& c) {
   r.number("dist.timeout", d.timeout_s, 0, true, 1e7, false);
   int64_t zero = 0;
   if (r.integer("dist.zero", zero, 0, 1)) d.zero1 = zero == 1;
+  int64_t tp = 1;
+  if (r.integer("dist.tp", tp, 1, 1024)) d.tp = static_cast<int>(tp);
 }
 
 void read_production_keys(const Reader& r, TrainConfig& c) {

@@ -146,6 +146,7 @@ struct TrainConfig {
     CollectiveAlgorithm algorithm = CollectiveAlgorithm::automatic;  // dist.algorithm
     double timeout_s = 300;  // dist.timeout: a collective waiting longer ends the run (a rank died)
     bool zero1 = false;      // dist.zero: 1 shards the optimizer state over the ranks (ZeRO stage 1)
+    int tp = 1;              // dist.tp: tensor parallel over this many ranks (model/tensor_parallel.h)
   } dist;
 
   std::string source;  // the config file name, for messages

@@ -446,6 +446,7 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   input_grad(L.w_up, wt(&TransposedLayer::w_up), dup_, dxn_, T, true);
   const LoraGrad g_gate_up[] = {{LoraTarget::gate, dgate_}, {LoraTarget::up, dup_}};
   lora_backward(l, g_gate_up, a.xn2, dxn_, T, dropout, step);
+  if (partial_ != nullptr) partial_->sum(dxn_, T * H);  // tensor parallel: this rank's channels' share
   be_.rmsnorm_backward(dx, G ? G->ffn_norm : nullptr, dxn_, a.xmid, L.ffn_norm, a.rstd2, T, H);
 
   // xmid = x + o(att): dx now is d(xmid), which is also d(x)'s residual part.
@@ -480,6 +481,7 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const LoraGrad g_qkv[] = {{LoraTarget::q, dq_}, {LoraTarget::k, dk_}, {LoraTarget::v, dv_}};
   lora_backward(l, g_qkv, a.xn1, need_dx ? dxn_ : nullptr, T, dropout, step);
   if (!need_dx) return;
+  if (partial_ != nullptr) partial_->sum(dxn_, T * H);  // tensor parallel: this rank's heads' share
   be_.rmsnorm_backward(dx, G ? G->attn_norm : nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
 }
 

@@ -124,6 +124,13 @@ class TrainSession {
   // first): its gradients are final for this micro-batch. Data parallel hands
   // the layer's bucket to the all-reduce here. Empty: nothing is called.
   void set_layer_done(std::function<void(int64_t layer)> f) { layer_done_ = std::move(f); }
+  // Tensor parallel (model/tensor_parallel.h): the weights and adapters are
+  // this rank's shard; the forward sums the o and down products and the
+  // backward the input gradients of q/k/v and gate/up over the ranks.
+  void set_partial_sums(PartialSums* p) {
+    partial_ = p;
+    dec_.set_partial_sums(p);
+  }
 
   // Sizes every buffer of a step (saved activations, backward temporaries) for
   // micro-batches of up to `tokens` rows x seq_len tokens, once: smaller batches
@@ -255,6 +262,7 @@ class TrainSession {
   bool fused_lora_ = true;
   bool adapters_merged_ = false;
   std::function<void(int64_t)> layer_done_;
+  PartialSums* partial_ = nullptr;
   DeviceBuffer lora_work_;  // carved into lw_
   LoraWork lw_;
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,

@@ -4,11 +4,13 @@
 #include "train/trainable.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/error.h"
 #include "model/hf_export.h"
 #include "model/lora.h"
 #include "model/peft_adapter.h"
+#include "model/tensor_parallel.h"
 #include "train/full_params.h"
 #include "train/lora_params.h"
 #include "train/qat.h"
@@ -16,6 +18,10 @@
 namespace loom {
 
 namespace {
+
+// Tensor parallel: o and down read a split input (their A is split by columns);
+// q/k/v and gate/up write a split output (their B is split by rows).
+bool row_parallel(LoraTarget t) { return t == LoraTarget::o || t == LoraTarget::down; }
 
 // Parameter groups over the LoRA arena: attention vs MLP adapters, A vs B
 // (B flagged for LoRA+); adjacent runs of the same kind are merged.
@@ -100,6 +106,62 @@ class LoraTrainable final : public TrainableParams {
     after_update(model, session, backend);
   }
   bool qat_started() const override { return qat_ != nullptr; }
+
+  void shard_for_tensor_parallel(const ModelConfig& full, int rank, int ranks) override {
+    LoraModel whole(full, lora_.config());  // the same seeds: the values a whole model would start from
+    for (int64_t l = 0; l < lora_.n_layers(); ++l)
+      for (LoraTarget t : kAllLoraTargets) {
+        if (!lora_.slot(l, t).active) continue;
+        const Tensor a = lora_.a(l, t), wa = whole.a(l, t);
+        const int64_t r = a.rows(), in = a.cols();
+        for (int64_t i = 0; i < r; ++i)  // row-parallel targets read this rank's columns
+          std::memcpy(a.as<float>() + i * in, wa.as<float>() + i * wa.cols() + (row_parallel(t) ? rank * in : 0),
+                      static_cast<size_t>(in) * sizeof(float));
+        LOOM_ASSERT(row_parallel(t) ? wa.cols() == in * ranks : wa.cols() == in);
+      }
+  }
+  std::vector<std::pair<size_t, size_t>> replicated_ranges() const override {
+    std::vector<std::pair<size_t, size_t>> out;
+    const auto r = static_cast<size_t>(lora_.config().r);
+    for (int64_t l = 0; l < lora_.n_layers(); ++l)
+      for (LoraTarget t : kAllLoraTargets)
+        if (const LoraSlot& s = lora_.slot(l, t); s.active) {
+          if (row_parallel(t))
+            out.push_back({s.b_offset, static_cast<size_t>(s.out) * r});
+          else
+            out.push_back({s.a_offset, r * static_cast<size_t>(s.in)});
+        }
+    return out;
+  }
+  void gather_tensor_parallel(Communicator& comm, const ModelConfig& full) override {
+    const auto ranks = static_cast<size_t>(comm.size());
+    const auto n = static_cast<size_t>(lora_.param_count());
+    std::vector<float> all(comm.rank() == 0 ? ranks * n : 0);
+    comm.gatherv(lora_.params(), all.data(), std::vector<size_t>(ranks, n * sizeof(float)), 0);
+    if (comm.rank() != 0) return;
+    LoraModel whole(full, lora_.config());
+    for (int64_t l = 0; l < lora_.n_layers(); ++l)
+      for (LoraTarget t : kAllLoraTargets) {
+        const LoraSlot& s = lora_.slot(l, t);
+        if (!s.active) continue;
+        const Tensor wa = whole.a(l, t), wb = whole.b(l, t);
+        const int64_t r = lora_.config().r;
+        for (size_t k = 0; k < ranks; ++k) {
+          const float* a = all.data() + k * n + s.a_offset;  // [r, in]
+          const float* b = all.data() + k * n + s.b_offset;  // [out, r]
+          const auto K = static_cast<int64_t>(k);
+          if (row_parallel(t)) {  // A: rank k's columns; B whole on every rank
+            for (int64_t i = 0; i < r; ++i)
+              std::memcpy(wa.as<float>() + i * wa.cols() + K * s.in, a + i * s.in, static_cast<size_t>(s.in) * 4);
+            if (k == 0) std::memcpy(wb.as<float>(), b, static_cast<size_t>(s.out * r) * 4);
+          } else {  // B: rank k's rows; A whole on every rank
+            std::memcpy(wb.as<float>() + K * s.out * r, b, static_cast<size_t>(s.out * r) * 4);
+            if (k == 0) std::memcpy(wa.as<float>(), a, static_cast<size_t>(r * s.in) * 4);
+          }
+        }
+      }
+    lora_ = std::move(whole);
+  }
 
   std::span<float> params() override { return {lora_.params(), static_cast<size_t>(lora_.param_count())}; }
   std::span<float> grads() override { return {lora_.grads(), static_cast<size_t>(lora_.param_count())}; }
@@ -228,8 +290,17 @@ bool wants_sparsity_mask(const TrainConfig& c, const ModelConfig& mc) {
   return c.sparsity_mask == M::on || (c.sparsity_mask == M::automatic && !mc.unstructured_pruning.empty());
 }
 
+void TrainableParams::shard_for_tensor_parallel(const ModelConfig&, int, int) {
+  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build; method: full is not "
+       "split yet");
+}
+
+void TrainableParams::gather_tensor_parallel(Communicator&, const ModelConfig&) {
+  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
+}
+
 TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
-                                    std::vector<std::string>* notes) {
+                                    std::vector<std::string>* notes, int tp_rank) {
   auto note = [&](std::string s) {
     if (notes != nullptr) notes->push_back(std::move(s));
   };
@@ -254,9 +325,24 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
       }
       out.params = std::move(full);
     };
+  const int tp = c.dist.tp;
+  if (tp > 1) {
+    if (c.method != TrainMethod::lora)
+      fail(ErrorKind::unsupported, "{}: dist.tp {} trains LoRA adapters in this build (method: full is not split "
+           "yet)", c.source, tp);
+    lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) { shard_weights_for_tensor_parallel(w, mc, tp_rank, tp); };
+  }
   out.model = Model::load(c.model, lo);
+  const ModelConfig full = out.model->config();
+  if (tp > 1) out.model->reshape(tensor_parallel_config(full, tp));
   if (c.method == TrainMethod::lora) {
     auto lora = std::make_unique<LoraTrainable>(out.model->config(), c.lora, pool);
+    if (tp > 1) {
+      lora->shard_for_tensor_parallel(full, tp_rank, tp);
+      note(fmt::format("tensor parallel: rank {} of {} holds {} of {} heads, {} of {} kv heads, {} of {} MLP channels",
+                       tp_rank, tp, out.model->config().n_heads, full.n_heads, out.model->config().n_kv_heads,
+                       full.n_kv_heads, out.model->config().intermediate, full.intermediate));
+    }
     if (!out.model->config().unstructured_pruning.empty())
       note(fmt::format("the model is pruned ({}): LoRA trains on it as it is; merging the adapter (loom merge, "
                        "export) keeps its zeros", out.model->config().unstructured_pruning));

@@ -13,6 +13,7 @@
 #include "io/file_write.h"
 #include "kernels/int_quant.h"
 #include "kernels/backend.h"
+#include "dist/communicator.h"
 #include "model/model.h"
 #include "train/optimizer.h"
 #include "train/train_config.h"
@@ -61,6 +62,18 @@ class TrainableParams {
   virtual void start_qat(Model& model, TrainSession& session, Backend& backend, const IntQuantSpec& spec) = 0;
   virtual bool qat_started() const = 0;
 
+  // Tensor parallel (dist.tp; model/tensor_parallel.h), LoRA only (full
+  // fine-tuning throws unsupported). shard_for_tensor_parallel: the adapters
+  // become rank `rank`'s shard of those a model of `full` shapes gets, with the
+  // same initial values (A of o/down: this rank's columns; the other A whole;
+  // B of q/k/v/gate/up: this rank's rows). replicated_ranges: the arena runs
+  // every rank holds whole, whose gradients are partial sums over the ranks
+  // (A of q/k/v/gate/up, B of o/down). gather_tensor_parallel: rank 0's
+  // adapters become the whole ones, from every rank's shard (a collective).
+  virtual void shard_for_tensor_parallel(const ModelConfig& full, int rank, int ranks);
+  virtual std::vector<std::pair<size_t, size_t>> replicated_ranges() const { return {}; }
+  virtual void gather_tensor_parallel(Communicator& comm, const ModelConfig& full);
+
   // Parameters beyond the model's own (LoRA: the adapters; full: none).
   virtual int64_t added_params() const = 0;
   virtual std::string describe() const = 0;     // "LoRA r=8 alpha=16", "full fine-tuning (f32)"
@@ -83,7 +96,9 @@ struct TrainableModel {
 // computes QAT's fake-quantized weights; it must outlive the result). Pruned
 // weights stay zero in full fine-tuning (c.sparsity_mask). Messages for the
 // run's log go to `notes`.
+// `tp_rank` (with c.dist.tp > 1): the model and adapters are that rank's
+// tensor-parallel shard, the model's config the shard's shapes.
 TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
-                                    std::vector<std::string>* notes = nullptr);
+                                    std::vector<std::string>* notes = nullptr, int tp_rank = 0);
 
 }  // namespace loom

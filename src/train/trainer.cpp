@@ -148,8 +148,9 @@ void Trainer::setup() {
   if (c_.qat.enabled() && c_.quantize_base != TrainConfig::BaseQuant::none)
     fail(ErrorKind::invalid_input, "{}: qat trains against the quantized export of W + s B A in f32; it does not go "
          "with quantize_base: {} (leave quantize_base: none)", c_.source, base_quant_name(c_.quantize_base));
+  check_tensor_parallel();  // trainer_tp.cpp
   std::vector<std::string> notes;
-  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes);
+  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? rank() : 0);
   for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
   model_ = std::move(tm.model);
   params_ = std::move(tm.params);
@@ -158,6 +159,7 @@ void Trainer::setup() {
          model_->config().max_context);
   load_data();
   session_ = params_->make_session(*model_, *backend_, c_.backward);
+  setup_tensor_parallel();
   if (c_.qat.enabled()) {
     qat_spec_ = qat_spec(c_.qat, model_->config());  // a group that fits nothing fails now
     maybe_start_qat(0);  // qat.start_step 0: from the start (an eval at step 0 sees the quantized weights too)
@@ -274,7 +276,7 @@ void Trainer::log_start() {
 }
 
 int64_t Trainer::loss_tokens(int64_t local) {
-  if (world() > 1) {  // the step's mean is over every rank's tokens
+  if (data_ranks() > 1) {  // the step's mean is over every rank's tokens
     double n = static_cast<double>(local);
     rt_.comm->allreduce_sum(std::span<double>(&n, 1));
     local = static_cast<int64_t>(n);
@@ -305,7 +307,7 @@ StepReport Trainer::train_step() {
     if (scaler_) scale *= scaler_->scale();  // fp16: a power of two, exact
     loss_sum = backward_step(scale, step);  // data parallel: gradients summed over the ranks on return
   }
-  if (world() > 1) {  // the step's loss and tokens over every rank
+  if (data_ranks() > 1) {  // the step's loss and tokens over every rank
     double v[2] = {loss_sum, static_cast<double>(input_tokens_ - input_before)};
     rt_.comm->allreduce_sum(std::span<double>(v, 2));
     loss_sum = v[0];
@@ -367,7 +369,7 @@ void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
                static_cast<long long>(r.step), json_number(r.loss).c_str(), json_number(r.lr).c_str(),
                json_number(r.grad_norm).c_str(), static_cast<long long>(r.target_tokens),
                static_cast<long long>(r.input_tokens), r.step_seconds, seconds_since(t0_), tok_s);
-  if (world() > 1)  // data parallel: what rank 0 sent for the gradients, and how long it waited at the step's end
+  if (data_ranks() > 1)  // data parallel: what rank 0 sent for the gradients, and how long it waited at the step's end
     std::fprintf(metrics_.get(),
                  ",\"ranks\":%d,\"wire_bytes\":%lld,\"uncompressed_wire_bytes\":%lld,\"comm_seconds\":%.4f,"
                  "\"comm_wait_seconds\":%.4f",
@@ -422,6 +424,10 @@ TrainResult Trainer::finish() {
   out_opt.what = "output_dir";
   out_opt.force = "--overwrite (or overwrite: true)";
   out_opt.keep = output_keep_;  // the checkpoints stay (hard links into the new folder)
+  if (tp_sums_) {  // rank 0 writes the whole model's adapters
+    params_->gather_tensor_parallel(*rt_.comm, tp_full_config_);
+    if (is_root()) model_->reshape(tp_full_config_);
+  }
   on_root("write the output", [&] { params_->write_output(*model_, c_, out_opt); });
   res_.adapter_dir = c_.output_dir;
   if (rt_.metrics) rt_.metrics->on_finish();

@@ -148,6 +148,9 @@ class Trainer {
   int rank() const { return rt_.comm ? rt_.comm->rank() : 0; }
   int world() const { return rt_.comm ? rt_.comm->size() : 1; }
   bool is_root() const { return rank() == 0; }
+  // The ranks that split the data (tensor parallel: its ranks share every batch).
+  int data_ranks() const { return c_.dist.tp > 1 ? world() / c_.dist.tp : world(); }
+  int data_rank() const { return c_.dist.tp > 1 ? rank() / c_.dist.tp : rank(); }
   // The last step's gradient exchange (data parallel; zero for one process).
   const GradSyncStats& sync_stats() const { return sync_stats_; }
   int64_t total_steps() const { return total_steps_; }
@@ -202,6 +205,10 @@ class Trainer {
   bool agree_any(bool local);
   void broadcast_text(std::string& text);  // rank 0's text on every rank
   void agree_resume();
+  void check_tensor_parallel() const;
+  void setup_tensor_parallel();
+  void sum_replicated_grads();
+  double global_sum_squares(double local);
   void open_root_outputs();
   OptimizerShard zero_shard();
   void log_zero_shard();           // dist.zero 1: this rank's part of the arena (empty list: none)
@@ -256,6 +263,9 @@ class Trainer {
   std::vector<float> accum_;
   std::vector<size_t> zero_cuts_;  // dist.zero 1: rank r updates parameters [cuts[r], cuts[r + 1])  // dist.deterministic with grad_accum > 1: the sum of the earlier micro-batches
   GradSyncStats sync_stats_;
+  // Tensor parallel (dist.tp): the sums over its ranks, the whole model's shapes.
+  std::unique_ptr<PartialSums> tp_sums_;
+  ModelConfig tp_full_config_;
 };
 
 // Runs the whole training described by `config`: setup, an evaluation at step

@@ -18,7 +18,7 @@
 namespace loom {
 
 void Trainer::setup_data_parallel() {
-  if (world() == 1) return;
+  if (data_ranks() == 1) return;
   std::vector<GradMatrix> matrices;
   for (const TensorSpan& t : params_->tensor_spans())  // vectors as one row
     matrices.push_back({t.offset, std::max<int64_t>(t.rows, 1), static_cast<int64_t>(t.size) / std::max<int64_t>(t.rows, 1)});
@@ -59,7 +59,7 @@ void Trainer::log_zero_shard() {
 
 void Trainer::load_step_batches(StepReport& r) {
   const auto G = static_cast<int64_t>(micro_.size());
-  const int64_t W = world(), R = rank();
+  const int64_t W = data_ranks(), R = data_rank();
   for (int64_t k = 0; k < W * G; ++k) {
     if (k / G != R) {
       loader_->skip();  // another rank's micro-batch
@@ -75,7 +75,7 @@ void Trainer::load_step_batches(StepReport& r) {
 // finished layer to the reducer. Returns the local loss sum.
 double Trainer::backward_step(float scale, int64_t step) {
   const auto G = static_cast<int64_t>(micro_.size());
-  const int64_t W = world(), R = rank();
+  const int64_t W = data_ranks(), R = data_rank();
   int64_t last = -1;
   for (int64_t i = 0; i < G; ++i)
     if (micro_[static_cast<size_t>(i)].target_tokens > 0) last = i;
@@ -110,6 +110,7 @@ double Trainer::backward_step(float scale, int64_t step) {
     input_tokens_ += b.rows * b.seq_len;
   }
   if (reducer_) sync_stats_ = reducer_->finish();
+  sum_replicated_grads();  // tensor parallel (trainer_tp.cpp)
   return loss_sum;
 }
 
@@ -118,7 +119,7 @@ LossResult Trainer::eval_shard(const DataSplit& split) {
   DataLoader loader(split, data_->pad_id, c_.batch_size, /*shuffle=*/false, 0);
   LossResult sum;
   Batch b;  // one batch's memory for every batch
-  const int64_t W = world(), R = rank();
+  const int64_t W = data_ranks(), R = data_rank();
   for (int64_t i = 0, nb = loader.batches_per_epoch(); i < nb; ++i) {
     if (i % W != R) {
       loader.skip();
@@ -180,7 +181,7 @@ void Trainer::on_root(std::string_view what, const std::function<void()>& work) 
 // state of part r and updates it. The same cuts on every rank.
 OptimizerShard Trainer::zero_shard() {
   zero_cuts_.clear();
-  if (world() == 1 || !c_.dist.zero1) return {};
+  if (data_ranks() == 1 || !c_.dist.zero1) return {};
   std::vector<TensorSpan> spans = params_->tensor_spans();
   std::sort(spans.begin(), spans.end(), [](const TensorSpan& a, const TensorSpan& b) { return a.offset < b.offset; });
   const auto n = static_cast<size_t>(params_->count());

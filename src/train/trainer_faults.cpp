@@ -63,7 +63,7 @@ std::optional<NonFiniteStep> Trainer::check_finite(const StepReport& r, double& 
   // finite exactly when every element is: squares of finite floats summed in
   // double cannot overflow. Only a bad step pays for the scan that names the tensor.
   const std::span<const float> g = params_->grads();
-  grad_norm = std::sqrt(backend_->sum_squares(g.data(), g.size()));
+  grad_norm = std::sqrt(global_sum_squares(backend_->sum_squares(g.data(), g.size())));  // tensor parallel: whole
   NonFiniteStep b;
   b.loss_value = r.loss;
   b.loss = r.target_tokens > 0 && !std::isfinite(r.loss);  // no target token: NaN by definition, nothing applied

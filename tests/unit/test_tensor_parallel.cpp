@@ -1,0 +1,219 @@
+// Tensor parallel (model/tensor_parallel.h, dist.tp): N ranks (threads over
+// the in-process communicator), each with its shard of the tiny llama's heads
+// and MLP channels, compute the loss and the LoRA gradients of one process
+// with the whole model: loss within 1e-6 relative, every gathered gradient
+// tensor within 1e-5 of its largest value (float sums in another order).
+// Also the shard shapes, the sizes that do not divide, and the gathered
+// adapters at the start equal to a whole model's initialization.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "kernels/backend.h"
+#include "model/tensor_parallel.h"
+#include "thread_communicator.h"
+#include "train/lora_params.h"
+#include "train/train_config.h"
+#include "train/train_step.h"
+#include "train/trainable.h"
+
+namespace loom {
+namespace {
+
+using test_util::run_ranks;
+using test_util::ThreadCommunicator;
+
+std::string tiny() { return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/model/tiny-llama.f32.gguf"; }
+
+TrainConfig lora_config(int tp) {
+  TrainConfig c;
+  c.model = tiny();
+  c.lora.r = 4;
+  c.lora.alpha = 8;
+  c.lora.dropout = 0;
+  c.lora.seed = 3;
+  c.dist.tp = tp;
+  return c;
+}
+
+// Two rows of 16 tokens of the tiny model's 320; row 1 packs two samples.
+Batch make_batch() {
+  std::mt19937 rng(7);
+  Batch b;
+  b.rows = 2;
+  b.seq_len = 16;
+  for (int64_t r = 0; r < b.rows; ++r)
+    for (int32_t t = 0; t < b.seq_len; ++t) {
+      const int32_t start = r == 1 && t >= 6 ? 6 : 0;
+      b.tokens.push_back(static_cast<int32_t>(rng() % 320));
+      const bool target = t + 1 < b.seq_len && t != 5;
+      b.targets.push_back(target ? static_cast<int32_t>(rng() % 320) : kIgnoreLabel);
+      b.positions.push_back(t - start);
+      b.seq_start.push_back(start);
+      b.target_tokens += target ? 1 : 0;
+    }
+  return b;
+}
+
+bool row_parallel(LoraTarget t) { return t == LoraTarget::o || t == LoraTarget::down; }
+
+// The shard `rank` of `ranks` of a whole adapter arena (layout LoraModel(full)),
+// in the layout LoraModel(shard config): q/k/v/gate/up B rows and o/down A
+// columns of the rank, the rest whole.
+std::vector<float> shard_arena(const std::vector<float>& whole, const ModelConfig& full, const LoraConfig& lc,
+                               int rank, int ranks) {
+  const LoraModel wl(full, lc), sl(tensor_parallel_config(full, ranks), lc);
+  std::vector<float> out(static_cast<size_t>(sl.param_count()));
+  const int64_t r = lc.r;
+  for (int64_t l = 0; l < sl.n_layers(); ++l)
+    for (LoraTarget t : kAllLoraTargets) {
+      const LoraSlot &ws = wl.slot(l, t), &ss = sl.slot(l, t);
+      if (!ss.active) continue;
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < ss.in; ++j)
+          out[ss.a_offset + static_cast<size_t>(i * ss.in + j)] =
+              whole[ws.a_offset + static_cast<size_t>(i * ws.in + (row_parallel(t) ? rank * ss.in : 0) + j)];
+      for (int64_t o = 0; o < ss.out; ++o)
+        for (int64_t i = 0; i < r; ++i)
+          out[ss.b_offset + static_cast<size_t>(o * r + i)] =
+              whole[ws.b_offset + static_cast<size_t>(((row_parallel(t) ? 0 : rank * ss.out) + o) * r + i)];
+    }
+  return out;
+}
+
+class CommSums final : public PartialSums {
+ public:
+  explicit CommSums(Communicator& c) : c_(c) {}
+  void sum(float* x, int64_t n) override { c_.allreduce_sum(std::span<float>(x, static_cast<size_t>(n))); }
+
+ private:
+  Communicator& c_;
+};
+
+struct Reference {
+  ModelConfig config;
+  std::vector<float> params, grads;
+  double loss = 0, eval_loss = 0;
+};
+
+// One process, the whole model, adapters set to `seeded` random values (B too,
+// so that every gradient is non-zero).
+Reference whole_model_step(const Batch& batch) {
+  ThreadPool pool(1);
+  auto backend = make_backend(kCpu, pool);
+  TrainableModel m = load_trainable_model(lora_config(1), *backend, pool);
+  Reference ref;
+  ref.config = m.model->config();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 0.2f);
+  for (float& p : m.params->params()) p = normal(rng);
+  ref.params.assign(m.params->params().begin(), m.params->params().end());
+  auto session = m.params->make_session(*m.model, *backend, BackwardMode::exact);
+  m.params->zero_grads();
+  const float scale = 1.0f / static_cast<float>(batch.target_tokens);
+  ref.loss = session->forward_backward(batch, scale).loss_sum * scale;
+  ref.grads.assign(m.params->grads().begin(), m.params->grads().end());
+  ref.eval_loss = session->forward_loss(batch).loss_sum * scale;
+  return ref;
+}
+
+// The whole arena's tensors (layout of LoraModel(full)) within tol of their largest |value|.
+void expect_close_tensors(const std::vector<float>& got, const std::vector<float>& want, const ModelConfig& full,
+                          const LoraConfig& lc, double tol) {
+  const LoraModel wl(full, lc);
+  const auto r = static_cast<size_t>(lc.r);
+  ASSERT_EQ(got.size(), want.size());
+  for (int64_t l = 0; l < wl.n_layers(); ++l)
+    for (LoraTarget t : kAllLoraTargets) {
+      const LoraSlot& s = wl.slot(l, t);
+      if (!s.active) continue;
+      for (const auto& [offset, n, what] : {std::tuple{s.a_offset, r * static_cast<size_t>(s.in), "A"},
+                                           std::tuple{s.b_offset, static_cast<size_t>(s.out) * r, "B"}}) {
+        double largest = 0, diff = 0;
+        for (size_t i = offset; i < offset + n; ++i) {
+          largest = std::max(largest, std::fabs(static_cast<double>(want[i])));
+          diff = std::max(diff, std::fabs(static_cast<double>(got[i]) - want[i]));
+        }
+        ASSERT_GT(largest, 0.0) << "layer " << l << " " << lora_target_peft_name(t) << " " << what;
+        EXPECT_LE(diff, tol * largest) << "layer " << l << " " << lora_target_peft_name(t) << " " << what;
+      }
+    }
+}
+
+TEST(TensorParallel, ShardShapesAndSizesThatDoNotDivide) {
+  ThreadPool pool(1);
+  auto backend = make_backend(kCpu, pool);
+  TrainableModel m = load_trainable_model(lora_config(2), *backend, pool, nullptr, 1);
+  EXPECT_EQ(m.model->config().n_heads, 2);
+  EXPECT_EQ(m.model->config().n_kv_heads, 1);
+  EXPECT_EQ(m.model->config().intermediate, 88);
+  const LayerWeights& L = m.model->weights().layers[0];
+  EXPECT_EQ(L.wq.rows(), 32);
+  EXPECT_EQ(L.wk.rows(), 16);
+  EXPECT_EQ(L.wo.cols(), 32);
+  EXPECT_EQ(L.w_down.cols(), 88);
+  EXPECT_EQ(L.w_gate.rows(), 88);
+  try {
+    load_trainable_model(lora_config(4), *backend, pool, nullptr, 0);  // 2 kv heads over 4 ranks
+    ADD_FAILURE() << "dist.tp 4 accepted with 2 kv heads";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("kv heads (2)"), std::string::npos) << e.what();
+  }
+  TrainConfig full = lora_config(2);
+  full.method = TrainMethod::full;
+  EXPECT_THROW(load_trainable_model(full, *backend, pool, nullptr, 0), Error);
+}
+
+TEST(TensorParallel, TwoRanksEqualOneProcess) {
+  const Batch batch = make_batch();
+  const Reference ref = whole_model_step(batch);
+  const int N = 2;
+  const LoraConfig lc = lora_config(N).lora;
+  std::vector<double> loss(N), eval_loss(N);
+  std::vector<float> gathered_grads, gathered_init;
+  run_ranks(N, [&](ThreadCommunicator& comm) {
+    const int rank = comm.rank();
+    ThreadPool pool(1);
+    auto backend = make_backend(kCpu, pool);
+    TrainableModel m = load_trainable_model(lora_config(N), *backend, pool, nullptr, rank);
+    // The adapters at the start, gathered: a whole model's initialization.
+    std::vector<float> init(m.params->params().begin(), m.params->params().end());
+    const std::vector<float> mine = shard_arena(ref.params, ref.config, lc, rank, N);
+    std::copy(mine.begin(), mine.end(), m.params->params().begin());
+    auto session = m.params->make_session(*m.model, *backend, BackwardMode::exact);
+    CommSums sums(comm);
+    session->set_partial_sums(&sums);
+    m.params->zero_grads();
+    const float scale = 1.0f / static_cast<float>(batch.target_tokens);
+    loss[static_cast<size_t>(rank)] = session->forward_backward(batch, scale).loss_sum * scale;
+    eval_loss[static_cast<size_t>(rank)] = session->forward_loss(batch).loss_sum * scale;
+    // The whole adapters' partial gradients summed (the Trainer's sum_replicated_grads).
+    const std::span<float> g = m.params->grads();
+    for (const auto& [o, n] : m.params->replicated_ranges()) comm.allreduce_sum(g.subspan(o, n));
+    // Gather the gradients through the adapters' own gather: put them in the parameter arena.
+    std::copy(g.begin(), g.end(), m.params->params().begin());
+    m.params->gather_tensor_parallel(comm, ref.config);
+    if (rank == 0) gathered_grads.assign(m.params->params().begin(), m.params->params().end());
+    std::copy(init.begin(), init.end(), m.params->params().begin());
+    TrainableModel again = load_trainable_model(lora_config(N), *backend, pool, nullptr, rank);
+    again.params->gather_tensor_parallel(comm, ref.config);
+    if (rank == 0) gathered_init.assign(again.params->params().begin(), again.params->params().end());
+  });
+  for (int r = 0; r < N; ++r) {
+    EXPECT_NEAR(loss[static_cast<size_t>(r)], ref.loss, 1e-6 * ref.loss) << "rank " << r;
+    EXPECT_NEAR(eval_loss[static_cast<size_t>(r)], ref.eval_loss, 1e-6 * ref.eval_loss) << "rank " << r;
+  }
+  expect_close_tensors(gathered_grads, ref.grads, ref.config, lc, 1e-5);
+  // The initialization: gathered shards are exactly the whole model's LoRA init.
+  LoraModel whole(ref.config, lc);
+  ASSERT_EQ(gathered_init.size(), static_cast<size_t>(whole.param_count()));
+  EXPECT_TRUE(std::equal(gathered_init.begin(), gathered_init.end(), whole.params()));
+}
+
+}  // namespace
+}  // namespace loom
