@@ -11,7 +11,9 @@
 #  6. checkpoints: resumed on the same rank count, the uninterrupted run's bits; on another rank
 #     count, re-sharded with a warning; a changed grad_accum refused;
 #  7. a rank killed (SIGKILL) stops every rank within 30 s with a message naming it; --resume then
-#     finishes; a rank that hangs (SIGSTOP) ends the run after dist.timeout.
+#     finishes; a rank that hangs (SIGSTOP) ends the run after dist.timeout;
+#  8. tensor parallel (dist.tp 2): the losses of one process within 1e-5, the whole adapter gathered
+#     (the initialization bit for bit); what it does not support yet refused.
 # Exit 77 (skipped) without mpirun; under CI=true that is a failure.
 # Usage: dist_test.sh LOOM_BINARY SOURCE_DIR
 set -u
@@ -264,6 +266,20 @@ steps_done=$((10#${last##*step-}))
   grep -q "resumed from" "$tmp/resumed.out" && [[ -f "$tmp/killed/adapter_model.safetensors" ]] && ok ||
   { bad "resume after the killed rank"; tail -5 "$tmp/resumed.out"; }
 kill_test hung STOP 3 "did not complete within dist.timeout" 30
+
+echo "8. tensor parallel (dist.tp 2): one process's losses, the whole adapter written"
+tp=(--set lora.dropout=0 --set steps=2 --set eval_interval=1)
+run tp1 1 1 "${tp[@]}" && run tp2 2 1 "${tp[@]}" --set dist.tp=2 && {
+  close_losses tp1 tp2 1e-5 && ok || bad "dist.tp 2: losses"
+  # Step 1 has lr 0 (warm-up): the adapter written is the initialization, gathered from the shards.
+  run tp1a 1 1 "${tp[@]}" --set steps=1 && run tp2a 2 1 "${tp[@]}" --set steps=1 --set dist.tp=2 &&
+    { cmp -s "$tmp/tp1a/adapter_model.safetensors" "$tmp/tp2a/adapter_model.safetensors" && ok ||
+      bad "dist.tp 2: the gathered adapter differs from one process's"; }
+}
+if ! run tpbad 1 1 --set dist.tp=2 >/dev/null && grep -q "needs exactly 2 ranks" "$tmp/tpbad.out"; then ok; else
+  bad "dist.tp 2 on one process is not refused"; fi
+if ! run tpdrop 2 1 --set dist.tp=2 >/dev/null && grep -q "lora.dropout" "$tmp/tpdrop.out"; then ok; else
+  bad "dist.tp with dropout is not refused"; fi
 
 echo "$pass passed, $fail failed"
 [[ $fail == 0 ]]
