@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "apps/cli_common.h"
+#include "dist/communicator.h"
 #include "apps/commands.h"
 #include "serve/http_server.h"
 #include "serve/scheduler.h"
@@ -95,6 +96,10 @@ int run_serve(int argc, char** argv) {
   app.add_option("--shutdown-grace", grace_s, "seconds in-flight requests get to finish on SIGTERM/SIGINT")
       ->capture_default_str()->check(CLI::Range(0, 3600));
   add_threads_flag(app, so.threads);
+  int tp = 1;
+  app.add_option("--tp", tp, "tensor parallel over N ranks: start with `mpirun -np N loom serve ... --tp N`; rank 0 "
+                 "serves HTTP, every rank holds 1/N of the heads and MLP channels")
+      ->check(CLI::Range(1, 1024));
   std::string device = "cpu";
   add_device_flag(app, device);
   int code = 0;
@@ -130,6 +135,21 @@ int run_serve(int argc, char** argv) {
     if (!log) fail(ErrorKind::io, "--log-file {}: cannot open for appending", log_path);
   }
 
+  // --tp: one rank of a tensor-parallel server; the ranks but 0 only follow its forward steps.
+  std::unique_ptr<Communicator> comm;
+  if (tp > 1) {
+    if (!launched_by_mpi())
+      fail(ErrorKind::invalid_input, "--tp {}: start the server with `mpirun -np {} loom serve ... --tp {}`", tp, tp, tp);
+    comm = make_mpi_communicator(CollectiveAlgorithm::automatic);
+    if (comm->size() != tp)
+      fail(ErrorKind::invalid_input, "--tp {}: mpirun started {} ranks", tp, comm->size());
+    so.tp = comm.get();
+    if (comm->rank() != 0) {
+      ServingEngine follower(so);
+      follower.follow_until_stopped();
+      return 0;
+    }
+  }
   ServingEngine engine(so);
   MetricsRegistry registry;
   ServeMetrics metrics(registry);

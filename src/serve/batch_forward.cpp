@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "core/error.h"
+#include "dist/partial_sums.h"
 
 namespace loom {
 
@@ -148,7 +149,8 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
     const BlockTable& tb = *ch.table;
     LOOM_ASSERT(end <= tb.n_blocks() * bs);
     // The blocks written must belong to this sequence alone (never a shared prefix block).
-    for (int64_t b = ch.n_past / bs; b < (end + bs - 1) / bs; ++b)
+    // (A tensor-parallel follower's pool is not allocated from: rank 0's is.)
+    for (int64_t b = ch.n_past / bs; b < (end + bs - 1) / bs && !following_; ++b)
       LOOM_ASSERT(kv_.ref_count(tb.blocks[static_cast<size_t>(b)]) == 1);
     if (ch.adapter != nullptr) {
       LOOM_ASSERT(ch.adapter->pairs.size() == static_cast<size_t>(c_.n_layers * kLoraTargetCount));
@@ -188,7 +190,12 @@ void BatchForward::step(std::span<const BatchChunk> chunks) {
     logit_row_.clear();
     return;
   }
-  prepare(chunks);
+  prepare(chunks);  // a bad token throws here, before anything is sent or written
+  if (tp_ != nullptr) send_step(chunks);
+  run_step();
+}
+
+void BatchForward::run_step() {
   const int64_t T = T_;
   dec_.embed(tokens_.data(), T, acts_.x);
   dec_.rope_table(pos_.data(), T, acts_.rope_cs);
@@ -201,6 +208,77 @@ void BatchForward::step(std::span<const BatchChunk> chunks) {
   if (n_out == 0) return;
   dec_.final_norm(acts_.x, logit_src_.data(), n_out, acts_.xn);
   dec_.logits(*ws_, acts_.xn, n_out, logits_.data());
+}
+
+// ---- tensor parallel -------------------------------------------------------
+// A step as rank 0 sends it: [chunks, then per chunk n_past, tokens, blocks,
+// want_logits], the tokens, the block ids. Length 0: stop following.
+
+void BatchForward::set_tensor_parallel(Communicator* comm) {
+  tp_ = comm != nullptr && comm->size() > 1 ? comm : nullptr;
+  sums_ = tp_ ? std::make_unique<CommunicatorSums>(*tp_) : nullptr;
+  dec_.set_partial_sums(sums_.get());
+}
+
+void BatchForward::send_step(std::span<const BatchChunk> chunks) {
+  if (tp_->rank() != 0) return;  // a follower's step came from rank 0
+  std::vector<int64_t> msg = {static_cast<int64_t>(chunks.size())};
+  for (const BatchChunk& c : chunks) {
+    if (c.adapter != nullptr)
+      fail(ErrorKind::unsupported, "adapters with tensor parallel (--tp) are not built yet");
+    msg.insert(msg.end(), {c.n_past, static_cast<int64_t>(c.tokens.size()), c.table->n_blocks(),
+                           c.want_logits ? 1 : 0});
+  }
+  for (const BatchChunk& c : chunks) msg.insert(msg.end(), c.tokens.begin(), c.tokens.end());
+  for (const BatchChunk& c : chunks) msg.insert(msg.end(), c.table->blocks.begin(), c.table->blocks.end());
+  int64_t n = static_cast<int64_t>(msg.size());
+  tp_->broadcast(&n, sizeof(n), 0);
+  tp_->broadcast(msg.data(), msg.size() * sizeof(int64_t), 0);
+}
+
+void BatchForward::stop_followers() {
+  if (tp_ == nullptr || tp_->rank() != 0) return;
+  int64_t n = 0;
+  tp_->broadcast(&n, sizeof(n), 0);
+}
+
+void BatchForward::follow() {
+  LOOM_ASSERT(tp_ != nullptr && tp_->rank() != 0);
+  following_ = true;
+  const double deadline = tp_->timeout_seconds();
+  std::vector<int64_t> msg;
+  std::vector<BlockTable> tables;
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<BatchChunk> chunks;
+  for (;;) {
+    int64_t n = 0;
+    tp_->set_timeout_seconds(1e12);  // an idle server sends nothing for as long as it is idle
+    tp_->broadcast(&n, sizeof(n), 0);
+    tp_->set_timeout_seconds(deadline);
+    if (n == 0) return;
+    msg.resize(static_cast<size_t>(n));
+    tp_->broadcast(msg.data(), msg.size() * sizeof(int64_t), 0);
+    const auto k = static_cast<size_t>(msg[0]);
+    tables.assign(k, {});
+    tokens.assign(k, {});
+    chunks.assign(k, {});
+    size_t at = 1 + 4 * k;
+    for (size_t i = 0; i < k; ++i) {  // tokens first, then the block ids, chunk by chunk
+      const int64_t* h = msg.data() + 1 + 4 * i;
+      tokens[i].assign(msg.begin() + static_cast<std::ptrdiff_t>(at), msg.begin() + static_cast<std::ptrdiff_t>(at + h[1]));
+      at += static_cast<size_t>(h[1]);
+    }
+    for (size_t i = 0; i < k; ++i) {
+      const int64_t* h = msg.data() + 1 + 4 * i;
+      tables[i].blocks.assign(msg.begin() + static_cast<std::ptrdiff_t>(at), msg.begin() + static_cast<std::ptrdiff_t>(at + h[2]));
+      at += static_cast<size_t>(h[2]);
+      chunks[i].table = &tables[i];
+      chunks[i].n_past = h[0];
+      chunks[i].tokens = tokens[i];
+      chunks[i].want_logits = false;  // rank 0 samples: the logits are its alone
+    }
+    step(chunks);
+  }
 }
 
 }  // namespace loom

@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "dist/communicator.h"
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "model/decoder.h"
@@ -51,12 +52,23 @@ class BatchForward {
   // Logits [vocab] of chunk i of the last step; null when it asked for none.
   const float* logits(size_t chunk) const;
   int64_t vocab_size() const { return c_.vocab_size; }
+
+  // Tensor parallel (`loom serve --tp N`; model/tensor_parallel.h): the weights
+  // and the KV cache hold rank comm->rank()'s shard of the heads. Rank 0's
+  // step() first sends the step (tokens, positions, block ids) to the other
+  // ranks, whose follow() runs the same steps (without logits) until rank 0's
+  // stop_followers(). Adapters are refused (unsupported) for now.
+  void set_tensor_parallel(Communicator* comm);
+  void follow();
+  void stop_followers();
   int64_t max_batch_tokens() const { return max_tokens_; }
 
  private:
   class PagedAttention;
   class RowAdapters;
   void prepare(std::span<const BatchChunk> chunks);
+  void run_step();
+  void send_step(std::span<const BatchChunk> chunks);
 
   const ModelConfig& c_;
   Decoder dec_;
@@ -78,6 +90,9 @@ class BatchForward {
   std::vector<int64_t> logit_src_;                // per logits row: the batch row it comes from
   std::unique_ptr<PagedAttention> attention_;
   std::unique_ptr<RowAdapters> adapters_;
+  Communicator* tp_ = nullptr;  // tensor parallel; null: the whole model
+  bool following_ = false;      // a tensor-parallel rank other than 0, in follow()
+  std::unique_ptr<PartialSums> sums_;
   StepActivations acts_;
   std::vector<float> logits_;  // [logit rows, vocab]
 };

@@ -9,6 +9,8 @@
 // token was computed sample the next one and stream it.
 #include "serve/scheduler.h"
 
+#include "model/tensor_parallel.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -64,13 +66,26 @@ uint64_t fresh_seed() {
   return (static_cast<uint64_t>(rd()) << 32) ^ rd();
 }
 
+// The model, or with ServeOptions::tp this rank's shard of it.
+std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend) {
+  Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
+  const int ranks = o.tp != nullptr ? o.tp->size() : 1;
+  if (ranks > 1)
+    lo.before_pack = [&](ModelWeights& w, const ModelConfig& c) {
+      shard_weights_for_tensor_parallel(w, c, o.tp->rank(), ranks);
+    };
+  std::unique_ptr<Model> m = Model::load(o.model_path, lo);
+  if (ranks > 1) m->reshape(tensor_parallel_config(m->config(), ranks));
+  return m;
+}
+
 }  // namespace
 
 ServingEngine::ServingEngine(ServeOptions options)
     : opt_(std::move(options)),
       pool_(opt_.threads > 0 ? opt_.threads : default_thread_count()),
       backend_(make_backend(opt_.device, pool_)),
-      model_(Model::load(opt_.model_path, {.tokenizer = true, .pack = true, .backend = backend_.get()})),
+      model_(load_serve_model(opt_, *backend_)),
       adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras, opt_.lora_bits) {
   const ModelConfig& c = model_->config();
   name_ = opt_.model_name;
@@ -112,11 +127,17 @@ ServingEngine::ServingEngine(ServeOptions options)
   kv_ = std::make_unique<KvPool>(*backend_, c, n_blocks, opt_.block_size, opt_.kv_dtype);
   forward_ = std::make_unique<BatchForward>(c, model_->weights(), *backend_, *kv_, opt_.max_batch_tokens,
                                             std::min<int64_t>(opt_.max_seqs, 64));
+  forward_->set_tensor_parallel(opt_.tp);
+  if (tensor_parallel() && !opt_.adapters.empty())
+    fail(ErrorKind::unsupported, "--adapter with --tp: adapters of a tensor-parallel server are not built yet");
   for (const auto& [name, dir] : opt_.adapters) {
     if (name == name_) fail(ErrorKind::invalid_input, "--adapter {}: the name is the base model's", name);
     adapters_.add(name, dir, /*runtime=*/false);
   }
-  thread_ = std::thread([this] { loop(); });
+  if (tensor_parallel() && opt_.tp->rank() != 0)
+    thread_ = std::thread([this] { forward_->follow(); });
+  else
+    thread_ = std::thread([this] { loop(); });
 }
 
 ServingEngine::~ServingEngine() {
@@ -127,6 +148,15 @@ ServingEngine::~ServingEngine() {
   abort_.store(true);
   cv_.notify_all();
   // Whatever still runs is aborted; the loop ends once it has sent their final events.
+  if (thread_.joinable() && !(tensor_parallel() && opt_.tp->rank() != 0)) thread_.join();
+  if (tensor_parallel()) {
+    if (opt_.tp->rank() == 0) forward_->stop_followers();  // their follow() returns
+    if (thread_.joinable()) thread_.join();
+  }
+}
+
+void ServingEngine::follow_until_stopped() {
+  LOOM_ASSERT(tensor_parallel() && opt_.tp->rank() != 0);
   if (thread_.joinable()) thread_.join();
 }
 
@@ -228,6 +258,9 @@ std::vector<ModelInfo> ServingEngine::list_models() {
 }
 
 void ServingEngine::load_adapter(const std::string& name, const std::string& path) {
+  if (tensor_parallel())
+    throw EngineError(EngineErrc::adapter_load_failed, "adapters of a tensor-parallel server (--tp) are not built yet",
+                      "lora_name");
   if (name == name_)
     throw EngineError(EngineErrc::adapter_exists, "'" + name + "' is the base model's name", "lora_name");
   adapters_.add(name, path, /*runtime=*/true);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/thread_pool.h"
+#include "dist/communicator.h"
 #include "model/model.h"
 #include "serve/adapter_registry.h"
 #include "serve/batch_forward.h"
@@ -46,6 +47,10 @@ struct ServeOptions {
   int threads = 0;                        // 0: physical cores
   Device device = kCpu;                   // which backend computes (kernels/backend.h)
   size_t max_waiting = 4096;              // queued requests before 503 overloaded
+  // Tensor parallel (`loom serve --tp N` under mpirun): this process holds rank
+  // tp->rank()'s shard of the heads and MLP channels (model/tensor_parallel.h);
+  // rank 0 schedules and samples, the others follow its forward steps. Null: the whole model.
+  Communicator* tp = nullptr;
   // Fault injection for tests: when set, called on the scheduler thread when a sequence is admitted
   // (FaultPoint::admit), once per request in a forward step before the step runs (FaultPoint::forward) and
   // before each token of a sequence is sampled (FaultPoint::sample). An exception it throws is handled
@@ -76,8 +81,11 @@ class ServingEngine : public Engine {
 
   // Stops taking requests; the scheduler finishes what runs. Returns at once.
   void shutdown();
+  // Tensor parallel, ranks other than 0: returns when rank 0's engine stops.
+  void follow_until_stopped();
   const std::string& model_name() const { return name_; }
   const Model& model() const { return *model_; }
+  bool tensor_parallel() const { return opt_.tp != nullptr && opt_.tp->size() > 1; }
   int64_t kv_blocks() const { return kv_->n_blocks(); }
   // Sequences preempted (blocks dropped, recomputed later) since start.
   int64_t preemptions() const { return preemptions_.load(); }

@@ -8,22 +8,10 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "dist/partial_sums.h"
 #include "train/trainer.h"
 
 namespace loom {
-
-namespace {
-
-class CommPartialSums final : public PartialSums {
- public:
-  explicit CommPartialSums(Communicator& comm) : comm_(comm) {}
-  void sum(float* x, int64_t n) override { comm_.allreduce_sum(std::span<float>(x, static_cast<size_t>(n))); }
-
- private:
-  Communicator& comm_;
-};
-
-}  // namespace
 
 // What this first step of tensor parallel does not combine with, refused before the model loads.
 void Trainer::check_tensor_parallel() const {
@@ -48,7 +36,7 @@ void Trainer::setup_tensor_parallel() {
   tp_full_config_.n_heads *= c_.dist.tp;
   tp_full_config_.n_kv_heads *= c_.dist.tp;
   tp_full_config_.intermediate *= c_.dist.tp;
-  tp_sums_ = std::make_unique<CommPartialSums>(*rt_.comm);
+  tp_sums_ = std::make_unique<CommunicatorSums>(*rt_.comm);
   session_->set_partial_sums(tp_sums_.get());
 }
 
