@@ -268,7 +268,13 @@ void GradientReducer::count_allgather(size_t bytes_per_rank) {
 
 void GradientReducer::reduce(const Bucket& b) {
   float* g = grads_.data() + b.offset;
-  if (opt_.compression == GradCompression::topk) {
+  if (!compression_on_) {  // dist.compression_warmup: plain sums
+    count_allreduce(b.size * sizeof(float), false);
+    if (opt_.deterministic)
+      reduce_deterministic(g, b.size);
+    else
+      reduce_plain(g, b.size);
+  } else if (opt_.compression == GradCompression::topk) {
     const double n = comm_.size();
     stats_.uncompressed_wire_bytes += static_cast<int64_t>(2.0 * (n - 1) / n * 4.0 * static_cast<double>(b.size));
     reduce_topk(b);

@@ -79,6 +79,10 @@ class GradientReducer {
   GradSyncStats finish();
 
   size_t bucket_count() const { return buckets_.size(); }
+  // Compression off (plain sums, the residual kept as it is) until switched on:
+  // dist.compression_warmup's dense first steps. On by default.
+  void set_compression_enabled(bool on) { compression_on_ = on; }
+  bool compression_enabled() const { return compression_on_ && opt_.compression != GradCompression::none; }
   // The compression's state, for checkpoints: this rank's error-feedback
   // residual (arena layout; empty without compression) and PowerSGD's Q of
   // every compressed matrix, back to back (the same on every rank).
@@ -118,6 +122,7 @@ class GradientReducer {
   std::vector<std::vector<float>> q_;    // PowerSGD: each compressed matrix's Q [cols, rank]
   std::vector<bool> compress_matrix_;
   std::vector<uint8_t> scratch_;         // gathers (comm thread)
+  bool compression_on_ = true;
 
   std::mutex mu_;
   std::condition_variable cv_;

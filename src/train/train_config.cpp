@@ -37,7 +37,7 @@ const char* const kLeaves[] = {
     "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base",
     "qat.bits",       "qat.group_size",     "qat.scheme",          "qat.start_step",    "sparsity_mask",
     "dist.bucket_mb", "dist.overlap",       "dist.deterministic",  "dist.compression",  "dist.ratio",
-    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero",        "dist.tp"};
+    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero",        "dist.tp",          "dist.compression_warmup"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -285,6 +285,7 @@ void read_dist_keys(const Reader& r, TrainConfig& c) {
   if (r.integer("dist.zero", zero, 0, 1)) d.zero1 = zero == 1;
   int64_t tp = 1;
   if (r.integer("dist.tp", tp, 1, 1024)) d.tp = static_cast<int>(tp);
+  r.integer("dist.compression_warmup", d.compression_warmup, -1, int64_t{1} << 40);
 }
 
 void read_production_keys(const Reader& r, TrainConfig& c) {

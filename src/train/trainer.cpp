@@ -295,6 +295,7 @@ StepReport Trainer::train_step() {
   const int64_t step = steps_done();
   current_step_ = step + 1;  // for the record of an error that ends the run
   maybe_start_qat(step);
+  update_compression(step);  // trainer_dist.cpp: dense steps first
   // Peek the whole step first: the gradient scale needs its total target tokens.
   StepReport r;
   load_step_batches(r);  // this rank's micro-batches (trainer_dist.cpp)

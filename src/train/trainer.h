@@ -199,6 +199,7 @@ class Trainer {
   // the gradient exchange overlapped with the last backward, the evaluation
   // shards, and work only rank 0 does with its outcome shared.
   void setup_data_parallel();
+  void update_compression(int64_t step);
   void load_step_batches(StepReport& r);
   double backward_step(float scale, int64_t step);
   LossResult eval_shard(const DataSplit& split);

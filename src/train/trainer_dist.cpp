@@ -46,6 +46,26 @@ void Trainer::setup_data_parallel() {
   log_zero_shard();
 }
 
+// dist.compression from step dist.compression_warmup on (a tenth of the run by
+// default; torch's PowerSGD hook likewise starts after plain steps); top-k
+// then freezes AdamW's second moment (optimizer.h, freeze_second_moment).
+void Trainer::update_compression(int64_t step) {
+  if (!reducer_ || reducer_->options().compression == GradCompression::none) return;
+  const int64_t warm = c_.dist.compression_warmup >= 0 ? c_.dist.compression_warmup : total_steps_ / 10;
+  const bool on = step >= warm;
+  const bool was = reducer_->compression_enabled();
+  reducer_->set_compression_enabled(on);
+  if (!on) return;
+  const bool topk = reducer_->options().compression == GradCompression::topk;
+  if (topk && !opt_->second_moment_frozen()) opt_->freeze_second_moment(warm);
+  if (!was || step == 0)
+    log_->record(LogLevel::info, "dist",
+                 fmt::format("dist.compression {} from step {}{}", grad_compression_name(reducer_->options().compression),
+                             step + 1, topk ? "; AdamW's second moment frozen from here (as 1-bit Adam)" : ""),
+                 {{"dist", {{"compression", grad_compression_name(reducer_->options().compression)},
+                            {"from_step", step + 1}}}});
+}
+
 void Trainer::log_zero_shard() {
   if (zero_cuts_.empty()) return;
   const auto R = static_cast<size_t>(rank());
