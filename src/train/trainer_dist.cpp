@@ -51,12 +51,13 @@ void Trainer::setup_data_parallel() {
 // then freezes AdamW's second moment (optimizer.h, freeze_second_moment).
 void Trainer::update_compression(int64_t step) {
   if (!reducer_ || reducer_->options().compression == GradCompression::none) return;
-  const int64_t warm = c_.dist.compression_warmup >= 0 ? c_.dist.compression_warmup : total_steps_ / 10;
+  const bool topk = reducer_->options().compression == GradCompression::topk;
+  int64_t warm = c_.dist.compression_warmup >= 0 ? c_.dist.compression_warmup : total_steps_ / 10;
+  if (topk) warm = std::max<int64_t>(warm, 1);  // the frozen v needs a dense step to hold something
   const bool on = step >= warm;
   const bool was = reducer_->compression_enabled();
   reducer_->set_compression_enabled(on);
   if (!on) return;
-  const bool topk = reducer_->options().compression == GradCompression::topk;
   if (topk && !opt_->second_moment_frozen()) opt_->freeze_second_moment(warm);
   if (!was || step == 0)
     log_->record(LogLevel::info, "dist",
