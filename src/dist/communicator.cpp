@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "core/error.h"
+
 namespace loom {
 
 namespace {
@@ -67,6 +69,14 @@ const CollectiveAlgorithm* collective_algorithm_from_name(std::string_view name)
   for (const AlgorithmName& n : kAlgorithms)
     if (name == n.name) return &n.algorithm;
   return nullptr;
+}
+
+std::unique_ptr<CommRequest> Communicator::start_send(const void*, size_t, int dest, int) {
+  fail(ErrorKind::unsupported, "{}: no point-to-point messages (to rank {})", describe(), dest);
+}
+
+void Communicator::recv(void*, size_t, int source, int) {
+  fail(ErrorKind::unsupported, "{}: no point-to-point messages (from rank {})", describe(), source);
 }
 
 void Communicator::wait(CommRequest& r, std::string_view what) {

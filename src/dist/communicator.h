@@ -56,6 +56,12 @@ class Communicator {
   virtual std::unique_ptr<CommRequest> start_allreduce_sum(float* data, size_t n) = 0;
   // Every rank's `bytes` bytes at recv + rank * bytes.
   virtual std::unique_ptr<CommRequest> start_allgather(const void* send, void* recv, size_t bytes) = 0;
+  // Point to point (pipeline parallel), main thread: a send whose buffer must
+  // stay until its request tests done, and a receive that waits with the
+  // deadline. Messages between two ranks with one tag arrive in order.
+  virtual std::unique_ptr<CommRequest> start_send(const void* data, size_t bytes, int dest, int tag);
+  virtual void recv(void* data, size_t bytes, int source, int tag);
+
   // Waits for `r` until the deadline; past it, abort() naming `what`.
   void wait(CommRequest& r, std::string_view what);
 

@@ -154,6 +154,17 @@ class MpiCommunicator final : public Communicator {
     wait(r, "gather");
   }
 
+  std::unique_ptr<CommRequest> start_send(const void* data, size_t bytes, int dest, int tag) override {
+    auto r = std::make_unique<MpiRequest>();
+    MPI_Isend(data, count(bytes), MPI_BYTE, dest, tag, MPI_COMM_WORLD, r->handle());
+    return r;
+  }
+  void recv(void* data, size_t bytes, int source, int tag) override {
+    MpiRequest r;
+    MPI_Irecv(data, count(bytes), MPI_BYTE, source, tag, MPI_COMM_WORLD, r.handle());
+    wait(r, fmt::format("receive from rank {}", source));
+  }
+
   std::unique_ptr<CommRequest> start_allreduce_sum(float* data, size_t n) override {
     auto r = std::make_unique<MpiRequest>();
     MPI_Iallreduce(MPI_IN_PLACE, data, count(n), MPI_FLOAT, MPI_SUM, async_, r->handle());

@@ -485,33 +485,20 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   be_.rmsnorm_backward(dx, G ? G->attn_norm : nullptr, dxn_, a.x, L.attn_norm, a.rstd1, T, H);
 }
 
-LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step, bool backward) {
-  check_batch(batch);
-  const int64_t T = batch.rows * batch.seq_len, H = c_.hidden;
-  const bool dropout = backward && lora_ && lora_->config().dropout > 0;
-  reserve(T);
+void TrainSession::set_positions(const Batch& batch) {
+  const int64_t T = batch.rows * batch.seq_len;
   tokens_ = T;
   pos_.assign(batch.positions.begin(), batch.positions.end());
   seq_start_.resize(static_cast<size_t>(T));
   for (int64_t i = 0; i < T; ++i)  // row-relative -> index into the concatenated rows
     seq_start_[static_cast<size_t>(i)] =
         static_cast<int32_t>((i / batch.seq_len) * batch.seq_len + batch.seq_start[static_cast<size_t>(i)]);
+}
 
-  dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
-  dec_.rope_table(pos_.data(), T, rope_cs_);
-  const int64_t N = segment_layers();
-  for (int64_t l = 0; l < c_.n_layers; ++l) {
-    const int64_t k = segment_of(l);
-    if (backward && N > 0 && l == segment_start(k) && static_cast<size_t>(k) < checkpoints_.size()) {
-      float* c = checkpoints_[static_cast<size_t>(k)];
-      if (opts_.bf16)
-        be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
-      else
-        std::memcpy(c, layers_[static_cast<size_t>(l)].x, static_cast<size_t>(T * H) * sizeof(float));
-    }
-    forward_layer(l, T, dropout, step, next_input(l));
-    if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
-  }
+// The final norm, the loss and (backward) the gradient down to the last
+// layer's output in dres_, for the micro-batch set up by set_positions.
+LossResult TrainSession::loss_and_head_backward(const Batch& batch, float grad_scale, bool backward) {
+  const int64_t T = tokens_, H = c_.hidden;
   dec_.final_norm(x_final_, nullptr, T, xn_final_, rstd_final_);
 
   // d(final-norm output) lands in tmp_; d(residual stream) in dres_.
@@ -537,6 +524,33 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   be_.zero(dres_, T * H);
   be_.rmsnorm_backward(dres_, full_ ? full_->output_norm_grad() : nullptr, dh, x_final_, w_.output_norm, rstd_final_,
                        T, H);
+  return res;
+}
+
+LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step, bool backward) {
+  check_batch(batch);
+  const int64_t T = batch.rows * batch.seq_len, H = c_.hidden;
+  const bool dropout = backward && lora_ && lora_->config().dropout > 0;
+  reserve(T);
+  set_positions(batch);
+
+  dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
+  dec_.rope_table(pos_.data(), T, rope_cs_);
+  const int64_t N = segment_layers();
+  for (int64_t l = 0; l < c_.n_layers; ++l) {
+    const int64_t k = segment_of(l);
+    if (backward && N > 0 && l == segment_start(k) && static_cast<size_t>(k) < checkpoints_.size()) {
+      float* c = checkpoints_[static_cast<size_t>(k)];
+      if (opts_.bf16)
+        be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
+      else
+        std::memcpy(c, layers_[static_cast<size_t>(l)].x, static_cast<size_t>(T * H) * sizeof(float));
+    }
+    forward_layer(l, T, dropout, step, next_input(l));
+    if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
+  }
+  const LossResult res = loss_and_head_backward(batch, grad_scale, backward);
+  if (!backward) return res;
   backward_segments(T, dropout, step);
   // dres_ is now d(embedding rows); with LoRA the embedding is frozen and it stops here.
   if (full_)

@@ -84,6 +84,22 @@ class TrainSession {
   // LossResult::n_correct: the targets that are the argmax of their logits.
   LossResult forward_loss(const Batch& batch);
 
+  // Pipeline parallel (train/trainer_pp.cpp; train_step_stage.cpp): one
+  // stage's share of forward_backward for one micro-batch, the decoder layers
+  // [first, last). forward_stage: x_in [T, hidden] is the input of layer
+  // `first` (null when first is 0: the tokens are embedded); returns the
+  // output of layer last - 1, which the session keeps until its next forward,
+  // or, when last is the layer count, null with the micro-batch's loss in
+  // *loss (the gradient of loss_sum * grad_scale flows from it; `backward`
+  // false: evaluation, no dropout, n_correct counted). backward_stage: dy is
+  // the gradient of that output (null on the last stage); accumulates the
+  // stage's gradients and returns the gradient of its input, valid until the
+  // next call (null when first is 0). Needs no gradient checkpointing and no
+  // bf16 activations.
+  const float* forward_stage(const Batch& batch, float grad_scale, uint64_t step, int64_t first, int64_t last,
+                             const float* x_in, LossResult* loss, bool backward = true);
+  const float* backward_stage(const float* dy);
+
   // How the forward keeps what the backward needs (TrainConfig's
   // gradient_checkpointing and activation_dtype). Call before the first step;
   // a change re-lays out the buffers at the next reserve().
@@ -197,6 +213,13 @@ class TrainSession {
   size_t bt_floats() const;
 
   LossResult run(const Batch& batch, float grad_scale, uint64_t step, bool backward);
+  void set_positions(const Batch& batch);
+  LossResult loss_and_head_backward(const Batch& batch, float grad_scale, bool backward);
+  struct Stage {
+    int64_t first = 0, last = 0;
+    bool dropout = false;
+    uint64_t step = 0;
+  } stage_;
   void check_batch(const Batch& batch) const;
   // x_next: where the layer's output goes (the next layer's input, or a spill).
   void forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* x_next);

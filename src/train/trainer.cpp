@@ -148,7 +148,8 @@ void Trainer::setup() {
   if (c_.qat.enabled() && c_.quantize_base != TrainConfig::BaseQuant::none)
     fail(ErrorKind::invalid_input, "{}: qat trains against the quantized export of W + s B A in f32; it does not go "
          "with quantize_base: {} (leave quantize_base: none)", c_.source, base_quant_name(c_.quantize_base));
-  check_tensor_parallel();  // trainer_tp.cpp
+  check_tensor_parallel();    // trainer_tp.cpp
+  check_pipeline_parallel();  // trainer_pp.cpp
   std::vector<std::string> notes;
   TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? rank() : 0);
   for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
@@ -171,7 +172,8 @@ void Trainer::setup() {
   res_.trainable_params = params_->count();
   res_.total_params = model_->parameter_count() + params_->added_params();
   log_start();
-  setup_data_parallel();  // trainer_dist.cpp; nothing for one process
+  setup_data_parallel();      // trainer_dist.cpp; nothing for one process
+  setup_pipeline_parallel();  // trainer_pp.cpp
   micro_.resize(static_cast<size_t>(c_.grad_accum));
   check_memory();  // the estimate against memory_limit; then every step buffer is reserved
   t0_ = Clock::now();
@@ -384,7 +386,8 @@ void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
 std::optional<double> Trainer::evaluate() {
   LOOM_ASSERT(opt_);  // setup() ran
   if (!data_->eval) return std::nullopt;
-  const LossResult sum = eval_shard(*data_->eval);  // data parallel: each rank a share
+  // data parallel: each rank a share; pipeline parallel: through the stages
+  const LossResult sum = c_.dist.pp > 1 ? eval_pipeline(*data_->eval) : eval_shard(*data_->eval);
   EvalReport e;
   e.step = steps_done();
   e.tokens = sum.n_tokens;

@@ -149,8 +149,8 @@ class Trainer {
   int world() const { return rt_.comm ? rt_.comm->size() : 1; }
   bool is_root() const { return rank() == 0; }
   // The ranks that split the data (tensor parallel: its ranks share every batch).
-  int data_ranks() const { return c_.dist.tp > 1 ? world() / c_.dist.tp : world(); }
-  int data_rank() const { return c_.dist.tp > 1 ? rank() / c_.dist.tp : rank(); }
+  int data_ranks() const { return c_.dist.tp > 1 || c_.dist.pp > 1 ? 1 : world(); }
+  int data_rank() const { return c_.dist.tp > 1 || c_.dist.pp > 1 ? 0 : rank(); }
   // The last step's gradient exchange (data parallel; zero for one process).
   const GradSyncStats& sync_stats() const { return sync_stats_; }
   int64_t total_steps() const { return total_steps_; }
@@ -207,6 +207,12 @@ class Trainer {
   void broadcast_text(std::string& text);  // rank 0's text on every rank
   void agree_resume();
   void check_tensor_parallel() const;
+  // Pipeline parallel (trainer_pp.cpp).
+  void check_pipeline_parallel() const;
+  void setup_pipeline_parallel();
+  TrainSession& stage_session(size_t micro_batch);
+  double pipeline_step(float scale, int64_t step);
+  LossResult eval_pipeline(const DataSplit& split);
   void setup_tensor_parallel();
   void sum_replicated_grads();
   double global_sum_squares(double local);
@@ -267,6 +273,9 @@ class Trainer {
   // Tensor parallel (dist.tp): the sums over its ranks, the whole model's shapes.
   std::unique_ptr<PartialSums> tp_sums_;
   ModelConfig tp_full_config_;
+  // Pipeline parallel (dist.pp): this stage's layers and a session per micro-batch but the first.
+  int64_t stage_first_ = 0, stage_last_ = 0;
+  std::vector<std::unique_ptr<TrainSession>> stage_sessions_;
 };
 
 // Runs the whole training described by `config`: setup, an evaluation at step

@@ -95,6 +95,7 @@ void Trainer::load_step_batches(StepReport& r) {
 // The step's micro-batches of this rank; the last one's backward hands each
 // finished layer to the reducer. Returns the local loss sum.
 double Trainer::backward_step(float scale, int64_t step) {
+  if (c_.dist.pp > 1) return pipeline_step(scale, step);  // trainer_pp.cpp
   const auto G = static_cast<int64_t>(micro_.size());
   const int64_t W = data_ranks(), R = data_rank();
   int64_t last = -1;

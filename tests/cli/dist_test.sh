@@ -13,7 +13,9 @@
 #  7. a rank killed (SIGKILL) stops every rank within 30 s with a message naming it; --resume then
 #     finishes; a rank that hangs (SIGSTOP) ends the run after dist.timeout;
 #  8. tensor parallel (dist.tp 2): the losses of one process within 1e-5, the whole adapter gathered
-#     (the initialization bit for bit); what it does not support yet refused.
+#     (the initialization bit for bit); what it does not support yet refused;
+#  9. pipeline parallel (dist.pp): 2 stages of the tiny model and 3 of the default model (1F1B, LoRA
+#     dropout, 1 to 4 micro-batches): the losses and adapter bytes of one process.
 # Exit 77 (skipped) without mpirun; under CI=true that is a failure.
 # Usage: dist_test.sh LOOM_BINARY SOURCE_DIR
 set -u
@@ -280,6 +282,23 @@ if ! run tpbad 1 1 --set dist.tp=2 >/dev/null && grep -q "needs exactly 2 ranks"
   bad "dist.tp 2 on one process is not refused"; fi
 if ! run tpdrop 2 1 --set dist.tp=2 >/dev/null && grep -q "lora.dropout" "$tmp/tpdrop.out"; then ok; else
   bad "dist.tp with dropout is not refused"; fi
+
+echo "9. pipeline parallel (dist.pp): 1F1B through the stages, the bits of one process"
+for ga in 1 3; do
+  pp=(--set steps=4 --set eval_interval=2)
+  run "pp1_$ga" 1 $ga "${pp[@]}" && run "pp2_$ga" 2 $ga "${pp[@]}" --set dist.pp=2 &&
+    same_bits "pp1_$ga" "pp2_$ga" adapter_model.safetensors
+done
+# The default model (30 layers) in 3 stages of 10, 4 micro-batches, LoRA dropout.
+smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ -f "$smol" ]]; then
+  s3=(--set model="$smol" --set data.seq_len=32 --set batch_size=1 --set steps=2 --set eval_interval=0 --set lora.r=4)
+  run smol1 1 4 "${s3[@]}" && run smol3 3 4 "${s3[@]}" --set dist.pp=3 && same_bits smol1 smol3 adapter_model.safetensors
+else
+  bad "the default model $smol is missing (scripts/setup fetches it)"
+fi
+if ! run ppbad 3 1 --set dist.pp=2 >/dev/null && grep -q "needs exactly 2 ranks" "$tmp/ppbad.out"; then ok; else
+  bad "dist.pp 2 on 3 ranks is not refused"; fi
 
 echo "$pass passed, $fail failed"
 [[ $fail == 0 ]]

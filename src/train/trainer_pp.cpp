@@ -1,0 +1,146 @@
+// The Trainer under pipeline parallel (dist.pp S): rank s holds the decoder
+// layers [s L / S, (s+1) L / S) in computation (every rank keeps the whole
+// model; the split of memory comes later), every rank reads the same
+// micro-batches, and they flow through the stages in the 1F1B order: stage s
+// runs S - s - 1 forwards, then one forward and one backward in turn, then the
+// remaining backwards (PipeDream-Flush, Megatron-LM's default). Activations go
+// forward and their gradients back as point-to-point messages. Each layer's
+// gradients are accumulated micro-batch after micro-batch as one process does
+// it, then summed over the stages (each gradient is non-zero on one stage
+// only): the same bits as one process with the same grad_accum.
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "train/train_log.h"
+#include "train/trainer.h"
+
+namespace loom {
+
+void Trainer::check_pipeline_parallel() const {
+  const int pp = c_.dist.pp;
+  if (pp == 1) return;
+  if (world() != pp)
+    fail(ErrorKind::invalid_input, "{}: dist.pp {} needs exactly {} ranks (mpirun -np {}); this run has {}",
+         c_.source, pp, pp, pp, world());
+  if (c_.dist.tp > 1) fail(ErrorKind::unsupported, "{}: dist.pp with dist.tp is not built yet", c_.source);
+  if (c_.method != TrainMethod::lora)
+    fail(ErrorKind::unsupported, "{}: dist.pp trains LoRA adapters in this build (method: full is not split into "
+         "stages yet)", c_.source);
+  if (c_.gradient_checkpointing > 0 || c_.activation_dtype != TrainConfig::ActivationDType::f32)
+    fail(ErrorKind::unsupported, "{}: dist.pp keeps every stage's activations in f32 (gradient_checkpointing and "
+         "activation_dtype bf16 are not combined with it yet)", c_.source);
+}
+
+void Trainer::setup_pipeline_parallel() {
+  if (c_.dist.pp == 1) return;
+  const int64_t L = model_->config().n_layers, S = c_.dist.pp, s = rank();
+  if (L < S)
+    fail(ErrorKind::invalid_input, "{}: dist.pp {} stages for a model of {} layers", c_.source, S, L);
+  stage_first_ = s * L / S;
+  stage_last_ = (s + 1) * L / S;
+  // One session (its saved activations) per micro-batch of a step: up to S of them are in flight.
+  stage_sessions_.clear();
+  for (int64_t i = 1; i < c_.grad_accum; ++i) {
+    std::unique_ptr<TrainSession> t = params_->make_session(*model_, *backend_, c_.backward);
+    t->set_precision(session_->precision());
+    t->set_activation_options(session_->activation_options());
+    stage_sessions_.push_back(std::move(t));
+  }
+  log_->record(LogLevel::info, "dist",
+               fmt::format("pipeline parallel: {} stages of about {} layers, 1F1B over {} micro-batches a step; rank 0 "
+                           "runs layers [{}, {})", S, L / S, c_.grad_accum, stage_first_, stage_last_),
+               {{"dist", {{"pipeline_stages", S}, {"micro_batches", c_.grad_accum}}}});
+}
+
+TrainSession& Trainer::stage_session(size_t i) { return i == 0 ? *session_ : *stage_sessions_[i - 1]; }
+
+// One step's micro-batches through this stage in 1F1B order; returns the
+// loss sum over the step (every rank: the last stage's, all-reduced).
+double Trainer::pipeline_step(float scale, int64_t step) {
+  const int S = c_.dist.pp, s = rank();
+  const auto G = static_cast<int64_t>(micro_.size());
+  const int64_t H = model_->config().hidden;
+  std::vector<std::unique_ptr<CommRequest>> sends;
+  std::vector<float> x;
+  double loss_sum = 0;
+  auto tokens = [&](int64_t i) { return micro_[static_cast<size_t>(i)].rows * micro_[static_cast<size_t>(i)].seq_len; };
+  auto forward = [&](int64_t i) {
+    const Batch& b = micro_[static_cast<size_t>(i)];
+    if (b.target_tokens == 0) return;  // every stage skips it, as one process does
+    const int64_t n = tokens(i) * H;
+    if (s > 0) {
+      x.resize(static_cast<size_t>(n));
+      rt_.comm->recv(x.data(), x.size() * sizeof(float), s - 1, static_cast<int>(2 * i));
+    }
+    LossResult r;
+    const auto mask_counter = static_cast<uint64_t>(step * G + i);
+    const float* out = stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, stage_first_,
+                                                                           stage_last_, s > 0 ? x.data() : nullptr, &r);
+    if (s + 1 < S)
+      sends.push_back(rt_.comm->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
+    else
+      loss_sum += r.loss_sum;
+    input_tokens_ += tokens(i);
+  };
+  std::vector<float> dy;
+  auto backward = [&](int64_t i) {
+    if (micro_[static_cast<size_t>(i)].target_tokens == 0) return;
+    const int64_t n = tokens(i) * H;
+    if (s + 1 < S) {
+      dy.resize(static_cast<size_t>(n));
+      rt_.comm->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
+    }
+    const float* dx = stage_session(static_cast<size_t>(i)).backward_stage(s + 1 < S ? dy.data() : nullptr);
+    if (s > 0)  // the session keeps dx until its next call: after this step
+      sends.push_back(rt_.comm->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
+  };
+  const int64_t warm = std::min<int64_t>(S - s - 1, G);
+  for (int64_t i = 0; i < warm; ++i) forward(i);
+  for (int64_t i = warm; i < G; ++i) {
+    forward(i);
+    backward(i - warm);
+  }
+  for (int64_t i = G - warm; i < G; ++i) backward(i);
+  for (auto& r : sends) rt_.comm->wait(*r, "pipeline send");
+  // Each layer's gradients live on its stage: the sum over stages gives every rank all of them.
+  const std::span<float> g = params_->grads();
+  rt_.comm->allreduce_sum(g);
+  rt_.comm->allreduce_sum(std::span<double>(&loss_sum, 1));
+  return loss_sum;
+}
+
+// An evaluation batch by batch through the stages (forward only).
+LossResult Trainer::eval_pipeline(const DataSplit& split) {
+  const int S = c_.dist.pp, s = rank();
+  const int64_t H = model_->config().hidden;
+  DataLoader loader(split, data_->pad_id, c_.batch_size, /*shuffle=*/false, 0);
+  LossResult sum;
+  Batch b;
+  std::vector<float> x;
+  for (int64_t i = 0, nb = loader.batches_per_epoch(); i < nb; ++i) {
+    loader.next(b);
+    if (b.target_tokens == 0) continue;
+    const auto n = static_cast<size_t>(b.rows * b.seq_len * H);
+    if (s > 0) {
+      x.resize(n);
+      rt_.comm->recv(x.data(), n * sizeof(float), s - 1, 0);
+    }
+    LossResult r;
+    const float* out =
+        session_->forward_stage(b, 0.0f, 0, stage_first_, stage_last_, s > 0 ? x.data() : nullptr, &r, false);
+    if (s + 1 < S) {
+      auto req = rt_.comm->start_send(out, n * sizeof(float), s + 1, 0);
+      rt_.comm->wait(*req, "pipeline send");
+    } else {
+      sum.loss_sum += r.loss_sum;
+      sum.n_tokens += r.n_tokens;
+      sum.n_correct += r.n_correct;
+    }
+  }
+  double v[3] = {sum.loss_sum, static_cast<double>(sum.n_tokens), static_cast<double>(sum.n_correct)};
+  rt_.comm->allreduce_sum(std::span<double>(v, 3));
+  return {v[0], static_cast<int64_t>(v[1]), static_cast<int64_t>(v[2])};
+}
+
+}  // namespace loom
