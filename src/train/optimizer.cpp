@@ -208,10 +208,6 @@ void AdamW::keep_shard() {
   segments_ = std::move(kept);
 }
 
-void AdamW::freeze_second_moment(int64_t at_step) {
-  frozen_bc2_sqrt_ = std::sqrt(1.0 - std::pow(config_.beta2, static_cast<double>(std::max<int64_t>(at_step, 1))));
-}
-
 double AdamW::current_lr(size_t group) const {
   LOOM_ASSERT(group < groups_.size());
   return groups_[group].lr * schedule_.multiplier(step_) * lr_scale_;
@@ -237,11 +233,7 @@ StepStats AdamW::step(std::span<float> params, std::span<float> grads, std::opti
   u.w2 = static_cast<float>(1.0 - config_.beta2);
   u.eps = static_cast<float>(config_.eps);
   u.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(config_.beta2, t)));
-  if (frozen_bc2_sqrt_ > 0) {  // v = 1 v + 0 g^2: kept as it is
-    u.b2 = 1.0f;
-    u.w2 = 0.0f;
-    u.bc2_sqrt = static_cast<float>(frozen_bc2_sqrt_);
-  }
+
   Adam8bitUpdate q{};
   q.b1 = static_cast<float>(config_.beta1);
   q.w1 = u.w1;

@@ -116,13 +116,7 @@ class AdamW {
   // Multiplies every group's learning rate (a divergence rollback lowers it;
   // train/faults.h). Not part of save(): the checkpoint's FaultState holds it.
   void set_lr_scale(double scale) { lr_scale_ = scale; }
-  // From now on the second moment v stays as it is, with its bias correction
-  // of step `at_step` (1-bit Adam's frozen variance): top-k compressed
-  // gradients reach a parameter in bursts, and a v still averaging them would
-  // shrink its steps by sqrt(the share sent). Not part of save(): a function
-  // of the step and the config, set again on resume.
-  void freeze_second_moment(int64_t at_step);
-  bool second_moment_frozen() const { return frozen_bc2_sqrt_ > 0; }
+
   double lr_scale() const { return lr_scale_; }
   // The f32 moments: adamw, arenas of the parameter arena's layout; adamw8bit,
   // those of the small pieces only, back to back in arena order.
@@ -165,7 +159,6 @@ class AdamW {
   LrSchedule schedule_;
   int64_t step_ = 0;
   double lr_scale_ = 1;
-  double frozen_bc2_sqrt_ = 0;  // > 0: v frozen (freeze_second_moment)
   // A piece of one group inside one tensor, with its moments' place.
   struct Segment {
     size_t offset = 0, size = 0, group = 0;

@@ -47,22 +47,18 @@ void Trainer::setup_data_parallel() {
 }
 
 // dist.compression from step dist.compression_warmup on (a tenth of the run by
-// default; torch's PowerSGD hook likewise starts after plain steps); top-k
-// then freezes AdamW's second moment (optimizer.h, freeze_second_moment).
+// default; torch's PowerSGD hook likewise starts after plain steps).
 void Trainer::update_compression(int64_t step) {
   if (!reducer_ || reducer_->options().compression == GradCompression::none) return;
-  const bool topk = reducer_->options().compression == GradCompression::topk;
-  int64_t warm = c_.dist.compression_warmup >= 0 ? c_.dist.compression_warmup : total_steps_ / 10;
-  if (topk) warm = std::max<int64_t>(warm, 1);  // the frozen v needs a dense step to hold something
+  const int64_t warm = c_.dist.compression_warmup >= 0 ? c_.dist.compression_warmup : total_steps_ / 10;
   const bool on = step >= warm;
   const bool was = reducer_->compression_enabled();
   reducer_->set_compression_enabled(on);
   if (!on) return;
-  if (topk && !opt_->second_moment_frozen()) opt_->freeze_second_moment(warm);
   if (!was || step == 0)
     log_->record(LogLevel::info, "dist",
-                 fmt::format("dist.compression {} from step {}{}", grad_compression_name(reducer_->options().compression),
-                             step + 1, topk ? "; AdamW's second moment frozen from here (as 1-bit Adam)" : ""),
+                 fmt::format("dist.compression {} from step {}", grad_compression_name(reducer_->options().compression),
+                             step + 1),
                  {{"dist", {{"compression", grad_compression_name(reducer_->options().compression)},
                             {"from_step", step + 1}}}});
 }
