@@ -50,8 +50,8 @@ expect_fail "io includes model (upward)" src/io/x.cpp \
   '#include "model/a.h"' 'src/io/x.cpp:1: #include "model/a.h": model is above io'
 expect_fail "kernels/ref includes kernels/cpu" src/kernels/ref/r.h '#include "kernels/cpu/c.h"' \
   'src/kernels/ref/r.h:3: #include "kernels/cpu/c.h": kernels/ref/ may not include kernels/cpu/'
-expect_fail "a folder that is no layer" src/dist/d.h '#include "core/a.h"' \
-  'src/dist/: not a layer'
+expect_fail "a folder that is no layer" src/scratch/d.h '#include "core/a.h"' \
+  'src/scratch/: not a layer'
 
 # Without the layer list it refuses to guess (exit 2).
 make_tree
