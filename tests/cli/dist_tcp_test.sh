@@ -150,7 +150,9 @@ losses() {
 import json, sys
 for line in open(sys.argv[1]):
     j = json.loads(line)
-    for k in ("step_seconds", "elapsed_seconds", "tokens_per_s"):
+    # timings, and the communication fields of a data-parallel run
+    for k in ("step_seconds", "elapsed_seconds", "tokens_per_s", "ranks", "wire_bytes",
+              "uncompressed_wire_bytes", "comm_seconds", "comm_wait_seconds"):
         j.pop(k, None)
     print(json.dumps(j, sort_keys=True))' "$1"
 }
