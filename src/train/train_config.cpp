@@ -285,7 +285,7 @@ void read_dist_keys(const Reader& r, TrainConfig& c) {
   if (r.integer("dist.zero", zero, 0, 1)) d.zero1 = zero == 1;
   int64_t tp = 1;
   if (r.integer("dist.tp", tp, 1, 1024)) d.tp = static_cast<int>(tp);
-  r.integer("dist.compression_warmup", d.compression_warmup, -1, int64_t{1} << 40);
+  r.integer("dist.compression_warmup", d.compression_warmup, 0, int64_t{1} << 40);
   int64_t pp = 1;
   if (r.integer("dist.pp", pp, 1, 1024)) d.pp = static_cast<int>(pp);
 }

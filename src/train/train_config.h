@@ -148,8 +148,8 @@ struct TrainConfig {
     bool zero1 = false;      // dist.zero: 1 shards the optimizer state over the ranks (ZeRO stage 1)
     int tp = 1;              // dist.tp: tensor parallel over this many ranks (model/tensor_parallel.h)
     int pp = 1;              // dist.pp: pipeline parallel over this many stages (train/trainer_pp.cpp)
-    // dist.compression_warmup: dense steps before the compression starts (-1: a tenth of the run)
-    int64_t compression_warmup = -1;
+    // dist.compression_warmup: plain all-reduce steps before the compression starts
+    int64_t compression_warmup = 0;
   } dist;
 
   std::string source;  // the config file name, for messages

@@ -46,11 +46,12 @@ void Trainer::setup_data_parallel() {
   log_zero_shard();
 }
 
-// dist.compression from step dist.compression_warmup on (a tenth of the run by
-// default; torch's PowerSGD hook likewise starts after plain steps).
+// dist.compression from step dist.compression_warmup on (as torch's PowerSGD
+// hook's start_powerSGD_iter; default 0: 20 plain steps of 200 did not help
+// the main job, bench/results/dist_convergence_warmup20.txt).
 void Trainer::update_compression(int64_t step) {
   if (!reducer_ || reducer_->options().compression == GradCompression::none) return;
-  const int64_t warm = c_.dist.compression_warmup >= 0 ? c_.dist.compression_warmup : total_steps_ / 10;
+  const int64_t warm = c_.dist.compression_warmup;
   const bool on = step >= warm;
   const bool was = reducer_->compression_enabled();
   reducer_->set_compression_enabled(on);
