@@ -80,17 +80,25 @@ void Communicator::recv(void*, size_t, int source, int) {
 }
 
 void Communicator::wait(CommRequest& r, std::string_view what) {
-  // Test with short sleeps: Open MPI's non-blocking collectives progress only
-  // inside MPI calls, and a spinning thread would take a core from the compute.
+  // Open MPI's non-blocking collectives progress only inside MPI calls: test
+  // in a loop that yields the core for the first 200 us (a small collective
+  // completes in a few us; a sleep, however short, costs ~60 us of timer
+  // slack: 160 us a collective, measured, bench/results/allreduce.md), then
+  // with sleeps growing to 200 us, so a long wait does not take a core from
+  // the compute.
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  std::chrono::microseconds nap(5);
+  std::chrono::microseconds nap(10);
   while (!r.test()) {
     const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
     if (waited > timeout_s_)
       abort(fmt::format("{} did not complete within dist.timeout {:.0f} s: another rank died or hangs; every rank "
                         "stops now (resume from the last checkpoint with --resume)",
                         what, timeout_s_));
+    if (waited < 200e-6) {
+      std::this_thread::yield();
+      continue;
+    }
     std::this_thread::sleep_for(nap);
     if (nap < std::chrono::microseconds(200)) nap *= 2;
   }
