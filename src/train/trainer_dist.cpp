@@ -33,9 +33,9 @@ void Trainer::setup_data_parallel() {
                         : fmt::format("PowerSGD rank {} with error feedback", s.powersgd_rank);
   log_->record(LogLevel::info, "dist",
                fmt::format("data parallel: {}; a step is {} ranks x {} x {} rows; gradients in {} buckets of up to "
-                           "{:.1f} MiB, {}, {}{}, all-reduce {}",
+                           "{}, {}, {}{}, all-reduce {}",
                            rt_.comm->describe(), world(), c_.grad_accum, c_.batch_size, reducer_->bucket_count(),
-                           static_cast<double>(s.bucket_bytes) / (1024.0 * 1024.0),
+                           format_bytes(static_cast<int64_t>(s.bucket_bytes)),
                            s.overlap ? "overlapped with the backward" : "after the backward", how,
                            s.deterministic ? ", deterministic (rank order)" : "",
                            collective_algorithm_name(c_.dist.algorithm)),
