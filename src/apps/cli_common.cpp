@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "kernels/profiling_backend.h"
 #include "model/adapter_merge.h"
 
 namespace loom::app {
@@ -34,15 +35,27 @@ void add_model_flags(CLI::App& app, ModelFlags& flags) {
 void add_run_flags(CLI::App& app, ModelFlags& flags) {
   add_threads_flag(app, flags.threads);
   add_device_flag(app, flags.device);
+  add_profile_flag(app, flags.profile);
+}
+
+void add_profile_flag(CLI::App& app, std::string& path) {
+  app.add_option("--profile", path,
+                 "record a profile (Chrome trace) into this file: loom profile report FILE (docs/profiling.md)")
+      ->type_name("OUT.json");
 }
 
 LoadedModel load_model(const ModelFlags& flags) {
   LoadedModel m;
   m.pool = std::make_unique<ThreadPool>(flags.threads);
   m.backend = open_backend(flags.device, *m.pool);
+  if (!flags.profile.empty()) {
+    m.tracer = std::make_unique<Tracer>();
+    m.backend = make_profiling_backend(std::move(m.backend), *m.tracer, *m.pool);
+  }
   Model::LoadOptions load{.tokenizer = true, .pack = true, .backend = m.backend.get()};
   if (!flags.adapter_dir.empty()) load.before_pack = adapter_merge_hook(flags.adapter_dir);
   m.model = Model::load(flags.model_path, load);
+  if (m.tracer) m.tracer->start();
   return m;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/thread_pool.h"
+#include "core/trace.h"
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "model/generate.h"
@@ -40,16 +41,20 @@ struct ModelFlags {
   std::string model_path, adapter_dir;
   int threads = 1;
   std::string device = "cpu";
+  std::string profile;  // --profile OUT.json (apps/profile_output.h)
 };
 void add_model_flags(CLI::App& app, ModelFlags& flags);
 void add_run_flags(CLI::App& app, ModelFlags& flags);
 // What generate and chat run on. Members are destroyed model first, then the
 // backend its weights live in, then the pool the backend computes with.
 struct LoadedModel {
+  std::unique_ptr<Tracer> tracer;  // --profile: recording from the end of the load
   std::unique_ptr<ThreadPool> pool;
   std::unique_ptr<Backend> backend;  // the --device backend (open_backend)
   std::unique_ptr<Model> model;      // packed for `backend`, with its tokenizer
 };
+// "--profile OUT.json" for commands that run a model.
+void add_profile_flag(CLI::App& app, std::string& path);
 // Loads flags.model_path on flags.device with flags.threads threads, merging
 // flags.adapter_dir into the weights before packing when one was given (errors
 // name the adapter folder).

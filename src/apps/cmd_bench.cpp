@@ -8,6 +8,8 @@
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
+#include "apps/profile_output.h"
+#include "kernels/profiling_backend.h"
 #include "core/rng.h"
 #include "model/forward.h"
 #include "model/model.h"
@@ -43,11 +45,15 @@ int run_bench(int argc, char** argv) {
   add_threads_flag(app, threads);
   std::string device = "cpu";
   add_device_flag(app, device);
+  std::string profile;
+  add_profile_flag(app, profile);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
   ThreadPool pool(threads);
-  const auto backend = open_backend(device, pool);
+  Tracer tracer;  // --profile: the measured repetitions (not the warm-up)
+  std::unique_ptr<Backend> backend = open_backend(device, pool);
+  if (!profile.empty()) backend = make_profiling_backend(std::move(backend), tracer, pool);
   auto model = Model::load(model_path, {.tokenizer = false, .pack = true, .backend = backend.get()});
   const ModelConfig& c = model->config();
   const int64_t n_ctx = std::max<int64_t>(n_prompt, n_gen) + 1;
@@ -62,6 +68,7 @@ int run_bench(int argc, char** argv) {
   InferenceSession session(c, model->weights(), *backend, n_ctx, micro_batch);
   // One warm-up of each test (page in the weights, size the scratch buffers).
   for (int64_t r = -1; r < reps; ++r) {
+    if (r == 0 && !profile.empty()) tracer.start();
     if (n_prompt > 0) {
       const auto toks = random_tokens(n_prompt);
       session.truncate(0);
@@ -78,6 +85,13 @@ int run_bench(int argc, char** argv) {
       const double s = std::chrono::duration<double>(clock::now() - t0).count();
       if (r >= 0) tg.push_back(static_cast<double>(n_gen) / s);
     }
+  }
+  if (!profile.empty()) {
+    tracer.stop();
+    write_profile(profile, tracer,
+                  profile_metadata("bench", threads,
+                                   {{"model", {{"path", model_path}, {"name", c.name}, {"layers", c.n_layers}}},
+                                    {"bench", {{"n_prompt", n_prompt}, {"n_gen", n_gen}, {"repetitions", reps}}}}));
   }
   const Stat spp = pp.empty() ? Stat{} : stats(pp), stg = tg.empty() ? Stat{} : stats(tg);
   if (json) {

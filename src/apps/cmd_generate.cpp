@@ -4,6 +4,7 @@
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
+#include "apps/profile_output.h"
 #include "core/mapped_file.h"
 #include "model/generate.h"
 #include "model/model.h"
@@ -53,6 +54,11 @@ int run_generate(int argc, char** argv) {
   });
   std::fputc('\n', stdout);
   print_speed(r);
+  if (loaded.tracer)
+    write_profile(model_flags.profile, *loaded.tracer,
+                  profile_metadata("generate", model_flags.threads,
+                                   {{"model", {{"path", model_flags.model_path}, {"name", model->config().name},
+                                               {"layers", model->config().n_layers}}}}));
   return 0;
 }
 

@@ -12,6 +12,7 @@
 #include "apps/cli_common.h"
 #include "dist/communicator.h"
 #include "apps/commands.h"
+#include "apps/profile_output.h"
 #include "serve/http_server.h"
 #include "serve/scheduler.h"
 
@@ -102,6 +103,8 @@ int run_serve(int argc, char** argv) {
       ->check(CLI::Range(1, 1024));
   std::string device = "cpu";
   add_device_flag(app, device);
+  std::string profile;
+  add_profile_flag(app, profile);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
@@ -150,7 +153,19 @@ int run_serve(int argc, char** argv) {
       return 0;
     }
   }
+  // Always there (an op costs one atomic load more while it does not record),
+  // so that POST /profile/start works on any server; --profile records from the start.
+  Tracer tracer;
+  so.tracer = &tracer;
   ServingEngine engine(so);
+  const int threads = so.threads > 0 ? so.threads : default_thread_count();
+  const nlohmann::json serve_metadata = {
+      {"model", {{"path", so.model_path}, {"name", engine.model_name()}, {"layers", engine.model().config().n_layers}}},
+      {"serve", {{"max_batch_tokens", so.max_batch_tokens}, {"max_seqs", so.max_seqs}, {"max_loras", so.max_loras},
+                 {"kv_blocks", engine.kv_blocks()}, {"block_size", so.block_size}}}};
+  ho.tracer = &tracer;
+  ho.profile_metadata = [&] { return profile_metadata("serve", threads, serve_metadata).dump(); };
+  if (!profile.empty()) tracer.start();
   MetricsRegistry registry;
   ServeMetrics metrics(registry);
   ho.log = log;
@@ -179,6 +194,10 @@ int run_serve(int argc, char** argv) {
   std::fflush(stderr);
   engine.shutdown();
   server.stop(std::chrono::seconds(grace_s));
+  if (!profile.empty()) {
+    tracer.stop();
+    write_profile(profile, tracer, profile_metadata("serve", threads, serve_metadata));
+  }
   if (log != stderr) std::fclose(log);
   std::fprintf(stderr, "loom serve: stopped\n");
   return 0;

@@ -14,6 +14,7 @@
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
+#include "apps/profile_output.h"
 #include "apps/train_monitor.h"
 #include "core/failpoints.h"
 #include "core/prometheus.h"
@@ -51,6 +52,7 @@ struct RankArgs {
   std::optional<std::string> resume;
   const Failpoints* failpoints = nullptr;
   double metrics_linger = 0;
+  std::string profile;  // --profile: the trace file (rank 0's run)
 };
 
 // The training of this process: all of it, or one data-parallel rank's part (`comm`).
@@ -71,7 +73,28 @@ int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm
     runtime.metrics = &metrics;
   }
   const bool root = comm == nullptr || comm->rank() == 0;
-  const TrainResult result = run_training(config, root ? stderr : nullptr, {}, runtime);
+  Tracer tracer;
+  std::string run_metadata = "{}";
+  if (!args.profile.empty() && root) {
+    runtime.tracer = &tracer;
+    runtime.profile_metadata = &run_metadata;
+    tracer.start();
+  }
+  const auto write_trace = [&] {
+    if (!runtime.tracer) return;
+    tracer.stop();
+    nlohmann::json run = nlohmann::json::parse(run_metadata);
+    const int threads = run.contains("config") ? run["config"].value("threads", 0) : 0;
+    write_profile(args.profile, tracer, profile_metadata("train", threads, std::move(run)));
+  };
+  TrainResult result;
+  try {
+    result = run_training(config, root ? stderr : nullptr, {}, runtime);
+  } catch (...) {
+    write_trace();  // what ran until the error is worth a look
+    throw;
+  }
+  write_trace();
   if (result.stopped_by_signal) return kExitStopped;
   // --metrics-linger: serve the final values a while longer; a stop signal ends the wait.
   const auto linger_end = std::chrono::steady_clock::now() + std::chrono::duration<double>(args.metrics_linger);
@@ -85,6 +108,7 @@ int run_train(int argc, char** argv) {
                "default; writes a PEFT adapter folder) or every weight (method: full; writes a Hugging Face model "
                "folder).", "train");
   std::string config_path;
+  RankArgs args;
   std::vector<std::string> overrides;
   int threads = 0;
   bool overwrite = false;
@@ -113,6 +137,10 @@ int run_train(int argc, char** argv) {
                  "sees the final values (default 0)")
       ->check(CLI::Range(0.0, 86400.0));
   std::string resume_path;
+  app.add_option("--profile", args.profile,
+                 "record a profile of the run (rank 0) into this Chrome trace file: loom profile report FILE "
+                 "(docs/profiling.md)")
+      ->type_name("OUT.json");
   CLI::Option* resume = app.add_option("--resume", resume_path,
                                        "continue the run from its latest good checkpoint (in checkpoint_dir), or "
                                        "from the checkpoint folder PATH; place it after CONFIG")
@@ -129,7 +157,6 @@ int run_train(int argc, char** argv) {
   if (!log_format.empty())
     config.log_format = log_format == "json" ? TrainConfig::LogFormat::json : TrainConfig::LogFormat::text;
   if (metrics_port >= 0) config.metrics_port = metrics_port;
-  RankArgs args;
   if (resume->count() > 0) args.resume = resume_path;
   args.failpoints = &failpoints;
   args.metrics_linger = metrics_linger;

@@ -100,15 +100,23 @@ void ThreadPool::run_impl(Trampoline tramp, void* ctx) {
   // sleep sees the new generation, or we see it in sleepers_ and wake it.
   generation_.fetch_add(1, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) != 0) futex_wake(generation_, INT_MAX);
+  const int64_t start = accounting() ? now_ns() : 0;
   run_claimed();
   wait_all_done();
+  if (start) in_run_ns_.fetch_add(now_ns() - start, std::memory_order_relaxed);
 }
 
 void ThreadPool::run_claimed() {
   const int n = n_threads_;
   for (int i; (i = next_.fetch_add(1, std::memory_order_acquire)) < n;) {
     // A claimed index keeps the run from completing, so tramp_/ctx_ are this run's.
-    tramp_(ctx_, i, n);
+    if (accounting()) {
+      const int64_t start = now_ns();
+      tramp_(ctx_, i, n);
+      busy_ns_.fetch_add(now_ns() - start, std::memory_order_relaxed);
+    } else {
+      tramp_(ctx_, i, n);
+    }
     if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == static_cast<uint32_t>(n) &&
         caller_waiting_.load(std::memory_order_seq_cst))
       futex_wake(done_, 1);

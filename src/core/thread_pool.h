@@ -27,6 +27,20 @@ class ThreadPool {
 
   int size() const { return n_threads_; }
 
+  // Profiling (core/trace.h): while on, the pool sums the time its threads
+  // spend running indices (busy) and the caller's time inside run() (in_run).
+  // An op of wall time D then kept the threads busy for
+  // busy + (D - in_run) (the caller's serial part); size() * D minus that is
+  // the time threads waited. Two clock reads per index while on; none off.
+  struct WorkTime {
+    int64_t busy_ns = 0, in_run_ns = 0;
+  };
+  void set_accounting(bool on) { accounting_.store(on, std::memory_order_relaxed); }
+  bool accounting() const { return accounting_.load(std::memory_order_relaxed); }
+  WorkTime work_time() const {
+    return {busy_ns_.load(std::memory_order_relaxed), in_run_ns_.load(std::memory_order_relaxed)};
+  }
+
   // Calls fn(index, size()) once for each index in [0, size()), each on some
   // thread of the pool (one thread may run several indices, one after another);
   // returns when all are done.
@@ -76,6 +90,8 @@ class ThreadPool {
   Trampoline tramp_ = nullptr;
   void* ctx_ = nullptr;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> accounting_{false};
+  std::atomic<int64_t> busy_ns_{0}, in_run_ns_{0};
 };
 
 }  // namespace loom

@@ -179,10 +179,15 @@ struct WorkspaceShape {
   bool repack = false;               // f32 weights whose W^T is prepared again each step (full fine-tuning)
 };
 
+class Tracer;
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual Device device() const = 0;
+  // The profiler recording this backend's ops (kernels/profiling_backend.h),
+  // for callers to mark phases and layers; null when not profiling.
+  virtual Tracer* tracer() { return nullptr; }
   // What one workspace grows to running a step of `s` (Workspace::bytes(),
   // and of it Workspace::loss_bytes()).
   struct WorkspaceBytes {

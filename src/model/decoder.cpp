@@ -1,5 +1,7 @@
 #include "model/decoder.h"
 
+#include "core/trace.h"
+
 #include <algorithm>
 #include <iterator>
 
@@ -54,6 +56,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   const auto eps = static_cast<float>(c_.rms_eps);
   const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
   const PreparedLayer& P = w_.prepared[static_cast<size_t>(l)];
+  const TraceLayer trace_layer(be_.tracer(), l);
   float* k = attn.keys(l);
   float* v = attn.values(l);
 

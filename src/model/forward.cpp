@@ -1,5 +1,7 @@
 #include "model/forward.h"
 
+#include "core/trace.h"
+
 #include <algorithm>
 
 #include "core/error.h"
@@ -36,6 +38,7 @@ InferenceSession::InferenceSession(const ModelConfig& config, const ModelWeights
       dec_(config, weights, backend),
       cache_(config, n_ctx, backend),
       ws_(backend.make_workspace()),
+      tracer_(backend.tracer()),
       micro_batch_(micro_batch),
       acts_(config, backend, micro_batch, /*kv_rows=*/false) {
   LOOM_ASSERT(n_ctx > 0 && micro_batch > 0);
@@ -54,6 +57,8 @@ const float* InferenceSession::eval(std::span<const int32_t> tokens, bool all_lo
     fail(ErrorKind::invalid_input, "context is full: {} tokens already, {} more would exceed the context size {}",
          n_past_, T, cache_.n_ctx());
   dec_.check_tokens(tokens);
+  // A prompt (or a chunk of one) is prefill, one token after another decode.
+  const TraceScope trace(tracer_, T > 1 ? "prefill" : "decode", {{"tokens", static_cast<double>(T)}});
   const auto V = static_cast<size_t>(c_.vocab_size);
   logits_.resize(all_logits ? V * static_cast<size_t>(T) : V);
   for (int64_t b = 0; b < T; b += micro_batch_) {

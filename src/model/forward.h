@@ -46,6 +46,7 @@ class InferenceSession {
   Decoder dec_;
   KvCache cache_;
   std::unique_ptr<Workspace> ws_;
+  Tracer* tracer_;  // the backend's (profiling), or null
   int64_t micro_batch_;
   int64_t n_past_ = 0;
   StepActivations acts_;  // of one micro-batch

@@ -10,6 +10,7 @@
 #include <ctime>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 
@@ -219,6 +220,36 @@ struct HttpServer::Impl {
       svr.Post(pattern, h);
   }
 
+  // A recording from /profile/start to /profile/stop; the stop answers with the
+  // trace itself (Chrome Trace Event JSON: save it and run loom profile report).
+  void add_profile_routes() {
+    add("POST", "/profile/start", true, [this](auto&, auto& res, auto&) {
+      Tracer* t = profile_tracer();
+      if (t->recording())
+        throw ApiError(409, "invalid_request_error", "profile_running", "",
+                       "A profile is already recording: POST /profile/stop first.");
+      t->start();
+      reply_json(res, 200, {{"status", "recording"}});
+    });
+    add("POST", "/profile/stop", true, [this](auto&, auto& res, auto&) {
+      Tracer* t = profile_tracer();
+      if (!t->recording())
+        throw ApiError(409, "invalid_request_error", "profile_not_running", "",
+                       "No profile is recording: POST /profile/start first.");
+      t->stop();
+      std::ostringstream out;
+      t->write_chrome_json(out, opt.profile_metadata ? opt.profile_metadata() : std::string("{}"));
+      res.status = 200;
+      res.set_content(out.str(), "application/json");
+    });
+  }
+
+  Tracer* profile_tracer() const {
+    if (!opt.tracer)
+      throw ApiError(404, "invalid_request_error", "not_found", "", "This server was started without profiling.");
+    return opt.tracer;
+  }
+
   std::vector<std::string> model_names() {
     std::vector<std::string> names;
     for (const auto& m : engine.list_models()) names.push_back(m.id);
@@ -316,6 +347,7 @@ struct HttpServer::Impl {
             reply_json(res, 200, detokenize_response(engine.detokenize(r.model, r.tokens)));
           });
     }
+    add_profile_routes();
     add("POST", "/v1/load_lora_adapter", true,
         [this](const httplib::Request& req, auto& res, RequestRecord& rec) {
           const AdapterRequest r = parse_load_adapter_request(req.body);

@@ -5,11 +5,13 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
 
+#include "core/trace.h"
 #include "serve/engine_api.h"
 #include "serve/http_connection.h"
 #include "serve/metrics.h"
@@ -35,6 +37,11 @@ struct HttpServerOptions {
   std::chrono::milliseconds poll_interval{20};
   // Idle keep-alive connections close after this; stop() can wait this long for one to notice.
   int keep_alive_timeout_s = 5;
+  // POST /profile/start and /profile/stop (guarded by api_key like the API):
+  // the tracer the engine records into, and otherData.loom for the trace the
+  // stop returns (docs/profiling.md). Null tracer: the endpoints answer 404.
+  Tracer* tracer = nullptr;
+  std::function<std::string()> profile_metadata;
 };
 
 class HttpServer {

@@ -9,6 +9,8 @@
 // token was computed sample the next one and stream it.
 #include "serve/scheduler.h"
 
+#include "kernels/profiling_backend.h"
+
 #include "model/tensor_parallel.h"
 
 #include <algorithm>
@@ -67,6 +69,12 @@ uint64_t fresh_seed() {
 }
 
 // The model, or with ServeOptions::tp this rank's shard of it.
+std::unique_ptr<Backend> make_serve_backend(const ServeOptions& o, ThreadPool& pool) {
+  std::unique_ptr<Backend> b = make_backend(o.device, pool);
+  if (o.tracer) b = make_profiling_backend(std::move(b), *o.tracer, pool);
+  return b;
+}
+
 std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend) {
   Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
   const int ranks = o.tp != nullptr ? o.tp->size() : 1;
@@ -84,7 +92,7 @@ std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend)
 ServingEngine::ServingEngine(ServeOptions options)
     : opt_(std::move(options)),
       pool_(opt_.threads > 0 ? opt_.threads : default_thread_count()),
-      backend_(make_backend(opt_.device, pool_)),
+      backend_(make_serve_backend(opt_, pool_)),
       model_(load_serve_model(opt_, *backend_)),
       adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras, opt_.lora_bits) {
   const ModelConfig& c = model_->config();
@@ -619,9 +627,14 @@ bool ServingEngine::step() {
   admit();
   std::vector<BatchChunk> chunks;
   std::vector<Sequence*> owners;
+  const int64_t preempted_before = preemptions_.load();
   build_batch(chunks, owners);
   const bool worked = !chunks.empty();
-  if (worked) run_batch(chunks, owners);
+  if (worked) {
+    TraceScope trace(backend_->tracer(), "serve_step");
+    trace_step_args(trace, chunks, preemptions_.load() - preempted_before);
+    run_batch(chunks, owners);
+  }
 
   // Retire finished sequences and requests.
   running_.erase(std::remove_if(running_.begin(), running_.end(), [](Sequence* s) { return s->finished; }),
@@ -643,6 +656,28 @@ bool ServingEngine::step() {
   retired = requests_.size() != before;
   publish_stats();
   return worked || retired;
+}
+
+void ServingEngine::trace_step_args(TraceScope& t, const std::vector<BatchChunk>& chunks, int64_t preempted) const {
+  if (!backend_->tracer() || !backend_->tracer()->recording()) return;
+  int64_t prefill = 0, decode = 0, groups = 0;
+  std::vector<const ServeAdapter*> adapters;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const BatchChunk& c = chunks[i];
+    (c.tokens.size() > 1 ? prefill : decode) += static_cast<int64_t>(c.tokens.size());
+    if (c.adapter && (i == 0 || chunks[i - 1].adapter != c.adapter)) ++groups;  // a run of rows of one adapter
+    if (c.adapter && std::find(adapters.begin(), adapters.end(), c.adapter) == adapters.end())
+      adapters.push_back(c.adapter);
+  }
+  t.arg("prefill_tokens", static_cast<double>(prefill));
+  t.arg("decode_rows", static_cast<double>(decode));
+  t.arg("sequences", static_cast<double>(chunks.size()));
+  t.arg("adapters", static_cast<double>(adapters.size()));
+  t.arg("lora_groups", static_cast<double>(groups));
+  t.arg("preempted", static_cast<double>(preempted));
+  t.arg("kv_blocks_free", static_cast<double>(kv_->free_blocks()));
+  t.arg("kv_blocks_total", static_cast<double>(kv_->n_blocks()));
+  t.arg("waiting", static_cast<double>(waiting_.size()));
 }
 
 void ServingEngine::publish_stats() {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/thread_pool.h"
+#include "core/trace.h"
 #include "dist/communicator.h"
 #include "model/model.h"
 #include "serve/adapter_registry.h"
@@ -51,6 +52,9 @@ struct ServeOptions {
   // tp->rank()'s shard of the heads and MLP channels (model/tensor_parallel.h);
   // rank 0 schedules and samples, the others follow its forward steps. Null: the whole model.
   Communicator* tp = nullptr;
+  // Profiling (core/trace.h): the backend's ops and each scheduler step
+  // ("serve_step") are recorded while it records. Null: nothing is recorded.
+  Tracer* tracer = nullptr;
   // Fault injection for tests: when set, called on the scheduler thread when a sequence is admitted
   // (FaultPoint::admit), once per request in a forward step before the step runs (FaultPoint::forward) and
   // before each token of a sequence is sampled (FaultPoint::sample). An exception it throws is handled
@@ -117,6 +121,8 @@ class ServingEngine : public Engine {
   void retire(Sequence* s);
   void sample_and_emit(Sequence* s, const float* logits);
   void publish_stats();
+  // The "serve_step" phase's arguments: this step's rows, adapters and the KV pool.
+  void trace_step_args(TraceScope& t, const std::vector<BatchChunk>& chunks, int64_t preempted) const;
   std::vector<int32_t> render_prompt(const GenerationRequest& r) const;
 
   ServeOptions opt_;

@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
+#include <optional>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace loom {
 
@@ -424,6 +427,7 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate;
   const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
   const LayerActs& a = layers_[static_cast<size_t>(l)];
+  const TraceLayer trace_layer(be_.tracer(), l);
   const AttentionShape shape = dec_.attention_shape();
   const TransposedLayer* Wt = wt_.empty() ? nullptr : &wt_[static_cast<size_t>(l)];
   auto wt = [&](const WeightHandle TransposedLayer::*m) { return Wt ? (Wt->*m).get() : nullptr; };
@@ -533,6 +537,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   const bool dropout = backward && lora_ && lora_->config().dropout > 0;
   reserve(T);
   set_positions(batch);
+  std::optional<TraceScope> phase(std::in_place, be_.tracer(), "forward", std::initializer_list<TraceArg>{{"tokens", static_cast<double>(T)}});
 
   dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
   dec_.rope_table(pos_.data(), T, rope_cs_);
@@ -549,6 +554,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
     forward_layer(l, T, dropout, step, next_input(l));
     if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
   }
+  if (backward) phase.emplace(be_.tracer(), "backward", std::initializer_list<TraceArg>{{"tokens", static_cast<double>(T)}});
   const LossResult res = loss_and_head_backward(batch, grad_scale, backward);
   if (!backward) return res;
   backward_segments(T, dropout, step);

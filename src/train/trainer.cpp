@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/failpoints.h"
 #include "io/file_write.h"
+#include "kernels/profiling_backend.h"
 #include "train/checkpoint.h"
 #include "train/qat.h"
 #include "train/train_log.h"
@@ -137,6 +138,8 @@ void Trainer::setup() {
   LOOM_ASSERT(!model_);  // once
   pool_ = std::make_unique<ThreadPool>(resolve_thread_count(c_.threads, "threads"));  // 0: the default
   backend_ = make_backend(c_.device, *pool_);  // first: a device this build lacks writes nothing
+  if (rt_.tracer) backend_ = make_profiling_backend(std::move(backend_), *rt_.tracer, *pool_);
+  const TraceScope setup_trace(tracer(), "setup");  // loading, packing, W^T for the backward
   prepare_resume();  // before any output is opened: a refused resume changes nothing
   agree_resume();    // data parallel: every rank resumes from rank 0's checkpoint
   open_outputs();
@@ -176,10 +179,36 @@ void Trainer::setup() {
   setup_pipeline_parallel();  // trainer_pp.cpp
   micro_.resize(static_cast<size_t>(c_.grad_accum));
   check_memory();  // the estimate against memory_limit; then every step buffer is reserved
+  fill_profile_metadata();
   t0_ = Clock::now();
   last_checkpoint_time_ = t0_;
   if (resume_state_) load_checkpoint(resume_path_);
   if (rt_.metrics) start_metrics();
+}
+
+// What `loom profile advise` reads besides the events: the config's keys (as
+// run_identity names them, plus those that do not change a run's numbers), the
+// model's shape and the memory estimate by arena.
+void Trainer::fill_profile_metadata() const {
+  if (!rt_.profile_metadata) return;
+  nlohmann::json config = nlohmann::json::object();
+  for (const auto& [k, v] : run_identity(c_)) config[k] = v;
+  config["threads"] = pool_->size();
+  config["gradient_checkpointing"] = c_.gradient_checkpointing;
+  config["data.cache_dir"] = c_.cache_dir;
+  config["ranks"] = world();
+  const ModelConfig& m = model_->config();
+  nlohmann::json memory = nlohmann::json::object();
+  for (const MemoryArena& a : mem_estimate_.arenas) memory[a.name] = a.bytes;
+  memory["other"] = mem_estimate_.other;
+  memory["total"] = mem_estimate_.total;
+  const nlohmann::json out = {
+      {"model", {{"path", c_.model}, {"name", m.name}, {"layers", m.n_layers}, {"hidden", m.hidden},
+                 {"params", res_.total_params}, {"trainable_params", res_.trainable_params}}},
+      {"config", config},
+      {"memory", memory},
+      {"tokens_per_step", c_.batch_size * c_.grad_accum * c_.seq_len * data_ranks()}};
+  *rt_.profile_metadata = out.dump();
 }
 
 void Trainer::start_metrics() {
@@ -298,9 +327,14 @@ StepReport Trainer::train_step() {
   current_step_ = step + 1;  // for the record of an error that ends the run
   maybe_start_qat(step);
   update_compression(step);  // trainer_dist.cpp: dense steps first
+  TraceScope step_trace(tracer(), "step", {{"step", static_cast<double>(step + 1)}});
   // Peek the whole step first: the gradient scale needs its total target tokens.
   StepReport r;
-  load_step_batches(r);  // this rank's micro-batches (trainer_dist.cpp)
+  {
+    TraceScope data_trace(tracer(), "data");
+    load_step_batches(r);  // this rank's micro-batches (trainer_dist.cpp)
+    data_trace.arg("tokens", static_cast<double>(r.target_tokens));
+  }
   r.loss_tokens = loss_tokens(r.target_tokens);
   params_->zero_grads();
   double loss_sum = 0;
@@ -342,6 +376,7 @@ StepReport Trainer::train_step() {
     if (rt_.metrics) rt_.metrics->on_loss_scale(scaler_->scale(), false);
   }
   r.lr = opt_->current_lr(0);
+  TraceScope optimizer_trace(tracer(), "optimizer", {{"params", static_cast<double>(params_->params().size())}});
   r.grad_norm = opt_->step(params_->params(), params_->grads(), grad_norm).grad_norm;
   gather_zero_params();  // dist.zero 1: each rank updated its part
   params_->after_update(*model_, *session_, *backend_);
@@ -386,6 +421,7 @@ void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
 std::optional<double> Trainer::evaluate() {
   LOOM_ASSERT(opt_);  // setup() ran
   if (!data_->eval) return std::nullopt;
+  TraceScope eval_trace(tracer(), "eval");
   // data parallel: each rank a share; pipeline parallel: through the stages
   const LossResult sum = c_.dist.pp > 1 ? eval_pipeline(*data_->eval) : eval_shard(*data_->eval);
   EvalReport e;
@@ -570,6 +606,7 @@ void Trainer::write_checkpoint(std::string_view reason) {
   const auto stage = [&](std::string_view s) {
     if (s == "files_written") fail_point(rt_.failpoints, "checkpoint_write", step);
   };
+  TraceScope checkpoint_trace(tracer(), "checkpoint");
   CheckpointWriteInfo info;
   std::vector<AdamW::StatePart> parts = opt_->state_parts();
   const std::vector<std::vector<char>> whole = gather_zero_state(parts);  // dist.zero 1: every rank's part
@@ -581,6 +618,7 @@ void Trainer::write_checkpoint(std::string_view reason) {
   });
   broadcast_text(info.path);  // every rank rolls back to / resumes from the same folder
   last_checkpoint_ = info.path;
+  checkpoint_trace.arg("bytes", static_cast<double>(info.bytes));
   last_checkpoint_time_ = Clock::now();
   if (!is_root()) return;  // the pruning and the record are rank 0's
   const std::vector<std::string> pruned = prune_checkpoints(checkpoint_dir_, c_.keep_checkpoints);

@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "core/trace.h"
 #include "dist/communicator.h"
 #include "dist/grad_reducer.h"
 #include "kernels/backend.h"
@@ -71,6 +72,12 @@ struct TrainRuntime {
   // the gradients are summed over ranks; rank 0 alone writes logs, metrics,
   // checkpoints and the output. nullptr or size 1: one process.
   Communicator* comm = nullptr;
+  // --profile (core/trace.h): the backend's ops and the trainer's phases are
+  // recorded into it. nullptr: nothing is recorded.
+  Tracer* tracer = nullptr;
+  // Filled after setup with the run's model, config keys and memory estimate
+  // as a JSON object (the trace's otherData.loom, docs/profiling.md).
+  std::string* profile_metadata = nullptr;
 };
 
 class Trainer {
@@ -165,6 +172,7 @@ class Trainer {
   DataLoader& loader() { return *loader_; }  // cursor() / seek(): where the next step starts
   TrainSession& session() { return *session_; }
   Backend& backend() { return *backend_; }
+  Tracer* tracer() { return backend_ ? backend_->tracer() : nullptr; }
   TrainLog& log() { return *log_; }  // valid from construction
 
  private:
@@ -225,6 +233,7 @@ class Trainer {
   // residual (rank order) and PowerSGD's Q, gathered on rank 0 into the two
   // vectors the returned parts point at; and read back on resume.
   std::vector<AdamW::StatePart> gather_compression_state(std::vector<float>& residuals, std::vector<float>& q);
+  void fill_profile_metadata() const;
   void restore_compression_state(const std::string& path, int64_t checkpoint_world);
   void on_root(std::string_view what, const std::function<void()>& work);
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;

@@ -128,7 +128,11 @@ double Trainer::backward_step(float scale, int64_t step) {
     any = true;
     input_tokens_ += b.rows * b.seq_len;
   }
-  if (reducer_) sync_stats_ = reducer_->finish();
+  if (reducer_) {
+    TraceScope wait_trace(tracer(), "allreduce_wait");
+    sync_stats_ = reducer_->finish();
+    wait_trace.arg("bytes", static_cast<double>(sync_stats_.wire_bytes));
+  }
   sum_replicated_grads();  // tensor parallel (trainer_tp.cpp)
   return loss_sum;
 }

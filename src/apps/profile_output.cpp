@@ -1,0 +1,64 @@
+#include "apps/profile_output.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "core/cpu_features.h"
+#include "io/file_write.h"
+
+namespace loom::app {
+namespace {
+
+// /proc/cpuinfo's first "model name" (x86 Linux); "unknown" elsewhere.
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    const size_t start = line.find_first_not_of(' ', colon + 1);
+    return start == std::string::npos ? "unknown" : line.substr(start);
+  }
+  return "unknown";
+}
+
+nlohmann::json isa_list(const CpuFeatures& f) {
+  nlohmann::json out = nlohmann::json::array();
+  const std::pair<const char*, bool> all[] = {
+      {"avx2", f.avx2},           {"fma", f.fma},           {"f16c", f.f16c},           {"avx512f", f.avx512f},
+      {"avx512bw", f.avx512bw},   {"avx512vl", f.avx512vl}, {"avx512dq", f.avx512dq},   {"avx512_vnni", f.avx512vnni},
+      {"avx512_bf16", f.avx512bf16}, {"avx_vnni", f.avxvnni}, {"amx_int8", f.amx_int8}, {"amx_bf16", f.amx_bf16}};
+  for (const auto& [name, on] : all)
+    if (on) out.push_back(name);
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json profile_metadata(const char* command, int threads, nlohmann::json extra) {
+  nlohmann::json m = {{"command", command},
+                      {"threads", threads},
+                      {"cpu", cpu_model_name()},
+                      {"cpu_class", cpu_class_name(cpu_class())},
+                      {"isa", isa_list(usable_cpu_features())}};
+  if (extra.is_object())
+    for (auto& [k, v] : extra.items()) m[k] = v;
+  return m;
+}
+
+std::string trace_json(const Tracer& tracer, const nlohmann::json& metadata) {
+  std::ostringstream out;
+  tracer.write_chrome_json(out, metadata.dump());
+  return out.str();
+}
+
+void write_profile(const std::string& path, const Tracer& tracer, const nlohmann::json& metadata) {
+  const std::string text = trace_json(tracer, metadata);
+  write_file_atomic(path, text);
+  std::fprintf(stderr, "profile: %zu events (%.1f MiB) in %s%s; loom profile report %s\n", tracer.event_count(),
+               static_cast<double>(text.size()) / (1024.0 * 1024.0), path.c_str(),
+               tracer.dropped() ? " (events past the limit dropped)" : "", path.c_str());
+}
+
+}  // namespace loom::app
