@@ -1,6 +1,7 @@
 // `loom train CONFIG.yaml [--set key=value ...]`: fine-tuning described by a
 // YAML file (keys in docs/training.md): LoRA (method: lora) writes a PEFT
 // adapter folder, full fine-tuning (method: full) a Hugging Face model folder.
+// `--check` loads everything and reports (docs/profiling.md) without training.
 #include <signal.h>
 #include <unistd.h>
 
@@ -53,10 +54,23 @@ struct RankArgs {
   const Failpoints* failpoints = nullptr;
   double metrics_linger = 0;
   std::string profile;  // --profile: the trace file (rank 0's run)
+  bool check = false;
 };
+
+// --check: rank 0 prints to stdout (the report is the command's output); no
+// signal handlers, no metrics server, nothing written.
+int check_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm) {
+  TrainRuntime runtime;
+  runtime.resume = args.resume;
+  runtime.comm = comm;
+  const bool root = comm == nullptr || comm->rank() == 0;
+  run_check(config, root ? stdout : nullptr, runtime);
+  return 0;
+}
 
 // The training of this process: all of it, or one data-parallel rank's part (`comm`).
 int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm) {
+  if (args.check) return check_rank(config, args, comm);
   // Bound before the model loads, so a port in use costs nothing; served until the run ends.
   MetricsRegistry registry;
   TrainMetrics metrics(registry);
@@ -146,6 +160,11 @@ int run_train(int argc, char** argv) {
                                        "from the checkpoint folder PATH; place it after CONFIG")
                             ->expected(0, 1)
                             ->type_name("[PATH]");
+  bool check = false;
+  app.add_flag("--check", check,
+               "load the config, model and data as a run would and print the memory estimate, tokens per step, "
+               "truncated and dropped samples and warnings about the settings; trains nothing and writes nothing "
+               "(exit 0: the run can start)");
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   // Test facility (docs/training.md, Faults): read once, passed down; a bad spec stops here.
@@ -160,6 +179,7 @@ int run_train(int argc, char** argv) {
   if (resume->count() > 0) args.resume = resume_path;
   args.failpoints = &failpoints;
   args.metrics_linger = metrics_linger;
+  args.check = check;
   // Under mpirun / srun: one rank of a data-parallel run. Rank 0 alone logs,
   // serves metrics and writes; a failing rank ends every rank at once.
   std::unique_ptr<Communicator> comm =

@@ -306,6 +306,19 @@ void check_dir_writable(const std::string& dir, std::string_view what) {
   ::unlink(tmpl.c_str());
 }
 
+void check_writable_dry_run(const std::string& dir, std::string_view what, bool in_parent) {
+  const fs::path p = target_of(dir);
+  std::error_code ec;
+  if (fs::exists(p, ec) && !fs::is_directory(p, ec))
+    fail(ErrorKind::io, "{} '{}': exists and is not a folder", what, dir);
+  fs::path at = in_parent ? p.parent_path() : p;
+  while (!fs::exists(at, ec) && at.has_relative_path()) at = at.parent_path();
+  if (!fs::is_directory(at, ec))
+    fail(ErrorKind::io, "{} '{}': cannot create it: {} is not a folder", what, dir, at.string());
+  if (::access(at.c_str(), W_OK | X_OK) != 0)
+    fail(ErrorKind::io, "{} '{}': cannot write in {}: {}", what, dir, at.string(), std::strerror(errno));
+}
+
 bool recover_folder_write(const std::string& dest) {
   const fs::path p = target_of(dest);
   std::error_code ec;

@@ -53,6 +53,8 @@ struct DataOptions {
   int64_t eval_count = 0;
   std::string eval_file;
   std::string cache_dir;  // empty: tokenize every time, no cache
+  // A valid cache file is used, but none is written (`loom train --check` writes nothing).
+  bool cache_read_only = false;
 };
 
 // What reading a file found; the trainer prints it. Nothing is dropped silently.
@@ -130,7 +132,8 @@ std::string dataset_cache_path(const std::string& cache_dir, std::string_view fi
 
 // read_jsonl_dataset through the cache in opt.cache_dir: a valid cache file is
 // used as is (stats included); a missing, corrupt or mismatched one is ignored,
-// rebuilt and rewritten (atomically). Never trusts a file that fails a check.
+// rebuilt and rewritten (atomically; not with opt.cache_read_only). Never
+// trusts a file that fails a check.
 SampleSet load_jsonl_dataset(const std::string& path, const Tokenizer& tok, const ChatTemplate* tmpl,
                              const DataOptions& opt, DataStats& stats, CacheInfo& cache);
 

@@ -287,6 +287,10 @@ SampleSet load_jsonl_dataset(const std::string& path, const Tokenizer& tok, cons
     cache.reason = why;
   }
   SampleSet set = read_jsonl_text(bytes, path, tok, tmpl, opt, stats);
+  if (opt.cache_read_only) {
+    cache.reason += (cache.reason.empty() ? "" : "; ") + std::string("not written (read only)");
+    return set;
+  }
   try {
     write_file_atomic(cache.path, serialize(key, set, stats));
   } catch (const Error& e) {  // an unwritable cache is reported, not fatal

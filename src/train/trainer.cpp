@@ -46,9 +46,22 @@ std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g
 
 nlohmann::json json_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
+// metrics_file is opened with fopen, which creates no folder: a dry run checks
+// its folder exists and is writable.
+void check_metrics_file_dry_run(const TrainConfig& c) {
+  if (c.metrics_file.empty()) return;
+  const std::filesystem::path dir = std::filesystem::path(c.metrics_file).parent_path();
+  const std::string folder = dir.empty() ? "." : dir.string();
+  std::error_code ec;
+  if (!std::filesystem::is_directory(folder, ec))
+    fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c.source, c.metrics_file, std::strerror(ENOENT));
+  check_writable_dry_run(folder, fmt::format("{}: metrics_file", c.source), /*in_parent=*/false);
+}
+
 // Everything the run will write is checked before the model loads, so a bad
-// output_dir or cache_dir never costs a whole run at the end.
-void check_outputs(const TrainConfig& c, const std::vector<std::string>& keep) {
+// output_dir or cache_dir never costs a whole run at the end. `dry_run`
+// (check()): the same without creating anything.
+void check_outputs(const TrainConfig& c, const std::vector<std::string>& keep, bool dry_run) {
   const std::string where = fmt::format("{}: output_dir", c.source);
   for (const auto& [input, key] : {std::pair{c.model, "model"}, {c.train_file, "data.train"}, {c.eval_file, "data.eval"},
                              {c.cache_dir, "data.cache_dir"}, {c.metrics_file, "metrics_file"}})
@@ -56,8 +69,15 @@ void check_outputs(const TrainConfig& c, const std::vector<std::string>& keep) {
       fail(ErrorKind::invalid_input, "{} '{}' holds the {} '{}'; writing the output would replace it", where,
            c.output_dir, key, input);
   check_folder_replaceable(c.output_dir, c.overwrite, where, "--overwrite (or overwrite: true)", keep);
+  const std::string cache_where = fmt::format("{}: data.cache_dir", c.source);
+  if (dry_run) {
+    check_writable_dry_run(c.output_dir, where, /*in_parent=*/true);
+    if (!c.cache_dir.empty()) check_writable_dry_run(c.cache_dir, cache_where, /*in_parent=*/false);
+    check_metrics_file_dry_run(c);
+    return;
+  }
   check_folder_writable(c.output_dir, where);
-  if (!c.cache_dir.empty()) check_dir_writable(c.cache_dir, fmt::format("{}: data.cache_dir", c.source));
+  if (!c.cache_dir.empty()) check_dir_writable(c.cache_dir, cache_where);
 }
 
 // The chat template the data is rendered with: data.chat_template, else the model's own (if any).
@@ -135,7 +155,17 @@ Trainer::Trainer(TrainConfig config, std::FILE* log, TrainHooks hooks, TrainRunt
 Trainer::~Trainer() = default;
 
 void Trainer::setup() {
+  prepare(/*dry_run=*/false);
+  reserve_step_buffers();
+  t0_ = Clock::now();
+  last_checkpoint_time_ = t0_;
+  if (resume_state_) load_checkpoint(resume_path_);
+  if (rt_.metrics) start_metrics();
+}
+
+void Trainer::prepare(bool dry_run) {
   LOOM_ASSERT(!model_);  // once
+  dry_run_ = dry_run;
   pool_ = std::make_unique<ThreadPool>(resolve_thread_count(c_.threads, "threads"));  // 0: the default
   backend_ = make_backend(c_.device, *pool_);  // first: a device this build lacks writes nothing
   if (rt_.tracer) backend_ = make_profiling_backend(std::move(backend_), *rt_.tracer, *pool_);
@@ -143,24 +173,10 @@ void Trainer::setup() {
   prepare_resume();  // before any output is opened: a refused resume changes nothing
   agree_resume();    // data parallel: every rank resumes from rank 0's checkpoint
   open_outputs();
-  if (c_.method == TrainMethod::full && c_.precision != TrainPrecision::fp32)
-    fail(ErrorKind::unsupported, "{}: precision: {} with method: full is not built yet (full fine-tuning's products "
-         "run in fp32); use precision: fp32, or method: lora", c_.source, train_precision_name(c_.precision));
-  if (c_.method == TrainMethod::full && (c_.lora_plus_ratio || c_.mlp_lr))
-    fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c_.source);
-  if (c_.qat.enabled() && c_.quantize_base != TrainConfig::BaseQuant::none)
-    fail(ErrorKind::invalid_input, "{}: qat trains against the quantized export of W + s B A in f32; it does not go "
-         "with quantize_base: {} (leave quantize_base: none)", c_.source, base_quant_name(c_.quantize_base));
+  check_options();
   check_tensor_parallel();    // trainer_tp.cpp
   check_pipeline_parallel();  // trainer_pp.cpp
-  std::vector<std::string> notes;
-  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? rank() : 0);
-  for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
-  model_ = std::move(tm.model);
-  params_ = std::move(tm.params);
-  if (c_.seq_len > model_->config().max_context)
-    fail(ErrorKind::invalid_input, "{}: data.seq_len {} exceeds the model's context length {}", c_.source, c_.seq_len,
-         model_->config().max_context);
+  load_model();
   load_data();
   session_ = params_->make_session(*model_, *backend_, c_.backward);
   setup_tensor_parallel();
@@ -175,15 +191,45 @@ void Trainer::setup() {
   res_.trainable_params = params_->count();
   res_.total_params = model_->parameter_count() + params_->added_params();
   log_start();
+  log_advice();
   setup_data_parallel();      // trainer_dist.cpp; nothing for one process
   setup_pipeline_parallel();  // trainer_pp.cpp
   micro_.resize(static_cast<size_t>(c_.grad_accum));
-  check_memory();  // the estimate against memory_limit; then every step buffer is reserved
+  estimate_memory();  // against memory_limit (trainer_memory.cpp)
   fill_profile_metadata();
-  t0_ = Clock::now();
-  last_checkpoint_time_ = t0_;
-  if (resume_state_) load_checkpoint(resume_path_);
-  if (rt_.metrics) start_metrics();
+}
+
+// Combinations this build refuses, before the model loads.
+void Trainer::check_options() const {
+  if (c_.method == TrainMethod::full && c_.precision != TrainPrecision::fp32)
+    fail(ErrorKind::unsupported, "{}: precision: {} with method: full is not built yet (full fine-tuning's products "
+         "run in fp32); use precision: fp32, or method: lora", c_.source, train_precision_name(c_.precision));
+  if (c_.method == TrainMethod::full && (c_.lora_plus_ratio || c_.mlp_lr))
+    fail(ErrorKind::invalid_input, "{}: optim.lora_plus_ratio and optim.mlp_lr apply to method: lora only", c_.source);
+  if (c_.qat.enabled() && c_.quantize_base != TrainConfig::BaseQuant::none)
+    fail(ErrorKind::invalid_input, "{}: qat trains against the quantized export of W + s B A in f32; it does not go "
+         "with quantize_base: {} (leave quantize_base: none)", c_.source, base_quant_name(c_.quantize_base));
+}
+
+void Trainer::load_model() {
+  std::vector<std::string> notes;
+  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? rank() : 0);
+  for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
+  model_ = std::move(tm.model);
+  params_ = std::move(tm.params);
+  if (c_.seq_len > model_->config().max_context)
+    fail(ErrorKind::invalid_input, "{}: data.seq_len {} exceeds the model's context length {}", c_.source, c_.seq_len,
+         model_->config().max_context);
+}
+
+// Settings that commonly make a fine-tune's output meaningless
+// (config_advice.h): a warning record each, at the start of every run.
+void Trainer::log_advice() {
+  advice_ = advise_config(c_, model_->config());
+  for (ConfigWarning& w : advise_data(c_, data_->train.stats)) advice_.push_back(std::move(w));
+  for (const ConfigWarning& w : advice_)
+    log_->record(LogLevel::warning, "config", fmt::format("{}: {}", c_.source, w.message),
+                 {{"advice", {{"key", w.key}, {"value", w.value}}}});
 }
 
 // What `loom profile advise` reads besides the events: the config's keys (as
@@ -226,7 +272,7 @@ void Trainer::open_outputs() {
 }
 
 void Trainer::open_root_outputs() {
-  check_outputs(c_, output_keep_);
+  check_outputs(c_, output_keep_, dry_run_);
   for (const std::string& w : c_.warnings) log_->record(LogLevel::warning, "config", w);
   if (!resume_state_) {  // a new run: checkpoints of an earlier one must not mix with its own
     const std::vector<std::string> old = list_checkpoints(checkpoint_dir_);
@@ -234,6 +280,7 @@ void Trainer::open_root_outputs() {
       fail(ErrorKind::invalid_input, "{}: checkpoint_dir '{}' holds checkpoints of an earlier run (newest: {}): pass "
            "--resume to continue that run, or --overwrite to start over (they are then removed)",
            c_.source, checkpoint_dir_, std::filesystem::path(old.front()).filename().string());
+    if (dry_run_) return;  // check(): what a run would remove stays
     for (const std::string& p : old) std::filesystem::remove_all(p);
     if (!old.empty())
       log_->record(LogLevel::warning, "checkpoint",
@@ -242,7 +289,7 @@ void Trainer::open_root_outputs() {
                    {{"checkpoint", {{"dir", checkpoint_dir_}, {"removed", old.size()}}}});
   }
   // metrics_file: one JSON object per optimizer step and per evaluation (loss curves, benchmarks).
-  if (c_.metrics_file.empty()) return;
+  if (c_.metrics_file.empty() || dry_run_) return;
   rewrite_metrics(resume_state_ ? resume_state_->metrics_text : std::string());
 }
 
@@ -259,7 +306,9 @@ void Trainer::rewrite_metrics(const std::string& text) {
 
 void Trainer::load_data() {
   const std::optional<ChatTemplate> tmpl = data_chat_template(*model_, c_);
-  data_.emplace(prepare_train_data(c_.train_file, model_->tokenizer(), tmpl ? &*tmpl : nullptr, data_options(c_)));
+  DataOptions opt = data_options(c_);
+  opt.cache_read_only = dry_run_;
+  data_.emplace(prepare_train_data(c_.train_file, model_->tokenizer(), tmpl ? &*tmpl : nullptr, opt));
   const DataStats& st = data_->train.stats;
   log_->record(LogLevel::info, "data", fmt::format("train data: {}: {}", c_.train_file, format_data_stats(st)),
                {{"data", {{"file", c_.train_file}, {"samples", st.samples}, {"lines", st.lines},

@@ -23,6 +23,7 @@
 #include "kernels/int_quant.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
+#include "train/config_advice.h"
 #include "train/data.h"
 #include "train/faults.h"
 #include "train/loss_scaler.h"
@@ -49,6 +50,29 @@ struct TrainResult {
   // the signal number and the checkpoint written; nothing was exported.
   int stopped_by_signal = 0;
   std::string checkpoint;
+};
+
+// Tokens one optimizer step reads: rows = data ranks x grad_accum x
+// batch_size, each seq_len slots long; the data fills a row with `tokens /
+// rows` tokens on average (packing leaves the end of a row empty, padding
+// fills short samples' rows), `targets` of them trained (labels not masked).
+struct StepTokens {
+  int64_t rows = 0, seq_len = 0;
+  int64_t slots = 0;   // rows x seq_len
+  double tokens = 0;   // rows x the train split's mean tokens per row
+  double targets = 0;  // rows x its mean target tokens per row
+};
+// From the train split's packed rows (pad excluded).
+StepTokens step_tokens(const DataSplit& train, int64_t rows_per_step);
+
+// What `loom train --check` found (Trainer::check; also logged as records).
+struct CheckReport {
+  MemoryEstimate memory;
+  MemoryLimit limit;
+  StepTokens tokens;
+  DataStats data;  // the train file's
+  int64_t total_steps = 0;
+  std::vector<ConfigWarning> warnings;  // advise_config + advise_data
 };
 
 class TrainLog;
@@ -92,8 +116,15 @@ class Trainer {
 
   // Checks every output first (before the model loads), then loads the model
   // with its trainable parameters, the data, and builds the optimizer and
-  // schedule. Throws loom::Error for bad model, data or options.
+  // schedule; logs the advice of config_advice.h. Throws loom::Error for bad
+  // model, data or options, or a memory estimate above the limit.
   void setup();
+  // `loom train --check`: what setup() does up to the first step, writing
+  // nothing (outputs checked read-only, no metrics file, no token cache
+  // written, no step buffers reserved), then a record of the tokens per step
+  // and a summary. Use instead of setup(); throws as setup() does. The
+  // caller leaves log_file empty (run_check does).
+  CheckReport check();
   // One optimizer step: hooks.loss_tokens, grad_accum micro-batches with
   // grad_scale = 1 / that count, hooks.after_backward, clipping + AdamW, the
   // parameters' follow-up, logging, hooks.after_optimizer_step. A non-finite
@@ -178,6 +209,10 @@ class Trainer {
  private:
   using Clock = std::chrono::steady_clock;
 
+  void prepare(bool dry_run);  // setup() and check() up to the step buffers
+  void check_options() const;
+  void load_model();
+  void log_advice();
   void open_outputs();
   void prepare_resume();
   void rewrite_metrics(const std::string& text);
@@ -201,7 +236,8 @@ class Trainer {
   [[noreturn]] void stop_diverged(const StepReport& r, const NonFiniteStep& bad, const std::string& why);
   // trainer_memory.cpp: the estimate and limit check at the end of setup()
   // (then the buffers are reserved), and the alarm check after every step.
-  void check_memory();
+  void estimate_memory();       // the estimate, its record, the limit check
+  void reserve_step_buffers();  // then every step buffer (the run only)
   bool watch_memory();  // true: the top alarm threshold was just crossed (a checkpoint is due)
   // Data parallel (trainer_dist.cpp): the step's micro-batches of this rank,
   // the gradient exchange overlapped with the last backward, the evaluation
@@ -239,6 +275,8 @@ class Trainer {
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
 
   TrainConfig c_;
+  bool dry_run_ = false;  // check(): nothing is written
+  std::vector<ConfigWarning> advice_;
   TrainHooks hooks_;
   TrainRuntime rt_;
   std::unique_ptr<TrainLog> log_;
@@ -293,5 +331,11 @@ class Trainer {
 // options.
 TrainResult run_training(const TrainConfig& config, std::FILE* log = stderr, TrainHooks hooks = {},
                          TrainRuntime runtime = {});
+
+// `loom train --check`: Trainer::check() on `config`, records to `log`;
+// log_file is left out (its folder checked) and no metrics server is fed.
+// Throws loom::Error as run_training's setup does (not logged: the caller
+// reports it).
+CheckReport run_check(TrainConfig config, std::FILE* log = stdout, TrainRuntime runtime = {});
 
 }  // namespace loom

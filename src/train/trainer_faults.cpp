@@ -104,28 +104,14 @@ StepReport Trainer::skip_step(StepReport r, const NonFiniteStep& bad, Clock::tim
   return r;
 }
 
-// precision (train_step.h): the session's products; fp16 adds the loss scaler
-// and says when optim.eps is too small for the gradients fp16 holds.
+// precision (train_step.h): the session's products; fp16 adds the loss
+// scaler. (An optim.eps too small for fp16's gradients is config advice:
+// config_advice.cpp.)
 void Trainer::setup_precision() {
   session_->set_precision(c_.precision);
   if (c_.precision != TrainPrecision::fp16) return;
   scaler_.emplace();
   if (rt_.metrics) rt_.metrics->on_loss_scale(scaler_->scale(), false);
-  // loom's AdamW adds eps in f32 (sqrt(v_hat) + eps), where 1e-8 is exact: the
-  // fp16 optimizer's failure (eps rounding to 0, 0/0) cannot happen here. What
-  // fp16 does bound is the gradient: the products hold it scaled by the loss
-  // scale, so the smallest non-zero gradient they carry is fp16's smallest
-  // subnormal over the scale (2^-24 / 2^16 = 9.1e-13 at the start). An eps
-  // below that no longer damps the step of gradients at fp16's resolution.
-  const double smallest = std::ldexp(1.0, -24) / scaler_->scale();
-  if (c_.adam.eps < smallest)
-    log_->record(LogLevel::warning, "config",
-                 fmt::format("{}: optim.eps {:.3g} is below the smallest gradient fp16 products hold at the "
-                             "initial loss scale {} ({:.3g} = 2^-24 / scale): AdamW's step m / (sqrt(v) + eps) "
-                             "is then about the full learning rate for any gradient at fp16's resolution, "
-                             "rounding noise included; use optim.eps: 1e-6 (or at least {:.3g})",
-                             c_.source, c_.adam.eps, scaler_->scale(), smallest, smallest),
-                 {{"optim", {{"eps", c_.adam.eps}}}, {"smallest_fp16_gradient", smallest}});
 }
 
 StepReport Trainer::loss_scale_skip(StepReport r, const NonFiniteStep& bad, Clock::time_point started) {

@@ -103,7 +103,7 @@ MemoryReport Trainer::memory_report() const {
   return r;
 }
 
-void Trainer::check_memory() {
+void Trainer::estimate_memory() {
   const int64_t tokens = c_.batch_size * c_.seq_len;  // the largest micro-batch
   MemoryEstimate& e = mem_estimate_;
   e.arenas = memory_arenas(tokens);
@@ -129,7 +129,11 @@ void Trainer::check_memory() {
                {{"memory", {{"estimate", e.total}, {"arenas", arenas}, {"limit", mem_limit_.bytes},
                             {"limit_source", memory_limit_source_name(mem_limit_.source)}}}});
   check_memory_estimate(e, mem_limit_, c_.source);
-  // Every buffer of a step sized once, here: the steady-state step allocates nothing.
+}
+
+// Every buffer of a step sized once, here: the steady-state step allocates nothing.
+void Trainer::reserve_step_buffers() {
+  const int64_t tokens = c_.batch_size * c_.seq_len;  // the largest micro-batch
   session_->reserve(tokens);
   for (Batch& b : micro_)
     for (std::vector<int32_t>* v : {&b.tokens, &b.targets, &b.positions, &b.seq_start})
