@@ -17,11 +17,12 @@ extern const Command kImatrixCommand;
 extern const Command kExportCommand;
 extern const Command kExportLoraCommand;
 extern const Command kPruneCommand;
+extern const Command kProfileCommand;
 
 const std::vector<Command>& commands() {
   static const std::vector<Command> table = {kInfoCommand, kTokenizeCommand, kGenerateCommand, kChatCommand,
                                              kBenchCommand, kPerplexityCommand, kImatrixCommand, kQuantizeCommand, kExportCommand, kExportLoraCommand, kPruneCommand, kMergeCommand, kTrainCommand, kPlotCommand,
-                                             kServeCommand};
+                                             kServeCommand, kProfileCommand};
   return table;
 }
 

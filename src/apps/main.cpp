@@ -26,7 +26,8 @@ void print_usage() {
       "  export     write a model (with a LoRA adapter merged) as GGUF\n"
       "  export-lora write a LoRA adapter in llama.cpp's GGUF format\n"
       "  prune      zero weights (magnitude, Wanda, N:M) or remove heads, channels and layers\n"
-      "  serve      OpenAI-compatible HTTP server with continuous batching and multi-LoRA\n\n"
+      "  serve      OpenAI-compatible HTTP server with continuous batching and multi-LoRA\n"
+      "  profile    read a --profile trace: hot spots (report) and what to change (advise)\n\n"
       "Run 'loom <command> --help' for a command's options.\n",
       stdout);
 }

@@ -1,0 +1,232 @@
+// Text and JSON of the report and the advice (report.h).
+#include "profile/report.h"
+
+#include <algorithm>
+
+#include "profile/units.h"
+
+namespace loom {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+
+std::string header(const Trace& t, const Analysis& a) {
+  const TraceMeta& m = t.meta;
+  std::string s = fmt::format("trace {}\n", t.path);
+  s += fmt::format("command {}, {}, {} threads", m.command.empty() ? "?" : m.command,
+                   m.cpu.empty() ? "cpu ?" : m.cpu, a.threads);
+  if (!m.model_path.empty())
+    s += fmt::format(", model {} ({}, {} layers)", m.model_path, m.model_type.empty() ? "?" : m.model_type,
+                     m.model_layers);
+  s += "\n";
+  const double mean = a.units > 0 ? a.total_us / static_cast<double>(a.units) : 0;
+  if (a.unit == "step")
+    s += fmt::format("{} steps: {}, {} a step (recording {})\n", a.units, ms(a.total_us), ms(mean),
+                     ms(a.span_us));
+  else
+    s += fmt::format("{} top-level phases ({}): {}, mean {} (recording {})\n", a.units,
+                     a.unit.empty() ? "none" : a.unit, ms(a.total_us), ms(mean), ms(a.span_us));
+  return s;
+}
+
+size_t name_width(const std::vector<TimeRow>& rows, size_t at_least) {
+  size_t w = at_least;
+  for (const TimeRow& r : rows) w = std::max(w, r.name.size());
+  return w;
+}
+
+std::string phase_table(const Analysis& a) {
+  const size_t w = name_width(a.phases, 34);
+  std::string s = fmt::format("\n{:<{}}  {:>10}  {:>6}  {:>6}  {:>10}\n", "by phase", w + 2, "time", "share",
+                              "count", "mean");
+  for (const TimeRow& r : a.phases)
+    s += fmt::format("  {:<{}}  {:>10}  {:>6}  {:>6}  {:>10}\n", r.name, w, ms(r.us), pct(a.share(r.us)),
+                     r.count, r.count ? ms(r.mean_us()) : "");
+  s += fmt::format("  {:<{}}  {:>10}  {:>6}\n", "waiting (threads idle inside ops)", w, ms(a.waiting_us),
+                   pct(a.share(a.waiting_us)));
+  if (!a.outside.empty()) {
+    s += "  outside the accounted time:";
+    for (const TimeRow& r : a.outside) s += fmt::format(" {} {} ({}x)", r.name, ms(r.us), r.count);
+    s += "\n";
+  }
+  return s;
+}
+
+std::string op_table(const Analysis& a, int top) {
+  const size_t n = std::min(a.ops.size(), static_cast<size_t>(std::max(top, 0)));
+  std::vector<TimeRow> shown(a.ops.begin(), a.ops.begin() + static_cast<ptrdiff_t>(n));
+  const std::string title = fmt::format("op kinds (top {} of {})", n, a.ops.size());
+  const size_t w = std::max(name_width(shown, 12), title.size() - 2);
+  std::string s = fmt::format("\n{:<{}}  {:>7}  {:>10}  {:>6}  {:>10}  {:>10}\n", title, w + 2, "count",
+                              "time", "share", "mean", "waiting");
+  for (const TimeRow& r : shown)
+    s += fmt::format("  {:<{}}  {:>7}  {:>10}  {:>6}  {:>10}  {:>10}\n", r.name, w, r.count, ms(r.us),
+                     pct(a.share(r.us)), ms(r.mean_us()), ms(r.waiting_us));
+  if (a.ops.size() > n) {
+    TimeRow rest{fmt::format("({} more)", a.ops.size() - n)};
+    for (size_t i = n; i < a.ops.size(); ++i) {
+      rest.count += a.ops[i].count;
+      rest.us += a.ops[i].us;
+      rest.waiting_us += a.ops[i].waiting_us;
+    }
+    s += fmt::format("  {:<{}}  {:>7}  {:>10}  {:>6}  {:>10}  {:>10}\n", rest.name, w, rest.count,
+                     ms(rest.us), pct(a.share(rest.us)), "", ms(rest.waiting_us));
+  }
+  s += fmt::format("  {:<{}}  {:>7}  {:>10}  {:>6}\n", "all ops", w, "", ms(a.op_us), pct(a.share(a.op_us)));
+  return s;
+}
+
+std::string layer_table(const Analysis& a) {
+  if (a.layers.empty()) return {};
+  std::string s = fmt::format("\n{:<8}  {:>7}  {:>10}  {:>6}\n", "by layer", "count", "time", "share");
+  for (const LayerRow& l : a.layers)
+    s += fmt::format("  {:<6}  {:>7}  {:>10}  {:>6}\n", l.layer < 0 ? "none" : std::to_string(l.layer),
+                     l.count, ms(l.us), pct(a.share(l.us)));
+  return s;
+}
+
+std::string matmul_table(const Analysis& a, const PeakTable* peak) {
+  if (a.matmuls.empty()) return {};
+  size_t w = 12;
+  for (const MatmulClass& c : a.matmuls) w = std::max(w, c.op.size() + c.dtype.size() + c.regime.size() + 2);
+  std::string s = fmt::format("\n{:<{}}  {:>6}  {:>7}  {:>10}  {:>6}  {:>8}  {:>7}  {:>15}  {:>7}  {:>9}\n",
+                              "matmul classes", w + 2, "mean T", "count", "time", "share", "GFLOP/s", "GB/s",
+                              "peak", "of peak", "roofline");
+  for (const MatmulClass& c : a.matmuls) {
+    const ClassPeak p = class_peak(c, peak);
+    const std::string name = c.op + " " + c.dtype + " " + c.regime;
+    std::string peak_s = "-", frac_s = "-", roof_s = "-";
+    if (p.peak) {
+      peak_s = fmt::format("{:.1f} {}", p.value, c.regime == "decode" ? "GB/s" : "GFLOP/s");
+      frac_s = pct(p.fraction);
+      roof_s = fmt::format("{:.1f}", p.roofline);
+    }
+    s += fmt::format("  {:<{}}  {:>6.0f}  {:>7}  {:>10}  {:>6}  {:>8.1f}  {:>7.1f}  {:>15}  {:>7}  {:>9}\n",
+                     name, w, c.mean_T(), c.count, ms(c.us), pct(a.share(c.us)), c.gflops(), c.gbps(), peak_s,
+                     frac_s, roof_s);
+  }
+  if (!peak) s += "  (no peak: --no-peak)\n";
+  return s;
+}
+
+json rows_json(const Analysis& a, const std::vector<TimeRow>& rows, bool waiting) {
+  json out = json::array();
+  for (const TimeRow& r : rows) {
+    json o = {{"name", r.name},
+              {"count", r.count},
+              {"us", r.us},
+              {"share", a.share(r.us)},
+              {"mean_us", r.mean_us()}};
+    if (waiting) o["waiting_us"] = r.waiting_us;
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+json meta_json(const Trace& t, const Analysis& a) {
+  const TraceMeta& m = t.meta;
+  return {{"trace", t.path},
+          {"command", m.command},
+          {"version", m.version},
+          {"cpu", m.cpu},
+          {"threads", a.threads},
+          {"model", {{"path", m.model_path}, {"type", m.model_type}, {"layers", m.model_layers}}},
+          {"unit", a.unit},
+          {"units", a.units},
+          {"total_us", a.total_us},
+          {"mean_us", a.units > 0 ? a.total_us / static_cast<double>(a.units) : 0},
+          {"span_us", a.span_us}};
+}
+
+}  // namespace
+
+ClassPeak class_peak(const MatmulClass& c, const PeakTable* peak) {
+  ClassPeak p;
+  if (!peak) return p;
+  p.peak = peak->find(c.dtype, c.regime);
+  if (!p.peak) return p;
+  const bool decode = c.regime == "decode";
+  p.value = decode ? p.peak->gbps : p.peak->gflops;
+  p.fraction = p.value > 0 ? (decode ? c.gbps() : c.gflops()) / p.value : 0;
+  const GemmPeak* batch = peak->find(c.dtype, "batch");
+  const double compute = batch ? batch->gflops : p.peak->gflops;
+  p.roofline = c.bytes > 0 ? std::min(compute, peak->read_gbps * c.flops / c.bytes) : compute;
+  return p;
+}
+
+std::string format_report(const Trace& t, const Analysis& a, const PeakTable* peak, int top) {
+  return header(t, a) + phase_table(a) + op_table(a, top) + layer_table(a) + matmul_table(a, peak);
+}
+
+nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const PeakTable* peak) {
+  json o = meta_json(t, a);
+  o["phases"] = rows_json(a, a.phases, false);
+  o["outside"] = rows_json(a, a.outside, false);
+  o["waiting"] = {{"us", a.waiting_us},
+                  {"share", a.share(a.waiting_us)},
+                  {"by_phase", rows_json(a, a.waiting_by_phase, false)}};
+  o["op_us"] = a.op_us;
+  o["ops"] = rows_json(a, a.ops, true);
+  json layers = json::array();
+  for (const LayerRow& l : a.layers)
+    layers.push_back({{"layer", l.layer < 0 ? json(nullptr) : json(l.layer)},
+                      {"count", l.count},
+                      {"us", l.us},
+                      {"share", a.share(l.us)}});
+  o["layers"] = std::move(layers);
+  json classes = json::array();
+  for (const MatmulClass& c : a.matmuls) {
+    const ClassPeak p = class_peak(c, peak);
+    json j = {{"op", c.op},       {"dtype", c.dtype},       {"regime", c.regime},   {"count", c.count},
+              {"us", c.us},       {"share", a.share(c.us)}, {"mean_T", c.mean_T()}, {"flops", c.flops},
+              {"bytes", c.bytes}, {"gflops", c.gflops()},   {"gbps", c.gbps()}};
+    j["peak"] = p.peak ? json(p.value) : json(nullptr);
+    j["peak_unit"] = c.regime == "decode" ? "GB/s" : "GFLOP/s";
+    j["fraction_of_peak"] = p.peak ? json(p.fraction) : json(nullptr);
+    j["roofline_gflops"] = p.peak ? json(p.roofline) : json(nullptr);
+    classes.push_back(std::move(j));
+  }
+  o["matmuls"] = std::move(classes);
+  if (peak)
+    o["peak"] = {{"cpu", peak->key.cpu}, {"threads", peak->key.threads}, {"read_gbps", peak->read_gbps}};
+  else
+    o["peak"] = nullptr;
+  return o;
+}
+
+std::string format_advice(const Trace& t, const Analysis& a, const Advice& advice) {
+  std::string s = header(t, a);
+  if (advice.findings.empty())
+    s += "\nno rule fired: nothing in this trace crosses a threshold of docs/profiling.md\n";
+  for (const Finding& f : advice.findings) {
+    s += fmt::format("\n[{}] {}\n", f.rule, f.summary);
+    for (size_t i = 0; i < f.change.size(); ++i)
+      s += fmt::format("  {} {}\n", i == 0 ? "change:" : "    or:", f.change[i]);
+    if (!f.gain.empty()) s += fmt::format("  gain:   {}\n", f.gain);
+    if (!f.model.empty()) s += fmt::format("  model:  {}\n", f.model);
+  }
+  for (const std::string& n : advice.notes) s += fmt::format("\nnote: {}\n", n);
+  return s;
+}
+
+nlohmann::ordered_json advice_json(const Trace& t, const Analysis& a, const Advice& advice) {
+  json o = meta_json(t, a);
+  json findings = json::array();
+  for (const Finding& f : advice.findings) {
+    json numbers = json::object();
+    for (const auto& [k, v] : f.numbers) numbers[k] = v;
+    findings.push_back({{"rule", f.rule},
+                        {"summary", f.summary},
+                        {"numbers", std::move(numbers)},
+                        {"change", f.change},
+                        {"gain", f.gain},
+                        {"gain_share", f.gain_share},
+                        {"model", f.model}});
+  }
+  o["findings"] = std::move(findings);
+  o["notes"] = advice.notes;
+  return o;
+}
+
+}  // namespace loom
