@@ -90,7 +90,8 @@ int run_bench(int argc, char** argv) {
     tracer.stop();
     write_profile(profile, tracer,
                   profile_metadata("bench", threads,
-                                   {{"model", {{"path", model_path}, {"name", c.name}, {"layers", c.n_layers}}},
+                                   {{"model", {{"path", model_path}, {"name", c.name}, {"layers", c.n_layers},
+                                               {"type", model_weight_type(*model)}}},
                                     {"bench", {{"n_prompt", n_prompt}, {"n_gen", n_gen}, {"repetitions", reps}}}}));
   }
   const Stat spp = pp.empty() ? Stat{} : stats(pp), stg = tg.empty() ? Stat{} : stats(tg);

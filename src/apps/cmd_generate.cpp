@@ -58,7 +58,8 @@ int run_generate(int argc, char** argv) {
     write_profile(model_flags.profile, *loaded.tracer,
                   profile_metadata("generate", model_flags.threads,
                                    {{"model", {{"path", model_flags.model_path}, {"name", model->config().name},
-                                               {"layers", model->config().n_layers}}}}));
+                                               {"layers", model->config().n_layers},
+                                               {"type", model_weight_type(*model)}}}}));
   return 0;
 }
 

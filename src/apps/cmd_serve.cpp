@@ -160,7 +160,8 @@ int run_serve(int argc, char** argv) {
   ServingEngine engine(so);
   const int threads = so.threads > 0 ? so.threads : default_thread_count();
   const nlohmann::json serve_metadata = {
-      {"model", {{"path", so.model_path}, {"name", engine.model_name()}, {"layers", engine.model().config().n_layers}}},
+      {"model", {{"path", so.model_path}, {"name", engine.model_name()}, {"layers", engine.model().config().n_layers},
+                 {"type", model_weight_type(engine.model())}}},
       {"serve", {{"max_batch_tokens", so.max_batch_tokens}, {"max_seqs", so.max_seqs}, {"max_loras", so.max_loras},
                  {"kv_blocks", engine.kv_blocks()}, {"block_size", so.block_size}}}};
   ho.tracer = &tracer;

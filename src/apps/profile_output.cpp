@@ -47,6 +47,11 @@ nlohmann::json profile_metadata(const char* command, int threads, nlohmann::json
   return m;
 }
 
+const char* model_weight_type(const Model& model) {
+  const auto& layers = model.weights().layers;
+  return layers.empty() ? "" : dtype_name(layers[0].w_up.dtype);
+}
+
 std::string trace_json(const Tracer& tracer, const nlohmann::json& metadata) {
   std::ostringstream out;
   tracer.write_chrome_json(out, metadata.dump());

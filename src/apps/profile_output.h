@@ -8,12 +8,17 @@
 #include <string>
 
 #include "core/trace.h"
+#include "model/model.h"
 
 namespace loom::app {
 
 // otherData.loom's common part: command, threads, cpu (model name), cpu_class,
 // isa (the instructions loom's kernels choose from), plus `extra`'s fields.
 nlohmann::json profile_metadata(const char* command, int threads, nlohmann::json extra = nlohmann::json::object());
+
+// The type of the model's MLP up projection ("q4_1", "q4_k", "bf16", ...): the
+// file's main type, as the report shows it.
+const char* model_weight_type(const Model& model);
 
 // The trace as Chrome Trace Event JSON (Tracer::write_chrome_json).
 std::string trace_json(const Tracer& tracer, const nlohmann::json& metadata);

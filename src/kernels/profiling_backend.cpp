@@ -153,9 +153,12 @@ class ProfilingBackend final : public Backend {
         [&] { in_->attention_backward(ws, s, dq, dk, dv, dout, q, k, v, out, lse, T, seq_start); });
   }
 
-  // The output projection's product, again for dh and again for dW when asked.
+  // The output projection's product over the rows with a label (the fused
+  // loss skips the others), again for dh and again for dW when asked.
   LossResult cross_entropy(Workspace& ws, const LossOp& op) override {
-    OpInfo o = product(op.T, op.W->rows(), op.W->cols(), op.W->dtype, op.W->nbytes());
+    int64_t labelled = op.T;
+    if (op.labels) labelled = std::count_if(op.labels, op.labels + op.T, [](int32_t l) { return l != -100; });
+    OpInfo o = product(labelled, op.W->rows(), op.W->cols(), op.W->dtype, op.W->nbytes());
     o.flops *= 1.0 + (op.dh ? 1.0 : 0.0) + (op.dW ? 1.0 : 0.0);
     return run("loss", o, [&] { return in_->cross_entropy(ws, op); });
   }

@@ -177,7 +177,10 @@ void Trainer::prepare(bool dry_run) {
   check_tensor_parallel();    // trainer_tp.cpp
   check_pipeline_parallel();  // trainer_pp.cpp
   load_model();
-  load_data();
+  {
+    const TraceScope data_trace(tracer(), "data");  // reading and tokenizing (or the token cache)
+    load_data();
+  }
   session_ = params_->make_session(*model_, *backend_, c_.backward);
   setup_tensor_parallel();
   if (c_.qat.enabled()) {
@@ -250,6 +253,7 @@ void Trainer::fill_profile_metadata() const {
   memory["total"] = mem_estimate_.total;
   const nlohmann::json out = {
       {"model", {{"path", c_.model}, {"name", m.name}, {"layers", m.n_layers}, {"hidden", m.hidden},
+                 {"type", model_->weights().layers.empty() ? "" : dtype_name(model_->weights().layers[0].w_up.dtype)},
                  {"params", res_.total_params}, {"trainable_params", res_.trainable_params}}},
       {"config", config},
       {"memory", memory},
