@@ -66,7 +66,8 @@ ThreadPool::ThreadPool(int n_threads)
       // More threads than CPUs: a spinning thread only keeps a descheduled one
       // from running, so threads sleep at once.
       spin_max_(n_threads_ <= cpu_budget().usable ? kMaxSpin : 0),
-      spin_ns_(spin_max_) {
+      spin_ns_(spin_max_),
+      busy_(std::make_unique<BusySlot[]>(static_cast<size_t>(n_threads_))) {
   workers_.reserve(static_cast<size_t>(n_threads_ - 1));
   for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
@@ -89,6 +90,13 @@ bool ThreadPool::spin(Done done) {
   return ok;
 }
 
+ThreadPool::WorkTime ThreadPool::work_time() const {
+  WorkTime w;
+  for (int i = 0; i < n_threads_; ++i) w.busy_ns += busy_[i].ns.load(std::memory_order_relaxed);
+  w.in_run_ns = in_run_ns_.load(std::memory_order_relaxed);
+  return w;
+}
+
 void ThreadPool::run_impl(Trampoline tramp, void* ctx) {
   if (n_threads_ == 1) { tramp(ctx, 0, 1); return; }
   // The previous run is complete (every index done), so no thread reads these now.
@@ -103,7 +111,7 @@ void ThreadPool::run_impl(Trampoline tramp, void* ctx) {
   const int64_t start = accounting() ? now_ns() : 0;
   run_claimed();
   wait_all_done();
-  if (start) in_run_ns_.fetch_add(now_ns() - start, std::memory_order_relaxed);
+  if (start) in_run_ns_.store(in_run_ns_.load(std::memory_order_relaxed) + now_ns() - start, std::memory_order_relaxed);
 }
 
 void ThreadPool::run_claimed() {
@@ -113,7 +121,7 @@ void ThreadPool::run_claimed() {
     if (accounting()) {
       const int64_t start = now_ns();
       tramp_(ctx_, i, n);
-      busy_ns_.fetch_add(now_ns() - start, std::memory_order_relaxed);
+      busy_[i].ns.fetch_add(now_ns() - start, std::memory_order_relaxed);
     } else {
       tramp_(ctx_, i, n);
     }

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -37,9 +38,7 @@ class ThreadPool {
   };
   void set_accounting(bool on) { accounting_.store(on, std::memory_order_relaxed); }
   bool accounting() const { return accounting_.load(std::memory_order_relaxed); }
-  WorkTime work_time() const {
-    return {busy_ns_.load(std::memory_order_relaxed), in_run_ns_.load(std::memory_order_relaxed)};
-  }
+  WorkTime work_time() const;  // the caller's: after run() returned
 
   // Calls fn(index, size()) once for each index in [0, size()), each on some
   // thread of the pool (one thread may run several indices, one after another);
@@ -91,7 +90,13 @@ class ThreadPool {
   void* ctx_ = nullptr;
   std::atomic<bool> stop_{false};
   std::atomic<bool> accounting_{false};
-  std::atomic<int64_t> busy_ns_{0}, in_run_ns_{0};
+  // Busy time per index of a run, each on its own cache line (an index runs on
+  // one thread at a time, and runs one after another: no contention).
+  struct alignas(64) BusySlot {
+    std::atomic<int64_t> ns{0};
+  };
+  std::unique_ptr<BusySlot[]> busy_;
+  std::atomic<int64_t> in_run_ns_{0};  // written by the caller only
 };
 
 }  // namespace loom

@@ -18,7 +18,7 @@ int64_t steady_ns() {
 // Microseconds with nanosecond digits, as the format's "ts" and "dur" take them.
 void put_us(std::string& s, int64_t ns) { fmt::format_to(std::back_inserter(s), "{}.{:03}", ns / 1000, ns % 1000); }
 
-void put_event(std::string& s, const TraceEvent& e) {
+void put_event(std::string& s, const TraceEvent& e, const std::vector<TraceArg>& args) {
   auto out = std::back_inserter(s);
   fmt::format_to(out, R"({{"name":"{}","cat":"{}","ph":"X","pid":0,"tid":{},"ts":)", e.name, e.cat, e.tid);
   put_us(s, e.ts_ns);
@@ -40,8 +40,10 @@ void put_event(std::string& s, const TraceEvent& e) {
   if (e.bytes > 0) key("bytes"), fmt::format_to(out, "{:.0f}", e.bytes);
   if (e.threads > 0) key("threads"), fmt::format_to(out, "{}", e.threads);
   if (e.busy_ns >= 0) key("busy_us"), put_us(s, e.busy_ns);
-  for (uint8_t i = 0; i < e.n_args; ++i)  // JSON has no inf or nan
-    key(e.args[i].first), fmt::format_to(out, "{}", std::isfinite(e.args[i].second) ? e.args[i].second : 0.0);
+  for (uint32_t i = 0; i < e.n_args; ++i) {  // JSON has no inf or nan
+    const TraceArg& a = args[e.args_at + i];
+    key(a.first), fmt::format_to(out, "{}", std::isfinite(a.second) ? a.second : 0.0);
+  }
   s += "}}";
 }
 
@@ -52,6 +54,7 @@ Tracer::Tracer() = default;
 void Tracer::start() {
   std::lock_guard<std::mutex> lock(mu_);
   events_.clear();
+  args_.clear();
   dropped_ = 0;
   origin_ns_.store(steady_ns(), std::memory_order_relaxed);
   recording_.store(true, std::memory_order_release);
@@ -62,8 +65,17 @@ void Tracer::stop() { recording_.store(false, std::memory_order_release); }
 int64_t Tracer::now_ns() const { return steady_ns() - origin_ns_.load(std::memory_order_relaxed); }
 
 uint32_t Tracer::thread_index() {
-  const auto [it, added] = tids_.try_emplace(std::this_thread::get_id(), static_cast<uint32_t>(tids_.size()));
-  return it->second;
+  const std::thread::id me = std::this_thread::get_id();
+  if (me == last_thread_ && !tids_.empty()) return last_tid_;
+  const auto [it, added] = tids_.try_emplace(me, static_cast<uint32_t>(tids_.size()));
+  last_thread_ = me;
+  last_tid_ = it->second;
+  return last_tid_;
+}
+
+void Tracer::push(TraceEvent& e) {
+  e.tid = thread_index();
+  events_.push_back(e);
 }
 
 void Tracer::add(TraceEvent e) {
@@ -73,8 +85,21 @@ void Tracer::add(TraceEvent e) {
     ++dropped_;
     return;
   }
-  e.tid = thread_index();
-  events_.push_back(e);
+  e.n_args = 0;
+  push(e);
+}
+
+void Tracer::add_phase(TraceEvent e, const TraceArgs& args, uint32_t n_args) {
+  if (!recording()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (events_.size() >= kMaxEvents) {
+    ++dropped_;
+    return;
+  }
+  e.args_at = args_.size();
+  e.n_args = n_args;
+  args_.insert(args_.end(), args.begin(), args.begin() + n_args);
+  push(e);
 }
 
 size_t Tracer::event_count() const {
@@ -107,7 +132,7 @@ void Tracer::write_chrome_json(std::ostream& out, std::string_view other_data_js
         << '\n';
   for (size_t i = 0; i < order.size(); ++i) {
     line.clear();
-    put_event(line, *order[i]);
+    put_event(line, *order[i], args_);
     out << line << (i + 1 < order.size() ? ",\n" : "\n");
   }
   out << "],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":{\"loom\":" << other_data_json
@@ -120,19 +145,19 @@ TraceScope::TraceScope(Tracer* tracer, const char* name, std::initializer_list<T
   e_.name = name;
   e_.cat = "phase";
   for (const TraceArg& a : args)
-    if (e_.n_args < e_.args.size()) e_.args[e_.n_args++] = a;
+    if (n_args_ < args_.size()) args_[n_args_++] = a;
   t_->push_phase(name);
   e_.ts_ns = t_->now_ns();
 }
 
 void TraceScope::arg(const char* name, double value) {
   if (!t_) return;
-  for (uint8_t i = 0; i < e_.n_args; ++i)
-    if (std::string_view(e_.args[i].first) == name) {
-      e_.args[i].second = value;
+  for (uint32_t i = 0; i < n_args_; ++i)
+    if (std::string_view(args_[i].first) == name) {
+      args_[i].second = value;
       return;
     }
-  if (e_.n_args < e_.args.size()) e_.args[e_.n_args++] = {name, value};
+  if (n_args_ < args_.size()) args_[n_args_++] = {name, value};
 }
 
 TraceScope::~TraceScope() {
@@ -140,7 +165,7 @@ TraceScope::~TraceScope() {
   e_.dur_ns = t_->now_ns() - e_.ts_ns;
   t_->pop_phase();
   e_.phase = t_->phase();  // the enclosing phase
-  t_->add(e_);
+  t_->add_phase(e_, args_, n_args_);
 }
 
 }  // namespace loom

@@ -26,24 +26,30 @@ class ThreadPool;
 // A numeric argument of an event: a name with static storage and a value.
 using TraceArg = std::pair<const char*, double>;
 
-// One complete ("X") event. Strings have static storage (literals, dtype names).
+// One complete ("X") event, 120 bytes (a recording writes one per op: the
+// smaller, the fewer pages it touches). Strings have static storage (literals,
+// dtype names).
 struct TraceEvent {
   const char* name = nullptr;
   const char* cat = nullptr;  // "phase" or "op"
   int64_t ts_ns = 0, dur_ns = 0;
-  uint32_t tid = 0;
   // Ops: where they ran, their size and work (-1 / null / 0: absent).
   const char* phase = nullptr;
-  int32_t layer = -1;
-  int64_t T = -1, N = -1, K = -1;
   const char* dtype = nullptr;
   double flops = 0, bytes = 0;
+  int64_t T = -1, N = -1, K = -1;
   int64_t busy_ns = -1;
+  int32_t layer = -1;
   int32_t threads = 0;
-  // Phases' own arguments.
-  std::array<TraceArg, 10> args{};
-  uint8_t n_args = 0;
+  uint32_t tid = 0;      // set by Tracer::add
+  uint32_t n_args = 0;   // phases: arguments kept by the tracer (add_phase)
+  uint64_t args_at = 0;  // where they start in its argument list
 };
+
+static_assert(sizeof(TraceEvent) == 120);
+
+// A phase's arguments, at most this many.
+using TraceArgs = std::array<TraceArg, 10>;
 
 class Tracer {
  public:
@@ -63,6 +69,7 @@ class Tracer {
 
   int64_t now_ns() const;  // since start()
   void add(TraceEvent e);  // any thread; ignored while not recording
+  void add_phase(TraceEvent e, const TraceArgs& args, uint32_t n_args);  // with its arguments
 
   // Where the thread issuing ops is (training's main thread, the server's
   // scheduler thread): the innermost open phase and the decoder layer. One
@@ -83,13 +90,17 @@ class Tracer {
 
  private:
   uint32_t thread_index();  // under mu_
+  void push(TraceEvent& e);  // under mu_
 
   std::atomic<bool> recording_{false};
   std::atomic<int64_t> origin_ns_{0};
   mutable std::mutex mu_;
   std::vector<TraceEvent> events_;
+  std::vector<TraceArg> args_;  // the phases' arguments, back to back
   size_t dropped_ = 0;
   std::unordered_map<std::thread::id, uint32_t> tids_;
+  std::thread::id last_thread_;  // the last adder and its index: the map is looked up on a change only
+  uint32_t last_tid_ = 0;
   int32_t layer_ = -1;
   std::vector<const char*> phases_;
 };
@@ -108,6 +119,8 @@ class TraceScope {
  private:
   Tracer* t_ = nullptr;
   TraceEvent e_;
+  TraceArgs args_{};
+  uint32_t n_args_ = 0;
 };
 
 // The decoder layer of the ops issued while it lives (-1 after).
