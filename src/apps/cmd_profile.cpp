@@ -75,7 +75,7 @@ std::optional<PeakTable> load_peak(const Trace& t, const Analysis& a, const Peak
     if (!told)
       std::fprintf(
           stderr,
-          "loom profile: measuring this machine's peak with %d threads (once, 10-20 s; then cached)\n",
+          "loom profile: measuring this machine's peak with %d threads (once, about 20 s; then cached)\n",
           threads);
     told = true;
   };

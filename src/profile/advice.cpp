@@ -103,15 +103,17 @@ std::string how_to_get(const std::string& dtype) {
 }
 
 // A measured weight type at least as precise as `dtype` (bits per weight),
-// that loom can make, whose products run >= 1.2x faster here in `regime`.
+// that loom can make, whose forward products run >= 1.2x faster here in
+// `regime` (only `matmul`: the model's type is what its weights are stored in).
 const GemmPeak* faster_type(const PeakTable& peak, const std::string& dtype, const std::string& regime) {
-  const GemmPeak* cur = peak.find(dtype, regime);
+  const GemmPeak* cur = peak.find("matmul", dtype, regime);
   const double bits = bits_per_weight(dtype);
   if (!cur || bits <= 0) return nullptr;
   const GemmPeak* best = nullptr;
   for (const GemmPeak& g : peak.gemm)
-    if (g.regime == regime && g.dtype != dtype && bits_per_weight(g.dtype) >= bits - 1e-9 &&
-        g.gflops >= 1.2 * cur->gflops && (!best || g.gflops > best->gflops) && !how_to_get(g.dtype).empty())
+    if (g.op == "matmul" && g.regime == regime && g.dtype != dtype &&
+        bits_per_weight(g.dtype) >= bits - 1e-9 && g.gflops >= 1.2 * cur->gflops &&
+        (!best || g.gflops > best->gflops) && !how_to_get(g.dtype).empty())
       best = &g;
   return best;
 }
@@ -124,10 +126,10 @@ void matmul_finding(const Trace& t, const Analysis& a, const PeakTable& peak, co
   const bool decode = c.regime == "decode";
   f.summary = fmt::format(
       "{} {} ({}, mean T {:.0f}) is {} of the time at {:.1f} GFLOP/s, {:.1f} GB/s: {} of this machine's {} "
-      "peak "
-      "({:.1f} {} with {} threads)",
-      c.op, c.dtype, c.regime, c.mean_T(), pct(share), c.gflops(), c.gbps(), pct(frac), c.dtype,
-      decode ? p.gbps : p.gflops, decode ? "GB/s" : "GFLOP/s", peak.key.threads);
+      "{}{} peak ({:.1f} {} with {} threads)",
+      c.op, c.dtype, c.regime, c.mean_T(), pct(share), c.gflops(), c.gbps(), pct(frac), p.op, p.dtype,
+      p.precision.empty() ? "" : " (" + p.precision + ")", decode ? p.gbps : p.gflops,
+      decode ? "GB/s" : "GFLOP/s", peak.key.threads);
   f.numbers = {{"share", share},
                {"gflops", c.gflops()},
                {"gbps", c.gbps()},
@@ -147,8 +149,8 @@ void matmul_finding(const Trace& t, const Analysis& a, const PeakTable& peak, co
       f.model =
           "the product's time shrinks by the main job's tokens/s ratio of the two modes on this CPU class";
     }
-  } else if (const GemmPeak* faster = faster_type(peak, c.dtype, c.regime)) {
-    const GemmPeak& cur = *peak.find(c.dtype, c.regime);
+  } else if (const GemmPeak* faster = c.op == "matmul" ? faster_type(peak, c.dtype, c.regime) : nullptr) {
+    const GemmPeak& cur = *peak.find("matmul", c.dtype, c.regime);
     f.change.push_back(how_to_get(faster->dtype));
     f.gain_share = share * (1 - cur.gflops / faster->gflops);
     f.gain = fmt::format(
@@ -177,6 +179,17 @@ double BackwardSpeeds::of(const std::string& mode) const {
   if (mode == "int8") return int8;
   if (mode == "exact") return exact;
   return 0;
+}
+
+std::string trace_backward_mode(const Trace& t) {
+  return t.meta.command == "train" ? backward_mode(t, backward_speeds(t.meta.isa)) : std::string();
+}
+
+std::string class_precision(const Trace& t, const MatmulClass& c) {
+  if (!op_has_precision(c.op)) return {};
+  if (c.op == "linear_backward_input" && c.dtype == "f32" && t.meta.config_string("method", "lora") == "lora")
+    return "exact";
+  return trace_backward_mode(t);
 }
 
 BackwardSpeeds backward_speeds(const std::vector<std::string>& isa) {
@@ -262,10 +275,10 @@ void advise_matmul(const Trace& t, const Analysis& a, const PeakTable* peak, con
     if (found == 3 || a.share(c.us) < th.matmul_min_share) continue;
     if (c.mean_weights() < th.matmul_min_weights)
       continue;  // LoRA factors and the like: never at a GEMM's peak
-    const GemmPeak* p = peak->find(c.dtype, c.regime);
+    const GemmPeak* p = peak->find_class(c.op, c.dtype, c.regime, class_precision(t, c));
     if (!p) {
-      out.notes.push_back(fmt::format("matmul_under_peak: {} {} ({}): no peak measured for {}", c.op, c.dtype,
-                                      c.regime, c.dtype));
+      out.notes.push_back(fmt::format("matmul_under_peak: {} {} ({}): no peak measured for {} over {}", c.op,
+                                      c.dtype, c.regime, c.op, c.dtype));
       continue;
     }
     const double frac =

@@ -71,5 +71,14 @@ struct BackwardSpeeds {
   double of(const std::string& mode) const;
 };
 BackwardSpeeds backward_speeds(const std::vector<std::string>& isa);
+// The `backward` mode a training trace ran in: its config's, `auto` resolved
+// by its instructions as above; empty for a trace of another command.
+std::string trace_backward_mode(const Trace& t);
+// The precision to look a class's peak up at (PeakTable::find_class): empty
+// for ops without one; trace_backward_mode, except `exact` for a LoRA run's
+// f32 linear_backward_input (the factors' input gradients, which read W as
+// stored in every mode; a LoRA run of an f32 model mixes its frozen weights'
+// W^T into that class).
+std::string class_precision(const Trace& t, const MatmulClass& c);
 
 }  // namespace loom

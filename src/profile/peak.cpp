@@ -25,7 +25,26 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kCacheFormat = 1;
+// 2: every op measured with the op itself (`op`, `precision` in each entry);
+// 1 held the forward matmul only.
+constexpr int kCacheFormat = 2;
+
+constexpr BackwardPrecision kPrecisions[] = {BackwardPrecision::exact, BackwardPrecision::f16,
+                                             BackwardPrecision::int8, BackwardPrecision::bf16};
+
+const char* precision_name(BackwardPrecision p) {
+  switch (p) {
+    case BackwardPrecision::exact:
+      return "exact";
+    case BackwardPrecision::f16:
+      return "f16";
+    case BackwardPrecision::int8:
+      return "int8";
+    case BackwardPrecision::bf16:
+      return "bf16";
+  }
+  return "?";
+}
 
 // The fastest of repeated calls (after one warm-up): a peak is what the machine
 // can do, so the best run counts, not the mean.
@@ -103,6 +122,28 @@ std::vector<uint8_t> tile_rows(const std::vector<uint8_t>& base, size_t row_byte
   return out;
 }
 
+// An entry as the profiler records the op: `flops` its FLOPs, `weight_bytes`
+// the weight bytes it counts, `s` the best call's seconds.
+GemmPeak entry(const char* op, DType dtype, const char* regime, const char* precision, int64_t T, int64_t N,
+               int64_t K, double flops, double weight_bytes, double s) {
+  GemmPeak p;
+  p.op = op;
+  p.dtype = dtype_name(dtype);
+  p.regime = regime;
+  p.precision = precision;
+  p.T = T;
+  p.N = N;
+  p.K = K;
+  p.gflops = flops / s / 1e9;
+  p.gbps = weight_bytes / s / 1e9;
+  p.seconds = s;
+  return p;
+}
+
+double product_flops(int64_t T, int64_t N, int64_t K) {
+  return 2.0 * static_cast<double>(T) * static_cast<double>(N) * static_cast<double>(K);
+}
+
 // `weight` is released once prepared (the backend packs its own copy), so a
 // large decode weight is held once.
 GemmPeak measure_product(Backend& be, Workspace& ws, DType type, std::vector<uint8_t>&& weight, int64_t rows,
@@ -114,15 +155,101 @@ GemmPeak measure_product(Backend& be, Workspace& ws, DType type, std::vector<uin
   const std::vector<float> x = random_floats(static_cast<size_t>(T * cols), 7);
   std::vector<float> y(static_cast<size_t>(T * rows));
   const double s = best_seconds([&] { be.matmul(ws, *h, x.data(), cols, y.data(), rows, T); }, min_seconds);
-  GemmPeak p;
-  p.dtype = dtype_name(type);
-  p.regime = regime;
-  p.T = T;
-  p.N = rows;
-  p.K = cols;
-  p.gflops = 2.0 * static_cast<double>(T) * static_cast<double>(rows) * static_cast<double>(cols) / s / 1e9;
-  p.gbps = static_cast<double>(stored) / s / 1e9;
-  return p;
+  return entry("matmul", type, regime, "", T, rows, cols, product_flops(T, rows, cols),
+               static_cast<double>(stored), s);
+}
+
+// The backward's input gradient dx [T, cols] = dy [T, rows] W over W {rows,
+// cols} of each type, at each precision the trainer passes: exact reads W as
+// stored; the others go through prepare_transposed's W^T (null where the
+// backend reads W itself). Recorded as the profiler records it (the W^T's
+// dtype, else W's; N = cols, K = rows); a (dtype, precision) already measured
+// is not measured again (f16's W^T of every quantized type is the same f16 kernel).
+void measure_backward_input(Backend& be, Workspace& ws, ThreadPool& pool, const PeakOptions& opt,
+                            const PeakProgress& progress, PeakTable& t) {
+  const int64_t rows = opt.train_rows, cols = opt.train_cols, T = opt.batch_rows;
+  const std::vector<float> src = random_floats(static_cast<size_t>(rows * cols), 3);
+  const std::vector<float> dy = random_floats(static_cast<size_t>(T * rows), 9);
+  std::vector<float> dx(static_cast<size_t>(T * cols));
+  if (progress) progress("linear_backward_input");
+  for (DType type : opt.dtypes) {
+    std::vector<uint8_t> weight = make_weight(pool, type, src, rows, cols);
+    const Tensor W = make_tensor(weight.data(), type, {rows, cols});
+    for (BackwardPrecision p : kPrecisions) {
+      const WeightHandle Wt =
+          p == BackwardPrecision::exact ? nullptr : be.prepare_transposed(W, p, "peak", nullptr, &ws);
+      const DType recorded = Wt ? Wt->dtype() : type;
+      if (t.find("linear_backward_input", dtype_name(recorded), "batch", precision_name(p))) continue;
+      const double s =
+          best_seconds([&] { be.linear_backward_input(ws, W, Wt.get(), p, dy.data(), dx.data(), T, false); },
+                       opt.min_seconds);
+      t.gemm.push_back(entry("linear_backward_input", recorded, "batch", precision_name(p), T, cols, rows,
+                             product_flops(T, rows, cols),
+                             static_cast<double>(Wt ? Wt->nbytes() : W.nbytes()), s));
+    }
+  }
+}
+
+// dW [rows, cols] += dy^T x (f32; the profiler counts dW read and written),
+// and matmul_dense over an f32 W {rows, cols} that is not prepared.
+void measure_f32_ops(Backend& be, Workspace& ws, const PeakOptions& opt, const PeakProgress& progress,
+                     PeakTable& t) {
+  const int64_t N = opt.train_rows, K = opt.train_cols, T = opt.batch_rows;
+  if (progress) progress("linear_backward_weight, matmul_dense");
+  const std::vector<float> dy = random_floats(static_cast<size_t>(T * N), 13);
+  const std::vector<float> x = random_floats(static_cast<size_t>(T * K), 17);
+  std::vector<float> dW(static_cast<size_t>(N * K));
+  const double sw = best_seconds(
+      [&] { be.linear_backward_weight(ws, dy.data(), x.data(), dW.data(), T, N, K); }, opt.min_seconds);
+  t.gemm.push_back(entry("linear_backward_weight", DType::f32, "batch", "", T, N, K, product_flops(T, N, K),
+                         2.0 * sizeof(float) * static_cast<double>(N * K), sw));
+  std::vector<float> w = random_floats(static_cast<size_t>(N * K), 19);
+  const Tensor W = make_tensor(w.data(), DType::f32, {N, K});
+  std::vector<float> y(static_cast<size_t>(T * N));
+  const double sd = best_seconds([&] { be.matmul_dense(ws, W, x.data(), y.data(), T); }, opt.min_seconds);
+  t.gemm.push_back(entry("matmul_dense", DType::f32, "batch", "", T, N, K, product_flops(T, N, K),
+                         static_cast<double>(W.nbytes()), sd));
+}
+
+// The fused output projection + cross-entropy as a training step calls it:
+// every row labelled, dh set, dW null (a frozen output), W^T from
+// prepare_transposed at each precision. The profiler counts the product twice
+// (logits, and dh).
+void measure_loss(Backend& be, Workspace& ws, ThreadPool& pool, const PeakOptions& opt,
+                  const PeakProgress& progress, PeakTable& t) {
+  const int64_t V = opt.loss_vocab, T = opt.batch_rows;
+  if (progress) progress("loss");
+  std::vector<int32_t> labels(static_cast<size_t>(T));
+  CounterRng rng(23);
+  for (int32_t& l : labels)
+    l = static_cast<int32_t>(rng.next_double() * static_cast<double>(V)) % static_cast<int32_t>(V);
+  for (DType type : opt.loss_dtypes) {
+    const int64_t block = dtype_block_size(type);
+    const int64_t H = (opt.loss_hidden + block - 1) / block * block;
+    const std::vector<float> src = random_floats(static_cast<size_t>(V * H), 29);
+    std::vector<uint8_t> weight = make_weight(pool, type, src, V, H);
+    const Tensor W = make_tensor(weight.data(), type, {V, H});
+    const WeightHandle prepared = be.prepare_weight(W, "peak");
+    const std::vector<float> h = random_floats(static_cast<size_t>(T * H), 31);
+    std::vector<float> dh(static_cast<size_t>(T * H));
+    for (BackwardPrecision p : kPrecisions) {
+      const WeightHandle Wt =
+          p == BackwardPrecision::exact ? nullptr : be.prepare_transposed(W, p, "peak", nullptr, &ws);
+      LossOp op;
+      op.W = &W;
+      op.W_prepared = prepared.get();
+      op.precision = p;
+      op.Wt = Wt.get();
+      op.h = h.data();
+      op.labels = labels.data();
+      op.T = T;
+      op.grad_scale = 1.0f / static_cast<float>(T);
+      op.dh = dh.data();
+      const double s = best_seconds([&] { be.cross_entropy(ws, op); }, opt.min_seconds);
+      t.gemm.push_back(entry("loss", type, "batch", precision_name(p), T, V, H, 2 * product_flops(T, V, H),
+                             static_cast<double>(W.nbytes()), s));
+    }
+  }
 }
 
 std::string hex16(uint64_t v) { return fmt::format("{:016x}", v); }
@@ -174,16 +301,32 @@ std::string this_cpu_model() {
   return "unknown CPU";
 }
 
-const GemmPeak* PeakTable::find(std::string_view dtype, std::string_view regime) const {
+bool op_has_precision(std::string_view op) { return op == "linear_backward_input" || op == "loss"; }
+
+const GemmPeak* PeakTable::find(std::string_view op, std::string_view dtype, std::string_view regime,
+                                std::string_view precision) const {
   for (const GemmPeak& g : gemm)
-    if (g.dtype == dtype && g.regime == regime) return &g;
+    if (g.op == op && g.dtype == dtype && g.regime == regime && g.precision == precision) return &g;
   return nullptr;
+}
+
+const GemmPeak* PeakTable::find_class(std::string_view op, std::string_view dtype, std::string_view regime,
+                                      std::string_view precision) const {
+  if (!op_has_precision(op)) return find(op, dtype, regime);
+  if (const GemmPeak* p = find(op, dtype, regime, precision.empty() ? "exact" : precision)) return p;
+  return op == "linear_backward_input" ? find(op, dtype, regime, "exact") : nullptr;
 }
 
 std::vector<DType> PeakOptions::peak_dtypes_default() {
   return {DType::f32,  DType::f16,  DType::bf16, DType::q8_0, DType::q4_0,
           DType::q4_1, DType::q5_0, DType::q5_1, DType::q2_k, DType::q3_k,
           DType::q4_k, DType::q5_k, DType::q6_k, DType::nf4,  DType::i8_ch};
+}
+
+// The output projections of GGUF files: q8_0 (small models, tied to the
+// embedding), q6_k (llama.cpp's K-quant files), f16 and bf16 (unquantized).
+std::vector<DType> PeakOptions::loss_dtypes_default() {
+  return {DType::q8_0, DType::q6_k, DType::f16, DType::bf16};
 }
 
 PeakOptions quick_peak_options() {
@@ -193,23 +336,29 @@ PeakOptions quick_peak_options() {
   o.batch_rows = 16;
   o.rows = 32;
   o.cols = 256;
+  o.train_rows = 64;
+  o.train_cols = 256;
+  o.loss_vocab = 128;
+  o.loss_hidden = 64;
   o.min_seconds = 0;
   o.dtypes = {DType::f32, DType::q4_0};
+  o.loss_dtypes = {DType::q8_0};
   return o;
 }
 
 PeakTable measure_peak(ThreadPool& pool, const PeakKey& key, const PeakOptions& opt,
-                       const PeakProgress& progress) {
+                       const PeakProgress& progress, Backend* backend) {
   const auto t0 = Clock::now();
   PeakTable t;
   t.key = key;
   if (progress) progress("memory read bandwidth");
   t.read_gbps = measure_read_gbps(pool, opt.read_bytes, opt.min_seconds);
-  const auto be = make_backend(kCpu, pool);
+  std::unique_ptr<Backend> own = backend ? nullptr : make_backend(kCpu, pool);
+  Backend* be = backend ? backend : own.get();
   const auto ws = be->make_workspace();
   const std::vector<float> src = random_floats(static_cast<size_t>(opt.rows * opt.cols), 1);
   for (DType type : opt.dtypes) {
-    if (progress) progress(fmt::format("{} products", dtype_name(type)));
+    if (progress) progress(fmt::format("matmul {}", dtype_name(type)));
     std::vector<uint8_t> base = make_weight(pool, type, src, opt.rows, opt.cols);
     const size_t row_bytes = dtype_row_bytes(type, opt.cols);
     const int64_t decode_rows =
@@ -220,6 +369,9 @@ PeakTable measure_peak(ThreadPool& pool, const PeakKey& key, const PeakOptions& 
     t.gemm.push_back(
         measure_product(*be, *ws, type, std::move(big), decode_rows, opt.cols, 1, "decode", opt.min_seconds));
   }
+  measure_backward_input(*be, *ws, pool, opt, progress, t);
+  measure_f32_ops(*be, *ws, opt, progress, t);
+  measure_loss(*be, *ws, pool, opt, progress, t);
   t.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return t;
 }
@@ -245,13 +397,16 @@ std::string peak_to_json(const PeakTable& t) {
   o["seconds"] = t.seconds;
   json g = json::array();
   for (const GemmPeak& p : t.gemm)
-    g.push_back({{"dtype", p.dtype},
+    g.push_back({{"op", p.op},
+                 {"dtype", p.dtype},
                  {"regime", p.regime},
+                 {"precision", p.precision},
                  {"T", p.T},
                  {"N", p.N},
                  {"K", p.K},
                  {"gflops", p.gflops},
-                 {"gbps", p.gbps}});
+                 {"gbps", p.gbps},
+                 {"seconds", p.seconds}});
   o["gemm"] = std::move(g);
   return o.dump(1) + "\n";
 }
@@ -263,8 +418,11 @@ PeakTable peak_from_json(std::string_view text_in, const std::string& path) {
   } catch (const json::parse_error& e) {
     fail(ErrorKind::invalid_input, "{}: not JSON ({})", path, e.what());
   }
-  if (!o.is_object() || !o.contains("loom_peak") || o["loom_peak"] != kCacheFormat)
+  if (!o.is_object() || !o.contains("loom_peak") || !o["loom_peak"].is_number_integer())
     fail(ErrorKind::invalid_input, "{}: not a loom peak file of format {}", path, kCacheFormat);
+  if (o["loom_peak"] != kCacheFormat)
+    fail(ErrorKind::invalid_input, "{}: a peak of format {} (another loom's), this loom measures format {}",
+         path, o["loom_peak"].get<int64_t>(), kCacheFormat);
   PeakTable t;
   const auto k = o.find("key");
   if (k == o.end() || !k->is_object()) fail(ErrorKind::invalid_input, "{}: no \"key\" object", path);
@@ -282,13 +440,16 @@ PeakTable peak_from_json(std::string_view text_in, const std::string& path) {
     const std::string at = fmt::format("{}: gemm[{}]", path, i);
     if (!e.is_object()) fail(ErrorKind::invalid_input, "{}: not an object", at);
     GemmPeak p;
+    p.op = text(e, "op", at);
     p.dtype = text(e, "dtype", at);
     p.regime = text(e, "regime", at);
+    p.precision = text(e, "precision", at);
     p.T = static_cast<int64_t>(positive(e, "T", at));
     p.N = static_cast<int64_t>(positive(e, "N", at));
     p.K = static_cast<int64_t>(positive(e, "K", at));
     p.gflops = positive(e, "gflops", at);
     p.gbps = positive(e, "gbps", at);
+    p.seconds = positive(e, "seconds", at);
     if (p.gflops <= 0) fail(ErrorKind::invalid_input, "{}: \"gflops\" must be > 0", at);
     t.gemm.push_back(std::move(p));
   }

@@ -86,7 +86,7 @@ std::string layer_table(const Analysis& a) {
   return s;
 }
 
-std::string matmul_table(const Analysis& a, const PeakTable* peak) {
+std::string matmul_table(const Trace& t, const Analysis& a, const PeakTable* peak) {
   if (a.matmuls.empty()) return {};
   size_t w = 12;
   for (const MatmulClass& c : a.matmuls) w = std::max(w, c.op.size() + c.dtype.size() + c.regime.size() + 2);
@@ -94,7 +94,7 @@ std::string matmul_table(const Analysis& a, const PeakTable* peak) {
                               "matmul classes", w + 2, "mean T", "count", "time", "share", "GFLOP/s", "GB/s",
                               "peak", "of peak", "roofline");
   for (const MatmulClass& c : a.matmuls) {
-    const ClassPeak p = class_peak(c, peak);
+    const ClassPeak p = class_peak(c, peak, class_precision(t, c));
     const std::string name = c.op + " " + c.dtype + " " + c.regime;
     std::string peak_s = "-", frac_s = "-", roof_s = "-";
     if (p.peak) {
@@ -141,22 +141,22 @@ json meta_json(const Trace& t, const Analysis& a) {
 
 }  // namespace
 
-ClassPeak class_peak(const MatmulClass& c, const PeakTable* peak) {
+ClassPeak class_peak(const MatmulClass& c, const PeakTable* peak, const std::string& precision) {
   ClassPeak p;
   if (!peak) return p;
-  p.peak = peak->find(c.dtype, c.regime);
+  p.peak = peak->find_class(c.op, c.dtype, c.regime, precision);
   if (!p.peak) return p;
   const bool decode = c.regime == "decode";
   p.value = decode ? p.peak->gbps : p.peak->gflops;
   p.fraction = p.value > 0 ? (decode ? c.gbps() : c.gflops()) / p.value : 0;
-  const GemmPeak* batch = peak->find(c.dtype, "batch");
+  const GemmPeak* batch = peak->find_class(c.op, c.dtype, "batch", precision);
   const double compute = batch ? batch->gflops : p.peak->gflops;
   p.roofline = c.bytes > 0 ? std::min(compute, peak->read_gbps * c.flops / c.bytes) : compute;
   return p;
 }
 
 std::string format_report(const Trace& t, const Analysis& a, const PeakTable* peak, int top) {
-  return header(t, a) + phase_table(a) + op_table(a, top) + layer_table(a) + matmul_table(a, peak);
+  return header(t, a) + phase_table(a) + op_table(a, top) + layer_table(a) + matmul_table(t, a, peak);
 }
 
 nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const PeakTable* peak) {
@@ -177,12 +177,13 @@ nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const Peak
   o["layers"] = std::move(layers);
   json classes = json::array();
   for (const MatmulClass& c : a.matmuls) {
-    const ClassPeak p = class_peak(c, peak);
+    const ClassPeak p = class_peak(c, peak, class_precision(t, c));
     json j = {{"op", c.op},       {"dtype", c.dtype},       {"regime", c.regime},   {"count", c.count},
               {"us", c.us},       {"share", a.share(c.us)}, {"mean_T", c.mean_T()}, {"flops", c.flops},
               {"bytes", c.bytes}, {"gflops", c.gflops()},   {"gbps", c.gbps()}};
     j["peak"] = p.peak ? json(p.value) : json(nullptr);
     j["peak_unit"] = c.regime == "decode" ? "GB/s" : "GFLOP/s";
+    j["peak_precision"] = p.peak && !p.peak->precision.empty() ? json(p.peak->precision) : json(nullptr);
     j["fraction_of_peak"] = p.peak ? json(p.fraction) : json(nullptr);
     j["roofline_gflops"] = p.peak ? json(p.roofline) : json(nullptr);
     classes.push_back(std::move(j));

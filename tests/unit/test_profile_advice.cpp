@@ -107,10 +107,13 @@ PeakTable synthetic_peak() {
   p.key.cpu = "Test CPU";
   p.key.threads = 2;
   p.read_gbps = 20;
-  p.gemm = {{"q4_0", "batch", 256, 1024, 2048, 100, 10},
-            {"q8_0", "batch", 256, 1024, 2048, 300, 30},
-            {"q2_k", "batch", 256, 1024, 2048, 900, 30},  // fewer bits: never suggested for q4_0
-            {"q4_0", "decode", 1, 90000, 2048, 40, 12}};
+  p.gemm = {{"matmul", "q4_0", "batch", "", 256, 1024, 2048, 100, 10, 0.01},
+            {"matmul", "q8_0", "batch", "", 256, 1024, 2048, 300, 30, 0.01},
+            {"matmul", "q2_k", "batch", "", 256, 1024, 2048, 900, 30,
+             0.01},  // fewer bits: never suggested for q4_0
+            {"matmul", "q4_0", "decode", "", 1, 90000, 2048, 40, 12, 0.01},
+            // The backward's own figure (f16 mode over a q4_0 class: W read as stored, exact's).
+            {"linear_backward_input", "q4_0", "batch", "exact", 256, 1536, 576, 100, 10, 0.01}};
   return p;
 }
 

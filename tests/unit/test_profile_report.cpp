@@ -200,8 +200,8 @@ PeakTable test_peak() {
   p.key.cpu = "Test CPU";
   p.key.threads = 2;
   p.read_gbps = 20;
-  p.gemm.push_back({"q4_0", "batch", 256, 1024, 2048, 100, 10});
-  p.gemm.push_back({"q4_0", "decode", 1, 90000, 2048, 40, 11});
+  p.gemm.push_back({"matmul", "q4_0", "batch", "", 256, 1024, 2048, 100, 10, 0.01});
+  p.gemm.push_back({"matmul", "q4_0", "decode", "", 1, 90000, 2048, 40, 11, 0.01});
   return p;
 }
 
@@ -228,6 +228,10 @@ TEST(ProfileReport, TextAndJsonCarryTheSameNumbers) {
   EXPECT_EQ(c["op"], "matmul");
   EXPECT_DOUBLE_EQ(c["peak"].get<double>(), 100);
   EXPECT_NEAR(c["fraction_of_peak"].get<double>(), 2.0 * 2 * 64 * 256 * 512 / 400 / 1e3 / 100, 1e-12);
+  EXPECT_TRUE(c["peak_precision"].is_null());
+  // The backward's class: only matmul was measured, so no peak (never the forward's figure).
+  EXPECT_EQ(j["matmuls"][1]["op"], "linear_backward_input");
+  EXPECT_TRUE(j["matmuls"][1]["peak"].is_null());
   const auto& d = j["matmuls"][2];
   EXPECT_EQ(d["peak_unit"], "GB/s");
   EXPECT_DOUBLE_EQ(d["peak"].get<double>(), 11);
