@@ -77,12 +77,29 @@ std::string op_table(const Analysis& a, int top) {
   return s;
 }
 
-std::string layer_table(const Analysis& a) {
+// The `top` slowest layers, the others as one line with their spread (a
+// decoder's layers cost alike: a layer far above the rest is the news), then
+// the ops outside the layers.
+std::string layer_table(const Analysis& a, int top) {
   if (a.layers.empty()) return {};
-  std::string s = fmt::format("\n{:<8}  {:>7}  {:>10}  {:>6}\n", "by layer", "count", "time", "share");
-  for (const LayerRow& l : a.layers)
-    s += fmt::format("  {:<6}  {:>7}  {:>10}  {:>6}\n", l.layer < 0 ? "none" : std::to_string(l.layer),
-                     l.count, ms(l.us), pct(a.share(l.us)));
+  std::vector<LayerRow> layers, none;
+  for (const LayerRow& l : a.layers) (l.layer < 0 ? none : layers).push_back(l);
+  std::stable_sort(layers.begin(), layers.end(), [](const LayerRow& x, const LayerRow& y) { return x.us > y.us; });
+  const size_t n = std::min(layers.size(), static_cast<size_t>(std::max(top, 0)));
+  const std::string title = fmt::format("layers (top {} of {})", n, layers.size());
+  std::string s = fmt::format("\n{:<22}  {:>7}  {:>10}  {:>6}\n", title, "count", "time", "share");
+  for (size_t i = 0; i < n; ++i)
+    s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}\n", layers[i].layer, layers[i].count, ms(layers[i].us),
+                     pct(a.share(layers[i].us)));
+  if (layers.size() > n) {
+    LayerRow rest;
+    for (size_t i = n; i < layers.size(); ++i) rest.count += layers[i].count, rest.us += layers[i].us;
+    s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}  ({} to {} each)\n",
+                     fmt::format("({} more)", layers.size() - n), rest.count, ms(rest.us), pct(a.share(rest.us)),
+                     ms(layers.back().us), ms(layers[n].us));
+  }
+  for (const LayerRow& l : none)
+    s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}\n", "outside the layers", l.count, ms(l.us), pct(a.share(l.us)));
   return s;
 }
 
@@ -156,7 +173,7 @@ ClassPeak class_peak(const MatmulClass& c, const PeakTable* peak, const std::str
 }
 
 std::string format_report(const Trace& t, const Analysis& a, const PeakTable* peak, int top) {
-  return header(t, a) + phase_table(a) + op_table(a, top) + layer_table(a) + matmul_table(t, a, peak);
+  return header(t, a) + phase_table(a) + op_table(a, top) + layer_table(a, top) + matmul_table(t, a, peak);
 }
 
 nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const PeakTable* peak) {

@@ -51,11 +51,14 @@ has "report optimizer" "^  optimizer +640.0 ms +29.8% +4 +160.0 ms"
 has "report waiting" "^  waiting \(threads idle inside ops\) +295.5 ms +13.7%"
 has "report outside" "outside the accounted time: data 300.0 ms \(1x\)"
 has "report ops" "^  linear_backward_input +32 +1.06 s +49.3% +33.1 ms +212.0 ms"
-has "report layers" "^  none +4 +639.2 ms +29.7%"
+has "report layers" "^  outside the layers +4 +639.2 ms +29.7%"
+has "report layer rows" "^layers \(top 2 of 2\)"
 has "report classes" "^  matmul q4_1 batch +416 +32 +441.7 ms +20.6% +60.0 "
 has "report no peak" "no peak: --no-peak"
 expect "report top" 0 "op kinds \(top 2 of 4\)" -- "$loom" profile report "$train" --no-peak --top 2
 has "report top rest" "\(2 more\)"
+expect "report top 1" 0 "layers \(top 1 of 2\)" -- "$loom" profile report "$train" --no-peak --top 1
+has "report top layers" "^  \(1 more\) +[0-9]+ +[0-9.]+ ms +[0-9.]+%  \([0-9.]+ ms to [0-9.]+ ms each\)"
 
 # --json: one object with the same numbers.
 expect "report json" 0 "" -- "$loom" profile report "$train" --no-peak --json
