@@ -56,6 +56,8 @@ int32_t Sampler::sample(const float* logits, std::span<const int32_t> history) {
     return id;
   }
 
+  const bool filtered = (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < V) || p_.top_p < 1.0f || p_.min_p > 0;
+  if (!filtered) return sample_unfiltered();
   cand_.resize(V);
   for (size_t i = 0; i < V; ++i) cand_[i] = {static_cast<int32_t>(i), work_[i], 0.0f};
   auto by_logit = [](const Candidate& a, const Candidate& b) {
@@ -96,6 +98,28 @@ int32_t Sampler::sample(const float* logits, std::span<const int32_t> history) {
     if (r < cum) return c.id;
   }
   return cand_.back().id;
+}
+
+// The same distribution as the sorted path (softmax of logit / temperature),
+// drawn by walking the vocabulary in index order: the sort of every token
+// (~3 ms for 49k candidates, the OpenAI API's defaults top_p 1, no top_k) is
+// what filters need, not a plain draw.
+int32_t Sampler::sample_unfiltered() {
+  const float mx = *std::max_element(work_.begin(), work_.end());
+  const float inv_t = 1.0f / p_.temperature;
+  double sum = 0;
+  for (float& l : work_) {  // work_ becomes the unnormalized probabilities
+    l = std::exp((l - mx) * inv_t);
+    sum += l;
+  }
+  const double r = rng_.next_double() * sum;
+  double cum = 0;
+  for (size_t i = 0; i < work_.size(); ++i) {
+    cum += work_[i];
+    if (r < cum) return static_cast<int32_t>(i);
+  }
+  // cum ends at sum, above r: not reached but for a NaN logit.
+  return static_cast<int32_t>(std::max_element(work_.begin(), work_.end()) - work_.begin());
 }
 
 }  // namespace loom

@@ -36,10 +36,11 @@ class Sampler {
     float logit;
     float prob;
   };
-  // Probabilities after every filter (sorted, descending) of the last call; for logprobs.
-  const std::vector<Candidate>& last_candidates() const { return cand_; }
-
  private:
+  // Temperature sampling over the whole vocabulary (no top-k, top-p or min-p
+  // filter), without sorting it.
+  int32_t sample_unfiltered();
+
   SamplingParams p_;
   int64_t vocab_;
   CounterRng rng_;

@@ -574,7 +574,11 @@ void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, co
         opt_.fault_hook(FaultPoint::forward, s->req->g);
       }
   }
-  forward_->step(chunks);
+  {
+    const TraceScope trace(backend_->tracer(), "forward");
+    forward_->step(chunks);
+  }
+  const TraceScope trace(backend_->tracer(), "sample");  // sampling, detokenizing, streaming
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence* s = owners[i];
     if (s->finished) continue;  // its request failed at an earlier row of this step

@@ -113,7 +113,8 @@ steps = [e for e in ev if e["name"] == "serve_step"]
 assert len(steps) >= 3
 assert sum(s["args"]["prefill_tokens"] for s in steps) >= 2 and sum(s["args"]["decode_rows"] for s in steps) >= 2
 assert steps[0]["args"]["kv_blocks_total"] > 0 and "waiting" in steps[0]["args"]
-assert any(e["args"].get("phase") == "serve_step" for e in ops)
+assert {"forward", "sample"} <= phases
+assert any(e["args"].get("phase") == "forward" for e in ops)
 assert meta["command"] == "serve" and meta["serve"]["max_seqs"] >= 1
 '
 kill "$server_pid" 2>/dev/null
