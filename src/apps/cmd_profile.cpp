@@ -12,6 +12,7 @@
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "profile/advice.h"
 #include "profile/analysis.h"
@@ -56,7 +57,7 @@ std::optional<PeakTable> load_peak(const Trace& t, const Analysis& a, const Peak
   const int threads =
       resolve_thread_count(static_cast<int>(std::max<int64_t>(a.threads, 1)), "the trace's threads");
   PeakKey key;
-  key.cpu = this_cpu_model();
+  key.cpu = cpu_model_name();
   key.threads = threads;
   key.build = build_identity();
   if (const char* mask = std::getenv("LOOM_CPU")) key.cpu_mask = mask;

@@ -160,8 +160,7 @@ int run_train(int argc, char** argv) {
                                        "from the checkpoint folder PATH; place it after CONFIG")
                             ->expected(0, 1)
                             ->type_name("[PATH]");
-  bool check = false;
-  app.add_flag("--check", check,
+  app.add_flag("--check", args.check,
                "load the config, model and data as a run would and print the memory estimate, tokens per step, "
                "truncated and dropped samples and warnings about the settings; trains nothing and writes nothing "
                "(exit 0: the run can start)");
@@ -179,7 +178,6 @@ int run_train(int argc, char** argv) {
   if (resume->count() > 0) args.resume = resume_path;
   args.failpoints = &failpoints;
   args.metrics_linger = metrics_linger;
-  args.check = check;
   // Under mpirun / srun: one rank of a data-parallel run. Rank 0 alone logs,
   // serves metrics and writes; a failing rank ends every rank at once.
   std::unique_ptr<Communicator> comm =

@@ -1,7 +1,6 @@
 #include "apps/profile_output.h"
 
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "core/cpu_features.h"
@@ -9,19 +8,6 @@
 
 namespace loom::app {
 namespace {
-
-// /proc/cpuinfo's first "model name" (x86 Linux); "unknown" elsewhere.
-std::string cpu_model_name() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) != 0) continue;
-    const size_t colon = line.find(':');
-    if (colon == std::string::npos) break;
-    const size_t start = line.find_first_not_of(' ', colon + 1);
-    return start == std::string::npos ? "unknown" : line.substr(start);
-  }
-  return "unknown";
-}
 
 nlohmann::json isa_list(const CpuFeatures& f) {
   nlohmann::json out = nlohmann::json::array();

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 namespace loom {
@@ -101,6 +102,18 @@ bool amx_tile_state_granted() {
 bool use_amx_kernels() {
   const CpuFeatures& f = usable_cpu_features();
   return f.has_avx512_kernels() && f.amx_tile;
+}
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    const size_t start = line.find_first_not_of(" \t", colon + 1);
+    return start == std::string::npos ? "unknown" : line.substr(start);
+  }
+  return "unknown";
 }
 
 }  // namespace loom

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <string_view>
 
 namespace loom {
@@ -29,6 +30,10 @@ struct CpuFeatures {
   // *_avx512f.cpp) need F, BW, VL and DQ: Skylake-X has them, without VNNI.
   bool has_avx512_f32() const { return avx512f && avx512bw && avx512vl && avx512dq; }
 };
+
+// /proc/cpuinfo's first "model name" ("unknown" where there is none): for
+// reports and cache keys, never for choosing a code path.
+std::string cpu_model_name();
 
 // What the CPU reports (CPUID), unmasked.
 const CpuFeatures& cpu_features();

@@ -1,11 +1,10 @@
 #include "model/decoder.h"
 
-#include "core/trace.h"
-
 #include <algorithm>
 #include <iterator>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace loom {
 

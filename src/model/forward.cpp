@@ -1,10 +1,9 @@
 #include "model/forward.h"
 
-#include "core/trace.h"
-
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace loom {
 

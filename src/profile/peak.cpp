@@ -286,21 +286,6 @@ std::string PeakKey::hash() const {
   return hex16(fnv1a64(all));
 }
 
-std::string this_cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) {
-        std::string name = line.substr(colon + 1);
-        name.erase(0, name.find_first_not_of(" \t"));
-        if (!name.empty()) return name;
-      }
-    }
-  return "unknown CPU";
-}
-
 bool op_has_precision(std::string_view op) { return op == "linear_backward_input" || op == "loss"; }
 
 const GemmPeak* PeakTable::find(std::string_view op, std::string_view dtype, std::string_view regime,

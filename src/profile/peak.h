@@ -32,8 +32,6 @@ struct PeakKey {
   bool operator==(const PeakKey&) const = default;
 };
 
-// The CPU's model name from /proc/cpuinfo ("unknown CPU" where there is none).
-std::string this_cpu_model();
 
 // One op's measured speed, keyed as a trace's matmul class is (op, dtype,
 // regime) plus the backward precision the op ran at. `dtype`, T, N, K and the

@@ -9,8 +9,6 @@
 // token was computed sample the next one and stream it.
 #include "serve/scheduler.h"
 
-#include "kernels/profiling_backend.h"
-
 #include "model/tensor_parallel.h"
 
 #include <algorithm>
@@ -20,6 +18,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "kernels/profiling_backend.h"
 #include "model/generate.h"
 #include "model/sampler.h"
 #include "tokenizer/tokenizer.h"
@@ -68,13 +67,14 @@ uint64_t fresh_seed() {
   return (static_cast<uint64_t>(rd()) << 32) ^ rd();
 }
 
-// The model, or with ServeOptions::tp this rank's shard of it.
+// The device's backend, wrapped to record ops when the server has a tracer.
 std::unique_ptr<Backend> make_serve_backend(const ServeOptions& o, ThreadPool& pool) {
   std::unique_ptr<Backend> b = make_backend(o.device, pool);
   if (o.tracer) b = make_profiling_backend(std::move(b), *o.tracer, pool);
   return b;
 }
 
+// The model, or with ServeOptions::tp this rank's shard of it.
 std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend) {
   Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
   const int ranks = o.tp != nullptr ? o.tp->size() : 1;

@@ -537,7 +537,8 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   const bool dropout = backward && lora_ && lora_->config().dropout > 0;
   reserve(T);
   set_positions(batch);
-  std::optional<TraceScope> phase(std::in_place, be_.tracer(), "forward", std::initializer_list<TraceArg>{{"tokens", static_cast<double>(T)}});
+  const std::initializer_list<TraceArg> tokens = {{"tokens", static_cast<double>(T)}};
+  std::optional<TraceScope> phase(std::in_place, be_.tracer(), "forward", tokens);
 
   dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
   dec_.rope_table(pos_.data(), T, rope_cs_);
@@ -554,7 +555,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
     forward_layer(l, T, dropout, step, next_input(l));
     if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
   }
-  if (backward) phase.emplace(be_.tracer(), "backward", std::initializer_list<TraceArg>{{"tokens", static_cast<double>(T)}});
+  if (backward) phase.emplace(be_.tracer(), "backward", tokens);  // ends the forward's
   const LossResult res = loss_and_head_backward(batch, grad_scale, backward);
   if (!backward) return res;
   backward_segments(T, dropout, step);
