@@ -12,6 +12,7 @@
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
+#include "core/cache_dir.h"
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "profile/advice.h"
@@ -42,15 +43,6 @@ void add_common_flags(CLI::App& cmd, std::string& trace, bool& json, PeakFlags& 
 
 // This build of loom, for the peak's cache key: the executable's size and
 // time, so that a rebuilt loom (other kernels) measures again.
-std::string build_identity() {
-  std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return "unknown";
-  const auto size = std::filesystem::file_size(exe, ec);
-  const auto time = std::filesystem::last_write_time(exe, ec);
-  return fmt::format("{}:{}:{}", exe.string(), size, time.time_since_epoch().count());
-}
-
 // The peak for the trace's thread count, cached; null with --no-peak.
 std::optional<PeakTable> load_peak(const Trace& t, const Analysis& a, const PeakFlags& flags) {
   if (flags.none) return std::nullopt;
@@ -59,7 +51,7 @@ std::optional<PeakTable> load_peak(const Trace& t, const Analysis& a, const Peak
   PeakKey key;
   key.cpu = cpu_model_name();
   key.threads = threads;
-  key.build = build_identity();
+  key.build = executable_identity();
   if (const char* mask = std::getenv("LOOM_CPU")) key.cpu_mask = mask;
   if (!t.meta.cpu.empty() && t.meta.cpu != key.cpu)
     std::fprintf(stderr,

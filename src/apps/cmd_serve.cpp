@@ -45,6 +45,28 @@ size_t parse_bytes(const std::string& s) {
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
+// --itl-target-ms without --max-batch-tokens: the measured cost decides, up to this many rows a step.
+constexpr int64_t kAutoMaxBatchTokens = 1024;
+
+// The measured step cost and what it gives at the target, on stderr at start.
+void print_step_cost(const CachedStepCost& sc, const ServeOptions& so) {
+  const StepCost& c = sc.cost;
+  std::string decode, prefill;
+  for (size_t i = 0; i < c.decode.n.size(); ++i) decode += fmt::format(" {}:{:.1f}", c.decode.n[i], c.decode.ms[i]);
+  for (size_t i = 0; i < c.prefill.n.size(); ++i) prefill += fmt::format(" {}:{:.1f}", c.prefill.n[i], c.prefill.ms[i]);
+  std::fprintf(stderr, "loom serve: step cost %s%s: decode rows:ms%s; prefill tokens:ms%s; attention %.4f ms per 1k "
+               "positions\n", sc.measured ? fmt::format("measured in {:.1f} s", c.seconds).c_str() : "read from cache",
+               sc.path.empty() ? "" : fmt::format(" ({})", sc.path).c_str(), decode.c_str(), prefill.c_str(),
+               c.attend_ms_per_kpos);
+  for (int64_t rows : {int64_t{1}, std::min<int64_t>(16, so.max_seqs), so.max_seqs}) {
+    const StepLoad load{.decode_rows = rows, .decode_attended = 512.0 * static_cast<double>(rows)};
+    const int64_t p = prefill_budget(c, load, so.itl_target_ms, so.max_batch_tokens - rows, so.block_size);
+    std::fprintf(stderr, "loom serve: --itl-target-ms %.0f: %lld decode rows at 512 positions take %.1f ms; %lld prefill "
+                 "tokens fit beside them\n", so.itl_target_ms, static_cast<long long>(rows),
+                 c.predict_ms(rows, 0, load.decode_attended), static_cast<long long>(p));
+  }
+}
+
 int run_serve(int argc, char** argv) {
   CLI::App app("Serve a model over an OpenAI-compatible HTTP API with continuous batching and multi-LoRA.", "serve");
   ServeOptions so;
@@ -78,8 +100,18 @@ int run_serve(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-loras", so.max_loras, "adapters resident in memory at once (LRU)")->capture_default_str()
       ->check(CLI::Range(1, 4096));
-  app.add_option("--max-batch-tokens", so.max_batch_tokens, "token rows per step (decodes + prefill chunks)")
-      ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  auto* max_batch_opt =
+      app.add_option("--max-batch-tokens", so.max_batch_tokens,
+                     "token rows per step (decodes + prefill chunks); with --itl-target-ms the upper limit "
+                     "(default there: 1024)")
+          ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  app.add_option("--itl-target-ms", so.itl_target_ms,
+                 "inter-token latency target: measure this machine's step cost at start (cached) and give each "
+                 "step the prefill tokens that keep a step within it (0: the fixed --max-batch-tokens)")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--step-cost-cache", so.step_cost_dir,
+                 "folder of the measured step costs (default: $XDG_CACHE_HOME/loom or ~/.cache/loom; '-': none)");
+  app.add_flag("--remeasure-step-cost", so.remeasure_step_cost, "measure the step cost even when it is cached");
   int64_t header_timeout_s = 10, body_timeout_s = 60;
   app.add_option("--http-threads", ho.connections.keep_threads,
                  "idle HTTP connection threads kept for reuse (more start on demand, up to --max-connections)")
@@ -114,6 +146,7 @@ int run_serve(int argc, char** argv) {
       fail(ErrorKind::invalid_input, "--adapter '{}': expected NAME=DIR", spec);
     so.adapters.emplace_back(spec.substr(0, eq), spec.substr(eq + 1));
   }
+  if (so.itl_target_ms > 0 && max_batch_opt->count() == 0) so.max_batch_tokens = kAutoMaxBatchTokens;
   ho.connections.header_timeout = std::chrono::seconds(header_timeout_s);
   ho.connections.body_timeout = std::chrono::seconds(body_timeout_s);
   // An empty key (say --api-key "$UNSET_VARIABLE") would silently mean no authentication at all.
@@ -180,6 +213,7 @@ int run_serve(int argc, char** argv) {
                static_cast<long long>(so.block_size), static_cast<long long>(so.max_seqs),
                static_cast<long long>(engine.max_model_len()), ho.host.c_str(), server.port(),
                ho.api_key.empty() ? "" : " (API key required)");
+  if (const CachedStepCost* sc = engine.step_cost()) print_step_cost(*sc, so);
   for (const AdapterInfo& a : engine.adapter_infos())
     if (a.resident)
       std::fprintf(stderr, "loom serve: adapter '%s': %.2f MiB (%s; %.2f MiB in f32)\n", a.name.c_str(),

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/cache_dir.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/tensor.h"
@@ -361,13 +362,7 @@ PeakTable measure_peak(ThreadPool& pool, const PeakKey& key, const PeakOptions& 
   return t;
 }
 
-std::string default_peak_cache_dir() {
-  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x)
-    return (std::filesystem::path(x) / "loom").string();
-  if (const char* h = std::getenv("HOME"); h && *h)
-    return (std::filesystem::path(h) / ".cache" / "loom").string();
-  return {};
-}
+std::string default_peak_cache_dir() { return user_cache_dir(); }
 
 std::string peak_cache_path(const std::string& dir, const PeakKey& key) {
   return (std::filesystem::path(dir) / ("peak-" + key.hash() + ".json")).string();

@@ -18,6 +18,8 @@
 #include <random>
 #include <stdexcept>
 
+#include "core/cache_dir.h"
+#include "core/cpu_features.h"
 #include "kernels/profiling_backend.h"
 #include "model/generate.h"
 #include "model/sampler.h"
@@ -109,6 +111,8 @@ ServingEngine::ServingEngine(ServeOptions options)
   if (opt_.max_seqs < 1) fail(ErrorKind::invalid_input, "--max-seqs must be >= 1");
   if (opt_.block_size < 1 || opt_.block_size > 1024) fail(ErrorKind::invalid_input, "block size must be in [1, 1024]");
   opt_.max_batch_tokens = std::max(opt_.max_batch_tokens, opt_.max_seqs);
+  if (!(opt_.itl_target_ms >= 0) || !std::isfinite(opt_.itl_target_ms))
+    fail(ErrorKind::invalid_input, "--itl-target-ms must be a finite number >= 0 (0: off), not {}", opt_.itl_target_ms);
 
   const Tokenizer& tok = model_->tokenizer();
   eos_ids_ = model_->extra_eos_ids();
@@ -136,6 +140,7 @@ ServingEngine::ServingEngine(ServeOptions options)
   forward_ = std::make_unique<BatchForward>(c, model_->weights(), *backend_, *kv_, opt_.max_batch_tokens,
                                             std::min<int64_t>(opt_.max_seqs, 64));
   forward_->set_tensor_parallel(opt_.tp);
+  if (opt_.itl_target_ms > 0) measure_step_cost();
   if (tensor_parallel() && !opt_.adapters.empty())
     fail(ErrorKind::unsupported, "--adapter with --tp: adapters of a tensor-parallel server are not built yet");
   for (const auto& [name, dir] : opt_.adapters) {
@@ -514,7 +519,7 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     preempt(victim);
     if (victim == s) continue;  // s left running_; index i now holds the next one
   }
-  int64_t budget = opt_.max_batch_tokens;
+  const size_t first_decode = chunks.size();
   for (Sequence* s : running_) {
     const auto n = static_cast<int64_t>(s->tokens.size());
     if (s->finished || n - s->n_computed != 1) continue;
@@ -526,8 +531,8 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     c.want_logits = true;
     chunks.push_back(c);
     owners.push_back(s);
-    --budget;
   }
+  int64_t budget = step_budget(std::span<const BatchChunk>(chunks).subspan(first_decode));
   // Prefill chunks, oldest first, in what is left of the budget.
   for (Sequence* s : running_) {
     if (budget <= 0) break;
@@ -544,6 +549,46 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     owners.push_back(s);
     budget -= len;
   }
+}
+
+StepCostKey step_cost_key(const ServeOptions& o, int threads, int64_t kv_positions) {
+  StepCostKey key;
+  key.cpu = cpu_model_name();
+  const char* mask = std::getenv("LOOM_CPU");
+  key.cpu_mask = mask ? mask : "";
+  key.build = executable_identity();
+  key.model = file_identity(o.model_path);
+  key.threads = threads;
+  key.kv_dtype = dtype_name(o.kv_dtype);
+  key.block_size = o.block_size;
+  key.max_rows = std::min(o.max_batch_tokens, kv_positions);
+  key.max_decode_rows = std::min(o.max_seqs, key.max_rows);
+  return key;
+}
+
+void ServingEngine::measure_step_cost() {
+  if (tensor_parallel())
+    fail(ErrorKind::unsupported, "--itl-target-ms with --tp: the step cost of a tensor-parallel server is not measured yet");
+  const StepCostKey key = step_cost_key(opt_, pool_.size(), kv_->n_blocks() * kv_->block_size());
+  const std::string& d = opt_.step_cost_dir;
+  const std::string dir = d.empty() ? user_cache_dir() : d == "-" ? std::string() : d;
+  step_cost_ = load_or_measure_step_cost(*forward_, *kv_, model_->config().vocab_size, max_len_, key,
+                                         2 * opt_.itl_target_ms, dir, opt_.remeasure_step_cost);
+}
+
+int64_t ServingEngine::step_budget(std::span<const BatchChunk> decode_chunks) const {
+  const auto decode_rows = static_cast<int64_t>(decode_chunks.size());
+  const int64_t left = opt_.max_batch_tokens - decode_rows;
+  if (!step_cost_) return left;
+  StepLoad load;
+  load.decode_rows = decode_rows;
+  for (const BatchChunk& c : decode_chunks) load.decode_attended += static_cast<double>(c.n_past);
+  for (const Sequence* s : running_)
+    if (!s->finished && static_cast<int64_t>(s->tokens.size()) - s->n_computed > 1) {
+      load.prefill_past = s->n_computed;
+      break;
+    }
+  return prefill_budget(step_cost_->cost, load, opt_.itl_target_ms, left, opt_.block_size);
 }
 
 void ServingEngine::fail_request(Request* r, const std::exception& e) {

@@ -12,6 +12,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -25,6 +27,7 @@
 #include "serve/batch_forward.h"
 #include "serve/engine_api.h"
 #include "serve/kv_pool.h"
+#include "serve/step_cost.h"
 
 namespace loom {
 
@@ -45,6 +48,14 @@ struct ServeOptions {
   int64_t max_loras = 8;                  // adapters resident at once
   int lora_bits = 32;                     // 4: adapters kept in 4 bits (AdapterRegistry)
   int64_t max_batch_tokens = 256;         // rows per step (decodes + prefill chunks)
+  // Hardware-aware budgets (serve/step_cost.h): > 0: at start the step cost of
+  // this machine is measured (or read from step_cost_dir's cache) and each
+  // step's prefill tokens are chosen to keep the predicted step time, which is
+  // the inter-token latency of every decoding sequence, within this many ms;
+  // max_batch_tokens stays the upper limit. 0: the fixed budget.
+  double itl_target_ms = 0;
+  std::string step_cost_dir;     // empty: core/cache_dir.h's user_cache_dir(); "-": no cache
+  bool remeasure_step_cost = false;
   int threads = 0;                        // 0: physical cores
   Device device = kCpu;                   // which backend computes (kernels/backend.h)
   size_t max_waiting = 4096;              // queued requests before 503 overloaded
@@ -63,6 +74,11 @@ struct ServeOptions {
   // that request.
   std::function<void(FaultPoint, const GenerationRequest&)> fault_hook;
 };
+
+// What the step cost of a server with options `o` (resolved: max_batch_tokens
+// at least max_seqs), `threads` threads and a KV cache of `kv_positions` is
+// measured and cached under (serve/step_cost.h).
+StepCostKey step_cost_key(const ServeOptions& o, int threads, int64_t kv_positions);
 
 class ServingEngine : public Engine {
  public:
@@ -91,6 +107,8 @@ class ServingEngine : public Engine {
   const Model& model() const { return *model_; }
   bool tensor_parallel() const { return opt_.tp != nullptr && opt_.tp->size() > 1; }
   int64_t kv_blocks() const { return kv_->n_blocks(); }
+  // The measured step cost (itl_target_ms > 0), else null; and where it is cached.
+  const CachedStepCost* step_cost() const { return step_cost_ ? &*step_cost_ : nullptr; }
   // Sequences preempted (blocks dropped, recomputed later) since start.
   int64_t preemptions() const { return preemptions_.load(); }
 
@@ -121,6 +139,10 @@ class ServingEngine : public Engine {
   void retire(Sequence* s);
   void sample_and_emit(Sequence* s, const float* logits);
   void publish_stats();
+  void measure_step_cost();
+  // This step's row budget: the fixed max_batch_tokens, or with a step cost
+  // the decode rows plus the prefill tokens that keep the target.
+  int64_t step_budget(std::span<const BatchChunk> decode_chunks) const;
   // The "serve_step" phase's arguments: this step's rows, adapters and the KV pool.
   void trace_step_args(TraceScope& t, const std::vector<BatchChunk>& chunks, int64_t preempted) const;
   std::vector<int32_t> render_prompt(const GenerationRequest& r) const;
@@ -136,6 +158,7 @@ class ServingEngine : public Engine {
   std::unique_ptr<ChatTemplate> template_;
   std::unique_ptr<KvPool> kv_;
   std::unique_ptr<BatchForward> forward_;
+  std::optional<CachedStepCost> step_cost_;
   AdapterRegistry adapters_;
 
   // HTTP threads -> scheduler
