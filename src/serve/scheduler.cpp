@@ -588,7 +588,8 @@ int64_t ServingEngine::step_budget(std::span<const BatchChunk> decode_chunks) co
       load.prefill_past = s->n_computed;
       break;
     }
-  return prefill_budget(step_cost_->cost, load, opt_.itl_target_ms, left, opt_.block_size);
+  return prefill_budget(step_cost_->cost, load, opt_.itl_target_ms / step_correction_.scale(), left,
+                        opt_.block_size);
 }
 
 void ServingEngine::fail_request(Request* r, const std::exception& e) {
@@ -682,7 +683,16 @@ bool ServingEngine::step() {
   if (worked) {
     TraceScope trace(backend_->tracer(), "serve_step");
     trace_step_args(trace, chunks, preemptions_.load() - preempted_before);
+    const auto t0 = std::chrono::steady_clock::now();
     run_batch(chunks, owners);
+    if (step_cost_ && opt_.correct_step_cost) {
+      StepShape shape;
+      for (const BatchChunk& c : chunks) shape.add(static_cast<int64_t>(c.tokens.size()), c.n_past);
+      step_correction_.observe(
+          step_cost_->cost.predict_ms(shape.decode_rows, shape.prefill_tokens, shape.attended),
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      step_scale_.store(step_correction_.scale(), std::memory_order_relaxed);
+    }
   }
 
   // Retire finished sequences and requests.

@@ -56,6 +56,9 @@ struct ServeOptions {
   double itl_target_ms = 0;
   std::string step_cost_dir;     // empty: core/cache_dir.h's user_cache_dir(); "-": no cache
   bool remeasure_step_cost = false;
+  // Scale the measured cost by the actual / predicted time of recent steps
+  // (serve/step_cost.h StepCostCorrection); off: the measured cost as is.
+  bool correct_step_cost = true;
   int threads = 0;                        // 0: physical cores
   Device device = kCpu;                   // which backend computes (kernels/backend.h)
   size_t max_waiting = 4096;              // queued requests before 503 overloaded
@@ -109,6 +112,8 @@ class ServingEngine : public Engine {
   int64_t kv_blocks() const { return kv_->n_blocks(); }
   // The measured step cost (itl_target_ms > 0), else null; and where it is cached.
   const CachedStepCost* step_cost() const { return step_cost_ ? &*step_cost_ : nullptr; }
+  // Actual / predicted step time, averaged over recent steps (1 without a step cost).
+  double step_cost_scale() const { return step_scale_.load(std::memory_order_relaxed); }
   // Sequences preempted (blocks dropped, recomputed later) since start.
   int64_t preemptions() const { return preemptions_.load(); }
 
@@ -159,6 +164,7 @@ class ServingEngine : public Engine {
   std::unique_ptr<KvPool> kv_;
   std::unique_ptr<BatchForward> forward_;
   std::optional<CachedStepCost> step_cost_;
+  StepCostCorrection step_correction_;  // scheduler thread only
   AdapterRegistry adapters_;
 
   // HTTP threads -> scheduler
@@ -177,6 +183,7 @@ class ServingEngine : public Engine {
   std::atomic<int64_t> preemptions_{0};  // end every request now (destructor)
   std::atomic<int64_t> n_running_{0}, n_waiting_{0};
   std::atomic<double> kv_usage_{0};
+  std::atomic<double> step_scale_{1};
   std::thread thread_;
 };
 

@@ -216,6 +216,23 @@ double StepCost::predict_ms(int64_t decode_rows, int64_t prefill_tokens, double 
   return decode.at(r) + extra + attend_ms_per_kpos * attended / 1000.0;
 }
 
+void StepShape::add(int64_t len, int64_t past) {
+  if (len == 1)
+    ++decode_rows;
+  else
+    prefill_tokens += len;
+  const auto l = static_cast<double>(len);
+  attended += l * static_cast<double>(past) + l * (l + 1) / 2;
+}
+
+void StepCostCorrection::observe(double predicted_ms, double actual_ms) {
+  if (!(predicted_ms >= 1) || !(actual_ms > 0)) return;
+  // Each step moves the average a tenth of the way; one odd step (a page fault,
+  // a preempted thread) moves it little, a lasting change within ~20 steps.
+  const double ratio = std::clamp(actual_ms / predicted_ms, 0.2, 5.0);
+  scale_ += 0.1 * (ratio - scale_);
+}
+
 int64_t prefill_budget(const StepCost& cost, const StepLoad& load, double target_ms, int64_t cap,
                        int64_t min_chunk) {
   if (cap <= 0) return 0;

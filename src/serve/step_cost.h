@@ -67,6 +67,27 @@ struct StepLoad {
   int64_t prefill_past = 0;    // positions already cached of the first sequence to prefill
 };
 
+// The predicted ms of a step of these chunk lengths and cached positions
+// (one-token chunks count as decode rows).
+struct StepShape {
+  int64_t decode_rows = 0, prefill_tokens = 0;
+  double attended = 0;
+  // Adds a chunk of `len` new tokens behind `past` cached positions.
+  void add(int64_t len, int64_t past);
+};
+
+// Corrects the measured cost by what the steps actually take (other load on
+// the machine, what the model leaves out): an average of actual / predicted
+// over recent steps, which the budget divides the target by.
+class StepCostCorrection {
+ public:
+  void observe(double predicted_ms, double actual_ms);  // ignores steps predicted under 1 ms
+  double scale() const { return scale_; }
+
+ private:
+  double scale_ = 1;
+};
+
 // The most prefill tokens a step of `load` may take so that its predicted time
 // stays within `target_ms`; never more than `cap` (the step's row limit minus
 // the decode rows) and, so that prompts always progress, never fewer than

@@ -82,6 +82,32 @@ TEST(StepCost, PrefillBudgetLimits) {
   EXPECT_EQ(prefill_budget(c, overloaded, 50, 10, 16), 10);
 }
 
+TEST(StepCost, CorrectionFollowsTheActualTimes) {
+  StepCostCorrection c;
+  EXPECT_DOUBLE_EQ(c.scale(), 1);
+  c.observe(0.5, 100);  // predicted under 1 ms: not counted
+  EXPECT_DOUBLE_EQ(c.scale(), 1);
+  c.observe(10, 20);  // one slow step moves it a tenth of the way
+  EXPECT_NEAR(c.scale(), 1.1, 1e-12);
+  for (int i = 0; i < 60; ++i) c.observe(10, 20);
+  EXPECT_NEAR(c.scale(), 2, 0.01);
+  for (int i = 0; i < 200; ++i) c.observe(10, 1000);  // the ratio is capped at 5
+  EXPECT_NEAR(c.scale(), 5, 1e-6);
+  // The budget then keeps the target for steps that take 2x the prediction.
+  const StepCost cost = linear_cost();
+  const int64_t p = prefill_budget(cost, StepLoad{}, 50.0 / 2, 1000, 16);
+  EXPECT_LT(p, prefill_budget(cost, StepLoad{}, 50, 1000, 16));
+}
+
+TEST(StepCost, ShapeCountsRowsAndAttention) {
+  StepShape s;
+  s.add(1, 100);  // a decode row reading 100 cached positions and itself
+  s.add(10, 50);  // a prefill chunk: 10 rows behind 50 positions, causal among themselves
+  EXPECT_EQ(s.decode_rows, 1);
+  EXPECT_EQ(s.prefill_tokens, 10);
+  EXPECT_DOUBLE_EQ(s.attended, 101 + 500 + 55);
+}
+
 TEST(StepCost, JsonRoundTripAndErrors) {
   StepCost c = linear_cost();
   c.key.cpu = "cpu";
@@ -192,6 +218,7 @@ TEST(StepCost, StepsKeepTheTargetAndTheOutput) {
   }
   ServeOptions o = fixed;
   o.itl_target_ms = 20;
+  o.correct_step_cost = false;  // the tiny model's steps take far less than the cost below
   StepCost c;
   c.key = step_cost_key(o, 2, /*kv_positions=*/1 << 20);
   c.decode = curve({1, 8}, {1, 8});
