@@ -49,7 +49,7 @@ extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 constexpr int64_t kAutoMaxBatchTokens = 1024;
 
 // The measured step cost and what it gives at the target, on stderr at start.
-void print_step_cost(const CachedStepCost& sc, const ServeOptions& so) {
+void print_step_cost(const CachedStepCost& sc, const ServeOptions& so, int64_t max_model_len) {
   const StepCost& c = sc.cost;
   std::string decode, prefill;
   for (size_t i = 0; i < c.decode.n.size(); ++i) decode += fmt::format(" {}:{:.1f}", c.decode.n[i], c.decode.ms[i]);
@@ -58,12 +58,16 @@ void print_step_cost(const CachedStepCost& sc, const ServeOptions& so) {
                "positions\n", sc.measured ? fmt::format("measured in {:.1f} s", c.seconds).c_str() : "read from cache",
                sc.path.empty() ? "" : fmt::format(" ({})", sc.path).c_str(), decode.c_str(), prefill.c_str(),
                c.attend_ms_per_kpos);
+  const int64_t context = std::min<int64_t>(512, max_model_len / 2);
+  int64_t shown = 0;
   for (int64_t rows : {int64_t{1}, std::min<int64_t>(16, so.max_seqs), so.max_seqs}) {
-    const StepLoad load{.decode_rows = rows, .decode_attended = 512.0 * static_cast<double>(rows)};
+    if (rows == shown) continue;
+    shown = rows;
+    const StepLoad load{.decode_rows = rows, .decode_attended = static_cast<double>(context * rows)};
     const int64_t p = prefill_budget(c, load, so.itl_target_ms, so.max_batch_tokens - rows, so.block_size);
-    std::fprintf(stderr, "loom serve: --itl-target-ms %.0f: %lld decode rows at 512 positions take %.1f ms; %lld prefill "
-                 "tokens fit beside them\n", so.itl_target_ms, static_cast<long long>(rows),
-                 c.predict_ms(rows, 0, load.decode_attended), static_cast<long long>(p));
+    std::fprintf(stderr, "loom serve: --itl-target-ms %g: %lld decode rows at %lld positions take %.1f ms; %lld "
+                 "prefill tokens fit beside them\n", so.itl_target_ms, static_cast<long long>(rows),
+                 static_cast<long long>(context), c.predict_ms(rows, 0, load.decode_attended), static_cast<long long>(p));
   }
 }
 
@@ -213,7 +217,7 @@ int run_serve(int argc, char** argv) {
                static_cast<long long>(so.block_size), static_cast<long long>(so.max_seqs),
                static_cast<long long>(engine.max_model_len()), ho.host.c_str(), server.port(),
                ho.api_key.empty() ? "" : " (API key required)");
-  if (const CachedStepCost* sc = engine.step_cost()) print_step_cost(*sc, so);
+  if (const CachedStepCost* sc = engine.step_cost()) print_step_cost(*sc, so, engine.max_model_len());
   for (const AdapterInfo& a : engine.adapter_infos())
     if (a.resident)
       std::fprintf(stderr, "loom serve: adapter '%s': %.2f MiB (%s; %.2f MiB in f32)\n", a.name.c_str(),
