@@ -461,7 +461,8 @@ class Parser {
     } else if (c == '{') {
       skip_space(false);
       min = parse_count();
-      if (min < 0) error("expected a number after '{'");
+      if (min < 0 && peek() != ',') error("expected a number after '{'");
+      min = std::max<int64_t>(min, 0);  // {,n}
       skip_space(false);
       max = min;
       if (peek() == ',') {
