@@ -19,6 +19,8 @@
 
 namespace loom {
 
+struct Grammar;  // serve/grammar.h
+
 // What went wrong in an engine call; the HTTP layer maps each code to a status and OpenAI error object.
 enum class EngineErrc {
   invalid_request,          // 400: a value the engine rejects (token id out of range, ...)
@@ -114,6 +116,10 @@ struct GenerationRequest {
   // Events number this request's choices first_choice_index .. first_choice_index + n - 1. A completion with
   // several prompts is submitted as one GenerationRequest per prompt sharing one RequestStream.
   int32_t first_choice_index = 0;
+
+  // Structured output (response_format, grammar, ...): every choice's text must follow it; compiled by the
+  // HTTP layer (serve/structured_output.h). Null: free text.
+  std::shared_ptr<const Grammar> grammar;
 
   bool logprobs = false;     // report the sampled token's logprob
   int32_t top_logprobs = 0;  // and this many alternatives (0..20)

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "serve/structured_output.h"
 #include "tokenizer/unicode.h"
 
 namespace loom {
@@ -369,6 +370,7 @@ std::vector<GenerationRequest> parse_completion_request(std::string_view body, c
   base.model = resolve_model(o, models);
   std::vector<PromptInput> prompts = parse_prompts(o, limits);
   parse_common(o, limits, base);
+  base.grammar = parse_structured_output(o, body);
   base.max_tokens = get_int(o, "max_tokens").value_or(16);  // OpenAI's completions default
   check_max_tokens("max_tokens", base.max_tokens, limits);
   if (const auto lp = get_int(o, "logprobs")) {
@@ -402,6 +404,7 @@ GenerationRequest parse_chat_request(std::string_view body, const ProtocolLimits
   r.messages = parse_messages(o);
   r.add_generation_prompt = get_bool(o, "add_generation_prompt", true);
   parse_common(o, limits, r);
+  r.grammar = parse_structured_output(o, body);
   // max_completion_tokens is the newer name; absent both: until the context is full.
   auto max_tokens = get_int(o, "max_completion_tokens");
   const char* param = "max_completion_tokens";
@@ -419,13 +422,6 @@ GenerationRequest parse_chat_request(std::string_view body, const ProtocolLimits
     if (!r.logprobs && *top > 0)
       throw invalid_request("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
     r.top_logprobs = static_cast<int32_t>(*top);
-  }
-  if (const json* rf = field(o, "response_format")) {
-    if (!rf->is_object()) throw type_error("response_format", "an object", *rf);
-    const auto type = get_string(*rf, "type");
-    if (type && *type != "text")
-      throw invalid_request("response_format",
-                            fmt::format("response_format type '{}' is not supported", *type));
   }
   if (const json* tools = field(o, "tools"); tools && !(tools->is_array() && tools->empty())) {
     const json* choice = field(o, "tool_choice");

@@ -23,6 +23,7 @@
 #include "kernels/profiling_backend.h"
 #include "model/generate.h"
 #include "model/sampler.h"
+#include "serve/grammar_vocab.h"
 #include "tokenizer/tokenizer.h"
 
 namespace loom {
@@ -37,6 +38,7 @@ struct ServingEngine::Sequence {
   Sampler sampler;
   StreamDecoder decoder;
   StopStreamer stop;
+  std::unique_ptr<GrammarMatcher> grammar;  // structured output: this choice's grammar state
   bool finished = false;
 
   Sequence(Request* r, int32_t c, const SamplingParams& sp, int64_t vocab, const Tokenizer& tok,
@@ -116,6 +118,7 @@ ServingEngine::ServingEngine(ServeOptions options)
 
   const Tokenizer& tok = model_->tokenizer();
   eos_ids_ = model_->extra_eos_ids();
+  vocab_trie_ = make_token_trie(model_->tokenizer());
   // A bad --chat-template name is an error; an unrecognised model template is not (chat requests get one).
   try {
     if (auto t = resolve_chat_template(tok, opt_.chat_template, model_->chat_template_text()))
@@ -248,6 +251,8 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
     sp.seed = base_seed + static_cast<uint64_t>(i);
     auto s = std::make_unique<Sequence>(r.get(), i, sp, model_->config().vocab_size, tok, g.stop);
     s->tokens = r->prompt;
+    if (g.grammar)
+      s->grammar = std::make_unique<GrammarMatcher>(g.grammar, *vocab_trie_, grammar_end_ids(tok, eos_ids_, g));
     r->seqs.push_back(std::move(s));
   }
   r->open = g.n;
@@ -443,9 +448,22 @@ void ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
   Request* r = s->req;
   const Tokenizer& tok = model_->tokenizer();
   const int64_t V = model_->config().vocab_size;
-  const int32_t id = s->sampler.sample(logits, s->generated);
   ChoiceDelta d;
   d.index = r->g.first_choice_index + s->choice;
+  // Structured output: tokens the grammar does not allow get -inf before penalties and filters. When none
+  // is allowed the choice ends: "stop" if its text is a whole match, else "length" (cut short).
+  const float* sample_from = s->grammar ? s->grammar->masked_logits(logits, V) : logits;
+  if (sample_from == nullptr) {
+    d.text = s->stop.push(s->decoder.finish());
+    if (!s->stop.stopped()) d.text += s->stop.flush();
+    d.finish = s->grammar->complete() ? FinishKind::stop : FinishKind::length;
+    r->stream->push(GenerationEvent::make_delta(std::move(d)));
+    retire(s);
+    return;
+  }
+  const int32_t id = s->sampler.sample(sample_from, s->generated);
+  if (s->grammar && !s->grammar->accept(id))
+    throw EngineError(EngineErrc::internal, fmt::format("the sampled token {} is not allowed by the grammar", id));
   d.token_ids.push_back(id);
   if (r->g.logprobs) {
     // Log-probabilities of the model's distribution (raw logits, before sampling filters).

@@ -26,6 +26,7 @@
 #include "serve/adapter_registry.h"
 #include "serve/batch_forward.h"
 #include "serve/engine_api.h"
+#include "serve/grammar_matcher.h"
 #include "serve/kv_pool.h"
 #include "serve/step_cost.h"
 
@@ -160,6 +161,7 @@ class ServingEngine : public Engine {
   std::unique_ptr<Model> model_;
   int64_t max_len_ = 0;
   std::vector<int32_t> eos_ids_;
+  std::unique_ptr<TokenTrie> vocab_trie_;  // the tokens' bytes, for structured outputs' masks
   std::unique_ptr<ChatTemplate> template_;
   std::unique_ptr<KvPool> kv_;
   std::unique_ptr<BatchForward> forward_;

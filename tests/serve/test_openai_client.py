@@ -344,6 +344,157 @@ class OpenAIClientTest(unittest.TestCase):
             self.assertIn(name, text)
 
 
+def validate(value, schema, defs=None):
+    """A tiny JSON Schema check for the keywords the structured-output tests use; raises AssertionError."""
+    defs = defs if defs is not None else schema.get("$defs", {})
+    if "$ref" in schema:
+        return validate(value, defs[schema["$ref"].split("/")[-1]], defs)
+    if "enum" in schema:
+        assert value in schema["enum"], (value, schema["enum"])
+        return
+    t = schema.get("type")
+    kinds = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    if t in kinds:
+        assert isinstance(value, kinds[t]), (value, t)
+    elif t == "integer":
+        assert isinstance(value, int) and not isinstance(value, bool), (value, t)
+    elif t == "number":
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (value, t)
+    if t == "object":
+        props = schema.get("properties", {})
+        for k in schema.get("required", []):
+            assert k in value, (k, value)
+        for k, v in value.items():
+            if k in props:
+                validate(v, props[k], defs)
+            else:
+                assert schema.get("additionalProperties", True) is not False, ("extra key", k)
+    if t == "array":
+        assert len(value) >= schema.get("minItems", 0), value
+        assert len(value) <= schema.get("maxItems", 1 << 30), value
+        for item in value:
+            validate(item, schema.get("items", {}), defs)
+
+
+MATH_SCHEMA = {"type": "object", "properties": {
+    "steps": {"type": "array", "maxItems": 3, "items": {"type": "object", "properties": {
+        "explanation": {"type": "string", "maxLength": 80}, "output": {"type": "string", "maxLength": 40}},
+        "required": ["explanation", "output"], "additionalProperties": False}},
+    "final_answer": {"type": "string", "maxLength": 40}},
+    "required": ["steps", "final_answer"], "additionalProperties": False}
+
+EVENT_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 60}, "date": {"type": "string", "maxLength": 30},
+    "participants": {"type": "array", "items": {"$ref": "#/$defs/person"}, "maxItems": 4}},
+    "required": ["name", "date", "participants"], "additionalProperties": False,
+    "$defs": {"person": {"type": "string", "maxLength": 30}}}
+
+
+class StructuredOutputTest(unittest.TestCase):
+    """response_format, llama-server's "grammar" and vLLM's guided_* fields (docs/serving.md)."""
+
+    @property
+    def c(self):
+        return SERVER.client
+
+    def chat(self, content, **kw):
+        kw.setdefault("max_tokens", 300)
+        kw.setdefault("temperature", 0)
+        return self.c.chat.completions.create(model="smol", messages=[{"role": "user", "content": content}], **kw)
+
+    def test_json_object(self):
+        r = self.chat("Describe a cat as JSON with its name and age.", response_format={"type": "json_object"},
+                      temperature=0.7, seed=3, max_tokens=200)
+        choice = r.choices[0]
+        if choice.finish_reason == "stop":
+            self.assertIsInstance(json.loads(choice.message.content), dict)
+        else:  # cut at max_tokens: still a prefix of an object
+            self.assertTrue(choice.message.content.startswith("{"), choice.message.content)
+
+    def test_json_schema_math_reasoning(self):
+        r = self.chat("Solve 8x + 7 = -23 step by step.", response_format={
+            "type": "json_schema", "json_schema": {"name": "math_reasoning", "schema": MATH_SCHEMA, "strict": True}})
+        self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0].message.content)
+        value = json.loads(r.choices[0].message.content)
+        validate(value, MATH_SCHEMA)
+        self.assertEqual(list(value), ["steps", "final_answer"])  # the schema's order
+
+    def test_json_schema_calendar_event_n2_sampled(self):
+        r = self.chat("Alice and Bob are going to a science fair on Friday. Extract the event.", n=2,
+                      temperature=0.8, seed=11, response_format={
+                          "type": "json_schema",
+                          "json_schema": {"name": "calendar_event", "schema": EVENT_SCHEMA, "strict": True}})
+        self.assertEqual(len(r.choices), 2)
+        for choice in r.choices:
+            self.assertEqual(choice.finish_reason, "stop", choice.message.content)
+            validate(json.loads(choice.message.content), EVENT_SCHEMA)
+
+    def test_gbnf_grammar_via_extra_body(self):
+        grammar = 'root ::= answer "." \nanswer ::= ("yes" | "no") (", " [a-z]{1,8}){0,2}  # llama.cpp syntax\n'
+        for temperature in (0, 1.0):
+            r = self.chat("Is the sky blue?", extra_body={"grammar": grammar}, temperature=temperature, seed=5)
+            self.assertRegex(r.choices[0].message.content, r"^(yes|no)(, [a-z]{1,8}){0,2}\.$")
+            self.assertEqual(r.choices[0].finish_reason, "stop")
+        # vLLM's names on /v1/completions.
+        r = self.c.completions.create(model="smol", prompt="The capital of France is", max_tokens=20,
+                                      temperature=0, extra_body={"guided_grammar": 'root ::= " " [A-Z] [a-z]+'})
+        self.assertRegex(r.choices[0].text, r"^ [A-Z][a-z]+$")
+        r = self.c.completions.create(model="smol", prompt="Pick one:", max_tokens=10, temperature=0,
+                                      extra_body={"guided_choice": ["red", "green"]})
+        self.assertIn(r.choices[0].text, ("red", "green"))
+        r = self.c.completions.create(model="smol", prompt="A number:", max_tokens=10, temperature=0,
+                                      extra_body={"guided_json": {"type": "integer"}})
+        self.assertIsInstance(json.loads(r.choices[0].text), int)
+
+    def test_streaming_with_schema(self):
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                   "population": {"type": "integer"}},
+                  "required": ["city", "population"], "additionalProperties": False}
+        chunks = list(self.chat("Give the largest city of Japan and its population.", stream=True,
+                                response_format={"type": "json_schema",
+                                                 "json_schema": {"name": "city", "schema": schema}}))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        self.assertGreater(len(chunks), 3)
+        self.assertEqual([ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
+                         ["stop"])
+        validate(json.loads(text), schema)
+
+    def test_max_tokens_cuts_structured_output(self):
+        r = self.chat("Write a long story as JSON.", max_tokens=5, response_format={"type": "json_object"})
+        self.assertEqual(r.choices[0].finish_reason, "length")
+        self.assertTrue(r.choices[0].message.content.startswith("{"))
+
+    def test_bad_schema_or_grammar_is_400_and_server_keeps_serving(self):
+        bad = [
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}},
+             "response_format", "unknown type"),
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"$ref": "#/$defs/nowhere"}}}}, "response_format", "does not resolve"),
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "string", "pattern": "^a+$"}}}}, "response_format", "pattern"),
+            ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+            ({"grammar": 'root ::= "a" | b'}, "grammar", "undefined rule 'b'"),
+            ({"grammar": 'root ::= "a\nx ::= "b"'}, "grammar", "line 1, column 12"),
+            ({"grammar": 'expr ::= "1"'}, "grammar", "no 'root' rule"),
+            ({"grammar": 'root ::= root "a" | "a"'}, "grammar", "left recursion"),
+            ({"grammar": 'root ::= [a-z' + "x" * 200000}, "grammar", "at most"),
+            ({"guided_grammar": 'root ::= ("a"?)*'}, "guided_grammar", "left recursion"),
+        ]
+        for body, param, words in bad:
+            with self.subTest(body=str(body)[:80]):
+                with self.assertRaises(openai.BadRequestError) as cm:
+                    self.chat("hi", max_tokens=5, extra_body=body)
+                self.assertEqual(cm.exception.status_code, 400)
+                err = cm.exception.body
+                self.assertEqual(err["param"], param)
+                self.assertEqual(err["type"], "invalid_request_error")
+                self.assertIn(words, err["message"])
+        r = self.chat("Say hi.", max_tokens=5)
+        self.assertTrue(r.choices[0].message.content)
+        status, _ = SERVER.raw("GET", "/health", key=None)
+        self.assertEqual(status, 200)
+
+
 def main():
     global ARGS, SERVER
     ap = argparse.ArgumentParser()

@@ -141,7 +141,7 @@ TEST(OpenAIProtocol, ChatRejectsEveryBadInputWithStatusAndParam) {
        "top_logprobs"},
       {R"({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0})", 400,
        "max_completion_tokens"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})", 400,
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_xml"}})", 400,
        "response_format"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", 400, "tools"},
   };

@@ -1,0 +1,311 @@
+// JSON Schema -> GBNF (json_schema_grammar.h). Each sub-schema becomes a GBNF expression; objects, arrays
+// and $ref targets get named rules. Every value's expression ends with `space`, so the separators around
+// it need none of their own.
+#include "serve/json_schema_grammar.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <cctype>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "serve/grammar.h"
+
+namespace loom {
+
+using json = nlohmann::ordered_json;
+
+namespace {
+
+// The primitive rules, written once each when used.
+const std::map<std::string, std::string>& primitive_rules() {
+  static const std::map<std::string, std::string> rules = {
+      {"space", R"(| " " | "\n" [ \t]{0,20})"},
+      {"boolean", R"(("true" | "false") space)"},
+      {"null", R"("null" space)"},
+      {"integral-part", R"([0] | [1-9] [0-9]{0,15})"},
+      {"integer", R"(("-"? integral-part) space)"},
+      {"number", R"(("-"? integral-part) ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})? space)"},
+      {"char", R"([^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))"},
+      {"string", R"("\"" char* "\"" space)"},
+      {"value", R"(object | array | string | number | boolean | null)"},
+      {"object", R"("{" space (string ":" space value ("," space string ":" space value)*)? "}" space)"},
+      {"array", R"("[" space (value ("," space value)*)? "]" space)"},
+  };
+  return rules;
+}
+
+const std::map<std::string, std::vector<std::string>>& primitive_deps() {
+  static const std::map<std::string, std::vector<std::string>> deps = {
+      {"boolean", {"space"}},          {"null", {"space"}},
+      {"integer", {"integral-part", "space"}},
+      {"number", {"integral-part", "space"}},
+      {"string", {"char", "space"}},
+      {"value", {"object", "array", "string", "number", "boolean", "null"}},
+      {"object", {"string", "value", "space"}},
+      {"array", {"value", "space"}},
+  };
+  return deps;
+}
+
+// Keywords with a meaning the grammar would silently drop: refused.
+const std::set<std::string>& unsupported_keywords() {
+  static const std::set<std::string> k = {
+      "pattern", "patternProperties", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+      "multipleOf", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+      "dependentRequired", "dependentSchemas", "dependencies", "propertyNames", "minProperties",
+      "maxProperties", "unevaluatedProperties", "unevaluatedItems", "additionalItems"};
+  return k;
+}
+
+class Converter {
+ public:
+  Converter(const json& root, const SchemaLimits& limits) : root_(root), lim_(limits) {}
+
+  std::string run() {
+    const std::string expr = visit(root_, "", "root", 0);
+    std::string out = "root ::= " + expr + "\n";
+    for (const auto& [name, body] : rules_) out += name + " ::= " + body + "\n";
+    return out;
+  }
+
+ private:
+  [[noreturn]] void fail_at(const std::string& path, const std::string& what) const {
+    throw SchemaError(fmt::format("schema{}: {}", path.empty() ? "" : " at '" + path + "'", what));
+  }
+
+  std::string use(const std::string& primitive) {
+    if (rules_.count(primitive)) return primitive;
+    rules_[primitive] = primitive_rules().at(primitive);
+    const auto d = primitive_deps().find(primitive);
+    if (d != primitive_deps().end())
+      for (const auto& dep : d->second) use(dep);
+    return primitive;
+  }
+
+  // A fresh rule name from a hint ("root/properties/steps" -> "steps").
+  std::string rule_name(const std::string& hint) {
+    std::string base;
+    for (const char c : hint) base += (std::isalnum(static_cast<unsigned char>(c)) || c == '-') ? c : '-';
+    if (base.empty() || base == "root") base = "item";
+    if (base.size() > 40) base.resize(40);
+    std::string name = base + "-r";
+    for (int i = 2; rules_.count(name) || primitive_rules().count(name); ++i) name = fmt::format("{}-r{}", base, i);
+    rules_[name] = "";  // reserved
+    return name;
+  }
+
+  std::string literal(const json& value) { return gbnf_literal(value.dump()) + " " + use("space"); }
+
+  std::string visit(const json& s, const std::string& path, const std::string& hint, int depth) {
+    if (depth > lim_.max_depth) fail_at(path, fmt::format("nested deeper than {} levels", lim_.max_depth));
+    if (s.is_boolean()) {
+      if (!s.get<bool>()) fail_at(path, "the schema 'false' accepts no value");
+      return use("value");
+    }
+    if (!s.is_object()) fail_at(path, "a schema must be an object or a boolean");
+    for (const auto& [key, unused] : s.items())
+      if (unsupported_keywords().count(key)) fail_at(path, fmt::format("'{}' is not supported", key));
+    if (const auto it = s.find("$ref"); it != s.end()) return ref(*it, path, depth);
+    if (const auto it = s.find("const"); it != s.end()) return literal(*it);
+    if (const auto it = s.find("enum"); it != s.end()) return enumeration(*it, path);
+    for (const char* key : {"anyOf", "oneOf"})
+      if (const auto it = s.find(key); it != s.end()) return alternatives(*it, path + "/" + key, hint, depth);
+    if (const auto it = s.find("allOf"); it != s.end()) {
+      if (!it->is_array() || it->size() != 1) fail_at(path, "'allOf' is supported with one schema only");
+      return visit((*it)[0], path + "/allOf/0", hint, depth + 1);
+    }
+    const auto type = s.find("type");
+    if (type == s.end()) {
+      if (s.contains("properties") || s.contains("additionalProperties")) return object(s, path, hint, depth);
+      if (s.contains("items") || s.contains("prefixItems")) return array(s, path, hint, depth);
+      return use("value");
+    }
+    if (type->is_string()) return typed(type->get<std::string>(), s, path, hint, depth);
+    if (!type->is_array() || type->empty()) fail_at(path, "'type' must be a string or a non-empty list of strings");
+    std::string out = "(";
+    for (size_t i = 0; i < type->size(); ++i) {
+      if (!(*type)[i].is_string()) fail_at(path, "'type' must be a string or a list of strings");
+      out += (i ? " | " : "") + typed((*type)[i].get<std::string>(), s, path, hint, depth);
+    }
+    return out + ")";
+  }
+
+  std::string typed(const std::string& type, const json& s, const std::string& path, const std::string& hint,
+                    int depth) {
+    if (type == "object") return object(s, path, hint, depth);
+    if (type == "array") return array(s, path, hint, depth);
+    if (type == "string") return string(s, path);
+    if (type == "number" || type == "integer" || type == "boolean" || type == "null") return use(type);
+    fail_at(path, fmt::format("unknown type '{}'", type));
+  }
+
+  std::string ref(const json& r, const std::string& path, int depth) {
+    if (!r.is_string()) fail_at(path, "'$ref' must be a string");
+    const std::string target = r.get<std::string>();
+    if (const auto it = refs_.find(target); it != refs_.end()) return it->second;  // recursion lands here
+    if (target.rfind("#", 0) != 0) fail_at(path, fmt::format("'$ref' '{}': only local references (#/...) are supported", target));
+    const json* node = nullptr;
+    try {
+      const json::json_pointer ptr(target.substr(1));
+      if (root_.contains(ptr)) node = &root_.at(ptr);
+    } catch (const json::exception&) {
+    }
+    if (node == nullptr) fail_at(path, fmt::format("'$ref' '{}' does not resolve to a definition", target));
+    const auto slash = target.rfind('/');
+    const std::string name = rule_name(slash == std::string::npos ? "ref" : target.substr(slash + 1));
+    refs_[target] = name;
+    rules_[name] = visit(*node, target.substr(1), name, depth + 1);
+    return name;
+  }
+
+  std::string enumeration(const json& e, const std::string& path) {
+    if (!e.is_array() || e.empty()) fail_at(path, "'enum' must be a non-empty list");
+    std::string out = "(";
+    for (size_t i = 0; i < e.size(); ++i) out += (i ? " | " : "") + gbnf_literal(e[i].dump());
+    return out + ") " + use("space");
+  }
+
+  std::string alternatives(const json& list, const std::string& path, const std::string& hint, int depth) {
+    if (!list.is_array() || list.empty()) fail_at(path, "must be a non-empty list of schemas");
+    std::string out = "(";
+    for (size_t i = 0; i < list.size(); ++i)
+      out += (i ? " | " : "") + visit(list[i], fmt::format("{}/{}", path, i), hint, depth + 1);
+    return out + ")";
+  }
+
+  int64_t count(const json& s, const char* key, int64_t def, const std::string& path) {
+    const auto it = s.find(key);
+    if (it == s.end()) return def;
+    if (!it->is_number_integer() || it->get<int64_t>() < 0)
+      fail_at(path, fmt::format("'{}' must be a non-negative integer", key));
+    const auto v = it->get<int64_t>();
+    if (v > lim_.max_items) fail_at(path, fmt::format("'{}' over {} is not supported", key, lim_.max_items));
+    return v;
+  }
+
+  // `item` min..max times (max -1: unbounded), separated by `sep`.
+  static std::string repeat(const std::string& item, const std::string& sep, int64_t min, int64_t max) {
+    if (max == 0) return "";
+    const std::string more = sep.empty() ? item : "(" + sep + " " + item + ")";
+    const std::string tail = max < 0 ? more + "*" : max - 1 == 0 ? "" : fmt::format("{}{{0,{}}}", more, max - 1);
+    if (min == 0) return "(" + item + " " + tail + ")?";
+    const std::string head = min - 1 == 0 ? "" : fmt::format("{}{{{}}}", more, min - 1);
+    const std::string rest = max < 0 ? tail : max > min ? fmt::format("{}{{0,{}}}", more, max - min) : "";
+    return item + " " + head + " " + rest;
+  }
+
+  std::string string(const json& s, const std::string& path) {
+    const int64_t min = count(s, "minLength", 0, path);
+    const int64_t max = count(s, "maxLength", -1, path);
+    if (max >= 0 && max < min) fail_at(path, "'maxLength' is below 'minLength'");
+    if (min == 0 && max < 0) return use("string");
+    use("char");
+    std::string chars = fmt::format("char{{{},{}}}", min, max < 0 ? std::string() : std::to_string(max));
+    return "\"\\\"\" " + chars + " \"\\\"\" " + use("space");
+  }
+
+  std::string array(const json& s, const std::string& path, const std::string& hint, int depth) {
+    const std::string name = rule_name(hint);
+    std::string body = "\"[\" " + use("space") + " ";
+    if (const auto it = s.find("prefixItems"); it != s.end()) {
+      if (!it->is_array()) fail_at(path, "'prefixItems' must be a list of schemas");
+      for (size_t i = 0; i < it->size(); ++i)
+        body += (i ? "\",\" space " : "") + visit((*it)[i], fmt::format("{}/prefixItems/{}", path, i), hint + "-item", depth + 1) + " ";
+    } else {
+      const auto items = s.find("items");
+      const std::string item =
+          items == s.end() ? use("value") : visit(*items, path + "/items", hint + "-item", depth + 1);
+      const int64_t min = count(s, "minItems", 0, path);
+      const int64_t max = count(s, "maxItems", -1, path);
+      if (max >= 0 && max < min) fail_at(path, "'maxItems' is below 'minItems'");
+      if (s.value("uniqueItems", false)) fail_at(path, "'uniqueItems' is not supported");
+      body += repeat(item, "\",\" space", min, max) + " ";
+    }
+    rules_[name] = body + "\"]\" space";
+    return name;
+  }
+
+  std::string object(const json& s, const std::string& path, const std::string& hint, int depth) {
+    const json empty = json::object();
+    const auto pit = s.find("properties");
+    const json& props = pit == s.end() ? empty : *pit;
+    if (!props.is_object()) fail_at(path, "'properties' must be an object");
+    std::set<std::string> required;
+    if (const auto it = s.find("required"); it != s.end()) {
+      if (!it->is_array()) fail_at(path, "'required' must be a list of strings");
+      for (const auto& r : *it) {
+        if (!r.is_string()) fail_at(path, "'required' must be a list of strings");
+        required.insert(r.get<std::string>());
+      }
+    }
+    const auto ait = s.find("additionalProperties");
+    const bool extra = ait != s.end() && !(ait->is_boolean() && !ait->get<bool>());
+    if (props.empty() && (ait == s.end() || (ait->is_boolean() && ait->get<bool>()))) return use("object");
+    for (const auto& r : required)
+      if (!props.contains(r)) fail_at(path, fmt::format("the required property '{}' is not in 'properties'", r));
+
+    const std::string name = rule_name(hint);
+    std::vector<std::pair<std::string, bool>> kvs;  // (key-value expression, required)
+    for (const auto& [key, sub] : props.items()) {
+      const std::string v = visit(sub, path + "/properties/" + key, key, depth + 1);
+      kvs.emplace_back(gbnf_literal(json(key).dump()) + " space \":\" space " + v, required.count(key) > 0);
+    }
+    use("space");
+    std::string extra_kv;
+    if (extra) {
+      const std::string v = ait->is_object() ? visit(*ait, path + "/additionalProperties", hint + "-extra", depth + 1)
+                                             : use("value");
+      extra_kv = use("string") + " \":\" space " + v;
+    }
+    rules_[name] = "\"{\" space " + members(name, kvs, extra_kv) + " \"}\" space";
+    return name;
+  }
+
+  // Properties in order, required ones always, optional ones possibly left out, commas between; then any
+  // extra key-values. One rule per (position, "something came before") keeps it linear in size.
+  std::string members(const std::string& name, const std::vector<std::pair<std::string, bool>>& kvs,
+                      const std::string& extra_kv) {
+    // rest[i][first]: members from i on; `first`: nothing written yet (no comma before the next).
+    std::vector<std::array<std::string, 2>> rest(kvs.size() + 1);
+    const std::string extras = extra_kv.empty() ? "" : "(\",\" space " + extra_kv + ")*";
+    rest[kvs.size()][0] = extras.empty() ? "" : extras;
+    rest[kvs.size()][1] = extras.empty() ? "" : "(" + extra_kv + " " + extras + ")?";
+    for (size_t i = kvs.size(); i-- > 0;) {
+      for (int first = 0; first < 2; ++first) {
+        const std::string take = (first ? "" : "\",\" space ") + kvs[i].first + " " + rest[i + 1][0];
+        std::string body = kvs[i].second ? take : "(" + take + ") | (" + (rest[i + 1][first].empty() ? "\"\"" : rest[i + 1][first]) + ")";
+        if (i == 0 && first == 1) {
+          rest[i][first] = "(" + body + ")";
+          continue;
+        }
+        const std::string rn = fmt::format("{}-{}{}", name, i, first ? "f" : "");
+        rules_[rn] = body;
+        rest[i][first] = rn;
+      }
+    }
+    return rest[0][1];
+  }
+
+  const json& root_;
+  SchemaLimits lim_;
+  std::map<std::string, std::string> rules_;
+  std::map<std::string, std::string> refs_;
+};
+
+}  // namespace
+
+std::string json_schema_to_gbnf(const json& schema, const SchemaLimits& limits) {
+  return Converter(schema, limits).run();
+}
+
+std::string json_object_gbnf() {
+  std::string out = "root ::= object\n";
+  for (const char* r : {"object", "value", "array", "string", "char", "number", "integral-part", "boolean", "null", "space"})
+    out += std::string(r) + " ::= " + primitive_rules().at(r) + "\n";
+  return out;
+}
+
+}  // namespace loom

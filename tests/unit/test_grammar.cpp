@@ -1,0 +1,441 @@
+// Structured outputs: GBNF parsing and its errors, the recognizer on accepted / rejected strings
+// (llama.cpp's test-grammar-integration style), JSON Schema -> grammar on valid and invalid instances, and
+// the token mask against a brute-force reference on SmolLM2's vocabulary.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "io/gguf.h"
+#include "serve/grammar.h"
+#include "serve/grammar_matcher.h"
+#include "serve/grammar_vocab.h"
+#include "serve/json_schema_grammar.h"
+#include "serve/openai_protocol.h"
+#include "serve/structured_output.h"
+#include "tokenizer/tokenizer.h"
+
+namespace loom {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+void expect_matches(const std::string& gbnf, const std::vector<std::string>& good,
+                    const std::vector<std::string>& bad) {
+  const auto g = compile_gbnf(gbnf);
+  for (const auto& s : good) EXPECT_TRUE(grammar_matches(g, s)) << "should accept: " << s << "\n" << gbnf;
+  for (const auto& s : bad) EXPECT_FALSE(grammar_matches(g, s)) << "should reject: " << s << "\n" << gbnf;
+}
+
+// The error message of compiling `gbnf` (empty when it compiles).
+std::string gbnf_error(const std::string& gbnf, GrammarLimits limits = {}) {
+  try {
+    compile_gbnf(gbnf, limits);
+  } catch (const GrammarError& e) {
+    return e.what();
+  }
+  return {};
+}
+
+const char* kArithmetic = R"G(
+root  ::= (expr "=" ws term "\n")+
+expr  ::= term ([-+*/] term)*
+term  ::= ident | num | "(" ws expr ")" ws
+ident ::= [a-z] [a-z0-9_]* ws
+num   ::= [0-9]+ ws
+ws    ::= [ \t\n]*
+)G";
+
+TEST(Gbnf, ArithmeticGrammar) {
+  expect_matches(kArithmetic, {"1+2=3\n", "(a+b)*c= 42\n", "x=1\ny=2\n", "foo_1 = (1)\n"},
+                 {"1+2=3", "1+=3\n", "=3\n", "(1=1\n", "A=1\n", ""});
+}
+
+TEST(Gbnf, JsonGrammar) {
+  const char* json_gbnf = R"(
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+)";
+  expect_matches(json_gbnf,
+                 {R"({})", R"({"a": [1, 2.5e3, true, null, "x\"y"]})", "{\n  \"k\": {\"n\": -0.5}}",
+                  R"({"é": "日本語 😀", "u": "\u00e9"})"},
+                 {R"({"a" 1})", R"([1])", R"({"a": tru})", R"({"a": "x)", "{\"a\": \"\x01\"}", R"({"a": 01x})"});
+}
+
+TEST(Gbnf, CharClassesRangesAndNegation) {
+  expect_matches(R"(root ::= [a-cx-z0-9]+)", {"abc", "xyz09", "a"}, {"", "d", "abw", "A"});
+  expect_matches(R"(root ::= [^a-c\n]*)", {"", "xyz", "é中😀", "A-"}, {"a", "xa", "\n", "zzc"});
+  expect_matches(R"(root ::= [\-\]x]+)", {"-", "]", "x-]"}, {"a"});
+  expect_matches(R"(root ::= [a-] "!")", {"a!", "-!"}, {"b!"});
+  expect_matches(R"(root ::= . .)", {"ab", "é中", "😀x"}, {"a", "abc", std::string("\xC3", 1) + "a"});
+}
+
+TEST(Gbnf, Utf8Ranges) {
+  expect_matches(R"(root ::= [α-ω]+)", {"αβγ", "ω"}, {"abc", "Α", "αa"});
+  expect_matches(R"(root ::= [\u00e0-\u00ff\U0001F600-\U0001F64F]*)", {"àÿ😀🙏", ""}, {"é ", "ß", "🚀"});
+  expect_matches(R"(root ::= [\x00-\U0010FFFF]*)", {"anything ✓ 😀", std::string("\0", 1)},
+                 {std::string("\xFF"), std::string("\xC0\x80"), std::string("\xED\xA0\x80")});  // invalid UTF-8
+  expect_matches(R"(root ::= "\x41\u00e9\U0001F600" "\t\n\\\"")", {"Aé😀\t\n\\\""}, {"Ae😀\t\n\\\""});
+}
+
+TEST(Gbnf, Repetitions) {
+  expect_matches(R"(root ::= "a"{2,4})", {"aa", "aaa", "aaaa"}, {"", "a", "aaaaa"});
+  expect_matches(R"(root ::= "ab"{3})", {"ababab"}, {"abab", "abababab"});
+  expect_matches(R"(root ::= "a"{2,} "b")", {"aab", "aaaaaaab"}, {"ab", "b"});
+  expect_matches(R"(root ::= "a"{,2} "b")", {"b", "ab", "aab"}, {"aaab"});
+  expect_matches(R"(root ::= "a"{0} "b")", {"b"}, {"ab"});
+  expect_matches(R"(root ::= ("x" | "yz")+ "!"?)", {"x", "yzx!", "xx"}, {"", "!", "y", "x!!"});
+  expect_matches(R"(root ::= [0-9]{1,3} ("," [0-9]{3})*)", {"1", "123,456", "12,345,678"}, {"1234", "1,23", ","});
+}
+
+TEST(Gbnf, CommentsLinesAndRecursion) {
+  expect_matches("# a comment\nroot ::= a # trailing\n  | b\na ::= \"(\" root \")\" | \"x\"\nb ::= \"y\"\n",
+                 {"x", "y", "((x))", "(y)"}, {"(x", "()", "x)"});
+  expect_matches("root ::= \"\"", {""}, {"a"});
+}
+
+TEST(GbnfErrors, ReportLineColumnAndReason) {
+  EXPECT_NE(gbnf_error("a ::= \"x\"").find("no 'root' rule"), std::string::npos);
+  auto e = gbnf_error("root ::= a\na ::= b \"x\"\n");
+  EXPECT_NE(e.find("line 2, column 7: undefined rule 'b'"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"abc\n");
+  EXPECT_NE(e.find("line 1, column 14: unterminated string literal"), std::string::npos) << e;
+  e = gbnf_error("root ::= [a-z\n");
+  EXPECT_NE(e.find("unterminated character class"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"\\q\"");
+  EXPECT_NE(e.find("line 1, column 11: unknown escape '\\q'"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"a\"{3,1}");
+  EXPECT_NE(e.find("the maximum is below the minimum"), std::string::npos) << e;
+  e = gbnf_error("root ::= * \"a\"");
+  EXPECT_NE(e.find("without an item before it"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"a\"\nroot ::= \"b\"");
+  EXPECT_NE(e.find("line 2, column 1: the rule 'root' is defined twice"), std::string::npos) << e;
+  e = gbnf_error("root ::= (\"a\" | \"b\"");
+  EXPECT_NE(e.find("expected ')'"), std::string::npos) << e;
+  e = gbnf_error("root ::= [z-a]");
+  EXPECT_NE(e.find("reversed"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"a\" ) \"b\"");
+  EXPECT_NE(e.find("unexpected ')'"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"\\uD800\"");
+  EXPECT_NE(e.find("not a valid character"), std::string::npos) << e;
+  e = gbnf_error("root = \"a\"");
+  EXPECT_NE(e.find("expected '::='"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"a\"{100000}");
+  EXPECT_NE(e.find("limited to"), std::string::npos) << e;
+  e = gbnf_error("root ::= \"ab\"", GrammarLimits{.max_text = 4});
+  EXPECT_NE(e.find("at most 4"), std::string::npos) << e;
+  std::string big = "root ::=";
+  for (int i = 0; i < 110; ++i) big += " \"a\"{10000}";
+  e = gbnf_error(big);
+  EXPECT_NE(e.find("more than"), std::string::npos) << e;
+}
+
+TEST(GbnfErrors, LeftRecursionIsRefusedNotLooped) {
+  auto e = gbnf_error("root ::= expr\nexpr ::= expr \"+\" \"1\" | \"1\"");
+  EXPECT_NE(e.find("line 2, column 1: left recursion"), std::string::npos) << e;
+  EXPECT_NE(e.find("expr -> expr"), std::string::npos) << e;
+  e = gbnf_error("root ::= a\na ::= b? \"x\"\nb ::= \"\" | a");  // through a nullable rule
+  EXPECT_NE(e.find("left recursion"), std::string::npos) << e;
+  e = gbnf_error("root ::= (\"a\"?)*");  // a repetition of something that can be empty
+  EXPECT_NE(e.find("left recursion"), std::string::npos) << e;
+}
+
+// --- JSON Schema -----------------------------------------------------------------------------------------
+
+void expect_schema(const char* schema, const std::vector<std::string>& good, const std::vector<std::string>& bad) {
+  const std::string gbnf = json_schema_to_gbnf(ojson::parse(schema));
+  const auto g = compile_gbnf(gbnf);
+  for (const auto& s : good) EXPECT_TRUE(grammar_matches(g, s)) << "should accept: " << s << "\n" << gbnf;
+  for (const auto& s : bad) EXPECT_FALSE(grammar_matches(g, s)) << "should reject: " << s << "\n" << gbnf;
+}
+
+std::string schema_error(const char* schema) {
+  try {
+    json_schema_to_gbnf(ojson::parse(schema));
+  } catch (const SchemaError& e) {
+    return e.what();
+  }
+  return {};
+}
+
+TEST(JsonSchema, ObjectRequiredAndOptional) {
+  const char* s = R"({"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"},
+    "email":{"type":"string"}},"required":["name"],"additionalProperties":false})";
+  expect_schema(s, {R"({"name":"Al"})", R"({"name": "Al", "age": 3})", R"({"name":"Al","email":"a@b"})",
+                    R"({"name":"Al","age":-12,"email":"x"})", "{\n  \"name\": \"Al\"\n}"},
+                {R"({})", R"({"age":3})", R"({"name":"Al",})", R"({"name":"Al","age":"3"})",
+                 R"({"name":"Al","other":1})", R"({"name":"Al","age":3.5})", R"({"name":"Al","age":01})"});
+}
+
+TEST(JsonSchema, OpenAiMathReasoning) {
+  const char* s = R"({"type":"object","properties":{"steps":{"type":"array","items":{"type":"object",
+    "properties":{"explanation":{"type":"string"},"output":{"type":"string"}},
+    "required":["explanation","output"],"additionalProperties":false}},"final_answer":{"type":"string"}},
+    "required":["steps","final_answer"],"additionalProperties":false})";
+  expect_schema(s,
+                {R"({"steps":[],"final_answer":"x"})",
+                 R"({"steps": [{"explanation": "8x = -23", "output": "x = -23/8"}], "final_answer": "-23/8"})"},
+                {R"({"final_answer":"x","steps":[]})", R"({"steps":[{"explanation":"a"}],"final_answer":"x"})",
+                 R"({"steps":{},"final_answer":"x"})"});
+}
+
+TEST(JsonSchema, CalendarEvent) {
+  const char* s = R"({"type":"object","properties":{"name":{"type":"string"},"date":{"type":"string"},
+    "participants":{"type":"array","items":{"type":"string"}}},"required":["name","date","participants"],
+    "additionalProperties":false})";
+  expect_schema(s, {R"({"name":"Science fair","date":"Friday","participants":["Alice","Bob"]})"},
+                {R"({"name":"x","date":"y","participants":[1]})", R"({"name":"x","date":"y"})"});
+}
+
+TEST(JsonSchema, ArraysWithBounds) {
+  expect_schema(R"({"type":"array","items":{"type":"number"},"minItems":2,"maxItems":3})",
+                {"[1, 2]", "[1.5,-2e3,0]"}, {"[]", "[1]", "[1,2,3,4]", "[1,]", "[\"a\",1]"});
+  expect_schema(R"({"type":"array","items":{"type":"boolean"},"maxItems":1})", {"[]", "[true]"}, {"[true,false]"});
+  expect_schema(R"({"type":"array","items":{"type":"null"},"minItems":1})", {"[null]", "[null,null,null]"}, {"[]"});
+  expect_schema(R"({"type":"array","prefixItems":[{"type":"integer"},{"type":"string"}]})", {R"([1,"a"])"},
+                {R"(["a",1])", "[1]"});
+}
+
+TEST(JsonSchema, EnumConstAndPrimitives) {
+  expect_schema(R"({"enum":["red","green",3,null]})", {R"("red")", R"("green")", "3", "null"},
+                {R"("blue")", "4", R"("Red")"});
+  expect_schema(R"({"const":{"a":1}})", {R"({"a":1})"}, {R"({"a":2})", R"({"a": 1})"});
+  expect_schema(R"({"type":"boolean"})", {"true", "false"}, {"1", "\"true\""});
+  expect_schema(R"({"type":"null"})", {"null"}, {"nul"});
+  expect_schema(R"({"type":"number"})", {"0", "-1.25", "3e10", "1E-2"}, {"+1", ".5", "1.", "01", "--1"});
+  expect_schema(R"({"type":"string","minLength":2,"maxLength":3})", {R"("ab")", R"("abc")", R"("\n\u00e9")"},
+                {R"("a")", R"("abcd")"});
+  expect_schema(R"({"type":["string","null"]})", {R"("x")", "null"}, {"1"});
+  expect_schema(R"({"type":"string","format":"date"})", {R"("2024-01-01")"}, {"1"});  // format ignored
+}
+
+TEST(JsonSchema, AnyOfOneOfAndRefs) {
+  expect_schema(R"({"anyOf":[{"type":"integer"},{"type":"object","properties":{"a":{"type":"string"}},
+    "required":["a"],"additionalProperties":false}]})",
+                {"12", R"({"a":"x"})"}, {R"({"b":"x"})", R"("12")"});
+  expect_schema(R"({"oneOf":[{"const":"a"},{"const":"b"}]})", {R"("a")", R"("b")"}, {R"("c")"});
+  expect_schema(R"({"type":"object","properties":{"home":{"$ref":"#/$defs/addr"},"work":{"$ref":"#/definitions/addr"}},
+    "required":["home"],"additionalProperties":false,
+    "$defs":{"addr":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"],"additionalProperties":false}},
+    "definitions":{"addr":{"type":"object","properties":{"zip":{"type":"integer"}},"required":["zip"],"additionalProperties":false}}})",
+                {R"({"home":{"city":"Paris"}})", R"({"home":{"city":"P"},"work":{"zip":75}})"},
+                {R"({"home":{"zip":1}})", R"({"work":{"zip":1}})"});
+}
+
+TEST(JsonSchema, RecursiveRef) {
+  expect_schema(R"({"$ref":"#/$defs/node","$defs":{"node":{"type":"object","properties":{"v":{"type":"integer"},
+    "children":{"type":"array","items":{"$ref":"#/$defs/node"}}},"required":["v"],"additionalProperties":false}}})",
+                {R"({"v":1})", R"({"v":1,"children":[{"v":2,"children":[{"v":3}]}]})"},
+                {R"({"v":1,"children":[{"x":2}]})"});
+}
+
+TEST(JsonSchema, AdditionalPropertiesAndGenericObjects) {
+  expect_schema(R"({"type":"object"})", {"{}", R"({"a":[1,{"b":null}]})"}, {"[]", R"({"a"})"});
+  expect_schema(R"({"type":"object","additionalProperties":{"type":"integer"}})", {"{}", R"({"a":1,"b":2})"},
+                {R"({"a":"x"})"});
+  expect_schema(R"({"type":"object","properties":{"a":{"type":"integer"}},"required":["a"],"additionalProperties":true})",
+                {R"({"a":1})", R"({"a":1,"zz":[true]})"}, {R"({"zz":1})"});
+  expect_schema(R"({})", {"1", R"("s")", "[{}]"}, {"x"});
+}
+
+TEST(JsonSchema, JsonObjectGrammar) {
+  const auto g = compile_gbnf(json_object_gbnf());
+  EXPECT_TRUE(grammar_matches(g, R"({"a": {"b": [1, "2", false]}})"));
+  EXPECT_FALSE(grammar_matches(g, R"([1])"));
+  EXPECT_FALSE(grammar_matches(g, R"("x")"));
+}
+
+TEST(JsonSchema, RefusedSchemasSayWhy) {
+  EXPECT_NE(schema_error(R"({"type":"string","pattern":"^a$"})").find("'pattern' is not supported"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"integer","minimum":0})").find("'minimum' is not supported"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"strin"})").find("unknown type 'strin'"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":3})").find("'type' must be"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"$ref":"#/$defs/missing"})").find("does not resolve"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"$ref":"https://x/y.json"})").find("only local references"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"object","properties":{"a":{"type":"object","properties":{"b":{"type":"string",
+    "pattern":"x"}}}}})").find("at '/properties/a/properties/b'"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"object","properties":[]})").find("'properties' must be an object"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"array","minItems":-1})").find("non-negative"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"object","required":["x"],"properties":{},"additionalProperties":false})")
+                .find("'x' is not in 'properties'"), std::string::npos);
+  std::string deep = R"({"type":"string"})";
+  for (int i = 0; i < 40; ++i) deep = R"({"type":"array","items":)" + deep + "}";
+  EXPECT_NE(schema_error(deep.c_str()).find("nested deeper than"), std::string::npos);
+  EXPECT_NE(schema_error("3").find("must be an object"), std::string::npos);
+}
+
+// --- Request fields -----------------------------------------------------------------------------------------
+
+std::pair<int, std::string> request_error(const std::string& body) {
+  try {
+    parse_structured_output(nlohmann::json::parse(body), body);
+  } catch (const ApiError& e) {
+    return {e.status(), e.param()};
+  }
+  return {0, ""};
+}
+
+TEST(StructuredOutputRequest, FieldsAndErrors) {
+  auto parse = [](const std::string& body) { return parse_structured_output(nlohmann::json::parse(body), body); };
+  EXPECT_EQ(parse(R"({"messages":[]})"), nullptr);
+  EXPECT_EQ(parse(R"({"response_format":{"type":"text"}})"), nullptr);
+  EXPECT_NE(parse(R"({"response_format":{"type":"json_object"}})"), nullptr);
+  const auto g = parse(R"({"response_format":{"type":"json_schema","json_schema":{"name":"x","strict":true,
+    "schema":{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"integer"}},"required":["b","a"]}}}})");
+  ASSERT_NE(g, nullptr);
+  EXPECT_TRUE(grammar_matches(g, R"({"b":1,"a":2})"));  // the schema's order, not nlohmann's sorted one
+  EXPECT_FALSE(grammar_matches(g, R"({"a":2,"b":1})"));
+  EXPECT_TRUE(grammar_matches(parse(R"({"grammar":"root ::= \"yes\" | \"no\""})"), "no"));
+  EXPECT_TRUE(grammar_matches(parse(R"({"guided_grammar":"root ::= [0-9]+"})"), "42"));
+  EXPECT_TRUE(grammar_matches(parse(R"({"guided_json":{"type":"boolean"}})"), "true"));
+  EXPECT_TRUE(grammar_matches(parse(R"({"guided_json":"{\"type\":\"null\"}"})"), "null"));
+  EXPECT_TRUE(grammar_matches(parse(R"({"json_schema":{"type":"integer"}})"), "7"));
+  EXPECT_TRUE(grammar_matches(parse(R"({"guided_choice":["a b","c"]})"), "a b"));
+
+  EXPECT_EQ(request_error(R"({"response_format":{"type":"xml"}})"), std::make_pair(400, std::string("response_format")));
+  EXPECT_EQ(request_error(R"({"response_format":"json"})"), std::make_pair(400, std::string("response_format")));
+  EXPECT_EQ(request_error(R"({"response_format":{"type":"json_schema","json_schema":{"schema":{"type":"x"}}}})"),
+            std::make_pair(400, std::string("response_format")));
+  EXPECT_EQ(request_error(R"({"grammar":"root ::= foo"})"), std::make_pair(400, std::string("grammar")));
+  EXPECT_EQ(request_error(R"({"grammar":5})"), std::make_pair(400, std::string("grammar")));
+  EXPECT_EQ(request_error(R"({"guided_json":"{"})"), std::make_pair(400, std::string("guided_json")));
+  EXPECT_EQ(request_error(R"({"guided_regex":"a+"})"), std::make_pair(400, std::string("guided_regex")));
+  EXPECT_EQ(request_error(R"({"grammar":"root ::= \"a\"","guided_json":{}})").first, 400);
+}
+
+// --- The token mask on a real vocabulary ------------------------------------------------------------------
+
+std::string smollm2_path() { return std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+
+class MaskTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!std::filesystem::exists(smollm2_path())) return;
+    const auto f = gguf::File::open(smollm2_path());
+    tok_ = new Tokenizer(Tokenizer::from_gguf(*f));
+    trie_ = make_token_trie(*tok_).release();
+  }
+  static void TearDownTestSuite() {
+    delete trie_;
+    delete tok_;
+  }
+  void SetUp() override {
+    if (!tok_) GTEST_SKIP() << "models/SmolLM2-135M-Instruct.Q4_1.gguf is absent";
+  }
+  static Tokenizer* tok_;
+  static TokenTrie* trie_;
+};
+Tokenizer* MaskTest::tok_ = nullptr;
+TokenTrie* MaskTest::trie_ = nullptr;
+
+// For each of `prefixes`, fed as tokens: the mask equals "the token's bytes after the prefix are still a
+// prefix of the grammar" checked token by token on an automaton of its own (no trie, no mask cache), and
+// end tokens are allowed exactly when the prefix is complete.
+void expect_mask_matches_reference(const Tokenizer& tok, const TokenTrie& trie, const std::string& gbnf,
+                                   const std::vector<std::string>& prefixes) {
+  const auto g = compile_gbnf(gbnf);
+  const std::vector<int32_t> ends = {tok.eos()};
+  for (const std::string& prefix : prefixes) {
+    GrammarMatcher m(g, trie, ends);
+    for (const int32_t id : tok.encode(prefix, false, false)) ASSERT_TRUE(m.accept(id)) << prefix;
+    const auto& mask = m.allowed();
+    GrammarAutomaton ref(g);
+    const int32_t at = ref.walk(ref.start(), prefix);
+    ASSERT_NE(at, GrammarAutomaton::kDead);
+    int64_t n_allowed = 0, mismatches = 0;
+    for (int32_t id = 0; id < tok.vocab_size(); ++id) {
+      bool want;
+      if (id == tok.eos())
+        want = ref.accepts(at);
+      else if (tok.is_special(id) || tok.token_to_piece(id).empty())
+        want = false;
+      else
+        want = ref.walk(at, tok.token_to_piece(id)) != GrammarAutomaton::kDead;
+      const bool got = (mask[static_cast<size_t>(id) >> 6] >> (id & 63)) & 1;
+      n_allowed += got;
+      if (want != got && ++mismatches <= 5)
+        ADD_FAILURE() << "prefix '" << prefix << "': token " << id << " '" << tok.token_to_piece(id)
+                      << "' mask " << got << ", reference " << want;
+    }
+    EXPECT_EQ(mismatches, 0) << prefix;
+    EXPECT_GT(n_allowed, 0) << prefix;
+  }
+}
+
+TEST_F(MaskTest, SchemaMaskEqualsBruteForce) {
+  const std::string gbnf = json_schema_to_gbnf(ojson::parse(
+      R"({"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"},
+      "tags":{"type":"array","items":{"enum":["a","b"]}}},"required":["name","age"],"additionalProperties":false})"));
+  expect_mask_matches_reference(*tok_, *trie_, gbnf,
+                                {"", "{", "{\"", "{\"name\": \"Al", "{\"name\": \"Al\\", "{\"name\":\"é\", \"age\": 1",
+                                 "{\"name\":\"x\",\"age\":12,\"tags\":[\"a\"", "{\"name\":\"x\",\"age\":1}"});
+}
+
+TEST_F(MaskTest, GbnfMaskEqualsBruteForce) {
+  expect_mask_matches_reference(*tok_, *trie_, kArithmetic, {"", "(a", "12+x", "1=2\n"});
+  expect_mask_matches_reference(*tok_, *trie_, R"(root ::= [α-ω]{1,3} "日本")", {"", "α", "αβγ", "αβγ日"});
+}
+
+TEST_F(MaskTest, MatcherEndsAndRejects) {
+  const auto g = compile_gbnf(R"(root ::= "yes" | "no")");
+  GrammarMatcher m(g, *trie_, {tok_->eos()});
+  EXPECT_FALSE(m.complete());
+  const int32_t maybe = tok_->encode("maybe", false, false)[0];
+  EXPECT_FALSE(m.accept(maybe));
+  EXPECT_FALSE(m.accept(tok_->eos()));  // not complete yet
+  for (const int32_t id : tok_->encode("no", false, false)) ASSERT_TRUE(m.accept(id));
+  EXPECT_TRUE(m.complete());
+  // Only the end token is left.
+  std::vector<float> logits(static_cast<size_t>(tok_->vocab_size()), 0.0f);
+  const float* masked = m.masked_logits(logits.data(), static_cast<int64_t>(logits.size()));
+  ASSERT_NE(masked, nullptr);
+  int allowed = 0;
+  for (size_t i = 0; i < logits.size(); ++i) allowed += std::isfinite(masked[i]);
+  EXPECT_EQ(allowed, 1);
+  EXPECT_TRUE(std::isfinite(masked[tok_->eos()]));
+  EXPECT_TRUE(m.accept(tok_->eos()));
+
+  // Without end tokens (ignore_eos), a complete grammar with nothing to add allows no token at all.
+  GrammarMatcher none(g, *trie_, {});
+  for (const int32_t id : tok_->encode("yes", false, false)) ASSERT_TRUE(none.accept(id));
+  EXPECT_EQ(none.masked_logits(logits.data(), static_cast<int64_t>(logits.size())), nullptr);
+}
+
+TEST_F(MaskTest, AutomatonResetKeepsTheState) {
+  const auto g = compile_gbnf(json_object_gbnf());
+  GrammarAutomaton a(g);
+  const int32_t s = a.walk(a.start(), "{\"a\": [1, {\"b\": \"x");
+  const int32_t kept = a.reset_keeping(s);
+  EXPECT_EQ(a.n_states(), 3u);  // dead, start, kept
+  EXPECT_TRUE(a.accepts(a.walk(kept, "\"}]}")));
+  EXPECT_EQ(a.walk(kept, "\"]"), GrammarAutomaton::kDead);
+}
+
+}  // namespace
+}  // namespace loom
