@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <fstream>
 #include <limits>
 #include <random>
 
@@ -165,6 +166,17 @@ std::unique_ptr<Backend> open_backend(const std::string& device, ThreadPool& poo
   const std::optional<Device> d = parse_device(device);
   if (!d) fail(ErrorKind::invalid_input, "--device: '{}' is not a device (cpu, cuda, cuda:N, npu, npu:N)", device);
   return make_backend(*d, pool);
+}
+
+std::string read_api_key_file(const std::string& path, const char* flag) {
+  if (path.empty()) fail(ErrorKind::invalid_input, "{} is empty: give the key file's path", flag);
+  std::ifstream f(path);
+  if (!f) fail(ErrorKind::not_found, "{} {}: cannot read", flag, path);
+  std::string key;
+  std::getline(f, key);
+  while (!key.empty() && (key.back() == '\r' || key.back() == ' ')) key.pop_back();
+  if (key.empty()) fail(ErrorKind::invalid_input, "{} {}: the first line is empty", flag, path);
+  return key;
 }
 
 }  // namespace loom::app

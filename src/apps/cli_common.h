@@ -77,4 +77,9 @@ int64_t resolve_context(const ModelConfig& c, int64_t requested);
 // Prompt and generation speed, to stderr.
 void print_speed(const GenerateResult& r);
 
+// The API key in the first line of `path` (trailing spaces and CR dropped), as
+// `serve --api-key-file` and `train --api-key-file` read it. Throws loom::Error
+// naming `flag` for an empty path, an unreadable file or an empty first line.
+std::string read_api_key_file(const std::string& path, const char* flag);
+
 }  // namespace loom::app

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <thread>
 #include <string>
 #include <vector>
@@ -158,13 +157,8 @@ int run_serve(int argc, char** argv) {
     fail(ErrorKind::invalid_input,
          "--api-key is empty: give a non-empty key, or leave the flag out to serve without authentication");
   if (api_key_file_opt->count() > 0) {
-    if (api_key_file.empty()) fail(ErrorKind::invalid_input, "--api-key-file is empty: give the key file's path");
     if (api_key_opt->count() > 0) fail(ErrorKind::invalid_input, "give --api-key or --api-key-file, not both");
-    std::ifstream f(api_key_file);
-    if (!f) fail(ErrorKind::not_found, "--api-key-file {}: cannot read", api_key_file);
-    std::getline(f, ho.api_key);
-    while (!ho.api_key.empty() && (ho.api_key.back() == '\r' || ho.api_key.back() == ' ')) ho.api_key.pop_back();
-    if (ho.api_key.empty()) fail(ErrorKind::invalid_input, "--api-key-file {}: the first line is empty", api_key_file);
+    ho.api_key = read_api_key_file(api_key_file, "--api-key-file");
   }
   if (!kv_memory.empty()) so.kv_cache_memory = parse_bytes(kv_memory);
   so.kv_dtype = kv_dtype == "f32" ? DType::f32 : DType::f16;

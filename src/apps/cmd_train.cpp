@@ -17,10 +17,12 @@
 #include "apps/commands.h"
 #include "apps/profile_output.h"
 #include "apps/train_monitor.h"
+#include "apps/train_publish.h"
 #include "core/failpoints.h"
 #include "core/prometheus.h"
 #include "dist/communicator.h"
 #include "train/train_config.h"
+#include "train/train_log.h"
 #include "train/train_metrics.h"
 #include "train/trainer.h"
 
@@ -48,6 +50,8 @@ void install_stop_handlers() {
 }
 
 constexpr int kExitStopped = 75;  // EX_TEMPFAIL: stopped by a signal after a checkpoint; resume with --resume
+// EX_UNAVAILABLE: the run is done and its adapter written, but the --publish server did not load it.
+constexpr int kExitPublishFailed = 69;
 
 struct RankArgs {
   std::optional<std::string> resume;
@@ -55,6 +59,61 @@ struct RankArgs {
   double metrics_linger = 0;
   std::string profile;  // --profile: the trace file (rank 0's run)
   bool check = false;
+  std::optional<PublishOptions> publish;  // --publish
+};
+
+// --publish: checked before anything loads (the URL, the key file; the server
+// asked for its models, where a wrong key or URL fails at once); then each
+// adapter the trainer writes is loaded into the server in place. A failed
+// publish never stops training: checkpoint publishes warn, the final one sets
+// `failed` (exit 69, the adapter kept).
+struct Publishing {
+  std::unique_ptr<AdapterPublisher> publisher;  // rank 0 only
+  bool failed = false;
+
+  Publishing(const TrainConfig& config, const RankArgs& args, bool root) {
+    if (!args.publish) return;
+    if (config.method != TrainMethod::lora)
+      fail(ErrorKind::invalid_input, "--publish: {} trains method: full, which writes a model folder; loom serve "
+           "loads LoRA adapters only (leave --publish out, or train method: lora)", config.source);
+    if (!root) return;
+    publisher = std::make_unique<AdapterPublisher>(*args.publish, config.output_dir);
+    if (args.check) return;  // --check contacts nothing
+    if (const auto warning = publisher->probe()) std::fprintf(stderr, "loom train: warning: %s\n", warning->c_str());
+    if (args.publish->every_checkpoint && config.checkpoint_interval <= 0 && config.checkpoint_minutes <= 0)
+      std::fprintf(stderr, "loom train: warning: --publish-every-checkpoint without checkpoint_interval or "
+                   "checkpoint_minutes: checkpoints (and their publishes) come only from memory alarms\n");
+  }
+
+  void on_adapter(Trainer& t, const AdapterWritten& a) {
+    if (!publisher) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const PublishOutcome r = publisher->publish(a.path);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const char* what = a.final ? "the adapter" : "the checkpoint's adapter";
+    const nlohmann::json fields = {{"step", a.step},
+                                   {"publish", {{"url", publisher->endpoint()}, {"name", publisher->name()},
+                                                {"path", a.path}, {"final", a.final}, {"status", r.status},
+                                                {"seconds", seconds}}}};
+    if (r.ok) {
+      t.log().record(LogLevel::info, "publish",
+                     fmt::format("published {} of step {} to {} as '{}': {}", what, a.step, publisher->endpoint(),
+                                 publisher->name(), r.message),
+                     fields);
+      return;
+    }
+    const std::string why = fmt::format("publishing {} of step {} ({}) to {} as '{}' failed: {}{}", what, a.step,
+                                        a.path, publisher->endpoint(), publisher->name(),
+                                        r.status ? fmt::format("HTTP {}: ", r.status) : "", r.message);
+    if (!a.final) {
+      t.log().record(LogLevel::warning, "publish", why + "; training goes on, the server keeps what it had", fields);
+      return;
+    }
+    failed = true;
+    t.log().error("publish",
+                  fmt::format("{}; the adapter is saved at {}; exit {}", why, a.path, kExitPublishFailed),
+                  "publish_failed", fields);
+  }
 };
 
 // --check: rank 0 prints to stdout (the report is the command's output); no
@@ -64,6 +123,7 @@ int check_rank(const TrainConfig& config, const RankArgs& args, Communicator* co
   runtime.resume = args.resume;
   runtime.comm = comm;
   const bool root = comm == nullptr || comm->rank() == 0;
+  Publishing publishing(config, args, root);  // the flags checked, nothing contacted
   run_check(config, root ? stdout : nullptr, runtime);
   return 0;
 }
@@ -71,6 +131,10 @@ int check_rank(const TrainConfig& config, const RankArgs& args, Communicator* co
 // The training of this process: all of it, or one data-parallel rank's part (`comm`).
 int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm) {
   if (args.check) return check_rank(config, args, comm);
+  const bool root = comm == nullptr || comm->rank() == 0;
+  Publishing publishing(config, args, root);
+  TrainHooks hooks;
+  hooks.after_adapter_written = [&](Trainer& t, const AdapterWritten& a) { publishing.on_adapter(t, a); };
   // Bound before the model loads, so a port in use costs nothing; served until the run ends.
   MetricsRegistry registry;
   TrainMetrics metrics(registry);
@@ -81,12 +145,12 @@ int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm
   runtime.stop_signal = &g_stop_signal;
   runtime.failpoints = args.failpoints;
   runtime.comm = comm;
+  runtime.checkpoint_adapters = args.publish && args.publish->every_checkpoint;
   if (config.metrics_port > 0) {
     monitor = std::make_unique<TrainMonitor>(metrics, config.metrics_host, config.metrics_port);
     metrics.set_endpoint(monitor->url());
     runtime.metrics = &metrics;
   }
-  const bool root = comm == nullptr || comm->rank() == 0;
   Tracer tracer;
   std::string run_metadata = "{}";
   if (!args.profile.empty() && root) {
@@ -103,7 +167,7 @@ int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm
   };
   TrainResult result;
   try {
-    result = run_training(config, root ? stderr : nullptr, {}, runtime);
+    result = run_training(config, root ? stderr : nullptr, std::move(hooks), runtime);
   } catch (...) {
     write_trace();  // what ran until the error is worth a look
     throw;
@@ -114,7 +178,7 @@ int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm
   const auto linger_end = std::chrono::steady_clock::now() + std::chrono::duration<double>(args.metrics_linger);
   while (monitor && g_stop_signal == 0 && std::chrono::steady_clock::now() < linger_end)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  return 0;
+  return publishing.failed ? kExitPublishFailed : 0;
 }
 
 int run_train(int argc, char** argv) {
@@ -160,6 +224,23 @@ int run_train(int argc, char** argv) {
                                        "from the checkpoint folder PATH; place it after CONFIG")
                             ->expected(0, 1)
                             ->type_name("[PATH]");
+  PublishOptions publish;
+  CLI::Option* publish_opt =
+      app.add_option("--publish", publish.url,
+                     "when the run ends, load the adapter into the loom serve (or vLLM) server at this base URL "
+                     "(http://HOST:PORT) through POST /v1/load_lora_adapter with load_inplace, so it serves it "
+                     "without a restart; the server must read the same file system (docs/training.md, Publishing)")
+          ->type_name("URL");
+  app.add_option("--publish-name", publish.name,
+                 "the adapter's name on the server (the requests' \"model\"; default: output_dir's folder name)")
+      ->needs(publish_opt);
+  app.add_option("--api-key-file", publish.api_key_file,
+                 "send the key in this file's first line as 'Authorization: Bearer KEY' (the server's --api-key)")
+      ->needs(publish_opt);
+  app.add_flag("--publish-every-checkpoint", publish.every_checkpoint,
+               "also publish after each checkpoint (its adapter: checkpoint_dir/latest-adapter); a failure there "
+               "only warns")
+      ->needs(publish_opt);
   app.add_flag("--check", args.check,
                "load the config, model and data as a run would and print the memory estimate, tokens per step, "
                "truncated and dropped samples and warnings about the settings; trains nothing and writes nothing "
@@ -177,6 +258,7 @@ int run_train(int argc, char** argv) {
   if (metrics_port >= 0) config.metrics_port = metrics_port;
   if (resume->count() > 0) args.resume = resume_path;
   args.failpoints = &failpoints;
+  if (publish_opt->count() > 0) args.publish = publish;
   args.metrics_linger = metrics_linger;
   // Under mpirun / srun: one rank of a data-parallel run. Rank 0 alone logs,
   // serves metrics and writes; a failing rank ends every rank at once.

@@ -191,7 +191,7 @@ void AdapterRegistry::pack_4bit(LoadedAdapter& a) const {
   }
 }
 
-void AdapterRegistry::add(const std::string& name, const std::string& path, bool runtime) {
+bool AdapterRegistry::add(const std::string& name, const std::string& path, bool runtime, bool replace) {
   if (name.empty()) throw EngineError(EngineErrc::invalid_request, "lora_name must not be empty", "lora_name");
   std::string resolved = path;
   if (runtime) {
@@ -213,24 +213,42 @@ void AdapterRegistry::add(const std::string& name, const std::string& path, bool
                         "lora_path");
     resolved = canon.string();
   }
+  const auto find = [&] {
+    return std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.name == name; });
+  };
+  const auto exists = [&] {
+    return EngineError(EngineErrc::adapter_exists,
+                       "an adapter named '" + name + "' is already loaded (\"load_inplace\": true replaces it)",
+                       "lora_name");
+  };
   {
     std::lock_guard lock(mu_);
-    for (const Entry& e : entries_)
-      if (e.name == name)
-        throw EngineError(EngineErrc::adapter_exists, "an adapter named '" + name + "' is already loaded",
-                          "lora_name");
+    if (!replace && find() != entries_.end()) throw exists();
   }
-  auto loaded = load(name, resolved, runtime);  // outside the lock: disk and parsing
+  // Outside the lock: disk and parsing. A failure throws here, before anything registered changes.
+  auto loaded = load(name, resolved, runtime);
   std::lock_guard lock(mu_);
-  for (const Entry& e : entries_)
-    if (e.name == name)
-      throw EngineError(EngineErrc::adapter_exists, "an adapter named '" + name + "' is already loaded", "lora_name");
+  const auto it = find();
+  if (it != entries_.end() && !replace) throw exists();
   std::const_pointer_cast<LoadedAdapter>(loaded)->id = next_id_++;
   int64_t resident = 0;
   for (const Entry& e : entries_) resident += e.loaded != nullptr;
+  if (it != entries_.end()) {
+    // The new version takes the old one's slot (or a free one); the old LoadedAdapter lives on in the
+    // sequences that hold it and is freed with the last of them.
+    const bool had_slot = it->loaded != nullptr;
+    it->loaded.reset();
+    it->path = resolved;
+    it->runtime = runtime;
+    it->created = unix_now();
+    it->last_used = ++clock_;
+    if (had_slot || resident < max_resident_ || evict_one()) it->loaded = std::move(loaded);
+    return true;
+  }
   Entry e{name, resolved, runtime, unix_now(), nullptr, ++clock_};
   if (resident < max_resident_ || evict_one()) e.loaded = std::move(loaded);
   entries_.push_back(std::move(e));
+  return false;
 }
 
 void AdapterRegistry::remove(const std::string& name) {

@@ -36,7 +36,7 @@ struct LoadedAdapter {
 
 struct AdapterInfo {
   std::string name, path;
-  int64_t created = 0;  // unix seconds of registration
+  int64_t created = 0;  // unix seconds of registration (or of its replacement)
   bool resident = false;
   size_t bytes = 0, f32_bytes = 0;  // the resident factors' memory as kept, and in f32 (0 when not resident)
 };
@@ -55,9 +55,14 @@ class AdapterRegistry {
   // Loads and validates `path` and registers it as `name`. `runtime`: the
   // request came over HTTP, so the path and every file read from it (symlinks
   // resolved) must be inside an allowed folder. Adapters whose weights or scale
-  // are not finite are refused.
+  // are not finite are refused. A name already registered is refused
+  // (adapter_exists) unless `replace` (vLLM's load_inplace): then the new
+  // version is loaded and validated in full first (a failure leaves the old
+  // one registered), then swapped in with a new id and `created`; holders of
+  // the old LoadedAdapter (running sequences) keep it, later acquires get the
+  // new one. Returns true when it replaced an adapter.
   // Throws EngineError (adapter_exists, adapter_load_failed, invalid_request).
-  void add(const std::string& name, const std::string& path, bool runtime);
+  bool add(const std::string& name, const std::string& path, bool runtime, bool replace = false);
   // Throws EngineError(adapter_not_found).
   void remove(const std::string& name);
   bool contains(const std::string& name) const;

@@ -26,7 +26,7 @@ enum class EngineErrc {
   invalid_request,          // 400: a value the engine rejects (token id out of range, ...)
   context_length_exceeded,  // 400: prompt + max_tokens over the model's length
   model_not_found,          // 404: no base model or adapter of that name
-  adapter_exists,           // 400: load_adapter with a name already loaded
+  adapter_exists,           // 400: load_adapter with a name already loaded (without load_inplace)
   adapter_not_found,        // 404: unload_adapter of an unknown name
   adapter_load_failed,      // 400: the adapter file is missing, corrupt or does not fit the model
   overloaded,               // 503: queue full
@@ -270,7 +270,9 @@ class Engine {
   virtual void submit(GenerationRequest request, std::shared_ptr<RequestStream> stream) = 0;
 
   virtual std::vector<ModelInfo> list_models() = 0;  // the base model first, then adapters
-  virtual void load_adapter(const std::string& name, const std::string& path) = 0;
+  // Registers the adapter folder `path` as `name`; `replace` (vLLM's load_inplace): a name already loaded
+  // gets the new version, requests already accepted keep the old one. Returns true when it replaced one.
+  virtual bool load_adapter(const std::string& name, const std::string& path, bool replace) = 0;
   virtual void unload_adapter(const std::string& name) = 0;
 
   virtual std::vector<int32_t> tokenize(const TokenizeRequest& request) = 0;

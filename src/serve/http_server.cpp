@@ -352,9 +352,10 @@ struct HttpServer::Impl {
         [this](const httplib::Request& req, auto& res, RequestRecord& rec) {
           const AdapterRequest r = parse_load_adapter_request(req.body);
           rec.model = r.name;
-          engine.load_adapter(r.name, r.path);
+          const bool replaced = engine.load_adapter(r.name, r.path, r.inplace);
           res.status = 200;
-          res.set_content(fmt::format("Success: LoRA adapter '{}' added successfully.", r.name),
+          res.set_content(fmt::format("Success: LoRA adapter '{}' {} successfully.", r.name,
+                                      replaced ? "replaced" : "added"),
                           "text/plain");
         });
     add("POST", "/v1/unload_lora_adapter", true,

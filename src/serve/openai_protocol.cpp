@@ -476,6 +476,7 @@ AdapterRequest parse_load_adapter_request(std::string_view body) {
   AdapterRequest r;
   r.name = required_name(o, "lora_name");
   r.path = required_name(o, "lora_path");
+  r.inplace = get_bool(o, "load_inplace", false);
   return r;
 }
 

@@ -66,9 +66,10 @@ struct DetokenizeRequest {
 DetokenizeRequest parse_detokenize_request(std::string_view body, std::span<const std::string> models);
 struct AdapterRequest {
   std::string name;
-  std::string path;  // load only
+  std::string path;      // load only
+  bool inplace = false;  // load only: "load_inplace" (vLLM's name), replace an adapter of that name
 };
-// /v1/load_lora_adapter {"lora_name", "lora_path"}; /v1/unload_lora_adapter {"lora_name"}.
+// /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}; /v1/unload_lora_adapter {"lora_name"}.
 AdapterRequest parse_load_adapter_request(std::string_view body);
 AdapterRequest parse_unload_adapter_request(std::string_view body);
 

@@ -275,13 +275,13 @@ std::vector<ModelInfo> ServingEngine::list_models() {
   return out;
 }
 
-void ServingEngine::load_adapter(const std::string& name, const std::string& path) {
+bool ServingEngine::load_adapter(const std::string& name, const std::string& path, bool replace) {
   if (tensor_parallel())
     throw EngineError(EngineErrc::adapter_load_failed, "adapters of a tensor-parallel server (--tp) are not built yet",
                       "lora_name");
   if (name == name_)
     throw EngineError(EngineErrc::adapter_exists, "'" + name + "' is the base model's name", "lora_name");
-  adapters_.add(name, path, /*runtime=*/true);
+  return adapters_.add(name, path, /*runtime=*/true, replace);
 }
 
 void ServingEngine::unload_adapter(const std::string& name) { adapters_.remove(name); }

@@ -95,7 +95,7 @@ class ServingEngine : public Engine {
   std::vector<ModelInfo> list_models() override;
   // The registered adapters with their memory (for the start-up log).
   std::vector<AdapterInfo> adapter_infos() const { return adapters_.list(); }
-  void load_adapter(const std::string& name, const std::string& path) override;
+  bool load_adapter(const std::string& name, const std::string& path, bool replace) override;
   void unload_adapter(const std::string& name) override;
   std::vector<int32_t> tokenize(const TokenizeRequest& request) override;
   std::string detokenize(const std::string& model, const std::vector<int32_t>& tokens) override;

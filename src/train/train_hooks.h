@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 
 namespace loom {
 
@@ -36,6 +37,13 @@ struct EvalReport {
   int64_t tokens = 0;   // target tokens of the split
 };
 
+// An adapter folder the trainer wrote whole, given to after_adapter_written.
+struct AdapterWritten {
+  std::string path;    // absolute
+  int64_t step = 0;    // optimizer steps done
+  bool final = false;  // output_dir at the end of the run; else the checkpoint's adapter
+};
+
 struct TrainHooks {
   // The token count that normalises this step's loss: every micro-batch's
   // gradient is scaled by 1 / count. Called once per step, before the
@@ -52,6 +60,11 @@ struct TrainHooks {
   std::function<void(Trainer&, const StepReport&)> after_optimizer_step;
   // After each evaluation (logged, in metrics_file), with its loss and token accuracy.
   std::function<void(Trainer&, const EvalReport&)> at_evaluation;
+  // Rank 0 only, LoRA only: after an adapter folder was written whole: the
+  // output folder at the end of the run, and with TrainRuntime::
+  // checkpoint_adapters the adapter of each checkpoint (not of a stop
+  // signal's). Where publishing to a server plugs in (apps/train_publish.h).
+  std::function<void(Trainer&, const AdapterWritten&)> after_adapter_written;
 };
 
 }  // namespace loom

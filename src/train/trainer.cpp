@@ -204,6 +204,11 @@ void Trainer::prepare(bool dry_run) {
 
 // Combinations this build refuses, before the model loads.
 void Trainer::check_options() const {
+  if (rt_.checkpoint_adapters && c_.method != TrainMethod::lora)
+    fail(ErrorKind::invalid_input, "{}: adapters at checkpoints: method: full writes no adapter", c_.source);
+  if (rt_.checkpoint_adapters && (c_.dist.tp > 1 || c_.dist.pp > 1))
+    fail(ErrorKind::unsupported, "{}: adapters at checkpoints (--publish-every-checkpoint) with dist.tp or dist.pp "
+         "above 1 are not built yet; the adapter at the end of the run is", c_.source);
   if (c_.method == TrainMethod::full && c_.precision != TrainPrecision::fp32)
     fail(ErrorKind::unsupported, "{}: precision: {} with method: full is not built yet (full fine-tuning's products "
          "run in fp32); use precision: fp32, or method: lora", c_.source, train_precision_name(c_.precision));
@@ -524,13 +529,15 @@ TrainResult Trainer::finish() {
   on_root("write the output", [&] { params_->write_output(*model_, c_, out_opt); });
   res_.adapter_dir = c_.output_dir;
   if (rt_.metrics) rt_.metrics->on_finish();
-  const std::string out = std::filesystem::absolute(c_.output_dir).string();
+  const std::string out = std::filesystem::absolute(c_.output_dir).lexically_normal().string();
   log_->record(LogLevel::info, "finish",
                fmt::format("trained {} steps ({} target tokens) in {}, {:.0f} tokens/s; {} written to {}", res_.steps,
                            res_.trained_tokens, format_duration(seconds_since(t0_)), res_.tokens_per_s,
                            params_->output_kind(), out),
                {{"steps", res_.steps}, {"target_tokens", res_.trained_tokens},
                 {"tokens_per_s", res_.tokens_per_s}, {"output_dir", out}});
+  if (is_root() && c_.method == TrainMethod::lora && hooks_.after_adapter_written)
+    hooks_.after_adapter_written(*this, {out, steps_done(), /*final=*/true});
   return res_;
 }
 
@@ -673,7 +680,11 @@ void Trainer::write_checkpoint(std::string_view reason) {
   last_checkpoint_ = info.path;
   checkpoint_trace.arg("bytes", static_cast<double>(info.bytes));
   last_checkpoint_time_ = Clock::now();
-  if (!is_root()) return;  // the pruning and the record are rank 0's
+  const bool adapter = rt_.checkpoint_adapters && !reason.starts_with("signal");  // a stop should be quick
+  if (!is_root()) {  // the pruning and the record are rank 0's
+    if (adapter) write_checkpoint_adapter();
+    return;
+  }
   const std::vector<std::string> pruned = prune_checkpoints(checkpoint_dir_, c_.keep_checkpoints);
   if (rt_.metrics) rt_.metrics->on_checkpoint(info.seconds);
   nlohmann::json removed = nlohmann::json::array();
@@ -685,6 +696,27 @@ void Trainer::write_checkpoint(std::string_view reason) {
                {{"step", steps_done()},
                 {"checkpoint", {{"path", info.path}, {"reason", reason}, {"bytes", info.bytes},
                                 {"seconds", info.seconds}, {"removed", removed}}}});
+  if (adapter) write_checkpoint_adapter();
+}
+
+std::string Trainer::checkpoint_adapter_dir() const {
+  return (std::filesystem::absolute(checkpoint_dir_) / "latest-adapter").lexically_normal().string();
+}
+
+// One stable folder, replaced whole: a server told to load it can always read a complete adapter there, also
+// when it reloads it after an LRU eviction long after pruning removed the checkpoint it came from.
+void Trainer::write_checkpoint_adapter() {
+  TraceScope trace(tracer(), "checkpoint_adapter");
+  TrainConfig c = c_;
+  c.output_dir = checkpoint_adapter_dir();
+  FolderWriteOptions opt;
+  opt.what = "the checkpoint's adapter folder (latest-adapter)";
+  on_root("write the checkpoint's adapter", [&] { params_->write_output(*model_, c, opt); });
+  if (!is_root()) return;
+  log_->record(LogLevel::info, "checkpoint_adapter",
+               fmt::format("adapter of step {} written to {}", steps_done(), c.output_dir),
+               {{"step", steps_done()}, {"adapter_dir", c.output_dir}});
+  if (hooks_.after_adapter_written) hooks_.after_adapter_written(*this, {c.output_dir, steps_done(), false});
 }
 
 bool Trainer::checkpoint_due() {

@@ -102,6 +102,10 @@ struct TrainRuntime {
   // Filled after setup with the run's model, config keys and memory estimate
   // as a JSON object (the trace's otherData.loom, docs/profiling.md).
   std::string* profile_metadata = nullptr;
+  // LoRA: after each checkpoint (but a stop signal's), also write the adapter
+  // as a PEFT folder to checkpoint_dir/latest-adapter, replaced whole each
+  // time and never pruned, then call TrainHooks::after_adapter_written.
+  bool checkpoint_adapters = false;
 };
 
 class Trainer {
@@ -154,6 +158,8 @@ class Trainer {
   // parallel: rank 0's clock decides for every rank).
   bool checkpoint_due();
   const std::string& checkpoint_dir() const { return checkpoint_dir_; }
+  // Where TrainRuntime::checkpoint_adapters writes: checkpoint_dir/latest-adapter.
+  std::string checkpoint_adapter_dir() const;
   const std::string& last_checkpoint() const { return last_checkpoint_; }  // written or loaded; "" if none
   void maybe_start_qat(int64_t step);
   bool evaluated_at(int64_t step) const;
@@ -222,6 +228,8 @@ class Trainer {
   void log_start();
   void start_metrics();  // TrainRuntime::metrics: the run's info, and where it is served
   void write_metrics_step(const StepReport& r, double elapsed);
+  // TrainRuntime::checkpoint_adapters: the adapter of the checkpoint just written, then the hook.
+  void write_checkpoint_adapter();
   int64_t loss_tokens(int64_t local);
   // trainer_faults.cpp: the LOOM_FAILPOINTS site "step", the non-finite check
   // (the one place fp16 loss scaling will use too), a skipped step, and what

@@ -74,13 +74,15 @@ class FakeEngine : public Engine {
     for (const auto& [name, path] : adapters_) out.push_back({name, "base", path, 1700000001});
     return out;
   }
-  void load_adapter(const std::string& name, const std::string& path) override {
+  bool load_adapter(const std::string& name, const std::string& path, bool replace) override {
     std::lock_guard lock(mu_);
-    if (adapters_.count(name) || name == "base")
+    const bool exists = adapters_.count(name) > 0;
+    if ((exists && !replace) || name == "base")
       throw EngineError(EngineErrc::adapter_exists, "adapter '" + name + "' is already loaded", "lora_name");
     if (path.find("missing") != std::string::npos)
       throw EngineError(EngineErrc::adapter_load_failed, "cannot read " + path, "lora_path");
     adapters_[name] = path;
+    return exists;
   }
   void unload_adapter(const std::string& name) override {
     std::lock_guard lock(mu_);
@@ -796,6 +798,12 @@ TEST(HttpServer, TokenizeDetokenizeAndAdapters) {
   r = post(c, "/v1/load_lora_adapter", {{"lora_name", "sql"}, {"lora_path", "/adapters/sql"}});
   EXPECT_EQ(r->status, 400);
   EXPECT_EQ(json::parse(r->body)["error"]["code"], "adapter_exists");
+  r = post(c, "/v1/load_lora_adapter", {{"lora_name", "sql"}, {"lora_path", "/adapters/sql2"}, {"load_inplace", true}});
+  EXPECT_EQ(r->status, 200);
+  EXPECT_NE(r->body.find("replaced"), std::string::npos) << r->body;
+  r = post(c, "/v1/load_lora_adapter", {{"lora_name", "sql"}, {"lora_path", "/adapters/sql"}, {"load_inplace", "yes"}});
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(json::parse(r->body)["error"]["param"], "load_inplace");
   r = post(c, "/v1/load_lora_adapter", {{"lora_name", "x"}, {"lora_path", "/missing"}});
   EXPECT_EQ(r->status, 400);
   EXPECT_EQ(json::parse(r->body)["error"]["param"], "lora_path");
@@ -805,6 +813,7 @@ TEST(HttpServer, TokenizeDetokenizeAndAdapters) {
   const json models = json::parse(c.Get("/v1/models")->body);
   ASSERT_EQ(models["data"].size(), 2u);
   EXPECT_EQ(models["data"][1]["id"], "sql");
+  EXPECT_EQ(models["data"][1]["root"], "/adapters/sql2");  // the replacement's folder
   EXPECT_EQ(models["data"][1]["parent"], "base");
   r = post(c, "/v1/completions", {{"model", "sql"}, {"prompt", "q"}});
   EXPECT_EQ(r->status, 200);

@@ -278,6 +278,8 @@ TEST(OpenAIProtocol, VllmExtraEndpoints) {
   const auto l = parse_load_adapter_request(R"({"lora_name": "a", "lora_path": "/x/y"})");
   EXPECT_EQ(l.name, "a");
   EXPECT_EQ(l.path, "/x/y");
+  EXPECT_FALSE(l.inplace);
+  EXPECT_TRUE(parse_load_adapter_request(R"({"lora_name": "a", "lora_path": "/x", "load_inplace": true})").inplace);
   EXPECT_EQ(parse_unload_adapter_request(R"({"lora_name": "a", "lora_int_id": 3})").name, "a");
 
   const std::vector<BadCase> bad = {
@@ -297,6 +299,7 @@ TEST(OpenAIProtocol, VllmExtraEndpoints) {
       {R"({"lora_name": "", "lora_path": "/x"})", 400, "lora_name"},
       {R"({"lora_name": "a"})", 400, "lora_path"},
       {R"({"lora_name": 1, "lora_path": "/x"})", 400, "lora_name"},
+      {R"({"lora_name": "a", "lora_path": "/x", "load_inplace": 1})", 400, "load_inplace"},
   };
   for (const auto& c : bad_load) expect_api_error([&] { parse_load_adapter_request(c.body); }, c);
   expect_api_error([&] { parse_unload_adapter_request("{}"); }, {"{}", 400, "lora_name"});

@@ -14,7 +14,9 @@
 #include <thread>
 
 #include "serve/scheduler.h"
+#include "io/gguf.h"
 #include "kernels/int_quant.h"
+#include "model/config_load.h"
 #include "model/peft_adapter.h"
 #include "model_test_util.h"
 
@@ -279,7 +281,7 @@ TEST_F(ServingEngineTest, LoadAndUnloadWhileStreamsRun) {
     streams.push_back(std::make_shared<RequestStream>());
     e.submit(g, streams.back());
   }
-  e.load_adapter("a3", (tmp.path / "a3").string());
+  e.load_adapter("a3", (tmp.path / "a3").string(), false);
   e.unload_adapter("a2");  // a2's requests are running: they keep their adapter
   EXPECT_THROW(e.submit(greedy_request("a2", {5, 6}, 2), std::make_shared<RequestStream>()), EngineError);
   for (size_t i = 0; i < reqs.size(); ++i) {
@@ -289,7 +291,7 @@ TEST_F(ServingEngineTest, LoadAndUnloadWhileStreamsRun) {
   }
   const Output a3 = run_alone(e, greedy_request("a3", random_prompt(1, 20), 8));
   EXPECT_FALSE(a3.error);
-  e.load_adapter("a2", (tmp.path / "a2").string());  // back under the same name: same weights, same output
+  e.load_adapter("a2", (tmp.path / "a2").string(), false);  // back under the same name: same weights, same output
   EXPECT_EQ(run_alone(e, reqs[0]).ids[0], alone[0].ids[0]);
 }
 
@@ -304,6 +306,141 @@ TEST_F(ServingEngineTest, AdapterEvictionAndReload) {
   run_alone(e, greedy_request("a2", random_prompt(3, 9), 8));
   EXPECT_EQ(e.stats().adapters_loaded, 1);
   EXPECT_EQ(run_alone(e, greedy_request("a0", random_prompt(3, 9), 8)).ids[0], first.ids[0]);
+}
+
+// ---- replacing an adapter in place ("load_inplace": true)
+
+// The A factor of layer 0's q_proj, as the registry serves it (f32), copied out.
+std::vector<float> q_a_values(const LoadedAdapter& a) {
+  const ServeLoraPair& p = a.view.pair(0, LoraTarget::q);
+  const auto* v = static_cast<const float*>(p.a.data);
+  return {v, v + p.a.numel()};
+}
+
+std::vector<float> q_a_on_disk(const fs::path& dir) {
+  const peft::AdapterTensors t = peft::read_adapter(dir.string());
+  const peft::LoraPair& p = t.pairs.at({0, LoraTarget::q});
+  return {p.a_data(), p.a_data() + p.in * t.config.r};
+}
+
+class AdapterReplaceTest : public ServingEngineTest {
+ protected:
+  ModelConfig config = config_from_gguf(*gguf::File::open(kModel));
+};
+
+// A holder of the old version (a running sequence) keeps its weights, unchanged, even when the folder it came
+// from is rewritten afterwards; the next acquire gets the new version under a new id and path.
+TEST_F(AdapterReplaceTest, HolderKeepsTheOldVersion) {
+  AdapterRegistry reg(config, {tmp.path.string()}, 8);
+  write_random_adapter(tmp.path / "v", 7);
+  const std::vector<float> v1_values = q_a_on_disk(tmp.path / "v");
+  EXPECT_FALSE(reg.add("p", (tmp.path / "v").string(), /*runtime=*/true, /*replace=*/true));  // new name: added
+  const auto held = *reg.acquire("p");
+  ASSERT_TRUE(held);
+  EXPECT_EQ(q_a_values(*held), v1_values);
+  EXPECT_THROW(reg.add("p", (tmp.path / "a1").string(), true), EngineError);  // without replace: adapter_exists
+  EXPECT_TRUE(reg.add("p", (tmp.path / "a1").string(), true, /*replace=*/true));
+  write_random_adapter(tmp.path / "v", 8);  // the old folder rewritten (as a trainer's next publish does)
+  const auto now = *reg.acquire("p");
+  ASSERT_TRUE(now);
+  EXPECT_NE(now->id, held->id);
+  EXPECT_NE(now.get(), held.get());
+  EXPECT_EQ(now->path, fs::weakly_canonical(tmp.path / "a1").string());
+  EXPECT_EQ(q_a_values(*now), q_a_on_disk(tmp.path / "a1"));
+  EXPECT_EQ(q_a_values(*held), v1_values) << "the running sequence's version changed under it";
+  EXPECT_EQ(held->path, fs::weakly_canonical(tmp.path / "v").string());
+  const std::vector<AdapterInfo> list = reg.list();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].path, now->path);
+  EXPECT_EQ(reg.resident_count(), 1);
+}
+
+// A replacement that fails to load or validate leaves the old version registered and served.
+TEST_F(AdapterReplaceTest, FailedReplacementKeepsTheOldVersion) {
+  AdapterRegistry reg(config, {tmp.path.string()}, 8);
+  reg.add("p", (tmp.path / "a0").string(), true);
+  const auto before = *reg.acquire("p");
+  const int64_t id = before->id;
+  fs::create_directories(tmp.path / "empty");
+  write_random_adapter(tmp.path / "nan", 5);
+  {
+    peft::AdapterTensors ad = peft::read_adapter((tmp.path / "nan").string());
+    ad.pairs.at({1, LoraTarget::v}).b[3] = std::numeric_limits<float>::quiet_NaN();
+    peft::write_adapter((tmp.path / "nan").string(), ad);
+  }
+  const auto code = [&](const fs::path& dir) {
+    try {
+      reg.add("p", dir.string(), true, /*replace=*/true);
+    } catch (const EngineError& e) {
+      return e.code();
+    }
+    return EngineErrc::internal;
+  };
+  EXPECT_EQ(code(tmp.path / "empty"), EngineErrc::adapter_load_failed);
+  EXPECT_EQ(code(tmp.path / "nan"), EngineErrc::adapter_load_failed);
+  EXPECT_EQ(code("/etc"), EngineErrc::invalid_request);  // outside --adapter-dir, replacement or not
+  const auto after = *reg.acquire("p");
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->id, id);
+  EXPECT_EQ(after.get(), before.get());
+  EXPECT_EQ(reg.list()[0].path, fs::weakly_canonical(tmp.path / "a0").string());
+}
+
+// With every slot taken (max_resident 1), replacing an evicted adapter loads the new version into a slot
+// freed by eviction or leaves it to be loaded from the new path on demand; never more than max resident.
+TEST_F(AdapterReplaceTest, ReplacingAnEvictedAdapter) {
+  AdapterRegistry reg(config, {tmp.path.string()}, 1);
+  reg.add("p", (tmp.path / "a0").string(), true);
+  reg.add("q", (tmp.path / "a1").string(), true);  // evicts p
+  auto q = *reg.acquire("q");                       // held: q cannot be evicted now
+  EXPECT_TRUE(reg.add("p", (tmp.path / "a2").string(), true, /*replace=*/true));
+  EXPECT_EQ(reg.resident_count(), 1);
+  EXPECT_FALSE(*reg.acquire("p")) << "every slot is in use: the caller waits";
+  q.reset();
+  const auto p = *reg.acquire("p");  // q evicted; p loaded from its new folder
+  ASSERT_TRUE(p);
+  EXPECT_EQ(q_a_values(*p), q_a_on_disk(tmp.path / "a2"));
+  EXPECT_EQ(reg.resident_count(), 1);
+}
+
+// A stream on version 1 keeps producing version 1's tokens while version 2 replaces it; requests after the
+// swap get version 2, also for a prompt whose blocks version 1 left in the prefix cache.
+TEST_F(ServingEngineTest, ReplaceInPlaceWhileAStreamRuns) {
+  ServeOptions o = options();
+  o.fault_hook = [](FaultPoint p, const GenerationRequest&) {
+    if (p == FaultPoint::forward) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  };
+  ServingEngine e(o);
+  const std::vector<int32_t> prompt = random_prompt(21, 40);  // two full blocks to cache
+  const Output v1 = run_alone(e, greedy_request("a0", prompt, 60));
+  const Output v2 = run_alone(e, greedy_request("a1", prompt, 60));
+  ASSERT_FALSE(v1.error);
+  ASSERT_NE(v1.ids[0], v2.ids[0]) << "the two adapters must differ for this test to mean anything";
+  EXPECT_FALSE(e.load_adapter("p", (tmp.path / "a0").string(), /*replace=*/true));
+  EXPECT_EQ(run_alone(e, greedy_request("p", prompt, 60)).ids[0], v1.ids[0]);  // caches the prompt under v1
+  auto s = std::make_shared<RequestStream>();
+  e.submit(greedy_request("p", prompt, 60), s);
+  std::vector<int32_t> got;
+  while (got.size() < 3) {
+    auto ev = s->pop(std::chrono::seconds(30));
+    ASSERT_TRUE(ev);
+    ASSERT_EQ(ev->kind, GenerationEvent::Kind::delta);
+    got.insert(got.end(), ev->delta.token_ids.begin(), ev->delta.token_ids.end());
+  }
+  EXPECT_TRUE(e.load_adapter("p", (tmp.path / "a1").string(), /*replace=*/true));
+  const Output after = run_alone(e, greedy_request("p", prompt, 60));
+  ASSERT_FALSE(after.error);
+  EXPECT_EQ(after.ids[0], v2.ids[0]) << "a request after the swap must get version 2 (and no v1 cached prefix)";
+  const Output rest = collect(*s);
+  ASSERT_FALSE(rest.error);
+  got.insert(got.end(), rest.ids[0].begin(), rest.ids[0].end());
+  EXPECT_EQ(got, v1.ids[0]) << "the running stream must keep version 1";
+  bool listed = false;
+  for (const ModelInfo& m : e.list_models())
+    if (m.id == "p") listed = m.path == fs::weakly_canonical(tmp.path / "a1").string();
+  EXPECT_TRUE(listed);
+  // Without load_inplace the name is still refused.
+  EXPECT_THROW(e.load_adapter("p", (tmp.path / "a0").string(), false), EngineError);
 }
 
 TEST_F(ServingEngineTest, SeededChoicesAreReproducible) {
@@ -351,7 +488,7 @@ TEST_F(ServingEngineTest, BadRequestsAreTypedErrors) {
   EXPECT_EQ(code(greedy_request("base", random_prompt(1, 10), e.max_model_len())), EngineErrc::context_length_exceeded);
   auto load_code = [&](const std::string& name, const std::string& path) {
     try {
-      e.load_adapter(name, path);
+      e.load_adapter(name, path, false);
     } catch (const EngineError& err) {
       return err.code();
     }
@@ -501,7 +638,7 @@ struct OutsideDir {
 
 EngineErrc load_error(ServingEngine& e, const std::string& name, const std::string& path, std::string* message) {
   try {
-    e.load_adapter(name, path);
+    e.load_adapter(name, path, false);
   } catch (const EngineError& err) {
     if (message) *message = err.what();
     return err.code();
@@ -541,7 +678,7 @@ TEST_F(ServingEngineTest, AdapterFileSymlinkedOutOfTheAllowedFolderIsRefused) {
   fs::copy_file(outside / "real" / "adapter_config.json", good / "adapter_config.json");
   fs::copy_file(outside / "real" / "adapter_model.safetensors", tmp.path / "allowed" / "weights.safetensors");
   fs::create_symlink(tmp.path / "allowed" / "weights.safetensors", good / "adapter_model.safetensors");
-  EXPECT_NO_THROW(e.load_adapter("good", good.string()));
+  EXPECT_NO_THROW(e.load_adapter("good", good.string(), false));
   EXPECT_FALSE(run_alone(e, greedy_request("good", {5, 6, 7}, 3)).error);
   EXPECT_FALSE(e.list_models().empty());
 }
@@ -555,7 +692,7 @@ TEST_F(ServingEngineTest, AdapterReloadAfterEvictionChecksContainmentAgain) {
   o.max_loras = 1;
   ServingEngine e(o);
   write_random_adapter(tmp.path / "swap", 9);
-  e.load_adapter("swap", (tmp.path / "swap").string());
+  e.load_adapter("swap", (tmp.path / "swap").string(), false);
   EXPECT_FALSE(run_alone(e, greedy_request("swap", {5, 6, 7}, 3)).error);
   EXPECT_FALSE(run_alone(e, greedy_request("a0", {5, 6, 7}, 3)).error);  // evicts "swap" (max_loras 1)
   fs::remove(tmp.path / "swap" / "adapter_model.safetensors");
@@ -605,7 +742,7 @@ TEST_F(ServingEngineTest, AdapterWithNonFiniteWeightsOrScaleIsRefused) {
   EXPECT_THROW(ServingEngine bad(o), EngineError);
   // A sound adapter with a large but finite scale loads.
   write_adapter_with(tmp.path / "big", 21, std::nullopt, 1e4);
-  EXPECT_NO_THROW(e.load_adapter("big", (tmp.path / "big").string()));
+  EXPECT_NO_THROW(e.load_adapter("big", (tmp.path / "big").string(), false));
 }
 
 }  // namespace

@@ -10,12 +10,15 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "expect_error.h"
 #include "temp_dir.h"
 #include "model/lora.h"
+#include "model/peft_adapter.h"
 #include "train/lora_params.h"
 #include "train/train_step.h"
 #include "train/trainer.h"
@@ -234,6 +237,70 @@ TEST(TrainerHooks, FullFineTuningThroughTheSameHooks) {
   EXPECT_EQ(steps, 2);
   EXPECT_EQ(evals, r.eval_losses);
   EXPECT_EQ(evals.size(), 2u);  // step 0 and the end
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// TrainRuntime::checkpoint_adapters: after each checkpoint its adapter is written whole to
+// checkpoint_dir/latest-adapter (kept past pruning) and handed to after_adapter_written, then the output
+// folder at the end; the last checkpoint's adapter (step 3 = the end) is the output's, byte for byte.
+TEST(TrainerHooks, AdapterWrittenAtCheckpointsAndAtTheEnd) {
+  TempDir tmp;
+  const TrainConfig c = hooks_config(tmp, {"checkpoint_interval=1", "keep_checkpoints=1"});
+  std::vector<AdapterWritten> written;
+  std::vector<std::string> adapter_bytes;
+  TrainHooks h;
+  h.after_adapter_written = [&](Trainer&, const AdapterWritten& a) {
+    written.push_back(a);
+    adapter_bytes.push_back(file_bytes(fs::path(a.path) / "adapter_model.safetensors"));
+  };
+  TrainRuntime rt;
+  rt.checkpoint_adapters = true;
+  run_training(c, nullptr, h, rt);
+  const fs::path out = fs::absolute(tmp.path / "out");
+  const fs::path latest = out / "checkpoints" / "latest-adapter";
+  ASSERT_EQ(written.size(), 4u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(written[static_cast<size_t>(i)].path, latest.string());
+    EXPECT_EQ(written[static_cast<size_t>(i)].step, i + 1);
+    EXPECT_FALSE(written[static_cast<size_t>(i)].final);
+  }
+  EXPECT_EQ(written[3].path, out.string());
+  EXPECT_EQ(written[3].step, 3);
+  EXPECT_TRUE(written[3].final);
+  EXPECT_NE(adapter_bytes[0], adapter_bytes[1]) << "each checkpoint's adapter is that step's";
+  EXPECT_EQ(adapter_bytes[2], adapter_bytes[3]);
+  EXPECT_EQ(file_bytes(latest / "adapter_model.safetensors"), file_bytes(out / "adapter_model.safetensors"));
+  EXPECT_NO_THROW(peft::read_adapter(latest.string()));
+  EXPECT_TRUE(fs::exists(out / "checkpoints" / "step-00000003"));
+  EXPECT_FALSE(fs::exists(out / "checkpoints" / "step-00000001")) << "pruned (keep_checkpoints 1)";
+
+  // Without checkpoint_adapters: only the output, and no latest-adapter folder.
+  written.clear();
+  run_training(hooks_config(tmp, {"checkpoint_interval=1", "output_dir=" + (tmp.path / "out2").string()}), nullptr,
+               h);
+  ASSERT_EQ(written.size(), 1u);
+  EXPECT_TRUE(written[0].final);
+  EXPECT_FALSE(fs::exists(tmp.path / "out2" / "checkpoints" / "latest-adapter"));
+}
+
+// Full fine-tuning writes no adapter: checkpoint_adapters is refused, and the hook is never called.
+TEST(TrainerHooks, CheckpointAdaptersNeedLora) {
+  TempDir tmp;
+  TrainConfig c = hooks_config(tmp, {"method=full", "optim.lr=1e-3", "steps=1"});
+  c.mlp_lr.reset();
+  c.lora_plus_ratio.reset();
+  TrainRuntime rt;
+  rt.checkpoint_adapters = true;
+  EXPECT_THROW(run_training(c, nullptr, {}, rt), Error);
+  int calls = 0;
+  TrainHooks h;
+  h.after_adapter_written = [&](Trainer&, const AdapterWritten&) { ++calls; };
+  run_training(c, nullptr, h);
+  EXPECT_EQ(calls, 0);
 }
 
 }  // namespace
