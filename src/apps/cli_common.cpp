@@ -152,6 +152,11 @@ void print_speed(const GenerateResult& r) {
   std::fprintf(stderr, "generation: %zu tokens in %.1f ms, %.2f tokens/s (%s)\n", r.tokens.size(),
                r.generate_seconds * 1e3, r.generate_seconds > 0 ? n / r.generate_seconds : 0.0,
                finish_reason_name(r.finish));
+  if (r.draft_tokens > 0)
+    std::fprintf(stderr, "speculation: %lld of %lld drafted tokens accepted (%.1f%%), %lld evaluations\n",
+                 static_cast<long long>(r.accepted_tokens), static_cast<long long>(r.draft_tokens),
+                 100.0 * static_cast<double>(r.accepted_tokens) / static_cast<double>(r.draft_tokens),
+                 static_cast<long long>(r.forward_steps));
 }
 
 void add_device_flag(CLI::App& app, std::string& device) {
