@@ -80,6 +80,11 @@ int run_serve(int argc, char** argv) {
       ->check(CLI::Range(1, 4096));
   app.add_option("--max-batch-tokens", so.max_batch_tokens, "token rows per step (decodes + prefill chunks)")
       ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  app.add_option("--spec-ngram", so.spec.num_draft,
+                 "prompt-lookup speculative decoding: up to K drafted tokens per step for greedy requests (0: off)")
+      ->capture_default_str();
+  app.add_option("--spec-ngram-max", so.spec.max_ngram, "longest n-gram looked up for drafts")->capture_default_str();
+  app.add_option("--spec-ngram-min", so.spec.min_ngram, "shortest n-gram looked up for drafts")->capture_default_str();
   int64_t header_timeout_s = 10, body_timeout_s = 60;
   app.add_option("--http-threads", ho.connections.keep_threads,
                  "idle HTTP connection threads kept for reuse (more start on demand, up to --max-connections)")
@@ -108,6 +113,7 @@ int run_serve(int argc, char** argv) {
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
+  validate_ngram_spec(so.spec);
   for (const std::string& spec : adapter_specs) {
     const auto eq = spec.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
