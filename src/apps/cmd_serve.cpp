@@ -85,6 +85,9 @@ int run_serve(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--spec-ngram-max", so.spec.max_ngram, "longest n-gram looked up for drafts")->capture_default_str();
   app.add_option("--spec-ngram-min", so.spec.min_ngram, "shortest n-gram looked up for drafts")->capture_default_str();
+  app.add_option("--spec-max-batch", so.spec_max_batch,
+                 "draft only in steps with at most N decoding sequences (0: always)")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   int64_t header_timeout_s = 10, body_timeout_s = 60;
   app.add_option("--http-threads", ho.connections.keep_threads,
                  "idle HTTP connection threads kept for reuse (more start on demand, up to --max-connections)")

@@ -602,9 +602,10 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
   }
   int64_t budget = opt_.max_batch_tokens;
   // Speculating sequences verify drafts in the rows the decode rows leave over (oldest first).
-  int64_t spare = budget - std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
-                    return !s->finished && static_cast<int64_t>(s->tokens.size()) - s->n_computed == 1;
-                  });
+  const int64_t n_decode = std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
+    return !s->finished && static_cast<int64_t>(s->tokens.size()) - s->n_computed == 1;
+  });
+  int64_t spare = opt_.spec_max_batch > 0 && n_decode > opt_.spec_max_batch ? 0 : budget - n_decode;
   for (Sequence* s : running_) {
     const auto n = static_cast<int64_t>(s->tokens.size());
     if (s->finished || n - s->n_computed != 1) continue;

@@ -52,6 +52,9 @@ struct ServeOptions {
   // Prompt-lookup speculative decoding (`--spec-ngram K`) for greedy requests (temperature 0); other
   // requests decode one token a step. The tokens are those of plain decoding (docs/serving.md).
   NgramSpecParams spec;
+  // Steps with more decoding sequences than this draft nothing: a batch already uses the compute a
+  // sequence's drafts would fill (vLLM's speculative disable_by_batch_size). 0: no limit.
+  int64_t spec_max_batch = 2;
   // Tensor parallel (`loom serve --tp N` under mpirun): this process holds rank
   // tp->rank()'s shard of the heads and MLP channels (model/tensor_parallel.h);
   // rank 0 schedules and samples, the others follow its forward steps. Null: the whole model.
