@@ -5,6 +5,7 @@
 // the tiny llama fixtures, whose random weights repeat themselves a lot.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -202,6 +203,35 @@ TEST_F(SpeculativeGenerate, SamplingAtATemperatureIgnoresSpeculation) {
   const Run got = run(test_prompts()[2], o);
   EXPECT_EQ(got.r.tokens, want.r.tokens);
   EXPECT_EQ(got.r.draft_tokens, 0);
+}
+
+// The default model (skipped without it): quoting, code editing and free text, 64 greedy tokens each.
+TEST(SpeculativeGenerateDefaultModel, SmolLM2SameTokensAsPlainGreedyDecoding) {
+  const std::string path = std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " not present (run scripts/fetch_model)";
+  ThreadPool pool(2);
+  const auto backend = make_backend(kCpu, pool);
+  const auto model = Model::load(path, {.tokenizer = true, .pack = true, .backend = backend.get()});
+  const char* prompts[] = {
+      "The lighthouse keeper climbed the stairs at dusk, polished the lens and trimmed the wick.\n\n"
+      "The same sentence again, word for word:\n",
+      "def total(items):\n    x = 0\n    for i in items:\n        x += i\n    return x\n\n"
+      "# The same function with x renamed to acc:\ndef total(items):\n",
+      "Here is a short story about a dragon who learns to cook.\n\n"};
+  int64_t accepted = 0;
+  for (const char* text : prompts) {
+    const auto ids = model->tokenizer().encode(text, true, true);
+    GenerateOptions o = greedy(64);
+    InferenceSession plain_s(model->config(), model->weights(), *backend, 512);
+    const auto want = generate(plain_s, model->tokenizer(), ids, o, [](const std::string&) { return true; });
+    o.spec = {5, 3, 2};
+    InferenceSession spec_s(model->config(), model->weights(), *backend, 512);
+    const auto got = generate(spec_s, model->tokenizer(), ids, o, [](const std::string&) { return true; });
+    EXPECT_EQ(got.tokens, want.tokens) << text;
+    EXPECT_EQ(spec_s.n_past(), plain_s.n_past());
+    accepted += got.accepted_tokens;
+  }
+  EXPECT_GT(accepted, 20);
 }
 
 // ---- the serving engine ---------------------------------------------------
