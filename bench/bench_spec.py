@@ -124,35 +124,37 @@ def serve_round(port, message, tokens, conc):
 
 
 def bench_serve(a):
-    print(f"\n## loom serve: chat, {a.tokens} max tokens, greedy, -t {a.threads}, best of {a.runs} rounds, "
-          f"--spec-ngram {a.k} --spec-max-batch {a.max_batch}\n")
+    print(f"\n## loom serve: chat, {a.tokens} max tokens, greedy, -t {a.threads}, median of {a.runs} rounds "
+          f"(plain and speculative servers both up, rounds alternating), --spec-ngram {a.k} "
+          f"--spec-max-batch {a.max_batch}\n")
     print("| prompt | clients | plain tok/s | speculative tok/s | speed-up | accepted / drafted | same text |")
     print("|---|---|---|---|---|---|---|")
-    results = {}
-    for k in (0, a.k):
-        proc, port = start_server(a, k)
-        try:
+    servers = [start_server(a, 0), start_server(a, a.k)]
+    try:
+        for _, port in servers:
             chat(port, "Hello", 4)  # warm-up
-            for name, _, _, message in PROMPTS:
-                for conc in a.concurrency:
-                    d0, a0 = metric(port, "loom_spec_decode_draft_tokens_total"), metric(
-                        port, "loom_spec_decode_accepted_tokens_total")
-                    best, text = 0.0, None
-                    for _ in range(a.runs):
-                        text, tps = serve_round(port, message, a.tokens, conc)
-                        best = max(best, tps)
-                    drafted = metric(port, "loom_spec_decode_draft_tokens_total") - d0
-                    accepted = metric(port, "loom_spec_decode_accepted_tokens_total") - a0
-                    results[(k, name, conc)] = (best, text, accepted, drafted)
-        finally:
+        spec_port = servers[1][1]
+        for name, _, _, message in PROMPTS:
+            for conc in a.concurrency:
+                d0 = metric(spec_port, "loom_spec_decode_draft_tokens_total")
+                a0 = metric(spec_port, "loom_spec_decode_accepted_tokens_total")
+                tps, texts = ([], []), ([], [])
+                for _ in range(a.runs):
+                    for i, (_, port) in enumerate(servers):
+                        text, t = serve_round(port, message, a.tokens, conc)
+                        tps[i].append(t)
+                        texts[i].append(text)
+                drafted = metric(spec_port, "loom_spec_decode_draft_tokens_total") - d0
+                accepted = metric(spec_port, "loom_spec_decode_accepted_tokens_total") - a0
+                p, sp = statistics.median(tps[0]), statistics.median(tps[1])
+                rate = f"{accepted:.0f} / {drafted:.0f} ({100 * accepted / drafted:.0f}%)" if drafted else "0 / 0"
+                same = all(t == texts[0][0] for t in texts[0] + texts[1])
+                print(f"| {name} | {conc} | {p:.1f} | {sp:.1f} | {sp / p:.2f}x | {rate} | {'yes' if same else 'NO'} |")
+                sys.stdout.flush()
+    finally:
+        for proc, _ in servers:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
-    for name, _, _, _ in PROMPTS:
-        for conc in a.concurrency:
-            p, tp, _, _ = results[(0, name, conc)]
-            s, ts, acc, dr = results[(a.k, name, conc)]
-            rate = f"{acc:.0f} / {dr:.0f} ({100 * acc / dr:.0f}%)" if dr else "0 / 0"
-            print(f"| {name} | {conc} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {rate} | {'yes' if tp == ts else 'NO'} |")
 
 
 def main():

@@ -107,6 +107,7 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
   const bool speculate = opts.spec.enabled() && opts.sampling.temperature <= 0;
   const auto V = static_cast<size_t>(session.vocab_size());
   std::vector<int32_t> drafts, chunk;
+  int64_t draft_length = opts.spec.num_draft;  // adapted after each verification
   if (opts.max_tokens != 0) {
     int32_t id = sampler.sample(logits, history);
     while (take(id)) {
@@ -115,7 +116,7 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
         // Room for the drafts in the context and in max_tokens (the last kept token is never evaluated).
         int64_t room = session.n_ctx() - session.n_past() - 1;
         if (opts.max_tokens >= 0) room = std::min(room, opts.max_tokens - static_cast<int64_t>(r.tokens.size()) - 1);
-        propose_ngram_drafts(history, opts.spec, room, drafts);
+        propose_ngram_drafts(history, opts.spec, std::min(room, draft_length), drafts);
       }
       if (drafts.empty()) {
         logits = session.eval(std::span<const int32_t>(&id, 1));
@@ -138,6 +139,7 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
         if (!(more = take(id))) break;
       }
       if (!more) break;
+      draft_length = next_draft_length(opts.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
       session.truncate(base + 1 + static_cast<int64_t>(j));  // drop the rejected drafts' positions
     }
     // As plain decoding leaves it (speculation may have evaluated kept or rejected tokens beyond).

@@ -14,6 +14,11 @@ void validate_ngram_spec(const NgramSpecParams& p) {
          p.min_ngram, p.max_ngram);
 }
 
+int64_t next_draft_length(const NgramSpecParams& p, int64_t accepted, int64_t drafted) {
+  const int64_t next = accepted >= drafted ? 2 * drafted : accepted + 1;
+  return std::clamp<int64_t>(next, 1, std::max<int32_t>(p.num_draft, 1));
+}
+
 void propose_ngram_drafts(std::span<const int32_t> tokens, const NgramSpecParams& p, int64_t max_draft,
                           std::vector<int32_t>& out) {
   out.clear();

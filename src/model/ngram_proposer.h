@@ -26,6 +26,11 @@ void validate_ngram_spec(const NgramSpecParams& p);
 // `tokens` occurs earlier in `tokens` gives the tokens after its most recent
 // such occurrence (fewer when that occurrence is near the end). Empty when no
 // suffix occurs earlier: the caller then decodes one token as usual.
+// The draft length of a sequence's next step after a verification that accepted `accepted` of `drafted`
+// tokens: twice the draft (up to p.num_draft) when all were accepted, else one more than were accepted. A
+// text that stops repeating itself then costs one extra row per step rather than num_draft.
+int64_t next_draft_length(const NgramSpecParams& p, int64_t accepted, int64_t drafted);
+
 void propose_ngram_drafts(std::span<const int32_t> tokens, const NgramSpecParams& p, int64_t max_draft,
                           std::vector<int32_t>& out);
 

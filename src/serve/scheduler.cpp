@@ -37,6 +37,7 @@ struct ServingEngine::Sequence {
   StopStreamer stop;
   bool finished = false;
   std::vector<int32_t> spec_chunk;  // speculation: [last token, drafts] of the current step
+  int64_t draft_length = -1;        // speculation: most drafts next step (next_draft_length); -1: not yet
   std::vector<double> pooled;       // embeddings: sum of the final-norm hidden rows so far
 
   Sequence(Request* r, int32_t c, const SamplingParams& sp, int64_t vocab, const Tokenizer& tok,
@@ -524,8 +525,9 @@ int64_t ServingEngine::draft(Sequence* s, int64_t spare) {
                                  max_len_ - n - 1});
   std::vector<int32_t>& chunk = s->spec_chunk;
   chunk.clear();
+  if (s->draft_length < 0) s->draft_length = opt_.spec.num_draft;
   if (room <= 0) return 0;
-  propose_ngram_drafts(s->tokens, opt_.spec, room, chunk);
+  propose_ngram_drafts(s->tokens, opt_.spec, std::min(room, s->draft_length), chunk);
   auto k = static_cast<int64_t>(chunk.size());
   if (k == 0) return 0;
   // Blocks for the drafts' positions while the pool keeps its admission margin; a guess never preempts.
@@ -546,7 +548,10 @@ void ServingEngine::accept_drafts(Sequence* s, std::span<const int32_t> drafts, 
   spec_drafted_.fetch_add(static_cast<int64_t>(drafts.size()));
   for (size_t j = 0;; ++j) {
     const int32_t id = sample_and_emit(s, logits + static_cast<int64_t>(j) * V);
-    if (j == drafts.size() || id != drafts[j]) break;
+    if (j == drafts.size() || id != drafts[j]) {
+      s->draft_length = next_draft_length(opt_.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
+      break;
+    }
     spec_accepted_.fetch_add(1);
     if (s->finished) return;
     // The draft's K/V, written by this step, are the sequence's now; a rejected draft's slot is overwritten

@@ -56,6 +56,14 @@ TEST(NgramProposer, NothingWithoutAMatchOrRoom) {
   EXPECT_EQ(drafts_of({4, 4, 4, 4}, 5, 3, 1), (std::vector<int32_t>{4}));
 }
 
+TEST(NgramProposer, DraftLengthDoublesOnFullAcceptanceAndShrinksOnRejection) {
+  const NgramSpecParams p{8, 3, 2};
+  EXPECT_EQ(next_draft_length(p, 2, 2), 4);
+  EXPECT_EQ(next_draft_length(p, 5, 5), 8);  // capped at num_draft
+  EXPECT_EQ(next_draft_length(p, 0, 8), 1);
+  EXPECT_EQ(next_draft_length(p, 3, 8), 4);
+}
+
 TEST(NgramProposer, ValidatesItsParameters) {
   EXPECT_NO_THROW(validate_ngram_spec({0, 3, 2}));
   EXPECT_NO_THROW(validate_ngram_spec({5, 1, 1}));
@@ -231,7 +239,7 @@ TEST(SpeculativeGenerateDefaultModel, SmolLM2SameTokensAsPlainGreedyDecoding) {
     EXPECT_EQ(spec_s.n_past(), plain_s.n_past());
     accepted += got.accepted_tokens;
   }
-  EXPECT_GT(accepted, 20);
+  EXPECT_GT(accepted, 10);
 }
 
 // ---- the serving engine ---------------------------------------------------
