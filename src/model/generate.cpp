@@ -96,11 +96,20 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
     r.tokens.push_back(id);
     history.push_back(id);
     const std::string text = streamer.push(tok.token_to_piece(id));
-    if (!text.empty() && !on_text(text)) { r.finish = FinishReason::stop; return false; }
-    if (streamer.stopped()) { r.finish = FinishReason::stop; return false; }
+    if (!text.empty() && !on_text(text)) {
+      r.finish = FinishReason::stop;
+      return false;
+    }
+    if (streamer.stopped()) {
+      r.finish = FinishReason::stop;
+      return false;
+    }
     const auto n = static_cast<int64_t>(r.tokens.size());
     if (opts.max_tokens >= 0 && n == opts.max_tokens) return false;
-    if (prompt_end + n - 1 >= session.n_ctx()) { r.finish = FinishReason::context_full; return false; }
+    if (prompt_end + n - 1 >= session.n_ctx()) {
+      r.finish = FinishReason::context_full;
+      return false;
+    }
     return true;
   };
 
@@ -115,7 +124,8 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
       if (speculate) {
         // Room for the drafts in the context and in max_tokens (the last kept token is never evaluated).
         int64_t room = session.n_ctx() - session.n_past() - 1;
-        if (opts.max_tokens >= 0) room = std::min(room, opts.max_tokens - static_cast<int64_t>(r.tokens.size()) - 1);
+        if (opts.max_tokens >= 0)
+          room = std::min(room, opts.max_tokens - static_cast<int64_t>(r.tokens.size()) - 1);
         propose_ngram_drafts(history, opts.spec, std::min(room, draft_length), drafts);
       }
       if (drafts.empty()) {
@@ -139,11 +149,13 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
         if (!(more = take(id))) break;
       }
       if (!more) break;
-      draft_length = next_draft_length(opts.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
+      draft_length =
+          next_draft_length(opts.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
       session.truncate(base + 1 + static_cast<int64_t>(j));  // drop the rejected drafts' positions
     }
     // As plain decoding leaves it (speculation may have evaluated kept or rejected tokens beyond).
-    const int64_t keep = prompt_end + static_cast<int64_t>(r.tokens.size()) - (ended_by_eog || r.tokens.empty() ? 0 : 1);
+    const int64_t keep =
+        prompt_end + static_cast<int64_t>(r.tokens.size()) - (ended_by_eog || r.tokens.empty() ? 0 : 1);
     if (session.n_past() > keep) session.truncate(keep);
   }
   const std::string rest = streamer.flush();

@@ -10,8 +10,9 @@ void validate_ngram_spec(const NgramSpecParams& p) {
   if (p.num_draft < 0 || p.num_draft > 64)
     fail(ErrorKind::invalid_input, "--spec-ngram must be in [0, 64] (got {})", p.num_draft);
   if (p.min_ngram < 1 || p.max_ngram > 64 || p.min_ngram > p.max_ngram)
-    fail(ErrorKind::invalid_input, "--spec-ngram-min {} and --spec-ngram-max {} must satisfy 1 <= min <= max <= 64",
-         p.min_ngram, p.max_ngram);
+    fail(ErrorKind::invalid_input,
+         "--spec-ngram-min {} and --spec-ngram-max {} must satisfy 1 <= min <= max <= 64", p.min_ngram,
+         p.max_ngram);
 }
 
 int64_t next_draft_length(const NgramSpecParams& p, int64_t accepted, int64_t drafted) {

@@ -26,8 +26,8 @@ struct BatchChunk {
   std::span<const int32_t> tokens;        // 1 for a decode step, more for a prefill chunk
   const ServeAdapter* adapter = nullptr;  // null: the base model; validated by its loader
   bool want_logits = false;               // logits of the chunk's last `logit_rows` tokens
-  int64_t logit_rows = 1;                 // with want_logits: 1..tokens.size() (speculative verification: all)
-  bool want_hidden = false;               // final-norm hidden state of every token (embeddings)
+  int64_t logit_rows = 1;    // with want_logits: 1..tokens.size() (speculative verification: all)
+  bool want_hidden = false;  // final-norm hidden state of every token (embeddings)
 };
 
 // Results are batch invariant: a chunk's logits and the K/V rows it writes

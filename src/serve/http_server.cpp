@@ -332,7 +332,8 @@ struct HttpServer::Impl {
         [this](auto& req, auto& res, auto& rec) { generate(req, res, rec, RequestKind::completion); });
     add("POST", "/v1/chat/completions", true,
         [this](auto& req, auto& res, auto& rec) { generate(req, res, rec, RequestKind::chat); });
-    add("POST", "/v1/embeddings", true, [this](auto& req, auto& res, auto& rec) { embeddings(req, res, rec); });
+    add("POST", "/v1/embeddings", true,
+        [this](auto& req, auto& res, auto& rec) { embeddings(req, res, rec); });
     for (const std::string prefix : {"", "/v1"}) {
       add("POST", prefix + "/tokenize", true,
           [this](const httplib::Request& req, auto& res, RequestRecord& rec) {
@@ -375,7 +376,9 @@ struct HttpServer::Impl {
       metrics.kv_cache_usage.set(s.kv_cache_usage);
       metrics.adapters_loaded.set(static_cast<double>(s.adapters_loaded));
       // The engine counts; the counters catch up to it (never down).
-      auto catch_up = [](Counter& c, int64_t total) { c.inc(std::max(0.0, static_cast<double>(total) - c.value())); };
+      auto catch_up = [](Counter& c, int64_t total) {
+        c.inc(std::max(0.0, static_cast<double>(total) - c.value()));
+      };
       catch_up(metrics.spec_draft_tokens, s.spec_draft_tokens);
       catch_up(metrics.spec_accepted_tokens, s.spec_accepted_tokens);
       res.status = 200;
@@ -599,7 +602,8 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
 // One engine request per input, run like a prompt's prefill; the answer comes whole at the end.
 void HttpServer::Impl::embeddings(const httplib::Request& req, httplib::Response& res, RequestRecord& rec) {
   bool base64 = false;
-  std::vector<GenerationRequest> parts = parse_embeddings_request(req.body, opt.limits, model_names(), base64);
+  std::vector<GenerationRequest> parts =
+      parse_embeddings_request(req.body, opt.limits, model_names(), base64);
   LOOM_ASSERT(!parts.empty());
   rec.model = parts.front().model;
   const std::string model = parts.front().model;
@@ -620,7 +624,8 @@ void HttpServer::Impl::embeddings(const httplib::Request& req, httplib::Response
       auto ev = next_event(*st);
       if (ev && ev->kind == GenerationEvent::Kind::delta) {
         const auto i = static_cast<size_t>(ev->delta.index);
-        if (i >= vectors.size()) throw ApiError(500, "server_error", "internal_error", "", "bad embedding index");
+        if (i >= vectors.size())
+          throw ApiError(500, "server_error", "internal_error", "", "bad embedding index");
         vectors[i] = std::move(ev->delta.embedding);
       }
       if (!st->cancelled_at && Clock::now() - checked >= opt.poll_interval) {

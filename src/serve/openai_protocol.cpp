@@ -187,8 +187,7 @@ std::vector<PromptInput> parse_prompts(const json& o, const std::string& key, in
   std::vector<PromptInput> prompts;
   auto add_text = [&](const json& s) { prompts.push_back({false, s.get<std::string>(), {}}); };
   auto add_tokens = [&](const json& a, const std::string& param) {
-    if (a.empty())
-      throw invalid_request(key, fmt::format("'{}' must not be an empty token list", param));
+    if (a.empty()) throw invalid_request(key, fmt::format("'{}' must not be an empty token list", param));
     prompts.push_back({true, {}, token_array(a, param)});
   };
   if (p->is_string()) {
@@ -204,14 +203,15 @@ std::vector<PromptInput> parse_prompts(const json& o, const std::string& key, in
       else if (item.is_array())
         add_tokens(item, fmt::format("{}[{}]", key, i));
       else
-        throw invalid_request(
-            key, fmt::format("'{}[{}]' must be a string or a list of token ids (got {})", key, i, json_type(item)));
+        throw invalid_request(key, fmt::format("'{}[{}]' must be a string or a list of token ids (got {})",
+                                               key, i, json_type(item)));
     }
   } else {
     throw type_error(key, "a string, a list of strings or a list of token ids", *p);
   }
   if (static_cast<int64_t>(prompts.size()) > max_count)
-    throw invalid_request(key, fmt::format("at most {} {}s per request (got {})", max_count, key, prompts.size()));
+    throw invalid_request(key,
+                          fmt::format("at most {} {}s per request (got {})", max_count, key, prompts.size()));
   return prompts;
 }
 
@@ -737,18 +737,21 @@ std::vector<GenerationRequest> parse_embeddings_request(std::string_view body, c
   base.max_tokens = 0;
   const std::string format = get_string(o, "encoding_format").value_or("float");
   if (format != "float" && format != "base64")
-    throw invalid_request("encoding_format",
-                          fmt::format("'encoding_format' must be \"float\" or \"base64\" (got \"{}\")", format));
+    throw invalid_request(
+        "encoding_format",
+        fmt::format("'encoding_format' must be \"float\" or \"base64\" (got \"{}\")", format));
   base64 = format == "base64";
   // The size is the model's hidden size; Matryoshka truncation would change what the vectors mean.
   if (field(o, "dimensions"))
-    throw invalid_request("dimensions", "'dimensions' is not supported: the embedding size is the model's hidden size");
+    throw invalid_request("dimensions",
+                          "'dimensions' is not supported: the embedding size is the model's hidden size");
   std::vector<PromptInput> inputs = parse_prompts(o, "input", limits.max_embedding_inputs);
   std::vector<GenerationRequest> out;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].is_tokens && inputs[i].text.empty())
-      throw invalid_request("input", inputs.size() == 1 ? std::string("'input' must not be an empty string")
-                                                        : fmt::format("'input[{}]' must not be an empty string", i));
+      throw invalid_request("input", inputs.size() == 1
+                                         ? std::string("'input' must not be an empty string")
+                                         : fmt::format("'input[{}]' must not be an empty string", i));
     GenerationRequest r = base;
     r.prompt = std::move(inputs[i]);
     r.first_choice_index = static_cast<int32_t>(i);

@@ -79,8 +79,8 @@ std::vector<GenerationRequest> parse_embeddings_request(std::string_view body, c
                                                         std::span<const std::string> models, bool& base64);
 // {"object":"list","data":[{"object":"embedding","index","embedding"}],"model","usage"}; base64: each vector
 // as the base64 of its little-endian float32 bytes.
-nlohmann::json embeddings_response(std::span<const std::vector<float>> vectors, bool base64, const std::string& model,
-                                   int64_t prompt_tokens);
+nlohmann::json embeddings_response(std::span<const std::vector<float>> vectors, bool base64,
+                                   const std::string& model, int64_t prompt_tokens);
 
 nlohmann::json tokenize_response(std::span<const int32_t> tokens, int64_t max_model_len);
 nlohmann::json detokenize_response(const std::string& text);

@@ -228,11 +228,12 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
   if (n_prompt == 0) throw EngineError(EngineErrc::invalid_request, "the prompt is empty", prompt_param);
   if (embedding) {
     if (n_prompt > max_len_)
-      throw EngineError(EngineErrc::context_length_exceeded,
-                        fmt::format("This model's maximum context length is {} tokens. However, your input has {} "
-                                    "tokens.",
-                                    max_len_, n_prompt),
-                        prompt_param);
+      throw EngineError(
+          EngineErrc::context_length_exceeded,
+          fmt::format("This model's maximum context length is {} tokens. However, your input has {} "
+                      "tokens.",
+                      max_len_, n_prompt),
+          prompt_param);
     g.max_tokens = 0;
     g.n = 1;
   } else if (n_prompt >= max_len_) {
@@ -441,9 +442,10 @@ void ServingEngine::admit() {
     s->table.adapter_id = r->adapter ? r->adapter->id : 0;
     const auto n = static_cast<int64_t>(s->tokens.size());
     // An embedding needs every position's hidden state: nothing is taken from the prefix cache.
-    const int64_t cached = r->g.kind == RequestKind::embedding
-                               ? 0
-                               : kv_->match_prefix(s->table, std::span<const int32_t>(s->tokens.data(), n - 1));
+    const int64_t cached =
+        r->g.kind == RequestKind::embedding
+            ? 0
+            : kv_->match_prefix(s->table, std::span<const int32_t>(s->tokens.data(), n - 1));
     // The whole known sequence is backed at admission, plus a free margin so
     // that running decodes rarely need to preempt.
     if (kv_->free_blocks() - kv_->blocks_needed(s->table, n) < watermark || !kv_->reserve(s->table, n)) {
@@ -521,8 +523,8 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
 int64_t ServingEngine::draft(Sequence* s, int64_t spare) {
   const auto n = static_cast<int64_t>(s->tokens.size());
   // The last token a sequence keeps is never computed: drafts beyond max_tokens or the context are useless.
-  const int64_t room = std::min({spare, s->req->max_new - static_cast<int64_t>(s->generated.size()) - 1,
-                                 max_len_ - n - 1});
+  const int64_t room =
+      std::min({spare, s->req->max_new - static_cast<int64_t>(s->generated.size()) - 1, max_len_ - n - 1});
   std::vector<int32_t>& chunk = s->spec_chunk;
   chunk.clear();
   if (s->draft_length < 0) s->draft_length = opt_.spec.num_draft;
@@ -549,7 +551,8 @@ void ServingEngine::accept_drafts(Sequence* s, std::span<const int32_t> drafts, 
   for (size_t j = 0;; ++j) {
     const int32_t id = sample_and_emit(s, logits + static_cast<int64_t>(j) * V);
     if (j == drafts.size() || id != drafts[j]) {
-      s->draft_length = next_draft_length(opt_.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
+      s->draft_length =
+          next_draft_length(opt_.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
       break;
     }
     spec_accepted_.fetch_add(1);
@@ -572,7 +575,8 @@ void ServingEngine::pool_hidden(Sequence* s, const float* hidden, int64_t rows) 
   if (s->n_computed < n) return;
   // Mean, then L2 normalization as llama-server's /v1/embeddings (--pooling mean, --embd-normalize 2).
   std::vector<float> mean(static_cast<size_t>(H));
-  for (int64_t i = 0; i < H; ++i) mean[static_cast<size_t>(i)] = static_cast<float>(sum[static_cast<size_t>(i)] / static_cast<double>(n));
+  for (int64_t i = 0; i < H; ++i)
+    mean[static_cast<size_t>(i)] = static_cast<float>(sum[static_cast<size_t>(i)] / static_cast<double>(n));
   double norm = 0;
   for (float v : mean) norm += static_cast<double>(v) * v;
   norm = std::sqrt(norm);
@@ -785,7 +789,8 @@ void ServingEngine::trace_step_args(TraceScope& t, const std::vector<BatchChunk>
   std::vector<const ServeAdapter*> adapters;
   for (size_t i = 0; i < chunks.size(); ++i) {
     const BatchChunk& c = chunks[i];
-    const bool decode_row = c.want_logits && c.logit_rows == static_cast<int64_t>(c.tokens.size());  // drafts too
+    const bool decode_row =
+        c.want_logits && c.logit_rows == static_cast<int64_t>(c.tokens.size());  // drafts too
     (decode_row ? decode : prefill) += static_cast<int64_t>(c.tokens.size());
     if (c.adapter && (i == 0 || chunks[i - 1].adapter != c.adapter)) ++groups;  // a run of rows of one adapter
     if (c.adapter && std::find(adapters.begin(), adapters.end(), c.adapter) == adapters.end())

@@ -134,7 +134,8 @@ class ServingEngine : public Engine {
   // Speculation: puts [last token, drafts] in s's draft chunk and returns the number of drafts (0: none),
   // at most `spare`, backed by KV blocks.
   int64_t draft(Sequence* s, int64_t spare);
-  // After a forward over [last token, drafts]: emits tokens while the model agrees with the drafts, then its own.
+  // After a forward over [last token, drafts]: emits tokens while the model agrees with the drafts, then its
+  // own.
   void accept_drafts(Sequence* s, std::span<const int32_t> drafts, const float* logits);
   // Embeddings: adds a chunk's hidden rows to the sum; at the prompt's end sends the vector and retires s.
   void pool_hidden(Sequence* s, const float* hidden, int64_t rows);

@@ -199,7 +199,8 @@ class LastResidual final : public LayerAdapters {
 };
 
 // RMSNorm with the output norm's weights, mean over positions, L2 normalization, all in double.
-std::vector<double> reference_embedding(const Model& m, Backend& backend, const std::vector<int32_t>& tokens) {
+std::vector<double> reference_embedding(const Model& m, Backend& backend,
+                                        const std::vector<int32_t>& tokens) {
   const ModelConfig& c = m.config();
   InferenceSession s(c, m.weights(), backend, 256, /*micro_batch=*/32);
   LastResidual hook(c.n_layers, c.hidden);

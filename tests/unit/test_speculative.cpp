@@ -25,7 +25,9 @@
 namespace loom {
 namespace {
 
-std::string fixture(const std::string& name) { return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/model/" + name; }
+std::string fixture(const std::string& name) {
+  return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/model/" + name;
+}
 
 std::vector<int32_t> drafts_of(std::vector<int32_t> tokens, int32_t k, int32_t max_n, int32_t min_n,
                                int64_t max_draft = 1 << 20) {
@@ -97,7 +99,8 @@ class SpeculativeGenerate : public ::testing::Test {
  protected:
   SpeculativeGenerate()
       : backend(make_backend(kCpu, pool)),
-        model(Model::load(fixture("tiny-llama.f32.gguf"), {.tokenizer = true, .pack = true, .backend = backend.get()})) {}
+        model(Model::load(fixture("tiny-llama.f32.gguf"),
+                          {.tokenizer = true, .pack = true, .backend = backend.get()})) {}
 
   struct Run {
     GenerateResult r;
@@ -145,7 +148,8 @@ TEST_F(SpeculativeGenerate, SameTokensAsPlainGreedyDecoding) {
       GenerateOptions plain = greedy(40);
       plain.sampling.repeat_penalty = penalty;
       const Run want = run(prompt, plain);
-      for (const NgramSpecParams spec : {NgramSpecParams{1, 3, 1}, NgramSpecParams{4, 3, 2}, NgramSpecParams{8, 4, 1}}) {
+      for (const NgramSpecParams spec :
+           {NgramSpecParams{1, 3, 1}, NgramSpecParams{4, 3, 2}, NgramSpecParams{8, 4, 1}}) {
         GenerateOptions o = plain;
         o.spec = spec;
         const Run got = run(prompt, o);
@@ -364,7 +368,8 @@ TEST_P(SpeculativeServe, SameOutputsAsPlainDecodingAloneAndBatched) {
   EXPECT_EQ(spec.stats().kv_cache_usage, 0.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, SpeculativeServe, ::testing::Values("tiny-llama.f32.gguf", "tiny-llama.q4_1.gguf"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, SpeculativeServe,
+                         ::testing::Values("tiny-llama.f32.gguf", "tiny-llama.q4_1.gguf"));
 
 // A small KV cache: preempted speculating sequences still give the plain tokens, and drafts never take the
 // blocks admission keeps free.
