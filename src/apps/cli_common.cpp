@@ -89,6 +89,15 @@ static CLI::Validator number_in(double lo, bool lo_open, double hi, const std::s
       rule.starts_with("must be ") ? rule.substr(8) : rule);
 }
 
+void add_spec_flags(CLI::App& app, NgramSpecParams& p, const char* k_help) {
+  app.add_option("--spec-ngram", p.num_draft, k_help)
+      ->check(number_in(0, false, 64, "must be in [0, 64]"))->capture_default_str();
+  app.add_option("--spec-ngram-max", p.max_ngram, "longest n-gram looked up for drafts")
+      ->check(number_in(1, false, 64, "must be in [1, 64]"))->capture_default_str();
+  app.add_option("--spec-ngram-min", p.min_ngram, "shortest n-gram looked up for drafts")
+      ->check(number_in(1, false, 64, "must be in [1, 64]"))->capture_default_str();
+}
+
 void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
   constexpr double kInt = std::numeric_limits<int32_t>::max();

@@ -30,11 +30,8 @@ int run_generate(int argc, char** argv) {
   app.add_option("--stop", opts.stop, "stop when this text is generated (repeatable)");
   app.add_flag("--no-special", no_special, "treat special-token text in the prompt as plain text");
   add_sampling_flags(app, opts.sampling, seed);
-  app.add_option(
-      "--spec-ngram", opts.spec.num_draft,
-      "prompt-lookup speculative decoding: up to K drafted tokens per step (greedy only; 0 = off)");
-  app.add_option("--spec-ngram-max", opts.spec.max_ngram, "longest n-gram looked up for drafts (default 3)");
-  app.add_option("--spec-ngram-min", opts.spec.min_ngram, "shortest n-gram looked up for drafts (default 2)");
+  add_spec_flags(app, opts.spec,
+                 "prompt-lookup speculative decoding: up to K drafted tokens per step (greedy only; 0: off)");
   add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;

@@ -80,14 +80,8 @@ int run_serve(int argc, char** argv) {
       ->check(CLI::Range(1, 4096));
   app.add_option("--max-batch-tokens", so.max_batch_tokens, "token rows per step (decodes + prefill chunks)")
       ->capture_default_str()->check(CLI::Range(1, 1 << 20));
-  app.add_option(
-         "--spec-ngram", so.spec.num_draft,
-         "prompt-lookup speculative decoding: up to K drafted tokens per step for greedy requests (0: off)")
-      ->capture_default_str();
-  app.add_option("--spec-ngram-max", so.spec.max_ngram, "longest n-gram looked up for drafts")
-      ->capture_default_str();
-  app.add_option("--spec-ngram-min", so.spec.min_ngram, "shortest n-gram looked up for drafts")
-      ->capture_default_str();
+  add_spec_flags(app, so.spec,
+                 "prompt-lookup speculation: up to K drafted tokens a step, greedy requests only (0: off)");
   app.add_option("--spec-max-batch", so.spec_max_batch,
                  "draft only in steps with at most N decoding sequences (0: always)")
       ->capture_default_str()
