@@ -90,6 +90,15 @@ static CLI::Validator number_in(double lo, bool lo_open, double hi, const std::s
       rule.starts_with("must be ") ? rule.substr(8) : rule);
 }
 
+void add_spec_flags(CLI::App& app, NgramSpecParams& p, const char* k_help) {
+  app.add_option("--spec-ngram", p.num_draft, k_help)
+      ->check(number_in(0, false, 64, "must be in [0, 64]"))->capture_default_str();
+  app.add_option("--spec-ngram-max", p.max_ngram, "longest n-gram looked up for drafts")
+      ->check(number_in(1, false, 64, "must be in [1, 64]"))->capture_default_str();
+  app.add_option("--spec-ngram-min", p.min_ngram, "shortest n-gram looked up for drafts")
+      ->check(number_in(1, false, 64, "must be in [1, 64]"))->capture_default_str();
+}
+
 void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
   constexpr double kInt = std::numeric_limits<int32_t>::max();
@@ -153,6 +162,11 @@ void print_speed(const GenerateResult& r) {
   std::fprintf(stderr, "generation: %zu tokens in %.1f ms, %.2f tokens/s (%s)\n", r.tokens.size(),
                r.generate_seconds * 1e3, r.generate_seconds > 0 ? n / r.generate_seconds : 0.0,
                finish_reason_name(r.finish));
+  if (r.draft_tokens > 0)
+    std::fprintf(stderr, "speculation: %lld of %lld drafted tokens accepted (%.1f%%), %lld evaluations\n",
+                 static_cast<long long>(r.accepted_tokens), static_cast<long long>(r.draft_tokens),
+                 100.0 * static_cast<double>(r.accepted_tokens) / static_cast<double>(r.draft_tokens),
+                 static_cast<long long>(r.forward_steps));
 }
 
 void add_device_flag(CLI::App& app, std::string& device) {

@@ -63,6 +63,9 @@ LoadedModel load_model(const ModelFlags& flags);
 // Sampling flags shared by generate and chat (--temp, --top-k, ..., --seed), each
 // range-checked like validate_sampling (a bad value: exit 2 naming the flag).
 void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed);
+// Prompt-lookup speculation flags of generate and serve (--spec-ngram K, --spec-ngram-max,
+// --spec-ngram-min), range-checked (exit 2); min <= max is validate_ngram_spec's (exit 1).
+void add_spec_flags(CLI::App& app, NgramSpecParams& p, const char* k_help);
 // "-n,--n-predict" (>= -1) and "-c,--ctx-size" (>= 0), range-checked.
 void add_length_flags(CLI::App& app, int64_t& n_predict, int64_t& ctx, const char* n_help);
 // "-c,--ctx-size" (>= 0) with `help`.

@@ -115,6 +115,12 @@ int run_serve(int argc, char** argv) {
   app.add_option("--step-cost-cache", so.step_cost_dir,
                  "folder of the measured step costs (default: $XDG_CACHE_HOME/loom or ~/.cache/loom; '-': none)");
   app.add_flag("--remeasure-step-cost", so.remeasure_step_cost, "measure the step cost even when it is cached");
+  add_spec_flags(app, so.spec,
+                 "prompt-lookup speculation: up to K drafted tokens a step, greedy requests only (0: off)");
+  app.add_option("--spec-max-batch", so.spec_max_batch,
+                 "draft only in steps with at most N decoding sequences (0: always)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   int64_t header_timeout_s = 10, body_timeout_s = 60;
   app.add_option("--http-threads", ho.connections.keep_threads,
                  "idle HTTP connection threads kept for reuse (more start on demand, up to --max-connections)")
@@ -143,6 +149,7 @@ int run_serve(int argc, char** argv) {
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
+  validate_ngram_spec(so.spec);
   for (const std::string& spec : adapter_specs) {
     const auto eq = spec.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())

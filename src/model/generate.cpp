@@ -82,20 +82,81 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
   auto t1 = clock::now();
   r.prompt_seconds = std::chrono::duration<double>(t1 - t0).count();
 
-  for (int64_t i = 0; opts.max_tokens < 0 || i < opts.max_tokens; ++i) {
-    const int32_t id = sampler.sample(logits, history);
+  // Takes a sampled token: false when generation ends with it. Plain decoding
+  // then holds every kept token but the last in the session (all of them after
+  // an end-of-generation token, which is not kept).
+  const int64_t prompt_end = session.n_past();
+  bool ended_by_eog = false;
+  auto take = [&](int32_t id) {
     if (tok.is_eog(id) || std::find(opts.extra_eos.begin(), opts.extra_eos.end(), id) != opts.extra_eos.end()) {
       r.finish = FinishReason::stop;
-      break;
+      ended_by_eog = true;
+      return false;
     }
     r.tokens.push_back(id);
     history.push_back(id);
     const std::string text = streamer.push(tok.token_to_piece(id));
-    if (!text.empty() && !on_text(text)) { r.finish = FinishReason::stop; break; }
-    if (streamer.stopped()) { r.finish = FinishReason::stop; break; }
-    if (opts.max_tokens >= 0 && i + 1 == opts.max_tokens) break;
-    if (session.n_past() >= session.n_ctx()) { r.finish = FinishReason::context_full; break; }
-    logits = session.eval(std::span<const int32_t>(&id, 1));
+    if (!text.empty() && !on_text(text)) {
+      r.finish = FinishReason::stop;
+      return false;
+    }
+    if (streamer.stopped()) {
+      r.finish = FinishReason::stop;
+      return false;
+    }
+    const auto n = static_cast<int64_t>(r.tokens.size());
+    if (opts.max_tokens >= 0 && n == opts.max_tokens) return false;
+    if (prompt_end + n - 1 >= session.n_ctx()) {
+      r.finish = FinishReason::context_full;
+      return false;
+    }
+    return true;
+  };
+
+  const bool speculate = opts.spec.enabled() && opts.sampling.temperature <= 0;
+  const auto V = static_cast<size_t>(session.vocab_size());
+  std::vector<int32_t> drafts, chunk;
+  int64_t draft_length = opts.spec.num_draft;  // adapted after each verification
+  if (opts.max_tokens != 0) {
+    int32_t id = sampler.sample(logits, history);
+    while (take(id)) {
+      ++r.forward_steps;
+      if (speculate) {
+        // Room for the drafts in the context and in max_tokens (the last kept token is never evaluated).
+        int64_t room = session.n_ctx() - session.n_past() - 1;
+        if (opts.max_tokens >= 0)
+          room = std::min(room, opts.max_tokens - static_cast<int64_t>(r.tokens.size()) - 1);
+        propose_ngram_drafts(history, opts.spec, std::min(room, draft_length), drafts);
+      }
+      if (drafts.empty()) {
+        logits = session.eval(std::span<const int32_t>(&id, 1));
+        id = sampler.sample(logits, history);
+        continue;
+      }
+      // Verify: one evaluation of [id, drafts]; row j predicts the token after drafts[j - 1].
+      chunk.assign(1, id);
+      chunk.insert(chunk.end(), drafts.begin(), drafts.end());
+      const int64_t base = session.n_past();
+      session.eval(chunk, /*all_logits=*/true);
+      const float* rows = session.logits().data();
+      r.draft_tokens += static_cast<int64_t>(drafts.size());
+      size_t j = 0;
+      bool more = true;
+      for (;; ++j) {
+        id = sampler.sample(rows + j * V, history);
+        if (j == drafts.size() || id != drafts[j]) break;
+        ++r.accepted_tokens;
+        if (!(more = take(id))) break;
+      }
+      if (!more) break;
+      draft_length =
+          next_draft_length(opts.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
+      session.truncate(base + 1 + static_cast<int64_t>(j));  // drop the rejected drafts' positions
+    }
+    // As plain decoding leaves it (speculation may have evaluated kept or rejected tokens beyond).
+    const int64_t keep =
+        prompt_end + static_cast<int64_t>(r.tokens.size()) - (ended_by_eog || r.tokens.empty() ? 0 : 1);
+    if (session.n_past() > keep) session.truncate(keep);
   }
   const std::string rest = streamer.flush();
   if (!rest.empty()) on_text(rest);

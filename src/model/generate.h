@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "model/forward.h"
+#include "model/ngram_proposer.h"
 #include "model/sampler.h"
 
 namespace loom {
@@ -41,6 +42,8 @@ struct GenerateOptions {
   SamplingParams sampling;
   std::vector<std::string> stop;
   std::vector<int32_t> extra_eos;  // besides the tokenizer's end-of-generation ids
+  // Prompt-lookup speculation (greedy sampling only; ignored otherwise): the same tokens as without it.
+  NgramSpecParams spec;
 };
 
 enum class FinishReason { length, stop, context_full };
@@ -52,11 +55,16 @@ struct GenerateResult {
   int64_t prompt_tokens = 0;
   double prompt_seconds = 0;
   double generate_seconds = 0;
+  int64_t draft_tokens = 0;     // speculation: tokens proposed
+  int64_t accepted_tokens = 0;  // and accepted by the model
+  int64_t forward_steps = 0;    // evaluations after the prompt
 };
 
 // Evaluates `prompt` (appended to whatever the session holds) and samples up to
 // max_tokens more. `on_text` receives printable text as it becomes final; it
-// may return false to cancel (finish = stop).
+// may return false to cancel (finish = stop). With opts.spec and greedy
+// sampling, drafts are verified several tokens per evaluation; the tokens and
+// the session's positions at the end are those of plain decoding.
 GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::span<const int32_t> prompt,
                         const GenerateOptions& opts, const std::function<bool(const std::string&)>& on_text);
 

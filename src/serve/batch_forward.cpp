@@ -125,6 +125,12 @@ const float* BatchForward::logits(size_t chunk) const {
   return i < 0 ? nullptr : logits_.data() + i * c_.vocab_size;
 }
 
+const float* BatchForward::hidden(size_t chunk) const {
+  LOOM_ASSERT(chunk < hidden_row_.size());
+  const int64_t i = hidden_row_[chunk];
+  return i < 0 ? nullptr : hidden_.data() + i * c_.hidden;
+}
+
 // Per-row bookkeeping of a step: tokens, positions, KV rows, adapters, logits rows.
 void BatchForward::prepare(std::span<const BatchChunk> chunks) {
   int64_t T = 0;
@@ -140,6 +146,8 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
   tokens_.clear();
   logit_row_.assign(chunks.size(), -1);
   logit_src_.clear();
+  hidden_row_.assign(chunks.size(), -1);
+  hidden_src_.clear();
   lora_rows_.clear();
   lora_rank_ = 0;
   int64_t r = 0;
@@ -168,8 +176,13 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
       if (ch.adapter != nullptr) lora_rows_.push_back(static_cast<int32_t>(r));
     }
     if (ch.want_logits) {
+      LOOM_ASSERT(ch.logit_rows >= 1 && ch.logit_rows <= n);
       logit_row_[ci] = static_cast<int64_t>(logit_src_.size());
-      logit_src_.push_back(r - 1);
+      for (int64_t i = r - ch.logit_rows; i < r; ++i) logit_src_.push_back(i);
+    }
+    if (ch.want_hidden) {
+      hidden_row_[ci] = static_cast<int64_t>(hidden_src_.size());
+      for (int64_t i = r - n; i < r; ++i) hidden_src_.push_back(i);
     }
   }
   // Rows of one adapter next to each other: the LoRA passes then walk each
@@ -183,6 +196,7 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
   });
   grow(lora_u_, static_cast<size_t>(3 * T * lora_rank_));
   grow(logits_, logit_src_.size() * static_cast<size_t>(c_.vocab_size));
+  grow(hidden_, hidden_src_.size() * static_cast<size_t>(c_.hidden));
 }
 
 void BatchForward::step(std::span<const BatchChunk> chunks) {
@@ -203,6 +217,9 @@ void BatchForward::run_step() {
   LayerAdapters* adapters = lora_rows_.empty() ? nullptr : adapters_.get();
   for (int64_t l = 0; l < c_.n_layers; ++l) dec_.layer(*ws_, l, T, b, acts_.rope_cs, *attention_, adapters);
 
+  // Embedding rows: the final norm alone, row by row (batch invariant like every op).
+  if (!hidden_src_.empty())
+    dec_.final_norm(acts_.x, hidden_src_.data(), static_cast<int64_t>(hidden_src_.size()), hidden_.data());
   // Only the rows whose logits are wanted pass the final norm and the output projection.
   const auto n_out = static_cast<int64_t>(logit_src_.size());
   if (n_out == 0) return;

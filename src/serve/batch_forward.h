@@ -25,7 +25,9 @@ struct BatchChunk {
   int64_t n_past = 0;                     // positions [0, n_past) are in the cache
   std::span<const int32_t> tokens;        // 1 for a decode step, more for a prefill chunk
   const ServeAdapter* adapter = nullptr;  // null: the base model; validated by its loader
-  bool want_logits = false;               // logits of the chunk's last token
+  bool want_logits = false;               // logits of the chunk's last `logit_rows` tokens
+  int64_t logit_rows = 1;    // with want_logits: 1..tokens.size() (speculative verification: all)
+  bool want_hidden = false;  // final-norm hidden state of every token (embeddings)
 };
 
 // Results are batch invariant: a chunk's logits and the K/V rows it writes
@@ -49,8 +51,10 @@ class BatchForward {
   // written then).
   void step(std::span<const BatchChunk> chunks);
 
-  // Logits [vocab] of chunk i of the last step; null when it asked for none.
+  // Logits [logit_rows, vocab] of chunk i of the last step; null when it asked for none.
   const float* logits(size_t chunk) const;
+  // Final-norm hidden states [tokens, hidden] of chunk i of the last step; null when it asked for none.
+  const float* hidden(size_t chunk) const;
   int64_t vocab_size() const { return c_.vocab_size; }
 
   // Tensor parallel (`loom serve --tp N`; model/tensor_parallel.h): the weights
@@ -88,6 +92,8 @@ class BatchForward {
   std::vector<float> lora_u_;                     // [3, T, lora_rank_] scale * A x
   std::vector<int64_t> logit_row_;                // per chunk: index into logits_, or -1
   std::vector<int64_t> logit_src_;                // per logits row: the batch row it comes from
+  std::vector<int64_t> hidden_row_;               // per chunk: first row of it in hidden_, or -1
+  std::vector<int64_t> hidden_src_;               // per hidden row: the batch row it comes from
   std::unique_ptr<PagedAttention> attention_;
   std::unique_ptr<RowAdapters> adapters_;
   Communicator* tp_ = nullptr;  // tensor parallel; null: the whole model
@@ -95,6 +101,7 @@ class BatchForward {
   std::unique_ptr<PartialSums> sums_;
   StepActivations acts_;
   std::vector<float> logits_;  // [logit rows, vocab]
+  std::vector<float> hidden_;  // [hidden rows, hidden]
 };
 
 }  // namespace loom

@@ -83,7 +83,8 @@ class EngineError : public Error {
   std::string param_;
 };
 
-enum class RequestKind { completion, chat };
+// embedding: the prompt's mean-pooled final hidden state, L2-normalized, instead of generated tokens.
+enum class RequestKind { completion, chat, embedding };
 
 // One prompt of a completion: text, or token ids when the client sent ids.
 struct PromptInput {
@@ -164,6 +165,7 @@ struct ChoiceDelta {
   std::vector<int32_t> token_ids;      // tokens sampled since the previous delta
   std::vector<TokenLogprob> logprobs;  // one per token id when logprobs were requested
   std::optional<FinishKind> finish;    // set on the choice's last delta
+  std::vector<float> embedding;        // RequestKind::embedding: the vector (one delta, with finish)
 };
 
 struct Usage {
@@ -257,6 +259,8 @@ struct EngineStats {
   int64_t requests_waiting = 0;
   double kv_cache_usage = 0;  // fraction of KV blocks in use, 0..1
   int64_t adapters_loaded = 0;
+  int64_t spec_draft_tokens = 0;     // since start: tokens speculation proposed
+  int64_t spec_accepted_tokens = 0;  // and those the model agreed with
 };
 
 // Implemented by the scheduler. Every method is called from HTTP threads, concurrently, and must only

@@ -5,6 +5,7 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cmath>
 #include <condition_variable>
 #include <ctime>
@@ -331,6 +332,8 @@ struct HttpServer::Impl {
         [this](auto& req, auto& res, auto& rec) { generate(req, res, rec, RequestKind::completion); });
     add("POST", "/v1/chat/completions", true,
         [this](auto& req, auto& res, auto& rec) { generate(req, res, rec, RequestKind::chat); });
+    add("POST", "/v1/embeddings", true,
+        [this](auto& req, auto& res, auto& rec) { embeddings(req, res, rec); });
     for (const std::string prefix : {"", "/v1"}) {
       add("POST", prefix + "/tokenize", true,
           [this](const httplib::Request& req, auto& res, RequestRecord& rec) {
@@ -373,6 +376,12 @@ struct HttpServer::Impl {
       metrics.requests_waiting.set(static_cast<double>(s.requests_waiting));
       metrics.kv_cache_usage.set(s.kv_cache_usage);
       metrics.adapters_loaded.set(static_cast<double>(s.adapters_loaded));
+      // The engine counts; the counters catch up to it (never down).
+      auto catch_up = [](Counter& c, int64_t total) {
+        c.inc(std::max(0.0, static_cast<double>(total) - c.value()));
+      };
+      catch_up(metrics.spec_draft_tokens, s.spec_draft_tokens);
+      catch_up(metrics.spec_accepted_tokens, s.spec_accepted_tokens);
       res.status = 200;
       res.set_content(metrics.registry.render(), kPrometheusContentType);
     });
@@ -381,6 +390,7 @@ struct HttpServer::Impl {
   // ---- generation
   // --------------------------------------------------------------------------------------------
   void generate(const httplib::Request& req, httplib::Response& res, RequestRecord& rec, RequestKind kind);
+  void embeddings(const httplib::Request& req, httplib::Response& res, RequestRecord& rec);
   void observe(GenerationState& st, GenerationEvent& ev);
   std::optional<GenerationEvent> next_event(GenerationState& st);
   void finish_unfinished(GenerationState& st, const std::function<void(const ChoiceDelta&)>& emit);
@@ -588,6 +598,54 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
       [st](bool success) {
         if (!success) st->cancel();
       });
+}
+
+// One engine request per input, run like a prompt's prefill; the answer comes whole at the end.
+void HttpServer::Impl::embeddings(const httplib::Request& req, httplib::Response& res, RequestRecord& rec) {
+  bool base64 = false;
+  std::vector<GenerationRequest> parts =
+      parse_embeddings_request(req.body, opt.limits, model_names(), base64);
+  LOOM_ASSERT(!parts.empty());
+  rec.model = parts.front().model;
+  const std::string model = parts.front().model;
+  auto st = std::make_shared<GenerationState>();
+  st->rec = record_of(req);
+  st->in_flight = enter();
+  st->last_delta.resize(parts.size());
+  st->finished.assign(parts.size(), false);
+  std::vector<std::vector<float>> vectors(parts.size());
+  try {
+    for (auto& p : parts) {
+      p.request_id = rec.id;
+      engine.submit(std::move(p), st->stream);
+      st->parts++;
+    }
+    auto checked = Clock::now();
+    while (!st->ended()) {
+      auto ev = next_event(*st);
+      if (ev && ev->kind == GenerationEvent::Kind::delta) {
+        const auto i = static_cast<size_t>(ev->delta.index);
+        if (i >= vectors.size())
+          throw ApiError(500, "server_error", "internal_error", "", "bad embedding index");
+        vectors[i] = std::move(ev->delta.embedding);
+      }
+      if (!st->cancelled_at && Clock::now() - checked >= opt.poll_interval) {
+        checked = Clock::now();
+        if (svr.client_gone()) {
+          st->cancel();
+          st->rec->disconnected = true;
+        }
+      }
+    }
+  } catch (...) {
+    st->cancel();  // parts already queued
+    throw;
+  }
+  if (st->error) throw *st->error;
+  for (const auto& v : vectors)
+    if (v.empty()) throw ApiError(500, "server_error", "internal_error", "", "the request was cancelled");
+  metrics.e2e_request_latency.observe(seconds_since(st->rec->start));
+  reply_json(res, 200, embeddings_response(vectors, base64, model, st->usage.prompt_tokens));
 }
 
 // ---------------------------------------------------------------------------------------------------------------

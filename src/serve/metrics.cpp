@@ -30,6 +30,10 @@ ServeMetrics::ServeMetrics(MetricsRegistry& r)
       adapters_loaded(r.gauge("loom_adapters_loaded", "LoRA adapters loaded.")),
       prompt_tokens(r.counter("loom_prompt_tokens_total", "Prompt tokens processed.")),
       generation_tokens(r.counter("loom_generation_tokens_total", "Tokens generated.")),
+      spec_draft_tokens(r.counter("loom_spec_decode_draft_tokens_total",
+                                  "Tokens proposed by prompt-lookup speculation (--spec-ngram).")),
+      spec_accepted_tokens(
+          r.counter("loom_spec_decode_accepted_tokens_total", "Proposed tokens the model agreed with.")),
       time_to_first_token(r.histogram("loom_time_to_first_token_seconds",
                                       "Seconds from a request's arrival to its first generated token.",
                                       kTtftBuckets)),

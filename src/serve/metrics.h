@@ -18,6 +18,8 @@ struct ServeMetrics {
   Gauge& adapters_loaded;          // loom_adapters_loaded
   Counter& prompt_tokens;          // loom_prompt_tokens_total
   Counter& generation_tokens;      // loom_generation_tokens_total
+  Counter& spec_draft_tokens;      // loom_spec_decode_draft_tokens_total
+  Counter& spec_accepted_tokens;   // loom_spec_decode_accepted_tokens_total
   Histogram& time_to_first_token;  // loom_time_to_first_token_seconds
   Histogram& inter_token_latency;  // loom_inter_token_latency_seconds
   Histogram& e2e_request_latency;  // loom_e2e_request_latency_seconds

@@ -181,39 +181,38 @@ std::vector<int32_t> token_array(const json& a, const std::string& param) {
 
 bool is_token_array(const json& a) { return a.is_array() && !a.empty() && a.front().is_number(); }
 
-std::vector<PromptInput> parse_prompts(const json& o, const ProtocolLimits& limits) {
-  const json* p = field(o, "prompt");
-  if (!p) throw invalid_request("prompt", "'prompt' is required");
+// `key`'s value: a string, a list of strings, token ids or lists of them ("prompt", embeddings' "input").
+std::vector<PromptInput> parse_prompts(const json& o, const std::string& key, int64_t max_count) {
+  const json* p = field(o, key.c_str());
+  if (!p) throw invalid_request(key, fmt::format("'{}' is required", key));
   std::vector<PromptInput> prompts;
   auto add_text = [&](const json& s) { prompts.push_back({false, s.get<std::string>(), {}}); };
   auto add_tokens = [&](const json& a, const std::string& param) {
-    if (a.empty())
-      throw invalid_request("prompt", fmt::format("'{}' must not be an empty token list", param));
+    if (a.empty()) throw invalid_request(key, fmt::format("'{}' must not be an empty token list", param));
     prompts.push_back({true, {}, token_array(a, param)});
   };
   if (p->is_string()) {
     add_text(*p);
   } else if (is_token_array(*p)) {
-    add_tokens(*p, "prompt");
+    add_tokens(*p, key);
   } else if (p->is_array()) {
-    if (p->empty()) throw invalid_request("prompt", "'prompt' must not be an empty list");
+    if (p->empty()) throw invalid_request(key, fmt::format("'{}' must not be an empty list", key));
     for (size_t i = 0; i < p->size(); ++i) {
       const json& item = (*p)[i];
       if (item.is_string())
         add_text(item);
       else if (item.is_array())
-        add_tokens(item, fmt::format("prompt[{}]", i));
+        add_tokens(item, fmt::format("{}[{}]", key, i));
       else
-        throw invalid_request(
-            "prompt",
-            fmt::format("'prompt[{}]' must be a string or a list of token ids (got {})", i, json_type(item)));
+        throw invalid_request(key, fmt::format("'{}[{}]' must be a string or a list of token ids (got {})",
+                                               key, i, json_type(item)));
     }
   } else {
-    throw type_error("prompt", "a string, a list of strings or a list of token ids", *p);
+    throw type_error(key, "a string, a list of strings or a list of token ids", *p);
   }
-  if (static_cast<int64_t>(prompts.size()) > limits.max_prompts)
-    throw invalid_request(
-        "prompt", fmt::format("at most {} prompts per request (got {})", limits.max_prompts, prompts.size()));
+  if (static_cast<int64_t>(prompts.size()) > max_count)
+    throw invalid_request(key,
+                          fmt::format("at most {} {}s per request (got {})", max_count, key, prompts.size()));
   return prompts;
 }
 
@@ -368,7 +367,7 @@ std::vector<GenerationRequest> parse_completion_request(std::string_view body, c
   GenerationRequest base;
   base.kind = RequestKind::completion;
   base.model = resolve_model(o, models);
-  std::vector<PromptInput> prompts = parse_prompts(o, limits);
+  std::vector<PromptInput> prompts = parse_prompts(o, "prompt", limits.max_prompts);
   parse_common(o, limits, base);
   base.grammar = parse_structured_output(o, body);
   base.max_tokens = get_int(o, "max_tokens").value_or(16);  // OpenAI's completions default
@@ -703,5 +702,77 @@ std::string StreamFormatter::usage(const Usage& total) {
 }
 
 std::string StreamFormatter::error(const ApiError& e) { return sse(error_json(e)); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// /v1/embeddings
+
+namespace {
+
+std::string base64_encode(const uint8_t* data, size_t n) {
+  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((n + 2) / 3 * 4);
+  for (size_t i = 0; i < n; i += 3) {
+    const uint32_t b = (uint32_t{data[i]} << 16) | (i + 1 < n ? uint32_t{data[i + 1]} << 8 : 0) |
+                       (i + 2 < n ? uint32_t{data[i + 2]} : 0);
+    out += kAlphabet[(b >> 18) & 63];
+    out += kAlphabet[(b >> 12) & 63];
+    out += i + 1 < n ? kAlphabet[(b >> 6) & 63] : '=';
+    out += i + 2 < n ? kAlphabet[b & 63] : '=';
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<GenerationRequest> parse_embeddings_request(std::string_view body, const ProtocolLimits& limits,
+                                                        std::span<const std::string> models, bool& base64) {
+  const json o = parse_body(body);
+  GenerationRequest base;
+  base.kind = RequestKind::embedding;
+  base.model = resolve_model(o, models);
+  base.max_tokens = 0;
+  const std::string format = get_string(o, "encoding_format").value_or("float");
+  if (format != "float" && format != "base64")
+    throw invalid_request(
+        "encoding_format",
+        fmt::format("'encoding_format' must be \"float\" or \"base64\" (got \"{}\")", format));
+  base64 = format == "base64";
+  // The size is the model's hidden size; Matryoshka truncation would change what the vectors mean.
+  if (field(o, "dimensions"))
+    throw invalid_request("dimensions",
+                          "'dimensions' is not supported: the embedding size is the model's hidden size");
+  std::vector<PromptInput> inputs = parse_prompts(o, "input", limits.max_embedding_inputs);
+  std::vector<GenerationRequest> out;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].is_tokens && inputs[i].text.empty())
+      throw invalid_request("input", inputs.size() == 1
+                                         ? std::string("'input' must not be an empty string")
+                                         : fmt::format("'input[{}]' must not be an empty string", i));
+    GenerationRequest r = base;
+    r.prompt = std::move(inputs[i]);
+    r.first_choice_index = static_cast<int32_t>(i);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+json embeddings_response(std::span<const std::vector<float>> vectors, bool base64, const std::string& model,
+                         int64_t prompt_tokens) {
+  json data = json::array();
+  for (size_t i = 0; i < vectors.size(); ++i) {
+    const std::vector<float>& v = vectors[i];
+    json e = {{"object", "embedding"}, {"index", i}};
+    if (base64)  // little-endian float32, as OpenAI's clients decode it (numpy.frombuffer(..., "float32"))
+      e["embedding"] = base64_encode(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float));
+    else
+      e["embedding"] = v;
+    data.push_back(std::move(e));
+  }
+  return json{{"object", "list"},
+              {"data", std::move(data)},
+              {"model", model},
+              {"usage", {{"prompt_tokens", prompt_tokens}, {"total_tokens", prompt_tokens}}}};
+}
 
 }  // namespace loom

@@ -45,6 +45,7 @@ struct ProtocolLimits {
   int32_t max_prompts = 64;      // prompts in one /v1/completions request
   int32_t max_stop = 4;          // stop strings
   int32_t max_logprobs = 20;     // logprobs / top_logprobs
+  int32_t max_embedding_inputs = 2048;  // inputs in one /v1/embeddings request (OpenAI's limit)
 };
 
 // Parsing throws ApiError. `models`: the names a request may give in "model" (an absent "model" means
@@ -72,6 +73,15 @@ struct AdapterRequest {
 // /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}; /v1/unload_lora_adapter {"lora_name"}.
 AdapterRequest parse_load_adapter_request(std::string_view body);
 AdapterRequest parse_unload_adapter_request(std::string_view body);
+
+// /v1/embeddings: one GenerationRequest (kind embedding) per input, numbered by first_choice_index; `base64`
+// tells whether encoding_format asked for base64. `dimensions` is refused (400).
+std::vector<GenerationRequest> parse_embeddings_request(std::string_view body, const ProtocolLimits& limits,
+                                                        std::span<const std::string> models, bool& base64);
+// {"object":"list","data":[{"object":"embedding","index","embedding"}],"model","usage"}; base64: each vector
+// as the base64 of its little-endian float32 bytes.
+nlohmann::json embeddings_response(std::span<const std::vector<float>> vectors, bool base64,
+                                   const std::string& model, int64_t prompt_tokens);
 
 nlohmann::json tokenize_response(std::span<const int32_t> tokens, int64_t max_model_len);
 nlohmann::json detokenize_response(const std::string& text);

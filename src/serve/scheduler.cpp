@@ -40,6 +40,9 @@ struct ServingEngine::Sequence {
   StopStreamer stop;
   std::unique_ptr<GrammarMatcher> grammar;  // structured output: this choice's grammar state
   bool finished = false;
+  std::vector<int32_t> spec_chunk;  // speculation: [last token, drafts] of the current step
+  int64_t draft_length = -1;        // speculation: most drafts next step (next_draft_length); -1: not yet
+  std::vector<double> pooled;       // embeddings: sum of the final-norm hidden rows so far
 
   Sequence(Request* r, int32_t c, const SamplingParams& sp, int64_t vocab, const Tokenizer& tok,
            std::vector<std::string> stops)
@@ -52,6 +55,7 @@ struct ServingEngine::Request {
   std::vector<int32_t> prompt;
   int64_t max_new = 0;
   bool wants_adapter = false;
+  bool speculate = false;  // prompt-lookup drafts (greedy requests of a --spec-ngram server)
   std::shared_ptr<const LoadedAdapter> adapter;  // acquired when first admitted
   std::vector<std::unique_ptr<Sequence>> seqs;
   int64_t open = 0;  // unfinished choices
@@ -226,15 +230,27 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
     throw EngineError(EngineErrc::invalid_request, e.what());
   }
   r->prompt = render_prompt(g);
-  const char* prompt_param = g.kind == RequestKind::chat ? "messages" : "prompt";
+  const bool embedding = g.kind == RequestKind::embedding;
+  const char* prompt_param = g.kind == RequestKind::chat ? "messages" : embedding ? "input" : "prompt";
   const auto n_prompt = static_cast<int64_t>(r->prompt.size());
   if (n_prompt == 0) throw EngineError(EngineErrc::invalid_request, "the prompt is empty", prompt_param);
-  if (n_prompt >= max_len_)
+  if (embedding) {
+    if (n_prompt > max_len_)
+      throw EngineError(
+          EngineErrc::context_length_exceeded,
+          fmt::format("This model's maximum context length is {} tokens. However, your input has {} "
+                      "tokens.",
+                      max_len_, n_prompt),
+          prompt_param);
+    g.max_tokens = 0;
+    g.n = 1;
+  } else if (n_prompt >= max_len_) {
     throw EngineError(EngineErrc::context_length_exceeded,
                       fmt::format("This model's maximum context length is {} tokens. However, your prompt has {} "
                                   "tokens, leaving no room to generate.",
                                   max_len_, n_prompt),
                       prompt_param);
+  }
   r->max_new = g.max_tokens < 0 ? max_len_ - n_prompt : g.max_tokens;
   if (n_prompt + r->max_new > max_len_)
     throw EngineError(EngineErrc::context_length_exceeded,
@@ -244,6 +260,7 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
                       "max_tokens");
   if (g.n < 1) throw EngineError(EngineErrc::invalid_request, "n must be at least 1", "n");
   r->usage.prompt_tokens = n_prompt;
+  r->speculate = opt_.spec.enabled() && !embedding && g.sampling.temperature <= 0;
   const uint64_t base_seed = g.seed ? *g.seed : fresh_seed();
   const Tokenizer& tok = model_->tokenizer();
   for (int32_t i = 0; i < g.n; ++i) {
@@ -325,6 +342,8 @@ EngineStats ServingEngine::stats() {
   }
   s.kv_cache_usage = kv_usage_.load();
   s.adapters_loaded = adapters_.resident_count();
+  s.spec_draft_tokens = spec_drafted_.load();
+  s.spec_accepted_tokens = spec_accepted_.load();
   return s;
 }
 
@@ -384,6 +403,7 @@ void ServingEngine::preempt(Sequence* s) {
   // are likely matched again on readmission), keep tokens and sampler state.
   kv_->release(s->table);
   s->n_computed = 0;
+  s->pooled.clear();
   preemptions_.fetch_add(1);
   running_.erase(std::find(running_.begin(), running_.end(), s));
   waiting_.push_front(s);
@@ -431,7 +451,11 @@ void ServingEngine::admit() {
     if (opt_.fault_hook) opt_.fault_hook(FaultPoint::admit, r->g);
     s->table.adapter_id = r->adapter ? r->adapter->id : 0;
     const auto n = static_cast<int64_t>(s->tokens.size());
-    const int64_t cached = kv_->match_prefix(s->table, std::span<const int32_t>(s->tokens.data(), n - 1));
+    // An embedding needs every position's hidden state: nothing is taken from the prefix cache.
+    const int64_t cached =
+        r->g.kind == RequestKind::embedding
+            ? 0
+            : kv_->match_prefix(s->table, std::span<const int32_t>(s->tokens.data(), n - 1));
     // The whole known sequence is backed at admission, plus a free margin so
     // that running decodes rarely need to preempt.
     if (kv_->free_blocks() - kv_->blocks_needed(s->table, n) < watermark || !kv_->reserve(s->table, n)) {
@@ -444,7 +468,7 @@ void ServingEngine::admit() {
   }
 }
 
-void ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
+int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
   Request* r = s->req;
   const Tokenizer& tok = model_->tokenizer();
   const int64_t V = model_->config().vocab_size;
@@ -516,6 +540,77 @@ void ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
   const bool done = d.finish.has_value();
   r->stream->push(GenerationEvent::make_delta(std::move(d)));
   if (done) retire(s);
+  return id;
+}
+
+int64_t ServingEngine::draft(Sequence* s, int64_t spare) {
+  const auto n = static_cast<int64_t>(s->tokens.size());
+  // The last token a sequence keeps is never computed: drafts beyond max_tokens or the context are useless.
+  const int64_t room =
+      std::min({spare, s->req->max_new - static_cast<int64_t>(s->generated.size()) - 1, max_len_ - n - 1});
+  std::vector<int32_t>& chunk = s->spec_chunk;
+  chunk.clear();
+  if (s->draft_length < 0) s->draft_length = opt_.spec.num_draft;
+  if (room <= 0) return 0;
+  propose_ngram_drafts(s->tokens, opt_.spec, std::min(room, s->draft_length), chunk);
+  auto k = static_cast<int64_t>(chunk.size());
+  if (k == 0) return 0;
+  // Blocks for the drafts' positions while the pool keeps its admission margin; a guess never preempts.
+  const int64_t watermark = std::max<int64_t>(1, kv_->n_blocks() / 100);
+  if (kv_->free_blocks() - kv_->blocks_needed(s->table, n + k) < watermark || !kv_->reserve(s->table, n + k))
+    k = std::min(k, s->table.n_blocks() * kv_->block_size() - n);
+  if (k <= 0) {
+    chunk.clear();
+    return 0;
+  }
+  chunk.resize(static_cast<size_t>(k));
+  chunk.insert(chunk.begin(), s->tokens.back());
+  return k;
+}
+
+void ServingEngine::accept_drafts(Sequence* s, std::span<const int32_t> drafts, const float* logits) {
+  const int64_t V = model_->config().vocab_size;
+  spec_drafted_.fetch_add(static_cast<int64_t>(drafts.size()));
+  for (size_t j = 0;; ++j) {
+    const int32_t id = sample_and_emit(s, logits + static_cast<int64_t>(j) * V);
+    if (j == drafts.size() || id != drafts[j]) {
+      s->draft_length =
+          next_draft_length(opt_.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));
+      break;
+    }
+    spec_accepted_.fetch_add(1);
+    if (s->finished) return;
+    // The draft's K/V, written by this step, are the sequence's now; a rejected draft's slot is overwritten
+    // by the next step and never registered in the prefix cache (positions >= n_computed).
+    ++s->n_computed;
+  }
+  if (!s->finished) kv_->commit_full_blocks(s->table, s->tokens, s->n_computed);
+}
+
+void ServingEngine::pool_hidden(Sequence* s, const float* hidden, int64_t rows) {
+  const int64_t H = model_->config().hidden;
+  std::vector<double>& sum = s->pooled;
+  sum.resize(static_cast<size_t>(H), 0.0);
+  // Row after row in position order: the same sums however the prompt was cut into chunks.
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < H; ++i) sum[static_cast<size_t>(i)] += hidden[t * H + i];
+  const auto n = static_cast<int64_t>(s->tokens.size());
+  if (s->n_computed < n) return;
+  // Mean, then L2 normalization as llama-server's /v1/embeddings (--pooling mean, --embd-normalize 2).
+  std::vector<float> mean(static_cast<size_t>(H));
+  for (int64_t i = 0; i < H; ++i)
+    mean[static_cast<size_t>(i)] = static_cast<float>(sum[static_cast<size_t>(i)] / static_cast<double>(n));
+  double norm = 0;
+  for (float v : mean) norm += static_cast<double>(v) * v;
+  norm = std::sqrt(norm);
+  const double scale = norm > 0 ? 1.0 / norm : 0.0;
+  for (float& v : mean) v = static_cast<float>(v * scale);
+  ChoiceDelta d;
+  d.index = s->req->g.first_choice_index;
+  d.embedding = std::move(mean);
+  d.finish = FinishKind::stop;
+  s->req->stream->push(GenerationEvent::make_delta(std::move(d)));
+  retire(s);
 }
 
 void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Sequence*>& owners) {
@@ -538,19 +633,35 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     if (victim == s) continue;  // s left running_; index i now holds the next one
   }
   const size_t first_decode = chunks.size();
+  int64_t budget = opt_.max_batch_tokens;
+  // Speculating sequences verify drafts in the rows the decode rows leave over (oldest first).
+  const int64_t n_decode = std::count_if(running_.begin(), running_.end(), [](const Sequence* s) {
+    return !s->finished && static_cast<int64_t>(s->tokens.size()) - s->n_computed == 1;
+  });
+  int64_t spare = opt_.spec_max_batch > 0 && n_decode > opt_.spec_max_batch ? 0 : budget - n_decode;
   for (Sequence* s : running_) {
     const auto n = static_cast<int64_t>(s->tokens.size());
     if (s->finished || n - s->n_computed != 1) continue;
+    const bool embedding = s->req->g.kind == RequestKind::embedding;
     BatchChunk c;
     c.table = &s->table;
     c.n_past = s->n_computed;
     c.tokens = std::span<const int32_t>(s->tokens.data() + s->n_computed, 1);
     c.adapter = s->req->adapter ? &s->req->adapter->view : nullptr;
-    c.want_logits = true;
+    c.want_logits = !embedding;
+    c.want_hidden = embedding;
+    if (s->req->speculate && spare > 0) {
+      if (const int64_t k = draft(s, spare); k > 0) {
+        c.tokens = s->spec_chunk;
+        c.logit_rows = 1 + k;
+        spare -= k;
+        budget -= k;
+      }
+    }
     chunks.push_back(c);
     owners.push_back(s);
   }
-  int64_t budget = step_budget(std::span<const BatchChunk>(chunks).subspan(first_decode));
+  budget = step_budget(std::span<const BatchChunk>(chunks).subspan(first_decode));
   // Prefill chunks, oldest first, in what is left of the budget.
   for (Sequence* s : running_) {
     if (budget <= 0) break;
@@ -562,7 +673,8 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     c.n_past = s->n_computed;
     c.tokens = std::span<const int32_t>(s->tokens.data() + s->n_computed, static_cast<size_t>(len));
     c.adapter = s->req->adapter ? &s->req->adapter->view : nullptr;
-    c.want_logits = s->n_computed + len == n;
+    c.want_hidden = s->req->g.kind == RequestKind::embedding;
+    c.want_logits = !c.want_hidden && s->n_computed + len == n;
     chunks.push_back(c);
     owners.push_back(s);
     budget -= len;
@@ -595,7 +707,8 @@ void ServingEngine::measure_step_cost() {
 }
 
 int64_t ServingEngine::step_budget(std::span<const BatchChunk> decode_chunks) const {
-  const auto decode_rows = static_cast<int64_t>(decode_chunks.size());
+  int64_t decode_rows = 0;  // one per sequence, more where drafts are verified
+  for (const BatchChunk& c : decode_chunks) decode_rows += static_cast<int64_t>(c.tokens.size());
   const int64_t left = opt_.max_batch_tokens - decode_rows;
   if (!step_cost_) return left;
   StepLoad load;
@@ -646,12 +759,22 @@ void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, co
   for (size_t i = 0; i < chunks.size(); ++i) {
     Sequence* s = owners[i];
     if (s->finished) continue;  // its request failed at an earlier row of this step
-    s->n_computed += static_cast<int64_t>(chunks[i].tokens.size());
+    const BatchChunk& c = chunks[i];
+    // A speculating row's drafts count only once accepted (accept_drafts).
+    const int64_t drafts = c.want_logits ? c.logit_rows - 1 : 0;
+    s->n_computed += static_cast<int64_t>(c.tokens.size()) - drafts;
+    if (c.want_hidden) {  // embeddings: their blocks are freed at the end, never cached
+      pool_hidden(s, forward_->hidden(i), static_cast<int64_t>(c.tokens.size()));
+      continue;
+    }
     kv_->commit_full_blocks(s->table, s->tokens, s->n_computed);
-    if (!chunks[i].want_logits) continue;
+    if (!c.want_logits) continue;
     try {
       if (opt_.fault_hook) opt_.fault_hook(FaultPoint::sample, s->req->g);
-      sample_and_emit(s, forward_->logits(i));
+      if (drafts == 0)
+        sample_and_emit(s, forward_->logits(i));
+      else
+        accept_drafts(s, c.tokens.subspan(1), forward_->logits(i));
     } catch (const std::exception& e) {
       fail_request(s->req, e);
     }
@@ -741,7 +864,9 @@ void ServingEngine::trace_step_args(TraceScope& t, const std::vector<BatchChunk>
   std::vector<const ServeAdapter*> adapters;
   for (size_t i = 0; i < chunks.size(); ++i) {
     const BatchChunk& c = chunks[i];
-    (c.tokens.size() > 1 ? prefill : decode) += static_cast<int64_t>(c.tokens.size());
+    const bool decode_row =
+        c.want_logits && c.logit_rows == static_cast<int64_t>(c.tokens.size());  // drafts too
+    (decode_row ? decode : prefill) += static_cast<int64_t>(c.tokens.size());
     if (c.adapter && (i == 0 || chunks[i - 1].adapter != c.adapter)) ++groups;  // a run of rows of one adapter
     if (c.adapter && std::find(adapters.begin(), adapters.end(), c.adapter) == adapters.end())
       adapters.push_back(c.adapter);

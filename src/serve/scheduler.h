@@ -23,6 +23,7 @@
 #include "core/trace.h"
 #include "dist/communicator.h"
 #include "model/model.h"
+#include "model/ngram_proposer.h"
 #include "serve/adapter_registry.h"
 #include "serve/batch_forward.h"
 #include "serve/engine_api.h"
@@ -63,6 +64,12 @@ struct ServeOptions {
   int threads = 0;                        // 0: physical cores
   Device device = kCpu;                   // which backend computes (kernels/backend.h)
   size_t max_waiting = 4096;              // queued requests before 503 overloaded
+  // Prompt-lookup speculative decoding (`--spec-ngram K`) for greedy requests (temperature 0); other
+  // requests decode one token a step. The tokens are those of plain decoding (docs/serving.md).
+  NgramSpecParams spec;
+  // Steps with more decoding sequences than this draft nothing: a batch already uses the compute a
+  // sequence's drafts would fill (vLLM's speculative disable_by_batch_size). 0: no limit.
+  int64_t spec_max_batch = 2;
   // Tensor parallel (`loom serve --tp N` under mpirun): this process holds rank
   // tp->rank()'s shard of the heads and MLP channels (model/tensor_parallel.h);
   // rank 0 schedules and samples, the others follow its forward steps. Null: the whole model.
@@ -117,6 +124,9 @@ class ServingEngine : public Engine {
   double step_cost_scale() const { return step_scale_.load(std::memory_order_relaxed); }
   // Sequences preempted (blocks dropped, recomputed later) since start.
   int64_t preemptions() const { return preemptions_.load(); }
+  // Speculation since start: tokens drafted, and drafted tokens the model agreed with.
+  int64_t spec_draft_tokens() const { return spec_drafted_.load(); }
+  int64_t spec_accepted_tokens() const { return spec_accepted_.load(); }
 
  private:
   struct Request;
@@ -143,7 +153,16 @@ class ServingEngine : public Engine {
   void preempt(Sequence* s);
   // A sequence is done (finished, cancelled or failed): frees its blocks.
   void retire(Sequence* s);
-  void sample_and_emit(Sequence* s, const float* logits);
+  // Samples, appends and streams one token; returns it.
+  int32_t sample_and_emit(Sequence* s, const float* logits);
+  // Speculation: puts [last token, drafts] in s's draft chunk and returns the number of drafts (0: none),
+  // at most `spare`, backed by KV blocks.
+  int64_t draft(Sequence* s, int64_t spare);
+  // After a forward over [last token, drafts]: emits tokens while the model agrees with the drafts, then its
+  // own.
+  void accept_drafts(Sequence* s, std::span<const int32_t> drafts, const float* logits);
+  // Embeddings: adds a chunk's hidden rows to the sum; at the prompt's end sends the vector and retires s.
+  void pool_hidden(Sequence* s, const float* hidden, int64_t rows);
   void publish_stats();
   void measure_step_cost();
   // This step's row budget: the fixed max_batch_tokens, or with a step cost
@@ -183,6 +202,7 @@ class ServingEngine : public Engine {
 
   std::atomic<bool> abort_{false};
   std::atomic<int64_t> preemptions_{0};  // end every request now (destructor)
+  std::atomic<int64_t> spec_drafted_{0}, spec_accepted_{0};
   std::atomic<int64_t> n_running_{0}, n_waiting_{0};
   std::atomic<double> kv_usage_{0};
   std::atomic<double> step_scale_{1};

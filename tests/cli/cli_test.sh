@@ -86,6 +86,8 @@ expect "merge zero threads" 2 "thread count must be >= 1" -- "$loom" merge -m "$
 
 # Directories where files belong, and files where folders belong.
 expect "tokenize file is a dir" 1 "is a directory, not a file" -- "$loom" tokenize -m "$tiny" --file "$tmp"
+expect "generate spec-ngram out of range" 2 "--spec-ngram: must be in \\[0, 64\\] \\(got 65\\)" -- "$loom" generate -m "$tiny" -p hi --spec-ngram 65
+expect "generate spec-ngram min above max" 1 "--spec-ngram-min 4 and --spec-ngram-max 3" -- "$loom" generate -m "$tiny" -p hi --spec-ngram 2 --spec-ngram-min 4
 expect "generate prompt file is a dir" 1 "is a directory, not a file" -- "$loom" generate -m "$tiny" -f "$tmp"
 mkdir -p "$tmp/config-dir"
 expect "train config is a dir" 1 "config-dir: is a directory, not a file" -- "$loom" train "$tmp/config-dir"
@@ -138,6 +140,8 @@ expect "chat reads on after the full context" 0 "^4$" -- sh -c "grep -c '^> ' '$
 expect "help serve" 0 "usage|options" -- "$loom" serve --help
 expect "serve missing -m" 2 "model.*required" -- "$loom" serve
 expect "serve bad chat template" 2 "--chat-template: jinja not in" -- timeout 20 "$loom" serve -m "$tiny" --chat-template jinja --port 0
+expect "serve spec-ngram negative" 2 "--spec-ngram: must be in \\[0, 64\\]" -- "$loom" serve -m "$tiny" --spec-ngram -1
+expect "serve spec-max-batch negative" 2 "--spec-max-batch" -- "$loom" serve -m "$tiny" --spec-max-batch -1
 expect "serve bad adapter spec" 1 "--adapter 'nodir': expected NAME=DIR" -- "$loom" serve -m "$tiny" --adapter nodir
 expect "serve missing adapter" 1 "adapter 'a'.*missing-adapter" -- "$loom" serve -m "$tiny" --adapter a="$tmp/missing-adapter" --port 0
 expect "serve bad kv size" 1 "kv-cache-memory '12X'" -- "$loom" serve -m "$tiny" --kv-cache-memory 12X

@@ -11,6 +11,7 @@ Usage: test_openai_client.py --loom build/loom --model models/SmolLM2-135M-Instr
 Exit code 77 (ctest: skipped) when the `openai` package or the model is missing.
 """
 import argparse
+import base64
 import http.client
 import json
 import os
@@ -67,7 +68,7 @@ def write_adapter(path, seed, r=8, layers=30, scale=0.05):
 
 
 class Server:
-    def __init__(self, loom, model, adapter_root):
+    def __init__(self, loom, model, adapter_root, extra=()):
         self.adapter_root = adapter_root
         write_adapter(os.path.join(adapter_root, "style"), 1)
         write_adapter(os.path.join(adapter_root, "late"), 2)
@@ -75,7 +76,7 @@ class Server:
         cmd = [loom, "serve", "-m", model, "--port", "0", "-t", "2", "--api-key", API_KEY,
                "--served-model-name", "smol", "--adapter", f"style={adapter_root}/style",
                "--adapter-dir", adapter_root, "--max-model-len", "1024", "--log-file", self.log.name,
-               "--shutdown-grace", "5"]
+               "--shutdown-grace", "5", *extra]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         line = self.proc.stderr.readline()
         m = re.search(r"http://([\d.]+):(\d+)", line)
@@ -104,6 +105,35 @@ class Server:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(name)
+
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = -1
+        self.proc.stderr.close()
+        self.log.close()
+        return rc
+
+
+def cosine(a, b):
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+
+# Greedy prompts for speculation: repetitive (quoting, code editing) and not.
+SPEC_PROMPTS = [
+    ("chat", "Repeat this paragraph exactly: The quick brown fox jumps over the lazy dog. The dog sleeps in "
+             "the sun while the fox runs into the forest, looking for food before the winter comes."),
+    ("chat", "Rename the variable x to count in this code and print the whole code:\n"
+             "def f(items):\n    x = 0\n    for i in items:\n        x += i\n    return x\n"),
+    ("completion", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):"),
+    ("chat", "Write a short poem about the sea."),
+    ("completion", "1, 2, 3, 4, 5, 6,"),
+]
 
 
 class OpenAIClientTest(unittest.TestCase):
@@ -333,6 +363,84 @@ class OpenAIClientTest(unittest.TestCase):
             alone = self.c.completions.create(model="style" if i % 2 else "smol", prompt=f"Item {i}:",
                                               max_tokens=8, temperature=0)
             self.assertEqual(alone.choices[0].text, results[i])
+
+    # ---- /v1/embeddings
+    def test_embeddings_shape_norm_and_similarity(self):
+        texts = ["The cat sat on the mat.", "A cat was sitting on the mat.",
+                 "Quarterly revenue grew by eight percent."]
+        r = self.c.embeddings.create(model="smol", input=texts)
+        self.assertEqual(r.object, "list")
+        self.assertEqual(r.model, "smol")
+        self.assertEqual([d.index for d in r.data], [0, 1, 2])
+        vecs = [d.embedding for d in r.data]
+        for v in vecs:
+            self.assertEqual(len(v), 576)
+            self.assertAlmostEqual(sum(x * x for x in v), 1.0, places=4)  # L2-normalized, as llama-server
+        self.assertGreater(cosine(vecs[0], vecs[1]), cosine(vecs[0], vecs[2]))
+        self.assertGreater(r.usage.prompt_tokens, 10)
+        self.assertEqual(r.usage.total_tokens, r.usage.prompt_tokens)
+        # Batch invariance: each input alone gives the same floats.
+        for t, v in zip(texts, vecs):
+            self.assertEqual(self.c.embeddings.create(model="smol", input=t).data[0].embedding, v)
+
+    def test_embeddings_base64_token_ids_and_adapters(self):
+        text = "Embeddings in base64."
+        f = self.c.embeddings.create(model="smol", input=text, encoding_format="float").data[0].embedding
+        # Without encoding_format the SDK asks for base64 and decodes it; asked for explicitly, it hands it over.
+        self.assertEqual(self.c.embeddings.create(model="smol", input=text).data[0].embedding, f)
+        b = self.c.embeddings.create(model="smol", input=text, encoding_format="base64").data[0].embedding
+        raw = base64.b64decode(b)
+        self.assertEqual(list(struct.unpack(f"<{len(raw) // 4}f", raw)), f)
+        status, body = SERVER.raw("POST", "/tokenize", {"model": "smol", "prompt": text})
+        ids = json.loads(body)["tokens"]
+        by_ids = self.c.embeddings.create(model="smol", input=[ids, ids[:3]])
+        self.assertEqual(by_ids.data[0].embedding, f)
+        self.assertEqual(by_ids.usage.prompt_tokens, len(ids) + 3)
+        styled = self.c.embeddings.create(model="style", input=text).data[0].embedding
+        self.assertNotEqual(styled, f, "the adapter changes the hidden states")
+        self.assertGreater(cosine(styled, f), 0.5)
+
+    def test_embeddings_bad_input(self):
+        for body, param in (({"model": "smol", "input": ""}, "input"), ({"model": "smol", "input": []}, "input"),
+                            ({"model": "smol", "input": [1] * 1025}, "input"),
+                            ({"model": "smol", "input": "x", "dimensions": 64}, "dimensions"),
+                            ({"model": "smol", "input": "x", "encoding_format": "int8"}, "encoding_format")):
+            status, text = SERVER.raw("POST", "/v1/embeddings", body)
+            self.assertEqual(status, 400, text)
+            self.assertEqual(json.loads(text)["error"]["param"], param, text)
+        with self.assertRaises(openai.NotFoundError):
+            self.c.embeddings.create(model="nope", input="x")
+
+    # ---- speculative decoding
+    def test_speculative_server_gives_the_greedy_outputs(self):
+        with tempfile.TemporaryDirectory() as root:
+            spec = Server(ARGS.loom, ARGS.model, root, extra=["--spec-ngram", "5"])
+            try:
+                for kind, prompt in SPEC_PROMPTS:
+                    if kind == "chat":
+                        kw = dict(model="smol", messages=[{"role": "user", "content": prompt}], max_tokens=80,
+                                  temperature=0, logprobs=True, top_logprobs=2)
+                        want = self.c.chat.completions.create(**kw)
+                        got = spec.client.chat.completions.create(**kw)
+                        self.assertEqual(got.choices[0].message.content, want.choices[0].message.content)
+                        self.assertEqual([t.logprob for t in got.choices[0].logprobs.content],
+                                         [t.logprob for t in want.choices[0].logprobs.content])
+                        plain_kw = {k: v for k, v in kw.items() if "logprobs" not in k}
+                        chunks = spec.client.chat.completions.create(stream=True, **plain_kw)
+                        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                        self.assertEqual(streamed, want.choices[0].message.content)
+                    else:
+                        for n in (80, 7):  # max_tokens cuts inside accepted drafts
+                            kw = dict(model="smol", prompt=prompt, max_tokens=n, temperature=0, stop=["\n\n\n"])
+                            want = self.c.completions.create(**kw)
+                            got = spec.client.completions.create(**kw)
+                            self.assertEqual(got.choices[0].text, want.choices[0].text)
+                            self.assertEqual(got.usage.completion_tokens, want.usage.completion_tokens)
+                            self.assertEqual(got.choices[0].finish_reason, want.choices[0].finish_reason)
+                self.assertGreater(spec.metric("loom_spec_decode_accepted_tokens_total"), 0)
+                self.assertEqual(SERVER.metric("loom_spec_decode_draft_tokens_total"), 0)
+            finally:
+                self.assertEqual(spec.stop(), 0)
 
     def test_metrics_names(self):
         status, text = SERVER.raw("GET", "/metrics")
