@@ -483,7 +483,7 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
     d.finish = s->grammar->complete() ? FinishKind::stop : FinishKind::length;
     r->stream->push(GenerationEvent::make_delta(std::move(d)));
     retire(s);
-    return;
+    return -1;
   }
   const int32_t id = s->sampler.sample(sample_from, s->generated);
   if (s->grammar && !s->grammar->accept(id))

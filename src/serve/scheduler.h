@@ -153,7 +153,7 @@ class ServingEngine : public Engine {
   void preempt(Sequence* s);
   // A sequence is done (finished, cancelled or failed): frees its blocks.
   void retire(Sequence* s);
-  // Samples, appends and streams one token; returns it.
+  // Samples, appends and streams one token; returns it (-1 when a grammar allowed none and the choice ended).
   int32_t sample_and_emit(Sequence* s, const float* logits);
   // Speculation: puts [last token, drafts] in s's draft chunk and returns the number of drafts (0: none),
   // at most `spare`, backed by KV blocks.
