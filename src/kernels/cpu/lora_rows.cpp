@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/int4_dequant.h"
 #include "kernels/cpu/simd_rows.h"
 
@@ -40,21 +41,32 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// One row of an A factor as the first pass reads it: f32, or 4-bit codes
-// (element e0 of the flattened matrix onwards).
+// One row of an A factor as the first pass reads it: f32, 4-bit codes or
+// bf16 (element e0 of the flattened matrix onwards).
 struct FactorRow {
   const float* f32 = nullptr;
   const Int4Rows* q = nullptr;
+  const uint16_t* h = nullptr;
   int64_t e0 = 0;
 
   static FactorRow of(const LoraFactor& f, int64_t r) {
-    if (!f.quantized()) return {f.a + r * f.in, nullptr, 0};
-    return {nullptr, &f.a4, r * f.in};
+    if (f.bf16()) return {nullptr, nullptr, f.a16, r * f.in};
+    if (!f.quantized()) return {f.a + r * f.in, nullptr, nullptr, 0};
+    return {nullptr, &f.a4, nullptr, r * f.in};
   }
-  bool operator==(const FactorRow& o) const { return f32 == o.f32 && q == o.q && e0 == o.e0; }
-  // Element c as unpack_int4_rows gives it.
+  bool operator==(const FactorRow& o) const { return f32 == o.f32 && q == o.q && h == o.h && e0 == o.e0; }
+  // Element c as unpack_int4_rows (or the bf16 widening) gives it.
   float at(int64_t c) const {
-    return f32 != nullptr ? f32[c] : int4::value(q->codes, e0 + c, q->scales[(e0 + c) / q->group]);
+    if (f32 != nullptr) return f32[c];
+    if (h != nullptr) return bf16_to_fp32(h[e0 + c]);
+    return int4::value(q->codes, e0 + c, q->scales[(e0 + c) / q->group]);
+  }
+  // Elements [c0, c0 + n) into out.
+  void widen(int64_t c0, int64_t n, float* out) const {
+    if (h != nullptr)
+      bf16_to_f32_rows(out, h + e0 + c0, n);
+    else
+      int4::dequant_span(*q, e0 + c0, n, out);
   }
 };
 
@@ -95,11 +107,11 @@ inline void dot_tile(const float* const* x, const float* const* a, int64_t n, fl
       for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], a[j][c], s[i][j]);
 }
 
-// dot_tile with some factor rows in 4 bits, kSegment columns at a time: each
-// 4-bit row's piece dequantized into `buf` [NA * kSegment] (L1) first, then
-// the same FMAs in the same order as over f32 rows holding those values.
+// dot_tile with some factor rows in 4 bits or bf16, kSegment columns at a
+// time: each such row's piece widened into `buf` [NA * kSegment] (L1) first,
+// then the same FMAs in the same order as over f32 rows holding those values.
 template <int NR, int NA>
-void dot_tile_int4(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA]) {
+void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA]) {
   static_assert(NA % 4 == 0);
   __m256 acc[NR][NA];
   for (int i = 0; i < NR; ++i)
@@ -116,7 +128,7 @@ void dot_tile_int4(const float* const* x, const FactorRow* a, int64_t n, float* 
       } else if (j > 0 && a[j] == a[j - 1]) {  // the padding of the last block
         as[j] = as[j - 1];
       } else {
-        int4::dequant_span(*a[j].q, a[j].e0 + c0, w, buf + j * kSegment);
+        a[j].widen(c0, w, buf + j * kSegment);
         as[j] = buf + j * kSegment;
       }
     }
@@ -132,6 +144,7 @@ inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == g) return true;
   if (f == nullptr || g == nullptr) return false;
   return f->a == g->a && f->b == g->b && f->a4.codes == g->a4.codes && f->b4.codes == g->b4.codes &&
+         f->a16 == g->a16 && f->b16 == g->b16 &&
          f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in &&
          f->out == g->out && f->scale == g->scale;
 }
@@ -157,18 +170,18 @@ struct FirstPass {
     return true;
   }
 
-  // Some factor of group g at listed row k is kept in 4 bits.
-  bool any_int4(const JobGroup& g, int64_t k) const {
+  // Some factor of group g at listed row k is kept in 4 bits or bf16.
+  bool any_packed(const JobGroup& g, int64_t k) const {
     for (int64_t j = g.first; j < g.first + g.count; ++j)
-      if (factor(j, k) != nullptr && factor(j, k)->quantized()) return true;
+      if (factor(j, k) != nullptr && factor(j, k)->packed()) return true;
     return false;
   }
 
   // u[job, row, :] = scale * (A x[row]) for the NR rows listed at k0.. (one
   // adapter) and every job of g, NA factor rows at a time across the jobs'
-  // concatenated A (the last block padded with its last row). Int4: some of
-  // the factors are 4-bit (`buf`: dot_tile_int4's scratch).
-  template <int NR, int NA, bool Int4>
+  // concatenated A (the last block padded with its last row). Packed: some of
+  // the factors are 4-bit or bf16 (`buf`: dot_tile_packed's scratch).
+  template <int NR, int NA, bool Packed>
   void tile(const JobGroup& g, int64_t k0, float* buf) const {
     const LoraRowsJob& j0 = jobs[static_cast<size_t>(g.first)];
     const float* xs[NR];
@@ -183,12 +196,12 @@ struct FirstPass {
     };
     skip_empty();
     while (job < g.first + g.count) {
-      std::conditional_t<Int4, FactorRow, const float*> ap[NA];
+      std::conditional_t<Packed, FactorRow, const float*> ap[NA];
       int64_t at_job[NA], at_r[NA];
       int m = 0;
       for (; m < NA && job < g.first + g.count; ++m) {
         const LoraFactor& f = *factor(job, k0);
-        if constexpr (Int4)
+        if constexpr (Packed)
           ap[m] = FactorRow::of(f, r);
         else
           ap[m] = f.a + r * f.in;
@@ -202,8 +215,8 @@ struct FirstPass {
       }
       for (int q = m; q < NA; ++q) ap[q] = ap[m - 1];
       float s[NR][NA];
-      if constexpr (Int4)
-        dot_tile_int4<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
+      if constexpr (Packed)
+        dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
       else
         dot_tile<NR, NA>(xs, ap, factor(at_job[0], k0)->in, s);
       for (int q = 0; q < m; ++q) {
@@ -212,23 +225,23 @@ struct FirstPass {
       }
     }
   }
-  // Tiles with a 4-bit factor go out of line, so that run's loop keeps the
-  // f32 path's code (and speed) as it was.
+  // Tiles with a 4-bit or bf16 factor go out of line, so that run's loop
+  // keeps the f32 path's code (and speed) as it was.
   template <int NR, int NA>
-  [[gnu::noinline]] void tile_int4(const JobGroup& g, int64_t k0, float* buf) const {
+  [[gnu::noinline]] void tile_packed(const JobGroup& g, int64_t k0, float* buf) const {
     tile<NR, NA, true>(g, k0, buf);
   }
   template <int NR, int NA>
   void tile(const JobGroup& g, int64_t k0, float* buf) const {
-    if (any_int4(g, k0))
-      tile_int4<NR, NA>(g, k0, buf);
+    if (any_packed(g, k0))
+      tile_packed<NR, NA>(g, k0, buf);
     else
       tile<NR, NA, false>(g, k0, buf);
   }
 
   // The listed rows [k0, k1) of group g, in tiles of one adapter's rows.
   void run(const JobGroup& g, int64_t k0, int64_t k1) const {
-    alignas(32) float buf[8 * kSegment];  // 4-bit A rows, dequantized a segment at a time
+    alignas(32) float buf[8 * kSegment];  // 4-bit or bf16 A rows, widened a segment at a time
     for (int64_t k = k0; k < k1;) {
       int n = 1;
       while (n < kTileRows && k + n < k1 && same_rows(g, k, k + n)) ++n;
@@ -325,10 +338,10 @@ struct SecondPass {
     }
   }
 
-  // add_rows over [c0, c1) with a 4-bit B, dequantized once for the run: the
-  // whole block (transposed: it fits) or pieces of a multiple of 8 rows (the
-  // dot products' own). Out of line, like FirstPass::tile_int4.
-  [[gnu::noinline]] void add_rows_int4(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
+  // add_rows over [c0, c1) with a 4-bit or bf16 B, widened once for the run:
+  // the whole block (transposed: it fits) or pieces of a multiple of 8 rows
+  // (the dot products' own). Out of line, like FirstPass::tile_packed.
+  [[gnu::noinline]] void add_rows_packed(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
                                        int64_t c1, bool transposed, float* bt) const {
     const int64_t r = f.rank;
     alignas(32) float bq[kBFloats];
@@ -338,7 +351,10 @@ struct SecondPass {
     const int64_t h = transposed ? c1 - c0 : std::max<int64_t>(8, kBFloats / r / 8 * 8);
     for (int64_t s0 = c0; s0 < c1; s0 += h) {
       const int64_t s1 = std::min(c1, s0 + h);
-      int4::dequant_span(f.b4, s0 * r, (s1 - s0) * r, buf);
+      if (f.bf16())
+        bf16_to_f32_rows(buf, f.b16 + s0 * r, (s1 - s0) * r);
+      else
+        int4::dequant_span(f.b4, s0 * r, (s1 - s0) * r, buf);
       add_rows([&](int64_t row) { return buf + (row - s0) * r; }, r, j, k, n, s0, s1, transposed, bt);
     }
   }
@@ -359,8 +375,8 @@ struct SecondPass {
         const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
         const float* b0 = f->b;
         const int64_t r = f->rank;
-        if (f->quantized())
-          add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
+        if (f->packed())
+          add_rows_packed(*f, j, k, n, c0, c1, transposed, bt);
         else
           add_rows([b0, r](int64_t row) { return b0 + row * r; }, r, j, k, n, c0, c1, transposed, bt);
       }
