@@ -70,14 +70,15 @@ struct FactorRow {
   }
 };
 
-// acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [0, n8).
-template <int NR, int NA>
-inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const float* const* a, int64_t n8) {
+// acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [0, n8);
+// A: float, or simd::Bf16 widened in registers (exact).
+template <int NR, int NA, typename A = float>
+inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t n8) {
   for (int64_t c = 0; c < n8; c += 8) {
     __m256 xc[NR];
     for (int i = 0; i < NR; ++i) xc[i] = _mm256_loadu_ps(x[i] + c);
     for (int j = 0; j < NA; ++j) {
-      const __m256 ac = _mm256_loadu_ps(a[j] + c);
+      const __m256 ac = simd::load8(a[j] + c);
       for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(xc[i], ac, acc[i][j]);
     }
   }
@@ -93,18 +94,18 @@ inline void reduce_tile(__m256 (&acc)[NR][NA], float (*s)[NA]) {
 // s[i][j] = dot(x[i], a[j]) over n floats, NR rows x NA factor rows: each
 // result the same operations as simd::dot4(x[i], a[j..]) gives (one FMA chain
 // per lane, reduce4, scalar tail), but each chunk of a[j] is read once for all rows.
-template <int NR, int NA>
-inline void dot_tile(const float* const* x, const float* const* a, int64_t n, float (*s)[NA]) {
+template <int NR, int NA, typename A = float>
+inline void dot_tile(const float* const* x, const A* const* a, int64_t n, float (*s)[NA]) {
   static_assert(NA % 4 == 0);
   __m256 acc[NR][NA];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NA; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t n8 = n & ~int64_t{7};
-  accumulate<NR, NA>(acc, x, a, n8);
+  accumulate<NR, NA, A>(acc, x, a, n8);
   reduce_tile<NR, NA>(acc, s);
   for (int64_t c = n8; c < n; ++c)
     for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], a[j][c], s[i][j]);
+      for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], simd::load1(a[j] + c), s[i][j]);
 }
 
 // dot_tile with some factor rows in 4 bits or bf16, kSegment columns at a
@@ -215,9 +216,18 @@ struct FirstPass {
       }
       for (int q = m; q < NA; ++q) ap[q] = ap[m - 1];
       float s[NR][NA];
+      bool all_bf16 = Packed;
       if constexpr (Packed)
-        dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
-      else
+        for (int q = 0; q < NA; ++q) all_bf16 = all_bf16 && ap[q].h != nullptr;
+      if constexpr (Packed) {
+        if (all_bf16) {  // widened in registers: no pass through buf
+          const simd::Bf16* hp[NA];
+          for (int q = 0; q < NA; ++q) hp[q] = reinterpret_cast<const simd::Bf16*>(ap[q].h + ap[q].e0);
+          dot_tile<NR, NA, simd::Bf16>(xs, hp, factor(at_job[0], k0)->in, s);
+        } else {
+          dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
+        }
+      } else
         dot_tile<NR, NA>(xs, ap, factor(at_job[0], k0)->in, s);
       for (int q = 0; q < m; ++q) {
         const float scale = factor(at_job[q], k0)->scale;
@@ -272,7 +282,7 @@ inline void add_cols(float* y, int64_t n, int64_t c1, __m256 d) {
 template <typename BRow>
 inline void add_b_times_u(BRow b_row, int64_t r, const float* u, float* y, int64_t c0, int64_t c1) {
   for (int64_t n = c0; n < c1; n += 8) {
-    const float* rows[8];
+    decltype(b_row(0)) rows[8];
     for (int64_t m = 0; m < 8; ++m) rows[m] = b_row(std::min(n + m, c1 - 1));
     add_cols(y, n, c1, simd::dot8(u, rows, r));
   }
@@ -283,8 +293,8 @@ template <typename BRow>
 inline void transpose_b_block(BRow b_row, int64_t r, int64_t c0, int64_t c1, float* bt) {
   const int64_t w = c1 - c0, w8 = (w + 7) & ~int64_t{7};
   for (int64_t n = 0; n < w; ++n) {
-    const float* b = b_row(c0 + n);
-    for (int64_t j = 0; j < r; ++j) bt[j * kLoraCols + n] = b[j];
+    const auto* b = b_row(c0 + n);
+    for (int64_t j = 0; j < r; ++j) bt[j * kLoraCols + n] = simd::load1(b + j);
   }
   for (int64_t j = 0; j < r; ++j)
     for (int64_t n = w; n < w8; ++n) bt[j * kLoraCols + n] = 0.0f;
@@ -312,6 +322,7 @@ inline void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y,
 
 // The second pass's view of a call: units job-major, then column block, then
 // listed row (rows of one adapter adjacent), so a run of units shares one block of B.
+
 struct SecondPass {
   std::span<const LoraRowsJob> jobs;
   std::span<const int32_t> rows;
@@ -338,10 +349,11 @@ struct SecondPass {
     }
   }
 
-  // add_rows over [c0, c1) with a 4-bit or bf16 B, widened once for the run:
-  // the whole block (transposed: it fits) or pieces of a multiple of 8 rows
-  // (the dot products' own). Out of line, like FirstPass::tile_packed.
-  [[gnu::noinline]] void add_rows_packed(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
+  // add_rows over [c0, c1) with a 4-bit B, dequantized once for the run: the
+  // whole block (transposed: it fits) or pieces of a multiple of 8 rows (the
+  // dot products' own). Out of line, like FirstPass::tile_packed. (A bf16 B
+  // is read in place, widened in registers.)
+  [[gnu::noinline]] void add_rows_int4(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
                                        int64_t c1, bool transposed, float* bt) const {
     const int64_t r = f.rank;
     alignas(32) float bq[kBFloats];
@@ -351,10 +363,7 @@ struct SecondPass {
     const int64_t h = transposed ? c1 - c0 : std::max<int64_t>(8, kBFloats / r / 8 * 8);
     for (int64_t s0 = c0; s0 < c1; s0 += h) {
       const int64_t s1 = std::min(c1, s0 + h);
-      if (f.bf16())
-        bf16_to_f32_rows(buf, f.b16 + s0 * r, (s1 - s0) * r);
-      else
-        int4::dequant_span(f.b4, s0 * r, (s1 - s0) * r, buf);
+      int4::dequant_span(f.b4, s0 * r, (s1 - s0) * r, buf);
       add_rows([&](int64_t row) { return buf + (row - s0) * r; }, r, j, k, n, s0, s1, transposed, bt);
     }
   }
@@ -375,8 +384,11 @@ struct SecondPass {
         const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
         const float* b0 = f->b;
         const int64_t r = f->rank;
-        if (f->packed())
-          add_rows_packed(*f, j, k, n, c0, c1, transposed, bt);
+        const auto* h = reinterpret_cast<const simd::Bf16*>(f->b16);
+        if (f->bf16())  // widened as read
+          add_rows([h, r](int64_t row) { return h + row * r; }, r, j, k, n, c0, c1, transposed, bt);
+        else if (f->packed())
+          add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
         else
           add_rows([b0, r](int64_t row) { return b0 + row * r; }, r, j, k, n, c0, c1, transposed, bt);
       }
