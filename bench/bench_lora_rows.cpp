@@ -5,8 +5,13 @@
 //   decode16: 16 rows, each its own adapter (decode steps of 16 clients);
 //   decode16x8: 16 rows, two per adapter (bench_lora4.py's 16 clients over 8);
 //   prefill128: 128 rows of one adapter (a prefill chunk);
-// with f32 factors and, "_int4", factors kept in 4 bits as `serve --lora-bits 4`
-// keeps them (read in place). Time per call, one thread (CPU time).
+//   decode16cold: 16 rows, each its own adapter out of 64, each call another
+//     layer's factors out of 30: the factors come from DRAM as in a serving
+//     step (64 adapters x 30 layers do not fit the caches), where the cases
+//     above reread what the last call left in cache;
+// with f32 factors, "_bf16" kept in bf16 (`serve --lora-bits 16`) and, "_int4",
+// factors kept in 4 bits as `serve --lora-bits 4` keeps them (read in place).
+// Time per call, one thread (CPU time).
 //   loom_bench --benchmark_filter=LoraRows
 // BasePass/<base dtype>/{separate,fused}: the q/k/v base products and the
 // three r=16 A factors (f32) over 128 rows, as two matmul_multi calls or one
@@ -19,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "core/half.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/matmul.h"
@@ -31,7 +37,8 @@ namespace {
 struct LoraCase {
   std::vector<int64_t> outs;  // one target per entry, all over x [T, in]
   int64_t in, rows, adapters, rank;
-  bool int4 = false;
+  int bits = 32;       // 32: f32 factors, 16: bf16, 4: 4-bit
+  int64_t layers = 1;  // sets of factors the calls go through in turn
 };
 
 void run_lora_rows(benchmark::State& state, LoraCase c) {
@@ -44,18 +51,32 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   };
   const auto n_jobs = static_cast<int64_t>(c.outs.size());
   std::vector<std::vector<float>> as, bs;
-  std::vector<LoraFactor> factors;  // [adapter * n_jobs + job]
-  for (int64_t a = 0; a < c.adapters; ++a)
+  std::vector<LoraFactor> factors;  // [(layer * adapters + adapter) * n_jobs + job]
+  for (int64_t a = 0; a < c.layers * c.adapters; ++a)
     for (int64_t out : c.outs) {
       as.push_back(fill(static_cast<size_t>(c.rank * c.in)));
       bs.push_back(fill(static_cast<size_t>(out * c.rank)));
     }
   std::vector<PackedInt4> packed;
   packed.reserve(2 * as.size());  // the factors point into these
+  std::vector<std::vector<uint16_t>> halves;
+  halves.reserve(2 * as.size());
   for (size_t i = 0; i < as.size(); ++i) {
     const int64_t out = c.outs[i % c.outs.size()];
     factors.push_back({as[i].data(), bs[i].data(), c.rank, c.in, out, 0.5f, {}, {}});
-    if (!c.int4) continue;
+    if (c.bits == 16) {
+      for (std::vector<float>* v : {&as[i], &bs[i]}) {
+        std::vector<uint16_t>& h = halves.emplace_back(v->size());
+        for (size_t e = 0; e < v->size(); ++e) h[e] = fp32_to_bf16((*v)[e]);
+        std::vector<float>().swap(*v);  // only the bf16 copy stays in memory
+      }
+      LoraFactor& f = factors.back();
+      f.a = f.b = nullptr;
+      f.a16 = halves[halves.size() - 2].data();
+      f.b16 = halves.back().data();
+      continue;
+    }
+    if (c.bits != 4) continue;
     const PackedInt4& qa = packed.emplace_back(pack_int4_rows(as[i].data(), c.rank, c.in, fitting_int4_group(c.in, 128)));
     const PackedInt4& qb = packed.emplace_back(pack_int4_rows(bs[i].data(), out, c.rank, fitting_int4_group(c.rank, 128)));
     LoraFactor& f = factors.back();
@@ -70,16 +91,26 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   std::vector<const LoraFactor*> per_row(static_cast<size_t>(n_jobs * T));
   for (int64_t t = 0; t < T; ++t) rows.push_back(static_cast<int32_t>(t));
   std::vector<LoraRowsJob> jobs;
-  for (int64_t j = 0; j < n_jobs; ++j) {
-    ys.push_back(fill(static_cast<size_t>(T * c.outs[j])));
-    for (int64_t t = 0; t < T; ++t)  // rows of one adapter adjacent, as BatchForward sorts them
-      per_row[static_cast<size_t>(j * T + t)] = &factors[static_cast<size_t>((t * c.adapters / T) * n_jobs + j)];
-  }
+  for (int64_t j = 0; j < n_jobs; ++j) ys.push_back(fill(static_cast<size_t>(T * c.outs[j])));
   for (int64_t j = 0; j < n_jobs; ++j)
     jobs.push_back({x.data(), c.in, ys[j].data(), c.outs[j], c.outs[j], per_row.data() + j * T});
+  // Call i: layer i % layers; rows of one adapter adjacent, as BatchForward sorts them (decode16cold:
+  // each row the next of the 64 adapters).
+  auto bind = [&](int64_t i) {
+    const int64_t layer = i % c.layers, first = c.layers > 1 ? i * T : 0;
+    for (int64_t j = 0; j < n_jobs; ++j)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t ad = c.layers > 1 ? (first + t) % c.adapters : t * c.adapters / T;
+        per_row[static_cast<size_t>(j * T + t)] =
+            &factors[static_cast<size_t>((layer * c.adapters + ad) * n_jobs + j)];
+      }
+  };
   std::vector<float> u(static_cast<size_t>(n_jobs * T * c.rank));
   ThreadPool pool(1);
+  int64_t call = 0;
+  bind(0);
   for (auto _ : state) {
+    if (c.layers > 1) bind(call++);
     lora_rows(pool, jobs, rows, c.rank, u.data(), T);
     benchmark::DoNotOptimize(ys[0].data());
   }
@@ -148,12 +179,15 @@ const bool registered = [] {
   };
   const Point points[] = {{"qkv", {H, KV, KV}, H}, {"gate_up", {F, F}, H}, {"down", {H}, F}};
   for (int64_t r : {8, 16})
-    for (bool int4 : {false, true})
+    for (int bits : {32, 16, 4})
       for (const Point& p : points)
-        for (auto [shape, rows, adapters] :
-             {std::tuple{"decode16", 16, 16}, std::tuple{"decode16x8", 16, 8}, std::tuple{"prefill128", 128, 1}}) {
-          const std::string name = fmt::format("LoraRows/{}/{}_r{}{}/t1", p.name, shape, r, int4 ? "_int4" : "");
-          benchmark::RegisterBenchmark(name.c_str(), run_lora_rows, LoraCase{p.outs, p.in, rows, adapters, r, int4})
+        for (auto [shape, rows, adapters, layers] :
+             {std::tuple{"decode16", 16, 16, 1}, std::tuple{"decode16x8", 16, 8, 1},
+              std::tuple{"prefill128", 128, 1, 1}, std::tuple{"decode16cold", 16, 64, 30}}) {
+          const char* suffix = bits == 4 ? "_int4" : bits == 16 ? "_bf16" : "";
+          const std::string name = fmt::format("LoraRows/{}/{}_r{}{}/t1", p.name, shape, r, suffix);
+          benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
+                                       LoraCase{p.outs, p.in, rows, adapters, r, bits, layers})
               ->Unit(benchmark::kMicrosecond);
         }
   return true;

@@ -14,7 +14,10 @@ The server's peak RSS (VmHWM) is read, then it gets SIGTERM.
 
 Adapters mode (loom only): the same load at concurrency 16 against loom serving 1, 8 and 64
 random rank-8 LoRA adapters (PEFT folders written by this script), requests spread round-robin
-over the adapters.
+over the adapters. --registered 1000: as many names registered (their folders hard-link the
+64 written weight files), requests round-robin over all of them, with --max-lora-memory room for
+only a few (LRU: nearly every request loads its adapter). --repeat N runs the whole set N times
+interleaved and reports medians with their range, each ratio taken within its repetition.
 
 Raw results go to bench/results/serve-<date>-t<T>.json (gitignored), tables to stdout and .md.
 """
@@ -268,7 +271,7 @@ class Server:
         self.start_s = None
 
     def start(self):
-        log(" ".join(self.cmd))
+        log(" ".join(self.cmd[:40]) + (f" ... ({len(self.cmd)} arguments)" if len(self.cmd) > 40 else ""))
         self.logf = open(self.log_path, "wb")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self.logf, stderr=subprocess.STDOUT,
@@ -333,7 +336,7 @@ def ctx_per_seq(a):
     return (need + 255) // 256 * 256
 
 
-def loom_cmd(a, conc, adapters=()):
+def loom_cmd(a, conc, adapters=(), lora_memory_mib=0):
     def make(port):
         cmd = [a.loom, "serve", "-m", a.model, "--served-model-name", MODEL_NAME,
                "--host", "127.0.0.1", "--port", str(port), "-t", str(a.threads),
@@ -341,8 +344,12 @@ def loom_cmd(a, conc, adapters=()):
                "--http-threads", str(max(64, conc + 8)), "--shutdown-grace", "5"]
         for name, path in adapters:
             cmd += ["--adapter", f"{name}={path}"]
-        if adapters:
+        if adapters and lora_memory_mib:
+            cmd += ["--max-lora-memory", f"{lora_memory_mib}M"]
+        elif adapters:
             cmd += ["--max-loras", str(a.max_loras or len(adapters))]
+        if adapters and a.lora_bits != 32:
+            cmd += ["--lora-bits", str(a.lora_bits)]
         return cmd + a.loom_arg
     return make
 
@@ -524,10 +531,10 @@ def make_body_fn(a, kind, pool, models, max_tokens=None):
     return make
 
 
-def warm_up(a, kind, port, pool, models, conc):
-    """One short request per model (every adapter gets loaded and touched), `conc` at a time;
-    not measured. Raises RuntimeError when one fails."""
-    pending = list(models)
+def warm_up(a, kind, port, pool, models, conc, limit=None):
+    """One short request per model (every adapter gets loaded and touched; the first `limit`
+    only), `conc` at a time; not measured. Raises RuntimeError when one fails."""
+    pending = list(models)[:limit]
     errors = []
     lock = threading.Lock()
 
@@ -558,14 +565,15 @@ def warm_up(a, kind, port, pool, models, conc):
         raise RuntimeError(f"warm-up request failed: {errors[0]}")
 
 
-def bench_server(a, kind, cmd_fn, conc, pool, workdir, models=(MODEL_NAME,), label=None):
+def bench_server(a, kind, cmd_fn, conc, pool, workdir, models=(MODEL_NAME,), label=None, warm_limit=None):
     """Starts one server, warms it up, runs the load, stops it. Returns a result dict."""
     srv = Server(kind, cmd_fn, workdir, a.start_timeout)
-    res = {"server": kind, "concurrency": conc, "cmd": srv.cmd, "label": label}
+    res = {"server": kind, "concurrency": conc, "cmd": srv.cmd if len(srv.cmd) < 200 else srv.cmd[:40] + ["..."],
+           "label": label}
     try:
         srv.start()
         res["startup_s"] = srv.start_s
-        warm_up(a, kind, srv.port, pool, models, conc)
+        warm_up(a, kind, srv.port, pool, models, conc, warm_limit)
         rss_before = srv.peak_rss_mib()
         if a.wait_idle > 0:
             res["idle_check_cores"] = wait_idle(a.wait_idle, BUSY_CORES)
@@ -684,6 +692,23 @@ def write_adapter(path, seed, dims, r=8, alpha=16):
         json.dump(cfg, f, indent=1)
 
 
+def registered_adapters(adir, paths, n):
+    """n adapter names for the registered mode: folder regNNNN with its own adapter_config.json and
+    the weights of written adapter NNNN % len(paths) hard-linked (the server loads each name as its
+    own adapter; the page cache holds the distinct files once)."""
+    out = []
+    for k in range(n):
+        name = f"reg{k:04d}"
+        p = os.path.join(adir, "registered", name)
+        src = paths[k % len(paths)][1]
+        if not os.path.isfile(os.path.join(p, "adapter_model.safetensors")):
+            os.makedirs(p, exist_ok=True)
+            shutil.copy(os.path.join(src, "adapter_config.json"), os.path.join(p, "adapter_config.json"))
+            os.link(os.path.join(src, "adapter_model.safetensors"), os.path.join(p, "adapter_model.safetensors"))
+        out.append((name, p))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Output.
 
@@ -732,6 +757,16 @@ def main():
     ap.add_argument("--max-loras", type=int, default=0,
                     help="loom --max-loras in the adapters mode (default: the adapter count, all resident)")
     ap.add_argument("--adapter-rank", type=int, default=8, help="LoRA rank of the random adapters")
+    ap.add_argument("--lora-bits", type=int, default=32, choices=(32, 16, 4),
+                    help="loom --lora-bits in the adapters mode (32: f32, 16: bf16, 4: 4-bit)")
+    ap.add_argument("--registered", default="",
+                    help="comma list of registered-adapter counts (e.g. 1000) served under an adapter memory "
+                         "budget (LRU), requests round-robin over all of them ('': skip)")
+    ap.add_argument("--lora-memory", type=float, default=0, metavar="MIB",
+                    help="loom --max-lora-memory for the registered runs (default: room for 2 x "
+                         "--adapter-concurrency adapters)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the adapters mode's servers this many times, interleaved; medians reported")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server")
     ap.add_argument("--no-loom", action="store_true", help="skip loom (and the adapters mode)")
     ap.add_argument("--loom", default=DEFAULT_LOOM, help="the loom binary")
@@ -750,6 +785,7 @@ def main():
 
     concs = [int(c) for c in a.concurrency.split(",") if c.strip()]
     adapter_counts = [int(c) for c in a.adapters.split(",") if c.strip() and int(c) > 0]
+    registered_counts = [int(c) for c in a.registered.split(",") if c.strip() and int(c) > 0]
     if a.prompt_tokens <= NONCE_TOKENS:
         raise SystemExit(f"--prompt-tokens must be > {NONCE_TOKENS}")
     if not os.path.isfile(a.model):
@@ -774,10 +810,10 @@ def main():
             if not a.no_llama:
                 meta["runs"].append(bench_server(a, "llama.cpp", llama_cmd(a, conc), conc, pool, workdir))
 
-        if adapter_counts and not a.no_loom:
+        if (adapter_counts or registered_counts) and not a.no_loom:
             adir = a.keep_adapters or os.path.join(workdir, "adapters")
             dims = model_dims(a)
-            n_max = max(adapter_counts)
+            n_max = max(adapter_counts + ([64] if registered_counts else []))
             log(f"writing {n_max} random r={a.adapter_rank} adapters to {adir}")
             paths = []
             for k in range(n_max):
@@ -785,12 +821,23 @@ def main():
                 if not os.path.isfile(os.path.join(p, "adapter_model.safetensors")):
                     write_adapter(p, f"{a.seed}/adapter/{k}", dims, r=a.adapter_rank)
                 paths.append((f"lora{k:02d}", p))
-            for n in adapter_counts:
-                res = bench_server(a, "loom", loom_cmd(a, a.adapter_concurrency, paths[:n]),
-                                   a.adapter_concurrency, pool, workdir,
-                                   models=tuple(name for name, _ in paths[:n]), label=f"{n} adapters")
-                res["n_adapters"] = n
-                meta["adapter_runs"].append(res)
+            reg_paths = registered_adapters(adir, paths, max(registered_counts)) if registered_counts else []
+            weights = os.path.getsize(os.path.join(paths[0][1], "adapter_model.safetensors"))
+            lora_memory = a.lora_memory or 2 * a.adapter_concurrency * weights * a.lora_bits / 32 / 2**20
+            runs = [(n, False) for n in adapter_counts] + [(n, True) for n in registered_counts]
+            for rep in range(a.repeat):
+                for n, registered in runs:
+                    chosen = reg_paths[:n] if registered else paths[:n]
+                    label = f"{n} registered" if registered else f"{n} adapters"
+                    if a.repeat > 1:
+                        label += f" (repetition {rep + 1})"
+                    cmd = loom_cmd(a, a.adapter_concurrency, chosen, round(lora_memory) if registered else 0)
+                    res = bench_server(a, "loom", cmd, a.adapter_concurrency, pool, workdir,
+                                       models=tuple(name for name, _ in chosen), label=label,
+                                       warm_limit=a.adapter_concurrency if registered else None)
+                    res.update(n_adapters=n, registered=registered, repetition=rep, lora_bits=a.lora_bits,
+                               lora_memory_mib=round(lora_memory) if registered else None)
+                    meta["adapter_runs"].append(res)
     finally:
         meta["loadavg_end"] = os.getloadavg()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -809,20 +856,42 @@ def main():
                 rrows.append([c, fmt(lo), fmt(ll), fmt(lo / ll, 2) if lo and ll else "-"])
             out += [md_table(["conc", "loom tok/s", "llama.cpp tok/s", "loom/llama.cpp"], rrows), ""]
     if meta["adapter_runs"]:
-        base1 = next((r.get("output_tok_s") for r in meta["adapter_runs"] if r["n_adapters"] == 1), None)
+        def base_of(rep):
+            return next((r.get("output_tok_s") for r in meta["adapter_runs"]
+                         if r["n_adapters"] == 1 and not r["registered"] and r["repetition"] == rep), None)
         rows = []
         no_lora = next((r for r in meta["runs"] if r["server"] == "loom"
                         and r["concurrency"] == a.adapter_concurrency), None)
         if no_lora:
+            base1 = base_of(0)
             rows.append(["0 (base)", a.adapter_concurrency] + result_cells(no_lora)[:-1] +
                         [fmt(no_lora["output_tok_s"] / base1, 2) if base1 and no_lora.get("output_tok_s") else "-",
                          result_cells(no_lora)[-1]])
         for r in meta["adapter_runs"]:
             cells = result_cells(r)
-            ratio = fmt(r["output_tok_s"] / base1, 2) if base1 and r.get("output_tok_s") else "-"
-            rows.append([r["n_adapters"], r["concurrency"]] + cells[:-1] + [ratio, cells[-1]])
-        out += [f"loom multi-LoRA (r={a.adapter_rank}, all 7 projections, round-robin over adapters):", "",
-                md_table(["adapters", "conc"] + METRIC_HEAD[:-1] + ["vs 1 adapter", "note"], rows), ""]
+            base1 = base_of(r["repetition"])
+            r["vs_1_adapter"] = r["output_tok_s"] / base1 if base1 and r.get("output_tok_s") else None
+            name = f"{r['n_adapters']} registered ({r['lora_memory_mib']} MiB, LRU)" if r["registered"] \
+                else str(r["n_adapters"])
+            if a.repeat > 1:
+                name += f" #{r['repetition'] + 1}"
+            rows.append([name, r["concurrency"]] + cells[:-1] + [fmt(r["vs_1_adapter"], 2), cells[-1]])
+        bits = {32: "f32", 16: "bf16", 4: "4-bit"}[a.lora_bits]
+        out += [f"loom multi-LoRA (r={a.adapter_rank}, all 7 projections, {bits} factors, round-robin over "
+                f"adapters):", "", md_table(["adapters", "conc"] + METRIC_HEAD[:-1] + ["vs 1 adapter", "note"], rows),
+                ""]
+        if a.repeat > 1:
+            srows = []
+            for key in dict.fromkeys((r["n_adapters"], r["registered"]) for r in meta["adapter_runs"]):
+                rs = [r for r in meta["adapter_runs"] if (r["n_adapters"], r["registered"]) == key]
+                toks = [r["output_tok_s"] for r in rs if r.get("output_tok_s")]
+                ratios = [r["vs_1_adapter"] for r in rs if r.get("vs_1_adapter")]
+                srows.append([f"{key[0]} registered (LRU)" if key[1] else key[0], len(rs),
+                              f"{fmt(percentile(toks, 50))} ({fmt(min(toks))}-{fmt(max(toks))})" if toks else "-",
+                              f"{fmt(percentile(ratios, 50), 2)} ({fmt(min(ratios), 2)}-{fmt(max(ratios), 2)})"
+                              if ratios else "-"])
+            out += [f"medians over {a.repeat} interleaved repetitions (range in brackets; each ratio within its "
+                    f"repetition):", "", md_table(["adapters", "runs", "output tok/s", "vs 1 adapter"], srows), ""]
     text = "\n".join(out)
     print(text)
 

@@ -19,14 +19,14 @@ namespace loom::app {
 
 namespace {
 
-// Parses "4G", "512M", "1048576" (bytes; K/M/G/T are powers of 1024).
-size_t parse_bytes(const std::string& s) {
+// Parses "4G", "512M", "1048576" (bytes; K/M/G/T are powers of 1024) given to `flag`.
+size_t parse_bytes(const std::string& s, const char* flag = "--kv-cache-memory") {
   size_t pos = 0;
   double v = 0;
   try {
     v = std::stod(s, &pos);
   } catch (const std::exception&) {
-    fail(ErrorKind::invalid_input, "--kv-cache-memory '{}': expected a size such as 2G, 512M or 1073741824", s);
+    fail(ErrorKind::invalid_input, "{} '{}': expected a size such as 2G, 512M or 1073741824", flag, s);
   }
   double mul = 1;
   const std::string unit = s.substr(pos);
@@ -35,8 +35,8 @@ size_t parse_bytes(const std::string& s) {
   else if (unit == "G" || unit == "GiB") mul = 1024.0 * 1024 * 1024;
   else if (unit == "T" || unit == "TiB") mul = 1024.0 * 1024 * 1024 * 1024;
   else if (!unit.empty())
-    fail(ErrorKind::invalid_input, "--kv-cache-memory '{}': unknown unit '{}' (K, M, G or T)", s, unit);
-  if (!(v > 0)) fail(ErrorKind::invalid_input, "--kv-cache-memory '{}' must be positive", s);
+    fail(ErrorKind::invalid_input, "{} '{}': unknown unit '{}' (K, M, G or T)", flag, s, unit);
+  if (!(v > 0)) fail(ErrorKind::invalid_input, "{} '{}' must be positive", flag, s);
   return static_cast<size_t>(v * mul);
 }
 
@@ -98,11 +98,19 @@ int run_serve(int argc, char** argv) {
                  "contexts, at most 2G)");
   app.add_option("--kv-cache-dtype", kv_dtype, "f16 or f32")->capture_default_str()->check(CLI::IsMember({"f16", "f32"}));
   app.add_option("--lora-bits", so.lora_bits,
-                 "adapter storage: 32 (f32, memory-mapped) or 4 (4-bit, groups of 128; ~8x less memory per adapter)")
-      ->check(CLI::IsMember({4, 32}))
+                 "adapter storage: 32 (f32, memory-mapped), 16 (bf16: half the memory and the bytes each decode "
+                 "row reads) or 4 (4-bit, groups of 128; ~8x less memory per adapter)")
+      ->check(CLI::IsMember({4, 16, 32}))
       ->capture_default_str();
-  app.add_option("--max-loras", so.max_loras, "adapters resident in memory at once (LRU)")->capture_default_str()
-      ->check(CLI::Range(1, 4096));
+  auto* max_loras_opt =
+      app.add_option("--max-loras", so.max_loras,
+                     "adapters resident in memory at once (LRU; with --max-lora-memory and without this flag: "
+                     "no count limit)")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1 << 20));
+  std::string lora_memory;
+  app.add_option("--max-lora-memory", lora_memory,
+                 "bytes of resident adapters, e.g. 1G (LRU eviction past it; any number may be registered)");
   auto* max_batch_opt =
       app.add_option("--max-batch-tokens", so.max_batch_tokens,
                      "token rows per step (decodes + prefill chunks); with --itl-target-ms the upper limit "
@@ -150,6 +158,10 @@ int run_serve(int argc, char** argv) {
   if (!parse_cli(app, argc, argv, code)) return code;
 
   validate_ngram_spec(so.spec);
+  if (!lora_memory.empty()) {
+    so.max_lora_memory = parse_bytes(lora_memory, "--max-lora-memory");
+    if (max_loras_opt->count() == 0) so.max_loras = int64_t{1} << 20;
+  }
   for (const std::string& spec : adapter_specs) {
     const auto eq = spec.find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size())
@@ -201,6 +213,7 @@ int run_serve(int argc, char** argv) {
       {"model", {{"path", so.model_path}, {"name", engine.model_name()}, {"layers", engine.model().config().n_layers},
                  {"type", model_weight_type(engine.model())}}},
       {"serve", {{"max_batch_tokens", so.max_batch_tokens}, {"max_seqs", so.max_seqs}, {"max_loras", so.max_loras},
+                 {"max_lora_memory", so.max_lora_memory}, {"lora_bits", so.lora_bits},
                  {"kv_blocks", engine.kv_blocks()}, {"block_size", so.block_size}}}};
   ho.tracer = &tracer;
   ho.profile_metadata = [&] { return profile_metadata("serve", threads, serve_metadata).dump(); };
@@ -222,7 +235,8 @@ int run_serve(int argc, char** argv) {
   for (const AdapterInfo& a : engine.adapter_infos())
     if (a.resident)
       std::fprintf(stderr, "loom serve: adapter '%s': %.2f MiB (%s; %.2f MiB in f32)\n", a.name.c_str(),
-                   static_cast<double>(a.bytes) / (1 << 20), so.lora_bits == 4 ? "4-bit" : "f32",
+                   static_cast<double>(a.bytes) / (1 << 20),
+                   so.lora_bits == 4 ? "4-bit" : so.lora_bits == 16 ? "bf16" : "f32",
                    static_cast<double>(a.f32_bytes) / (1 << 20));
   std::fflush(stderr);
 

@@ -100,7 +100,12 @@ struct LoraFactor {
   int64_t rank = 0, in = 0, out = 0;
   float scale = 1.0f;
   Int4Rows a4{}, b4{};       // [rank, in] and [out, rank] in 4 bits (kernels/int4_rows.h)
+  const uint16_t* a16 = nullptr;  // [rank, in] as bf16 bits (a null), read widened (exact)
+  const uint16_t* b16 = nullptr;  // [out, rank] as bf16 bits (b null)
   bool quantized() const { return !a4.empty(); }
+  bool bf16() const { return a16 != nullptr; }
+  // Not plain f32: the kernel widens pieces into a stack buffer before the same FMAs.
+  bool packed() const { return quantized() || bf16(); }
 };
 struct LoraRowsJob {
   const float* x;

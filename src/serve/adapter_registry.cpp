@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <limits>
 
+#include "core/half.h"
 #include "serve/engine_api.h"
 
 namespace loom {
@@ -101,10 +102,10 @@ void AdapterRegistry::check_contained(const std::string& path) const {
 }
 
 AdapterRegistry::AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs,
-                                 int64_t max_resident, int lora_bits)
-    : config_(config), max_resident_(std::max<int64_t>(1, max_resident)), lora_bits_(lora_bits) {
-  if (lora_bits != 32 && lora_bits != 4)
-    throw EngineError(EngineErrc::invalid_request, fmt::format("--lora-bits {}: 4 or 32", lora_bits), "lora_bits");
+                                 int64_t max_resident, int lora_bits, size_t max_bytes)
+    : config_(config), max_resident_(std::max<int64_t>(1, max_resident)), lora_bits_(lora_bits), max_bytes_(max_bytes) {
+  if (lora_bits != 32 && lora_bits != 16 && lora_bits != 4)
+    throw EngineError(EngineErrc::invalid_request, fmt::format("--lora-bits {}: 4, 16 or 32", lora_bits), "lora_bits");
   for (const std::string& d : allowed_dirs) {
     std::error_code ec;
     const fs::path canon = fs::weakly_canonical(d, ec);
@@ -154,6 +155,7 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
     if (p.present()) a->f32_bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
   a->bytes = a->f32_bytes;
   if (lora_bits_ == 4) pack_4bit(*a);
+  if (lora_bits_ == 16) pack_bf16(*a);
   return a;
 }
 
@@ -227,26 +229,28 @@ bool AdapterRegistry::add(const std::string& name, const std::string& path, bool
   }
   // Outside the lock: disk and parsing. A failure throws here, before anything registered changes.
   auto loaded = load(name, resolved, runtime);
+  if (max_bytes_ > 0 && loaded->bytes > max_bytes_)
+    throw load_failed(name, fmt::format("it takes {} bytes, more than the adapters' memory limit of {} bytes "
+                                        "(--max-lora-memory)",
+                                        loaded->bytes, max_bytes_));
   std::lock_guard lock(mu_);
   const auto it = find();
   if (it != entries_.end() && !replace) throw exists();
   std::const_pointer_cast<LoadedAdapter>(loaded)->id = next_id_++;
-  int64_t resident = 0;
-  for (const Entry& e : entries_) resident += e.loaded != nullptr;
   if (it != entries_.end()) {
-    // The new version takes the old one's slot (or a free one); the old LoadedAdapter lives on in the
+    // The new version takes the old one's room (or free room); the old LoadedAdapter lives on in the
     // sequences that hold it and is freed with the last of them.
-    const bool had_slot = it->loaded != nullptr;
     it->loaded.reset();
     it->path = resolved;
     it->runtime = runtime;
     it->created = unix_now();
     it->last_used = ++clock_;
-    if (had_slot || resident < max_resident_ || evict_one()) it->loaded = std::move(loaded);
+    it->bytes = loaded->bytes;
+    if (make_room(it->bytes)) it->loaded = std::move(loaded);  // else registered only: loaded on first use
     return true;
   }
-  Entry e{name, resolved, runtime, unix_now(), nullptr, ++clock_};
-  if (resident < max_resident_ || evict_one()) e.loaded = std::move(loaded);
+  Entry e{name, resolved, runtime, unix_now(), nullptr, ++clock_, loaded->bytes};
+  if (make_room(e.bytes)) e.loaded = std::move(loaded);  // else registered only: loaded on first use
   entries_.push_back(std::move(e));
   return false;
 }
@@ -290,18 +294,79 @@ bool AdapterRegistry::evict_one() {
 }
 
 std::optional<std::shared_ptr<const LoadedAdapter>> AdapterRegistry::acquire(const std::string& name) {
+  std::string path;
+  bool runtime = false;
+  {
+    std::unique_lock lock(mu_);
+    const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.name == name; });
+    if (it == entries_.end()) return std::nullopt;
+    it->last_used = ++clock_;
+    if (it->loaded) return it->loaded;
+    if (!make_room(it->bytes)) return std::shared_ptr<const LoadedAdapter>();
+    path = it->path;
+    runtime = it->runtime;
+  }
+  // Read outside the lock (disk, validation, packing); then the entry is looked
+  // up again: unloaded meanwhile, loaded by another thread meanwhile, or the
+  // room taken by another load.
+  auto loaded = load(name, path, runtime);
   std::lock_guard lock(mu_);
   const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.name == name; });
-  if (it == entries_.end()) return std::nullopt;
-  it->last_used = ++clock_;
+  if (it == entries_.end() || it->path != path) return std::nullopt;
   if (it->loaded) return it->loaded;
-  int64_t resident = 0;
-  for (const Entry& e : entries_) resident += e.loaded != nullptr;
-  if (resident >= max_resident_ && !evict_one()) return std::shared_ptr<const LoadedAdapter>();
-  auto loaded = load(it->name, it->path, it->runtime);
+  it->bytes = loaded->bytes;
+  if (!make_room(it->bytes)) return std::shared_ptr<const LoadedAdapter>();
   std::const_pointer_cast<LoadedAdapter>(loaded)->id = next_id_++;
   it->loaded = loaded;
   return loaded;
+}
+
+size_t AdapterRegistry::resident_bytes() const {
+  std::lock_guard lock(mu_);
+  size_t n = 0;
+  for (const Entry& e : entries_) n += e.loaded ? e.loaded->bytes : 0;
+  return n;
+}
+
+bool AdapterRegistry::make_room(size_t bytes) {
+  for (;;) {
+    int64_t count = 0;
+    size_t used = 0;
+    for (const Entry& e : entries_)
+      if (e.loaded) {
+        ++count;
+        used += e.loaded->bytes;
+      }
+    if (count < max_resident_ && (max_bytes_ == 0 || used + bytes <= max_bytes_)) return true;
+    if (!evict_one()) return false;
+  }
+}
+
+// One block for the whole adapter (A then B of each pair in turn): a pair's
+// factors are contiguous and the adapter is one allocation to free.
+void AdapterRegistry::pack_bf16(LoadedAdapter& a) const {
+  size_t n = 0;
+  for (const ServeLoraPair& p : a.view.pairs)
+    if (p.present()) n += static_cast<size_t>(p.a.numel() + p.b.numel());
+  a.halves.resize(n);
+  uint16_t* at = a.halves.data();
+  for (ServeLoraPair& p : a.view.pairs) {
+    if (!p.present()) continue;
+    const int64_t na = p.a.numel(), nb = p.b.numel();
+    const float* fa = static_cast<const float*>(p.a.data);
+    const float* fb = static_cast<const float*>(p.b.data);
+    for (int64_t i = 0; i < na; ++i) at[i] = fp32_to_bf16(fa[i]);
+    for (int64_t i = 0; i < nb; ++i) at[na + i] = fp32_to_bf16(fb[i]);
+    p.a16 = at;
+    p.b16 = at + na;
+    p.a.data = nullptr;
+    p.b.data = nullptr;
+    at += na + nb;
+  }
+  a.bytes = n * sizeof(uint16_t);
+  a.owned.clear();  // nothing points into the f32 copies or the file any more
+  a.tensors.pairs.clear();
+  a.tensors.mapping.reset();
 }
 
 }  // namespace loom

@@ -1,8 +1,11 @@
 // The server's LoRA adapters: names registered at start-up or at run time
 // (POST /v1/load_lora_adapter), each loaded from a PEFT folder with its F32
-// tensors memory-mapped, at most `max_resident` in memory (least recently used
-// evicted and reloaded on demand). Thread-safe: HTTP threads register and
-// unregister, the scheduler thread acquires.
+// tensors memory-mapped (or kept in bf16 / 4 bits), at most `max_resident` and
+// `max_bytes` in memory (least recently used evicted and reloaded on demand),
+// so thousands can be registered while the ones in use stay resident.
+// Thread-safe: HTTP threads register, unregister and acquire (loading off the
+// scheduler thread), the scheduler thread acquires what it still needs; loads
+// run outside the lock.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +32,7 @@ struct LoadedAdapter {
   peft::AdapterTensors tensors;             // keeps the file mapping alive (emptied when kept in 4 bits)
   std::vector<std::vector<float>> owned;    // q/k B rows permuted for the model
   std::vector<PackedInt4> packed;           // the 4-bit factors (lora_bits 4)
+  std::vector<uint16_t> halves;             // every factor in bf16, one block (lora_bits 16)
   ServeAdapter view;
   size_t bytes = 0;                         // memory of the factors as kept (f32 or 4-bit)
   size_t f32_bytes = 0;                     // what they take in f32
@@ -48,9 +52,12 @@ class AdapterRegistry {
   // lora_bits 4: every adapter's A and B are kept in 4 bits (kernels/int_quant.h:
   // symmetric, one scale per group of 128 columns or the fitting multiple of
   // 32 below, per row for B's short rows), which the LoRA kernel reads in
-  // place (kernels/int4_rows.h); 32: kept in f32 (memory-mapped).
+  // place (kernels/int4_rows.h); 16: kept in bf16 (half the bytes, read in
+  // place too); 32: kept in f32 (memory-mapped).
+  // max_bytes: the resident adapters' memory (LoadedAdapter::bytes) at most;
+  // 0: no limit but max_resident.
   AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs, int64_t max_resident,
-                  int lora_bits = 32);
+                  int lora_bits = 32, size_t max_bytes = 0);
 
   // Loads and validates `path` and registers it as `name`. `runtime`: the
   // request came over HTTP, so the path and every file read from it (symlinks
@@ -68,12 +75,15 @@ class AdapterRegistry {
   bool contains(const std::string& name) const;
   std::vector<AdapterInfo> list() const;
   int64_t resident_count() const;
+  size_t resident_bytes() const;
 
   // The loaded adapter for `name`, loading it again if it was evicted (evicting
-  // the least recently used adapter no running sequence holds). nullopt when
-  // the name is unknown (unloaded meanwhile); throws EngineError when a reload
-  // fails. Returns null inside the optional when every resident adapter is in
-  // use and max_resident is reached (the caller waits).
+  // least recently used adapters no running sequence holds until it fits).
+  // nullopt when the name is unknown (unloaded meanwhile); throws EngineError
+  // when a reload fails. Returns null inside the optional when it does not fit
+  // beside the adapters in use (max_resident, max_bytes; the caller waits).
+  // The file is read outside the lock: other threads' acquires of resident
+  // adapters do not wait for it.
   std::optional<std::shared_ptr<const LoadedAdapter>> acquire(const std::string& name);
 
  private:
@@ -83,6 +93,7 @@ class AdapterRegistry {
     int64_t created = 0;
     std::shared_ptr<const LoadedAdapter> loaded;
     uint64_t last_used = 0;
+    size_t bytes = 0;  // its memory when resident (known from its registration)
   };
   // Reads, validates (shapes, finite weights and scale) and prepares an adapter; `runtime`: first checks
   // that the folder and every file read from it resolve to places inside an allowed folder.
@@ -91,14 +102,20 @@ class AdapterRegistry {
   void check_contained(const std::string& path) const;
   // Drops the least recently used resident adapter that no one else holds; false if none.
   bool evict_one();
+  // Evicts (LRU, never one in use) until one more adapter of `bytes` fits both
+  // limits; false if it cannot. Under mu_.
+  bool make_room(size_t bytes);
 
   // Replaces the f32 views of `a` by 4-bit copies and releases the file mapping.
   void pack_4bit(LoadedAdapter& a) const;
+  // Replaces them by bf16 copies in one block and releases the file mapping.
+  void pack_bf16(LoadedAdapter& a) const;
 
   const ModelConfig& config_;
   std::vector<std::string> allowed_;
   int64_t max_resident_;
   int lora_bits_ = 32;
+  size_t max_bytes_ = 0;
   mutable std::mutex mu_;
   std::vector<Entry> entries_;
   int64_t next_id_ = 1;

@@ -43,8 +43,8 @@ class BatchForward::PagedAttention final : public AttentionStep {
 };
 
 // Each row's own adapter (or none) on the linear outputs, as one backend
-// lora_rows op per adaptation point. A pair kept in 4 bits is passed as its
-// codes: the kernel reads them in place (the values it computes with are those
+// lora_rows op per adaptation point. A pair kept in 4 bits (or bf16) is passed
+// as its codes: the kernel reads them in place (the values it computes with are those
 // unpack_int4_rows gives, so a row's result does not depend on the others).
 class BatchForward::RowAdapters final : public LayerAdapters {
  public:
@@ -85,6 +85,8 @@ class BatchForward::RowAdapters final : public LayerAdapters {
     f.scale = scale;
     f.a4 = p.a4;
     f.b4 = p.b4;
+    f.a16 = p.a16;
+    f.b16 = p.b16;
     return f;
   }
 

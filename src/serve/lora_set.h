@@ -19,14 +19,17 @@ namespace loom {
 // (PEFT's shapes, B's rows in the model's row order, i.e. q/k already permuted
 // for RopeLayout::interleaved models). A and B are f32 views, or, for an
 // adapter served in 4 bits, a4 / b4 hold them (kernels/int4_rows.h, read in
-// place by the LoRA kernel) and a / b keep only their shapes (null data). Not
-// adapted: neither.
+// place by the LoRA kernel) and a / b keep only their shapes (null data); an
+// adapter served in bf16 has a16 / b16 instead (the same way). Not adapted: neither.
 struct ServeLoraPair {
   Tensor a;
   Tensor b;
   Int4Rows a4, b4;
+  const uint16_t* a16 = nullptr;  // [r, in] bf16 bits
+  const uint16_t* b16 = nullptr;  // [out, r]
   bool quantized() const { return !a4.empty(); }
-  bool present() const { return a.data != nullptr || quantized(); }
+  bool bf16() const { return a16 != nullptr; }
+  bool present() const { return a.data != nullptr || quantized() || bf16(); }
   int64_t rank() const { return a.dim(0); }
 };
 

@@ -102,7 +102,7 @@ ServingEngine::ServingEngine(ServeOptions options)
       pool_(opt_.threads > 0 ? opt_.threads : default_thread_count()),
       backend_(make_serve_backend(opt_, pool_)),
       model_(load_serve_model(opt_, *backend_)),
-      adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras, opt_.lora_bits) {
+      adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras, opt_.lora_bits, opt_.max_lora_memory) {
   const ModelConfig& c = model_->config();
   name_ = opt_.model_name;
   if (name_.empty()) name_ = std::filesystem::path(opt_.model_path).filename().string();
@@ -411,6 +411,11 @@ void ServingEngine::preempt(Sequence* s) {
 
 void ServingEngine::admit() {
   const int64_t watermark = std::max<int64_t>(1, kv_->n_blocks() / 100);
+  // A request whose adapter has no room yet waits; the ones behind it that
+  // already hold their adapter (or use none) go ahead, since waiting requests
+  // holding resident adapters could otherwise keep that room taken forever.
+  // Requests behind it that still need room wait too (first come, first loaded).
+  bool adapter_blocked = false;
   for (auto it = waiting_.begin(); it != waiting_.end() && static_cast<int64_t>(running_.size()) < opt_.max_seqs;) {
     Sequence* s = *it;
     Request* r = s->req;
@@ -425,6 +430,10 @@ void ServingEngine::admit() {
         ++it;
         continue;
       }
+    }
+    if (r->wants_adapter && !r->adapter && adapter_blocked) {
+      ++it;
+      continue;
     }
     if (r->wants_adapter && !r->adapter) {
       std::optional<std::shared_ptr<const LoadedAdapter>> a;
@@ -445,7 +454,11 @@ void ServingEngine::admit() {
         it = waiting_.erase(it);
         continue;
       }
-      if (!*a) break;  // every resident adapter is busy: wait (FIFO)
+      if (!*a) {  // no room beside the adapters in use: wait
+        adapter_blocked = true;
+        ++it;
+        continue;
+      }
       r->adapter = *a;
     }
     if (opt_.fault_hook) opt_.fault_hook(FaultPoint::admit, r->g);

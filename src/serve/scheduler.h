@@ -48,7 +48,8 @@ struct ServeOptions {
   DType kv_dtype = DType::f16;
   int64_t block_size = 16;
   int64_t max_loras = 8;                  // adapters resident at once
-  int lora_bits = 32;                     // 4: adapters kept in 4 bits (AdapterRegistry)
+  size_t max_lora_memory = 0;             // bytes of resident adapters at most; 0: no limit but max_loras
+  int lora_bits = 32;                     // 16: adapters kept in bf16, 4: in 4 bits (AdapterRegistry)
   int64_t max_batch_tokens = 256;         // rows per step (decodes + prefill chunks)
   // Hardware-aware budgets (serve/step_cost.h): > 0: at start the step cost of
   // this machine is measured (or read from step_cost_dir's cache) and each

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_backend_util.h"
+#include "core/half.h"
 #include "kernels/backend.h"
 #include "kernels/int_quant.h"
 #include "kernels/ref/lora_rows_ref.h"
@@ -25,13 +26,14 @@ struct Point {
   int64_t in = 0, T = 0;
   std::vector<int64_t> outs;
   std::vector<std::vector<int64_t>> ranks;  // [adapter][job]
-  std::vector<std::vector<int>> bits;       // [adapter][job]: 4 or 32; empty: all f32
+  std::vector<std::vector<int>> bits;       // [adapter][job]: 4, 16 (bf16) or 32; empty: all f32
   std::vector<int> row_adapter;             // [T], -1: none
   std::vector<int32_t> rows;                // listed rows (adapter's rows adjacent)
 
   std::vector<float> x;
   std::vector<std::vector<float>> a, b;  // [adapter * jobs + job]
   std::vector<PackedInt4> packed;        // the 4-bit factors' A and B
+  std::vector<std::vector<uint16_t>> halves;  // the bf16 factors' A and B
   std::vector<LoraFactor> f;
   std::vector<std::vector<const LoraFactor*>> per_row;  // [job][listed row]
   std::vector<std::vector<float>> y0;                   // [job] initial y
@@ -51,6 +53,7 @@ struct Point {
     const auto J = static_cast<size_t>(jobs());
     f.resize(ranks.size() * J);
     packed.reserve(2 * ranks.size() * J);  // the factors point into these
+    halves.reserve(2 * ranks.size() * J);
     for (size_t ad = 0; ad < ranks.size(); ++ad)
       for (size_t j = 0; j < J; ++j) {
         const int64_t r = ranks[ad][j];
@@ -64,6 +67,7 @@ struct Point {
         fj.out = outs[j];
         fj.scale = 0.25f * static_cast<float>(ad + 1);
         if (r > 0 && !bits.empty() && bits[ad][j] == 4) pack(fj, unpacked);
+        if (r > 0 && !bits.empty() && bits[ad][j] == 16) pack_bf16(fj, unpacked);
       }
     per_row.assign(J, {});
     for (size_t j = 0; j < J; ++j) {
@@ -89,6 +93,25 @@ struct Point {
     fj.a = fj.b = nullptr;
     fj.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
     fj.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
+  }
+
+  // A and B rounded to bf16 (unpacked: kept as f32 factors of those values).
+  void pack_bf16(LoraFactor& fj, bool unpacked) {
+    float* ab[2] = {const_cast<float*>(fj.a), const_cast<float*>(fj.b)};
+    const int64_t n[2] = {fj.rank * in, fj.out * fj.rank};
+    const uint16_t* h[2];
+    for (int i = 0; i < 2; ++i) {
+      std::vector<uint16_t>& v = halves.emplace_back(static_cast<size_t>(n[i]));
+      for (int64_t e = 0; e < n[i]; ++e) {
+        v[static_cast<size_t>(e)] = fp32_to_bf16(ab[i][e]);
+        if (unpacked) ab[i][e] = bf16_to_fp32(v[static_cast<size_t>(e)]);
+      }
+      h[i] = v.data();
+    }
+    if (unpacked) return;
+    fj.a = fj.b = nullptr;
+    fj.a16 = h[0];
+    fj.b16 = h[1];
   }
 
   std::vector<LoraRowsJob> make_jobs(std::vector<std::vector<float>>& y) const {
@@ -270,6 +293,43 @@ TEST(LoraRows, FourBitFactorsEqualTheirDequantizedValuesBitForBit) {
     p.build(seed);
     twin.build(seed, /*unpacked=*/true);
     ASSERT_FALSE(p.packed.empty());
+    const auto want = twin.kernel(1, 0, twin.jobs());
+    const auto ref = p.reference();
+    for (int threads : {1, 2}) {
+      const auto got = p.kernel(threads, 0, p.jobs());
+      for (size_t j = 0; j < want.size(); ++j) {
+        EXPECT_TRUE(same_bits(got[j], want[j])) << "point " << i << " job " << j << " threads " << threads;
+        EXPECT_TRUE(same_bits(got[j], ref[j])) << "point " << i << " job " << j << " threads " << threads;
+        EXPECT_FALSE(same_bits(got[j], p.y0[j])) << "point " << i << " job " << j << ": nothing added";
+      }
+    }
+  }
+}
+
+// Factors kept in bf16 (serve --lora-bits 16), mixed with 4-bit and f32 ones
+// within an adapter and a tile: the kernel gives exactly what it gives on the
+// widened values in f32 and what the scalar reference gives, for segments of
+// 1..16 rows (decode: one row per adapter; prefill: long runs) and ranks 8,
+// 16 and 64 (the transposed path's limit), and past it.
+TEST(LoraRows, Bf16FactorsEqualTheirWidenedValuesBitForBit) {
+  std::vector<Point> ps = int4_points();
+  for (Point& p : ps)
+    for (auto& bs : p.bits)
+      for (int& b : bs) b = b == 4 ? 16 : b;
+  Point mixed;  // SmolLM2's q/k/v widths, one adapter of each kind, ranks 8, 16, 64
+  mixed.in = 576;
+  mixed.T = 96;
+  mixed.outs = {576, 192, 192};
+  mixed.ranks = {{8, 8, 8}, {16, 16, 16}, {64, 64, 64}, {8, 0, 8}, {16, 16, 16}};
+  mixed.bits = {{16, 16, 16}, {16, 4, 32}, {16, 16, 16}, {16, 32, 16}, {4, 4, 4}};
+  assign_rows(mixed, {1, 1, 1, 1, 1, 16, 2, 3, 9, 1, 1, 12, 1, 1});
+  ps.push_back(mixed);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    Point p = ps[i], twin = ps[i];
+    const auto seed = 1500 + static_cast<uint32_t>(i) * 50;
+    p.build(seed);
+    twin.build(seed, /*unpacked=*/true);
+    ASSERT_FALSE(p.halves.empty());
     const auto want = twin.kernel(1, 0, twin.jobs());
     const auto ref = p.reference();
     for (int threads : {1, 2}) {

@@ -15,6 +15,7 @@
 
 #include "serve/scheduler.h"
 #include "io/gguf.h"
+#include "core/half.h"
 #include "kernels/int_quant.h"
 #include "model/config_load.h"
 #include "model/peft_adapter.h"
@@ -206,6 +207,67 @@ TEST_F(ServingEngineTest, FourBitAdaptersServeTheirDequantizedValues) {
     ASSERT_FALSE(o4.error) << o4.error->what();
     EXPECT_EQ(o4.ids[0], o32.ids[0]) << "prompt " << i;
     EXPECT_EQ(o4.text[0], o32.text[0]) << "prompt " << i;
+  }
+}
+
+// --lora-bits 16: an adapter kept in bf16 gives exactly the tokens of the same
+// server holding its bf16-rounded values in f32, batched with another adapter.
+TEST_F(ServingEngineTest, Bf16AdaptersServeTheirRoundedValues) {
+  peft::AdapterTensors twin = peft::read_adapter((tmp.path / "a0").string());
+  for (auto& [key, p] : twin.pairs)
+    for (std::vector<float>* v : {&p.a, &p.b})
+      for (float& x : *v) x = bf16_to_fp32(fp32_to_bf16(x));
+  peft::write_adapter((tmp.path / "a0-bf16").string(), twin);
+  ServeOptions half = options();
+  half.lora_bits = 16;
+  ServeOptions f32 = options();
+  f32.adapters = {{"a0", (tmp.path / "a0-bf16").string()}};
+  ServingEngine e16(half), e32(f32);
+  for (const AdapterInfo& a : e16.adapter_infos()) {
+    if (a.resident) {
+      EXPECT_EQ(a.bytes * 2, a.f32_bytes) << a.name;
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    GenerationRequest g = greedy_request("a0", random_prompt(static_cast<uint32_t>(140 + i), 9 + 5 * i), 12);
+    auto s16 = std::make_shared<RequestStream>(), other = std::make_shared<RequestStream>();
+    e16.submit(g, s16);
+    e16.submit(greedy_request("a1", random_prompt(static_cast<uint32_t>(190 + i), 17), 12), other);
+    const Output o16 = collect(*s16);
+    collect(*other);
+    ASSERT_FALSE(o16.error) << o16.error->what();
+    EXPECT_EQ(o16.ids[0], run_alone(e32, g).ids[0]) << "prompt " << i;
+  }
+}
+
+// --max-lora-memory with room for one adapter: 12 concurrent requests over
+// three adapters all finish (each waits until the one in use is released) with
+// the tokens each gives alone.
+TEST_F(ServingEngineTest, AdapterMemoryBudgetServesMoreAdaptersThanFit) {
+  ServeOptions o = options();
+  o.max_loras = 1 << 20;
+  o.lora_bits = 16;
+  {
+    ServingEngine probe(o);
+    for (const AdapterInfo& a : probe.adapter_infos())
+      if (a.resident) o.max_lora_memory = a.bytes + a.bytes / 2;
+  }
+  ASSERT_GT(o.max_lora_memory, 0u);
+  ServingEngine e(o);
+  std::vector<GenerationRequest> reqs;
+  for (int i = 0; i < 12; ++i)
+    reqs.push_back(greedy_request("a" + std::to_string(i % 3), random_prompt(static_cast<uint32_t>(60 + i), 7 + i), 6));
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const GenerationRequest& g : reqs) {
+    streams.push_back(std::make_shared<RequestStream>());
+    e.submit(g, streams.back());
+  }
+  std::vector<Output> together;
+  for (auto& s : streams) together.push_back(collect(*s));
+  EXPECT_EQ(e.stats().adapters_loaded, 1);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_FALSE(together[i].error) << together[i].error->what();
+    EXPECT_EQ(together[i].ids[0], run_alone(e, reqs[i]).ids[0]) << "request " << i;
   }
 }
 

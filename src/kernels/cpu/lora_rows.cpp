@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/half.h"
+#include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/int4_dequant.h"
 #include "kernels/cpu/simd_rows.h"
 
@@ -40,32 +41,44 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// One row of an A factor as the first pass reads it: f32, or 4-bit codes
-// (element e0 of the flattened matrix onwards).
+// One row of an A factor as the first pass reads it: f32, 4-bit codes or
+// bf16 (element e0 of the flattened matrix onwards).
 struct FactorRow {
   const float* f32 = nullptr;
   const Int4Rows* q = nullptr;
+  const uint16_t* h = nullptr;
   int64_t e0 = 0;
 
   static FactorRow of(const LoraFactor& f, int64_t r) {
-    if (!f.quantized()) return {f.a + r * f.in, nullptr, 0};
-    return {nullptr, &f.a4, r * f.in};
+    if (f.bf16()) return {nullptr, nullptr, f.a16, r * f.in};
+    if (!f.quantized()) return {f.a + r * f.in, nullptr, nullptr, 0};
+    return {nullptr, &f.a4, nullptr, r * f.in};
   }
-  bool operator==(const FactorRow& o) const { return f32 == o.f32 && q == o.q && e0 == o.e0; }
-  // Element c as unpack_int4_rows gives it.
+  bool operator==(const FactorRow& o) const { return f32 == o.f32 && q == o.q && h == o.h && e0 == o.e0; }
+  // Element c as unpack_int4_rows (or the bf16 widening) gives it.
   float at(int64_t c) const {
-    return f32 != nullptr ? f32[c] : int4::value(q->codes, e0 + c, q->scales[(e0 + c) / q->group]);
+    if (f32 != nullptr) return f32[c];
+    if (h != nullptr) return bf16_to_fp32(h[e0 + c]);
+    return int4::value(q->codes, e0 + c, q->scales[(e0 + c) / q->group]);
+  }
+  // Elements [c0, c0 + n) into out.
+  void widen(int64_t c0, int64_t n, float* out) const {
+    if (h != nullptr)
+      bf16_to_f32_rows(out, h + e0 + c0, n);
+    else
+      int4::dequant_span(*q, e0 + c0, n, out);
   }
 };
 
-// acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [0, n8).
-template <int NR, int NA>
-inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const float* const* a, int64_t n8) {
+// acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [0, n8);
+// A: float, or simd::Bf16 widened in registers (exact).
+template <int NR, int NA, typename A = float>
+inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t n8) {
   for (int64_t c = 0; c < n8; c += 8) {
     __m256 xc[NR];
     for (int i = 0; i < NR; ++i) xc[i] = _mm256_loadu_ps(x[i] + c);
     for (int j = 0; j < NA; ++j) {
-      const __m256 ac = _mm256_loadu_ps(a[j] + c);
+      const __m256 ac = simd::load8(a[j] + c);
       for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(xc[i], ac, acc[i][j]);
     }
   }
@@ -81,25 +94,25 @@ inline void reduce_tile(__m256 (&acc)[NR][NA], float (*s)[NA]) {
 // s[i][j] = dot(x[i], a[j]) over n floats, NR rows x NA factor rows: each
 // result the same operations as simd::dot4(x[i], a[j..]) gives (one FMA chain
 // per lane, reduce4, scalar tail), but each chunk of a[j] is read once for all rows.
-template <int NR, int NA>
-inline void dot_tile(const float* const* x, const float* const* a, int64_t n, float (*s)[NA]) {
+template <int NR, int NA, typename A = float>
+inline void dot_tile(const float* const* x, const A* const* a, int64_t n, float (*s)[NA]) {
   static_assert(NA % 4 == 0);
   __m256 acc[NR][NA];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NA; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t n8 = n & ~int64_t{7};
-  accumulate<NR, NA>(acc, x, a, n8);
+  accumulate<NR, NA, A>(acc, x, a, n8);
   reduce_tile<NR, NA>(acc, s);
   for (int64_t c = n8; c < n; ++c)
     for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], a[j][c], s[i][j]);
+      for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], simd::load1(a[j] + c), s[i][j]);
 }
 
-// dot_tile with some factor rows in 4 bits, kSegment columns at a time: each
-// 4-bit row's piece dequantized into `buf` [NA * kSegment] (L1) first, then
-// the same FMAs in the same order as over f32 rows holding those values.
+// dot_tile with some factor rows in 4 bits or bf16, kSegment columns at a
+// time: each such row's piece widened into `buf` [NA * kSegment] (L1) first,
+// then the same FMAs in the same order as over f32 rows holding those values.
 template <int NR, int NA>
-void dot_tile_int4(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA]) {
+void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA]) {
   static_assert(NA % 4 == 0);
   __m256 acc[NR][NA];
   for (int i = 0; i < NR; ++i)
@@ -116,7 +129,7 @@ void dot_tile_int4(const float* const* x, const FactorRow* a, int64_t n, float* 
       } else if (j > 0 && a[j] == a[j - 1]) {  // the padding of the last block
         as[j] = as[j - 1];
       } else {
-        int4::dequant_span(*a[j].q, a[j].e0 + c0, w, buf + j * kSegment);
+        a[j].widen(c0, w, buf + j * kSegment);
         as[j] = buf + j * kSegment;
       }
     }
@@ -132,6 +145,7 @@ inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == g) return true;
   if (f == nullptr || g == nullptr) return false;
   return f->a == g->a && f->b == g->b && f->a4.codes == g->a4.codes && f->b4.codes == g->b4.codes &&
+         f->a16 == g->a16 && f->b16 == g->b16 &&
          f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in &&
          f->out == g->out && f->scale == g->scale;
 }
@@ -157,18 +171,18 @@ struct FirstPass {
     return true;
   }
 
-  // Some factor of group g at listed row k is kept in 4 bits.
-  bool any_int4(const JobGroup& g, int64_t k) const {
+  // Some factor of group g at listed row k is kept in 4 bits or bf16.
+  bool any_packed(const JobGroup& g, int64_t k) const {
     for (int64_t j = g.first; j < g.first + g.count; ++j)
-      if (factor(j, k) != nullptr && factor(j, k)->quantized()) return true;
+      if (factor(j, k) != nullptr && factor(j, k)->packed()) return true;
     return false;
   }
 
   // u[job, row, :] = scale * (A x[row]) for the NR rows listed at k0.. (one
   // adapter) and every job of g, NA factor rows at a time across the jobs'
-  // concatenated A (the last block padded with its last row). Int4: some of
-  // the factors are 4-bit (`buf`: dot_tile_int4's scratch).
-  template <int NR, int NA, bool Int4>
+  // concatenated A (the last block padded with its last row). Packed: some of
+  // the factors are 4-bit or bf16 (`buf`: dot_tile_packed's scratch).
+  template <int NR, int NA, bool Packed>
   void tile(const JobGroup& g, int64_t k0, float* buf) const {
     const LoraRowsJob& j0 = jobs[static_cast<size_t>(g.first)];
     const float* xs[NR];
@@ -183,12 +197,12 @@ struct FirstPass {
     };
     skip_empty();
     while (job < g.first + g.count) {
-      std::conditional_t<Int4, FactorRow, const float*> ap[NA];
+      std::conditional_t<Packed, FactorRow, const float*> ap[NA];
       int64_t at_job[NA], at_r[NA];
       int m = 0;
       for (; m < NA && job < g.first + g.count; ++m) {
         const LoraFactor& f = *factor(job, k0);
-        if constexpr (Int4)
+        if constexpr (Packed)
           ap[m] = FactorRow::of(f, r);
         else
           ap[m] = f.a + r * f.in;
@@ -202,9 +216,18 @@ struct FirstPass {
       }
       for (int q = m; q < NA; ++q) ap[q] = ap[m - 1];
       float s[NR][NA];
-      if constexpr (Int4)
-        dot_tile_int4<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
-      else
+      bool all_bf16 = Packed;
+      if constexpr (Packed)
+        for (int q = 0; q < NA; ++q) all_bf16 = all_bf16 && ap[q].h != nullptr;
+      if constexpr (Packed) {
+        if (all_bf16) {  // widened in registers: no pass through buf
+          const simd::Bf16* hp[NA];
+          for (int q = 0; q < NA; ++q) hp[q] = reinterpret_cast<const simd::Bf16*>(ap[q].h + ap[q].e0);
+          dot_tile<NR, NA, simd::Bf16>(xs, hp, factor(at_job[0], k0)->in, s);
+        } else {
+          dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
+        }
+      } else
         dot_tile<NR, NA>(xs, ap, factor(at_job[0], k0)->in, s);
       for (int q = 0; q < m; ++q) {
         const float scale = factor(at_job[q], k0)->scale;
@@ -212,23 +235,23 @@ struct FirstPass {
       }
     }
   }
-  // Tiles with a 4-bit factor go out of line, so that run's loop keeps the
-  // f32 path's code (and speed) as it was.
+  // Tiles with a 4-bit or bf16 factor go out of line, so that run's loop
+  // keeps the f32 path's code (and speed) as it was.
   template <int NR, int NA>
-  [[gnu::noinline]] void tile_int4(const JobGroup& g, int64_t k0, float* buf) const {
+  [[gnu::noinline]] void tile_packed(const JobGroup& g, int64_t k0, float* buf) const {
     tile<NR, NA, true>(g, k0, buf);
   }
   template <int NR, int NA>
   void tile(const JobGroup& g, int64_t k0, float* buf) const {
-    if (any_int4(g, k0))
-      tile_int4<NR, NA>(g, k0, buf);
+    if (any_packed(g, k0))
+      tile_packed<NR, NA>(g, k0, buf);
     else
       tile<NR, NA, false>(g, k0, buf);
   }
 
   // The listed rows [k0, k1) of group g, in tiles of one adapter's rows.
   void run(const JobGroup& g, int64_t k0, int64_t k1) const {
-    alignas(32) float buf[8 * kSegment];  // 4-bit A rows, dequantized a segment at a time
+    alignas(32) float buf[8 * kSegment];  // 4-bit or bf16 A rows, widened a segment at a time
     for (int64_t k = k0; k < k1;) {
       int n = 1;
       while (n < kTileRows && k + n < k1 && same_rows(g, k, k + n)) ++n;
@@ -259,7 +282,7 @@ inline void add_cols(float* y, int64_t n, int64_t c1, __m256 d) {
 template <typename BRow>
 inline void add_b_times_u(BRow b_row, int64_t r, const float* u, float* y, int64_t c0, int64_t c1) {
   for (int64_t n = c0; n < c1; n += 8) {
-    const float* rows[8];
+    decltype(b_row(0)) rows[8];
     for (int64_t m = 0; m < 8; ++m) rows[m] = b_row(std::min(n + m, c1 - 1));
     add_cols(y, n, c1, simd::dot8(u, rows, r));
   }
@@ -270,8 +293,8 @@ template <typename BRow>
 inline void transpose_b_block(BRow b_row, int64_t r, int64_t c0, int64_t c1, float* bt) {
   const int64_t w = c1 - c0, w8 = (w + 7) & ~int64_t{7};
   for (int64_t n = 0; n < w; ++n) {
-    const float* b = b_row(c0 + n);
-    for (int64_t j = 0; j < r; ++j) bt[j * kLoraCols + n] = b[j];
+    const auto* b = b_row(c0 + n);
+    for (int64_t j = 0; j < r; ++j) bt[j * kLoraCols + n] = simd::load1(b + j);
   }
   for (int64_t j = 0; j < r; ++j)
     for (int64_t n = w; n < w8; ++n) bt[j * kLoraCols + n] = 0.0f;
@@ -299,6 +322,7 @@ inline void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y,
 
 // The second pass's view of a call: units job-major, then column block, then
 // listed row (rows of one adapter adjacent), so a run of units shares one block of B.
+
 struct SecondPass {
   std::span<const LoraRowsJob> jobs;
   std::span<const int32_t> rows;
@@ -327,7 +351,8 @@ struct SecondPass {
 
   // add_rows over [c0, c1) with a 4-bit B, dequantized once for the run: the
   // whole block (transposed: it fits) or pieces of a multiple of 8 rows (the
-  // dot products' own). Out of line, like FirstPass::tile_int4.
+  // dot products' own). Out of line, like FirstPass::tile_packed. (A bf16 B
+  // is read in place, widened in registers.)
   [[gnu::noinline]] void add_rows_int4(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
                                        int64_t c1, bool transposed, float* bt) const {
     const int64_t r = f.rank;
@@ -359,7 +384,10 @@ struct SecondPass {
         const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
         const float* b0 = f->b;
         const int64_t r = f->rank;
-        if (f->quantized())
+        const auto* h = reinterpret_cast<const simd::Bf16*>(f->b16);
+        if (f->bf16())  // widened as read
+          add_rows([h, r](int64_t row) { return h + row * r; }, r, j, k, n, c0, c1, transposed, bt);
+        else if (f->packed())
           add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
         else
           add_rows([b0, r](int64_t row) { return b0 + row * r; }, r, j, k, n, c0, c1, transposed, bt);

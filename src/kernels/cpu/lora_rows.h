@@ -25,7 +25,9 @@ namespace loom {
 // a tile's A rows 256 columns at a time, and a run's block of B once, are
 // dequantized into a stack buffer right before the same operations, so the
 // bits are those of the f32 kernel on the unpack_int4_rows values, and no
-// f32 copy of an adapter is made.
+// f32 copy of an adapter is made. A factor kept in bf16 (a16 / b16) is read
+// the same way, widened exactly: half the bytes of f32, which is what decode
+// rows of many adapters wait for (each row streams its own adapter from DRAM).
 void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
                int64_t max_rank, float* u, int64_t T);
 

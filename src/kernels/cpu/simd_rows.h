@@ -12,13 +12,28 @@
 
 namespace loom::simd {
 
-// 8 (1) elements as f32; uint16_t holds IEEE half bits.
+// A bf16 element (its bits), as rows of LoRA factors kept in bf16 hold them.
+struct Bf16 {
+  uint16_t bits;
+};
+
+// 8 (1) elements as f32; uint16_t holds IEEE half bits; Bf16 widens exactly.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline __m256 load8(const Bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+inline float load1(const Bf16* p) {
+  const uint32_t u = static_cast<uint32_t>(p->bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // s[j] = dot(x, r[j]) for j < 4, over n floats.
 template <typename R>

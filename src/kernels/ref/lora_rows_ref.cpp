@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/half.h"
 #include "kernels/int_quant.h"
 
 namespace loom::ref {
@@ -30,6 +31,13 @@ void lora_rows(std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows)
         b4.resize(static_cast<size_t>(f->out * f->rank));
         unpack_int4_rows(f->a4.codes, f->a4.scales, f->rank, f->in, f->a4.group, a4.data());
         unpack_int4_rows(f->b4.codes, f->b4.scales, f->out, f->rank, f->b4.group, b4.data());
+        a = a4.data();
+        b = b4.data();
+      } else if (f->bf16()) {  // widened, exact
+        a4.resize(static_cast<size_t>(f->rank * f->in));
+        b4.resize(static_cast<size_t>(f->out * f->rank));
+        for (size_t i = 0; i < a4.size(); ++i) a4[i] = bf16_to_fp32(f->a16[i]);
+        for (size_t i = 0; i < b4.size(); ++i) b4[i] = bf16_to_fp32(f->b16[i]);
         a = a4.data();
         b = b4.data();
       }

@@ -17,7 +17,7 @@ float lora_dot(const float* a, const float* b, int64_t n);
 
 // y[row] += B u for each listed row with a factor, u = scale * (A x[row]) (each
 // element lora_dot, times scale), y[row][n] += lora_dot(B[n, :], u). A 4-bit
-// factor's A and B are its unpack_int4_rows values.
+// factor's A and B are its unpack_int4_rows values, a bf16 one's its values widened.
 void lora_rows(std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows);
 
 }  // namespace loom::ref
