@@ -8,10 +8,12 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "model/forward.h"
+#include "model/peft_adapter.h"
 #include "model/sampler.h"
 #include "serve/scheduler.h"
 
@@ -79,6 +81,32 @@ inline std::vector<int32_t> serve_greedy_ids(ServingEngine& e, const std::string
     served.insert(served.end(), ev->delta.token_ids.begin(), ev->delta.token_ids.end());
   }
   return served;
+}
+
+// A random rank-r PEFT adapter on every target of the tiny llama
+// (tests/fixtures/model/tiny-llama.f32.gguf: 2 layers, hidden 64, 4 heads of
+// 16, 2 kv heads, ffn 176), strong enough to change greedy output.
+inline void write_tiny_random_adapter(const std::string& dir, uint32_t seed, int64_t r = 4) {
+  peft::AdapterTensors ad;
+  ad.config.r = r;
+  ad.config.lora_alpha = 8;
+  ad.config.base_model_name_or_path = "tiny-llama";
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  const std::pair<int64_t, int64_t> io[] = {{64, 64}, {64, 32}, {64, 32}, {64, 64}, {64, 176}, {64, 176}, {176, 64}};
+  for (LoraTarget t : kAllLoraTargets) ad.config.target_modules.push_back(t);
+  for (int l = 0; l < 2; ++l)
+    for (int t = 0; t < kLoraTargetCount; ++t) {
+      peft::LoraPair p;
+      p.in = io[t].first;
+      p.out = io[t].second;
+      p.a.resize(static_cast<size_t>(r * p.in));
+      p.b.resize(static_cast<size_t>(p.out * r));
+      for (float& v : p.a) v = nd(rng);
+      for (float& v : p.b) v = nd(rng);
+      ad.pairs.emplace(std::make_pair(l, static_cast<LoraTarget>(t)), std::move(p));
+    }
+  peft::write_adapter(dir, ad);
 }
 
 }  // namespace loom::test

@@ -16,6 +16,7 @@
 
 #include "core/half.h"
 #include "model/peft_adapter.h"
+#include "model_test_util.h"
 #include "serve/adapter_registry.h"
 #include "serve/engine_api.h"
 
@@ -50,28 +51,9 @@ struct AdapterFolders {
 
   // A random rank-r adapter on every target; returns its folder.
   std::string write(const std::string& name, uint32_t seed, int64_t r = 4) const {
-    peft::AdapterTensors ad;
-    ad.config.r = r;
-    ad.config.lora_alpha = 8;
-    ad.config.base_model_name_or_path = "tiny-llama";
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> nd(0.0f, 0.3f);
-    const std::pair<int64_t, int64_t> io[] = {{64, 64}, {64, 32}, {64, 32}, {64, 64}, {64, 176}, {64, 176}, {176, 64}};
-    for (LoraTarget t : kAllLoraTargets) ad.config.target_modules.push_back(t);
-    for (int l = 0; l < 2; ++l)
-      for (int t = 0; t < kLoraTargetCount; ++t) {
-        peft::LoraPair p;
-        p.in = io[t].first;
-        p.out = io[t].second;
-        p.a.resize(static_cast<size_t>(r * p.in));
-        p.b.resize(static_cast<size_t>(p.out * r));
-        for (float& v : p.a) v = nd(rng);
-        for (float& v : p.b) v = nd(rng);
-        ad.pairs.emplace(std::make_pair(l, static_cast<LoraTarget>(t)), std::move(p));
-      }
-    const fs::path dir = root / name;
-    peft::write_adapter(dir.string(), ad);
-    return dir.string();
+    const std::string dir = (root / name).string();
+    test::write_tiny_random_adapter(dir, seed, r);
+    return dir;
   }
 };
 

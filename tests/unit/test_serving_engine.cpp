@@ -39,30 +39,7 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-// A random adapter on every target of the tiny llama (2 layers, hidden 64,
-// 4 heads of 16, 2 kv heads, ffn 176), strong enough to change greedy output.
-void write_random_adapter(const fs::path& dir, uint32_t seed) {
-  peft::AdapterTensors ad;
-  ad.config.r = 4;
-  ad.config.lora_alpha = 8;
-  ad.config.base_model_name_or_path = "tiny-llama";
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 0.3f);
-  const std::pair<int64_t, int64_t> io[] = {{64, 64}, {64, 32}, {64, 32}, {64, 64}, {64, 176}, {64, 176}, {176, 64}};
-  for (LoraTarget t : kAllLoraTargets) ad.config.target_modules.push_back(t);
-  for (int l = 0; l < 2; ++l)
-    for (int t = 0; t < kLoraTargetCount; ++t) {
-      peft::LoraPair p;
-      p.in = io[t].first;
-      p.out = io[t].second;
-      p.a.resize(static_cast<size_t>(4 * p.in));
-      p.b.resize(static_cast<size_t>(p.out * 4));
-      for (float& v : p.a) v = nd(rng);
-      for (float& v : p.b) v = nd(rng);
-      ad.pairs.emplace(std::make_pair(l, static_cast<LoraTarget>(t)), std::move(p));
-    }
-  peft::write_adapter(dir.string(), ad);
-}
+void write_random_adapter(const fs::path& dir, uint32_t seed) { test::write_tiny_random_adapter(dir.string(), seed); }
 
 struct Output {
   std::vector<std::vector<int32_t>> ids;  // per choice
