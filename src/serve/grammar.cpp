@@ -10,6 +10,8 @@
 #include <optional>
 #include <unordered_map>
 
+#include "tokenizer/unicode.h"
+
 namespace loom {
 
 GrammarError::GrammarError(const std::string& message, int line, int column)
@@ -61,21 +63,7 @@ int utf8_len(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000
 
 std::string utf8_encode(uint32_t cp) {
   std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xE0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    s += static_cast<char>(0xF0 | (cp >> 18));
-    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
+  tok::utf8_append(s, static_cast<char32_t>(cp));
   return s;
 }
 
@@ -354,19 +342,12 @@ class Parser {
   }
 
   uint32_t decode_utf8(size_t at) {
-    const auto c = static_cast<unsigned char>(peek());
-    const int n = c >= 0xF0 && c < 0xF8 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 && c < 0xE0 ? 2 : 0;
-    if (n == 0 || (c >= 0xF8)) error_at(at, "invalid UTF-8 in the grammar text");
-    uint32_t cp = c & (0x7F >> n);
-    ++pos_;
-    for (int i = 1; i < n; ++i) {
-      const auto d = static_cast<unsigned char>(peek());
-      if ((d & 0xC0) != 0x80) error_at(at, "invalid UTF-8 in the grammar text");
-      cp = (cp << 6) | (d & 0x3F);
-      ++pos_;
-    }
-    if (utf8_len(cp) != n) error_at(at, "invalid UTF-8 in the grammar text (overlong)");
-    return cp;
+    char32_t cp = 0;
+    size_t bad = 0;
+    const size_t n = tok::utf8_decode(src_, pos_, cp, bad);  // refuses overlongs and surrogates
+    if (n == 0) error_at(at, "invalid UTF-8 in the grammar text");
+    pos_ += n;
+    return static_cast<uint32_t>(cp);
   }
 
   void parse_literal(Seq& seq) {
