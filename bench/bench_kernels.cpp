@@ -309,6 +309,13 @@ void register_all() {
         if (threads > 1) b->UseRealTime();
       }
     }
+    // Decode from DRAM: 256 MiB of weights, more than any cache holds (the
+    // matvec cases above fit in L2/L3 and flatter the kernels that stream worst).
+    const int64_t dram_K = 2048, dram_N = (int64_t{256} << 20) / static_cast<int64_t>(dtype_row_bytes(t, dram_K));
+    const std::string dname = fmt::format("Matmul/{}/matvec_dram_{}x{}/t2", dtype_name(t), dram_N, dram_K);
+    benchmark::RegisterBenchmark(dname.c_str(), run_case, Case{t, dram_N, dram_K, 1, 2, true})
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
     // Plain-Tensor weights (panels packed on the fly each call).
     const std::string uname = fmt::format("Matmul/{}/unpacked_matvec_1536x{}/t2", dtype_name(t), K);
     benchmark::RegisterBenchmark(uname.c_str(), run_case, Case{t, 1536, K, 1, 2, false})

@@ -32,6 +32,7 @@ struct Nf4Impl {
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kNf4PanelBlockBytes;
+        if constexpr (C == 1) prefetch_ahead<kNf4PanelBlockBytes>(pb);
         __m512 s[C];
         for (int c = 0; c < C; ++c) s[c] = _mm512_setzero_ps();
         for (int j = 0; j < 32; ++j) {

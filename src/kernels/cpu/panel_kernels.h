@@ -48,6 +48,18 @@ inline void dispatch_pc(int pn, int cn, const TileArgs& ta) {
 
 inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// Decode (one token) streams every panel once from DRAM, and the hardware
+// prefetchers alone leave the core waiting on it: measured on an AMD Zen 5 with
+// 256 MiB of q4_0 weights, 30 GB/s without and 40 GB/s with these hints, as fast
+// as f32 streams (bench: Matmul/<type>/matvec_dram). Each decode kernel touches
+// the cache lines kPrefetchBytes ahead of the `kBytes` it is about to read in a
+// panel. Batches reuse each panel for many tokens and need no hints.
+constexpr size_t kPrefetchBytes = 1536;
+template <size_t kBytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (size_t o = 0; o < kBytes; o += 64) __builtin_prefetch(p + kPrefetchBytes + o, 0, 3);
+}
+
 // Impl provides run<P, C>(const TileArgs&) and the tile sizes kP1 (panels per
 // tile when T == 1), kPB and kCB (panels and tokens per tile when T > 1).
 // Loops panels outermost so a panel group stays in L1 while all tokens stream by.

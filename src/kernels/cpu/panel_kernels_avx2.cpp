@@ -125,6 +125,7 @@ struct Q32Impl {
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * Q::kPB;
+        if constexpr (C == 1) prefetch_ahead<Q::kPB>(pb);
         for (int h = 0; h < 2; ++h) {
           const __m256 dw = load_f16x8(pb + 16 * h);
           __m256 mw = _mm256_setzero_ps();
@@ -174,6 +175,7 @@ struct Q45KImpl {
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+        if constexpr (C == 1) prefetch_ahead<kPB_bytes>(pb);
         for (int h = 0; h < 2; ++h) {
           __m256i isc[C];
           for (int c = 0; c < C; ++c) isc[c] = _mm256_setzero_si256();
@@ -259,6 +261,7 @@ struct K16Impl {
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+        if constexpr (C == 1) prefetch_ahead<kPBB>(pb);
         for (int h = 0; h < 2; ++h) {
           __m256i isc[C];
           for (int c = 0; c < C; ++c) isc[c] = _mm256_setzero_si256();
@@ -327,6 +330,9 @@ struct FloatImpl {
     const float* x[C];
     for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
     for (int64_t k = 0; k < ta.K; ++k) {
+      if constexpr (C == 1)
+        if ((k * kStep) % 64 == 0)
+          for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + k * kStep);
       for (int p = 0; p < P; ++p) {
         for (int h = 0; h < 2; ++h) {
           const __m256 w = load(ta.pan + p * ta.pstride + k * kStep, h);

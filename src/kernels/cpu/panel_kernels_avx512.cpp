@@ -126,6 +126,7 @@ struct Q32Impl {
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * Q::kPB;
+        if constexpr (C == 1) prefetch_ahead<Q::kPB>(pb);
         const __m512 dw = load_f16x16(pb);
         __m512 mw = _mm512_setzero_ps();
         if constexpr (Q::kMin) mw = load_f16x16(pb + 32);
@@ -168,6 +169,10 @@ struct Q45KImpl {
       for (int g = 0; g < 8; ++g) {
         for (int p = 0; p < P; ++p) {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+          if constexpr (C == 1) {
+            if (g == 0) prefetch_ahead<320>(pb);
+            prefetch_ahead<kGroup>(pb + 320 + g * kGroup);
+          }
           const __m512i sc =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 64 + 16 * g)));
           __m512i ops[8];
@@ -266,6 +271,10 @@ struct K16Impl {
       for (int g = 0; g < 8; ++g) {
         for (int p = 0; p < P; ++p) {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+          if constexpr (C == 1) {
+            if (g == 0) prefetch_ahead<kGroups>(pb);
+            prefetch_ahead<kGroup>(pb + kGroups + g * kGroup);
+          }
           const uint8_t* sp = pb + kScales + 32 * g;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
           const __m512i sc1 =
@@ -328,6 +337,9 @@ struct FloatImpl {
     const float* x[C];
     for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
     for (int64_t k = 0; k < ta.K; ++k) {
+      if constexpr (C == 1)
+        if ((k * kStep) % 64 == 0)
+          for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + k * kStep);
       for (int p = 0; p < P; ++p) {
         const __m512 w = load(ta.pan + p * ta.pstride + k * kStep);
         for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[c][k]), acc[p][c]);
