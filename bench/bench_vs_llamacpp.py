@@ -159,6 +159,10 @@ def main():
     ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="base (Q4_1) GGUF")
     ap.add_argument("--types", default="Q4_1,Q4_K_M,Q6_K,Q8_0,F16",
                     help="comma list; Q4_1 = the base model, others are made from it")
+    ap.add_argument("--extra-models", default="",
+                    help="comma list of more GGUF files run as they are (e.g. K-quant mixes of a model "
+                         "whose widths are multiples of 256: SmolLM2's 576 makes llama-quantize fall back "
+                         "to q5_0/q8_0 for most of its 'K' files)")
     ap.add_argument("--llama-bin", default=DEFAULT_LLAMA_BIN)
     ap.add_argument("--loom", default=DEFAULT_LOOM)
     ap.add_argument("--no-llama", action="store_true", help="skip llama-bench runs")
@@ -181,6 +185,10 @@ def main():
     for t in types:
         path = a.model if t == "Q4_1" else derived_model(a.model, t, a.llama_bin, a.timeout)
         models.append((t, path))
+    for path in (m.strip() for m in a.extra_models.split(",") if m.strip()):
+        if not os.path.isfile(path):
+            raise SystemExit(f"--extra-models: {path} not found")
+        models.append((os.path.basename(path).removesuffix(".gguf"), path))
 
     results = []
     for t, path in models:
@@ -201,8 +209,17 @@ def main():
                 ratio = "-"
             note = "; ".join(e[side]["error"] for side in ("llama", "loom")
                              if e[side] and e[side].get("error") and not e[side][test])
-            rows.append((e["type"], label, fmt_ts(lr, a.stat), fmt_ts(mr, a.stat), ratio, note))
-    head = ("model", "test", "llama.cpp t/s", "loom t/s", "loom/llama.cpp", "note")
+            # Decode against the bandwidth floor: weight bytes per token x tokens/s over the
+            # read bandwidth loom measured in its run (the same file for both programs).
+            lf = mf = "-"
+            lj = (e["loom"] or {}).get("json") or {}
+            if test == "tg" and lj.get("read_gbps") and lj.get("weight_bytes_per_token"):
+                per = lj["weight_bytes_per_token"] / (lj["read_gbps"] * 1e9)
+                lf = f"{100 * lr[a.stat] * per:.0f}%" if lr else "-"
+                mf = f"{100 * mr[a.stat] * per:.0f}%" if mr else "-"
+            rows.append((e["type"], label, fmt_ts(lr, a.stat), fmt_ts(mr, a.stat), ratio, lf, mf, note))
+    head = ("model", "test", "llama.cpp t/s", "loom t/s", "loom/llama.cpp", "llama.cpp floor", "loom floor",
+            "note")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in [head] + rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "apps/cli_common.h"
@@ -13,6 +14,7 @@
 #include "core/rng.h"
 #include "model/forward.h"
 #include "model/model.h"
+#include "profile/peak.h"
 
 namespace loom::app {
 namespace {
@@ -30,18 +32,26 @@ Stat stats(const std::vector<double>& v) {
   return s;
 }
 
+std::string json_list(const std::vector<double>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
 int run_bench(int argc, char** argv) {
   CLI::App app("Measure prompt processing (pp) and generation (tg) speed in tokens/s.", "bench");
   std::string model_path;
   int64_t n_prompt = 512, n_gen = 128, reps = 5, micro_batch = 512;
   int threads = 1;
-  bool json = false;
+  bool json = false, bandwidth = true;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
   app.add_option("-p,--n-prompt", n_prompt, "prompt tokens (0 = skip pp)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
   app.add_option("-n,--n-gen", n_gen, "generated tokens (0 = skip tg)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
   app.add_option("-r,--repetitions", reps, "repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
   app.add_option("-b,--batch", micro_batch, "prompt micro-batch size")->check(CLI::Range(1, 1 << 16))->capture_default_str();
   app.add_flag("--json", json, "print one JSON object instead of a table");
+  app.add_flag("!--no-bandwidth", bandwidth,
+               "skip measuring the memory read bandwidth (the decode floor reported with tg)");
   add_threads_flag(app, threads);
   std::string device = "cpu";
   add_device_flag(app, device);
@@ -95,12 +105,22 @@ int run_bench(int argc, char** argv) {
                                     {"bench", {{"n_prompt", n_prompt}, {"n_gen", n_gen}, {"repetitions", reps}}}}));
   }
   const Stat spp = pp.empty() ? Stat{} : stats(pp), stg = tg.empty() ? Stat{} : stats(tg);
+  // The decode floor: every weight matrix is read once per generated token (an
+  // untied input embedding only one row), at most at the machine's read bandwidth.
+  const ModelWeights& w = model->weights();
+  const double token_bytes = static_cast<double>(model->weight_bytes() -
+                                                 (w.output.data != w.token_embd.data ? w.token_embd.nbytes() : 0));
+  const double read_gbps = bandwidth && n_gen > 0 ? measure_read_gbps(pool) : 0;
+  const double floor_fraction = read_gbps > 0 ? stg.mean * token_bytes / (read_gbps * 1e9) : 0;
   if (json) {
     std::printf(
         "{\"model\": \"%s\", \"threads\": %d, \"n_prompt\": %lld, \"n_gen\": %lld, \"repetitions\": %lld, "
-        "\"pp_tokens_per_s\": %.3f, \"pp_stddev\": %.3f, \"tg_tokens_per_s\": %.3f, \"tg_stddev\": %.3f}\n",
+        "\"pp_tokens_per_s\": %.3f, \"pp_stddev\": %.3f, \"tg_tokens_per_s\": %.3f, \"tg_stddev\": %.3f, "
+        "\"weight_bytes_per_token\": %.0f, \"read_gbps\": %.3f, \"tg_floor_fraction\": %.4f, "
+        "\"pp_samples_tokens_per_s\": %s, \"tg_samples_tokens_per_s\": %s}\n",
         model_path.c_str(), threads, static_cast<long long>(n_prompt), static_cast<long long>(n_gen),
-        static_cast<long long>(reps), spp.mean, spp.stddev, stg.mean, stg.stddev);
+        static_cast<long long>(reps), spp.mean, spp.stddev, stg.mean, stg.stddev, token_bytes, read_gbps,
+        floor_fraction, json_list(pp).c_str(), json_list(tg).c_str());
   } else {
     std::printf("| model | threads | test | t/s |\n|---|---|---|---|\n");
     if (n_prompt > 0)
@@ -109,6 +129,9 @@ int run_bench(int argc, char** argv) {
     if (n_gen > 0)
       std::printf("| %s | %d | tg%lld | %.2f ± %.2f |\n", model_path.c_str(), threads, static_cast<long long>(n_gen),
                   stg.mean, stg.stddev);
+    if (read_gbps > 0)
+      std::printf("tg reads %.1f MiB of weights per token: %.1f GB/s, %.0f%% of the %.1f GB/s this machine reads\n",
+                  token_bytes / (1 << 20), stg.mean * token_bytes / 1e9, 100 * floor_fraction, read_gbps);
   }
   return 0;
 }

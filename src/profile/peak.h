@@ -88,6 +88,11 @@ struct PeakOptions {
 // Sizes for tests: well under a second.
 PeakOptions quick_peak_options();
 
+// The pool's threads streaming `bytes` they wrote first (the best of repeated
+// passes, at least `min_seconds` in all): what decode can read per second at
+// most, the floor `loom bench` compares generation with.
+double measure_read_gbps(ThreadPool& pool, size_t bytes = size_t{256} << 20, double min_seconds = 0.3);
+
 using PeakProgress = std::function<void(const std::string&)>;
 // Measures on the CPU backend computing with `pool` (key.threads should be
 // pool.size()). Random weights of each type: quantize_rows' types, nf4 and
