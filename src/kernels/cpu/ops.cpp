@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/attention_rows.h"
+#include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/simd_avx2.h"
 
 namespace loom {
@@ -172,6 +174,23 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   int32_t max_span = 0;
   for (int64_t t = 0; t < T; ++t) max_span = std::max(max_span, pos[t] - (seq_start ? seq_start[t] : 0) + 1);
+  if (default_attention_isa() == AttnIsa::avx512 && cpu::attend_rows_avx512_supports(d)) {
+    // The heads of a GQA group in one pass (K and V read once for all); with
+    // too few (row, group) units to keep the threads busy, one head per unit.
+    const int64_t rows = T * s.n_kv_heads >= 4 * pool.size() ? group : 1, per_t = s.n_heads / rows;
+    const int64_t wstride = max_span + 16;
+    pool.run([&](int ti, int tn) {
+      std::vector<float> w(static_cast<size_t>(rows * wstride));
+      for (int64_t u = ti; u < T * per_t; u += tn) {
+        const int64_t t = u / per_t, h = (u % per_t) * rows, g = h / group;
+        const int64_t first = seq_start ? seq_start[t] : 0, n = pos[t] - first + 1;
+        cpu::attend_rows_avx512(q + (t * s.n_heads + h) * d, static_cast<int>(rows), k + first * s.kv_stride + g * d,
+                                v + first * s.kv_stride + g * d, s.kv_stride, d, n, scale, w.data(), wstride,
+                                out + (t * s.n_heads + h) * d);
+      }
+    });
+    return;
+  }
   const int64_t units = T * s.n_heads;
   pool.run([&](int ti, int tn) {
     std::vector<float> w(static_cast<size_t>(max_span) + 8);

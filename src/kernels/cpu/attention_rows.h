@@ -1,0 +1,22 @@
+// Inference attention for the query heads that share one KV head, on AVX-512 F:
+// every key and value row is loaded once for all of them (the GQA group), 16
+// lanes at a time. Each output row is bit-identical to ops.cpp's per-head AVX2
+// loop (the same FMA chain per lane, the same lane reductions, the same exp
+// polynomial and softmax sum order), so which path, grouping or thread count
+// computed a row never changes it: decode and prefill stay batch invariant.
+#pragma once
+
+#include <cstdint>
+
+namespace loom::cpu {
+
+// Whether attend_rows_avx512 takes this head_dim (a positive multiple of 16).
+inline bool attend_rows_avx512_supports(int64_t head_dim) { return head_dim > 0 && head_dim % 16 == 0; }
+
+// For r < rows: o[r * d ..] = softmax(q[r * d ..] . K^T * scale) V over keys
+// [0, n); key/value p at kb / vb + p * stride. w: scratch of rows * wstride
+// floats, wstride >= n + 16 (its padding may hold anything). Needs AVX-512 F/DQ.
+void attend_rows_avx512(const float* q, int rows, const float* kb, const float* vb, int64_t stride, int64_t d,
+                        int64_t n, float scale, float* w, int64_t wstride, float* o);
+
+}  // namespace loom::cpu

@@ -1,0 +1,190 @@
+// AVX-512 F attention rows (attention_rows.h). Hand-written: the per-lane
+// arithmetic must match ops.cpp's AVX2 loop exactly, which no library gives.
+// A zmm lane pair (i, i + 8) is what the AVX2 loop keeps in its two ymm
+// accumulators, so one 16-wide FMA chain folded lo + hi is the same sum.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "kernels/cpu/attention_rows.h"
+
+namespace loom::cpu {
+namespace {
+
+constexpr int kMaxRows = 4;  // query rows per pass (register budget)
+
+// lo + hi halves: the AVX2 loop's acc0 + acc1.
+inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+
+// simd::hsum's additions: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then the two.
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// hsum of 4 vectors at once with the same additions (ops.cpp's hsum4).
+inline void hsum4(const __m256 v[4], float out[4]) {
+  const __m256 r01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
+  const __m256 r23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
+  const __m256 x = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 y = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s = _mm256_add_ps(x, y);
+  const __m256 u = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m256 w = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(3, 1, 3, 1));
+  const __m256 d = _mm256_add_ps(u, w);
+  alignas(32) float t[8];
+  _mm256_store_ps(t, d);
+  out[0] = t[0];
+  out[1] = t[4];
+  out[2] = t[1];
+  out[3] = t[5];
+}
+
+// simd::exp_ps on 16 lanes: the same operations per lane.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f)), _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201E-1f));
+  const __m512 x2 = _mm512_mul_ps(x, x);
+  p = _mm512_fmadd_ps(p, x2, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Scores of keys p .. p + 3 for R rows: w[r][p + j] = dot(q_r, k_{p+j}) * scale.
+template <int R>
+inline void scores4(const float* q, int64_t d, const float* k, int64_t stride, float scale, float* w, int64_t ws,
+                    int64_t p) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const float* kp = k + p * stride;
+  for (int64_t i = 0; i < d; i += 16) {
+    __m512 kk[4];
+    for (int j = 0; j < 4; ++j) kk[j] = _mm512_loadu_ps(kp + j * stride + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_loadu_ps(q + r * d + i);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(qv, kk[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = fold(acc[r][j]);
+    float s[4];
+    hsum4(v, s);
+    for (int j = 0; j < 4; ++j) w[r * ws + p + j] = s[j] * scale;
+  }
+}
+
+// One key (the n % 4 tail): simd::dot's arithmetic.
+template <int R>
+inline void scores1(const float* q, int64_t d, const float* k, int64_t stride, float scale, float* w, int64_t ws,
+                    int64_t p) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const float* kp = k + p * stride;
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 kk = _mm512_loadu_ps(kp + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * d + i), kk, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) w[r * ws + p] = hsum(fold(acc[r])) * scale;
+}
+
+// Replaces scores by exp(score - max) in place and returns 1 / their sum, the
+// sum taken in 8-lane steps then hsum then the scalar tail, as the AVX2 loop does.
+inline float softmax_weights(float* w, int64_t n) {
+  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(w + p));
+  float mx = _mm512_reduce_max_ps(vmx);
+  for (; p < n; ++p) mx = w[p] > mx ? w[p] : mx;
+  const __m512 m = _mm512_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  p = 0;
+  for (; p + 16 <= n; p += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(w + p), m));
+    _mm512_storeu_ps(w + p, e);
+    vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
+    vsum = _mm256_add_ps(vsum, _mm512_extractf32x8_ps(e, 1));
+  }
+  if (p + 8 <= n) {  // lanes 8..15 read the padding and are dropped
+    const __m256 e = _mm512_castps512_ps256(exp16(_mm512_sub_ps(_mm512_loadu_ps(w + p), m)));
+    _mm256_storeu_ps(w + p, e);
+    vsum = _mm256_add_ps(vsum, e);
+    p += 8;
+  }
+  float sum = hsum(vsum);
+  for (; p < n; ++p) {
+    w[p] = std::exp(w[p] - mx);
+    sum += w[p];
+  }
+  return 1.0f / sum;
+}
+
+// o[r][c0 .. c0 + 16 C) = sum_j (w[r][j] * inv[r]) v_j, one FMA chain per lane in j order.
+template <int R, int C>
+inline void weighted_sum(const float* w, int64_t ws, const float* inv, const float* v, int64_t stride, int64_t n,
+                         float* o, int64_t d, int64_t c0) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + j * stride + c0;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(w[r * ws + j] * inv[r]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * d + c0 + 16 * c, acc[r][c]);
+}
+
+template <int R>
+void attend_chunk(const float* q, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n, float scale,
+                  float* w, int64_t ws, float* o) {
+  int64_t p = 0;
+  for (; p + 4 <= n; p += 4) scores4<R>(q, d, kb, stride, scale, w, ws, p);
+  for (; p < n; ++p) scores1<R>(q, d, kb, stride, scale, w, ws, p);
+  float inv[R];
+  for (int r = 0; r < R; ++r) inv[r] = softmax_weights(w + r * ws, n);
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    switch ((d - c0) / 16) {
+      case 1: weighted_sum<R, 1>(w, ws, inv, vb, stride, n, o, d, c0); break;
+      case 2: weighted_sum<R, 2>(w, ws, inv, vb, stride, n, o, d, c0); break;
+      case 3: weighted_sum<R, 3>(w, ws, inv, vb, stride, n, o, d, c0); break;
+      default: weighted_sum<R, 4>(w, ws, inv, vb, stride, n, o, d, c0); break;
+    }
+  }
+}
+
+}  // namespace
+
+void attend_rows_avx512(const float* q, int rows, const float* kb, const float* vb, int64_t stride, int64_t d,
+                        int64_t n, float scale, float* w, int64_t wstride, float* o) {
+  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const float* qr = q + r0 * d;
+    float* orow = o + r0 * d;
+    switch (rows - r0 < kMaxRows ? rows - r0 : kMaxRows) {
+      case 1: attend_chunk<1>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
+      case 2: attend_chunk<2>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
+      case 3: attend_chunk<3>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
+      default: attend_chunk<4>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
+    }
+  }
+}
+
+}  // namespace loom::cpu
