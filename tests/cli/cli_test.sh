@@ -258,5 +258,18 @@ expect "device train cuda" 1 "built without CUDA" -- "$loom" train "$tmp/train.y
 expect "device train yaml" 1 "'device'.*'tpu' is not a device" -- "$loom" train "$tmp/train.yaml" --set device=tpu
 expect "device cpu explicit" 0 "" -- "$loom" generate -m "$tiny" -p hi -n 2 --device cpu
 
+# bench --json: the decode floor's inputs. The default model is tied (the
+# embedding is the output projection), so every weight byte is read per token.
+if "$loom" bench -m "$model" -p 8 -n 4 -r 1 -t 1 --json >"$tmp/bench.json" 2>"$tmp/bench.err" &&
+  python3 - "$tmp/bench.json" <<'PY'
+import json, sys
+o = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+assert 95_000_000 < o["weight_bytes_per_token"] < 98_000_000, o  # SmolLM2 Q4_1: 92.1 MiB of weights
+assert o["read_gbps"] > 0.1 and 0 < o["tg_floor_fraction"] < 2, o
+assert len(o["pp_samples_tokens_per_s"]) == 1 and len(o["tg_samples_tokens_per_s"]) == 1, o
+PY
+then pass=$((pass + 1)); else echo "FAIL bench --json floor fields"; cat "$tmp/bench.err" | tail -3; fail=$((fail + 1)); fi
+expect "bench --no-bandwidth" 0 '"read_gbps": 0.000' -- "$loom" bench -m "$tiny" -p 4 -n 2 -r 1 --json --no-bandwidth
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
