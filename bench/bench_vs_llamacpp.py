@@ -55,17 +55,21 @@ def run(cmd, timeout):
         return 124, "", f"timed out after {timeout} s"
 
 
+def variant_path(base, qtype):
+    """SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct.Q8_0-from-Q4_1.gguf, next to it."""
+    stem = os.path.basename(base)
+    stem = stem[: -len(".gguf")] if stem.endswith(".gguf") else stem
+    name, _, src_type = stem.rpartition(".")
+    if not name:
+        name, src_type = stem, "base"
+    return os.path.join(os.path.dirname(base), f"{name}.{qtype}-from-{src_type}.gguf")
+
+
 def derived_model(base, qtype, llama_bin, timeout):
     """Makes (once) a qtype GGUF from the base model with llama-quantize --allow-requantize.
 
     The result carries the base model's Q4_1 rounding; that is fine for speed comparison."""
-    stem = os.path.basename(base)
-    stem = stem[: -len(".gguf")] if stem.endswith(".gguf") else stem
-    # SmolLM2-135M-Instruct.Q4_1 -> SmolLM2-135M-Instruct.Q8_0-from-Q4_1.gguf
-    name, _, src_type = stem.rpartition(".")
-    if not name:
-        name, src_type = stem, "base"
-    out = os.path.join(os.path.dirname(base), f"{name}.{qtype}-from-{src_type}.gguf")
+    out = variant_path(base, qtype)
     if os.path.exists(out) and os.path.getsize(out) > 0:
         return out
     quant = os.path.join(llama_bin, "llama-quantize")
@@ -176,7 +180,9 @@ def main():
     if not os.path.isfile(a.model):
         raise SystemExit(f"model {a.model} not found; run scripts/fetch_model")
     types = [t.strip() for t in a.types.split(",") if t.strip()]
-    tools = ([] if a.no_llama else ["llama-bench"]) + (["llama-quantize"] if set(types) - {"Q4_1"} else [])
+    # llama-quantize only for variants not made yet (an AVX2-only --llama-bin may have just llama-bench).
+    missing = [t for t in types if t != "Q4_1" and not os.path.exists(variant_path(a.model, t))]
+    tools = ([] if a.no_llama else ["llama-bench"]) + (["llama-quantize"] if missing else [])
     for tool in tools:
         if not os.access(os.path.join(a.llama_bin, tool), os.X_OK):
             raise SystemExit(f"no {tool} in {a.llama_bin}; run scripts/build_llamacpp")
