@@ -2,12 +2,18 @@
 // arithmetic must match ops.cpp's AVX2 loop exactly, which no library gives.
 // A zmm lane pair (i, i + 8) is what the AVX2 loop keeps in its two ymm
 // accumulators, so one 16-wide FMA chain folded lo + hi is the same sum.
+// GCC 12's _mm512_castps512_ps256 extracts with an undefined pass-through
+// operand, which -W(maybe-)uninitialized reports (a known false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <cmath>
+#include <initializer_list>
 
 #include "kernels/cpu/attention_rows.h"
+#include "kernels/cpu/exp_poly.h"
+#include "kernels/cpu/lane_sums.h"
 
 namespace loom::cpu {
 namespace {
@@ -26,39 +32,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// hsum of 4 vectors at once with the same additions (ops.cpp's hsum4).
-inline void hsum4(const __m256 v[4], float out[4]) {
-  const __m256 r01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
-  const __m256 r23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
-  const __m256 x = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 y = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s = _mm256_add_ps(x, y);
-  const __m256 u = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(2, 0, 2, 0));
-  const __m256 w = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(3, 1, 3, 1));
-  const __m256 d = _mm256_add_ps(u, w);
-  alignas(32) float t[8];
-  _mm256_store_ps(t, d);
-  out[0] = t[0];
-  out[1] = t[4];
-  out[2] = t[1];
-  out[3] = t[5];
-}
-
 // simd::exp_ps on 16 lanes: the same operations per lane.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f)), _mm512_set1_ps(88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201E-1f));
-  const __m512 x2 = _mm512_mul_ps(x, x);
-  p = _mm512_fmadd_ps(p, x2, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  using namespace exp_poly;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kMinX)), _mm512_set1_ps(kMaxX));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), x);
+  __m512 p = _mm512_set1_ps(kP0);
+  for (const float c : {kP1, kP2, kP3, kP4, kP5}) p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
@@ -108,7 +92,10 @@ inline float softmax_weights(float* w, int64_t n) {
   __m512 vmx = _mm512_set1_ps(-INFINITY);
   int64_t p = 0;
   for (; p + 16 <= n; p += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(w + p));
-  float mx = _mm512_reduce_max_ps(vmx);
+  const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(vmx), _mm512_extractf32x8_ps(vmx, 1));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   for (; p < n; ++p) mx = w[p] > mx ? w[p] : mx;
   const __m512 m = _mm512_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/attention_train.h"
+#include "kernels/cpu/lane_sums.h"
 #include "kernels/cpu/simd_avx2.h"
 
 namespace loom {
@@ -73,26 +74,6 @@ void rope_apply(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, con
 
 namespace {
 
-// simd::hsum of 4 vectors at once, with the same additions (lanes i and i + 4,
-// then 0 + 2 and 1 + 3, then the two): out[j] = hsum(v[j]) bit for bit.
-inline void hsum4(const __m256 v[4], float out[4]) {
-  const __m256 r01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
-  const __m256 r23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
-  // lanes: r01 = [r0 r1 r2 r3 | r0' r1' r2' r3'] of v0 | v1; r23 likewise of v2 | v3.
-  const __m256 x = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(1, 0, 1, 0));  // [r0 r1 r0'' r1'' | ...]
-  const __m256 y = _mm256_shuffle_ps(r01, r23, _MM_SHUFFLE(3, 2, 3, 2));  // [r2 r3 r2'' r3'' | ...]
-  const __m256 s = _mm256_add_ps(x, y);  // [s0 s1 of v0, s0 s1 of v2 | s0 s1 of v1, s0 s1 of v3]
-  const __m256 u = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(2, 0, 2, 0));
-  const __m256 w = _mm256_shuffle_ps(s, s, _MM_SHUFFLE(3, 1, 3, 1));
-  const __m256 d = _mm256_add_ps(u, w);  // [d0 d2 d0 d2 | d1 d3 d1 d3]
-  alignas(32) float t[8];
-  _mm256_store_ps(t, d);
-  out[0] = t[0];
-  out[1] = t[4];
-  out[2] = t[1];
-  out[3] = t[5];
-}
-
 // scores[p] = dot(q, k_p) * scale for 4 keys a stride apart, each exactly as
 // simd::dot computes it (two accumulators over 16-wide steps of d, then hsum):
 // one pass over q for four keys instead of four. d must be a multiple of 16.
@@ -109,7 +90,7 @@ inline void dot4(const float* q, const float* k, int64_t stride, int64_t d, floa
   __m256 v[4];
   for (int j = 0; j < 4; ++j) v[j] = _mm256_add_ps(a0[j], a1[j]);
   float sums[4];
-  hsum4(v, sums);
+  cpu::hsum4(v, sums);
   for (int j = 0; j < 4; ++j) scores[j] = sums[j] * scale;
 }
 

@@ -4,6 +4,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <initializer_list>
+
+#include "kernels/cpu/exp_poly.h"
 
 namespace loom::simd {
 
@@ -19,20 +22,14 @@ inline float hsum(__m256 v) {
 // Cody-Waite range reduction and a degree-6 polynomial. Hand-written because
 // no Debian-packaged library gives an inlinable vector exp.
 inline __m256 exp_ps(__m256 x) {
-  const __m256 max_x = _mm256_set1_ps(88.3762626647949f), min_x = _mm256_set1_ps(-87.3365478515625f);
-  x = _mm256_min_ps(_mm256_max_ps(x, min_x), max_x);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201E-1f));
-  const __m256 x2 = _mm256_mul_ps(x, x);
-  p = _mm256_fmadd_ps(p, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  using namespace exp_poly;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kMinX)), _mm256_set1_ps(kMaxX));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), x);
+  __m256 p = _mm256_set1_ps(kP0);
+  for (const float c : {kP1, kP2, kP3, kP4, kP5}) p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
