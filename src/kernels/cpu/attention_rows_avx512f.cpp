@@ -23,15 +23,6 @@ constexpr int kMaxRows = 4;  // query rows per pass (register budget)
 // lo + hi halves: the AVX2 loop's acc0 + acc1.
 inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
-// simd::hsum's additions: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then the two.
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
 // simd::exp_ps on 16 lanes: the same operations per lane.
 inline __m512 exp16(__m512 x) {
   using namespace exp_poly;

@@ -1,14 +1,24 @@
 // Horizontal sums of 8-lane vectors in simd::hsum's order of additions (lanes i
 // and i + 4, then 0 + 2 and 1 + 3, then the two), for kernels whose results
 // must equal the per-key AVX2 loop bit for bit. Included by files built with
-// different ISA flags, so the helper stays local to each file (as in
-// panel_kernels.h).
+// different ISA flags, so the helpers stay local to each file (as in
+// panel_kernels.h); simd::hsum itself (simd_avx2.h, external linkage) must not
+// be compiled into an AVX-512 file, hence the copy here.
 #pragma once
 
 #include <immintrin.h>
 
 namespace loom::cpu {
 namespace {
+
+// simd::hsum bit for bit: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7), then the two.
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
 
 // out[j] = simd::hsum(v[j]) bit for bit, for 4 vectors at once.
 inline void hsum4(const __m256 v[4], float out[4]) {
