@@ -51,6 +51,7 @@ class SingleProcessCommunicator final : public Communicator {
     if (send != recv) std::memcpy(recv, send, bytes);
     return std::make_unique<DoneRequest>();
   }
+  std::unique_ptr<Communicator> split(int, int) override { return std::make_unique<SingleProcessCommunicator>(); }
   [[noreturn]] void abort(const std::string& why) override {
     std::fprintf(stderr, "loom: %s\n", why.c_str());
     std::_Exit(3);
@@ -77,6 +78,10 @@ std::unique_ptr<CommRequest> Communicator::start_send(const void*, size_t, int d
 
 void Communicator::recv(void*, size_t, int source, int) {
   fail(ErrorKind::unsupported, "{}: no point-to-point messages (from rank {})", describe(), source);
+}
+
+std::unique_ptr<Communicator> Communicator::split(int color, int) {
+  fail(ErrorKind::unsupported, "{}: cannot be split into groups (color {})", describe(), color);
 }
 
 void Communicator::wait(CommRequest& r, std::string_view what) {

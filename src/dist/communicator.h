@@ -62,6 +62,13 @@ class Communicator {
   virtual std::unique_ptr<CommRequest> start_send(const void* data, size_t bytes, int dest, int tag);
   virtual void recv(void* data, size_t bytes, int source, int tag);
 
+  // The ranks with the same `color` in a communicator of their own, ordered
+  // by `key` (MPI_Comm_split; a collective of every rank here). Data parallel
+  // across tensor- or pipeline-parallel groups: one communicator per group of
+  // each kind. The new one keeps this one's deadline; abort() still ends every
+  // rank of the run. Must be destroyed before this one.
+  virtual std::unique_ptr<Communicator> split(int color, int key);
+
   // Waits for `r` until the deadline; past it, abort() naming `what`.
   void wait(CommRequest& r, std::string_view what);
 

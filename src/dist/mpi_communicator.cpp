@@ -1,7 +1,8 @@
-// The Communicator over MPI (Open MPI from Debian): MPI_COMM_WORLD for the main
-// thread's blocking collectives, a duplicate of it for the communication
-// thread's non-blocking ones. Blocking calls are non-blocking ones waited on
-// with the deadline, so a dead peer ends the run instead of hanging it.
+// The Communicator over MPI (Open MPI from Debian): MPI_COMM_WORLD, or a group
+// split from it, for the main thread's blocking collectives, a duplicate of it
+// for the communication thread's non-blocking ones. Blocking calls are
+// non-blocking ones waited on with the deadline, so a dead peer ends the run
+// instead of hanging it.
 // The C API only: Open MPI's deprecated C++ bindings would need libmpi_cxx.
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -80,7 +81,7 @@ std::vector<int> displacements(const std::vector<int>& counts, std::string_view 
 
 class MpiCommunicator final : public Communicator {
  public:
-  explicit MpiCommunicator(CollectiveAlgorithm algorithm) {
+  explicit MpiCommunicator(CollectiveAlgorithm algorithm) : world_(true) {
     select_algorithm(algorithm);
     int provided = 0;
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
@@ -89,9 +90,10 @@ class MpiCommunicator final : public Communicator {
       fail(ErrorKind::unsupported, "the MPI library gives thread level {} (needs MPI_THREAD_MULTIPLE = {}): the "
            "gradient all-reduce runs on its own thread", provided, MPI_THREAD_MULTIPLE);
     }
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &size_);
-    MPI_Comm_dup(MPI_COMM_WORLD, &async_);
+    comm_ = MPI_COMM_WORLD;
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    MPI_Comm_dup(comm_, &async_);
     char version[MPI_MAX_LIBRARY_VERSION_STRING] = {};
     int len = 0;
     MPI_Get_library_version(version, &len);
@@ -99,9 +101,22 @@ class MpiCommunicator final : public Communicator {
     if (const size_t cut = library_.find(','); cut != std::string::npos) library_.resize(cut);
     hosts_ = count_hosts();
   }
+  // A group of `parent`'s ranks (split()).
+  MpiCommunicator(const MpiCommunicator& parent, MPI_Comm group) : world_(false), comm_(group) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    MPI_Comm_dup(comm_, &async_);
+    library_ = parent.library_;
+    hosts_ = count_hosts();
+    set_timeout_seconds(parent.timeout_seconds());
+  }
   ~MpiCommunicator() override {
     MPI_Comm_free(&async_);
-    MPI_Finalize();
+    if (world_) {
+      MPI_Finalize();
+    } else {
+      MPI_Comm_free(&comm_);
+    }
   }
 
   int rank() const override { return rank_; }
@@ -112,27 +127,27 @@ class MpiCommunicator final : public Communicator {
 
   void allreduce_sum(std::span<double> d) override {
     MpiRequest r;
-    MPI_Iallreduce(MPI_IN_PLACE, d.data(), count(d.size()), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, r.handle());
+    MPI_Iallreduce(MPI_IN_PLACE, d.data(), count(d.size()), MPI_DOUBLE, MPI_SUM, comm_, r.handle());
     wait(r, "all-reduce (sum)");
   }
   void allreduce_sum(std::span<float> d) override {
     MpiRequest r;
-    MPI_Iallreduce(MPI_IN_PLACE, d.data(), count(d.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, r.handle());
+    MPI_Iallreduce(MPI_IN_PLACE, d.data(), count(d.size()), MPI_FLOAT, MPI_SUM, comm_, r.handle());
     wait(r, "all-reduce (sum)");
   }
   void allreduce_max(std::span<int64_t> d) override {
     MpiRequest r;
-    MPI_Iallreduce(MPI_IN_PLACE, d.data(), count(d.size()), MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD, r.handle());
+    MPI_Iallreduce(MPI_IN_PLACE, d.data(), count(d.size()), MPI_INT64_T, MPI_MAX, comm_, r.handle());
     wait(r, "all-reduce (max)");
   }
   void broadcast(void* data, size_t bytes, int root) override {
     MpiRequest r;
-    MPI_Ibcast(data, count(bytes), MPI_BYTE, root, MPI_COMM_WORLD, r.handle());
+    MPI_Ibcast(data, count(bytes), MPI_BYTE, root, comm_, r.handle());
     wait(r, "broadcast");
   }
   void barrier() override {
     MpiRequest r;
-    MPI_Ibarrier(MPI_COMM_WORLD, r.handle());
+    MPI_Ibarrier(comm_, r.handle());
     wait(r, "barrier");
   }
   void allgatherv(const void* send, void* recv, std::span<const size_t> counts) override {
@@ -142,7 +157,7 @@ class MpiCommunicator final : public Communicator {
     // This rank's part already in place (ZeRO-1's parameter gather): MPI wants MPI_IN_PLACE, not aliasing.
     const bool in_place = send == static_cast<const char*>(recv) + d[static_cast<size_t>(rank_)];
     MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, c[static_cast<size_t>(rank_)], MPI_BYTE, recv, c.data(), d.data(),
-                    MPI_BYTE, MPI_COMM_WORLD, r.handle());
+                    MPI_BYTE, comm_, r.handle());
     wait(r, "all-gather");
   }
   void gatherv(const void* send, void* recv, std::span<const size_t> counts, int root) override {
@@ -150,19 +165,25 @@ class MpiCommunicator final : public Communicator {
     const std::vector<int> d = displacements(c, "gatherv");
     MpiRequest r;
     MPI_Igatherv(send, c[static_cast<size_t>(rank_)], MPI_BYTE, recv, c.data(), d.data(), MPI_BYTE, root,
-                 MPI_COMM_WORLD, r.handle());
+                 comm_, r.handle());
     wait(r, "gather");
   }
 
   std::unique_ptr<CommRequest> start_send(const void* data, size_t bytes, int dest, int tag) override {
     auto r = std::make_unique<MpiRequest>();
-    MPI_Isend(data, count(bytes), MPI_BYTE, dest, tag, MPI_COMM_WORLD, r->handle());
+    MPI_Isend(data, count(bytes), MPI_BYTE, dest, tag, comm_, r->handle());
     return r;
   }
   void recv(void* data, size_t bytes, int source, int tag) override {
     MpiRequest r;
-    MPI_Irecv(data, count(bytes), MPI_BYTE, source, tag, MPI_COMM_WORLD, r.handle());
+    MPI_Irecv(data, count(bytes), MPI_BYTE, source, tag, comm_, r.handle());
     wait(r, fmt::format("receive from rank {}", source));
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    MPI_Comm group = MPI_COMM_NULL;
+    MPI_Comm_split(comm_, color, key, &group);  // blocking, as every setup collective: no rank is gone yet
+    return std::make_unique<MpiCommunicator>(*this, group);
   }
 
   std::unique_ptr<CommRequest> start_allreduce_sum(float* data, size_t n) override {
@@ -177,7 +198,10 @@ class MpiCommunicator final : public Communicator {
   }
 
   [[noreturn]] void abort(const std::string& why) override {
-    std::fprintf(stderr, "loom: rank %d of %d: %s\n", rank_, size_, why.c_str());
+    int world_rank = 0, world_size = 1;  // the run's ranks, whichever group found the fault
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    std::fprintf(stderr, "loom: rank %d of %d: %s\n", world_rank, world_size, why.c_str());
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 3);
     std::_Exit(3);
@@ -191,15 +215,17 @@ class MpiCommunicator final : public Communicator {
   }
   int count_hosts() {
     MPI_Comm node;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node);
+    MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node);
     int node_rank = 0;
     MPI_Comm_rank(node, &node_rank);
     MPI_Comm_free(&node);
     int leaders = node_rank == 0 ? 1 : 0;
-    MPI_Allreduce(MPI_IN_PLACE, &leaders, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &leaders, 1, MPI_INT, MPI_SUM, comm_);
     return leaders;
   }
 
+  bool world_ = false;  // MPI_COMM_WORLD: finalizes MPI when destroyed
+  MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   MPI_Comm async_ = MPI_COMM_NULL;
   std::string library_;

@@ -63,7 +63,7 @@ struct CheckpointState {
   int64_t trained_tokens = 0, input_tokens = 0;
   double train_seconds = 0, elapsed_seconds = 0;
   std::string metrics_text;  // metrics_file's lines up to this step (metrics.jsonl)
-  int rank = 0, world_size = 1;
+  int rank = 0, world_size = 1;  // world_size: the data-parallel ranks the rows were split over
 
   // The latest evaluation at or before `step` (what "best by eval loss" uses).
   std::optional<double> eval_loss() const;

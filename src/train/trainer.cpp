@@ -176,6 +176,7 @@ void Trainer::prepare(bool dry_run) {
   check_options();
   check_tensor_parallel();    // trainer_tp.cpp
   check_pipeline_parallel();  // trainer_pp.cpp
+  setup_rank_groups();        // trainer_dist.cpp
   load_model();
   {
     const TraceScope data_trace(tracer(), "data");  // reading and tokenizing (or the token cache)
@@ -221,7 +222,7 @@ void Trainer::check_options() const {
 
 void Trainer::load_model() {
   std::vector<std::string> notes;
-  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? rank() : 0);
+  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? model_rank() : 0);
   for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
   model_ = std::move(tm.model);
   params_ = std::move(tm.params);
@@ -367,7 +368,7 @@ void Trainer::log_start() {
 int64_t Trainer::loss_tokens(int64_t local) {
   if (data_ranks() > 1) {  // the step's mean is over every rank's tokens
     double n = static_cast<double>(local);
-    rt_.comm->allreduce_sum(std::span<double>(&n, 1));
+    data_comm_->allreduce_sum(std::span<double>(&n, 1));
     local = static_cast<int64_t>(n);
   }
   if (!hooks_.loss_tokens) return local;
@@ -404,7 +405,7 @@ StepReport Trainer::train_step() {
   }
   if (data_ranks() > 1) {  // the step's loss and tokens over every rank
     double v[2] = {loss_sum, static_cast<double>(input_tokens_ - input_before)};
-    rt_.comm->allreduce_sum(std::span<double>(v, 2));
+    data_comm_->allreduce_sum(std::span<double>(v, 2));
     loss_sum = v[0];
     input_tokens_ = input_before + static_cast<int64_t>(v[1]);
     r.target_tokens = r.loss_tokens;
@@ -523,7 +524,7 @@ TrainResult Trainer::finish() {
   out_opt.force = "--overwrite (or overwrite: true)";
   out_opt.keep = output_keep_;  // the checkpoints stay (hard links into the new folder)
   if (tp_sums_) {  // rank 0 writes the whole model's adapters
-    params_->gather_tensor_parallel(*rt_.comm, tp_full_config_);
+    params_->gather_tensor_parallel(*model_comm_, tp_full_config_);
     if (is_root()) model_->reshape(tp_full_config_);
   }
   on_root("write the output", [&] { params_->write_output(*model_, c_, out_opt); });
@@ -617,13 +618,13 @@ void Trainer::load_checkpoint(const std::string& path) {
                fmt::format("resumed from {} at step {} of {} (written for: {})", path, st.step, total_steps_,
                            st.reason),
                {{"step", st.step}, {"checkpoint", {{"path", path}, {"reason", st.reason}}}});
-  if (st.world_size != world())  // the cursor is global: the rows re-shard over the ranks there are now
+  if (st.world_size != data_ranks())  // the cursor is global: the rows re-shard over the data ranks there are now
     log_->record(LogLevel::warning, "resume",
-                 fmt::format("resume: the checkpoint was written by {} rank{}, this run has {}: a step now takes {} x "
-                             "{} x {} rows instead of {} x {} x {}", st.world_size, st.world_size == 1 ? "" : "s",
-                             world(), world(), c_.grad_accum, c_.batch_size, st.world_size, c_.grad_accum,
-                             c_.batch_size),
-                 {{"world_size", world()}, {"checkpoint_world_size", st.world_size}});
+                 fmt::format("resume: the checkpoint was written by {} data-parallel rank{}, this run has {}: a step "
+                             "now takes {} x {} x {} rows instead of {} x {} x {}", st.world_size,
+                             st.world_size == 1 ? "" : "s", data_ranks(), data_ranks(), c_.grad_accum, c_.batch_size,
+                             st.world_size, c_.grad_accum, c_.batch_size),
+                 {{"world_size", data_ranks()}, {"checkpoint_world_size", st.world_size}});
   if (st.schedule.kind != LrScheduleKind::constant && st.schedule.total_steps != total_steps_)
     log_->record(LogLevel::warning, "resume",
                  fmt::format("resume: the {} schedule now spans {} steps instead of {}: the learning rate from here "
@@ -643,7 +644,7 @@ CheckpointState Trainer::checkpoint_state(std::string_view reason) {
   st.faults = faults_;
   if (scaler_) st.loss_scaler = scaler_->state();
   st.reason = std::string(reason);
-  st.world_size = world();
+  st.world_size = data_ranks();  // what the rows are split over
   st.identity = run_identity(c_);
   st.config_text = c_.text;
   st.input_hashes = input_hashes_;

@@ -192,9 +192,14 @@ class Trainer {
   int rank() const { return rt_.comm ? rt_.comm->rank() : 0; }
   int world() const { return rt_.comm ? rt_.comm->size() : 1; }
   bool is_root() const { return rank() == 0; }
-  // The ranks that split the data (tensor parallel: its ranks share every batch).
-  int data_ranks() const { return c_.dist.tp > 1 || c_.dist.pp > 1 ? 1 : world(); }
-  int data_rank() const { return c_.dist.tp > 1 || c_.dist.pp > 1 ? 0 : rank(); }
+  // The ranks are data_ranks() groups of model_ranks() (dist.tp x dist.pp)
+  // consecutive ranks: rank = data_rank * model_ranks + model_rank, Megatron-
+  // LM's order, so a model group's per-layer traffic stays within a node. The
+  // ranks of a model group share every batch; the groups split the data.
+  int model_ranks() const { return c_.dist.tp * c_.dist.pp; }
+  int model_rank() const { return rank() % model_ranks(); }
+  int data_ranks() const { return world() / model_ranks(); }
+  int data_rank() const { return rank() / model_ranks(); }
   // The last step's gradient exchange (data parallel; zero for one process).
   const GradSyncStats& sync_stats() const { return sync_stats_; }
   int64_t total_steps() const { return total_steps_; }
@@ -250,10 +255,12 @@ class Trainer {
   // Data parallel (trainer_dist.cpp): the step's micro-batches of this rank,
   // the gradient exchange overlapped with the last backward, the evaluation
   // shards, and work only rank 0 does with its outcome shared.
+  void setup_rank_groups();
   void setup_data_parallel();
   void update_compression(int64_t step);
   void load_step_batches(StepReport& r);
   double backward_step(float scale, int64_t step);
+  void finish_reduction();
   LossResult eval_shard(const DataSplit& split);
   bool agree_any(bool local);
   void broadcast_text(std::string& text);  // rank 0's text on every rank
@@ -287,6 +294,14 @@ class Trainer {
   std::vector<ConfigWarning> advice_;
   TrainHooks hooks_;
   TrainRuntime rt_;
+  // The communicators of this rank's data-parallel group (the ranks with its
+  // model_rank(); null with one data rank) and model-parallel group (its
+  // data_rank(); null with one model rank): rt_.comm itself or a split of it
+  // held here (setup_rank_groups, trainer_dist.cpp). Declared before every
+  // user, so destroyed after them.
+  std::unique_ptr<Communicator> data_group_, model_group_;
+  Communicator* data_comm_ = nullptr;
+  Communicator* model_comm_ = nullptr;
   std::unique_ptr<TrainLog> log_;
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics_{nullptr, &std::fclose};
   std::unique_ptr<ThreadPool> pool_;
@@ -322,8 +337,8 @@ class Trainer {
   std::vector<std::pair<std::string, std::string>> input_hashes_;
   std::vector<EvalPoint> evals_;
   std::unique_ptr<GradientReducer> reducer_;  // data parallel only
-  std::vector<float> accum_;
-  std::vector<size_t> zero_cuts_;  // dist.zero 1: rank r updates parameters [cuts[r], cuts[r + 1])  // dist.deterministic with grad_accum > 1: the sum of the earlier micro-batches
+  std::vector<float> accum_;  // dist.deterministic with grad_accum > 1: the sum of the earlier micro-batches
+  std::vector<size_t> zero_cuts_;  // dist.zero 1: data rank r updates parameters [cuts[r], cuts[r + 1])
   GradSyncStats sync_stats_;
   // Tensor parallel (dist.tp): the sums over its ranks, the whole model's shapes.
   std::unique_ptr<PartialSums> tp_sums_;

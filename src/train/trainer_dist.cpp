@@ -17,6 +17,31 @@
 
 namespace loom {
 
+// The data- and model-parallel groups (trainer.h), before the model loads: a
+// tensor-parallel shard is the model rank's. Splits are collectives: every
+// rank calls this.
+void Trainer::setup_rank_groups() {
+  if (world() == 1) return;
+  if (model_ranks() == 1) {
+    data_comm_ = rt_.comm;
+    return;
+  }
+  if (data_ranks() == 1) {
+    model_comm_ = rt_.comm;
+    return;
+  }
+  model_group_ = rt_.comm->split(data_rank(), rank());
+  data_group_ = rt_.comm->split(model_rank(), rank());
+  model_comm_ = model_group_.get();
+  data_comm_ = data_group_.get();
+  log_->record(LogLevel::info, "dist",
+               fmt::format("{} ranks: {} data-parallel groups of {} {} ranks (this rank: data rank {}, {} {})", world(),
+                           data_ranks(), model_ranks(), c_.dist.tp > 1 ? "tensor-parallel" : "pipeline",
+                           data_rank(), c_.dist.tp > 1 ? "shard" : "stage", model_rank()),
+               {{"dist", {{"ranks", world()}, {"data_ranks", data_ranks()}, {"model_ranks", model_ranks()},
+                          {"tp", c_.dist.tp}, {"pp", c_.dist.pp}}}});
+}
+
 void Trainer::setup_data_parallel() {
   if (data_ranks() == 1) return;
   std::vector<GradMatrix> matrices;
@@ -24,7 +49,7 @@ void Trainer::setup_data_parallel() {
     matrices.push_back({t.offset, std::max<int64_t>(t.rows, 1), static_cast<int64_t>(t.size) / std::max<int64_t>(t.rows, 1)});
   GradSyncOptions o = c_.dist.sync;
   o.seed = c_.seed;
-  reducer_ = std::make_unique<GradientReducer>(*rt_.comm, params_->grads(), params_->layer_ranges(),
+  reducer_ = std::make_unique<GradientReducer>(*data_comm_, params_->grads(), params_->layer_ranges(),
                                                std::move(matrices), o);
   const GradSyncOptions& s = reducer_->options();
   std::string how = s.compression == GradCompression::none ? std::string("uncompressed")
@@ -34,12 +59,12 @@ void Trainer::setup_data_parallel() {
   log_->record(LogLevel::info, "dist",
                fmt::format("data parallel: {}; a step is {} ranks x {} x {} rows; gradients in {} buckets of up to "
                            "{}, {}, {}{}, all-reduce {}",
-                           rt_.comm->describe(), world(), c_.grad_accum, c_.batch_size, reducer_->bucket_count(),
+                           data_comm_->describe(), data_ranks(), c_.grad_accum, c_.batch_size, reducer_->bucket_count(),
                            format_bytes(static_cast<int64_t>(s.bucket_bytes)),
                            s.overlap ? "overlapped with the backward" : "after the backward", how,
                            s.deterministic ? ", deterministic (rank order)" : "",
                            collective_algorithm_name(c_.dist.algorithm)),
-               {{"dist", {{"ranks", world()}, {"library", rt_.comm->describe()}, {"buckets", reducer_->bucket_count()},
+               {{"dist", {{"ranks", data_ranks()}, {"library", data_comm_->describe()}, {"buckets", reducer_->bucket_count()},
                           {"bucket_bytes", s.bucket_bytes}, {"overlap", s.overlap},
                           {"deterministic", s.deterministic}, {"compression", grad_compression_name(s.compression)},
                           {"algorithm", collective_algorithm_name(c_.dist.algorithm)}}}});
@@ -66,11 +91,11 @@ void Trainer::update_compression(int64_t step) {
 
 void Trainer::log_zero_shard() {
   if (zero_cuts_.empty()) return;
-  const auto R = static_cast<size_t>(rank());
+  const auto R = static_cast<size_t>(data_rank());
   log_->record(LogLevel::info, "dist",
                fmt::format("ZeRO-1: rank 0 keeps the optimizer state of {} of {} parameters ({}; each rank about 1/{})",
                            zero_cuts_[R + 1] - zero_cuts_[R], params_->count(), format_bytes(static_cast<int64_t>(
-                               opt_->state_bytes())), world()),
+                               opt_->state_bytes())), data_ranks()),
                {{"zero", {{"stage", 1}, {"parameters", zero_cuts_[R + 1] - zero_cuts_[R]},
                           {"optimizer_bytes", opt_->state_bytes()}}}});
 }
@@ -92,7 +117,11 @@ void Trainer::load_step_batches(StepReport& r) {
 // The step's micro-batches of this rank; the last one's backward hands each
 // finished layer to the reducer. Returns the local loss sum.
 double Trainer::backward_step(float scale, int64_t step) {
-  if (c_.dist.pp > 1) return pipeline_step(scale, step);  // trainer_pp.cpp
+  if (c_.dist.pp > 1) {  // trainer_pp.cpp; then the sum over the data-parallel groups, after the pipeline's flush
+    const double loss_sum = pipeline_step(scale, step);
+    finish_reduction();
+    return loss_sum;
+  }
   const auto G = static_cast<int64_t>(micro_.size());
   const int64_t W = data_ranks(), R = data_rank();
   int64_t last = -1;
@@ -128,13 +157,18 @@ double Trainer::backward_step(float scale, int64_t step) {
     any = true;
     input_tokens_ += b.rows * b.seq_len;
   }
-  if (reducer_) {
-    TraceScope wait_trace(tracer(), "allreduce_wait");
-    sync_stats_ = reducer_->finish();
-    wait_trace.arg("bytes", static_cast<double>(sync_stats_.wire_bytes));
-  }
+  finish_reduction();
   sum_replicated_grads();  // tensor parallel (trainer_tp.cpp)
   return loss_sum;
+}
+
+// The buckets the last backward did not hand over, and the wait for all.
+void Trainer::finish_reduction() {
+  if (!reducer_) return;
+  TraceScope wait_trace(tracer(), "allreduce_wait");
+  if (c_.dist.pp > 1) reducer_->begin_step();  // no backward handed any bucket over
+  sync_stats_ = reducer_->finish();
+  wait_trace.arg("bytes", static_cast<double>(sync_stats_.wire_bytes));
 }
 
 // This rank's share of an evaluation (batches i with i mod N = R), summed over the ranks.
@@ -157,7 +191,7 @@ LossResult Trainer::eval_shard(const DataSplit& split) {
   }
   if (W > 1) {
     double v[3] = {sum.loss_sum, static_cast<double>(sum.n_tokens), static_cast<double>(sum.n_correct)};
-    rt_.comm->allreduce_sum(std::span<double>(v, 3));
+    data_comm_->allreduce_sum(std::span<double>(v, 3));
     sum.loss_sum = v[0];
     sum.n_tokens = static_cast<int64_t>(v[1]);
     sum.n_correct = static_cast<int64_t>(v[2]);
@@ -208,7 +242,7 @@ OptimizerShard Trainer::zero_shard() {
   std::vector<TensorSpan> spans = params_->tensor_spans();
   std::sort(spans.begin(), spans.end(), [](const TensorSpan& a, const TensorSpan& b) { return a.offset < b.offset; });
   const auto n = static_cast<size_t>(params_->count());
-  const auto W = static_cast<size_t>(world());
+  const auto W = static_cast<size_t>(data_ranks());
   zero_cuts_ = {0};
   for (size_t r = 1; r < W; ++r) {
     const size_t target = n * r / W;
@@ -221,7 +255,7 @@ OptimizerShard Trainer::zero_shard() {
     zero_cuts_.push_back(best);
   }
   zero_cuts_.push_back(n);
-  const auto R = static_cast<size_t>(rank());
+  const auto R = static_cast<size_t>(data_rank());
   return {zero_cuts_[R], zero_cuts_[R + 1]};
 }
 
@@ -230,7 +264,7 @@ void Trainer::gather_zero_params() {
   std::vector<size_t> bytes;
   for (size_t r = 0; r + 1 < zero_cuts_.size(); ++r) bytes.push_back((zero_cuts_[r + 1] - zero_cuts_[r]) * sizeof(float));
   float* p = params_->params().data();
-  rt_.comm->allgatherv(p + zero_cuts_[static_cast<size_t>(rank())], p, bytes);
+  data_comm_->allgatherv(p + zero_cuts_[static_cast<size_t>(data_rank())], p, bytes);
 }
 
 // Rank 0 gets every rank's part of each optimizer state part (rank order is
@@ -239,14 +273,14 @@ void Trainer::gather_zero_params() {
 std::vector<std::vector<char>> Trainer::gather_zero_state(std::vector<AdamW::StatePart>& parts) {
   std::vector<std::vector<char>> whole;
   if (zero_cuts_.empty()) return whole;
-  const auto W = static_cast<size_t>(world());
+  const auto W = static_cast<size_t>(data_ranks());
   for (AdamW::StatePart& part : parts) {
     std::vector<uint64_t> sizes(W);
     const uint64_t mine = part.bytes;
-    rt_.comm->allgatherv(&mine, sizes.data(), std::vector<size_t>(W, sizeof(uint64_t)));
+    data_comm_->allgatherv(&mine, sizes.data(), std::vector<size_t>(W, sizeof(uint64_t)));
     const std::vector<size_t> counts(sizes.begin(), sizes.end());
-    std::vector<char> buf(is_root() ? part.file_bytes : 0);
-    rt_.comm->gatherv(part.data, buf.data(), counts, 0);
+    std::vector<char> buf(data_rank() == 0 ? part.file_bytes : 0);
+    data_comm_->gatherv(part.data, buf.data(), counts, 0);
     part.data = buf.data();
     part.bytes = part.file_bytes;
     part.file_offset = 0;
@@ -264,9 +298,9 @@ std::vector<AdamW::StatePart> Trainer::gather_compression_state(std::vector<floa
   std::vector<AdamW::StatePart> out;
   if (!reducer_ || reducer_->residual().empty()) return out;
   const std::span<float> mine = reducer_->residual();
-  const auto W = static_cast<size_t>(world());
-  residuals.resize(is_root() ? W * mine.size() : 0);
-  rt_.comm->gatherv(mine.data(), residuals.data(), std::vector<size_t>(W, mine.size_bytes()), 0);
+  const auto W = static_cast<size_t>(data_ranks());
+  residuals.resize(data_rank() == 0 ? W * mine.size() : 0);
+  data_comm_->gatherv(mine.data(), residuals.data(), std::vector<size_t>(W, mine.size_bytes()), 0);
   const size_t rb = residuals.size() * sizeof(float);
   out.push_back({kResidualFile, residuals.data(), rb, 0, rb});
   q = reducer_->powersgd_q();
@@ -296,15 +330,15 @@ void Trainer::restore_compression_state(const std::string& path, int64_t checkpo
     fail(ErrorKind::invalid_input, "{}: {} holds {} bytes, not {} ranks' residuals of {} gradients", path,
          kResidualFile, f.size(), checkpoint_world, n);
   const auto* all = reinterpret_cast<const float*>(f.data());
-  if (checkpoint_world == world()) {
-    std::copy(all + static_cast<size_t>(rank()) * n, all + static_cast<size_t>(rank() + 1) * n, mine.begin());
+  if (checkpoint_world == data_ranks()) {
+    std::copy(all + static_cast<size_t>(data_rank()) * n, all + static_cast<size_t>(data_rank() + 1) * n, mine.begin());
   } else {
-    if (is_root())
+    if (data_rank() == 0)
       for (int64_t r = 0; r < checkpoint_world; ++r)
         for (size_t i = 0; i < n; ++i) mine[i] += all[static_cast<size_t>(r) * n + i];
     log_->record(LogLevel::warning, "resume",
                  fmt::format("resume: the error-feedback residuals of {} ranks go to rank 0 as their sum ({} ranks "
-                             "now)", checkpoint_world, world()));
+                             "now)", checkpoint_world, data_ranks()));
   }
   if (c_.dist.sync.compression == GradCompression::powersgd && std::filesystem::exists(dir / kPowerSgdFile, ec)) {
     const MappedFile qf((dir / kPowerSgdFile).string());

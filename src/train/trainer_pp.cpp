@@ -1,7 +1,8 @@
 // The Trainer under pipeline parallel (dist.pp S): rank s holds the decoder
 // layers [s L / S, (s+1) L / S) in computation (every rank keeps the whole
-// model; the split of memory comes later), every rank reads the same
-// micro-batches, and they flow through the stages in the 1F1B order: stage s
+// model; the split of memory comes later), the stages of a pipeline read the
+// same micro-batches (N pipelines on N S ranks split the data as data parallel
+// does), and they flow through the stages in the 1F1B order: stage s
 // runs S - s - 1 forwards, then one forward and one backward in turn, then the
 // remaining backwards (PipeDream-Flush, Megatron-LM's default). Activations go
 // forward and their gradients back as point-to-point messages. Each layer's
@@ -20,9 +21,9 @@ namespace loom {
 void Trainer::check_pipeline_parallel() const {
   const int pp = c_.dist.pp;
   if (pp == 1) return;
-  if (world() != pp)
-    fail(ErrorKind::invalid_input, "{}: dist.pp {} needs exactly {} ranks (mpirun -np {}); this run has {}",
-         c_.source, pp, pp, pp, world());
+  if (world() % pp != 0)
+    fail(ErrorKind::invalid_input, "{}: dist.pp {} needs a multiple of {} ranks (mpirun -np {} for one pipeline, -np "
+         "{} for {} data-parallel pipelines); this run has {}", c_.source, pp, pp, pp, 2 * pp, 2, world());
   if (c_.dist.tp > 1) fail(ErrorKind::unsupported, "{}: dist.pp with dist.tp is not built yet", c_.source);
   if (c_.method != TrainMethod::lora)
     fail(ErrorKind::unsupported, "{}: dist.pp trains LoRA adapters in this build (method: full is not split into "
@@ -34,7 +35,7 @@ void Trainer::check_pipeline_parallel() const {
 
 void Trainer::setup_pipeline_parallel() {
   if (c_.dist.pp == 1) return;
-  const int64_t L = model_->config().n_layers, S = c_.dist.pp, s = rank();
+  const int64_t L = model_->config().n_layers, S = c_.dist.pp, s = model_rank();
   if (L < S)
     fail(ErrorKind::invalid_input, "{}: dist.pp {} stages for a model of {} layers", c_.source, S, L);
   stage_first_ = s * L / S;
@@ -58,7 +59,7 @@ TrainSession& Trainer::stage_session(size_t i) { return i == 0 ? *session_ : *st
 // One step's micro-batches through this stage in 1F1B order; returns the
 // loss sum over the step (every rank: the last stage's, all-reduced).
 double Trainer::pipeline_step(float scale, int64_t step) {
-  const int S = c_.dist.pp, s = rank();
+  const int S = c_.dist.pp, s = model_rank();
   const auto G = static_cast<int64_t>(micro_.size());
   const int64_t H = model_->config().hidden;
   std::vector<std::unique_ptr<CommRequest>> sends;
@@ -71,14 +72,15 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const int64_t n = tokens(i) * H;
     if (s > 0) {
       x.resize(static_cast<size_t>(n));
-      rt_.comm->recv(x.data(), x.size() * sizeof(float), s - 1, static_cast<int>(2 * i));
+      model_comm_->recv(x.data(), x.size() * sizeof(float), s - 1, static_cast<int>(2 * i));
     }
     LossResult r;
-    const auto mask_counter = static_cast<uint64_t>(step * G + i);
+    // The one process's numbering of the micro-batch (trainer_dist.cpp's backward_step).
+    const auto mask_counter = static_cast<uint64_t>((step * data_ranks() + data_rank()) * G + i);
     const float* out = stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, stage_first_,
                                                                            stage_last_, s > 0 ? x.data() : nullptr, &r);
     if (s + 1 < S)
-      sends.push_back(rt_.comm->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
+      sends.push_back(model_comm_->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
     else
       loss_sum += r.loss_sum;
     input_tokens_ += tokens(i);
@@ -89,11 +91,11 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const int64_t n = tokens(i) * H;
     if (s + 1 < S) {
       dy.resize(static_cast<size_t>(n));
-      rt_.comm->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
+      model_comm_->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
     }
     const float* dx = stage_session(static_cast<size_t>(i)).backward_stage(s + 1 < S ? dy.data() : nullptr);
     if (s > 0)  // the session keeps dx until its next call: after this step
-      sends.push_back(rt_.comm->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
+      sends.push_back(model_comm_->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
   };
   const int64_t warm = std::min<int64_t>(S - s - 1, G);
   for (int64_t i = 0; i < warm; ++i) forward(i);
@@ -102,36 +104,42 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     backward(i - warm);
   }
   for (int64_t i = G - warm; i < G; ++i) backward(i);
-  for (auto& r : sends) rt_.comm->wait(*r, "pipeline send");
+  for (auto& r : sends) model_comm_->wait(*r, "pipeline send");
   // Each layer's gradients live on its stage: the sum over stages gives every rank all of them.
   const std::span<float> g = params_->grads();
-  rt_.comm->allreduce_sum(g);
-  rt_.comm->allreduce_sum(std::span<double>(&loss_sum, 1));
+  model_comm_->allreduce_sum(g);
+  model_comm_->allreduce_sum(std::span<double>(&loss_sum, 1));
   return loss_sum;
 }
 
-// An evaluation batch by batch through the stages (forward only).
+// An evaluation batch by batch through the stages (forward only); the
+// data-parallel pipelines take batches i with i mod N = R.
 LossResult Trainer::eval_pipeline(const DataSplit& split) {
-  const int S = c_.dist.pp, s = rank();
+  const int S = c_.dist.pp, s = model_rank();
+  const int64_t W = data_ranks(), R = data_rank();
   const int64_t H = model_->config().hidden;
   DataLoader loader(split, data_->pad_id, c_.batch_size, /*shuffle=*/false, 0);
   LossResult sum;
   Batch b;
   std::vector<float> x;
   for (int64_t i = 0, nb = loader.batches_per_epoch(); i < nb; ++i) {
+    if (i % W != R) {
+      loader.skip();
+      continue;
+    }
     loader.next(b);
     if (b.target_tokens == 0) continue;
     const auto n = static_cast<size_t>(b.rows * b.seq_len * H);
     if (s > 0) {
       x.resize(n);
-      rt_.comm->recv(x.data(), n * sizeof(float), s - 1, 0);
+      model_comm_->recv(x.data(), n * sizeof(float), s - 1, 0);
     }
     LossResult r;
     const float* out =
         session_->forward_stage(b, 0.0f, 0, stage_first_, stage_last_, s > 0 ? x.data() : nullptr, &r, false);
     if (s + 1 < S) {
-      auto req = rt_.comm->start_send(out, n * sizeof(float), s + 1, 0);
-      rt_.comm->wait(*req, "pipeline send");
+      auto req = model_comm_->start_send(out, n * sizeof(float), s + 1, 0);
+      model_comm_->wait(*req, "pipeline send");
     } else {
       sum.loss_sum += r.loss_sum;
       sum.n_tokens += r.n_tokens;
@@ -139,7 +147,7 @@ LossResult Trainer::eval_pipeline(const DataSplit& split) {
     }
   }
   double v[3] = {sum.loss_sum, static_cast<double>(sum.n_tokens), static_cast<double>(sum.n_correct)};
-  rt_.comm->allreduce_sum(std::span<double>(v, 3));
+  rt_.comm->allreduce_sum(std::span<double>(v, 3));  // only last stages add: the sum over the pipelines
   return {v[0], static_cast<int64_t>(v[1]), static_cast<int64_t>(v[2])};
 }
 
