@@ -222,7 +222,7 @@ void Trainer::check_options() const {
 
 void Trainer::load_model() {
   std::vector<std::string> notes;
-  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? model_rank() : 0);
+  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? tp_rank() : 0);
   for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
   model_ = std::move(tm.model);
   params_ = std::move(tm.params);
@@ -524,7 +524,7 @@ TrainResult Trainer::finish() {
   out_opt.force = "--overwrite (or overwrite: true)";
   out_opt.keep = output_keep_;  // the checkpoints stay (hard links into the new folder)
   if (tp_sums_) {  // rank 0 writes the whole model's adapters
-    params_->gather_tensor_parallel(*model_comm_, tp_full_config_);
+    params_->gather_tensor_parallel(*tp_comm_, tp_full_config_);
     if (is_root()) model_->reshape(tp_full_config_);
   }
   on_root("write the output", [&] { params_->write_output(*model_, c_, out_opt); });

@@ -193,11 +193,16 @@ class Trainer {
   int world() const { return rt_.comm ? rt_.comm->size() : 1; }
   bool is_root() const { return rank() == 0; }
   // The ranks are data_ranks() groups of model_ranks() (dist.tp x dist.pp)
-  // consecutive ranks: rank = data_rank * model_ranks + model_rank, Megatron-
-  // LM's order, so a model group's per-layer traffic stays within a node. The
-  // ranks of a model group share every batch; the groups split the data.
+  // consecutive ranks: rank = data_rank * model_ranks + model_rank, and in a
+  // group model_rank = stage * tp + tp_rank, so tensor parallel's four sums a
+  // layer run between neighbours (one node), a pipeline's activations next,
+  // the gradient sum over the groups farthest apart (Megatron-LM keeps tensor
+  // parallel innermost too). The ranks of a group share its batches; the
+  // groups split the data.
   int model_ranks() const { return c_.dist.tp * c_.dist.pp; }
   int model_rank() const { return rank() % model_ranks(); }
+  int tp_rank() const { return model_rank() % c_.dist.tp; }
+  int stage() const { return model_rank() / c_.dist.tp; }
   int data_ranks() const { return world() / model_ranks(); }
   int data_rank() const { return rank() / model_ranks(); }
   // The last step's gradient exchange (data parallel; zero for one process).
@@ -294,14 +299,16 @@ class Trainer {
   std::vector<ConfigWarning> advice_;
   TrainHooks hooks_;
   TrainRuntime rt_;
-  // The communicators of this rank's data-parallel group (the ranks with its
-  // model_rank(); null with one data rank) and model-parallel group (its
-  // data_rank(); null with one model rank): rt_.comm itself or a split of it
-  // held here (setup_rank_groups, trainer_dist.cpp). Declared before every
-  // user, so destroyed after them.
-  std::unique_ptr<Communicator> data_group_, model_group_;
+  // The communicators of this rank's groups (setup_rank_groups,
+  // trainer_dist.cpp): data parallel (the ranks of its model_rank(); null with
+  // one data rank), tensor parallel (its data rank and stage; null without
+  // dist.tp) and pipeline (its data rank and tp_rank(); null without dist.pp).
+  // Each is rt_.comm itself or a split held here; declared before every user,
+  // so destroyed after them.
+  std::unique_ptr<Communicator> data_group_, model_group_, tp_group_, pp_group_;
   Communicator* data_comm_ = nullptr;
-  Communicator* model_comm_ = nullptr;
+  Communicator* tp_comm_ = nullptr;
+  Communicator* pp_comm_ = nullptr;
   std::unique_ptr<TrainLog> log_;
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics_{nullptr, &std::fclose};
   std::unique_ptr<ThreadPool> pool_;

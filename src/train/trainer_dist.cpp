@@ -21,23 +21,36 @@ namespace loom {
 // tensor-parallel shard is the model rank's. Splits are collectives: every
 // rank calls this.
 void Trainer::setup_rank_groups() {
+  const int m = model_ranks();
+  if (world() % m != 0)
+    fail(ErrorKind::invalid_input, "{}: dist.tp {} x dist.pp {} makes groups of {} ranks: run a multiple of {} (mpirun "
+         "-np {} for one group, -np {} for 2 data-parallel groups); this run has {}", c_.source, c_.dist.tp,
+         c_.dist.pp, m, m, m, 2 * m, world());
   if (world() == 1) return;
   if (model_ranks() == 1) {
     data_comm_ = rt_.comm;
     return;
   }
-  if (data_ranks() == 1) {
-    model_comm_ = rt_.comm;
-    return;
+  Communicator* model = rt_.comm;
+  if (data_ranks() > 1) {
+    model_group_ = rt_.comm->split(data_rank(), rank());
+    data_group_ = rt_.comm->split(model_rank(), rank());
+    model = model_group_.get();
+    data_comm_ = data_group_.get();
   }
-  model_group_ = rt_.comm->split(data_rank(), rank());
-  data_group_ = rt_.comm->split(model_rank(), rank());
-  model_comm_ = model_group_.get();
-  data_comm_ = data_group_.get();
+  if (c_.dist.tp > 1 && c_.dist.pp > 1) {
+    tp_group_ = model->split(stage(), model_rank());
+    pp_group_ = model->split(tp_rank(), model_rank());
+    tp_comm_ = tp_group_.get();
+    pp_comm_ = pp_group_.get();
+  } else {
+    (c_.dist.tp > 1 ? tp_comm_ : pp_comm_) = model;
+  }
   log_->record(LogLevel::info, "dist",
-               fmt::format("{} ranks: {} data-parallel groups of {} {} ranks (this rank: data rank {}, {} {})", world(),
-                           data_ranks(), model_ranks(), c_.dist.tp > 1 ? "tensor-parallel" : "pipeline",
-                           data_rank(), c_.dist.tp > 1 ? "shard" : "stage", model_rank()),
+               fmt::format("{} ranks: {} data-parallel group{} of {} ({} tensor-parallel x {} pipeline); this rank: "
+                           "data rank {}, stage {}, tensor-parallel rank {}", world(), data_ranks(),
+                           data_ranks() == 1 ? "" : "s", model_ranks(), c_.dist.tp, c_.dist.pp, data_rank(), stage(),
+                           tp_rank()),
                {{"dist", {{"ranks", world()}, {"data_ranks", data_ranks()}, {"model_ranks", model_ranks()},
                           {"tp", c_.dist.tp}, {"pp", c_.dist.pp}}}});
 }
@@ -120,6 +133,7 @@ double Trainer::backward_step(float scale, int64_t step) {
   if (c_.dist.pp > 1) {  // trainer_pp.cpp; then the sum over the data-parallel groups, after the pipeline's flush
     const double loss_sum = pipeline_step(scale, step);
     finish_reduction();
+    sum_replicated_grads();  // tensor parallel inside the stages (trainer_tp.cpp)
     return loss_sum;
   }
   const auto G = static_cast<int64_t>(micro_.size());

@@ -21,10 +21,6 @@ namespace loom {
 void Trainer::check_pipeline_parallel() const {
   const int pp = c_.dist.pp;
   if (pp == 1) return;
-  if (world() % pp != 0)
-    fail(ErrorKind::invalid_input, "{}: dist.pp {} needs a multiple of {} ranks (mpirun -np {} for one pipeline, -np "
-         "{} for {} data-parallel pipelines); this run has {}", c_.source, pp, pp, pp, 2 * pp, 2, world());
-  if (c_.dist.tp > 1) fail(ErrorKind::unsupported, "{}: dist.pp with dist.tp is not built yet", c_.source);
   if (c_.method != TrainMethod::lora)
     fail(ErrorKind::unsupported, "{}: dist.pp trains LoRA adapters in this build (method: full is not split into "
          "stages yet)", c_.source);
@@ -35,7 +31,7 @@ void Trainer::check_pipeline_parallel() const {
 
 void Trainer::setup_pipeline_parallel() {
   if (c_.dist.pp == 1) return;
-  const int64_t L = model_->config().n_layers, S = c_.dist.pp, s = model_rank();
+  const int64_t L = model_->config().n_layers, S = c_.dist.pp, s = stage();
   if (L < S)
     fail(ErrorKind::invalid_input, "{}: dist.pp {} stages for a model of {} layers", c_.source, S, L);
   stage_first_ = s * L / S;
@@ -46,6 +42,7 @@ void Trainer::setup_pipeline_parallel() {
     std::unique_ptr<TrainSession> t = params_->make_session(*model_, *backend_, c_.backward);
     t->set_precision(session_->precision());
     t->set_activation_options(session_->activation_options());
+    if (tp_sums_) t->set_partial_sums(tp_sums_.get());  // tensor parallel inside the stage
     stage_sessions_.push_back(std::move(t));
   }
   log_->record(LogLevel::info, "dist",
@@ -59,7 +56,7 @@ TrainSession& Trainer::stage_session(size_t i) { return i == 0 ? *session_ : *st
 // One step's micro-batches through this stage in 1F1B order; returns the
 // loss sum over the step (every rank: the last stage's, all-reduced).
 double Trainer::pipeline_step(float scale, int64_t step) {
-  const int S = c_.dist.pp, s = model_rank();
+  const int S = c_.dist.pp, s = stage();
   const auto G = static_cast<int64_t>(micro_.size());
   const int64_t H = model_->config().hidden;
   std::vector<std::unique_ptr<CommRequest>> sends;
@@ -72,7 +69,7 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const int64_t n = tokens(i) * H;
     if (s > 0) {
       x.resize(static_cast<size_t>(n));
-      model_comm_->recv(x.data(), x.size() * sizeof(float), s - 1, static_cast<int>(2 * i));
+      pp_comm_->recv(x.data(), x.size() * sizeof(float), s - 1, static_cast<int>(2 * i));
     }
     LossResult r;
     // The one process's numbering of the micro-batch (trainer_dist.cpp's backward_step).
@@ -80,7 +77,7 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const float* out = stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, stage_first_,
                                                                            stage_last_, s > 0 ? x.data() : nullptr, &r);
     if (s + 1 < S)
-      sends.push_back(model_comm_->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
+      sends.push_back(pp_comm_->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
     else
       loss_sum += r.loss_sum;
     input_tokens_ += tokens(i);
@@ -91,11 +88,11 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const int64_t n = tokens(i) * H;
     if (s + 1 < S) {
       dy.resize(static_cast<size_t>(n));
-      model_comm_->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
+      pp_comm_->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
     }
     const float* dx = stage_session(static_cast<size_t>(i)).backward_stage(s + 1 < S ? dy.data() : nullptr);
     if (s > 0)  // the session keeps dx until its next call: after this step
-      sends.push_back(model_comm_->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
+      sends.push_back(pp_comm_->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
   };
   const int64_t warm = std::min<int64_t>(S - s - 1, G);
   for (int64_t i = 0; i < warm; ++i) forward(i);
@@ -104,18 +101,18 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     backward(i - warm);
   }
   for (int64_t i = G - warm; i < G; ++i) backward(i);
-  for (auto& r : sends) model_comm_->wait(*r, "pipeline send");
+  for (auto& r : sends) pp_comm_->wait(*r, "pipeline send");
   // Each layer's gradients live on its stage: the sum over stages gives every rank all of them.
   const std::span<float> g = params_->grads();
-  model_comm_->allreduce_sum(g);
-  model_comm_->allreduce_sum(std::span<double>(&loss_sum, 1));
+  pp_comm_->allreduce_sum(g);
+  pp_comm_->allreduce_sum(std::span<double>(&loss_sum, 1));
   return loss_sum;
 }
 
 // An evaluation batch by batch through the stages (forward only); the
 // data-parallel pipelines take batches i with i mod N = R.
 LossResult Trainer::eval_pipeline(const DataSplit& split) {
-  const int S = c_.dist.pp, s = model_rank();
+  const int S = c_.dist.pp, s = stage();
   const int64_t W = data_ranks(), R = data_rank();
   const int64_t H = model_->config().hidden;
   DataLoader loader(split, data_->pad_id, c_.batch_size, /*shuffle=*/false, 0);
@@ -132,15 +129,15 @@ LossResult Trainer::eval_pipeline(const DataSplit& split) {
     const auto n = static_cast<size_t>(b.rows * b.seq_len * H);
     if (s > 0) {
       x.resize(n);
-      model_comm_->recv(x.data(), n * sizeof(float), s - 1, 0);
+      pp_comm_->recv(x.data(), n * sizeof(float), s - 1, 0);
     }
     LossResult r;
     const float* out =
         session_->forward_stage(b, 0.0f, 0, stage_first_, stage_last_, s > 0 ? x.data() : nullptr, &r, false);
     if (s + 1 < S) {
-      auto req = model_comm_->start_send(out, n * sizeof(float), s + 1, 0);
-      model_comm_->wait(*req, "pipeline send");
-    } else {
+      auto req = pp_comm_->start_send(out, n * sizeof(float), s + 1, 0);
+      pp_comm_->wait(*req, "pipeline send");
+    } else if (tp_rank() == 0) {  // the last stage's tensor-parallel ranks have the same loss: one counts
       sum.loss_sum += r.loss_sum;
       sum.n_tokens += r.n_tokens;
       sum.n_correct += r.n_correct;

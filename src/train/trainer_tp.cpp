@@ -17,12 +17,9 @@ namespace loom {
 void Trainer::check_tensor_parallel() const {
   const int tp = c_.dist.tp;
   if (tp == 1) return;
-  if (world() % tp != 0)
-    fail(ErrorKind::invalid_input, "{}: dist.tp {} needs a multiple of {} ranks (mpirun -np {} for one group, -np "
-         "{} for {} data-parallel groups of {}); this run has {}", c_.source, tp, tp, tp, 2 * tp, 2, tp, world());
-  if (world() > tp && (c_.dist.zero1 || c_.dist.sync.compression != GradCompression::none))
+  if (world() > model_ranks() && (c_.dist.zero1 || c_.dist.sync.compression != GradCompression::none))
     fail(ErrorKind::unsupported, "{}: dist.zero and dist.compression across tensor-parallel groups are not built yet "
-         "(their checkpoints would hold one shard's state); run {} ranks or leave them off", c_.source, tp);
+         "(their checkpoints would hold one shard's state); run {} ranks or leave them off", c_.source, model_ranks());
   if (c_.lora.dropout > 0)
     fail(ErrorKind::unsupported, "{}: dist.tp with lora.dropout {}: the dropout masks of split inputs are not drawn "
          "as one process draws them yet; set lora.dropout: 0", c_.source, c_.lora.dropout);
@@ -39,7 +36,7 @@ void Trainer::setup_tensor_parallel() {
   tp_full_config_.n_heads *= c_.dist.tp;
   tp_full_config_.n_kv_heads *= c_.dist.tp;
   tp_full_config_.intermediate *= c_.dist.tp;
-  tp_sums_ = std::make_unique<CommunicatorSums>(*model_comm_);
+  tp_sums_ = std::make_unique<CommunicatorSums>(*tp_comm_);
   session_->set_partial_sums(tp_sums_.get());
 }
 
@@ -71,7 +68,7 @@ double Trainer::global_sum_squares(double local) {
   for (const auto& [o, n] : params_->replicated_ranges())
     for (size_t i = o; i < o + n; ++i) whole += static_cast<double>(g[i]) * g[i];
   double shard = local - whole;
-  model_comm_->allreduce_sum(std::span<double>(&shard, 1));
+  tp_comm_->allreduce_sum(std::span<double>(&shard, 1));
   return shard + whole;
 }
 
