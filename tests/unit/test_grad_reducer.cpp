@@ -540,6 +540,91 @@ TEST(GradReducerTopK, ErrorFeedbackConservesTheGradient) {
   }
 }
 
+// dist.topk_feedback estimate (EF21) as the header states it, per rank and
+// bucket in float: d = g - e_r; the k entries of largest |d| (ties: lower
+// index first) are sent and added to e_r; every rank adds all ranks' sent
+// entries to the sum E in rank order; the result is E.
+struct TopKEstimateModel {
+  std::vector<Grads> own;  // per rank
+  Grads sum;
+  TopKEstimateModel(int n_ranks, size_t size) : own(static_cast<size_t>(n_ranks), Grads(size, 0.0f)), sum(size, 0.0f) {}
+
+  Grads step(const std::vector<Grads>& g, const std::vector<Span>& buckets, double ratio) {
+    for (const Span& b : buckets) {
+      const auto k = static_cast<size_t>(std::ceil(ratio * static_cast<double>(b.size)));
+      for (size_t r = 0; r < g.size(); ++r) {
+        Grads d(g[r].size());
+        for (size_t i = b.offset; i < b.offset + b.size; ++i) d[i] = g[r][i] - own[r][i];
+        std::vector<size_t> idx(b.size);
+        std::iota(idx.begin(), idx.end(), b.offset);
+        std::stable_sort(idx.begin(), idx.end(),
+                         [&](size_t x, size_t y) { return std::fabs(d[x]) > std::fabs(d[y]); });
+        for (size_t j = 0; j < k; ++j) {
+          own[r][idx[j]] += d[idx[j]];
+          sum[idx[j]] += d[idx[j]];
+        }
+      }
+    }
+    return sum;
+  }
+};
+
+TEST(GradReducerTopKEstimate, MatchesTheModel) {
+  const Arena& a = topk_arena();
+  for (int N : {2, 3}) {
+    SCOPED_TRACE(fmt::format("N={}", N));
+    GradSyncOptions opt;
+    opt.bucket_bytes = 100 * sizeof(float);
+    opt.compression = GradCompression::topk;
+    opt.topk_ratio = 0.1;
+    opt.topk_estimate = true;
+    const Inputs in = random_inputs(a, N, 4, 80 + N);
+    ThreadGroup group(N);
+    const RunResult run = run_steps(group, a, opt, in);
+    ASSERT_EQ(run.buckets, kTopkBuckets.size());
+    TopKEstimateModel model(N, a.size);
+    for (size_t s = 0; s < in.size(); ++s) {
+      const Grads ref = model.step(in[s], kTopkBuckets, 0.1);
+      for (int r = 0; r < N; ++r)
+        EXPECT_EQ(count_bit_differences(run.out[s][r], ref), 0u) << "step " << s << " rank " << r;
+    }
+  }
+}
+
+// What sets it apart from error feedback: a gradient that stays the same is
+// delivered whole, every step, once each entry has been sent once (after
+// ceil(n / k) steps), where error feedback hands each entry over in bursts.
+TEST(GradReducerTopKEstimate, ASteadyGradientArrivesDenseEveryStep) {
+  const Arena& a = topk_arena();
+  const int N = 2;
+  size_t fill = 0;
+  for (const Span& b : kTopkBuckets) {
+    const auto k = static_cast<size_t>(std::ceil(0.1 * static_cast<double>(b.size)));
+    fill = std::max(fill, (b.size + k - 1) / k);
+  }
+  const Inputs one = random_inputs(a, N, 1, 5);
+  const Inputs in(fill + 3, one[0]);
+  for (bool estimate : {true, false}) {
+    SCOPED_TRACE(estimate ? "estimate" : "residual");
+    GradSyncOptions opt;
+    opt.bucket_bytes = 100 * sizeof(float);
+    opt.compression = GradCompression::topk;
+    opt.topk_ratio = 0.1;
+    opt.topk_estimate = estimate;
+    ThreadGroup group(N);
+    const RunResult run = run_steps(group, a, opt, in);
+    const Grads want = rank_order_sum(one[0]);
+    size_t off = 0;  // entries of the last steps more than 1e-6 relative away from the sum
+    for (size_t s = fill; s < in.size(); ++s)
+      for (size_t i = 0; i < a.size; ++i)
+        off += !(std::fabs(run.out[s][0][i] - want[i]) <= 1e-6 * std::fabs(want[i]));
+    if (estimate)
+      EXPECT_EQ(off, 0u);
+    else
+      EXPECT_GT(off, a.size);  // bursts: most entries are 0 or several steps' worth
+  }
+}
+
 // --- PowerSGD --------------------------------------------------------------------------------------------
 
 // head: a vector of 20 | layer 0: A [64, 48], a vector of 48, a 3x5 matrix | tail: B [40, 32], a vector
