@@ -24,15 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(args, compression, seed, work):
-    """`compression`: none, powersgd, topk (error feedback) or topk:estimate (dist.topk_feedback estimate)."""
-    name = f"{compression.replace(':', '_')}_s{seed}"
-    kind, _, feedback = compression.partition(":")
+    name = f"{compression}_s{seed}"
     metrics = os.path.join(work, name + ".jsonl")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.ranks),
            os.path.join(ROOT, "build", "loom"), "train", os.path.join(ROOT, "configs", "main_job.yaml"),
            "--set", f"steps={args.steps}", "--set", f"batch_size={4 // args.ranks}", "--set", "threads=1",
-           "--set", f"seed={seed}", "--set", f"dist.compression={kind}",
-           "--set", f"dist.topk_feedback={feedback or 'residual'}",
+           "--set", f"seed={seed}", "--set", f"dist.compression={compression}",
            "--set", f"dist.ratio={args.ratio}", "--set", f"dist.rank={args.rank}",
            "--set", f"output_dir={os.path.join(work, name)}", "--set", f"metrics_file={metrics}", "--overwrite"]
     with open(os.path.join(work, name + ".log"), "w") as log:
@@ -51,8 +48,7 @@ def main():
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--compressions", nargs="+", default=["none", "topk", "topk:estimate", "powersgd"],
-                   help="none, topk (error feedback), topk:estimate (dist.topk_feedback estimate), powersgd")
+    p.add_argument("--compressions", nargs="+", default=["none", "topk", "powersgd"])
     p.add_argument("--ratio", type=float, default=0.1, help="dist.ratio for topk (0.1: 90%% sparsity)")
     p.add_argument("--rank", type=int, default=4, help="dist.rank for powersgd")
     p.add_argument("--out", help="JSON file for the figures")

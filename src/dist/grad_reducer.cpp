@@ -26,6 +26,12 @@ constexpr struct {
 } kCompressions[] = {{GradCompression::none, "none"}, {GradCompression::topk, "topk"},
                      {GradCompression::powersgd, "powersgd"}};
 
+// Top-k's payload entry: the index inside the bucket and the value.
+struct SparseEntry {
+  uint32_t index;
+  float value;
+};
+
 // Gram-Schmidt on the columns of P [rows, r] (row-major), in double; a column
 // that vanishes becomes zero (it then carries nothing, as torch's PowerSGD).
 // Each column is projected out twice: after one pass a column that lay (nearly)
@@ -91,7 +97,6 @@ GradientReducer::GradientReducer(Communicator& comm, std::span<float> grads,
             [](const GradMatrix& a, const GradMatrix& b) { return a.offset < b.offset; });
   plan_buckets(layer_ranges);
   if (opt_.compression != GradCompression::none) residual_.assign(grads_.size(), 0.0f);
-  if (opt_.compression == GradCompression::topk && opt_.topk_estimate) estimate_.assign(grads_.size(), 0.0f);
   // PowerSGD pays where rank * (rows + cols) is well under rows * cols.
   compress_matrix_.assign(matrices_.size(), false);
   q_.resize(matrices_.size());
@@ -147,7 +152,7 @@ void GradientReducer::set_powersgd_q(std::span<const float> q) {
 }
 
 size_t GradientReducer::state_bytes() const {
-  size_t n = (residual_.size() + estimate_.size()) * sizeof(float) + scratch_.capacity();
+  size_t n = residual_.size() * sizeof(float) + scratch_.capacity();
   for (const auto& q : q_) n += q.size() * sizeof(float);
   return n;
 }
@@ -305,27 +310,33 @@ void GradientReducer::reduce_deterministic(float* g, size_t n) {
     for (size_t i = 0; i < n; ++i) g[i] += all[k * n + i];
 }
 
-// Top-k per tensor (as Deep Gradient Compression selects per layer: one
-// bucket-wide threshold would starve the tensors with small gradients, such as
-// LoRA's A next to its B): each tensor's k-th largest |v|, then the entries
-// above it (ties fill up to k). The count depends only on the layout: the same
-// on every rank.
-void GradientReducer::select_topk(const Bucket& b, const float* v, std::vector<SparseEntry>& out) const {
+// Top-k with error feedback, tensor by tensor (as Deep Gradient Compression
+// selects per layer: one bucket-wide threshold would starve the tensors with
+// small gradients, such as LoRA's A next to its B): v = g + residual; each
+// tensor's ceil(ratio n) largest |v| are sent as (index, value); the residual
+// keeps the rest. The sum is rebuilt in rank order.
+void GradientReducer::reduce_topk(const Bucket& b) {
+  float* g = grads_.data() + b.offset;
+  float* residual = residual_.data() + b.offset;
+  for (size_t i = 0; i < b.size; ++i) residual[i] += g[i];  // residual now holds v
+  std::vector<SparseEntry> mine;
   std::vector<float> mag;
+  // One tensor's run [lo, hi) of the bucket: the k-th largest magnitude, then
+  // the entries above it (ties fill up to k).
   auto select = [&](size_t lo, size_t hi) {
     const size_t n = hi - lo;
     if (n == 0) return;
     const size_t k =
         std::clamp<size_t>(static_cast<size_t>(std::ceil(opt_.topk_ratio * static_cast<double>(n))), 1, n);
     mag.resize(n);
-    for (size_t i = 0; i < n; ++i) mag[i] = std::fabs(v[lo + i]);
+    for (size_t i = 0; i < n; ++i) mag[i] = std::fabs(residual[lo + i]);
     std::nth_element(mag.begin(), mag.begin() + static_cast<std::ptrdiff_t>(k - 1), mag.end(), std::greater<float>());
     const float threshold = mag[k - 1];
-    const size_t want = out.size() + k;
-    for (size_t i = lo; i < hi && out.size() < want; ++i)
-      if (std::fabs(v[i]) > threshold) out.push_back({static_cast<uint32_t>(i), v[i]});
-    for (size_t i = lo; i < hi && out.size() < want; ++i)
-      if (std::fabs(v[i]) == threshold) out.push_back({static_cast<uint32_t>(i), v[i]});
+    const size_t want = mine.size() + k;
+    for (size_t i = lo; i < hi && mine.size() < want; ++i)
+      if (std::fabs(residual[i]) > threshold) mine.push_back({static_cast<uint32_t>(i), residual[i]});
+    for (size_t i = lo; i < hi && mine.size() < want; ++i)
+      if (std::fabs(residual[i]) == threshold) mine.push_back({static_cast<uint32_t>(i), residual[i]});
   };
   size_t at = 0;  // the tensors inside the bucket, and the runs between them
   for (size_t m : b.matrices) {
@@ -336,50 +347,17 @@ void GradientReducer::select_topk(const Bucket& b, const float* v, std::vector<S
     select(lo, at);
   }
   select(at, b.size);
-}
-
-const GradientReducer::SparseEntry* GradientReducer::gather_entries(const std::vector<SparseEntry>& mine) {
+  for (const SparseEntry& e : mine) residual[e.index] = 0;  // sent: no longer owed
   const auto N = static_cast<size_t>(comm_.size());
-  const size_t bytes = mine.size() * sizeof(SparseEntry);
+  const size_t k = mine.size();  // the same on every rank: it depends only on the layout
+  const size_t bytes = k * sizeof(SparseEntry);
   scratch_.resize(N * bytes);
   auto r = comm_.start_allgather(mine.data(), scratch_.data(), bytes);
   comm_.wait(*r, "gradient all-gather (dist.compression topk)");
   count_allgather(bytes);
-  return reinterpret_cast<const SparseEntry*>(scratch_.data());
-}
-
-// Top-k with error feedback: v = g + residual; the top-k of v are sent as
-// (index, value), the residual keeps the rest. The sum is rebuilt in rank order.
-void GradientReducer::reduce_topk(const Bucket& b) {
-  if (opt_.topk_estimate) return reduce_topk_estimate(b);
-  float* g = grads_.data() + b.offset;
-  float* residual = residual_.data() + b.offset;
-  for (size_t i = 0; i < b.size; ++i) residual[i] += g[i];  // residual now holds v
-  std::vector<SparseEntry> mine;
-  select_topk(b, residual, mine);
-  for (const SparseEntry& e : mine) residual[e.index] = 0;  // sent: no longer owed
-  const SparseEntry* all = gather_entries(mine);
   std::fill(g, g + b.size, 0.0f);
-  for (size_t e = 0, n = static_cast<size_t>(comm_.size()) * mine.size(); e < n; ++e) g[all[e].index] += all[e].value;
-}
-
-// Top-k of the change (EF21): rank r keeps an estimate e_r of its gradient and
-// every rank the sum E of the estimates. Each step rank r sends the top-k of
-// g_r - e_r and adds them to e_r; every rank adds everyone's to E, in rank
-// order, and the optimizer gets E: dense and moving every step, where error
-// feedback's residual reaches a small entry in bursts that AdamW's second
-// moment turns into smaller steps.
-void GradientReducer::reduce_topk_estimate(const Bucket& b) {
-  float* g = grads_.data() + b.offset;
-  float* own = residual_.data() + b.offset;
-  float* sum = estimate_.data() + b.offset;
-  for (size_t i = 0; i < b.size; ++i) g[i] -= own[i];  // the change against this rank's estimate
-  std::vector<SparseEntry> mine;
-  select_topk(b, g, mine);
-  for (const SparseEntry& e : mine) own[e.index] += e.value;
-  const SparseEntry* all = gather_entries(mine);
-  for (size_t e = 0, n = static_cast<size_t>(comm_.size()) * mine.size(); e < n; ++e) sum[all[e].index] += all[e].value;
-  std::copy(sum, sum + b.size, g);
+  const auto* all = reinterpret_cast<const SparseEntry*>(scratch_.data());
+  for (size_t e = 0; e < N * k; ++e) g[all[e].index] += all[e].value;
 }
 
 // PowerSGD (Vogels et al. 2019) with error feedback and warm-started Q: for

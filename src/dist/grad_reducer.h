@@ -37,12 +37,6 @@ struct GradSyncOptions {
   bool deterministic = false;              // dist.deterministic: sum in rank order 0..N-1
   GradCompression compression = GradCompression::none;
   double topk_ratio = 0.1;  // dist.ratio: share of entries sent (0.1 = 90% sparsity)
-  // dist.topk_feedback: residual (classic error feedback: what was not sent is
-  // added to the next step's gradient) or estimate (EF21, Richtarik et al.
-  // 2021: each rank sends the top-k of its gradient's change against an
-  // estimate every rank keeps in step, and the optimizer gets the sum of the
-  // estimates: a dense gradient every step, never a residual's bursts).
-  bool topk_estimate = false;
   int powersgd_rank = 4;    // dist.rank
   uint64_t seed = 0;        // PowerSGD's first Q (the same on every rank)
 };
@@ -93,9 +87,6 @@ class GradientReducer {
   // residual (arena layout; empty without compression) and PowerSGD's Q of
   // every compressed matrix, back to back (the same on every rank).
   std::span<float> residual() { return residual_; }
-  // dist.topk_feedback estimate: the sum of every rank's estimate (the same on
-  // every rank; `residual` then holds this rank's own estimate). Empty otherwise.
-  std::span<float> estimate() { return estimate_; }
   std::vector<float> powersgd_q() const;
   void set_powersgd_q(std::span<const float> q);  // throws invalid_input on a size mismatch
   const GradSyncOptions& options() const { return opt_; }
@@ -115,14 +106,6 @@ class GradientReducer {
   void reduce_plain(float* g, size_t n);
   void reduce_deterministic(float* g, size_t n);
   void reduce_topk(const Bucket& b);
-  void reduce_topk_estimate(const Bucket& b);
-  // The largest ceil(ratio n) |v| of each tensor in the bucket, as (bucket-relative index, value).
-  struct SparseEntry {
-    uint32_t index;
-    float value;
-  };
-  void select_topk(const Bucket& b, const float* v, std::vector<SparseEntry>& out) const;
-  const SparseEntry* gather_entries(const std::vector<SparseEntry>& mine);  // every rank's, rank order
   void reduce_powersgd(const Bucket& b);
   void count_allreduce(size_t bytes, bool compressed);
   void count_allgather(size_t bytes_per_rank);
@@ -135,8 +118,7 @@ class GradientReducer {
   std::vector<int64_t> bucket_of_layer_;
   std::vector<int64_t> pending_layers_;  // per bucket: layers not done yet this step
   std::vector<bool> handed_;
-  std::vector<float> residual_;          // error feedback (compression); top-k estimate: this rank's
-  std::vector<float> estimate_;          // top-k estimate: the sum of the ranks' estimates
+  std::vector<float> residual_;          // error feedback (compression)
   std::vector<std::vector<float>> q_;    // PowerSGD: each compressed matrix's Q [cols, rank]
   std::vector<bool> compress_matrix_;
   std::vector<uint8_t> scratch_;         // gathers (comm thread)

@@ -37,8 +37,7 @@ const char* const kLeaves[] = {
     "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base",
     "qat.bits",       "qat.group_size",     "qat.scheme",          "qat.start_step",    "sparsity_mask",
     "dist.bucket_mb", "dist.overlap",       "dist.deterministic",  "dist.compression",  "dist.ratio",
-    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero",        "dist.tp",          "dist.compression_warmup", "dist.pp",
-    "dist.topk_feedback"};
+    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero",        "dist.tp",          "dist.compression_warmup", "dist.pp"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -272,12 +271,6 @@ void read_dist_keys(const Reader& r, TrainConfig& c) {
       r.bad("dist.compression", fmt::format("unknown value '{}' (expected none, topk or powersgd)", s));
   }
   r.number("dist.ratio", d.sync.topk_ratio, 0, true, 1, false);
-  if (r.str("dist.topk_feedback", s)) {
-    if (s == "residual" || s == "estimate")
-      d.sync.topk_estimate = s == "estimate";
-    else
-      r.bad("dist.topk_feedback", fmt::format("unknown value '{}' (expected residual or estimate)", s));
-  }
   int64_t rank = d.sync.powersgd_rank;
   if (r.integer("dist.rank", rank, 1, 1024)) d.sync.powersgd_rank = static_cast<int>(rank);
   if (r.str("dist.algorithm", s)) {

@@ -291,7 +291,6 @@ class Trainer {
   std::vector<AdamW::StatePart> gather_compression_state(std::vector<float>& residuals, std::vector<float>& q);
   void fill_profile_metadata() const;
   void restore_compression_state(const std::string& path, int64_t checkpoint_world);
-  void restore_topk_estimate(const std::string& file);
   void on_root(std::string_view what, const std::function<void()>& work);
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
 

@@ -306,7 +306,6 @@ std::vector<std::vector<char>> Trainer::gather_zero_state(std::vector<AdamW::Sta
 namespace {
 constexpr const char* kResidualFile = "dist_residual.f32";  // every rank's residual, rank order
 constexpr const char* kPowerSgdFile = "dist_powersgd_q.f32";
-constexpr const char* kEstimateFile = "dist_topk_estimate.f32";  // dist.topk_feedback estimate: the ranks' sum
 }  // namespace
 
 std::vector<AdamW::StatePart> Trainer::gather_compression_state(std::vector<float>& residuals, std::vector<float>& q) {
@@ -321,8 +320,6 @@ std::vector<AdamW::StatePart> Trainer::gather_compression_state(std::vector<floa
   q = reducer_->powersgd_q();
   const size_t qb = q.size() * sizeof(float);
   if (!q.empty()) out.push_back({kPowerSgdFile, q.data(), qb, 0, qb});
-  const std::span<float> sum = reducer_->estimate();  // the same on every rank
-  if (!sum.empty()) out.push_back({kEstimateFile, sum.data(), sum.size_bytes(), 0, sum.size_bytes()});
   return out;
 }
 
@@ -357,32 +354,10 @@ void Trainer::restore_compression_state(const std::string& path, int64_t checkpo
                  fmt::format("resume: the error-feedback residuals of {} ranks go to rank 0 as their sum ({} ranks "
                              "now)", checkpoint_world, data_ranks()));
   }
-  restore_topk_estimate((dir / kEstimateFile).string());
   if (c_.dist.sync.compression == GradCompression::powersgd && std::filesystem::exists(dir / kPowerSgdFile, ec)) {
     const MappedFile qf((dir / kPowerSgdFile).string());
     reducer_->set_powersgd_q({reinterpret_cast<const float*>(qf.data()), qf.size() / sizeof(float)});
   }
-}
-
-// dist.topk_feedback estimate: the ranks' sum of estimates, as written. A
-// checkpoint without it (written under residual feedback) resumes from the
-// sum of the residuals restored (zero beyond rank 0), which is what the ranks'
-// own estimates now add up to.
-void Trainer::restore_topk_estimate(const std::string& file) {
-  const std::span<float> sum = reducer_->estimate();
-  if (sum.empty()) return;
-  std::error_code ec;
-  if (!std::filesystem::exists(file, ec)) {
-    std::vector<float> own(reducer_->residual().begin(), reducer_->residual().end());
-    data_comm_->allreduce_sum(std::span<float>(own));
-    std::copy(own.begin(), own.end(), sum.begin());
-    return;
-  }
-  const MappedFile f(file);
-  if (f.size() != sum.size_bytes())
-    fail(ErrorKind::invalid_input, "{}: {} bytes, not the {} of this run's gradients", file, f.size(),
-         sum.size_bytes());
-  std::memcpy(sum.data(), f.data(), f.size());
 }
 
 void Trainer::broadcast_text(std::string& text) {
