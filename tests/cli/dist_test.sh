@@ -307,9 +307,14 @@ run tpck 2 1 "${tpc[@]}" --set dist.tp=2 && {
     bad "dist.tp 2 checkpoint: resume by one process"
   fi
   # A checkpoint of one process has the same layout: dist.tp 2 resumes it with one process's losses.
-  run tp1ck 1 1 "${tpc[@]}" && run tpres2 2 1 "${tpc[@]}" --set dist.tp=2 \
-    --resume "$tmp/tp1ck/checkpoints/step-00000002" && close_losses tp1d tpres2 1e-5 && ok ||
-    bad "one process's checkpoint resumed with dist.tp 2"
+  if run tp1ck 1 1 "${tpc[@]}" && run tpres2 2 1 "${tpc[@]}" --set dist.tp=2 \
+    --resume "$tmp/tp1ck/checkpoints/step-00000002" && grep -q "written with dist.tp 1" "$tmp/tpres2.out"; then
+    close_losses tp1d tpres2 1e-5 && ok || bad "one process's checkpoint resumed with dist.tp 2: losses"
+    close_tensors "$tmp/tp1d/adapter_model.safetensors" "$tmp/tpres2/adapter_model.safetensors" 1e-4 && ok ||
+      bad "one process's checkpoint resumed with dist.tp 2: adapter"
+  else
+    bad "one process's checkpoint: resume with dist.tp 2"
+  fi
 }
 # checkpoint_minutes: rank 0's clock decides for both ranks (a rank alone in the gather would hang).
 run tpmin 2 1 "${tpd[@]}" --set dist.tp=2 --set checkpoint_minutes=0.00001 &&
