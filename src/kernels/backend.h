@@ -171,6 +171,14 @@ struct Adam8bitState {
   const Blockwise8Map* v_map = nullptr;
 };
 
+// Which element numbers a dropout's n elements draw from the mask: the n are
+// rows of `cols`, row i's elements numbered row_stride * i + first, + 1, ...
+// (cols 0: the n numbered 0 .. n-1). Tensor parallel: a rank's columns of a
+// wider input draw exactly the mask one process draws for those columns.
+struct MaskWindow {
+  int64_t cols = 0, row_stride = 0, first = 0;
+};
+
 // The largest ops of a training step, for the memory estimate made before the
 // first one (train/memory.h): a workspace's scratch depends only on these.
 struct WorkspaceShape {
@@ -258,9 +266,10 @@ class Backend {
   // out [T, H] = rows tokens[t] of the embedding table, dequantized.
   virtual void embedding(const Tensor& table, const int32_t* tokens, int64_t T, float* out) = 0;
   // Inverted dropout with a counter-based mask: dst = src * mask / (1 - p), the
-  // mask a pure function of (seed, step, slot, element).
+  // mask a pure function of (seed, step, slot, element number). `window` says
+  // which element numbers the n elements draw (default: 0 .. n-1).
   virtual void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step,
-                       uint64_t slot) = 0;
+                       uint64_t slot, MaskWindow window = {}) = 0;
   // Saved activations kept as bf16 (training's activation_dtype: bf16):
   // dst [n] = src rounded to nearest even (kernels/cpu/bf16_rows.h), and back (exact).
   virtual void to_bf16(uint16_t* dst, const float* src, int64_t n) = 0;

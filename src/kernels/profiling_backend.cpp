@@ -113,9 +113,9 @@ class ProfilingBackend final : public Backend {
     o.dtype = dtype_name(table.dtype);
     run("embedding", o, [&] { in_->embedding(table, tokens, T, out); });
   }
-  void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step,
-               uint64_t slot) override {
-    run("dropout", elements(n, 2), [&] { in_->dropout(dst, src, n, p, seed, step, slot); });
+  void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step, uint64_t slot,
+               MaskWindow w) override {
+    run("dropout", elements(n, 2), [&] { in_->dropout(dst, src, n, p, seed, step, slot, w); });
   }
   void to_bf16(uint16_t* dst, const float* src, int64_t n) override {
     run("to_bf16", elements(n, 1.5), [&] { in_->to_bf16(dst, src, n); });

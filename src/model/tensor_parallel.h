@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "model/config.h"
+#include "model/lora.h"
 #include "model/weights.h"
 
 namespace loom {
@@ -26,6 +27,11 @@ class PartialSums {
 // The shapes of one rank's shard: heads, kv heads and the MLP width divided
 // by `ranks`. Throws invalid_input naming the sizes when one does not divide.
 ModelConfig tensor_parallel_config(const ModelConfig& full, int ranks);
+
+// o and down (row-parallel) read this rank's slice of the heads / MLP channels;
+// the other targets read the whole hidden state and write this rank's slice
+// (LoRA: A of o/down is split by columns, B of the others by rows).
+inline bool tensor_parallel_splits_input(LoraTarget t) { return t == LoraTarget::o || t == LoraTarget::down; }
 
 // Cuts `w` (bound, not yet prepared for a backend) to rank `rank`'s shard of
 // `ranks`: row views for q/k/v, gate/up and the q/k/v biases; copies of the o

@@ -90,6 +90,7 @@ json state_json(const CheckpointState& st) {
                    {"elapsed_seconds", st.elapsed_seconds}}},
       {"rank", st.rank},
       {"world_size", st.world_size},
+      {"tensor_parallel", st.tensor_parallel},
   };
 }
 
@@ -128,6 +129,7 @@ CheckpointState state_from_json(const json& j) {
   st.elapsed_seconds = m.at("elapsed_seconds").get<double>();
   st.rank = j.value("rank", 0);
   st.world_size = j.value("world_size", 1);
+  st.tensor_parallel = j.value("tensor_parallel", 1);  // absent before tensor parallel wrote checkpoints
   return st;
 }
 
@@ -341,18 +343,42 @@ CheckpointState read_checkpoint_state(const std::string& path) {
   return st;
 }
 
-void load_checkpoint_arenas(const std::string& path, std::span<float> params, AdamW& opt) {
-  const fs::path dir(path);
-  const CheckpointState st = read_checkpoint_state(path);
+namespace {
+// Throws invalid_input when the checkpoint's optimizer kind is not `opt`'s.
+void check_optimizer_kind(const std::string& path, const AdamW& opt) {
   // Checkpoints from before adamw8bit name no kind: adamw.
-  const json state = read_json_file((dir / kState).string());
+  const json state = read_json_file((fs::path(path) / kState).string());
   const std::string kind = state.value("optimizer", json::object()).value("kind", "adamw");
   if (kind != optimizer_kind_name(opt.kind()))
     fail(ErrorKind::invalid_input, "{}: the checkpoint's optimizer state is optim.kind {}, this run uses {}", path,
          kind, optimizer_kind_name(opt.kind()));
+}
+}  // namespace
+
+void load_checkpoint_arenas(const std::string& path, std::span<float> params, AdamW& opt) {
+  const fs::path dir(path);
+  const CheckpointState st = read_checkpoint_state(path);
+  check_optimizer_kind(path, opt);
   read_floats(dir / kParams, params, "parameter");
   for (const AdamW::StatePart& part : opt.state_parts())  // a ZeRO-1 shard reads its run
     read_bytes(dir / part.file, part.data, part.bytes, part.file_offset, part.file_bytes, "optimizer state");
+  opt.set_step_count(st.step);
+}
+
+void load_checkpoint_arenas(const std::string& path, std::span<float> params, AdamW& opt, size_t whole_size,
+                            const std::function<void(std::span<const float>, std::span<float>)>& take) {
+  LOOM_ASSERT(opt.kind() == OptimizerKind::adamw);
+  const fs::path dir(path);
+  const CheckpointState st = read_checkpoint_state(path);
+  check_optimizer_kind(path, opt);
+  std::vector<float> whole(whole_size);
+  read_floats(dir / kParams, whole, "parameter");
+  take(whole, params);
+  for (const AdamW::StatePart& part : opt.state_parts()) {  // adamw: m and v, one float per parameter
+    LOOM_ASSERT(part.bytes == params.size_bytes() && part.file_offset == 0);
+    read_floats(dir / part.file, whole, "optimizer state");
+    take(whole, {static_cast<float*>(part.data), params.size()});
+  }
   opt.set_step_count(st.step);
 }
 

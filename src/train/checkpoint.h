@@ -64,6 +64,8 @@ struct CheckpointState {
   double train_seconds = 0, elapsed_seconds = 0;
   std::string metrics_text;  // metrics_file's lines up to this step (metrics.jsonl)
   int rank = 0, world_size = 1;  // world_size: the data-parallel ranks the rows were split over
+  // dist.tp of the run that wrote it (its arenas are the whole model's all the same).
+  int tensor_parallel = 1;
 
   // The latest evaluation at or before `step` (what "best by eval loss" uses).
   std::optional<double> eval_loss() const;
@@ -114,6 +116,12 @@ CheckpointState read_checkpoint_state(const std::string& path);
 // Loads the arenas of a verified checkpoint into `params` and `opt`
 // (moments and step count); sizes must match (throws invalid_input).
 void load_checkpoint_arenas(const std::string& path, std::span<float> params, AdamW& opt);
+
+// The same for one tensor-parallel rank: the files hold the whole model's
+// arenas (`whole_size` floats each; optim.kind adamw only), and `take` copies
+// this rank's part of such an array into the run's.
+void load_checkpoint_arenas(const std::string& path, std::span<float> params, AdamW& opt, size_t whole_size,
+                            const std::function<void(std::span<const float> whole, std::span<float> mine)>& take);
 
 // Throws invalid_input when `now` differs from the checkpoint's `saved`
 // identity, naming the first differing key and both values.

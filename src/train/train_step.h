@@ -141,10 +141,13 @@ class TrainSession {
   // the layer's bucket to the all-reduce here. Empty: nothing is called.
   void set_layer_done(std::function<void(int64_t layer)> f) { layer_done_ = std::move(f); }
   // Tensor parallel (model/tensor_parallel.h): the weights and adapters are
-  // this rank's shard; the forward sums the o and down products and the
-  // backward the input gradients of q/k/v and gate/up over the ranks.
-  void set_partial_sums(PartialSums* p) {
+  // rank `rank`'s shard of `ranks`; the forward sums the o and down products and
+  // the backward the input gradients of q/k/v and gate/up over the ranks. The
+  // o and down adapters' dropout masks are this rank's columns of one process's.
+  void set_tensor_parallel(PartialSums* p, int rank, int ranks) {
     partial_ = p;
+    tp_rank_ = rank;
+    tp_ranks_ = ranks;
     dec_.set_partial_sums(p);
   }
 
@@ -228,6 +231,7 @@ class TrainSession {
   // train_step_lora.cpp. y [T, out] += scale * B (A x) for the adapters of one
   // point of the layer (jobs over the same x); saves what their backward needs.
   void lora_forward(int64_t l, std::span<const AdapterJob> jobs, int64_t T, bool dropout, uint64_t step);
+  void lora_dropout(float* dst, const float* src, int64_t l, LoraTarget t, int64_t T, uint64_t step);
   // From each adapter's dy [T, out] (adapters over the same x): dA +=, dB +=,
   // dx [T, in] += (dx nullptr: not needed).
   struct LoraGrad {
@@ -286,6 +290,7 @@ class TrainSession {
   bool adapters_merged_ = false;
   std::function<void(int64_t)> layer_done_;
   PartialSums* partial_ = nullptr;
+  int tp_rank_ = 0, tp_ranks_ = 1;
   DeviceBuffer lora_work_;  // carved into lw_
   LoraWork lw_;
   float *dxn_ = nullptr, *dq_ = nullptr, *dk_ = nullptr, *dv_ = nullptr, *datt_ = nullptr, *dff_ = nullptr,

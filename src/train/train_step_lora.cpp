@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "model/tensor_parallel.h"
 
 namespace loom {
 
@@ -107,6 +108,17 @@ void TrainSession::lora_forward_b(int64_t l, LoraTarget t, float* y, int64_t T) 
   be_.add(y, y, tmp_, T * s.out);
 }
 
+// The adapter input's dropout (its mask regenerated alike in the backward):
+// one stream per (layer, target); under tensor parallel o and down hold this
+// rank's columns of the input, which draw those columns of one process's mask.
+void TrainSession::lora_dropout(float* dst, const float* src, int64_t l, LoraTarget t, int64_t T, uint64_t step) {
+  const int64_t in = lora_->slot(l, t).in;
+  MaskWindow w;
+  if (tp_ranks_ > 1 && tensor_parallel_splits_input(t)) w = {in, in * tp_ranks_, in * tp_rank_};
+  be_.dropout(dst, src, T * in, lora_->config().dropout, lora_->config().seed, step,
+              static_cast<uint64_t>(l * kLoraTargetCount + static_cast<int64_t>(t)), w);
+}
+
 void TrainSession::lora_forward(int64_t l, std::span<const AdapterJob> jobs, int64_t T, bool dropout,
                                 uint64_t step) {
   AdapterJob act[kMaxGroup];
@@ -121,8 +133,7 @@ void TrainSession::lora_forward(int64_t l, std::span<const AdapterJob> jobs, int
       const auto ti = static_cast<size_t>(act[i].target);
       const float* xin;
       if (dropout) {
-        be_.dropout(a.xd[ti], act[i].x, T * in, lora_->config().dropout, lora_->config().seed, step,
-                    static_cast<uint64_t>(l * kLoraTargetCount) + ti);
+        lora_dropout(a.xd[ti], act[i].x, l, act[i].target, T, step);
         xin = lora_operand(a.xd[ti], a.xd[ti], T * in);  // saved as the products read it
       } else {
         xin = lora_operand(lw_.xr, act[i].x, T * in);
@@ -195,8 +206,7 @@ void TrainSession::lora_backward(int64_t l, std::span<const LoraGrad> grads, con
       }
       // Through the dropout: the same mask (regenerated) and scale apply to the gradient.
       be_.linear_backward_input(*ws_, Aq, nullptr, BackwardMode::exact, dax_, tmp_, T, false);
-      be_.dropout(tmp_, tmp_, T * in, lora_->config().dropout, lora_->config().seed, step,
-                  static_cast<uint64_t>(l * kLoraTargetCount) + ti);
+      lora_dropout(tmp_, tmp_, l, t, T, step);
       be_.add(dx, dx, tmp_, T * in);
     }
     return;

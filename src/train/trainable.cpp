@@ -13,15 +13,12 @@
 #include "model/tensor_parallel.h"
 #include "train/full_params.h"
 #include "train/lora_params.h"
+#include "train/lora_tp.h"
 #include "train/qat.h"
 
 namespace loom {
 
 namespace {
-
-// Tensor parallel: o and down read a split input (their A is split by columns);
-// q/k/v and gate/up write a split output (their B is split by rows).
-bool row_parallel(LoraTarget t) { return t == LoraTarget::o || t == LoraTarget::down; }
 
 // Parameter groups over the LoRA arena: attention vs MLP adapters, A vs B
 // (B flagged for LoRA+); adjacent runs of the same kind are merged.
@@ -108,59 +105,35 @@ class LoraTrainable final : public TrainableParams {
   bool qat_started() const override { return qat_ != nullptr; }
 
   void shard_for_tensor_parallel(const ModelConfig& full, int rank, int ranks) override {
-    LoraModel whole(full, lora_.config());  // the same seeds: the values a whole model would start from
-    for (int64_t l = 0; l < lora_.n_layers(); ++l)
-      for (LoraTarget t : kAllLoraTargets) {
-        if (!lora_.slot(l, t).active) continue;
-        const Tensor a = lora_.a(l, t), wa = whole.a(l, t);
-        const int64_t r = a.rows(), in = a.cols();
-        for (int64_t i = 0; i < r; ++i)  // row-parallel targets read this rank's columns
-          std::memcpy(a.as<float>() + i * in, wa.as<float>() + i * wa.cols() + (row_parallel(t) ? rank * in : 0),
-                      static_cast<size_t>(in) * sizeof(float));
-        LOOM_ASSERT(row_parallel(t) ? wa.cols() == in * ranks : wa.cols() == in);
-      }
+    tp_rank_ = rank;
+    tp_ranks_ = ranks;
+    const LoraModel whole(full, lora_.config());  // the same seeds: the values a whole model would start from
+    LOOM_ASSERT(static_cast<size_t>(whole.param_count()) == lora_tensor_parallel_whole_size(lora_, ranks));
+    loom::take_tensor_parallel_shard(lora_tensor_parallel_runs(lora_, rank, ranks),
+                                     {whole.params(), static_cast<size_t>(whole.param_count())}, params());
   }
   std::vector<std::pair<size_t, size_t>> replicated_ranges() const override {
     std::vector<std::pair<size_t, size_t>> out;
-    const auto r = static_cast<size_t>(lora_.config().r);
-    for (int64_t l = 0; l < lora_.n_layers(); ++l)
-      for (LoraTarget t : kAllLoraTargets)
-        if (const LoraSlot& s = lora_.slot(l, t); s.active) {
-          if (row_parallel(t))
-            out.push_back({s.b_offset, static_cast<size_t>(s.out) * r});
-          else
-            out.push_back({s.a_offset, r * static_cast<size_t>(s.in)});
-        }
+    for (const TensorParallelRun& run : lora_tensor_parallel_runs(lora_, tp_rank_, tp_ranks_))
+      if (run.replicated) out.push_back({run.mine, run.n});
     return out;
   }
   void gather_tensor_parallel(Communicator& comm, const ModelConfig& full) override {
-    const auto ranks = static_cast<size_t>(comm.size());
-    const auto n = static_cast<size_t>(lora_.param_count());
-    std::vector<float> all(comm.rank() == 0 ? ranks * n : 0);
-    comm.gatherv(lora_.params(), all.data(), std::vector<size_t>(ranks, n * sizeof(float)), 0);
+    std::vector<float> all;
+    gather_tensor_parallel_arena(comm, lora_, params(), all);
     if (comm.rank() != 0) return;
     LoraModel whole(full, lora_.config());
-    for (int64_t l = 0; l < lora_.n_layers(); ++l)
-      for (LoraTarget t : kAllLoraTargets) {
-        const LoraSlot& s = lora_.slot(l, t);
-        if (!s.active) continue;
-        const Tensor wa = whole.a(l, t), wb = whole.b(l, t);
-        const int64_t r = lora_.config().r;
-        for (size_t k = 0; k < ranks; ++k) {
-          const float* a = all.data() + k * n + s.a_offset;  // [r, in]
-          const float* b = all.data() + k * n + s.b_offset;  // [out, r]
-          const auto K = static_cast<int64_t>(k);
-          if (row_parallel(t)) {  // A: rank k's columns; B whole on every rank
-            for (int64_t i = 0; i < r; ++i)
-              std::memcpy(wa.as<float>() + i * wa.cols() + K * s.in, a + i * s.in, static_cast<size_t>(s.in) * 4);
-            if (k == 0) std::memcpy(wb.as<float>(), b, static_cast<size_t>(s.out * r) * 4);
-          } else {  // B: rank k's rows; A whole on every rank
-            std::memcpy(wb.as<float>() + K * s.out * r, b, static_cast<size_t>(s.out * r) * 4);
-            if (k == 0) std::memcpy(wa.as<float>(), a, static_cast<size_t>(r * s.in) * 4);
-          }
-        }
-      }
+    LOOM_ASSERT(static_cast<size_t>(whole.param_count()) == all.size());
+    std::copy(all.begin(), all.end(), whole.params());
     lora_ = std::move(whole);
+  }
+  size_t tensor_parallel_whole_size() const override { return lora_tensor_parallel_whole_size(lora_, tp_ranks_); }
+  void gather_tensor_parallel_array(Communicator& comm, std::span<const float> mine,
+                                    std::vector<float>& whole) const override {
+    gather_tensor_parallel_arena(comm, lora_, mine, whole);
+  }
+  void take_tensor_parallel_shard(std::span<const float> whole, std::span<float> mine) const override {
+    loom::take_tensor_parallel_shard(lora_tensor_parallel_runs(lora_, tp_rank_, tp_ranks_), whole, mine);
   }
 
   std::span<float> params() override { return {lora_.params(), static_cast<size_t>(lora_.param_count())}; }
@@ -216,6 +189,7 @@ class LoraTrainable final : public TrainableParams {
   LoraModel lora_;
   ThreadPool& pool_;
   std::unique_ptr<QatWeights> qat_;
+  int tp_rank_ = 0, tp_ranks_ = 1;  // this arena's shard (shard_for_tensor_parallel)
 };
 
 class FullTrainable final : public TrainableParams {
@@ -296,6 +270,18 @@ void TrainableParams::shard_for_tensor_parallel(const ModelConfig&, int, int) {
 }
 
 void TrainableParams::gather_tensor_parallel(Communicator&, const ModelConfig&) {
+  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
+}
+
+size_t TrainableParams::tensor_parallel_whole_size() const {
+  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
+}
+
+void TrainableParams::gather_tensor_parallel_array(Communicator&, std::span<const float>, std::vector<float>&) const {
+  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
+}
+
+void TrainableParams::take_tensor_parallel_shard(std::span<const float>, std::span<float>) const {
   fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
 }
 

@@ -73,6 +73,16 @@ class TrainableParams {
   virtual void shard_for_tensor_parallel(const ModelConfig& full, int rank, int ranks);
   virtual std::vector<std::pair<size_t, size_t>> replicated_ranges() const { return {}; }
   virtual void gather_tensor_parallel(Communicator& comm, const ModelConfig& full);
+  // Checkpoints of a tensor-parallel run hold the whole model's arenas in one
+  // process's layout (train/lora_tp.h), so they resume on any rank count:
+  // tensor_parallel_whole_size: the floats of such an arena;
+  // gather_tensor_parallel_array: `mine`, an array of this arena's layout
+  // (params, a moment), from every rank into `whole` on rank 0 (a collective);
+  // take_tensor_parallel_shard: this rank's part of a whole array into `mine`.
+  virtual size_t tensor_parallel_whole_size() const;
+  virtual void gather_tensor_parallel_array(Communicator& comm, std::span<const float> mine,
+                                            std::vector<float>& whole) const;
+  virtual void take_tensor_parallel_shard(std::span<const float> whole, std::span<float> mine) const;
 
   // Parameters beyond the model's own (LoRA: the adapters; full: none).
   virtual int64_t added_params() const = 0;

@@ -588,7 +588,10 @@ void Trainer::load_checkpoint(const std::string& path) {
   if (static_cast<int64_t>(st.step_losses.size()) != st.step || st.shuffle_seed != c_.seed)
     fail(ErrorKind::invalid_input, "checkpoint {}: its history ({} step losses, seed {}) does not fit step {} of "
          "this run (seed {})", path, st.step_losses.size(), st.shuffle_seed, st.step, c_.seed);
-  load_checkpoint_arenas(path, params_->params(), *opt_);
+  if (tp_sums_)
+    load_tensor_parallel_arenas(path);  // trainer_tp.cpp: each rank its shard of the whole model's
+  else
+    load_checkpoint_arenas(path, params_->params(), *opt_);
   restore_compression_state(path, st.world_size);
   params_->after_update(*model_, *session_, *backend_);  // full: the backend's copies of the weights
   restore_faults(st.faults);
@@ -625,6 +628,11 @@ void Trainer::load_checkpoint(const std::string& path) {
                              st.world_size == 1 ? "" : "s", data_ranks(), data_ranks(), c_.grad_accum, c_.batch_size,
                              st.world_size, c_.grad_accum, c_.batch_size),
                  {{"world_size", data_ranks()}, {"checkpoint_world_size", st.world_size}});
+  if (st.tensor_parallel != c_.dist.tp)  // the checkpoint holds the whole model's arenas: any split reads them
+    log_->record(LogLevel::info, "resume",
+                 fmt::format("resume: the checkpoint was written with dist.tp {}, this run splits its adapters and "
+                             "optimizer state over dist.tp {}", st.tensor_parallel, c_.dist.tp),
+                 {{"tensor_parallel", c_.dist.tp}, {"checkpoint_tensor_parallel", st.tensor_parallel}});
   if (st.schedule.kind != LrScheduleKind::constant && st.schedule.total_steps != total_steps_)
     log_->record(LogLevel::warning, "resume",
                  fmt::format("resume: the {} schedule now spans {} steps instead of {}: the learning rate from here "
@@ -645,6 +653,7 @@ CheckpointState Trainer::checkpoint_state(std::string_view reason) {
   if (scaler_) st.loss_scaler = scaler_->state();
   st.reason = std::string(reason);
   st.world_size = data_ranks();  // what the rows are split over
+  st.tensor_parallel = c_.dist.tp;
   st.identity = run_identity(c_);
   st.config_text = c_.text;
   st.input_hashes = input_hashes_;
@@ -671,11 +680,13 @@ void Trainer::write_checkpoint(std::string_view reason) {
   CheckpointWriteInfo info;
   std::vector<AdamW::StatePart> parts = opt_->state_parts();
   const std::vector<std::vector<char>> whole = gather_zero_state(parts);  // dist.zero 1: every rank's part
+  std::vector<std::vector<float>> tp_whole;
+  const std::span<const float> params = gather_tensor_parallel_state(parts, tp_whole);  // dist.tp: the whole model's
   std::vector<float> residuals, q;
   const std::vector<AdamW::StatePart> extra = gather_compression_state(residuals, q);  // dist.compression
   on_root("write a checkpoint", [&] {
-    info = loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params_->params(), opt_->kind(), parts,
-                                  stage, extra);
+    info = loom::write_checkpoint(checkpoint_dir_, checkpoint_state(reason), params, opt_->kind(), parts, stage,
+                                  extra);
   });
   broadcast_text(info.path);  // every rank rolls back to / resumes from the same folder
   last_checkpoint_ = info.path;

@@ -280,6 +280,12 @@ class Trainer {
   void setup_tensor_parallel();
   void sum_replicated_grads();
   double global_sum_squares(double local);
+  // Tensor parallel's checkpoints (trainer_tp.cpp): the whole model's params
+  // and moments gathered on rank 0 into `whole` (`parts` then point there;
+  // returns the params to write), and each rank's shard read back.
+  std::span<const float> gather_tensor_parallel_state(std::vector<AdamW::StatePart>& parts,
+                                                       std::vector<std::vector<float>>& whole);
+  void load_tensor_parallel_arenas(const std::string& path);
   void open_root_outputs();
   OptimizerShard zero_shard();
   void log_zero_shard();           // dist.zero 1: this rank's part of the arena (empty list: none)

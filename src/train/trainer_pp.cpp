@@ -42,7 +42,7 @@ void Trainer::setup_pipeline_parallel() {
     std::unique_ptr<TrainSession> t = params_->make_session(*model_, *backend_, c_.backward);
     t->set_precision(session_->precision());
     t->set_activation_options(session_->activation_options());
-    if (tp_sums_) t->set_partial_sums(tp_sums_.get());  // tensor parallel inside the stage
+    if (tp_sums_) t->set_tensor_parallel(tp_sums_.get(), tp_rank(), c_.dist.tp);  // tensor parallel inside the stage
     stage_sessions_.push_back(std::move(t));
   }
   log_->record(LogLevel::info, "dist",

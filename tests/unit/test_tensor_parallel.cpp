@@ -2,9 +2,11 @@
 // the in-process communicator), each with its shard of the tiny llama's heads
 // and MLP channels, compute the loss and the LoRA gradients of one process
 // with the whole model: loss within 1e-6 relative, every gathered gradient
-// tensor within 1e-5 of its largest value (float sums in another order).
-// Also the shard shapes, the sizes that do not divide, and the gathered
-// adapters at the start equal to a whole model's initialization.
+// tensor within 1e-5 of its largest value (float sums in another order), also
+// with LoRA dropout (the masks one process draws; a rank's columns of a mask
+// bit for bit). Also the shard shapes, the sizes that do not divide, the
+// gathered adapters at the start equal to a whole model's initialization, and
+// the arena map (train/lora_tp.h) exact both ways.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +20,7 @@
 #include "model/tensor_parallel.h"
 #include "thread_communicator.h"
 #include "train/lora_params.h"
+#include "train/lora_tp.h"
 #include "train/train_config.h"
 #include "train/train_step.h"
 #include "train/trainable.h"
@@ -30,12 +33,12 @@ using test_util::ThreadCommunicator;
 
 std::string tiny() { return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/model/tiny-llama.f32.gguf"; }
 
-TrainConfig lora_config(int tp) {
+TrainConfig lora_config(int tp, double dropout = 0) {
   TrainConfig c;
   c.model = tiny();
   c.lora.r = 4;
   c.lora.alpha = 8;
-  c.lora.dropout = 0;
+  c.lora.dropout = dropout;
   c.lora.seed = 3;
   c.dist.tp = tp;
   return c;
@@ -102,11 +105,11 @@ struct Reference {
 };
 
 // One process, the whole model, adapters set to `seeded` random values (B too,
-// so that every gradient is non-zero).
-Reference whole_model_step(const Batch& batch) {
+// so that every gradient is non-zero); `step` selects the dropout masks.
+Reference whole_model_step(const Batch& batch, double dropout = 0, uint64_t step = 0) {
   ThreadPool pool(1);
   auto backend = make_backend(kCpu, pool);
-  TrainableModel m = load_trainable_model(lora_config(1), *backend, pool);
+  TrainableModel m = load_trainable_model(lora_config(1, dropout), *backend, pool);
   Reference ref;
   ref.config = m.model->config();
   std::mt19937 rng(11);
@@ -116,7 +119,7 @@ Reference whole_model_step(const Batch& batch) {
   auto session = m.params->make_session(*m.model, *backend, BackwardMode::exact);
   m.params->zero_grads();
   const float scale = 1.0f / static_cast<float>(batch.target_tokens);
-  ref.loss = session->forward_backward(batch, scale).loss_sum * scale;
+  ref.loss = session->forward_backward(batch, scale, step).loss_sum * scale;
   ref.grads.assign(m.params->grads().begin(), m.params->grads().end());
   ref.eval_loss = session->forward_loss(batch).loss_sum * scale;
   return ref;
@@ -187,7 +190,7 @@ TEST(TensorParallel, TwoRanksEqualOneProcess) {
     std::copy(mine.begin(), mine.end(), m.params->params().begin());
     auto session = m.params->make_session(*m.model, *backend, BackwardMode::exact);
     CommSums sums(comm);
-    session->set_partial_sums(&sums);
+    session->set_tensor_parallel(&sums, rank, N);
     m.params->zero_grads();
     const float scale = 1.0f / static_cast<float>(batch.target_tokens);
     loss[static_cast<size_t>(rank)] = session->forward_backward(batch, scale).loss_sum * scale;
@@ -213,6 +216,96 @@ TEST(TensorParallel, TwoRanksEqualOneProcess) {
   LoraModel whole(ref.config, lc);
   ASSERT_EQ(gathered_init.size(), static_cast<size_t>(whole.param_count()));
   EXPECT_TRUE(std::equal(gathered_init.begin(), gathered_init.end(), whole.params()));
+}
+
+// A rank's columns of a [rows, cols] input draw those columns of the mask one
+// process draws for the whole width (MaskWindow), bit for bit; awkward sizes.
+TEST(TensorParallel, DropoutWindowIsTheWholeMasksColumns) {
+  ThreadPool pool(1);
+  auto backend = make_backend(kCpu, pool);
+  const int64_t rows = 5, ranks = 3, w = 7, cols = ranks * w;
+  std::vector<float> x(static_cast<size_t>(rows * cols)), whole(x.size());
+  std::mt19937 rng(5);
+  for (float& v : x) v = std::uniform_real_distribution<float>(0.5f, 1.5f)(rng);
+  backend->dropout(whole.data(), x.data(), rows * cols, 0.3, 17, 4, 9);
+  int64_t dropped = 0;
+  for (int64_t k = 0; k < ranks; ++k) {
+    std::vector<float> mine(static_cast<size_t>(rows * w)), out(mine.size());
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < w; ++j) mine[static_cast<size_t>(i * w + j)] = x[static_cast<size_t>(i * cols + k * w + j)];
+    backend->dropout(out.data(), mine.data(), rows * w, 0.3, 17, 4, 9, {w, cols, k * w});
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < w; ++j) {
+        const float want = whole[static_cast<size_t>(i * cols + k * w + j)];
+        ASSERT_EQ(out[static_cast<size_t>(i * w + j)], want) << "rank " << k << " row " << i << " col " << j;
+        dropped += want == 0.0f ? 1 : 0;
+      }
+  }
+  EXPECT_GT(dropped, 0);  // the mask is not all ones
+  EXPECT_LT(dropped, rows * cols);
+}
+
+// The whole arena cut into every rank's shard and gathered back: the same
+// floats; each shard equals the test's own cut (shard_arena).
+TEST(TensorParallel, ArenaMapRoundTrips) {
+  const int N = 2;
+  ThreadPool pool(1);
+  auto backend = make_backend(kCpu, pool);
+  const TrainableModel one = load_trainable_model(lora_config(1), *backend, pool);
+  const ModelConfig full = one.model->config();
+  const LoraConfig lc = lora_config(N).lora;
+  const LoraModel whole_layout(full, lc);
+  std::vector<float> whole(static_cast<size_t>(whole_layout.param_count()));
+  std::mt19937 rng(13);
+  for (float& v : whole) v = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+  std::vector<float> gathered;
+  run_ranks(N, [&](ThreadCommunicator& comm) {
+    const LoraModel shard(tensor_parallel_config(full, N), lc);
+    ASSERT_EQ(lora_tensor_parallel_whole_size(shard, N), whole.size());
+    std::vector<float> mine(static_cast<size_t>(shard.param_count()), std::nanf(""));
+    take_tensor_parallel_shard(lora_tensor_parallel_runs(shard, comm.rank(), N), whole, mine);
+    EXPECT_EQ(mine, shard_arena(whole, full, lc, comm.rank(), N)) << "rank " << comm.rank();
+    std::vector<float> back;
+    gather_tensor_parallel_arena(comm, shard, mine, back);
+    if (comm.rank() == 0) gathered = back;
+  });
+  EXPECT_EQ(gathered, whole);
+}
+
+// With LoRA dropout 0.1 at micro-batch counter 5: N ranks draw the masks of one
+// process (o/down: their columns of it), so loss and gradients match as without.
+TEST(TensorParallel, DropoutRanksEqualOneProcess) {
+  const Batch batch = make_batch();
+  const double p = 0.1;
+  const uint64_t step = 5;
+  const Reference ref = whole_model_step(batch, p, step);
+  const Reference undropped = whole_model_step(batch, 0, step);
+  ASSERT_GT(std::fabs(ref.loss - undropped.loss), 1e-4 * ref.loss);  // the dropout changes the step
+  const int N = 2;  // the tiny model's 2 kv heads
+  const LoraConfig lc = lora_config(N, p).lora;
+  std::vector<double> loss(static_cast<size_t>(N));
+  std::vector<float> gathered;
+  run_ranks(N, [&](ThreadCommunicator& comm) {
+    const int rank = comm.rank();
+    ThreadPool pool(1);
+    auto backend = make_backend(kCpu, pool);
+    TrainableModel m = load_trainable_model(lora_config(N, p), *backend, pool, nullptr, rank);
+    const std::vector<float> mine = shard_arena(ref.params, ref.config, lc, rank, N);
+    std::copy(mine.begin(), mine.end(), m.params->params().begin());
+    auto session = m.params->make_session(*m.model, *backend, BackwardMode::exact);
+    CommSums sums(comm);
+    session->set_tensor_parallel(&sums, rank, N);
+    m.params->zero_grads();
+    const float scale = 1.0f / static_cast<float>(batch.target_tokens);
+    loss[static_cast<size_t>(rank)] = session->forward_backward(batch, scale, step).loss_sum * scale;
+    const std::span<float> g = m.params->grads();
+    for (const auto& [o, n] : m.params->replicated_ranges()) comm.allreduce_sum(g.subspan(o, n));
+    std::vector<float> whole;
+    m.params->gather_tensor_parallel_array(comm, g, whole);
+    if (rank == 0) gathered = whole;
+  });
+  for (int r = 0; r < N; ++r) EXPECT_NEAR(loss[static_cast<size_t>(r)], ref.loss, 1e-6 * ref.loss) << "rank " << r;
+  expect_close_tensors(gathered, ref.grads, ref.config, lc, 1e-5);
 }
 
 }  // namespace

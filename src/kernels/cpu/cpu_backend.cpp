@@ -288,11 +288,16 @@ class CpuBackend final : public Backend {
     for (int64_t t = 0; t < T; ++t) dequantize_row(table.dtype, table.row_ptr(tokens[t]), out + t * H, H);
   }
 
-  void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step,
-               uint64_t slot) override {
-    CounterRng rng(seed ^ splitmix64(step * 0x9e3779b97f4a7c15ull + slot + 1));
+  void dropout(float* dst, const float* src, int64_t n, double p, uint64_t seed, uint64_t step, uint64_t slot,
+               MaskWindow w) override {
+    const uint64_t stream = seed ^ splitmix64(step * 0x9e3779b97f4a7c15ull + slot + 1);
     const auto keep_scale = static_cast<float>(1.0 / (1.0 - p));
-    for (int64_t i = 0; i < n; ++i) dst[i] = rng.next_double() < p ? 0.0f : src[i] * keep_scale;
+    const int64_t cols = w.cols > 0 ? w.cols : n;
+    LOOM_ASSERT(n == 0 || (n % cols == 0 && (w.cols == 0 || w.first + cols <= w.row_stride)));
+    for (int64_t i = 0; i * cols < n; ++i) {  // a row's draws continue the counter at its first number
+      CounterRng rng(stream, static_cast<uint64_t>(w.cols > 0 ? i * w.row_stride + w.first : 0));
+      for (int64_t j = i * cols; j < (i + 1) * cols; ++j) dst[j] = rng.next_double() < p ? 0.0f : src[j] * keep_scale;
+    }
   }
 
   void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t cols) override {
