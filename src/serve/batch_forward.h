@@ -19,12 +19,15 @@
 
 namespace loom {
 
+class TpAdapterReceiver;
+
 // The new tokens of one sequence in a step.
 struct BatchChunk {
   const BlockTable* table = nullptr;      // must already hold positions [0, n_past + tokens.size())
   int64_t n_past = 0;                     // positions [0, n_past) are in the cache
   std::span<const int32_t> tokens;        // 1 for a decode step, more for a prefill chunk
   const ServeAdapter* adapter = nullptr;  // null: the base model; validated by its loader
+  int64_t adapter_id = 0;  // tensor parallel: `adapter`'s LoadedAdapter::id, which names it to the followers
   bool want_logits = false;               // logits of the chunk's last `logit_rows` tokens
   int64_t logit_rows = 1;    // with want_logits: 1..tokens.size() (speculative verification: all)
   bool want_hidden = false;  // final-norm hidden state of every token (embeddings)
@@ -57,13 +60,15 @@ class BatchForward {
   const float* hidden(size_t chunk) const;
   int64_t vocab_size() const { return c_.vocab_size; }
 
-  // Tensor parallel (`loom serve --tp N`; model/tensor_parallel.h): the weights
-  // and the KV cache hold rank comm->rank()'s shard of the heads. Rank 0's
-  // step() first sends the step (tokens, positions, block ids) to the other
-  // ranks, whose follow() runs the same steps (without logits) until rank 0's
-  // stop_followers(). Adapters are refused (unsupported) for now.
+  // Tensor parallel (`loom serve --tp N`; model/tensor_parallel.h): the weights,
+  // the KV cache and the adapters hold rank comm->rank()'s shard of the heads.
+  // Rank 0's step() first sends the step (tokens, positions, block ids, each
+  // chunk's adapter id) to the other ranks (serve/tp_link.h), whose follow()
+  // runs the same steps (without logits), with the adapters `adapters` holds
+  // (rank 0's TpAdapterSender sent them before the step), until rank 0's
+  // stop_followers().
   void set_tensor_parallel(Communicator* comm);
-  void follow();
+  void follow(TpAdapterReceiver& adapters);
   void stop_followers();
   int64_t max_batch_tokens() const { return max_tokens_; }
 
@@ -73,6 +78,7 @@ class BatchForward {
   void prepare(std::span<const BatchChunk> chunks);
   void run_step();
   void send_step(std::span<const BatchChunk> chunks);
+  void follow_step(std::span<const int64_t> msg, const TpAdapterReceiver& adapters);
 
   const ModelConfig& c_;
   Decoder dec_;

@@ -19,10 +19,6 @@ namespace loom {
 
 namespace {
 
-// Tensor parallel: o and down read a split input (their A is split by columns);
-// q/k/v and gate/up write a split output (their B is split by rows).
-bool row_parallel(LoraTarget t) { return t == LoraTarget::o || t == LoraTarget::down; }
-
 // Parameter groups over the LoRA arena: attention vs MLP adapters, A vs B
 // (B flagged for LoRA+); adjacent runs of the same kind are merged.
 std::vector<ParamGroup> lora_param_groups(const LoraModel& lora, const TrainConfig& c) {
@@ -115,9 +111,10 @@ class LoraTrainable final : public TrainableParams {
         const Tensor a = lora_.a(l, t), wa = whole.a(l, t);
         const int64_t r = a.rows(), in = a.cols();
         for (int64_t i = 0; i < r; ++i)  // row-parallel targets read this rank's columns
-          std::memcpy(a.as<float>() + i * in, wa.as<float>() + i * wa.cols() + (row_parallel(t) ? rank * in : 0),
+          std::memcpy(a.as<float>() + i * in,
+                      wa.as<float>() + i * wa.cols() + (lora_target_row_parallel(t) ? rank * in : 0),
                       static_cast<size_t>(in) * sizeof(float));
-        LOOM_ASSERT(row_parallel(t) ? wa.cols() == in * ranks : wa.cols() == in);
+        LOOM_ASSERT(lora_target_row_parallel(t) ? wa.cols() == in * ranks : wa.cols() == in);
       }
   }
   std::vector<std::pair<size_t, size_t>> replicated_ranges() const override {
@@ -126,7 +123,7 @@ class LoraTrainable final : public TrainableParams {
     for (int64_t l = 0; l < lora_.n_layers(); ++l)
       for (LoraTarget t : kAllLoraTargets)
         if (const LoraSlot& s = lora_.slot(l, t); s.active) {
-          if (row_parallel(t))
+          if (lora_target_row_parallel(t))
             out.push_back({s.b_offset, static_cast<size_t>(s.out) * r});
           else
             out.push_back({s.a_offset, r * static_cast<size_t>(s.in)});
@@ -150,7 +147,7 @@ class LoraTrainable final : public TrainableParams {
           const float* a = all.data() + k * n + s.a_offset;  // [r, in]
           const float* b = all.data() + k * n + s.b_offset;  // [out, r]
           const auto K = static_cast<int64_t>(k);
-          if (row_parallel(t)) {  // A: rank k's columns; B whole on every rank
+          if (lora_target_row_parallel(t)) {  // A: rank k's columns; B whole on every rank
             for (int64_t i = 0; i < r; ++i)
               std::memcpy(wa.as<float>() + i * wa.cols() + K * s.in, a + i * s.in, static_cast<size_t>(s.in) * 4);
             if (k == 0) std::memcpy(wb.as<float>(), b, static_cast<size_t>(s.out * r) * 4);
