@@ -27,10 +27,12 @@ struct BatchChunk {
   int64_t n_past = 0;                     // positions [0, n_past) are in the cache
   std::span<const int32_t> tokens;        // 1 for a decode step, more for a prefill chunk
   const ServeAdapter* adapter = nullptr;  // null: the base model; validated by its loader
-  int64_t adapter_id = 0;  // tensor parallel: `adapter`'s LoadedAdapter::id, which names it to the followers
   bool want_logits = false;               // logits of the chunk's last `logit_rows` tokens
   int64_t logit_rows = 1;    // with want_logits: 1..tokens.size() (speculative verification: all)
   bool want_hidden = false;  // final-norm hidden state of every token (embeddings)
+  // Tensor parallel: `adapter`'s LoadedAdapter::id, which names it to the followers (last: callers
+  // initialize the fields above by position).
+  int64_t adapter_id = 0;
 };
 
 // Results are batch invariant: a chunk's logits and the K/V rows it writes

@@ -32,13 +32,15 @@ void TpAdapterSender::sync(std::span<const std::shared_ptr<const LoadedAdapter>>
     }
 }
 
-// Payload: id, the scale's bits, the slot count n, n slots, n ranks. Every
-// follower's part has the same slots and shapes; only the values differ.
+// Payload: id, how many adapters the follower holds with this one (its
+// check that it mirrors rank 0), the scale's bits, the slot count n, n slots,
+// n ranks. Every follower's part has the same slots and shapes; only the values differ.
 void TpAdapterSender::send(const LoadedAdapter& a) {
   const auto followers = static_cast<size_t>(comm_.size() - 1);
   LOOM_ASSERT(a.id > 0 && a.follower_shards.size() == followers);
   const AdapterShard& first = a.follower_shards[0];
-  std::vector<int64_t> m = {a.id, static_cast<int64_t>(std::bit_cast<uint32_t>(first.scale)),
+  std::vector<int64_t> m = {a.id, static_cast<int64_t>(sent_.size() + 1),
+                            static_cast<int64_t>(std::bit_cast<uint32_t>(first.scale)),
                             static_cast<int64_t>(first.slots.size())};
   m.insert(m.end(), first.slots.begin(), first.slots.end());
   m.insert(m.end(), first.ranks.begin(), first.ranks.end());
@@ -55,12 +57,13 @@ void TpAdapterSender::send(const LoadedAdapter& a) {
 }
 
 void TpAdapterReceiver::load(std::span<const int64_t> m) {
-  LOOM_ASSERT(m.size() >= 3 && m.size() == 3 + 2 * static_cast<size_t>(m[2]));
-  const auto n = static_cast<size_t>(m[2]);
+  constexpr size_t kHead = 4;  // id, adapters held, scale, n
+  LOOM_ASSERT(m.size() >= kHead && m.size() == kHead + 2 * static_cast<size_t>(m[3]));
+  const auto n = static_cast<std::ptrdiff_t>(m[3]);
   AdapterShard s;
-  s.scale = std::bit_cast<float>(static_cast<uint32_t>(m[1]));
-  s.slots.assign(m.begin() + 3, m.begin() + 3 + static_cast<std::ptrdiff_t>(n));
-  s.ranks.assign(m.begin() + 3 + static_cast<std::ptrdiff_t>(n), m.end());
+  s.scale = std::bit_cast<float>(static_cast<uint32_t>(m[2]));
+  s.slots.assign(m.begin() + kHead, m.begin() + kHead + n);
+  s.ranks.assign(m.begin() + kHead + n, m.end());
   s.data.resize(adapter_shard_floats(s.slots, s.ranks, shard_));
   comm_.recv(s.data.data(), s.data.size() * sizeof(float), 0, kAdapterPartTag);
   auto a = std::make_unique<LoadedAdapter>();
@@ -69,6 +72,7 @@ void TpAdapterReceiver::load(std::span<const int64_t> m) {
   a->owned.push_back(std::move(s.data));  // the buffer the views point into moves along
   keep_adapter_in_bits(*a, lora_bits_);
   held_[a->id] = std::move(a);
+  LOOM_ASSERT(static_cast<int64_t>(held_.size()) == m[1]);  // the same adapters as rank 0 sent and still holds
 }
 
 void TpAdapterReceiver::drop(int64_t id) {

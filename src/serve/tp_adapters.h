@@ -27,8 +27,6 @@ class TpAdapterSender {
   // the loads of those not sent yet (TpMessage::adapter_load, then each
   // follower's part point to point; rank 0 releases the parts once sent).
   void sync(std::span<const std::shared_ptr<const LoadedAdapter>> used);
-  // Adapters the followers hold.
-  size_t sent() const { return sent_.size(); }
 
  private:
   void send(const LoadedAdapter& a);
@@ -48,7 +46,6 @@ class TpAdapterReceiver {
   void drop(int64_t id);
   // The adapter rank 0 named by `id` in a step; it sent it before that step.
   const ServeAdapter& get(int64_t id) const;
-  size_t held() const { return held_.size(); }
 
  private:
   Communicator& comm_;
