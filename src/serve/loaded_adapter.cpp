@@ -17,8 +17,8 @@ void pack_4bit(LoadedAdapter& a) {
   for (ServeLoraPair& p : a.view.pairs) {
     if (!p.present()) continue;
     const int64_t r = p.rank(), in = p.a.dim(1), out = p.b.dim(0);
-    if (r % 2 !=
-        0) {  // an odd rank has no 4-bit row layout here: kept in f32 (PEFT ranks are even in practice)
+    // An odd rank has no 4-bit row layout here: kept in f32 (PEFT ranks are even in practice).
+    if (r % 2 != 0) {
       a.bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
       continue;
     }

@@ -72,7 +72,8 @@ void TpAdapterReceiver::load(std::span<const int64_t> m) {
   a->owned.push_back(std::move(s.data));  // the buffer the views point into moves along
   keep_adapter_in_bits(*a, lora_bits_);
   held_[a->id] = std::move(a);
-  LOOM_ASSERT(static_cast<int64_t>(held_.size()) == m[1]);  // the same adapters as rank 0 sent and still holds
+  // The same adapters as rank 0 sent and still holds: a lost load or drop ends the run here.
+  LOOM_ASSERT(static_cast<int64_t>(held_.size()) == m[1]);
 }
 
 void TpAdapterReceiver::drop(int64_t id) {

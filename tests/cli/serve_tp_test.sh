@@ -75,6 +75,8 @@ def post(port, path, body):
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+    except urllib.error.URLError as e:  # the server is gone
+        return 0, str(e).encode()
 
 def complete(port, model, prompt):
     status, body = post(port, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16,
@@ -187,10 +189,10 @@ round() {  # BITS TOL [MODELS]
 
 round 32 1e-5
 round 16 1e-5
-# In 4 bits a rank's part of an o/down A is quantized in groups of its own columns (tensor
-# parallel cuts A there), so kod (k+o+down, then the layer-0 MLP) computes with other values
-# than one process's and may pick other tokens; qg and vu (A whole, B cut by rows, each row its
-# own group) must still agree.
+# In 4 bits a rank's part of an o/down A (32 of one process's group of 64 columns on this model)
+# is quantized in groups of its own, so kod (k+o+down, then the layer-0 MLP) computes with other
+# values than one process's and may pick other tokens; qg and vu (A whole, B cut by rows, each
+# row its own group) must still agree. (Parts on group bounds are exact: AdapterShard unit tests.)
 round 4 1e-5 kod
 
 if ! "$loom" serve -m "$tiny" --port 0 --tp 2 >"$tmp/nompi.log" 2>&1 && grep -q "mpirun -np 2" "$tmp/nompi.log"; then

@@ -2,8 +2,9 @@
 // --tp N`): each rank's part computes its share of the whole adapter's
 // product (q/k/v/gate/up: its rows of B A x, exactly; o/down: partial sums
 // that add up to B A x), the q/k rows permuted for a RoPE-interleaved model
-// after the cut as before it; and AdapterRegistry with tp_ranks keeps rank 0's
-// part and the followers' parts, in any --lora-bits.
+// after the cut as before it; AdapterRegistry with tp_ranks keeps rank 0's
+// part and the followers' parts, in any --lora-bits; in 4 bits a part whose
+// columns are whole groups keeps exactly one process's values.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/int_quant.h"
 #include "model/peft_adapter.h"
 #include "model/tensor_parallel.h"
 #include "model_test_util.h"
@@ -44,6 +46,7 @@ peft::AdapterTensors random_adapter(const ModelConfig& c, int64_t r, uint32_t se
   peft::AdapterTensors t;
   t.config.r = static_cast<int>(r);
   t.config.lora_alpha = 8;
+  for (LoraTarget target : kAllLoraTargets) t.config.target_modules.push_back(target);
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 0.5f);
   for (int l = 0; l < c.n_layers; ++l)
@@ -178,6 +181,61 @@ TEST(AdapterShard, RegistryKeepsRankZerosPartAndCutsTheFollowers) {
       }
       EXPECT_EQ(got.bf16(), bits == 16);
       EXPECT_EQ(got.quantized(), bits == 4);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// f32 values of a 4-bit matrix [rows, cols] as the LoRA kernel computes with them.
+std::vector<float> dequantized(const Int4Rows& m, int64_t rows, int64_t cols) {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  unpack_int4_rows(m.codes, m.scales, rows, cols, m.group, out.data());
+  return out;
+}
+
+TEST(AdapterShard, FourBitPartsKeepOneProcesssValuesOnGroupBounds) {
+  // o's A has 256 columns in groups of 128 and down's 512 in groups of 128: each of 2 ranks' parts is
+  // whole groups, so every part is exactly its cut of one process's 4-bit values (A and B alike): a
+  // part's own group (fitting_int4_group of its columns) is then one process's, since any larger
+  // candidate dividing the part's columns would divide the whole row's too.
+  ModelConfig full = tiny_config();
+  full.n_layers = 1;
+  full.n_heads = 8;
+  full.head_dim = 32;
+  full.intermediate = 512;
+  const ModelConfig shard = tensor_parallel_config(full, 2);
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("loom_adapter_shard_4bit_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  peft::write_adapter(dir.string(), random_adapter(full, 4, 9));
+  AdapterRegistry one(full, {}, 8, 4), tp(full, {}, 8, 4, 0, /*tp_ranks=*/2);
+  one.add("a", dir.string(), false);
+  tp.add("a", dir.string(), false);
+  const auto whole = *one.acquire("a"), rank0 = *tp.acquire("a");
+  LoadedAdapter rank1;  // as a follower keeps the part rank 0 sends it
+  rank1.view = adapter_shard_view(rank0->follower_shards[0], shard);
+  keep_adapter_in_bits(rank1, 4);
+  const LoadedAdapter* parts[] = {rank0.get(), &rank1};
+  for (LoraTarget t : kAllLoraTargets) {
+    SCOPED_TRACE(lora_target_peft_name(t));
+    const ServeLoraPair& w = whole->view.pair(0, t);
+    const int64_t r = 4, in = lora_target_in(full, t), out = lora_target_out(full, t);
+    ASSERT_TRUE(w.quantized());
+    const std::vector<float> wa = dequantized(w.a4, r, in), wb = dequantized(w.b4, out, r);
+    const int64_t in_s = lora_target_in(shard, t), out_s = lora_target_out(shard, t);
+    for (int k = 0; k < 2; ++k) {
+      const ServeLoraPair& p = parts[k]->view.pair(0, t);
+      ASSERT_TRUE(p.quantized());
+      const std::vector<float> pa = dequantized(p.a4, r, in_s), pb = dequantized(p.b4, out_s, r);
+      const bool by_columns = lora_target_row_parallel(t);
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < in_s; ++j)
+          ASSERT_EQ(pa[static_cast<size_t>(i * in_s + j)],
+                    wa[static_cast<size_t>(i * in + (by_columns ? k * in_s : 0) + j)]);
+      for (int64_t o = 0; o < out_s; ++o)
+        for (int64_t i = 0; i < r; ++i)
+          ASSERT_EQ(pb[static_cast<size_t>(o * r + i)],
+                    wb[static_cast<size_t>(((by_columns ? 0 : k * out_s) + o) * r + i)]);
     }
   }
   fs::remove_all(dir);
