@@ -147,8 +147,9 @@ int run_serve(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(0, 3600));
   add_threads_flag(app, so.threads);
   int tp = 1;
-  app.add_option("--tp", tp, "tensor parallel over N ranks: start with `mpirun -np N loom serve ... --tp N`; rank 0 "
-                 "serves HTTP, every rank holds 1/N of the heads and MLP channels")
+  app.add_option("--tp", tp, "tensor parallel over N ranks: start with `mpirun -np N loom serve ... --tp N`; "
+                 "rank 0 serves HTTP and loads adapters, every rank holds 1/N of the heads and MLP channels and "
+                 "its part of each adapter (sent by rank 0)")
       ->check(CLI::Range(1, 1024));
   std::string device = "cpu";
   add_device_flag(app, device);

@@ -79,4 +79,20 @@ void shard_weights_for_tensor_parallel(ModelWeights& w, const ModelConfig& full,
   }
 }
 
+bool lora_target_row_parallel(LoraTarget t) { return t == LoraTarget::o || t == LoraTarget::down; }
+
+void lora_pair_shard(LoraTarget t, const float* a, const float* b, int64_t r, int64_t in, int64_t out,
+                     int rank, int ranks, float* a_out, float* b_out) {
+  LOOM_ASSERT(rank >= 0 && rank < ranks && r > 0);
+  const bool row_parallel = lora_target_row_parallel(t);
+  LOOM_ASSERT(row_parallel ? in % ranks == 0 : out % ranks == 0);
+  const int64_t in_s = row_parallel ? in / ranks : in, out_s = row_parallel ? out : out / ranks;
+  for (int64_t i = 0; i < r; ++i)  // A: this rank's columns of every row (all of them when whole)
+    std::memcpy(a_out + i * in_s, a + i * in + (row_parallel ? rank * in_s : 0),
+                static_cast<size_t>(in_s) * sizeof(float));
+  // B: this rank's rows, which are contiguous (all of them when whole)
+  std::memcpy(b_out, b + (row_parallel ? 0 : rank * out_s * r),
+              static_cast<size_t>(out_s * r) * sizeof(float));
+}
+
 }  // namespace loom

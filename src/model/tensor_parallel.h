@@ -28,15 +28,24 @@ class PartialSums {
 // by `ranks`. Throws invalid_input naming the sizes when one does not divide.
 ModelConfig tensor_parallel_config(const ModelConfig& full, int ranks);
 
-// o and down (row-parallel) read this rank's slice of the heads / MLP channels;
-// the other targets read the whole hidden state and write this rank's slice
-// (LoRA: A of o/down is split by columns, B of the others by rows).
-inline bool tensor_parallel_splits_input(LoraTarget t) { return t == LoraTarget::o || t == LoraTarget::down; }
-
 // Cuts `w` (bound, not yet prepared for a backend) to rank `rank`'s shard of
 // `ranks`: row views for q/k/v, gate/up and the q/k/v biases; copies of the o
 // and down columns in w.owned_bytes (whole blocks of the stored type when the
 // cut falls on block bounds, else dequantized to f32).
 void shard_weights_for_tensor_parallel(ModelWeights& w, const ModelConfig& full, int rank, int ranks);
+
+// LoRA on a shard (training's dist.tp and `loom serve --tp`): o and down read
+// this rank's part of their input, so their A [r, in] is split by columns and
+// their B kept whole (each rank's B A x is a partial sum, summed with the base
+// product); q/k/v and gate/up write this rank's part of their output, so their
+// B [out, r] is split by rows and their A kept whole.
+bool lora_target_row_parallel(LoraTarget t);
+
+// Copies rank `rank`'s shard of the pair A [r, in], B [out, r] (the whole
+// model's shapes, in and out dividing by `ranks` where split) into a_out and
+// b_out, which hold the shard's shapes (lora_target_in/out of
+// tensor_parallel_config(full, ranks)).
+void lora_pair_shard(LoraTarget t, const float* a, const float* b, int64_t r, int64_t in, int64_t out,
+                     int rank, int ranks, float* a_out, float* b_out);
 
 }  // namespace loom

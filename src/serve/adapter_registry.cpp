@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <limits>
 
-#include "core/half.h"
+#include "model/tensor_parallel.h"
 #include "serve/engine_api.h"
 
 namespace loom {
@@ -102,8 +102,13 @@ void AdapterRegistry::check_contained(const std::string& path) const {
 }
 
 AdapterRegistry::AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs,
-                                 int64_t max_resident, int lora_bits, size_t max_bytes)
-    : config_(config), max_resident_(std::max<int64_t>(1, max_resident)), lora_bits_(lora_bits), max_bytes_(max_bytes) {
+                                 int64_t max_resident, int lora_bits, size_t max_bytes, int tp_ranks)
+    : config_(config),
+      shard_(tensor_parallel_config(config, tp_ranks)),
+      tp_ranks_(tp_ranks),
+      max_resident_(std::max<int64_t>(1, max_resident)),
+      lora_bits_(lora_bits),
+      max_bytes_(max_bytes) {
   if (lora_bits != 32 && lora_bits != 16 && lora_bits != 4)
     throw EngineError(EngineErrc::invalid_request, fmt::format("--lora-bits {}: 4, 16 or 32", lora_bits), "lora_bits");
   for (const std::string& d : allowed_dirs) {
@@ -129,6 +134,11 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
     throw load_failed(name, e.what());
   }
   check_finite(name, path, a->tensors);
+  if (tp_ranks_ > 1) {
+    keep_tensor_parallel_parts(*a);
+    keep_adapter_in_bits(*a, lora_bits_);
+    return a;
+  }
   a->view = ServeAdapter::empty(config_, static_cast<float>(a->tensors.config.scaling()));
   const int64_t r = a->tensors.config.r;
   for (auto& [key, pair] : a->tensors.pairs) {
@@ -151,46 +161,17 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
   } catch (const Error& e) {
     throw load_failed(name, e.what());
   }
-  for (const ServeLoraPair& p : a->view.pairs)
-    if (p.present()) a->f32_bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
-  a->bytes = a->f32_bytes;
-  if (lora_bits_ == 4) pack_4bit(*a);
-  if (lora_bits_ == 16) pack_bf16(*a);
+  keep_adapter_in_bits(*a, lora_bits_);
   return a;
 }
 
-// Group of 128 columns (the fitting multiple of 32 below it for rows it does not
-// divide: A's 576 take 96); B's rows of r values are one group each.
-void AdapterRegistry::pack_4bit(LoadedAdapter& a) const {
-  constexpr int64_t kGroup = 128;
-  size_t n = 0;
-  for (const ServeLoraPair& p : a.view.pairs) n += p.present() && p.rank() % 2 == 0 ? 2 : 0;
-  a.packed.reserve(n);  // Int4Rows point into these: no reallocation
-  a.bytes = 0;
-  for (ServeLoraPair& p : a.view.pairs) {
-    if (!p.present()) continue;
-    const int64_t r = p.rank(), in = p.a.dim(1), out = p.b.dim(0);
-    if (r % 2 != 0) {  // an odd rank has no 4-bit row layout here: kept in f32 (PEFT ranks are even in practice)
-      a.bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
-      continue;
-    }
-    const PackedInt4& qa = a.packed.emplace_back(
-        pack_int4_rows(static_cast<const float*>(p.a.data), r, in, fitting_int4_group(in, kGroup)));
-    const PackedInt4& qb = a.packed.emplace_back(
-        pack_int4_rows(static_cast<const float*>(p.b.data), out, r, fitting_int4_group(r, kGroup)));
-    p.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
-    p.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
-    p.a.data = nullptr;
-    p.b.data = nullptr;
-    a.bytes += qa.bytes() + qb.bytes();
-  }
-  bool all_packed = true;
-  for (const ServeLoraPair& p : a.view.pairs) all_packed = all_packed && (!p.present() || p.quantized());
-  if (all_packed) {  // nothing points into the f32 copies or the file any more
-    a.owned.clear();
-    a.tensors.pairs.clear();
-    a.tensors.mapping.reset();
-  }
+void AdapterRegistry::keep_tensor_parallel_parts(LoadedAdapter& a) const {
+  for (int k = 1; k < tp_ranks_; ++k)
+    a.follower_shards.push_back(make_adapter_shard(a.tensors, config_, k, tp_ranks_));
+  AdapterShard own = make_adapter_shard(a.tensors, config_, 0, tp_ranks_);
+  a.tensors = {};  // nothing points into the file: every part is a copy
+  a.view = adapter_shard_view(own, shard_);
+  a.owned.push_back(std::move(own.data));  // the buffer, and so the views into it, stay where they are
 }
 
 bool AdapterRegistry::add(const std::string& name, const std::string& path, bool runtime, bool replace) {
@@ -340,33 +321,6 @@ bool AdapterRegistry::make_room(size_t bytes) {
     if (count < max_resident_ && (max_bytes_ == 0 || used + bytes <= max_bytes_)) return true;
     if (!evict_one()) return false;
   }
-}
-
-// One block for the whole adapter (A then B of each pair in turn): a pair's
-// factors are contiguous and the adapter is one allocation to free.
-void AdapterRegistry::pack_bf16(LoadedAdapter& a) const {
-  size_t n = 0;
-  for (const ServeLoraPair& p : a.view.pairs)
-    if (p.present()) n += static_cast<size_t>(p.a.numel() + p.b.numel());
-  a.halves.resize(n);
-  uint16_t* at = a.halves.data();
-  for (ServeLoraPair& p : a.view.pairs) {
-    if (!p.present()) continue;
-    const int64_t na = p.a.numel(), nb = p.b.numel();
-    const float* fa = static_cast<const float*>(p.a.data);
-    const float* fb = static_cast<const float*>(p.b.data);
-    for (int64_t i = 0; i < na; ++i) at[i] = fp32_to_bf16(fa[i]);
-    for (int64_t i = 0; i < nb; ++i) at[na + i] = fp32_to_bf16(fb[i]);
-    p.a16 = at;
-    p.b16 = at + na;
-    p.a.data = nullptr;
-    p.b.data = nullptr;
-    at += na + nb;
-  }
-  a.bytes = n * sizeof(uint16_t);
-  a.owned.clear();  // nothing points into the f32 copies or the file any more
-  a.tensors.pairs.clear();
-  a.tensors.mapping.reset();
 }
 
 }  // namespace loom

@@ -15,28 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "kernels/int_quant.h"
 #include "model/config.h"
-#include "serve/lora_set.h"
-#include "model/peft_adapter.h"
+#include "serve/loaded_adapter.h"
 
 namespace loom {
-
-// One loaded copy of an adapter. Running sequences hold a shared_ptr, so
-// unloading or evicting never pulls weights from under a running request.
-struct LoadedAdapter {
-  std::string name, path;
-  // Unique per load (never reused): the prefix cache keys blocks by it, so a
-  // prefix computed under one adapter is never reused under another.
-  int64_t id = 0;
-  peft::AdapterTensors tensors;             // keeps the file mapping alive (emptied when kept in 4 bits)
-  std::vector<std::vector<float>> owned;    // q/k B rows permuted for the model
-  std::vector<PackedInt4> packed;           // the 4-bit factors (lora_bits 4)
-  std::vector<uint16_t> halves;             // every factor in bf16, one block (lora_bits 16)
-  ServeAdapter view;
-  size_t bytes = 0;                         // memory of the factors as kept (f32 or 4-bit)
-  size_t f32_bytes = 0;                     // what they take in f32
-};
 
 struct AdapterInfo {
   std::string name, path;
@@ -56,8 +38,12 @@ class AdapterRegistry {
   // place too); 32: kept in f32 (memory-mapped).
   // max_bytes: the resident adapters' memory (LoadedAdapter::bytes) at most;
   // 0: no limit but max_resident.
+  // tp_ranks > 1 (rank 0 of `loom serve --tp N`): `config` is the whole
+  // model's; each adapter is validated whole, then kept as rank 0's part
+  // (adapter_shard.h) with the followers' parts in follower_shards, and
+  // bytes / max_bytes count one rank's part.
   AdapterRegistry(const ModelConfig& config, std::vector<std::string> allowed_dirs, int64_t max_resident,
-                  int lora_bits = 32, size_t max_bytes = 0);
+                  int lora_bits = 32, size_t max_bytes = 0, int tp_ranks = 1);
 
   // Loads and validates `path` and registers it as `name`. `runtime`: the
   // request came over HTTP, so the path and every file read from it (symlinks
@@ -106,12 +92,12 @@ class AdapterRegistry {
   // limits; false if it cannot. Under mu_.
   bool make_room(size_t bytes);
 
-  // Replaces the f32 views of `a` by 4-bit copies and releases the file mapping.
-  void pack_4bit(LoadedAdapter& a) const;
-  // Replaces them by bf16 copies in one block and releases the file mapping.
-  void pack_bf16(LoadedAdapter& a) const;
+  // Keeps rank 0's part of a->tensors in a and cuts the followers' (tp_ranks_ > 1).
+  void keep_tensor_parallel_parts(LoadedAdapter& a) const;
 
   const ModelConfig& config_;
+  ModelConfig shard_;  // one tensor-parallel rank's shapes (config_ when tp_ranks_ is 1)
+  int tp_ranks_ = 1;
   std::vector<std::string> allowed_;
   int64_t max_resident_;
   int lora_bits_ = 32;

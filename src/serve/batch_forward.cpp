@@ -9,6 +9,8 @@
 
 #include "core/error.h"
 #include "dist/partial_sums.h"
+#include "serve/tp_adapters.h"
+#include "serve/tp_link.h"
 
 namespace loom {
 
@@ -230,8 +232,8 @@ void BatchForward::run_step() {
 }
 
 // ---- tensor parallel -------------------------------------------------------
-// A step as rank 0 sends it: [chunks, then per chunk n_past, tokens, blocks,
-// want_logits], the tokens, the block ids. Length 0: stop following.
+// A step as rank 0 sends it (a TpMessage::step): [chunks, then per chunk n_past,
+// tokens, blocks, want_logits, adapter id (0: none)], the tokens, the block ids.
 
 void BatchForward::set_tensor_parallel(Communicator* comm) {
   tp_ = comm != nullptr && comm->size() > 1 ? comm : nullptr;
@@ -243,61 +245,71 @@ void BatchForward::send_step(std::span<const BatchChunk> chunks) {
   if (tp_->rank() != 0) return;  // a follower's step came from rank 0
   std::vector<int64_t> msg = {static_cast<int64_t>(chunks.size())};
   for (const BatchChunk& c : chunks) {
-    if (c.adapter != nullptr)
-      fail(ErrorKind::unsupported, "adapters with tensor parallel (--tp) are not built yet");
+    LOOM_ASSERT((c.adapter == nullptr) == (c.adapter_id == 0));
     msg.insert(msg.end(), {c.n_past, static_cast<int64_t>(c.tokens.size()), c.table->n_blocks(),
-                           c.want_logits ? 1 : 0});
+                           c.want_logits ? 1 : 0, c.adapter_id});
   }
   for (const BatchChunk& c : chunks) msg.insert(msg.end(), c.tokens.begin(), c.tokens.end());
   for (const BatchChunk& c : chunks) msg.insert(msg.end(), c.table->blocks.begin(), c.table->blocks.end());
-  int64_t n = static_cast<int64_t>(msg.size());
-  tp_->broadcast(&n, sizeof(n), 0);
-  tp_->broadcast(msg.data(), msg.size() * sizeof(int64_t), 0);
+  tp_send(*tp_, TpMessage::step, msg);
 }
 
 void BatchForward::stop_followers() {
   if (tp_ == nullptr || tp_->rank() != 0) return;
-  int64_t n = 0;
-  tp_->broadcast(&n, sizeof(n), 0);
+  tp_send(*tp_, TpMessage::stop, {});
 }
 
-void BatchForward::follow() {
+void BatchForward::follow(TpAdapterReceiver& adapters) {
   LOOM_ASSERT(tp_ != nullptr && tp_->rank() != 0);
   following_ = true;
-  const double deadline = tp_->timeout_seconds();
   std::vector<int64_t> msg;
-  std::vector<BlockTable> tables;
-  std::vector<std::vector<int32_t>> tokens;
-  std::vector<BatchChunk> chunks;
   for (;;) {
-    int64_t n = 0;
-    tp_->set_timeout_seconds(1e12);  // an idle server sends nothing for as long as it is idle
-    tp_->broadcast(&n, sizeof(n), 0);
-    tp_->set_timeout_seconds(deadline);
-    if (n == 0) return;
-    msg.resize(static_cast<size_t>(n));
-    tp_->broadcast(msg.data(), msg.size() * sizeof(int64_t), 0);
-    const auto k = static_cast<size_t>(msg[0]);
-    tables.assign(k, {});
-    tokens.assign(k, {});
-    chunks.assign(k, {});
-    size_t at = 1 + 4 * k;
-    for (size_t i = 0; i < k; ++i) {  // tokens first, then the block ids, chunk by chunk
-      const int64_t* h = msg.data() + 1 + 4 * i;
-      tokens[i].assign(msg.begin() + static_cast<std::ptrdiff_t>(at), msg.begin() + static_cast<std::ptrdiff_t>(at + h[1]));
-      at += static_cast<size_t>(h[1]);
+    switch (tp_receive(*tp_, msg)) {
+      case TpMessage::stop:
+        return;
+      case TpMessage::step:
+        follow_step(msg, adapters);
+        break;
+      case TpMessage::adapter_load:
+        adapters.load(msg);
+        break;
+      case TpMessage::adapter_drop:
+        LOOM_ASSERT(msg.size() == 1);
+        adapters.drop(msg[0]);
+        break;
     }
-    for (size_t i = 0; i < k; ++i) {
-      const int64_t* h = msg.data() + 1 + 4 * i;
-      tables[i].blocks.assign(msg.begin() + static_cast<std::ptrdiff_t>(at), msg.begin() + static_cast<std::ptrdiff_t>(at + h[2]));
-      at += static_cast<size_t>(h[2]);
-      chunks[i].table = &tables[i];
-      chunks[i].n_past = h[0];
-      chunks[i].tokens = tokens[i];
-      chunks[i].want_logits = false;  // rank 0 samples: the logits are its alone
-    }
-    step(chunks);
   }
+}
+
+void BatchForward::follow_step(std::span<const int64_t> msg, const TpAdapterReceiver& adapters) {
+  constexpr size_t kHead = 5;  // values per chunk before the tokens
+  const auto k = static_cast<size_t>(msg[0]);
+  std::vector<BlockTable> tables(k);
+  std::vector<std::vector<int32_t>> tokens(k);
+  std::vector<BatchChunk> chunks(k);
+  const auto part = [&](size_t at, int64_t n) {
+    return std::pair(msg.begin() + static_cast<std::ptrdiff_t>(at),
+                     msg.begin() + static_cast<std::ptrdiff_t>(at + static_cast<size_t>(n)));
+  };
+  size_t at = 1 + kHead * k;
+  for (size_t i = 0; i < k; ++i) {  // tokens first, then the block ids, chunk by chunk
+    const auto [b, e] = part(at, msg[1 + kHead * i + 1]);
+    tokens[i].assign(b, e);
+    at += tokens[i].size();
+  }
+  for (size_t i = 0; i < k; ++i) {
+    const int64_t* h = msg.data() + 1 + kHead * i;
+    const auto [b, e] = part(at, h[2]);
+    tables[i].blocks.assign(b, e);
+    at += tables[i].blocks.size();
+    chunks[i].table = &tables[i];
+    chunks[i].n_past = h[0];
+    chunks[i].tokens = tokens[i];
+    chunks[i].want_logits = false;  // rank 0 samples: the logits are its alone
+    chunks[i].adapter_id = h[4];
+    chunks[i].adapter = h[4] != 0 ? &adapters.get(h[4]) : nullptr;
+  }
+  step(chunks);
 }
 
 }  // namespace loom

@@ -19,6 +19,8 @@
 
 namespace loom {
 
+class TpAdapterReceiver;
+
 // The new tokens of one sequence in a step.
 struct BatchChunk {
   const BlockTable* table = nullptr;      // must already hold positions [0, n_past + tokens.size())
@@ -28,6 +30,9 @@ struct BatchChunk {
   bool want_logits = false;               // logits of the chunk's last `logit_rows` tokens
   int64_t logit_rows = 1;    // with want_logits: 1..tokens.size() (speculative verification: all)
   bool want_hidden = false;  // final-norm hidden state of every token (embeddings)
+  // Tensor parallel: `adapter`'s LoadedAdapter::id, which names it to the followers (last: callers
+  // initialize the fields above by position).
+  int64_t adapter_id = 0;
 };
 
 // Results are batch invariant: a chunk's logits and the K/V rows it writes
@@ -57,13 +62,15 @@ class BatchForward {
   const float* hidden(size_t chunk) const;
   int64_t vocab_size() const { return c_.vocab_size; }
 
-  // Tensor parallel (`loom serve --tp N`; model/tensor_parallel.h): the weights
-  // and the KV cache hold rank comm->rank()'s shard of the heads. Rank 0's
-  // step() first sends the step (tokens, positions, block ids) to the other
-  // ranks, whose follow() runs the same steps (without logits) until rank 0's
-  // stop_followers(). Adapters are refused (unsupported) for now.
+  // Tensor parallel (`loom serve --tp N`; model/tensor_parallel.h): the weights,
+  // the KV cache and the adapters hold rank comm->rank()'s shard of the heads.
+  // Rank 0's step() first sends the step (tokens, positions, block ids, each
+  // chunk's adapter id) to the other ranks (serve/tp_link.h), whose follow()
+  // runs the same steps (without logits), with the adapters `adapters` holds
+  // (rank 0's TpAdapterSender sent them before the step), until rank 0's
+  // stop_followers().
   void set_tensor_parallel(Communicator* comm);
-  void follow();
+  void follow(TpAdapterReceiver& adapters);
   void stop_followers();
   int64_t max_batch_tokens() const { return max_tokens_; }
 
@@ -73,6 +80,7 @@ class BatchForward {
   void prepare(std::span<const BatchChunk> chunks);
   void run_step();
   void send_step(std::span<const BatchChunk> chunks);
+  void follow_step(std::span<const int64_t> msg, const TpAdapterReceiver& adapters);
 
   const ModelConfig& c_;
   Decoder dec_;

@@ -9,8 +9,6 @@
 // token was computed sample the next one and stream it.
 #include "serve/scheduler.h"
 
-#include "model/tensor_parallel.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -23,7 +21,9 @@
 #include "kernels/profiling_backend.h"
 #include "model/generate.h"
 #include "model/sampler.h"
+#include "model/tensor_parallel.h"
 #include "serve/grammar_vocab.h"
+#include "serve/tp_link.h"
 #include "tokenizer/tokenizer.h"
 
 namespace loom {
@@ -82,8 +82,11 @@ std::unique_ptr<Backend> make_serve_backend(const ServeOptions& o, ThreadPool& p
   return b;
 }
 
-// The model, or with ServeOptions::tp this rank's shard of it.
-std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend) {
+// A tensor-parallel rank other than 0: it follows rank 0's steps.
+bool is_follower(const ServeOptions& o) { return o.tp != nullptr && o.tp->size() > 1 && o.tp->rank() != 0; }
+
+// The model, or with ServeOptions::tp this rank's shard of it; `full`: the whole model's shapes.
+std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend, ModelConfig& full) {
   Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
   const int ranks = o.tp != nullptr ? o.tp->size() : 1;
   if (ranks > 1)
@@ -91,6 +94,7 @@ std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend)
       shard_weights_for_tensor_parallel(w, c, o.tp->rank(), ranks);
     };
   std::unique_ptr<Model> m = Model::load(o.model_path, lo);
+  full = m->config();
   if (ranks > 1) m->reshape(tensor_parallel_config(m->config(), ranks));
   return m;
 }
@@ -101,8 +105,11 @@ ServingEngine::ServingEngine(ServeOptions options)
     : opt_(std::move(options)),
       pool_(opt_.threads > 0 ? opt_.threads : default_thread_count()),
       backend_(make_serve_backend(opt_, pool_)),
-      model_(load_serve_model(opt_, *backend_)),
-      adapters_(model_->config(), opt_.adapter_dirs, opt_.max_loras, opt_.lora_bits, opt_.max_lora_memory) {
+      model_(load_serve_model(opt_, *backend_, full_config_)),
+      // A follower loads nothing itself, so it needs no --adapter-dir (which may not exist on its host).
+      adapters_(full_config_, is_follower(opt_) ? std::vector<std::string>{} : opt_.adapter_dirs,
+                opt_.max_loras, opt_.lora_bits, opt_.max_lora_memory,
+                opt_.tp != nullptr ? opt_.tp->size() : 1) {
   const ModelConfig& c = model_->config();
   name_ = opt_.model_name;
   if (name_.empty()) name_ = std::filesystem::path(opt_.model_path).filename().string();
@@ -148,16 +155,33 @@ ServingEngine::ServingEngine(ServeOptions options)
                                             std::min<int64_t>(opt_.max_seqs, 64));
   forward_->set_tensor_parallel(opt_.tp);
   if (opt_.itl_target_ms > 0) measure_step_cost();
-  if (tensor_parallel() && !opt_.adapters.empty())
-    fail(ErrorKind::unsupported, "--adapter with --tp: adapters of a tensor-parallel server are not built yet");
-  for (const auto& [name, dir] : opt_.adapters) {
-    if (name == name_) fail(ErrorKind::invalid_input, "--adapter {}: the name is the base model's", name);
-    adapters_.add(name, dir, /*runtime=*/false);
-  }
-  if (tensor_parallel() && opt_.tp->rank() != 0)
-    thread_ = std::thread([this] { forward_->follow(); });
+  load_startup_adapters();
+  if (is_follower(opt_))
+    thread_ = std::thread([this] { forward_->follow(*tp_receiver_); });
   else
     thread_ = std::thread([this] { loop(); });
+}
+
+void ServingEngine::load_startup_adapters() {
+  if (is_follower(opt_)) {
+    tp_receiver_ = std::make_unique<TpAdapterReceiver>(*opt_.tp, model_->config(), opt_.lora_bits);
+    if (!tp_agree_started(*opt_.tp, true))
+      fail(ErrorKind::invalid_input, "rank 0 of the tensor-parallel server did not start (its log says why)");
+    return;
+  }
+  try {
+    for (const auto& [name, dir] : opt_.adapters) {
+      if (name == name_) fail(ErrorKind::invalid_input, "--adapter {}: the name is the base model's", name);
+      adapters_.add(name, dir, /*runtime=*/false);
+    }
+  } catch (...) {
+    if (tensor_parallel()) tp_agree_started(*opt_.tp, false);
+    throw;
+  }
+  if (tensor_parallel()) {
+    tp_agree_started(*opt_.tp, true);
+    tp_sender_ = std::make_unique<TpAdapterSender>(*opt_.tp);
+  }
 }
 
 ServingEngine::~ServingEngine() {
@@ -293,9 +317,6 @@ std::vector<ModelInfo> ServingEngine::list_models() {
 }
 
 bool ServingEngine::load_adapter(const std::string& name, const std::string& path, bool replace) {
-  if (tensor_parallel())
-    throw EngineError(EngineErrc::adapter_load_failed, "adapters of a tensor-parallel server (--tp) are not built yet",
-                      "lora_name");
   if (name == name_)
     throw EngineError(EngineErrc::adapter_exists, "'" + name + "' is the base model's name", "lora_name");
   return adapters_.add(name, path, /*runtime=*/true, replace);
@@ -661,6 +682,7 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     c.n_past = s->n_computed;
     c.tokens = std::span<const int32_t>(s->tokens.data() + s->n_computed, 1);
     c.adapter = s->req->adapter ? &s->req->adapter->view : nullptr;
+    c.adapter_id = s->req->adapter ? s->req->adapter->id : 0;
     c.want_logits = !embedding;
     c.want_hidden = embedding;
     if (s->req->speculate && spare > 0) {
@@ -686,6 +708,7 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     c.n_past = s->n_computed;
     c.tokens = std::span<const int32_t>(s->tokens.data() + s->n_computed, static_cast<size_t>(len));
     c.adapter = s->req->adapter ? &s->req->adapter->view : nullptr;
+    c.adapter_id = s->req->adapter ? s->req->adapter->id : 0;
     c.want_hidden = s->req->g.kind == RequestKind::embedding;
     c.want_logits = !c.want_hidden && s->n_computed + len == n;
     chunks.push_back(c);
@@ -763,6 +786,11 @@ void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, co
         seen.push_back(s->req);
         opt_.fault_hook(FaultPoint::forward, s->req->g);
       }
+  }
+  if (tp_sender_) {  // the followers get the adapters this step uses before the step
+    std::vector<std::shared_ptr<const LoadedAdapter>> used;
+    for (const Sequence* s : owners) used.push_back(s->req->adapter);
+    tp_sender_->sync(used);
   }
   {
     const TraceScope trace(backend_->tracer(), "forward");

@@ -30,6 +30,7 @@
 #include "serve/grammar_matcher.h"
 #include "serve/kv_pool.h"
 #include "serve/step_cost.h"
+#include "serve/tp_adapters.h"
 
 namespace loom {
 
@@ -166,6 +167,9 @@ class ServingEngine : public Engine {
   void pool_hidden(Sequence* s, const float* hidden, int64_t rows);
   void publish_stats();
   void measure_step_cost();
+  // The start-up adapters (--adapter); with --tp rank 0 loads them and tells
+  // the followers whether it could, so a failure ends every rank.
+  void load_startup_adapters();
   // This step's row budget: the fixed max_batch_tokens, or with a step cost
   // the decode rows plus the prefill tokens that keep the target.
   int64_t step_budget(std::span<const BatchChunk> decode_chunks) const;
@@ -178,6 +182,7 @@ class ServingEngine : public Engine {
   int64_t created_ = 0;
   ThreadPool pool_;
   std::unique_ptr<Backend> backend_;
+  ModelConfig full_config_;  // the whole model's shapes (model_'s are one tensor-parallel rank's)
   std::unique_ptr<Model> model_;
   int64_t max_len_ = 0;
   std::vector<int32_t> eos_ids_;
@@ -187,7 +192,10 @@ class ServingEngine : public Engine {
   std::unique_ptr<BatchForward> forward_;
   std::optional<CachedStepCost> step_cost_;
   StepCostCorrection step_correction_;  // scheduler thread only
-  AdapterRegistry adapters_;
+  AdapterRegistry adapters_;            // rank 0's (followers register nothing: tp_receiver_)
+  // Tensor parallel: rank 0 sends the followers the adapters a step uses, a follower keeps them.
+  std::unique_ptr<TpAdapterSender> tp_sender_;
+  std::unique_ptr<TpAdapterReceiver> tp_receiver_;
 
   // HTTP threads -> scheduler
   std::mutex mu_;

@@ -14,10 +14,10 @@ namespace {
 
 // The whole model's A and B sizes of a shard's slot.
 size_t whole_a(const LoraSlot& s, int64_t r, LoraTarget t, int ranks) {
-  return static_cast<size_t>(r * s.in * (tensor_parallel_splits_input(t) ? ranks : 1));
+  return static_cast<size_t>(r * s.in * (lora_target_row_parallel(t) ? ranks : 1));
 }
 size_t whole_b(const LoraSlot& s, int64_t r, LoraTarget t, int ranks) {
-  return static_cast<size_t>(s.out * r * (tensor_parallel_splits_input(t) ? 1 : ranks));
+  return static_cast<size_t>(s.out * r * (lora_target_row_parallel(t) ? 1 : ranks));
 }
 
 }  // namespace
@@ -34,7 +34,7 @@ std::vector<TensorParallelRun> lora_tensor_parallel_runs(const LoraModel& shard,
       const auto in = static_cast<size_t>(s.in), out = static_cast<size_t>(s.out), R = static_cast<size_t>(r);
       const auto k = static_cast<size_t>(rank), N = static_cast<size_t>(ranks);
       const size_t b_at = at + whole_a(s, r, t, ranks);
-      if (tensor_parallel_splits_input(t)) {  // A [r, in N]: this rank's columns of each row; B whole
+      if (lora_target_row_parallel(t)) {  // A [r, in N]: this rank's columns of each row; B whole
         for (size_t i = 0; i < R; ++i)
           runs.push_back({s.a_offset + i * in, at + i * in * N + k * in, in, false});
         runs.push_back({s.b_offset, b_at, out * R, true});

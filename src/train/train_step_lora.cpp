@@ -114,7 +114,7 @@ void TrainSession::lora_forward_b(int64_t l, LoraTarget t, float* y, int64_t T) 
 void TrainSession::lora_dropout(float* dst, const float* src, int64_t l, LoraTarget t, int64_t T, uint64_t step) {
   const int64_t in = lora_->slot(l, t).in;
   MaskWindow w;
-  if (tp_ranks_ > 1 && tensor_parallel_splits_input(t)) w = {in, in * tp_ranks_, in * tp_rank_};
+  if (tp_ranks_ > 1 && lora_target_row_parallel(t)) w = {in, in * tp_ranks_, in * tp_rank_};
   be_.dropout(dst, src, T * in, lora_->config().dropout, lora_->config().seed, step,
               static_cast<uint64_t>(l * kLoraTargetCount + static_cast<int64_t>(t)), w);
 }

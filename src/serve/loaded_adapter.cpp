@@ -1,0 +1,82 @@
+// The forms a served adapter is kept in (loaded_adapter.h).
+#include "serve/loaded_adapter.h"
+
+#include "core/half.h"
+
+namespace loom {
+namespace {
+
+// Group of 128 columns (the fitting multiple of 32 below it for rows it does not
+// divide: A's 576 take 96); B's rows of r values are one group each.
+void pack_4bit(LoadedAdapter& a) {
+  constexpr int64_t kGroup = 128;
+  size_t n = 0;
+  for (const ServeLoraPair& p : a.view.pairs) n += p.present() && p.rank() % 2 == 0 ? 2 : 0;
+  a.packed.reserve(n);  // Int4Rows point into these: no reallocation
+  a.bytes = 0;
+  for (ServeLoraPair& p : a.view.pairs) {
+    if (!p.present()) continue;
+    const int64_t r = p.rank(), in = p.a.dim(1), out = p.b.dim(0);
+    // An odd rank has no 4-bit row layout here: kept in f32 (PEFT ranks are even in practice).
+    if (r % 2 != 0) {
+      a.bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
+      continue;
+    }
+    const PackedInt4& qa = a.packed.emplace_back(
+        pack_int4_rows(static_cast<const float*>(p.a.data), r, in, fitting_int4_group(in, kGroup)));
+    const PackedInt4& qb = a.packed.emplace_back(
+        pack_int4_rows(static_cast<const float*>(p.b.data), out, r, fitting_int4_group(r, kGroup)));
+    p.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
+    p.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
+    p.a.data = nullptr;
+    p.b.data = nullptr;
+    a.bytes += qa.bytes() + qb.bytes();
+  }
+  bool all_packed = true;
+  for (const ServeLoraPair& p : a.view.pairs) all_packed = all_packed && (!p.present() || p.quantized());
+  if (all_packed) {  // nothing points into the f32 copies or the file any more
+    a.owned.clear();
+    a.tensors.pairs.clear();
+    a.tensors.mapping.reset();
+  }
+}
+
+// One block for the whole adapter (A then B of each pair in turn): a pair's
+// factors are contiguous and the adapter is one allocation to free.
+void pack_bf16(LoadedAdapter& a) {
+  size_t n = 0;
+  for (const ServeLoraPair& p : a.view.pairs)
+    if (p.present()) n += static_cast<size_t>(p.a.numel() + p.b.numel());
+  a.halves.resize(n);
+  uint16_t* at = a.halves.data();
+  for (ServeLoraPair& p : a.view.pairs) {
+    if (!p.present()) continue;
+    const int64_t na = p.a.numel(), nb = p.b.numel();
+    const float* fa = static_cast<const float*>(p.a.data);
+    const float* fb = static_cast<const float*>(p.b.data);
+    for (int64_t i = 0; i < na; ++i) at[i] = fp32_to_bf16(fa[i]);
+    for (int64_t i = 0; i < nb; ++i) at[na + i] = fp32_to_bf16(fb[i]);
+    p.a16 = at;
+    p.b16 = at + na;
+    p.a.data = nullptr;
+    p.b.data = nullptr;
+    at += na + nb;
+  }
+  a.bytes = n * sizeof(uint16_t);
+  a.owned.clear();  // nothing points into the f32 copies or the file any more
+  a.tensors.pairs.clear();
+  a.tensors.mapping.reset();
+}
+
+}  // namespace
+
+void keep_adapter_in_bits(LoadedAdapter& a, int lora_bits) {
+  a.f32_bytes = 0;
+  for (const ServeLoraPair& p : a.view.pairs)
+    if (p.present()) a.f32_bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
+  a.bytes = a.f32_bytes;
+  if (lora_bits == 4) pack_4bit(a);
+  if (lora_bits == 16) pack_bf16(a);
+}
+
+}  // namespace loom
