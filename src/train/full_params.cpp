@@ -14,8 +14,9 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   tied_ = w.output.data == w.token_embd.data;
   // Pass 1: sizes and offsets, in a fixed order; pass 2 copies and re-points.
   size_t total = 0;
-  auto add = [&](int64_t n, bool decay, std::string name, int64_t rows = 0) {
-    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name), rows});
+  // `split`: a layer's projection or bias, cut by tensor parallel (model/tensor_parallel.h).
+  auto add = [&](int64_t n, bool decay, std::string name, int64_t rows = 0, bool split = false) {
+    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name), rows, split});
     total += static_cast<size_t>(n);
     return spans_.size() - 1;
   };
@@ -29,19 +30,19 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     LayerSpans s{};
     const std::string p = fmt::format("model.layers.{}.", ls.size());  // Hugging Face names
     s.attn_norm = add(H, false, p + "input_layernorm.weight");
-    s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight", L.wq.rows());
-    s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight", L.wk.rows());
-    s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight", L.wv.rows());
-    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight", L.wo.rows());
+    s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight", L.wq.rows(), true);
+    s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight", L.wk.rows(), true);
+    s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight", L.wv.rows(), true);
+    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight", L.wo.rows(), true);
     if (L.bq != nullptr) {
-      s.bq = add(L.wq.rows(), false, p + "self_attn.q_proj.bias");
-      s.bk = add(L.wk.rows(), false, p + "self_attn.k_proj.bias");
-      s.bv = add(L.wv.rows(), false, p + "self_attn.v_proj.bias");
+      s.bq = add(L.wq.rows(), false, p + "self_attn.q_proj.bias", 0, true);
+      s.bk = add(L.wk.rows(), false, p + "self_attn.k_proj.bias", 0, true);
+      s.bv = add(L.wv.rows(), false, p + "self_attn.v_proj.bias", 0, true);
     }
     s.ffn_norm = add(H, false, p + "post_attention_layernorm.weight");
-    s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight", L.w_gate.rows());
-    s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight", L.w_up.rows());
-    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight", L.w_down.rows());
+    s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight", L.w_gate.rows(), true);
+    s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight", L.w_up.rows(), true);
+    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight", L.w_down.rows(), true);
     ls.push_back(s);
     layer_ranges_.push_back({spans_[s.attn_norm].offset, spans_[s.down].offset + spans_[s.down].size});
   }
@@ -108,6 +109,13 @@ std::string FullParams::tensor_at(size_t offset) const {
 std::vector<TensorSpan> FullParams::tensor_spans() const {
   std::vector<TensorSpan> out;
   for (const Span& s : spans_) out.push_back({s.offset, s.size, s.rows});
+  return out;
+}
+
+std::vector<std::pair<size_t, size_t>> FullParams::unsplit_ranges() const {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (const Span& s : spans_)
+    if (!s.split) out.push_back({s.offset, s.size});
   return out;
 }
 

@@ -48,6 +48,10 @@ class FullParams {
   // ("model.layers.3.mlp.up_proj.weight"); "" past the end.
   std::string tensor_at(size_t offset) const;
   std::vector<TensorSpan> tensor_spans() const;  // every weight's run of the arena
+  // Tensor parallel: the runs of the tensors it does not cut (norms, embedding,
+  // output), whole and alike on every rank, their gradients too (computed from
+  // the summed input gradients).
+  std::vector<std::pair<size_t, size_t>> unsplit_ranges() const;
   // Layer l's run [begin, end) of the arena: its norms, matrices and biases.
   const std::vector<std::pair<size_t, size_t>>& layer_ranges() const { return layer_ranges_; }
 
@@ -65,6 +69,7 @@ class FullParams {
     bool decay;
     std::string name;
     int64_t rows = 0;  // matrices: their rows
+    bool split = false;  // cut by tensor parallel
   };
   void apply_mask(float* arena) const;
 

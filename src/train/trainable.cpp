@@ -12,6 +12,7 @@
 #include "model/peft_adapter.h"
 #include "model/tensor_parallel.h"
 #include "train/full_params.h"
+#include "train/full_tp.h"
 #include "train/lora_params.h"
 #include "train/lora_tp.h"
 #include "train/qat.h"
@@ -194,7 +195,7 @@ class LoraTrainable final : public TrainableParams {
 
 class FullTrainable final : public TrainableParams {
  public:
-  FullTrainable(ModelWeights& w, const ModelConfig& mc, ThreadPool& pool) : full_(w, mc, pool), pool_(pool) {}
+  FullTrainable(ModelWeights& w, const ModelConfig& mc, ThreadPool& pool) : full_(w, mc, pool), pool_(pool), w_(w) {}
   int64_t keep_zeros() {
     masked_ = true;
     return full_.keep_zeros();
@@ -228,6 +229,16 @@ class FullTrainable final : public TrainableParams {
     prepare_weights(model.mutable_weights(), backend);
     session.refresh_weights();
   }
+  // Tensor parallel: the weights were cut before the arena took them; the
+  // uncut tensors' gradients are alike on every rank (not partial sums).
+  void shard_for_tensor_parallel(const ModelConfig&, int, int ranks) override { tp_ranks_ = ranks; }
+  std::vector<std::pair<size_t, size_t>> replicated_ranges() const override {
+    return tp_ranks_ > 1 ? full_.unsplit_ranges() : std::vector<std::pair<size_t, size_t>>{};
+  }
+  bool replicated_grads_are_partial_sums() const override { return false; }
+  void gather_tensor_parallel(Communicator& comm, const ModelConfig&) override {
+    gather_full_tensor_parallel(comm, w_, whole_);
+  }
   int64_t added_params() const override { return 0; }
   std::string describe() const override {
     return qat_ ? "full fine-tuning (f32), QAT " + qat_->describe() : "full fine-tuning (f32)";
@@ -253,6 +264,9 @@ class FullTrainable final : public TrainableParams {
  private:
   FullParams full_;
   ThreadPool& pool_;
+  ModelWeights& w_;  // the model's, pointing into full_'s arena
+  int tp_ranks_ = 1;
+  std::vector<std::vector<float>> whole_;  // tensor parallel, rank 0 at the end: the whole model's tensors
   bool masked_ = false;
   std::unique_ptr<QatWeights> qat_;
 };
@@ -274,15 +288,15 @@ void TrainableParams::gather_tensor_parallel(Communicator&, const ModelConfig&) 
 }
 
 size_t TrainableParams::tensor_parallel_whole_size() const {
-  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
+  fail(ErrorKind::unsupported, "checkpoints of tensor parallel (dist.tp) hold LoRA adapters only in this build");
 }
 
 void TrainableParams::gather_tensor_parallel_array(Communicator&, std::span<const float>, std::vector<float>&) const {
-  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
+  fail(ErrorKind::unsupported, "checkpoints of tensor parallel (dist.tp) hold LoRA adapters only in this build");
 }
 
 void TrainableParams::take_tensor_parallel_shard(std::span<const float>, std::span<float>) const {
-  fail(ErrorKind::unsupported, "tensor parallel (dist.tp) trains LoRA adapters in this build");
+  fail(ErrorKind::unsupported, "checkpoints of tensor parallel (dist.tp) hold LoRA adapters only in this build");
 }
 
 TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
@@ -301,9 +315,11 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
     using Q = TrainConfig::BaseQuant;
     lo.quantize_base = c.quantize_base == Q::nf4 ? DType::nf4 : c.quantize_base == Q::q4_0 ? DType::q4_0 : DType::q8_0;
   }
+  const int tp = c.dist.tp;
   if (c.method == TrainMethod::full)
     lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) {
-      auto full = std::make_unique<FullTrainable>(w, mc, pool);
+      if (tp > 1) shard_weights_for_tensor_parallel(w, mc, tp_rank, tp);  // the arena takes this rank's shard
+      auto full = std::make_unique<FullTrainable>(w, tp > 1 ? tensor_parallel_config(mc, tp) : mc, pool);
       if (wants_sparsity_mask(c, mc)) {
         const int64_t zeros = full->keep_zeros();
         note(fmt::format("sparsity_mask: {} zero weights of the linear layers stay zero{}", zeros,
@@ -311,24 +327,20 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
       }
       out.params = std::move(full);
     };
-  const int tp = c.dist.tp;
-  if (tp > 1) {
-    if (c.method != TrainMethod::lora)
-      fail(ErrorKind::unsupported, "{}: dist.tp {} trains LoRA adapters in this build (method: full is not split "
-           "yet)", c.source, tp);
+  if (tp > 1 && c.method == TrainMethod::lora)
     lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) { shard_weights_for_tensor_parallel(w, mc, tp_rank, tp); };
-  }
   out.model = Model::load(c.model, lo);
   const ModelConfig full = out.model->config();
-  if (tp > 1) out.model->reshape(tensor_parallel_config(full, tp));
+  if (tp > 1) {
+    out.model->reshape(tensor_parallel_config(full, tp));
+    note(fmt::format("tensor parallel: rank {} of {} holds {} of {} heads, {} of {} kv heads, {} of {} MLP channels",
+                     tp_rank, tp, out.model->config().n_heads, full.n_heads, out.model->config().n_kv_heads,
+                     full.n_kv_heads, out.model->config().intermediate, full.intermediate));
+  }
+  if (tp > 1 && out.params) out.params->shard_for_tensor_parallel(full, tp_rank, tp);  // full fine-tuning
   if (c.method == TrainMethod::lora) {
     auto lora = std::make_unique<LoraTrainable>(out.model->config(), c.lora, pool);
-    if (tp > 1) {
-      lora->shard_for_tensor_parallel(full, tp_rank, tp);
-      note(fmt::format("tensor parallel: rank {} of {} holds {} of {} heads, {} of {} kv heads, {} of {} MLP channels",
-                       tp_rank, tp, out.model->config().n_heads, full.n_heads, out.model->config().n_kv_heads,
-                       full.n_kv_heads, out.model->config().intermediate, full.intermediate));
-    }
+    if (tp > 1) lora->shard_for_tensor_parallel(full, tp_rank, tp);
     if (!out.model->config().unstructured_pruning.empty())
       note(fmt::format("the model is pruned ({}): LoRA trains on it as it is; merging the adapter (loom merge, "
                        "export) keeps its zeros", out.model->config().unstructured_pruning));

@@ -62,8 +62,10 @@ class TrainableParams {
   virtual void start_qat(Model& model, TrainSession& session, Backend& backend, const IntQuantSpec& spec) = 0;
   virtual bool qat_started() const = 0;
 
-  // Tensor parallel (dist.tp; model/tensor_parallel.h), LoRA only (full
-  // fine-tuning throws unsupported). shard_for_tensor_parallel: the adapters
+  // Tensor parallel (dist.tp; model/tensor_parallel.h). Full fine-tuning trains
+  // the shard's weights (cut before the arena takes them), gathers them whole
+  // on rank 0 at the end and keeps no tensor-parallel checkpoints (the
+  // checkpoint functions below throw unsupported). LoRA: shard_for_tensor_parallel: the adapters
   // become rank `rank`'s shard of those a model of `full` shapes gets, with the
   // same initial values (A of o/down: this rank's columns; the other A whole;
   // B of q/k/v/gate/up: this rank's rows). replicated_ranges: the arena runs
@@ -72,6 +74,10 @@ class TrainableParams {
   // adapters become the whole ones, from every rank's shard (a collective).
   virtual void shard_for_tensor_parallel(const ModelConfig& full, int rank, int ranks);
   virtual std::vector<std::pair<size_t, size_t>> replicated_ranges() const { return {}; }
+  // Whether those runs' gradients are partial sums (LoRA) or already alike on
+  // every rank (full fine-tuning's norms, embedding and output: computed from
+  // summed input gradients); either way the gradient norm counts them once.
+  virtual bool replicated_grads_are_partial_sums() const { return true; }
   virtual void gather_tensor_parallel(Communicator& comm, const ModelConfig& full);
   // Checkpoints of a tensor-parallel run hold the whole model's arenas in one
   // process's layout (train/lora_tp.h), so they resume on any rank count:

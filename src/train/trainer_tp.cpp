@@ -2,7 +2,9 @@
 // rank trains the same batches on its shard of the heads and MLP channels; the
 // decoder sums the o and down products over the ranks, the backward the input
 // gradients of q/k/v and gate/up, and after the backward the gradients of the
-// adapters every rank holds whole (their partial sums). The global gradient
+// adapters every rank holds whole (their partial sums; full fine-tuning's
+// uncut norms, embedding and output have alike gradients already, train/full_tp.h
+// gathers its weights at the end). The global gradient
 // norm counts each shard once and the whole adapters once. LoRA dropout draws
 // one process's masks (TrainSession::set_tensor_parallel). Rank 0 gathers the
 // adapters of the whole model at the end, and at each checkpoint the adapters
@@ -27,6 +29,9 @@ void Trainer::check_tensor_parallel() const {
   // adamw8bit quantizes each tensor's moments in blocks from its first element: a shard's blocks are not the
   // whole tensor's, so its state cannot be written in (or read from) one process's layout.
   const bool checkpoints = c_.checkpoint_interval > 0 || c_.checkpoint_minutes > 0 || rt_.resume.has_value();
+  if (c_.method == TrainMethod::full && checkpoints)
+    fail(ErrorKind::unsupported, "{}: checkpoints of full fine-tuning with dist.tp are not written yet (the adapters' "
+         "are); leave checkpoint_interval and checkpoint_minutes at 0 and do not --resume", c_.source);
   if (c_.optimizer == OptimizerKind::adamw8bit && checkpoints)
     fail(ErrorKind::unsupported, "{}: optim.kind adamw8bit with dist.tp keeps no checkpoints (its 8-bit blocks of a "
          "shard are not those of the whole tensor); use optim.kind adamw, or leave checkpoint_interval and "
@@ -48,7 +53,7 @@ void Trainer::setup_tensor_parallel() {
 // The gradients of the adapters every rank holds whole are partial sums: one
 // all-reduce of all of them.
 void Trainer::sum_replicated_grads() {
-  if (!tp_sums_) return;
+  if (!tp_sums_ || !params_->replicated_grads_are_partial_sums()) return;
   const std::span<float> g = params_->grads();
   const std::vector<std::pair<size_t, size_t>> runs = params_->replicated_ranges();
   std::vector<float> buf;

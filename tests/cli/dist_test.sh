@@ -324,6 +324,17 @@ run tpck 2 1 "${tpc[@]}" --set dist.tp=2 && {
 run tpmin 2 1 "${tpd[@]}" --set dist.tp=2 --set checkpoint_minutes=0.00001 &&
   [[ $(ls -d "$tmp/tpmin/checkpoints"/step-* | wc -l) -ge 3 ]] && grep -q "(minutes)" "$tmp/tpmin.out" && ok ||
   bad "dist.tp 2 with checkpoint_minutes"
+# Full fine-tuning: each rank trains its shard of the weights in f32; rank 0 writes the whole model.
+tf=(--set method=full --set steps=4 --set eval_interval=2 --set backward=exact --set output_dtype=f32 --set optim.lr=1e-4)
+run tf1 1 1 "${tf[@]}" && run tf2 2 1 "${tf[@]}" --set dist.tp=2 && {
+  close_losses tf1 tf2 1e-5 && ok || bad "dist.tp 2, full fine-tuning: losses"
+  cmp -s "$tmp/tf1/config.json" "$tmp/tf2/config.json" && ok || bad "dist.tp 2, full fine-tuning: config.json"
+  close_tensors "$tmp/tf1/model.safetensors" "$tmp/tf2/model.safetensors" 1e-4 && ok ||
+    bad "dist.tp 2, full fine-tuning: the model written"
+}
+if ! run tfck 2 1 "${tf[@]}" --set dist.tp=2 --set checkpoint_interval=2 >/dev/null &&
+  grep -q "checkpoints of full fine-tuning with dist.tp" "$tmp/tfck.out"; then ok; else
+  bad "dist.tp full fine-tuning with checkpoints is not refused"; fi
 if ! run tp8bit 2 1 --set dist.tp=2 --set optim.kind=adamw8bit --set checkpoint_interval=2 >/dev/null &&
   grep -q "adamw8bit with dist.tp keeps no checkpoints" "$tmp/tp8bit.out"; then ok; else
   bad "dist.tp with adamw8bit and checkpoints is not refused"; fi
@@ -388,6 +399,10 @@ run d3_1 1 2 "${g2[@]}" && {
       bad "8 ranks: no record of the groups"
   }
 }
+# Full fine-tuning in 2 tensor-parallel groups: the bits of one group with grad_accum 2.
+tg=(--set method=full --set steps=3 --set eval_interval=1 --set output_dtype=f32 --set optim.lr=1e-4
+  --set dist.deterministic=true --set dist.tp=2)
+run dtf_1 2 2 "${tg[@]}" && run dtf_2 4 1 "${tg[@]}" && same_bits dtf_1 dtf_2 model.safetensors
 if ! run dtpzero 4 1 --set lora.dropout=0 --set dist.tp=2 --set dist.zero=1 >/dev/null &&
   grep -q "across tensor-parallel groups are not built yet" "$tmp/dtpzero.out"; then ok; else
   bad "dist.zero across tensor-parallel groups is not refused"; fi

@@ -6,7 +6,8 @@
 // with LoRA dropout (the masks one process draws; a rank's columns of a mask
 // bit for bit). Also the shard shapes, the sizes that do not divide, the
 // gathered adapters at the start equal to a whole model's initialization, and
-// the arena map (train/lora_tp.h) exact both ways.
+// the arena map (train/lora_tp.h) exact both ways; full fine-tuning's shards
+// gathered into one process's gradients.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -168,8 +169,11 @@ TEST(TensorParallel, ShardShapesAndSizesThatDoNotDivide) {
     EXPECT_NE(std::string(e.what()).find("kv heads (2)"), std::string::npos) << e.what();
   }
   TrainConfig full = lora_config(2);
-  full.method = TrainMethod::full;
-  EXPECT_THROW(load_trainable_model(full, *backend, pool, nullptr, 0), Error);
+  full.method = TrainMethod::full;  // the arena takes the shard
+  TrainableModel f = load_trainable_model(full, *backend, pool, nullptr, 1);
+  EXPECT_EQ(f.model->config().n_heads, 2);
+  EXPECT_EQ(f.model->weights().layers[0].w_down.cols(), 88);
+  EXPECT_EQ(f.model->weights().layers[0].w_down.dtype, DType::f32);
 }
 
 TEST(TensorParallel, TwoRanksEqualOneProcess) {
@@ -216,6 +220,89 @@ TEST(TensorParallel, TwoRanksEqualOneProcess) {
   LoraModel whole(ref.config, lc);
   ASSERT_EQ(gathered_init.size(), static_cast<size_t>(whole.param_count()));
   EXPECT_TRUE(std::equal(gathered_init.begin(), gathered_init.end(), whole.params()));
+}
+
+// Every weight of `w` as floats, by name (full fine-tuning's are f32 views of its arena).
+std::vector<std::pair<std::string, std::vector<float>>> weight_tensors(const ModelWeights& w, int64_t H) {
+  std::vector<std::pair<std::string, std::vector<float>>> out;
+  auto matrix = [&](const std::string& name, const Tensor& t) {
+    EXPECT_EQ(t.dtype, DType::f32) << name;
+    out.push_back({name, std::vector<float>(t.as<float>(), t.as<float>() + t.numel())});
+  };
+  auto vec = [&](const std::string& name, const float* v) { out.push_back({name, std::vector<float>(v, v + H)}); };
+  matrix("token_embd", w.token_embd);
+  matrix("output", w.output);
+  vec("output_norm", w.output_norm);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = "layer " + std::to_string(l) + " ";
+    vec(p + "attn_norm", L.attn_norm);
+    vec(p + "ffn_norm", L.ffn_norm);
+    matrix(p + "wq", L.wq);
+    matrix(p + "wk", L.wk);
+    matrix(p + "wv", L.wv);
+    matrix(p + "wo", L.wo);
+    matrix(p + "w_gate", L.w_gate);
+    matrix(p + "w_up", L.w_up);
+    matrix(p + "w_down", L.w_down);
+  }
+  return out;
+}
+
+// Full fine-tuning: 2 ranks, each with its f32 shard of the weights, give one
+// process's loss (1e-6) and, gathered whole, every weight's gradient within
+// 1e-5 of its largest value; the uncut tensors' gradients come out alike on
+// every rank without a sum. The gradients travel through the trainable's own
+// gather (copied into the parameter arena the model's weights view).
+TEST(TensorParallel, FullFineTuningTwoRanksEqualOneProcess) {
+  const Batch batch = make_batch();
+  const float scale = 1.0f / static_cast<float>(batch.target_tokens);
+  auto grads_into_params = [](TrainableParams& p) { std::copy(p.grads().begin(), p.grads().end(), p.params().begin()); };
+  TrainConfig c1 = lora_config(1);
+  c1.method = TrainMethod::full;
+  ThreadPool pool(1);
+  auto backend = make_backend(kCpu, pool);
+  TrainableModel one = load_trainable_model(c1, *backend, pool);
+  auto s1 = one.params->make_session(*one.model, *backend, BackwardMode::exact);
+  one.params->zero_grads();
+  const double ref_loss = s1->forward_backward(batch, scale).loss_sum * scale;
+  grads_into_params(*one.params);
+  const ModelConfig full = one.model->config();
+  const auto ref = weight_tensors(one.model->weights(), full.hidden);
+  const int N = 2;
+  std::vector<double> loss(N);
+  std::vector<std::pair<std::string, std::vector<float>>> got;
+  run_ranks(N, [&](ThreadCommunicator& comm) {
+    const int rank = comm.rank();
+    ThreadPool rank_pool(1);
+    auto rank_backend = make_backend(kCpu, rank_pool);
+    TrainConfig c = lora_config(N);
+    c.method = TrainMethod::full;
+    TrainableModel m = load_trainable_model(c, *rank_backend, rank_pool, nullptr, rank);
+    EXPECT_FALSE(m.params->replicated_grads_are_partial_sums());
+    EXPECT_FALSE(m.params->replicated_ranges().empty());
+    auto session = m.params->make_session(*m.model, *rank_backend, BackwardMode::exact);
+    CommSums sums(comm);
+    session->set_tensor_parallel(&sums, rank, N);
+    m.params->zero_grads();
+    loss[static_cast<size_t>(rank)] = session->forward_backward(batch, scale).loss_sum * scale;
+    grads_into_params(*m.params);
+    m.params->gather_tensor_parallel(comm, full);
+    if (rank == 0) got = weight_tensors(m.model->weights(), full.hidden);
+  });
+  for (int r = 0; r < N; ++r) EXPECT_NEAR(loss[static_cast<size_t>(r)], ref_loss, 1e-6 * ref_loss) << "rank " << r;
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const auto& [name, want] = ref[i];
+    ASSERT_EQ(got[i].second.size(), want.size()) << name;
+    float largest = 0, worst = 0;
+    for (size_t j = 0; j < want.size(); ++j) {
+      largest = std::max(largest, std::fabs(want[j]));
+      worst = std::max(worst, std::fabs(got[i].second[j] - want[j]));
+    }
+    EXPECT_GT(largest, 0.0f) << name << ": no gradient";
+    EXPECT_LE(worst, 1e-5f * largest) << name;
+  }
 }
 
 // A rank's columns of a [rows, cols] input draw those columns of the mask one
