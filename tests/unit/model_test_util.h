@@ -12,12 +12,28 @@
 #include <string>
 #include <vector>
 
+#include "model/config.h"
 #include "model/forward.h"
 #include "model/peft_adapter.h"
 #include "model/sampler.h"
 #include "serve/scheduler.h"
 
 namespace loom::test {
+
+// The tiny llama's shapes (tests/fixtures/model/tiny-llama.f32.gguf).
+inline ModelConfig tiny_llama_config() {
+  ModelConfig c;
+  c.arch = Arch::llama;
+  c.vocab_size = 256;
+  c.hidden = 64;
+  c.intermediate = 176;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 16;
+  c.max_context = 256;
+  return c;
+}
 
 // max |a - b| / max |b|.
 inline double relative_error(const float* a, const float* b, size_t n) {

@@ -25,20 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The tiny llama's shapes (tests/fixtures/model/tiny-llama.f32.gguf).
-ModelConfig tiny_config() {
-  ModelConfig c;
-  c.arch = Arch::llama;
-  c.vocab_size = 256;
-  c.hidden = 64;
-  c.intermediate = 176;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 16;
-  c.max_context = 256;
-  return c;
-}
+ModelConfig tiny_config() { return test::tiny_llama_config(); }
 
 struct AdapterFolders {
   fs::path root;

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -176,6 +177,31 @@ TEST(TensorParallel, ShardShapesAndSizesThatDoNotDivide) {
   EXPECT_EQ(f.model->weights().layers[0].w_down.dtype, DType::f32);
 }
 
+// One rank's step with its shard of `ref`'s adapters in `m`: the loss (per
+// target token) and the gradients, the whole adapters' partial sums summed
+// (the Trainer's sum_replicated_grads). The session stays for more calls.
+struct ShardStep {
+  std::unique_ptr<CommSums> sums;
+  std::unique_ptr<TrainSession> session;
+  double loss = 0;
+};
+ShardStep shard_step(ThreadCommunicator& comm, TrainableModel& m, Backend& backend, const Reference& ref,
+                     const LoraConfig& lc, const Batch& batch, uint64_t step = 0) {
+  const int rank = comm.rank(), N = comm.size();
+  const std::vector<float> mine = shard_arena(ref.params, ref.config, lc, rank, N);
+  std::copy(mine.begin(), mine.end(), m.params->params().begin());
+  ShardStep s;
+  s.sums = std::make_unique<CommSums>(comm);
+  s.session = m.params->make_session(*m.model, backend, BackwardMode::exact);
+  s.session->set_tensor_parallel(s.sums.get(), rank, N);
+  m.params->zero_grads();
+  const float scale = 1.0f / static_cast<float>(batch.target_tokens);
+  s.loss = s.session->forward_backward(batch, scale, step).loss_sum * scale;
+  const std::span<float> g = m.params->grads();
+  for (const auto& [o, n] : m.params->replicated_ranges()) comm.allreduce_sum(g.subspan(o, n));
+  return s;
+}
+
 TEST(TensorParallel, TwoRanksEqualOneProcess) {
   const Batch batch = make_batch();
   const Reference ref = whole_model_step(batch);
@@ -190,18 +216,11 @@ TEST(TensorParallel, TwoRanksEqualOneProcess) {
     TrainableModel m = load_trainable_model(lora_config(N), *backend, pool, nullptr, rank);
     // The adapters at the start, gathered: a whole model's initialization.
     std::vector<float> init(m.params->params().begin(), m.params->params().end());
-    const std::vector<float> mine = shard_arena(ref.params, ref.config, lc, rank, N);
-    std::copy(mine.begin(), mine.end(), m.params->params().begin());
-    auto session = m.params->make_session(*m.model, *backend, BackwardMode::exact);
-    CommSums sums(comm);
-    session->set_tensor_parallel(&sums, rank, N);
-    m.params->zero_grads();
+    const ShardStep s = shard_step(comm, m, *backend, ref, lc, batch);
+    loss[static_cast<size_t>(rank)] = s.loss;
     const float scale = 1.0f / static_cast<float>(batch.target_tokens);
-    loss[static_cast<size_t>(rank)] = session->forward_backward(batch, scale).loss_sum * scale;
-    eval_loss[static_cast<size_t>(rank)] = session->forward_loss(batch).loss_sum * scale;
-    // The whole adapters' partial gradients summed (the Trainer's sum_replicated_grads).
+    eval_loss[static_cast<size_t>(rank)] = s.session->forward_loss(batch).loss_sum * scale;
     const std::span<float> g = m.params->grads();
-    for (const auto& [o, n] : m.params->replicated_ranges()) comm.allreduce_sum(g.subspan(o, n));
     // Gather the gradients through the adapters' own gather: put them in the parameter arena.
     std::copy(g.begin(), g.end(), m.params->params().begin());
     m.params->gather_tensor_parallel(comm, ref.config);
@@ -377,16 +396,8 @@ TEST(TensorParallel, DropoutRanksEqualOneProcess) {
     ThreadPool pool(1);
     auto backend = make_backend(kCpu, pool);
     TrainableModel m = load_trainable_model(lora_config(N, p), *backend, pool, nullptr, rank);
-    const std::vector<float> mine = shard_arena(ref.params, ref.config, lc, rank, N);
-    std::copy(mine.begin(), mine.end(), m.params->params().begin());
-    auto session = m.params->make_session(*m.model, *backend, BackwardMode::exact);
-    CommSums sums(comm);
-    session->set_tensor_parallel(&sums, rank, N);
-    m.params->zero_grads();
-    const float scale = 1.0f / static_cast<float>(batch.target_tokens);
-    loss[static_cast<size_t>(rank)] = session->forward_backward(batch, scale, step).loss_sum * scale;
+    loss[static_cast<size_t>(rank)] = shard_step(comm, m, *backend, ref, lc, batch, step).loss;
     const std::span<float> g = m.params->grads();
-    for (const auto& [o, n] : m.params->replicated_ranges()) comm.allreduce_sum(g.subspan(o, n));
     std::vector<float> whole;
     m.params->gather_tensor_parallel_array(comm, g, whole);
     if (rank == 0) gathered = whole;
