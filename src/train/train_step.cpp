@@ -89,7 +89,8 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
     : TrainSession(config, weights, nullptr, &full, backend, backward) {}
 
 TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora,
-                           FullParams* full, Backend& backend, BackwardMode backward)
+                           FullParams* full, Backend& backend, BackwardMode backward,
+                           std::shared_ptr<TransposedWeights> transposed)
     : c_(config),
       w_(weights),
       lora_(lora),
@@ -99,24 +100,38 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
       backward_(backward),
       ws_(backend.make_workspace()),
       attention_(std::make_unique<SavedAttention>(*this)),
-      adapters_(lora ? make_trained_adapters(*this) : nullptr) {
+      adapters_(lora ? make_trained_adapters(*this) : nullptr),
+      wt_(std::move(transposed)) {
+  if (wt_) return;
+  wt_ = std::make_shared<TransposedWeights>();
   refresh_weights();
 }
 
 TrainSession::~TrainSession() = default;
 
+std::unique_ptr<TrainSession> TrainSession::sibling() {
+  std::unique_ptr<TrainSession> s(new TrainSession(c_, w_, lora_, full_, be_, backward_, wt_));
+  s->set_precision(precision_);
+  s->set_activation_options(opts_);
+  s->fused_lora_ = fused_lora_;
+  s->adapters_merged_ = adapters_merged_;
+  return s;
+}
+
 void TrainSession::refresh_weights() {
-  LOOM_ASSERT(w_.prepared.size() == w_.layers.size() && w_.output_prepared != nullptr);
+  LOOM_ASSERT(w_.prepared.size() == w_.layers.size() && (w_.output.data == nullptr) == (w_.output_prepared == nullptr));
   if (backward_ == BackwardMode::exact) return;
   // Full fine-tuning (and QAT's LoRA) repack every step: with the workspace's scratch, in place.
   Workspace* scratch = full_ || adapters_merged_ ? ws_.get() : nullptr;
   auto t = [&](const Tensor& W, WeightHandle& old) {
     return be_.prepare_transposed(W, backward_, "backward weight", std::move(old), scratch);
   };
-  wt_.resize(w_.layers.size());
+  TransposedWeights& wt = *wt_;
+  wt.layers.resize(w_.layers.size());
   for (size_t l = 0; l < w_.layers.size(); ++l) {
     const LayerWeights& L = w_.layers[l];
-    TransposedLayer& O = wt_[l];
+    if (!L.held()) continue;  // another pipeline stage's layer
+    TransposedLayer& O = wt.layers[l];
     TransposedLayer N;
     N.wq = t(L.wq, O.wq);
     N.wk = t(L.wk, O.wk);
@@ -127,7 +142,7 @@ void TrainSession::refresh_weights() {
     N.w_down = t(L.w_down, O.w_down);
     O = std::move(N);
   }
-  output_t_ = t(w_.output, output_t_);
+  if (w_.output.data != nullptr) wt.output = t(w_.output, wt.output);
 }
 
 void TrainSession::input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
@@ -333,8 +348,8 @@ size_t TrainSession::scratch_bytes() const {
 }
 
 size_t TrainSession::transposed_bytes() const {
-  size_t n = output_t_ ? output_t_->nbytes() : 0;
-  for (const TransposedLayer& L : wt_)
+  size_t n = wt_->output ? wt_->output->nbytes() : 0;
+  for (const TransposedLayer& L : wt_->layers)
     for (const WeightHandle* h : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
       if (*h) n += (*h)->nbytes();
   return n;
@@ -389,7 +404,7 @@ WorkspaceShape TrainSession::workspace_shape(int64_t tokens) const {
   s.rows = tokens;
   s.max_in = std::max({c_.hidden, c_.q_dim(), c_.intermediate});
   s.max_out = std::max({c_.hidden, c_.q_dim(), c_.kv_dim(), c_.intermediate});
-  s.vocab = c_.vocab_size;
+  s.vocab = w_.output.data != nullptr ? c_.vocab_size : 0;  // a pipeline stage without the head has no loss
   s.hidden = c_.hidden;
   s.precision = backward_;
   s.attention = dec_.attention_shape();
@@ -429,7 +444,7 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const LayerActs& a = layers_[static_cast<size_t>(l)];
   const TraceLayer trace_layer(be_.tracer(), l);
   const AttentionShape shape = dec_.attention_shape();
-  const TransposedLayer* Wt = wt_.empty() ? nullptr : &wt_[static_cast<size_t>(l)];
+  const TransposedLayer* Wt = wt_->layers.empty() ? nullptr : &wt_->layers[static_cast<size_t>(l)];
   auto wt = [&](const WeightHandle TransposedLayer::*m) { return Wt ? (Wt->*m).get() : nullptr; };
   const LayerGrads* G = full_ ? &full_->layer_grads(l) : nullptr;
 
@@ -511,7 +526,7 @@ LossResult TrainSession::loss_and_head_backward(const Batch& batch, float grad_s
   op.W = &w_.output;
   op.W_prepared = w_.output_prepared.get();
   op.precision = backward_;
-  op.Wt = output_t_.get();
+  op.Wt = wt_->output.get();
   op.h = xn_final_;
   op.labels = batch.targets.data();
   op.T = T;

@@ -70,8 +70,16 @@ class TrainSession {
   ~TrainSession();
 
   // Call after the weights changed (an optimizer step of full fine-tuning) and
-  // were prepared again (prepare_weights): rebuilds the transposed backward weights.
+  // were prepared again (prepare_weights): rebuilds the transposed backward
+  // weights (those of the held layers: a pipeline stage's own), for this
+  // session and its siblings.
   void refresh_weights();
+
+  // A session over the same model, parameters and backend with this one's
+  // settings (precision, activation options, fused LoRA, merged adapters) and
+  // its own activations, sharing this one's transposed backward weights:
+  // pipeline parallel keeps one per micro-batch in flight.
+  std::unique_ptr<TrainSession> sibling();
 
   // Loss of one micro-batch and, accumulated (+=) into lora.grads(), the gradient
   // of loss_sum * grad_scale. grad_scale = 1 / (target tokens of the whole
@@ -180,8 +188,18 @@ class TrainSession {
   class TrainedAdapters;  // train_step_lora.cpp
   static std::unique_ptr<LayerAdapters> make_trained_adapters(TrainSession& s);
 
+  // The W^T copies of the backward (held layers and output): one set, shared by
+  // a session and its siblings.
+  struct TransposedLayer {
+    WeightHandle wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+  struct TransposedWeights {
+    std::vector<TransposedLayer> layers;  // empty with the exact backward; a null handle: W read directly
+    WeightHandle output;
+  };
+  // `transposed` null: the session makes its own (refresh_weights).
   TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora, FullParams* full,
-               Backend& backend, BackwardMode backward);
+               Backend& backend, BackwardMode backward, std::shared_ptr<TransposedWeights> transposed = nullptr);
 
   // Where the saved activations of micro-batches of up to T tokens sit, as
   // offsets (in floats) from the arena's start: activation_layout(T, nullptr)
@@ -252,9 +270,6 @@ class TrainSession {
   void input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
                   bool accumulate = false);
 
-  struct TransposedLayer {
-    WeightHandle wq, wk, wv, wo, w_gate, w_up, w_down;
-  };
 
   const ModelConfig& c_;
   const ModelWeights& w_;
@@ -275,9 +290,7 @@ class TrainSession {
   std::vector<LayerActs> layers_;
   std::vector<float*> checkpoints_;
   std::vector<LayerRecord> records_;
-  // Empty with the exact backward; a null handle inside: W read directly (bf16 + AMX).
-  std::vector<TransposedLayer> wt_;
-  WeightHandle output_t_;
+  std::shared_ptr<TransposedWeights> wt_;  // never null
   float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr, *rope_cs_ = nullptr;
   DeviceBuffer work_;  // backward / temporary buffers (not saved)
   DeviceBuffer bt_;    // a LoRA B transposed (the widest)

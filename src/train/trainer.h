@@ -281,6 +281,9 @@ class Trainer {
   void restore_compression_state(const std::string& path, int64_t checkpoint_world);
   void on_root(std::string_view what, const std::function<void()>& work);
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
+  // Pipeline parallel: every stage's estimate (arenas, other, total) on rank 0,
+  // empty elsewhere (a collective).
+  std::vector<MemoryEstimate> stage_estimates(const MemoryEstimate& e) const;
 
   TrainConfig c_;
   bool dry_run_ = false;  // check(): nothing is written

@@ -1,6 +1,7 @@
 // The Trainer under pipeline parallel (dist.pp S): rank s holds the decoder
-// layers [s L / S, (s+1) L / S) in computation (every rank keeps the whole
-// model; the split of memory comes later), every rank reads the same
+// layers [s L / S, (s+1) L / S) (model/pipeline_stage.h: only their weights are
+// loaded, prepared and transposed; stage 0 adds the embedding, the last stage
+// the head; the LoRA arena stays whole on every rank), every rank reads the same
 // micro-batches, and they flow through the stages in the 1F1B order: stage s
 // runs S - s - 1 forwards, then one forward and one backward in turn, then the
 // remaining backwards (PipeDream-Flush, Megatron-LM's default). Activations go
@@ -30,26 +31,24 @@ void Trainer::check_pipeline_parallel() const {
   if (c_.gradient_checkpointing > 0 || c_.activation_dtype != TrainConfig::ActivationDType::f32)
     fail(ErrorKind::unsupported, "{}: dist.pp keeps every stage's activations in f32 (gradient_checkpointing and "
          "activation_dtype bf16 are not combined with it yet)", c_.source);
+  if (c_.qat.enabled())
+    fail(ErrorKind::unsupported, "{}: qat with dist.pp is not built yet (the fake-quantized W + s B A spans the "
+         "stages' layers)", c_.source);
 }
 
 void Trainer::setup_pipeline_parallel() {
   if (c_.dist.pp == 1) return;
-  const int64_t L = model_->config().n_layers, S = c_.dist.pp, s = rank();
-  if (L < S)
-    fail(ErrorKind::invalid_input, "{}: dist.pp {} stages for a model of {} layers", c_.source, S, L);
-  stage_first_ = s * L / S;
-  stage_last_ = (s + 1) * L / S;
-  // One session (its saved activations) per micro-batch of a step: up to S of them are in flight.
+  const int64_t L = model_->config().n_layers, S = c_.dist.pp;
+  const LayerSpan span = pipeline_stage_layers(L, *model_->stage());  // the layers the model holds
+  stage_first_ = span.first;
+  stage_last_ = span.last;
+  // One session (its saved activations) per micro-batch of a step: up to S of
+  // them are in flight. They share the first's transposed backward weights.
   stage_sessions_.clear();
-  for (int64_t i = 1; i < c_.grad_accum; ++i) {
-    std::unique_ptr<TrainSession> t = params_->make_session(*model_, *backend_, c_.backward);
-    t->set_precision(session_->precision());
-    t->set_activation_options(session_->activation_options());
-    stage_sessions_.push_back(std::move(t));
-  }
+  for (int64_t i = 1; i < c_.grad_accum; ++i) stage_sessions_.push_back(session_->sibling());
   log_->record(LogLevel::info, "dist",
-               fmt::format("pipeline parallel: {} stages of about {} layers, 1F1B over {} micro-batches a step; rank 0 "
-                           "runs layers [{}, {})", S, L / S, c_.grad_accum, stage_first_, stage_last_),
+               fmt::format("pipeline parallel: {} stages of about {} layers, 1F1B over {} micro-batches a step; rank {} "
+                           "runs layers [{}, {})", S, L / S, c_.grad_accum, rank(), stage_first_, stage_last_),
                {{"dist", {{"pipeline_stages", S}, {"micro_batches", c_.grad_accum}}}});
 }
 

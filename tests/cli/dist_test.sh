@@ -14,8 +14,9 @@
 #     finishes; a rank that hangs (SIGSTOP) ends the run after dist.timeout;
 #  8. tensor parallel (dist.tp 2): the losses of one process within 1e-5, the whole adapter gathered
 #     (the initialization bit for bit); what it does not support yet refused;
-#  9. pipeline parallel (dist.pp): 2 stages of the tiny model and 3 of the default model (1F1B, LoRA
-#     dropout, 1 to 4 micro-batches): the losses and adapter bytes of one process.
+#  9. pipeline parallel (dist.pp): 2 stages of the tiny model, 2 and 3 of the default model (1F1B, LoRA
+#     dropout, 1 to 4 micro-batches): the losses and adapter bytes of one process; each stage prepares
+#     and transposes only its own layers' weights (the memory record's per-stage estimates).
 # Exit 77 (skipped) without mpirun; under CI=true that is a failure.
 # Usage: dist_test.sh LOOM_BINARY SOURCE_DIR
 set -u
@@ -290,11 +291,40 @@ for ga in 1 3; do
   run "pp1_$ga" 1 $ga "${pp[@]}" && run "pp2_$ga" 2 $ga "${pp[@]}" --set dist.pp=2 &&
     same_bits "pp1_$ga" "pp2_$ga" adapter_model.safetensors
 done
-# The default model (30 layers) in 3 stages of 10, 4 micro-batches, LoRA dropout.
+# stage_weights ONE PP: each stage's prepared and transposed weights (the memory record of rank 0's
+# log_file) are well below one process's, and together exactly one process's (no layer twice).
+stage_weights() {
+  python3 - "$tmp/$1.log" "$tmp/$2.log" <<'EOF'
+import json, sys
+def memory(path):
+    for line in open(path):
+        m = json.loads(line).get("loom", {}).get("memory", {})
+        if "arenas" in m:
+            return m
+    sys.exit(f"{path}: no memory record")
+kinds = ("weights_prepared", "weights_backward")
+one = memory(sys.argv[1])["arenas"]
+stages = memory(sys.argv[2]).get("stages") or sys.exit("no per-stage estimates")
+w_one = sum(one[k] for k in kinds)
+w_stage = [sum(s[k] for k in kinds) for s in stages]
+print(f"  prepared + transposed weights: one process {w_one} bytes, the {len(stages)} stages {w_stage}")
+ok = all(w < 0.7 * w_one for w in w_stage) and all(sum(s[k] for s in stages) == one[k] for k in kinds)
+sys.exit(0 if ok else 1)
+EOF
+}
+# The default model (30 layers) in 2 stages of 15 and 3 of 10, 2 and 4 micro-batches, LoRA dropout:
+# the bits of one process, and each stage prepares only its own weights.
 smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ -f "$smol" ]]; then
   s3=(--set model="$smol" --set data.seq_len=32 --set batch_size=1 --set steps=2 --set eval_interval=0 --set lora.r=4)
-  run smol1 1 4 "${s3[@]}" && run smol3 3 4 "${s3[@]}" --set dist.pp=3 && same_bits smol1 smol3 adapter_model.safetensors
+  for S in 2 3; do
+    ga=$((2 * S - 2))
+    run "smol1_$S" 1 $ga "${s3[@]}" --set log_file="$tmp/smol1_$S.log" &&
+      run "smol$S" $S $ga "${s3[@]}" --set dist.pp=$S --set log_file="$tmp/smol$S.log" && {
+      same_bits "smol1_$S" "smol$S" adapter_model.safetensors
+      stage_weights "smol1_$S" "smol$S" && ok || bad "dist.pp $S: the stages' weights are not split"
+    }
+  done
 else
   bad "the default model $smol is missing (scripts/setup fetches it)"
 fi
