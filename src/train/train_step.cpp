@@ -101,13 +101,28 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
       ws_(backend.make_workspace()),
       attention_(std::make_unique<SavedAttention>(*this)),
       adapters_(lora ? make_trained_adapters(*this) : nullptr),
-      wt_(std::move(transposed)) {
+      wt_(std::move(transposed)),
+      span_(held_layers(weights)) {
   if (wt_) return;
   wt_ = std::make_shared<TransposedWeights>();
   refresh_weights();
 }
 
 TrainSession::~TrainSession() = default;
+
+// The run of layers the weights hold: all, or a pipeline stage's (model/pipeline_stage.h).
+LayerSpan TrainSession::held_layers(const ModelWeights& w) {
+  const auto L = static_cast<int64_t>(w.layers.size());
+  LayerSpan s{L, 0};
+  for (int64_t l = 0; l < L; ++l)
+    if (w.layers[static_cast<size_t>(l)].held()) {
+      s.first = std::min(s.first, l);
+      s.last = l + 1;
+    }
+  if (s.last == 0) s.first = 0;  // no layer (a model of none)
+  for (int64_t l = s.first; l < s.last; ++l) LOOM_ASSERT(w.layers[static_cast<size_t>(l)].held());  // one run
+  return s;
+}
 
 std::unique_ptr<TrainSession> TrainSession::sibling() {
   std::unique_ptr<TrainSession> s(new TrainSession(c_, w_, lora_, full_, be_, backward_, wt_));
@@ -190,6 +205,12 @@ int64_t TrainSession::segment_of(int64_t l) const {
   return N == 0 || l < first ? 0 : 1 + (l - first) / N;
 }
 
+int64_t TrainSession::segment_begin(int64_t k) const { return std::max(segment_start(k), span_.first); }
+
+int64_t TrainSession::segment_end(int64_t k) const {
+  return std::min(k + 1 < n_segments() ? segment_start(k + 1) : c_.n_layers, span_.last);
+}
+
 void TrainSession::set_activation_options(const ActivationOptions& o) {
   if (o.checkpoint_every < 0)
     fail(ErrorKind::invalid_input, "gradient_checkpointing: {} is negative (0 is off, N keeps every Nth layer's input)",
@@ -200,7 +221,7 @@ void TrainSession::set_activation_options(const ActivationOptions& o) {
 
 size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) const {
   const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_ ? lora_->config().r : 0;
-  const int64_t L = c_.n_layers, N = segment_layers();
+  const int64_t L = c_.n_layers, N = segment_layers(), first = span_.first, last = span_.last;
   const bool records = bf16_records();
   // Dropout's saved inputs whenever the adapters have dropout (evaluation runs
   // without it in the same layout, so switching never re-lays out).
@@ -245,24 +266,28 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
   o.layers.assign(static_cast<size_t>(L), LayerActs{});
   o.checkpoints.clear();
   o.records.clear();
+  // Only the layers of the session's span (a pipeline stage's own) get buffers.
   if (N == 0 && !records) {
-    for (int64_t l = 0; l < L; ++l) carve_layer(o.layers[static_cast<size_t>(l)], l);
+    for (int64_t l = first; l < last; ++l) carve_layer(o.layers[static_cast<size_t>(l)], l);
   } else {
-    std::vector<LayerActs> slots(static_cast<size_t>(N > 0 ? N : 2));
+    std::vector<LayerActs> slots(static_cast<size_t>(N > 0 ? std::min(N, last - first) : 2));
     for (LayerActs& a : slots) carve_layer(a, -1);
-    for (int64_t l = 0; l < L; ++l) {
+    for (int64_t l = first; l < last; ++l) {
       LayerActs& a = o.layers[static_cast<size_t>(l)];
-      a = slots[static_cast<size_t>(N > 0 ? l - segment_start(segment_of(l)) : l % 2)];
+      a = slots[static_cast<size_t>(N > 0 ? l - segment_begin(segment_of(l)) : l % 2)];
       for (int t = 0; t < kLoraTargetCount; ++t)
         if (!active(l, t)) a.ax[static_cast<size_t>(t)] = a.xd[static_cast<size_t>(t)] = nullptr;
     }
-    const int64_t n_checkpoints = N > 0 ? n_segments() - 1 : 0;  // the last segment is never recomputed
-    for (int64_t k = 0; k < n_checkpoints; ++k)
-      o.checkpoints.push_back(opts_.bf16 ? reinterpret_cast<float*>(carve_bf16(T * H)) : carve(T * H));
+    // Segment k's input where the span recomputes it (the model's last segment never is).
+    const int64_t n_checkpoints = N > 0 ? n_segments() - 1 : 0;
+    o.checkpoints.assign(static_cast<size_t>(n_checkpoints), nullptr);
+    for (int64_t k = N > 0 ? segment_of(first) : 0; k < n_checkpoints && segment_start(k) < last; ++k)
+      o.checkpoints[static_cast<size_t>(k)] = opts_.bf16 ? reinterpret_cast<float*>(carve_bf16(T * H)) : carve(T * H);
     if (records) {
       // The small ones (rstd, lse, A x) of every layer stay f32 and per layer; the
-      // large ones of layers 0 .. L-2 get bf16 records (the last layer's stay in its slot).
-      for (int64_t l = 0; l < L; ++l) {
+      // large ones of layers 0 .. L-2 get bf16 records (the model's last layer's
+      // stay in its slot).
+      for (int64_t l = first; l < last; ++l) {
         LayerActs& a = o.layers[static_cast<size_t>(l)];
         a.rstd1 = carve(T);
         a.lse = carve(T * c_.n_heads);
@@ -270,7 +295,7 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
         for (int t = 0; t < kLoraTargetCount; ++t) a.ax[static_cast<size_t>(t)] = active(l, t) ? carve(T * r) : nullptr;
       }
       o.records.resize(static_cast<size_t>(L - 1));
-      for (int64_t l = 0; l + 1 < L; ++l) {
+      for (int64_t l = first; l < std::min(last, L - 1); ++l) {
         LayerRecord& rec = o.records[static_cast<size_t>(l)];
         rec.x = carve_bf16(T * H);
         rec.xn1 = carve_bf16(T * H);
@@ -287,9 +312,13 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
       }
     }
   }
-  o.x_final = carve(T * H);
-  o.rstd_final = carve(T);
-  o.xn_final = carve(T * H);
+  if (last == L) {  // the head's
+    o.x_final = carve(T * H);
+    o.rstd_final = carve(T);
+    o.xn_final = carve(T * H);
+  } else {  // a stage's output, kept (and sent) until its next forward
+    o.x_final = carve(T * H);
+  }
   o.rope_cs = carve(T * c_.head_dim);
   return total;
 }
@@ -414,7 +443,7 @@ WorkspaceShape TrainSession::workspace_shape(int64_t tokens) const {
 }
 
 float* TrainSession::next_input(int64_t l) {
-  return l + 1 < c_.n_layers ? layers_[static_cast<size_t>(l + 1)].x : x_final_;
+  return l + 1 < span_.last ? layers_[static_cast<size_t>(l + 1)].x : x_final_;
 }
 
 void TrainSession::forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* x_next) {
@@ -547,6 +576,7 @@ LossResult TrainSession::loss_and_head_backward(const Batch& batch, float grad_s
 }
 
 LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step, bool backward) {
+  LOOM_ASSERT(span_.first == 0 && span_.last == c_.n_layers && w_.output.data != nullptr);  // a whole model
   check_batch(batch);
   const int64_t T = batch.rows * batch.seq_len, H = c_.hidden;
   const bool dropout = backward && lora_ && lora_->config().dropout > 0;
@@ -557,19 +587,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
 
   dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
   dec_.rope_table(pos_.data(), T, rope_cs_);
-  const int64_t N = segment_layers();
-  for (int64_t l = 0; l < c_.n_layers; ++l) {
-    const int64_t k = segment_of(l);
-    if (backward && N > 0 && l == segment_start(k) && static_cast<size_t>(k) < checkpoints_.size()) {
-      float* c = checkpoints_[static_cast<size_t>(k)];
-      if (opts_.bf16)
-        be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
-      else
-        std::memcpy(c, layers_[static_cast<size_t>(l)].x, static_cast<size_t>(T * H) * sizeof(float));
-    }
-    forward_layer(l, T, dropout, step, next_input(l));
-    if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
-  }
+  forward_layers(T, dropout, step, backward);
   if (backward) phase.emplace(be_.tracer(), "backward", tokens);  // ends the forward's
   const LossResult res = loss_and_head_backward(batch, grad_scale, backward);
   if (!backward) return res;
@@ -580,6 +598,24 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   return res;
 }
 
+// The span's layers forward from layers_[first].x; `backward`: keeping what
+// the backward needs (segment inputs, bf16 records).
+void TrainSession::forward_layers(int64_t T, bool dropout, uint64_t step, bool backward) {
+  const int64_t N = segment_layers(), H = c_.hidden;
+  for (int64_t l = span_.first; l < span_.last; ++l) {
+    const int64_t k = segment_of(l);
+    if (backward && N > 0 && l == segment_begin(k) && static_cast<size_t>(k) < checkpoints_.size()) {
+      float* c = checkpoints_[static_cast<size_t>(k)];
+      if (opts_.bf16)
+        be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
+      else
+        std::memcpy(c, layers_[static_cast<size_t>(l)].x, static_cast<size_t>(T * H) * sizeof(float));
+    }
+    forward_layer(l, T, dropout, step, next_input(l));
+    if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
+  }
+}
+
 // The layers' backward, last to first, into dres_. With checkpointing each
 // segment but the last is first recomputed from its checkpoint (its last
 // layer's output, not needed, spills into dxn_: between layers of the backward
@@ -587,7 +623,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
 void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
   const int64_t L = c_.n_layers, N = segment_layers();
   if (N == 0) {
-    for (int64_t l = L - 1; l >= 0; --l) {
+    for (int64_t l = span_.last - 1; l >= span_.first; --l) {
       if (bf16_records() && l + 1 < L) load_record(l, T);
       backward_layer(l, T, dropout, step, dres_);
       if (layer_done_) layer_done_(l);
@@ -595,8 +631,8 @@ void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
     return;
   }
   const int64_t n = n_segments();
-  for (int64_t k = n - 1; k >= 0; --k) {
-    const int64_t s = segment_start(k), e = k + 1 < n ? segment_start(k + 1) : L;
+  for (int64_t k = segment_of(span_.last - 1); k >= segment_of(span_.first); --k) {
+    const int64_t s = segment_begin(k), e = segment_end(k);
     if (k + 1 < n) {
       const float* c = checkpoints_[static_cast<size_t>(k)];
       float* x = layers_[static_cast<size_t>(s)].x;

@@ -28,9 +28,6 @@ void Trainer::check_pipeline_parallel() const {
   if (c_.method != TrainMethod::lora)
     fail(ErrorKind::unsupported, "{}: dist.pp trains LoRA adapters in this build (method: full is not split into "
          "stages yet)", c_.source);
-  if (c_.gradient_checkpointing > 0 || c_.activation_dtype != TrainConfig::ActivationDType::f32)
-    fail(ErrorKind::unsupported, "{}: dist.pp keeps every stage's activations in f32 (gradient_checkpointing and "
-         "activation_dtype bf16 are not combined with it yet)", c_.source);
   if (c_.qat.enabled())
     fail(ErrorKind::unsupported, "{}: qat with dist.pp is not built yet (the fake-quantized W + s B A spans the "
          "stages' layers)", c_.source);
@@ -74,8 +71,8 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     }
     LossResult r;
     const auto mask_counter = static_cast<uint64_t>(step * G + i);
-    const float* out = stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, stage_first_,
-                                                                           stage_last_, s > 0 ? x.data() : nullptr, &r);
+    const float* out =
+        stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, s > 0 ? x.data() : nullptr, &r);
     if (s + 1 < S)
       sends.push_back(rt_.comm->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
     else
@@ -127,7 +124,7 @@ LossResult Trainer::eval_pipeline(const DataSplit& split) {
     }
     LossResult r;
     const float* out =
-        session_->forward_stage(b, 0.0f, 0, stage_first_, stage_last_, s > 0 ? x.data() : nullptr, &r, false);
+        session_->forward_stage(b, 0.0f, 0, s > 0 ? x.data() : nullptr, &r, false);
     if (s + 1 < S) {
       auto req = rt_.comm->start_send(out, n * sizeof(float), s + 1, 0);
       rt_.comm->wait(*req, "pipeline send");

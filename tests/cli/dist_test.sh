@@ -15,8 +15,9 @@
 #  8. tensor parallel (dist.tp 2): the losses of one process within 1e-5, the whole adapter gathered
 #     (the initialization bit for bit); what it does not support yet refused;
 #  9. pipeline parallel (dist.pp): 2 stages of the tiny model, 2 and 3 of the default model (1F1B, LoRA
-#     dropout, 1 to 4 micro-batches): the losses and adapter bytes of one process; each stage prepares
-#     and transposes only its own layers' weights (the memory record's per-stage estimates).
+#     dropout, 1 to 4 micro-batches; gradient checkpointing and bf16 activations): the losses and
+#     adapter bytes of one process; each stage prepares and transposes only its own layers' weights
+#     (the memory record's per-stage estimates).
 # Exit 77 (skipped) without mpirun; under CI=true that is a failure.
 # Usage: dist_test.sh LOOM_BINARY SOURCE_DIR
 set -u
@@ -291,6 +292,14 @@ for ga in 1 3; do
   run "pp1_$ga" 1 $ga "${pp[@]}" && run "pp2_$ga" 2 $ga "${pp[@]}" --set dist.pp=2 &&
     same_bits "pp1_$ga" "pp2_$ga" adapter_model.safetensors
 done
+# Gradient checkpointing and bf16 saved activations, in stages as in one process (1 layer a segment).
+for acts in "gradient_checkpointing=1" "activation_dtype=bf16" "gradient_checkpointing=1 activation_dtype=bf16"; do
+  name=pp_${acts//[ _=]/}
+  sets=()
+  for a in $acts; do sets+=(--set "$a"); done
+  run "${name}_1" 1 3 --set steps=3 "${sets[@]}" && run "${name}_2" 2 3 --set steps=3 --set dist.pp=2 "${sets[@]}" &&
+    same_bits "${name}_1" "${name}_2" adapter_model.safetensors
+done
 # stage_weights ONE PP: each stage's prepared and transposed weights (the memory record of rank 0's
 # log_file) are well below one process's, and together exactly one process's (no layer twice).
 stage_weights() {
@@ -324,6 +333,15 @@ if [[ -f "$smol" ]]; then
       same_bits "smol1_$S" "smol$S" adapter_model.safetensors
       stage_weights "smol1_$S" "smol$S" && ok || bad "dist.pp $S: the stages' weights are not split"
     }
+  done
+  # Segments of 4 layers (starting at 2, 6, 10, 14, ...): stage 1 of 2 starts inside one and recomputes
+  # its part from its f32 input; segments of 5 with bf16 checkpoints: stage 1 starts one.
+  for acts in "gradient_checkpointing=4" "gradient_checkpointing=5 activation_dtype=bf16"; do
+    name=smol_${acts//[ _=]/}
+    sets=()
+    for a in $acts; do sets+=(--set "$a"); done
+    run "${name}_1" 1 2 "${s3[@]}" "${sets[@]}" && run "${name}_2" 2 2 "${s3[@]}" --set dist.pp=2 "${sets[@]}" &&
+      same_bits "${name}_1" "${name}_2" adapter_model.safetensors
   done
 else
   bad "the default model $smol is missing (scripts/setup fetches it)"

@@ -2,9 +2,13 @@
 // sessions: a stage holds and prepares only its own layers (the first also the
 // embedding, the last the head), and the stages run one after another in one
 // process (TrainSession::forward_stage / backward_stage) give the loss and the
-// LoRA gradients of the whole model bit for bit.
+// LoRA gradients of the whole model bit for bit, also with gradient
+// checkpointing (segments split by a stage boundary or not) and bf16 saved
+// activations; bf16 checkpoints of segments that a stage boundary splits stay
+// within the bf16 error. A stage's activation arena is its layers' share.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -96,6 +100,7 @@ TEST(PipelineStage, HoldsOnlyItsWeights) {
 struct Outcome {
   double loss = 0;
   std::vector<float> grads;
+  std::vector<size_t> activation_bytes;  // each session's
 };
 
 LoraModel make_lora(const ModelConfig& c, double dropout) {
@@ -110,20 +115,25 @@ LoraModel make_lora(const ModelConfig& c, double dropout) {
   return lora;
 }
 
+using Acts = TrainSession::ActivationOptions;
+
 // Two micro-batches (gradients accumulated) through the whole model.
-Outcome whole_model(Fixture& f, double dropout, BackwardMode mode, const std::vector<Batch>& batches) {
+Outcome whole_model(Fixture& f, double dropout, BackwardMode mode, const std::vector<Batch>& batches, Acts acts = {}) {
   const auto m = f.load(std::nullopt);
   LoraModel lora = make_lora(m->config(), dropout);
   TrainSession s(m->config(), m->weights(), lora, *f.backend, mode);
+  s.set_activation_options(acts);
   Outcome out;
   for (size_t i = 0; i < batches.size(); ++i) out.loss += s.forward_backward(batches[i], 0.01f, i).loss_sum;
   out.grads.assign(lora.grads(), lora.grads() + lora.param_count());
+  out.activation_bytes = {s.activation_bytes()};
   return out;
 }
 
 // The same through `stages` stage models, each with its own adapters (same
 // initialization), one stage after another; the gradients summed over the stages.
-Outcome staged(Fixture& f, int stages, double dropout, BackwardMode mode, const std::vector<Batch>& batches) {
+Outcome staged(Fixture& f, int stages, double dropout, BackwardMode mode, const std::vector<Batch>& batches,
+               Acts acts = {}) {
   std::vector<std::unique_ptr<Model>> models;
   std::vector<LoraModel> loras;
   std::vector<std::unique_ptr<TrainSession>> sessions;
@@ -131,17 +141,16 @@ Outcome staged(Fixture& f, int stages, double dropout, BackwardMode mode, const 
     models.push_back(f.load(PipelineStage{s, stages}));
     loras.push_back(make_lora(models.back()->config(), dropout));
   }
-  for (int s = 0; s < stages; ++s)
+  for (int s = 0; s < stages; ++s) {
     sessions.push_back(std::make_unique<TrainSession>(models[s]->config(), models[s]->weights(), loras[s], *f.backend,
                                                       mode));
+    sessions.back()->set_activation_options(acts);
+  }
   Outcome out;
   for (size_t i = 0; i < batches.size(); ++i) {
     const float* x = nullptr;
     LossResult r;
-    for (int s = 0; s < stages; ++s) {
-      const LayerSpan span = pipeline_stage_layers(kLayers, {s, stages});
-      x = sessions[static_cast<size_t>(s)]->forward_stage(batches[i], 0.01f, i, span.first, span.last, x, &r);
-    }
+    for (int s = 0; s < stages; ++s) x = sessions[static_cast<size_t>(s)]->forward_stage(batches[i], 0.01f, i, x, &r);
     out.loss += r.loss_sum;
     const float* dy = nullptr;
     for (int s = stages - 1; s >= 0; --s) dy = sessions[static_cast<size_t>(s)]->backward_stage(dy);
@@ -149,6 +158,7 @@ Outcome staged(Fixture& f, int stages, double dropout, BackwardMode mode, const 
   out.grads.assign(static_cast<size_t>(loras[0].param_count()), 0.0f);
   for (LoraModel& l : loras)
     for (size_t i = 0; i < out.grads.size(); ++i) out.grads[i] += l.grads()[i];
+  for (const auto& s : sessions) out.activation_bytes.push_back(s->activation_bytes());
   return out;
 }
 
@@ -168,6 +178,59 @@ TEST(PipelineStage, StagesGiveTheWholeModelsGradients) {
                               << backward_mode_name(mode);
       }
     }
+}
+
+// Gradient checkpointing every 2 layers of 5 (segments [0, 1), [1, 3), [3, 5))
+// and every 3 ([0, 2), [2, 5)), in 2 stages ([0, 2), [2, 5)) and 3 ([0, 1),
+// [1, 3), [3, 5)); f32 or bf16 saved activations.
+TEST(PipelineStage, CheckpointingAndBf16Activations) {
+  Fixture f;
+  const std::vector<Batch> batches = {make_batch(3), make_batch(4)};
+  for (const Acts acts : {Acts{0, true}, Acts{2, false}, Acts{3, false}, Acts{2, true}, Acts{3, true}}) {
+    const Outcome ref = whole_model(f, 0.1, BackwardMode::f16, batches, acts);
+    for (int stages : {2, 3}) {
+      const std::string what = std::to_string(stages) + " stages, checkpoint_every " +
+                               std::to_string(acts.checkpoint_every) + (acts.bf16 ? ", bf16" : ", f32");
+      const Outcome got = staged(f, stages, 0.1, BackwardMode::f16, batches, acts);
+      // bf16 checkpoints: one process recomputes a segment from its bf16 input; a
+      // stage that starts inside the segment recomputes its part from its f32 input.
+      bool splits = false;
+      for (int s = 1; s < stages; ++s) {
+        const int64_t start = pipeline_stage_layers(kLayers, {s, stages}).first, N = acts.checkpoint_every;
+        splits = splits || (N > 0 && (kLayers - start) % N != 0);
+      }
+      ASSERT_EQ(got.grads.size(), ref.grads.size());
+      if (acts.bf16 && splits) {
+        double largest = 0, diff = 0;
+        for (size_t i = 0; i < ref.grads.size(); ++i) {
+          largest = std::max(largest, std::fabs(static_cast<double>(ref.grads[i])));
+          diff = std::max(diff, std::fabs(static_cast<double>(got.grads[i]) - ref.grads[i]));
+        }
+        EXPECT_LT(diff, 2e-2 * largest) << what;
+        EXPECT_GT(diff, 0.0) << what << ": a split bf16 segment is expected to round differently";
+        continue;
+      }
+      EXPECT_EQ(got.loss, ref.loss) << what;
+      size_t differ = 0;
+      for (size_t i = 0; i < ref.grads.size(); ++i) differ += got.grads[i] != ref.grads[i];
+      EXPECT_EQ(differ, 0u) << what;
+    }
+  }
+}
+
+// A stage lays out activations for its own layers only: the stages' arenas
+// together are about one whole model's (each adds its output and rope table).
+TEST(PipelineStage, ActivationsSplitOverTheStages) {
+  Fixture f;
+  const std::vector<Batch> batches = {make_batch(5)};
+  const Outcome ref = whole_model(f, 0.1, BackwardMode::f16, batches);
+  const Outcome got = staged(f, 3, 0.1, BackwardMode::f16, batches);
+  size_t sum = 0;
+  for (size_t b : got.activation_bytes) {
+    EXPECT_LT(b, ref.activation_bytes[0] * 3 / 5);  // at most 2 of 5 layers and the head
+    sum += b;
+  }
+  EXPECT_LT(sum, ref.activation_bytes[0] * 11 / 10);
 }
 
 }  // namespace
