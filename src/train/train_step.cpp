@@ -312,12 +312,10 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
       }
     }
   }
-  if (last == L) {  // the head's
-    o.x_final = carve(T * H);
+  o.x_final = carve(T * H);  // the head's input, or a stage's output (kept, and sent, until its next forward)
+  if (last == L) {
     o.rstd_final = carve(T);
     o.xn_final = carve(T * H);
-  } else {  // a stage's output, kept (and sent) until its next forward
-    o.x_final = carve(T * H);
   }
   o.rope_cs = carve(T * c_.head_dim);
   return total;

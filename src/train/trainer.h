@@ -262,6 +262,7 @@ class Trainer {
   // Pipeline parallel (trainer_pp.cpp).
   void check_pipeline_parallel() const;
   void setup_pipeline_parallel();
+  int64_t in_flight() const;  // micro-batches a pipeline stage holds at once: min(grad_accum, S - s)
   TrainSession& stage_session(size_t micro_batch);
   double pipeline_step(float scale, int64_t step);
   LossResult eval_pipeline(const DataSplit& split);

@@ -39,17 +39,22 @@ void Trainer::setup_pipeline_parallel() {
   const LayerSpan span = pipeline_stage_layers(L, *model_->stage());  // the layers the model holds
   stage_first_ = span.first;
   stage_last_ = span.last;
-  // One session (its saved activations) per micro-batch of a step: up to S of
-  // them are in flight. They share the first's transposed backward weights.
+  // One session (its saved activations) per micro-batch in flight: 1F1B has
+  // at most S - s on stage s. They share the first's transposed backward weights.
   stage_sessions_.clear();
-  for (int64_t i = 1; i < c_.grad_accum; ++i) stage_sessions_.push_back(session_->sibling());
+  for (int64_t i = 1; i < in_flight(); ++i) stage_sessions_.push_back(session_->sibling());
   log_->record(LogLevel::info, "dist",
                fmt::format("pipeline parallel: {} stages of about {} layers, 1F1B over {} micro-batches a step; rank {} "
                            "runs layers [{}, {})", S, L / S, c_.grad_accum, rank(), stage_first_, stage_last_),
                {{"dist", {{"pipeline_stages", S}, {"micro_batches", c_.grad_accum}}}});
 }
 
-TrainSession& Trainer::stage_session(size_t i) { return i == 0 ? *session_ : *stage_sessions_[i - 1]; }
+int64_t Trainer::in_flight() const { return std::min<int64_t>(c_.grad_accum, c_.dist.pp - rank()); }
+
+TrainSession& Trainer::stage_session(size_t i) {
+  const size_t j = i % static_cast<size_t>(in_flight());
+  return j == 0 ? *session_ : *stage_sessions_[j - 1];
+}
 
 // One step's micro-batches through this stage in 1F1B order; returns the
 // loss sum over the step (every rank: the last stage's, all-reduced).
@@ -57,7 +62,14 @@ double Trainer::pipeline_step(float scale, int64_t step) {
   const int S = c_.dist.pp, s = rank();
   const auto G = static_cast<int64_t>(micro_.size());
   const int64_t H = model_->config().hidden;
-  std::vector<std::unique_ptr<CommRequest>> sends;
+  // The sends out of each session's buffers (its output, its input gradient):
+  // done before the session takes the next micro-batch, and at the end of the step.
+  const int64_t K = in_flight();
+  std::vector<std::vector<std::unique_ptr<CommRequest>>> sends(static_cast<size_t>(K));
+  auto wait_sends = [&](int64_t j) {
+    for (auto& r : sends[static_cast<size_t>(j)]) rt_.comm->wait(*r, "pipeline send");
+    sends[static_cast<size_t>(j)].clear();
+  };
   std::vector<float> x;
   double loss_sum = 0;
   auto tokens = [&](int64_t i) { return micro_[static_cast<size_t>(i)].rows * micro_[static_cast<size_t>(i)].seq_len; };
@@ -65,6 +77,7 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const Batch& b = micro_[static_cast<size_t>(i)];
     if (b.target_tokens == 0) return;  // every stage skips it, as one process does
     const int64_t n = tokens(i) * H;
+    wait_sends(i % K);  // micro-batch i - K's, whose receivers have it or are about to take it
     if (s > 0) {
       x.resize(static_cast<size_t>(n));
       rt_.comm->recv(x.data(), x.size() * sizeof(float), s - 1, static_cast<int>(2 * i));
@@ -74,7 +87,8 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const float* out =
         stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, s > 0 ? x.data() : nullptr, &r);
     if (s + 1 < S)
-      sends.push_back(rt_.comm->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
+      sends[static_cast<size_t>(i % K)].push_back(
+          rt_.comm->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
     else
       loss_sum += r.loss_sum;
     input_tokens_ += tokens(i);
@@ -88,8 +102,9 @@ double Trainer::pipeline_step(float scale, int64_t step) {
       rt_.comm->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
     }
     const float* dx = stage_session(static_cast<size_t>(i)).backward_stage(s + 1 < S ? dy.data() : nullptr);
-    if (s > 0)  // the session keeps dx until its next call: after this step
-      sends.push_back(rt_.comm->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
+    if (s > 0)  // the session keeps dx until its next call
+      sends[static_cast<size_t>(i % K)].push_back(
+          rt_.comm->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
   };
   const int64_t warm = std::min<int64_t>(S - s - 1, G);
   for (int64_t i = 0; i < warm; ++i) forward(i);
@@ -98,7 +113,7 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     backward(i - warm);
   }
   for (int64_t i = G - warm; i < G; ++i) backward(i);
-  for (auto& r : sends) rt_.comm->wait(*r, "pipeline send");
+  for (int64_t j = 0; j < K; ++j) wait_sends(j);
   // Each layer's gradients live on its stage: the sum over stages gives every rank all of them.
   const std::span<float> g = params_->grads();
   rt_.comm->allreduce_sum(g);

@@ -17,7 +17,7 @@
 #  9. pipeline parallel (dist.pp): 2 stages of the tiny model, 2 and 3 of the default model (1F1B, LoRA
 #     dropout, 1 to 4 micro-batches; gradient checkpointing and bf16 activations): the losses and
 #     adapter bytes of one process; each stage prepares and transposes only its own layers' weights
-#     (the memory record's per-stage estimates).
+#     and keeps activations for its layers and the micro-batches in flight (per-stage estimates).
 # Exit 77 (skipped) without mpirun; under CI=true that is a failure.
 # Usage: dist_test.sh LOOM_BINARY SOURCE_DIR
 set -u
@@ -300,10 +300,11 @@ for acts in "gradient_checkpointing=1" "activation_dtype=bf16" "gradient_checkpo
   run "${name}_1" 1 3 --set steps=3 "${sets[@]}" && run "${name}_2" 2 3 --set steps=3 --set dist.pp=2 "${sets[@]}" &&
     same_bits "${name}_1" "${name}_2" adapter_model.safetensors
 done
-# stage_weights ONE PP: each stage's prepared and transposed weights (the memory record of rank 0's
-# log_file) are well below one process's, and together exactly one process's (no layer twice).
-stage_weights() {
-  python3 - "$tmp/$1.log" "$tmp/$2.log" <<'EOF'
+# stage_memory ONE PP G: each stage's prepared and transposed weights (the memory record of rank 0's
+# log_file) are well below one process's, and together exactly one process's (no layer twice); stage s
+# of S keeps activations for its layers only, for the min(G, S - s) micro-batches 1F1B has in flight.
+stage_memory() {
+  python3 - "$tmp/$1.log" "$tmp/$2.log" "$3" <<'EOF'
 import json, sys
 def memory(path):
     for line in open(path):
@@ -318,6 +319,11 @@ w_one = sum(one[k] for k in kinds)
 w_stage = [sum(s[k] for k in kinds) for s in stages]
 print(f"  prepared + transposed weights: one process {w_one} bytes, the {len(stages)} stages {w_stage}")
 ok = all(w < 0.7 * w_one for w in w_stage) and all(sum(s[k] for s in stages) == one[k] for k in kinds)
+S, G = len(stages), int(sys.argv[3])
+acts = [s["activations"] for s in stages]
+print(f"  activations: one process {one['activations']} bytes, the stages {acts} ({G} micro-batches)")
+# 10% over the layers' share: each stage's output and rope table.
+ok = ok and all(a <= 1.1 * one["activations"] * min(G, S - i) / S for i, a in enumerate(acts))
 sys.exit(0 if ok else 1)
 EOF
 }
@@ -331,7 +337,7 @@ if [[ -f "$smol" ]]; then
     run "smol1_$S" 1 $ga "${s3[@]}" --set log_file="$tmp/smol1_$S.log" &&
       run "smol$S" $S $ga "${s3[@]}" --set dist.pp=$S --set log_file="$tmp/smol$S.log" && {
       same_bits "smol1_$S" "smol$S" adapter_model.safetensors
-      stage_weights "smol1_$S" "smol$S" && ok || bad "dist.pp $S: the stages' weights are not split"
+      stage_memory "smol1_$S" "smol$S" $ga && ok || bad "dist.pp $S: the stages' memory is not split"
     }
   done
   # Segments of 4 layers (starting at 2, 6, 10, 14, ...): stage 1 of 2 starts inside one and recomputes
