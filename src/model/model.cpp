@@ -84,7 +84,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     if (with_tokenizer) m->tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_gguf(g));
   }
   if (options.stage) {  // before any copy is made of a layer this stage does not hold
-    keep_stage_weights(m->weights_, *options.stage);
+    keep_stage_weights(m->weights_, *options.stage, path);
     m->stage_ = options.stage;
   }
   if (options.quantize_base) {

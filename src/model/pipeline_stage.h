@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "model/weights.h"
 
@@ -27,6 +28,7 @@ struct LayerSpan {
 LayerSpan pipeline_stage_layers(int64_t n_layers, PipelineStage s);
 
 // Unbinds what stage `s` does not hold (`w` bound, nothing prepared yet).
-void keep_stage_weights(ModelWeights& w, PipelineStage s);
+// Throws invalid_input naming `source` (the model) when the stages outnumber its layers.
+void keep_stage_weights(ModelWeights& w, PipelineStage s, const std::string& source);
 
 }  // namespace loom

@@ -33,7 +33,8 @@ struct Fixture {
     test_util::write_random_llama(dir.str(), kLayers);
   }
   std::unique_ptr<Model> load(std::optional<PipelineStage> stage) {
-    return Model::load(dir.str(), {.tokenizer = false, .pack = true, .backend = backend.get(), .stage = stage});
+    return Model::load(dir.str(),
+                       {.tokenizer = false, .pack = true, .backend = backend.get(), .stage = stage});
   }
   test_util::TempDir dir;
   ThreadPool pool;
@@ -68,8 +69,11 @@ TEST(PipelineStage, LayerSpans) {
   const LayerSpan c = pipeline_stage_layers(5, {1, 2});  // 5 = 2 + 3
   EXPECT_EQ(c.first, 2);
   EXPECT_EQ(c.last, 5);
-  test_util::expect_error([] { pipeline_stage_layers(2, {0, 3}); }, ErrorKind::invalid_input,
-                          {"3 stages", "2 layers"});
+  test_util::expect_error(
+      [] {
+        pipeline_stage_layers(2, {0, 3});
+      },
+      ErrorKind::invalid_input, {"3 stages", "2 layers"});
 }
 
 // Each stage holds and prepares only its layers; together they hold the whole model once.
@@ -95,6 +99,11 @@ TEST(PipelineStage, HoldsOnlyItsWeights) {
     bytes += m->weight_bytes();
   }
   EXPECT_EQ(bytes, whole->weight_bytes());
+  test_util::expect_error(
+      [&] {
+        f.load(PipelineStage{0, 6});
+      },
+      ErrorKind::invalid_input, {f.dir.str(), "6 pipeline stages", "5 layers"});
 }
 
 struct Outcome {
@@ -118,7 +127,8 @@ LoraModel make_lora(const ModelConfig& c, double dropout) {
 using Acts = TrainSession::ActivationOptions;
 
 // Two micro-batches (gradients accumulated) through the whole model.
-Outcome whole_model(Fixture& f, double dropout, BackwardMode mode, const std::vector<Batch>& batches, Acts acts = {}) {
+Outcome whole_model(Fixture& f, double dropout, BackwardMode mode, const std::vector<Batch>& batches,
+                    Acts acts = {}) {
   const auto m = f.load(std::nullopt);
   LoraModel lora = make_lora(m->config(), dropout);
   TrainSession s(m->config(), m->weights(), lora, *f.backend, mode);
@@ -142,15 +152,16 @@ Outcome staged(Fixture& f, int stages, double dropout, BackwardMode mode, const 
     loras.push_back(make_lora(models.back()->config(), dropout));
   }
   for (int s = 0; s < stages; ++s) {
-    sessions.push_back(std::make_unique<TrainSession>(models[s]->config(), models[s]->weights(), loras[s], *f.backend,
-                                                      mode));
+    sessions.push_back(std::make_unique<TrainSession>(models[s]->config(), models[s]->weights(), loras[s],
+                                                      *f.backend, mode));
     sessions.back()->set_activation_options(acts);
   }
   Outcome out;
   for (size_t i = 0; i < batches.size(); ++i) {
     const float* x = nullptr;
     LossResult r;
-    for (int s = 0; s < stages; ++s) x = sessions[static_cast<size_t>(s)]->forward_stage(batches[i], 0.01f, i, x, &r);
+    for (int s = 0; s < stages; ++s)
+      x = sessions[static_cast<size_t>(s)]->forward_stage(batches[i], 0.01f, i, x, &r);
     out.loss += r.loss_sum;
     const float* dy = nullptr;
     for (int s = stages - 1; s >= 0; --s) dy = sessions[static_cast<size_t>(s)]->backward_stage(dy);
