@@ -36,7 +36,8 @@ LayerBuffers StepActivations::layer() const {
 
 Decoder::Decoder(const ModelConfig& config, const ModelWeights& weights, Backend& backend)
     : c_(config), w_(weights), be_(backend) {
-  LOOM_ASSERT(weights.prepared.size() == weights.layers.size() && weights.output_prepared != nullptr);
+  LOOM_ASSERT(weights.prepared.size() == weights.layers.size() &&
+              (weights.output.data == nullptr) == (weights.output_prepared == nullptr));
 }
 
 void Decoder::check_tokens(std::span<const int32_t> tokens) const {
@@ -55,6 +56,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   const auto eps = static_cast<float>(c_.rms_eps);
   const LayerWeights& L = w_.layers[static_cast<size_t>(l)];
   const PreparedLayer& P = w_.prepared[static_cast<size_t>(l)];
+  LOOM_ASSERT(L.held());  // a pipeline stage runs only its own layers
   const TraceLayer trace_layer(be_.tracer(), l);
   float* k = attn.keys(l);
   float* v = attn.values(l);

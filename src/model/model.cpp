@@ -83,6 +83,10 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     m->chat_template_ = g.opt_string("tokenizer.chat_template");
     if (with_tokenizer) m->tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_gguf(g));
   }
+  if (options.stage) {  // before any copy is made of a layer this stage does not hold
+    keep_stage_weights(m->weights_, *options.stage, path);
+    m->stage_ = options.stage;
+  }
   if (options.quantize_base) {
     if (options.dequantize)
       fail(ErrorKind::internal, "Model::load({}): quantize_base together with dequantize", path);
@@ -107,12 +111,17 @@ int64_t Model::parameter_count() const {
 }
 
 size_t Model::weight_bytes() const {
-  size_t n = weights_.token_embd.nbytes();
-  if (weights_.output.data != weights_.token_embd.data) n += weights_.output.nbytes();
-  for (const auto& L : weights_.layers)
-    for (const Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) n += t->nbytes();
+  const ModelWeights& w = weights_;
   const size_t vec = static_cast<size_t>(config_.hidden) * sizeof(float);
-  return n + vec * (2 * weights_.layers.size() + 1);
+  size_t n = w.token_embd.data != nullptr ? w.token_embd.nbytes() : 0;
+  if (w.output.data != nullptr && w.output.data != w.token_embd.data) n += w.output.nbytes();
+  if (w.output_norm != nullptr) n += vec;
+  for (const auto& L : w.layers) {
+    if (!L.held()) continue;
+    for (const Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) n += t->nbytes();
+    n += 2 * vec;  // the two norms
+  }
+  return n;
 }
 
 }  // namespace loom

@@ -11,6 +11,7 @@
 
 #include "kernels/backend.h"
 #include "model/config.h"
+#include "model/pipeline_stage.h"
 #include "model/weights.h"
 
 namespace loom {
@@ -32,6 +33,10 @@ class Model {
     // Runs after the weights are bound (and dequantized) and before packing, e.g.
     // to merge an adapter into f32 copies of some matrices (model/adapter_merge.h).
     std::function<void(ModelWeights&, const ModelConfig&)> before_pack = nullptr;
+    // Pipeline parallel: only this stage's layers (and embedding / head) are
+    // kept, from the moment they are bound (model/pipeline_stage.h); the
+    // config stays the whole model's.
+    std::optional<PipelineStage> stage = std::nullopt;
   };
   // Loads weights and tokenizer. Throws loom::Error naming the path.
   static std::unique_ptr<Model> load(const std::string& path, const LoadOptions& options);
@@ -58,9 +63,12 @@ class Model {
   // The folder's bitsandbytes quantization ("nf4"), empty for other models.
   const std::string& bnb_quant_type() const { return bnb_quant_type_; }
 
-  // Counts and bytes of the weights, for `loom info`.
+  // Counts and bytes of the weights, for `loom info`: the count is the whole
+  // model's, the bytes those held (a pipeline stage's own).
   int64_t parameter_count() const;
   size_t weight_bytes() const;
+  // A pipeline stage's cut (LoadOptions::stage); nullopt: the whole model.
+  const std::optional<PipelineStage>& stage() const { return stage_; }
 
  private:
   Model() = default;
@@ -74,6 +82,7 @@ class Model {
   std::optional<std::string> chat_template_;
   std::vector<int32_t> extra_eos_;
   std::string bnb_quant_type_;
+  std::optional<PipelineStage> stage_;
 };
 
 }  // namespace loom

@@ -52,6 +52,7 @@ void quantize_base_weights(ModelWeights& w, DType target, const std::string& sou
   const int64_t bs = dtype_block_size(target);
   for (size_t l = 0; l < w.layers.size(); ++l) {
     LayerWeights& L = w.layers[l];
+    if (!L.held()) continue;  // another pipeline stage's layer: no copy here
     Tensor* mats[] = {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down};
     for (int i = 0; i < 7; ++i) {
       Tensor& t = *mats[i];

@@ -64,6 +64,7 @@ void shard_weights_for_tensor_parallel(ModelWeights& w, const ModelConfig& full,
   LOOM_ASSERT(rank >= 0 && rank < ranks);
   const int64_t Q = c.q_dim(), KV = c.kv_dim(), F = c.intermediate;
   for (LayerWeights& L : w.layers) {
+    if (!L.held()) continue;  // another pipeline stage's layer
     L.wq = row_slice(L.wq, rank * Q, Q);
     L.wk = row_slice(L.wk, rank * KV, KV);
     L.wv = row_slice(L.wv, rank * KV, KV);

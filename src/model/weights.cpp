@@ -77,7 +77,7 @@ class Binder {
 
 void dequantize_weights(ModelWeights& w) {
   auto expand = [&w](Tensor& t) {
-    if (t.dtype == DType::f32) return;
+    if (t.data == nullptr || t.dtype == DType::f32) return;  // not held (a pipeline stage's cut), or f32 already
     auto& buf = w.owned.emplace_back(static_cast<size_t>(t.numel()));
     for (int64_t r = 0; r < t.rows(); ++r) dequantize_row(t.dtype, t.row_ptr(r), buf.data() + r * t.cols(), t.cols());
     t.data = buf.data();
@@ -97,6 +97,7 @@ void prepare_weights(ModelWeights& w, Backend& backend) {
   w.prepared.resize(w.layers.size());
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& L = w.layers[l];
+    if (!L.held()) continue;
     PreparedLayer& P = w.prepared[l];
     P.wq = backend.prepare_weight(L.wq, "attn_q", std::move(P.wq));
     P.wk = backend.prepare_weight(L.wk, "attn_k", std::move(P.wk));
@@ -106,7 +107,8 @@ void prepare_weights(ModelWeights& w, Backend& backend) {
     P.w_up = backend.prepare_weight(L.w_up, "ffn_up", std::move(P.w_up));
     P.w_down = backend.prepare_weight(L.w_down, "ffn_down", std::move(P.w_down));
   }
-  w.output_prepared = backend.prepare_weight(w.output, "output", std::move(w.output_prepared));
+  if (w.output.data != nullptr)
+    w.output_prepared = backend.prepare_weight(w.output, "output", std::move(w.output_prepared));
 }
 
 RopeTable make_rope_table(const ModelConfig& c) {

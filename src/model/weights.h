@@ -25,6 +25,9 @@ struct LayerWeights {
   const float* bv = nullptr;
   const float* ffn_norm = nullptr;   // [hidden]
   Tensor w_gate, w_up, w_down;       // [ffn, hidden] x2, [hidden, ffn]
+  // False for a layer another pipeline stage holds (model/pipeline_stage.h):
+  // every view empty, nothing prepared.
+  bool held() const { return wq.data != nullptr; }
 };
 
 // The matrices of one layer as the backend prepared them for its products
@@ -34,13 +37,15 @@ struct PreparedLayer {
 };
 
 struct ModelWeights {
+  // A pipeline stage's model leaves token_embd (stages after the first),
+  // output and output_norm (stages before the last) empty.
   Tensor token_embd;                 // [vocab, hidden]
   Tensor output;                     // [vocab, hidden]; same view as token_embd when tied
   const float* output_norm = nullptr;
   std::vector<LayerWeights> layers;
   RopeTable rope;
-  std::vector<PreparedLayer> prepared;  // filled by prepare_weights(); the forward pass multiplies these
-  WeightHandle output_prepared;
+  std::vector<PreparedLayer> prepared;  // filled by prepare_weights() (held layers); the forward multiplies these
+  WeightHandle output_prepared;         // null without an output matrix
   std::vector<std::vector<float>> owned;  // f32 copies of vectors stored as f16/bf16/misaligned
   // Matrices made at load: quantize_base's copies (model/quantize_base.h), bitsandbytes
   // 4-bit weights converted to nf4 (model/bnb_folder.h).
@@ -66,7 +71,7 @@ ModelWeights bind_weights(const ModelConfig& config, WeightNaming naming, const 
 // Replaces every matrix view by an f32 copy held in w.owned (reference runs).
 void dequantize_weights(ModelWeights& w);
 
-// Prepares every matrix for `backend`'s products (done once at load; again
+// Prepares every matrix held (LayerWeights::held, a non-empty output) for `backend`'s products (done once at load; again
 // after full fine-tuning changed them, reusing the previous handles' memory).
 void prepare_weights(ModelWeights& w, Backend& backend);
 

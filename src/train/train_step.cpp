@@ -89,7 +89,8 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
     : TrainSession(config, weights, nullptr, &full, backend, backward) {}
 
 TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora,
-                           FullParams* full, Backend& backend, BackwardMode backward)
+                           FullParams* full, Backend& backend, BackwardMode backward,
+                           std::shared_ptr<TransposedWeights> transposed)
     : c_(config),
       w_(weights),
       lora_(lora),
@@ -99,24 +100,54 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
       backward_(backward),
       ws_(backend.make_workspace()),
       attention_(std::make_unique<SavedAttention>(*this)),
-      adapters_(lora ? make_trained_adapters(*this) : nullptr) {
+      adapters_(lora ? make_trained_adapters(*this) : nullptr),
+      wt_(std::move(transposed)),
+      span_(held_layers(weights)) {
+  if (wt_) return;
+  wt_ = std::make_shared<TransposedWeights>();
   refresh_weights();
 }
 
 TrainSession::~TrainSession() = default;
 
+// The run of layers the weights hold: all, or a pipeline stage's (model/pipeline_stage.h).
+LayerSpan TrainSession::held_layers(const ModelWeights& w) {
+  const auto L = static_cast<int64_t>(w.layers.size());
+  LayerSpan s{L, 0};
+  for (int64_t l = 0; l < L; ++l)
+    if (w.layers[static_cast<size_t>(l)].held()) {
+      s.first = std::min(s.first, l);
+      s.last = l + 1;
+    }
+  if (s.last == 0) s.first = 0;  // no layer (a model of none)
+  for (int64_t l = s.first; l < s.last; ++l) LOOM_ASSERT(w.layers[static_cast<size_t>(l)].held());  // one run
+  return s;
+}
+
+std::unique_ptr<TrainSession> TrainSession::sibling() {
+  std::unique_ptr<TrainSession> s(new TrainSession(c_, w_, lora_, full_, be_, backward_, wt_));
+  s->set_precision(precision_);
+  s->set_activation_options(opts_);
+  s->fused_lora_ = fused_lora_;
+  s->adapters_merged_ = adapters_merged_;
+  if (partial_ != nullptr) s->set_tensor_parallel(partial_, tp_rank_, tp_ranks_);  // a stage's tensor-parallel shard
+  return s;
+}
+
 void TrainSession::refresh_weights() {
-  LOOM_ASSERT(w_.prepared.size() == w_.layers.size() && w_.output_prepared != nullptr);
+  LOOM_ASSERT(w_.prepared.size() == w_.layers.size() && (w_.output.data == nullptr) == (w_.output_prepared == nullptr));
   if (backward_ == BackwardMode::exact) return;
   // Full fine-tuning (and QAT's LoRA) repack every step: with the workspace's scratch, in place.
   Workspace* scratch = full_ || adapters_merged_ ? ws_.get() : nullptr;
   auto t = [&](const Tensor& W, WeightHandle& old) {
     return be_.prepare_transposed(W, backward_, "backward weight", std::move(old), scratch);
   };
-  wt_.resize(w_.layers.size());
+  TransposedWeights& wt = *wt_;
+  wt.layers.resize(w_.layers.size());
   for (size_t l = 0; l < w_.layers.size(); ++l) {
     const LayerWeights& L = w_.layers[l];
-    TransposedLayer& O = wt_[l];
+    if (!L.held()) continue;  // another pipeline stage's layer
+    TransposedLayer& O = wt.layers[l];
     TransposedLayer N;
     N.wq = t(L.wq, O.wq);
     N.wk = t(L.wk, O.wk);
@@ -127,7 +158,7 @@ void TrainSession::refresh_weights() {
     N.w_down = t(L.w_down, O.w_down);
     O = std::move(N);
   }
-  output_t_ = t(w_.output, output_t_);
+  if (w_.output.data != nullptr) wt.output = t(w_.output, wt.output);
 }
 
 void TrainSession::input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
@@ -175,6 +206,12 @@ int64_t TrainSession::segment_of(int64_t l) const {
   return N == 0 || l < first ? 0 : 1 + (l - first) / N;
 }
 
+int64_t TrainSession::segment_begin(int64_t k) const { return std::max(segment_start(k), span_.first); }
+
+int64_t TrainSession::segment_end(int64_t k) const {
+  return std::min(k + 1 < n_segments() ? segment_start(k + 1) : c_.n_layers, span_.last);
+}
+
 void TrainSession::set_activation_options(const ActivationOptions& o) {
   if (o.checkpoint_every < 0)
     fail(ErrorKind::invalid_input, "gradient_checkpointing: {} is negative (0 is off, N keeps every Nth layer's input)",
@@ -185,7 +222,7 @@ void TrainSession::set_activation_options(const ActivationOptions& o) {
 
 size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) const {
   const int64_t H = c_.hidden, Q = c_.q_dim(), KV = c_.kv_dim(), F = c_.intermediate, r = lora_ ? lora_->config().r : 0;
-  const int64_t L = c_.n_layers, N = segment_layers();
+  const int64_t L = c_.n_layers, N = segment_layers(), first = span_.first, last = span_.last;
   const bool records = bf16_records();
   // Dropout's saved inputs whenever the adapters have dropout (evaluation runs
   // without it in the same layout, so switching never re-lays out).
@@ -230,24 +267,28 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
   o.layers.assign(static_cast<size_t>(L), LayerActs{});
   o.checkpoints.clear();
   o.records.clear();
+  // Only the layers of the session's span (a pipeline stage's own) get buffers.
   if (N == 0 && !records) {
-    for (int64_t l = 0; l < L; ++l) carve_layer(o.layers[static_cast<size_t>(l)], l);
+    for (int64_t l = first; l < last; ++l) carve_layer(o.layers[static_cast<size_t>(l)], l);
   } else {
-    std::vector<LayerActs> slots(static_cast<size_t>(N > 0 ? N : 2));
+    std::vector<LayerActs> slots(static_cast<size_t>(N > 0 ? std::min(N, last - first) : 2));
     for (LayerActs& a : slots) carve_layer(a, -1);
-    for (int64_t l = 0; l < L; ++l) {
+    for (int64_t l = first; l < last; ++l) {
       LayerActs& a = o.layers[static_cast<size_t>(l)];
-      a = slots[static_cast<size_t>(N > 0 ? l - segment_start(segment_of(l)) : l % 2)];
+      a = slots[static_cast<size_t>(N > 0 ? l - segment_begin(segment_of(l)) : l % 2)];
       for (int t = 0; t < kLoraTargetCount; ++t)
         if (!active(l, t)) a.ax[static_cast<size_t>(t)] = a.xd[static_cast<size_t>(t)] = nullptr;
     }
-    const int64_t n_checkpoints = N > 0 ? n_segments() - 1 : 0;  // the last segment is never recomputed
-    for (int64_t k = 0; k < n_checkpoints; ++k)
-      o.checkpoints.push_back(opts_.bf16 ? reinterpret_cast<float*>(carve_bf16(T * H)) : carve(T * H));
+    // Segment k's input where the span recomputes it (the model's last segment never is).
+    const int64_t n_checkpoints = N > 0 ? n_segments() - 1 : 0;
+    o.checkpoints.assign(static_cast<size_t>(n_checkpoints), nullptr);
+    for (int64_t k = N > 0 ? segment_of(first) : 0; k < n_checkpoints && segment_start(k) < last; ++k)
+      o.checkpoints[static_cast<size_t>(k)] = opts_.bf16 ? reinterpret_cast<float*>(carve_bf16(T * H)) : carve(T * H);
     if (records) {
       // The small ones (rstd, lse, A x) of every layer stay f32 and per layer; the
-      // large ones of layers 0 .. L-2 get bf16 records (the last layer's stay in its slot).
-      for (int64_t l = 0; l < L; ++l) {
+      // large ones of layers 0 .. L-2 get bf16 records (the model's last layer's
+      // stay in its slot).
+      for (int64_t l = first; l < last; ++l) {
         LayerActs& a = o.layers[static_cast<size_t>(l)];
         a.rstd1 = carve(T);
         a.lse = carve(T * c_.n_heads);
@@ -255,7 +296,7 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
         for (int t = 0; t < kLoraTargetCount; ++t) a.ax[static_cast<size_t>(t)] = active(l, t) ? carve(T * r) : nullptr;
       }
       o.records.resize(static_cast<size_t>(L - 1));
-      for (int64_t l = 0; l + 1 < L; ++l) {
+      for (int64_t l = first; l < std::min(last, L - 1); ++l) {
         LayerRecord& rec = o.records[static_cast<size_t>(l)];
         rec.x = carve_bf16(T * H);
         rec.xn1 = carve_bf16(T * H);
@@ -272,9 +313,11 @@ size_t TrainSession::activation_layout(int64_t T, float* base, ActsLayout* out) 
       }
     }
   }
-  o.x_final = carve(T * H);
-  o.rstd_final = carve(T);
-  o.xn_final = carve(T * H);
+  o.x_final = carve(T * H);  // the head's input, or a stage's output (kept, and sent, until its next forward)
+  if (last == L) {
+    o.rstd_final = carve(T);
+    o.xn_final = carve(T * H);
+  }
   o.rope_cs = carve(T * c_.head_dim);
   return total;
 }
@@ -333,8 +376,8 @@ size_t TrainSession::scratch_bytes() const {
 }
 
 size_t TrainSession::transposed_bytes() const {
-  size_t n = output_t_ ? output_t_->nbytes() : 0;
-  for (const TransposedLayer& L : wt_)
+  size_t n = wt_->output ? wt_->output->nbytes() : 0;
+  for (const TransposedLayer& L : wt_->layers)
     for (const WeightHandle* h : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
       if (*h) n += (*h)->nbytes();
   return n;
@@ -389,7 +432,7 @@ WorkspaceShape TrainSession::workspace_shape(int64_t tokens) const {
   s.rows = tokens;
   s.max_in = std::max({c_.hidden, c_.q_dim(), c_.intermediate});
   s.max_out = std::max({c_.hidden, c_.q_dim(), c_.kv_dim(), c_.intermediate});
-  s.vocab = c_.vocab_size;
+  s.vocab = w_.output.data != nullptr ? c_.vocab_size : 0;  // a pipeline stage without the head has no loss
   s.hidden = c_.hidden;
   s.precision = backward_;
   s.attention = dec_.attention_shape();
@@ -399,7 +442,7 @@ WorkspaceShape TrainSession::workspace_shape(int64_t tokens) const {
 }
 
 float* TrainSession::next_input(int64_t l) {
-  return l + 1 < c_.n_layers ? layers_[static_cast<size_t>(l + 1)].x : x_final_;
+  return l + 1 < span_.last ? layers_[static_cast<size_t>(l + 1)].x : x_final_;
 }
 
 void TrainSession::forward_layer(int64_t l, int64_t T, bool dropout, uint64_t step, float* x_next) {
@@ -429,7 +472,7 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   const LayerActs& a = layers_[static_cast<size_t>(l)];
   const TraceLayer trace_layer(be_.tracer(), l);
   const AttentionShape shape = dec_.attention_shape();
-  const TransposedLayer* Wt = wt_.empty() ? nullptr : &wt_[static_cast<size_t>(l)];
+  const TransposedLayer* Wt = wt_->layers.empty() ? nullptr : &wt_->layers[static_cast<size_t>(l)];
   auto wt = [&](const WeightHandle TransposedLayer::*m) { return Wt ? (Wt->*m).get() : nullptr; };
   const LayerGrads* G = full_ ? &full_->layer_grads(l) : nullptr;
 
@@ -511,7 +554,7 @@ LossResult TrainSession::loss_and_head_backward(const Batch& batch, float grad_s
   op.W = &w_.output;
   op.W_prepared = w_.output_prepared.get();
   op.precision = backward_;
-  op.Wt = output_t_.get();
+  op.Wt = wt_->output.get();
   op.h = xn_final_;
   op.labels = batch.targets.data();
   op.T = T;
@@ -532,6 +575,7 @@ LossResult TrainSession::loss_and_head_backward(const Batch& batch, float grad_s
 }
 
 LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step, bool backward) {
+  LOOM_ASSERT(span_.first == 0 && span_.last == c_.n_layers && w_.output.data != nullptr);  // a whole model
   check_batch(batch);
   const int64_t T = batch.rows * batch.seq_len, H = c_.hidden;
   const bool dropout = backward && lora_ && lora_->config().dropout > 0;
@@ -542,19 +586,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
 
   dec_.embed(batch.tokens.data(), T, layers_.empty() ? x_final_ : layers_[0].x);
   dec_.rope_table(pos_.data(), T, rope_cs_);
-  const int64_t N = segment_layers();
-  for (int64_t l = 0; l < c_.n_layers; ++l) {
-    const int64_t k = segment_of(l);
-    if (backward && N > 0 && l == segment_start(k) && static_cast<size_t>(k) < checkpoints_.size()) {
-      float* c = checkpoints_[static_cast<size_t>(k)];
-      if (opts_.bf16)
-        be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
-      else
-        std::memcpy(c, layers_[static_cast<size_t>(l)].x, static_cast<size_t>(T * H) * sizeof(float));
-    }
-    forward_layer(l, T, dropout, step, next_input(l));
-    if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
-  }
+  forward_layers(T, dropout, step, backward);
   if (backward) phase.emplace(be_.tracer(), "backward", tokens);  // ends the forward's
   const LossResult res = loss_and_head_backward(batch, grad_scale, backward);
   if (!backward) return res;
@@ -565,6 +597,24 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
   return res;
 }
 
+// The span's layers forward from layers_[first].x; `backward`: keeping what
+// the backward needs (segment inputs, bf16 records).
+void TrainSession::forward_layers(int64_t T, bool dropout, uint64_t step, bool backward) {
+  const int64_t N = segment_layers(), H = c_.hidden;
+  for (int64_t l = span_.first; l < span_.last; ++l) {
+    const int64_t k = segment_of(l);
+    if (backward && N > 0 && l == segment_begin(k) && static_cast<size_t>(k) < checkpoints_.size()) {
+      float* c = checkpoints_[static_cast<size_t>(k)];
+      if (opts_.bf16)
+        be_.to_bf16(reinterpret_cast<uint16_t*>(c), layers_[static_cast<size_t>(l)].x, T * H);
+      else
+        std::memcpy(c, layers_[static_cast<size_t>(l)].x, static_cast<size_t>(T * H) * sizeof(float));
+    }
+    forward_layer(l, T, dropout, step, next_input(l));
+    if (backward && bf16_records() && l + 1 < c_.n_layers) save_record(l, T);
+  }
+}
+
 // The layers' backward, last to first, into dres_. With checkpointing each
 // segment but the last is first recomputed from its checkpoint (its last
 // layer's output, not needed, spills into dxn_: between layers of the backward
@@ -572,7 +622,7 @@ LossResult TrainSession::run(const Batch& batch, float grad_scale, uint64_t step
 void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
   const int64_t L = c_.n_layers, N = segment_layers();
   if (N == 0) {
-    for (int64_t l = L - 1; l >= 0; --l) {
+    for (int64_t l = span_.last - 1; l >= span_.first; --l) {
       if (bf16_records() && l + 1 < L) load_record(l, T);
       backward_layer(l, T, dropout, step, dres_);
       if (layer_done_) layer_done_(l);
@@ -580,8 +630,8 @@ void TrainSession::backward_segments(int64_t T, bool dropout, uint64_t step) {
     return;
   }
   const int64_t n = n_segments();
-  for (int64_t k = n - 1; k >= 0; --k) {
-    const int64_t s = segment_start(k), e = k + 1 < n ? segment_start(k + 1) : L;
+  for (int64_t k = segment_of(span_.last - 1); k >= segment_of(span_.first); --k) {
+    const int64_t s = segment_begin(k), e = segment_end(k);
     if (k + 1 < n) {
       const float* c = checkpoints_[static_cast<size_t>(k)];
       float* x = layers_[static_cast<size_t>(s)].x;

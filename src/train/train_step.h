@@ -20,6 +20,7 @@
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "model/decoder.h"
+#include "model/pipeline_stage.h"
 #include "model/weights.h"
 #include "train/data.h"
 #include "train/full_params.h"
@@ -70,8 +71,16 @@ class TrainSession {
   ~TrainSession();
 
   // Call after the weights changed (an optimizer step of full fine-tuning) and
-  // were prepared again (prepare_weights): rebuilds the transposed backward weights.
+  // were prepared again (prepare_weights): rebuilds the transposed backward
+  // weights (those of the held layers: a pipeline stage's own), for this
+  // session and its siblings.
   void refresh_weights();
+
+  // A session over the same model, parameters and backend with this one's
+  // settings (precision, activation options, fused LoRA, merged adapters) and
+  // its own activations, sharing this one's transposed backward weights:
+  // pipeline parallel keeps one per micro-batch in flight.
+  std::unique_ptr<TrainSession> sibling();
 
   // Loss of one micro-batch and, accumulated (+=) into lora.grads(), the gradient
   // of loss_sum * grad_scale. grad_scale = 1 / (target tokens of the whole
@@ -85,19 +94,23 @@ class TrainSession {
   LossResult forward_loss(const Batch& batch);
 
   // Pipeline parallel (train/trainer_pp.cpp; train_step_stage.cpp): one
-  // stage's share of forward_backward for one micro-batch, the decoder layers
-  // [first, last). forward_stage: x_in [T, hidden] is the input of layer
-  // `first` (null when first is 0: the tokens are embedded); returns the
-  // output of layer last - 1, which the session keeps until its next forward,
-  // or, when last is the layer count, null with the micro-batch's loss in
-  // *loss (the gradient of loss_sum * grad_scale flows from it; `backward`
-  // false: evaluation, no dropout, n_correct counted). backward_stage: dy is
-  // the gradient of that output (null on the last stage); accumulates the
-  // stage's gradients and returns the gradient of its input, valid until the
-  // next call (null when first is 0). Needs no gradient checkpointing and no
-  // bf16 activations.
-  const float* forward_stage(const Batch& batch, float grad_scale, uint64_t step, int64_t first, int64_t last,
-                             const float* x_in, LossResult* loss, bool backward = true);
+  // stage's share of forward_backward for one micro-batch, through the decoder
+  // layers [first, last) the weights hold (model/pipeline_stage.h).
+  // forward_stage: x_in [T, hidden] is the input of layer `first` (null when
+  // first is 0: the tokens are embedded); returns the output of layer last - 1,
+  // which the session keeps until its next forward, or, when the weights hold
+  // the head, null with the micro-batch's loss in *loss (the gradient of
+  // loss_sum * grad_scale flows from it; `backward` false: evaluation, no
+  // dropout, n_correct counted). backward_stage: dy is the gradient of that
+  // output (null on the last stage); accumulates the stage's gradients and
+  // returns the gradient of its input, valid until the next call (null when
+  // first is 0). Gradient checkpointing keeps the model's segments: the part of
+  // one that began on an earlier stage is recomputed from x_in (f32, so the
+  // bits of one process; with bf16 activations one process recomputes it from
+  // the segment's bf16 input instead, so stages then match it bit for bit only
+  // when each starts a segment).
+  const float* forward_stage(const Batch& batch, float grad_scale, uint64_t step, const float* x_in, LossResult* loss,
+                             bool backward = true);
   const float* backward_stage(const float* dy);
 
   // How the forward keeps what the backward needs (TrainConfig's
@@ -183,8 +196,18 @@ class TrainSession {
   class TrainedAdapters;  // train_step_lora.cpp
   static std::unique_ptr<LayerAdapters> make_trained_adapters(TrainSession& s);
 
+  // The W^T copies of the backward (held layers and output): one set, shared by
+  // a session and its siblings.
+  struct TransposedLayer {
+    WeightHandle wq, wk, wv, wo, w_gate, w_up, w_down;
+  };
+  struct TransposedWeights {
+    std::vector<TransposedLayer> layers;  // empty with the exact backward; a null handle: W read directly
+    WeightHandle output;
+  };
+  // `transposed` null: the session makes its own (refresh_weights).
   TrainSession(const ModelConfig& config, const ModelWeights& weights, LoraModel* lora, FullParams* full,
-               Backend& backend, BackwardMode backward);
+               Backend& backend, BackwardMode backward, std::shared_ptr<TransposedWeights> transposed = nullptr);
 
   // Where the saved activations of micro-batches of up to T tokens sit, as
   // offsets (in floats) from the arena's start: activation_layout(T, nullptr)
@@ -205,6 +228,13 @@ class TrainSession {
   int64_t n_segments() const;
   int64_t segment_start(int64_t k) const;
   int64_t segment_of(int64_t l) const;
+  // Segment k's part of the span [first, last): a pipeline stage recomputes
+  // the part of a segment that starts on an earlier stage from its own input.
+  int64_t segment_begin(int64_t k) const;
+  int64_t segment_end(int64_t k) const;
+  static LayerSpan held_layers(const ModelWeights& w);
+  // The span's layers forward (train_step.cpp).
+  void forward_layers(int64_t T, bool dropout, uint64_t step, bool backward);
   bool bf16_records() const { return opts_.bf16 && segment_layers() == 0 && c_.n_layers > 1; }
   // The (float*, bf16*, count) pairs of layer l's record, and the two directions.
   using RecordField = std::tuple<float*, uint16_t*, int64_t>;
@@ -218,8 +248,7 @@ class TrainSession {
   LossResult run(const Batch& batch, float grad_scale, uint64_t step, bool backward);
   void set_positions(const Batch& batch);
   LossResult loss_and_head_backward(const Batch& batch, float grad_scale, bool backward);
-  struct Stage {
-    int64_t first = 0, last = 0;
+  struct Stage {  // of the micro-batch forward_stage ran, for backward_stage
     bool dropout = false;
     uint64_t step = 0;
   } stage_;
@@ -256,9 +285,6 @@ class TrainSession {
   void input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
                   bool accumulate = false);
 
-  struct TransposedLayer {
-    WeightHandle wq, wk, wv, wo, w_gate, w_up, w_down;
-  };
 
   const ModelConfig& c_;
   const ModelWeights& w_;
@@ -279,9 +305,12 @@ class TrainSession {
   std::vector<LayerActs> layers_;
   std::vector<float*> checkpoints_;
   std::vector<LayerRecord> records_;
-  // Empty with the exact backward; a null handle inside: W read directly (bf16 + AMX).
-  std::vector<TransposedLayer> wt_;
-  WeightHandle output_t_;
+  std::shared_ptr<TransposedWeights> wt_;  // never null
+  // The layers this session runs: those the weights hold (all, or a pipeline
+  // stage's); only they get activation buffers.
+  LayerSpan span_;
+  // x_final_: the last layer's output, the head's input; on a stage without
+  // the head, the stage's output (rstd_final_ and xn_final_ null).
   float *x_final_ = nullptr, *rstd_final_ = nullptr, *xn_final_ = nullptr, *rope_cs_ = nullptr;
   DeviceBuffer work_;  // backward / temporary buffers (not saved)
   DeviceBuffer bt_;    // a LoRA B transposed (the widest)

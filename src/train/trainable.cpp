@@ -271,6 +271,17 @@ class FullTrainable final : public TrainableParams {
   std::unique_ptr<QatWeights> qat_;
 };
 
+// "pipeline stage 1 of 2 holds layers [15, 30), the final norm and the output matrix"
+std::string describe_stage(const Model& m) {
+  const PipelineStage s = *m.stage();
+  const LayerSpan span = pipeline_stage_layers(m.config().n_layers, s);
+  std::string extra;
+  if (m.weights().token_embd.data != nullptr) extra += ", the token embedding";
+  if (m.weights().output.data != nullptr) extra += ", the final norm and the output matrix";
+  return fmt::format("pipeline stage {} of {} holds layers [{}, {}){} ({:.1f} MiB of weights)", s.index, s.count,
+                     span.first, span.last, extra, static_cast<double>(m.weight_bytes()) / (1 << 20));
+}
+
 }  // namespace
 
 bool wants_sparsity_mask(const TrainConfig& c, const ModelConfig& mc) {
@@ -300,7 +311,7 @@ void TrainableParams::take_tensor_parallel_shard(std::span<const float>, std::sp
 }
 
 TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
-                                    std::vector<std::string>* notes, int tp_rank) {
+                                    std::vector<std::string>* notes, int tp_rank, int pp_stage) {
   auto note = [&](std::string s) {
     if (notes != nullptr) notes->push_back(std::move(s));
   };
@@ -329,8 +340,15 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
     };
   if (tp > 1 && c.method == TrainMethod::lora)
     lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) { shard_weights_for_tensor_parallel(w, mc, tp_rank, tp); };
+  if (c.dist.pp > 1) {
+    if (c.method != TrainMethod::lora)
+      fail(ErrorKind::unsupported, "{}: dist.pp {} trains LoRA adapters in this build (method: full is not split "
+           "into stages yet)", c.source, c.dist.pp);
+    lo.stage = PipelineStage{pp_stage, c.dist.pp};
+  }
   out.model = Model::load(c.model, lo);
   const ModelConfig full = out.model->config();
+  if (c.dist.pp > 1) note(describe_stage(*out.model));
   if (tp > 1) {
     out.model->reshape(tensor_parallel_config(full, tp));
     note(fmt::format("tensor parallel: rank {} of {} holds {} of {} heads, {} of {} kv heads, {} of {} MLP channels",

@@ -114,7 +114,10 @@ struct TrainableModel {
 // run's log go to `notes`.
 // `tp_rank` (with c.dist.tp > 1): the model and adapters are that rank's
 // tensor-parallel shard, the model's config the shard's shapes.
+// `pp_stage` (with c.dist.pp > 1, LoRA): the model holds only that pipeline
+// stage's weights (model/pipeline_stage.h); the config and the adapters stay
+// whole (the adapter is written and checkpointed whole).
 TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
-                                    std::vector<std::string>* notes = nullptr, int tp_rank = 0);
+                                    std::vector<std::string>* notes = nullptr, int tp_rank = 0, int pp_stage = 0);
 
 }  // namespace loom

@@ -139,6 +139,14 @@ std::vector<std::pair<std::string, std::string>> input_hashes(const TrainConfig&
 }  // namespace
 
 namespace {
+// The matrices' type for the profile metadata: the first held layer's (a
+// pipeline stage holds only its own).
+std::string model_type(const ModelWeights& w) {
+  for (const LayerWeights& L : w.layers)
+    if (L.held()) return dtype_name(L.w_up.dtype);
+  return "";
+}
+
 TrainLogOptions log_options(const TrainConfig& c, std::FILE* console) {
   TrainLogOptions o;
   o.console = console;
@@ -222,7 +230,8 @@ void Trainer::check_options() const {
 
 void Trainer::load_model() {
   std::vector<std::string> notes;
-  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? tp_rank() : 0);
+  TrainableModel tm = load_trainable_model(c_, *backend_, *pool_, &notes, c_.dist.tp > 1 ? tp_rank() : 0,
+                                          c_.dist.pp > 1 ? stage() : 0);
   for (const std::string& n : notes) log_->record(LogLevel::info, "model", n);
   model_ = std::move(tm.model);
   params_ = std::move(tm.params);
@@ -259,7 +268,7 @@ void Trainer::fill_profile_metadata() const {
   memory["total"] = mem_estimate_.total;
   const nlohmann::json out = {
       {"model", {{"path", c_.model}, {"name", m.name}, {"layers", m.n_layers}, {"hidden", m.hidden},
-                 {"type", model_->weights().layers.empty() ? "" : dtype_name(model_->weights().layers[0].w_up.dtype)},
+                 {"type", model_type(model_->weights())},
                  {"params", res_.total_params}, {"trainable_params", res_.trainable_params}}},
       {"config", config},
       {"memory", memory},

@@ -274,6 +274,7 @@ class Trainer {
   // Pipeline parallel (trainer_pp.cpp).
   void check_pipeline_parallel() const;
   void setup_pipeline_parallel();
+  int64_t in_flight() const;  // micro-batches a pipeline stage holds at once: min(grad_accum, S - s)
   TrainSession& stage_session(size_t micro_batch);
   double pipeline_step(float scale, int64_t step);
   LossResult eval_pipeline(const DataSplit& split);
@@ -299,6 +300,9 @@ class Trainer {
   void restore_compression_state(const std::string& path, int64_t checkpoint_world);
   void on_root(std::string_view what, const std::function<void()>& work);
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
+  // Pipeline parallel: every stage's estimate (arenas, other, total) on rank 0,
+  // empty elsewhere (a collective).
+  std::vector<MemoryEstimate> stage_estimates(const MemoryEstimate& e) const;
 
   TrainConfig c_;
   bool dry_run_ = false;  // check(): nothing is written

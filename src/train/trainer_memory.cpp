@@ -34,9 +34,10 @@ size_t data_bytes(const TrainData& d) {
 
 // The frozen weights as the file maps them (GGUF: every tensor's bytes). With
 // quantize_base the layer matrices are owned copies and their file pages are
-// released: the weights' own sizes count then.
+// released, and a pipeline stage reads only its own tensors: the weights' own
+// sizes count then.
 size_t mapped_weight_bytes(const Model& m) {
-  if (const gguf::File* f = m.gguf_file(); f != nullptr && m.weights().owned_bytes.empty()) {
+  if (const gguf::File* f = m.gguf_file(); f != nullptr && m.weights().owned_bytes.empty() && !m.stage()) {
     size_t n = 0;
     for (const gguf::TensorInfo& t : f->tensors()) n += t.nbytes;
     return n;
@@ -58,17 +59,25 @@ size_t prepared_bytes(const ModelWeights& w) {
 // will allocate them; 0: the buffers as they are now.
 std::vector<MemoryArena> Trainer::memory_arenas(int64_t planned_tokens) const {
   const size_t n_params = params_->params().size();
-  size_t activations = session_->activation_bytes(), scratch = session_->scratch_bytes();
-  size_t ws = session_->workspace().bytes(), loss = session_->workspace().loss_bytes();
+  // Pipeline parallel keeps a session (activations, scratch, workspace) per micro-batch; they are alike.
+  const size_t sessions = 1 + stage_sessions_.size();
+  size_t activations = 0, scratch = 0, ws = 0, loss = 0;
+  for (size_t i = 0; i < sessions; ++i) {
+    const TrainSession& s = i == 0 ? *session_ : *stage_sessions_[i - 1];
+    activations += s.activation_bytes();
+    scratch += s.scratch_bytes();
+    ws += s.workspace().bytes();
+    loss += s.workspace().loss_bytes();
+  }
   size_t batches = 0;
   for (const Batch& b : micro_) batches += b.capacity_bytes();
   if (planned_tokens > 0) {
-    activations = std::max(activations, session_->activation_bytes_for(planned_tokens));
-    scratch = std::max(scratch, session_->scratch_bytes_for(planned_tokens));
+    activations = std::max(activations, sessions * session_->activation_bytes_for(planned_tokens));
+    scratch = std::max(scratch, sessions * session_->scratch_bytes_for(planned_tokens));
     const Backend::WorkspaceBytes w =
         backend_->workspace_bytes(session_->workspace_shape(planned_tokens));
-    ws = std::max(ws, w.total);
-    loss = std::max(loss, w.loss);
+    ws = std::max(ws, sessions * w.total);
+    loss = std::max(loss, sessions * w.loss);
     // grad_accum micro-batches of four int32 vectors, plus evaluation's one.
     batches = std::max(batches, static_cast<size_t>(c_.grad_accum + 1) * 4 * sizeof(int32_t) *
                                     static_cast<size_t>(planned_tokens));
@@ -123,18 +132,51 @@ void Trainer::estimate_memory() {
   nlohmann::json arenas = nlohmann::json::object();
   for (const MemoryArena& a : e.arenas) arenas[a.name] = a.bytes;
   arenas["other"] = e.other;
+  nlohmann::json record = {{"estimate", e.total}, {"arenas", arenas}, {"limit", mem_limit_.bytes},
+                           {"limit_source", memory_limit_source_name(mem_limit_.source)}};
+  std::string stages;
+  if (c_.dist.pp > 1) {
+    nlohmann::json per_stage = nlohmann::json::array();
+    for (const MemoryEstimate& st : stage_estimates(e)) {
+      nlohmann::json a = {{"other", st.other}, {"total", st.total}};
+      for (const MemoryArena& x : st.arenas) a[x.name] = x.bytes;
+      per_stage.push_back(std::move(a));
+      stages += (stages.empty() ? "; pipeline stages: " : ", ") + format_bytes(st.total);
+    }
+    record["stages"] = std::move(per_stage);
+  }
   log_->record(LogLevel::info, "memory",
-               fmt::format("memory: {}; limit {} ({})", format_memory_estimate(e), format_bytes(mem_limit_.bytes),
-                           memory_limit_source_name(mem_limit_.source)),
-               {{"memory", {{"estimate", e.total}, {"arenas", arenas}, {"limit", mem_limit_.bytes},
-                            {"limit_source", memory_limit_source_name(mem_limit_.source)}}}});
+               fmt::format("memory: {}; limit {} ({}){}", format_memory_estimate(e), format_bytes(mem_limit_.bytes),
+                           memory_limit_source_name(mem_limit_.source), stages),
+               {{"memory", record}});
   check_memory_estimate(e, mem_limit_, c_.source);
+}
+
+// The stages differ (layers, the embedding on the first, the head on the
+// last): rank 0, which alone logs, reports each one's estimate.
+std::vector<MemoryEstimate> Trainer::stage_estimates(const MemoryEstimate& e) const {
+  std::vector<int64_t> mine;
+  for (const MemoryArena& a : e.arenas) mine.push_back(a.bytes);
+  mine.push_back(e.other);
+  mine.push_back(e.total);
+  const size_t ranks = static_cast<size_t>(world()), n = mine.size();
+  std::vector<int64_t> all(rank() == 0 ? ranks * n : 0);
+  rt_.comm->gatherv(mine.data(), all.data(), std::vector<size_t>(ranks, n * sizeof(int64_t)), 0);
+  std::vector<MemoryEstimate> out(all.size() / n, e);
+  for (size_t r = 0; r < out.size(); ++r) {
+    const int64_t* v = all.data() + r * n;
+    for (size_t i = 0; i < e.arenas.size(); ++i) out[r].arenas[i].bytes = v[i];
+    out[r].other = v[n - 2];
+    out[r].total = v[n - 1];
+  }
+  return out;
 }
 
 // Every buffer of a step sized once, here: the steady-state step allocates nothing.
 void Trainer::reserve_step_buffers() {
   const int64_t tokens = c_.batch_size * c_.seq_len;  // the largest micro-batch
   session_->reserve(tokens);
+  for (auto& s : stage_sessions_) s->reserve(tokens);  // pipeline parallel's other micro-batches
   for (Batch& b : micro_)
     for (std::vector<int32_t>* v : {&b.tokens, &b.targets, &b.positions, &b.seq_start})
       v->reserve(static_cast<size_t>(tokens));

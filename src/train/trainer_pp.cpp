@@ -1,8 +1,9 @@
 // The Trainer under pipeline parallel (dist.pp S): rank s holds the decoder
-// layers [s L / S, (s+1) L / S) in computation (every rank keeps the whole
-// model; the split of memory comes later), the stages of a pipeline read the
-// same micro-batches (N pipelines on N S ranks split the data as data parallel
-// does), and they flow through the stages in the 1F1B order: stage s
+// layers [s L / S, (s+1) L / S) (model/pipeline_stage.h: only their weights are
+// loaded, prepared and transposed; stage 0 adds the embedding, the last stage
+// the head; the LoRA arena stays whole on every rank), the stages of a pipeline
+// read the same micro-batches (N pipelines on N S ranks split the data as data
+// parallel does), and they flow through the stages in the 1F1B order: stage s
 // runs S - s - 1 forwards, then one forward and one backward in turn, then the
 // remaining backwards (PipeDream-Flush, Megatron-LM's default). Activations go
 // forward and their gradients back as point-to-point messages. Each layer's
@@ -24,34 +25,33 @@ void Trainer::check_pipeline_parallel() const {
   if (c_.method != TrainMethod::lora)
     fail(ErrorKind::unsupported, "{}: dist.pp trains LoRA adapters in this build (method: full is not split into "
          "stages yet)", c_.source);
-  if (c_.gradient_checkpointing > 0 || c_.activation_dtype != TrainConfig::ActivationDType::f32)
-    fail(ErrorKind::unsupported, "{}: dist.pp keeps every stage's activations in f32 (gradient_checkpointing and "
-         "activation_dtype bf16 are not combined with it yet)", c_.source);
+  if (c_.qat.enabled())
+    fail(ErrorKind::unsupported, "{}: qat with dist.pp is not built yet (the fake-quantized W + s B A spans the "
+         "stages' layers)", c_.source);
 }
 
 void Trainer::setup_pipeline_parallel() {
   if (c_.dist.pp == 1) return;
-  const int64_t L = model_->config().n_layers, S = c_.dist.pp, s = stage();
-  if (L < S)
-    fail(ErrorKind::invalid_input, "{}: dist.pp {} stages for a model of {} layers", c_.source, S, L);
-  stage_first_ = s * L / S;
-  stage_last_ = (s + 1) * L / S;
-  // One session (its saved activations) per micro-batch of a step: up to S of them are in flight.
+  const int64_t L = model_->config().n_layers, S = c_.dist.pp;
+  const LayerSpan span = pipeline_stage_layers(L, *model_->stage());  // the layers the model holds
+  stage_first_ = span.first;
+  stage_last_ = span.last;
+  // One session (its saved activations) per micro-batch in flight: 1F1B has
+  // at most S - s on stage s. They share the first's transposed backward weights.
   stage_sessions_.clear();
-  for (int64_t i = 1; i < c_.grad_accum; ++i) {
-    std::unique_ptr<TrainSession> t = params_->make_session(*model_, *backend_, c_.backward);
-    t->set_precision(session_->precision());
-    t->set_activation_options(session_->activation_options());
-    if (tp_sums_) t->set_tensor_parallel(tp_sums_.get(), tp_rank(), c_.dist.tp);  // tensor parallel inside the stage
-    stage_sessions_.push_back(std::move(t));
-  }
+  for (int64_t i = 1; i < in_flight(); ++i) stage_sessions_.push_back(session_->sibling());
   log_->record(LogLevel::info, "dist",
-               fmt::format("pipeline parallel: {} stages of about {} layers, 1F1B over {} micro-batches a step; rank 0 "
-                           "runs layers [{}, {})", S, L / S, c_.grad_accum, stage_first_, stage_last_),
+               fmt::format("pipeline parallel: {} stages of about {} layers, 1F1B over {} micro-batches a step; stage "
+                           "{} runs layers [{}, {})", S, L / S, c_.grad_accum, stage(), stage_first_, stage_last_),
                {{"dist", {{"pipeline_stages", S}, {"micro_batches", c_.grad_accum}}}});
 }
 
-TrainSession& Trainer::stage_session(size_t i) { return i == 0 ? *session_ : *stage_sessions_[i - 1]; }
+int64_t Trainer::in_flight() const { return std::min<int64_t>(c_.grad_accum, c_.dist.pp - stage()); }
+
+TrainSession& Trainer::stage_session(size_t i) {
+  const size_t j = i % static_cast<size_t>(in_flight());
+  return j == 0 ? *session_ : *stage_sessions_[j - 1];
+}
 
 // One step's micro-batches through this stage in 1F1B order; returns the
 // loss sum over the step (every rank: the last stage's, all-reduced).
@@ -59,7 +59,14 @@ double Trainer::pipeline_step(float scale, int64_t step) {
   const int S = c_.dist.pp, s = stage();
   const auto G = static_cast<int64_t>(micro_.size());
   const int64_t H = model_->config().hidden;
-  std::vector<std::unique_ptr<CommRequest>> sends;
+  // The sends out of each session's buffers (its output, its input gradient):
+  // done before the session takes the next micro-batch, and at the end of the step.
+  const int64_t K = in_flight();
+  std::vector<std::vector<std::unique_ptr<CommRequest>>> sends(static_cast<size_t>(K));
+  auto wait_sends = [&](int64_t j) {
+    for (auto& r : sends[static_cast<size_t>(j)]) pp_comm_->wait(*r, "pipeline send");
+    sends[static_cast<size_t>(j)].clear();
+  };
   std::vector<float> x;
   double loss_sum = 0;
   auto tokens = [&](int64_t i) { return micro_[static_cast<size_t>(i)].rows * micro_[static_cast<size_t>(i)].seq_len; };
@@ -67,6 +74,7 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const Batch& b = micro_[static_cast<size_t>(i)];
     if (b.target_tokens == 0) return;  // every stage skips it, as one process does
     const int64_t n = tokens(i) * H;
+    wait_sends(i % K);  // micro-batch i - K's, whose receivers have it or are about to take it
     if (s > 0) {
       x.resize(static_cast<size_t>(n));
       pp_comm_->recv(x.data(), x.size() * sizeof(float), s - 1, static_cast<int>(2 * i));
@@ -74,10 +82,11 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     LossResult r;
     // The one process's numbering of the micro-batch (trainer_dist.cpp's backward_step).
     const auto mask_counter = static_cast<uint64_t>((step * data_ranks() + data_rank()) * G + i);
-    const float* out = stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, stage_first_,
-                                                                           stage_last_, s > 0 ? x.data() : nullptr, &r);
+    const float* out =
+        stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, s > 0 ? x.data() : nullptr, &r);
     if (s + 1 < S)
-      sends.push_back(pp_comm_->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
+      sends[static_cast<size_t>(i % K)].push_back(
+          pp_comm_->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
     else
       loss_sum += r.loss_sum;
     input_tokens_ += tokens(i);
@@ -91,8 +100,9 @@ double Trainer::pipeline_step(float scale, int64_t step) {
       pp_comm_->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
     }
     const float* dx = stage_session(static_cast<size_t>(i)).backward_stage(s + 1 < S ? dy.data() : nullptr);
-    if (s > 0)  // the session keeps dx until its next call: after this step
-      sends.push_back(pp_comm_->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
+    if (s > 0)  // the session keeps dx until its next call
+      sends[static_cast<size_t>(i % K)].push_back(
+          pp_comm_->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
   };
   const int64_t warm = std::min<int64_t>(S - s - 1, G);
   for (int64_t i = 0; i < warm; ++i) forward(i);
@@ -101,7 +111,7 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     backward(i - warm);
   }
   for (int64_t i = G - warm; i < G; ++i) backward(i);
-  for (auto& r : sends) pp_comm_->wait(*r, "pipeline send");
+  for (int64_t j = 0; j < K; ++j) wait_sends(j);
   // Each layer's gradients live on its stage: the sum over stages gives every rank all of them.
   const std::span<float> g = params_->grads();
   pp_comm_->allreduce_sum(g);
@@ -133,7 +143,7 @@ LossResult Trainer::eval_pipeline(const DataSplit& split) {
     }
     LossResult r;
     const float* out =
-        session_->forward_stage(b, 0.0f, 0, stage_first_, stage_last_, s > 0 ? x.data() : nullptr, &r, false);
+        session_->forward_stage(b, 0.0f, 0, s > 0 ? x.data() : nullptr, &r, false);
     if (s + 1 < S) {
       auto req = pp_comm_->start_send(out, n * sizeof(float), s + 1, 0);
       pp_comm_->wait(*req, "pipeline send");

@@ -15,9 +15,11 @@
 #  8. tensor parallel (dist.tp 2): the losses of one process within 1e-5, the whole adapter gathered
 #     (the initialization bit for bit), also with LoRA dropout; checkpoints in one process's layout:
 #     resumed with dist.tp 2 the uninterrupted run's bits, resumed by one process within tolerance;
-#     what it does not support yet refused;
-#  9. pipeline parallel (dist.pp): 2 stages of the tiny model and 3 of the default model (1F1B, LoRA
-#     dropout, 1 to 4 micro-batches): the losses and adapter bytes of one process;
+#     full fine-tuning; what it does not support yet refused;
+#  9. pipeline parallel (dist.pp): 2 stages of the tiny model, 2 and 3 of the default model (1F1B, LoRA
+#     dropout, 1 to 4 micro-batches; gradient checkpointing and bf16 activations): the losses and
+#     adapter bytes of one process; each stage prepares and transposes only its own layers' weights
+#     and keeps activations for its layers and the micro-batches in flight (per-stage estimates);
 # 10. groups: data parallel across tensor-parallel groups and pipelines (4 ranks = 2 groups of 2:
 #     the bits of one group with grad_accum 2; pipelines also with ZeRO-1, top-k and a resume),
 #     tensor parallel inside pipeline stages (4 ranks) and 2 such groups (8 ranks): one process's
@@ -347,11 +349,63 @@ for ga in 1 3; do
   run "pp1_$ga" 1 $ga "${pp[@]}" && run "pp2_$ga" 2 $ga "${pp[@]}" --set dist.pp=2 &&
     same_bits "pp1_$ga" "pp2_$ga" adapter_model.safetensors
 done
-# The default model (30 layers) in 3 stages of 10, 4 micro-batches, LoRA dropout.
+# Gradient checkpointing and bf16 saved activations, in stages as in one process (1 layer a segment).
+for acts in "gradient_checkpointing=1" "activation_dtype=bf16" "gradient_checkpointing=1 activation_dtype=bf16"; do
+  name=pp_${acts//[ _=]/}
+  sets=()
+  for a in $acts; do sets+=(--set "$a"); done
+  run "${name}_1" 1 3 --set steps=3 "${sets[@]}" && run "${name}_2" 2 3 --set steps=3 --set dist.pp=2 "${sets[@]}" &&
+    same_bits "${name}_1" "${name}_2" adapter_model.safetensors
+done
+# stage_memory ONE PP G: each stage's prepared and transposed weights (the memory record of rank 0's
+# log_file) are well below one process's, and together exactly one process's (no layer twice); stage s
+# of S keeps activations for its layers only, for the min(G, S - s) micro-batches 1F1B has in flight.
+stage_memory() {
+  python3 - "$tmp/$1.log" "$tmp/$2.log" "$3" <<'EOF'
+import json, sys
+def memory(path):
+    for line in open(path):
+        m = json.loads(line).get("loom", {}).get("memory", {})
+        if "arenas" in m:
+            return m
+    sys.exit(f"{path}: no memory record")
+kinds = ("weights_prepared", "weights_backward")
+one = memory(sys.argv[1])["arenas"]
+stages = memory(sys.argv[2]).get("stages") or sys.exit("no per-stage estimates")
+w_one = sum(one[k] for k in kinds)
+w_stage = [sum(s[k] for k in kinds) for s in stages]
+print(f"  prepared + transposed weights: one process {w_one} bytes, the {len(stages)} stages {w_stage}")
+ok = all(w < 0.7 * w_one for w in w_stage) and all(sum(s[k] for s in stages) == one[k] for k in kinds)
+S, G = len(stages), int(sys.argv[3])
+acts = [s["activations"] for s in stages]
+print(f"  activations: one process {one['activations']} bytes, the stages {acts} ({G} micro-batches)")
+# 10% over the layers' share: each stage's output and rope table.
+ok = ok and all(a <= 1.1 * one["activations"] * min(G, S - i) / S for i, a in enumerate(acts))
+sys.exit(0 if ok else 1)
+EOF
+}
+# The default model (30 layers) in 2 stages of 15 and 3 of 10, 2 and 4 micro-batches, LoRA dropout:
+# the bits of one process, and each stage prepares only its own weights.
 smol=$src/models/SmolLM2-135M-Instruct.Q4_1.gguf
 if [[ -f "$smol" ]]; then
   s3=(--set model="$smol" --set data.seq_len=32 --set batch_size=1 --set steps=2 --set eval_interval=0 --set lora.r=4)
-  run smol1 1 4 "${s3[@]}" && run smol3 3 4 "${s3[@]}" --set dist.pp=3 && same_bits smol1 smol3 adapter_model.safetensors
+  for S in 2 3; do
+    ga=$((2 * S - 2))
+    run "smol1_$S" 1 $ga "${s3[@]}" --set log_file="$tmp/smol1_$S.log" &&
+      run "smol$S" $S $ga "${s3[@]}" --set dist.pp=$S --set log_file="$tmp/smol$S.log" && {
+      same_bits "smol1_$S" "smol$S" adapter_model.safetensors
+      stage_memory "smol1_$S" "smol$S" $ga && ok || bad "dist.pp $S: the stages' memory is not split"
+    }
+  done
+  # Segments of 4 layers (starting at 2, 6, 10, 14, ...): stage 1 of 2 starts inside one and recomputes
+  # its part from its f32 input; segments of 5 with bf16 checkpoints: stage 1 starts one.
+  for acts in "gradient_checkpointing=4" "gradient_checkpointing=5 activation_dtype=bf16"; do
+    name=smol_${acts//[ _=]/}
+    sets=()
+    for a in $acts; do sets+=(--set "$a"); done
+    run "${name}_1" 1 2 "${s3[@]}" "${sets[@]}" && run "${name}_2" 2 2 "${s3[@]}" --set dist.pp=2 "${sets[@]}" &&
+      same_bits "${name}_1" "${name}_2" adapter_model.safetensors
+  done
 else
   bad "the default model $smol is missing (scripts/setup fetches it)"
 fi

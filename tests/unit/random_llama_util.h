@@ -1,0 +1,52 @@
+// A random f32 llama of the tiny model's shapes (hidden 64, 4 heads of 16, 2 kv
+// heads, ffn 176, vocabulary 320) with any number of layers, as a Hugging Face
+// folder: for tests that need more layers than the 2 of tiny-llama.f32.gguf.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "io/safetensors_writer.h"
+
+namespace loom::test_util {
+
+inline void write_random_llama(const std::string& dir, int64_t layers) {
+  constexpr int64_t kHidden = 64, kFfn = 176, kVocab = 320, kHeads = 4, kKvHeads = 2, kHeadDim = 16;
+  std::ofstream(dir + "/config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": )"
+                                      << layers << R"(, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": 320, "tie_word_embeddings": false,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 0.08f);
+  safetensors::Writer w(dir + "/model.safetensors");
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool ones = false) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = ones ? 1.0f + 0.1f * normal(rng) : normal(rng);
+    w.add(name, v, std::move(shape));
+  };
+  add("model.embed_tokens.weight", {kVocab, kHidden});
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    add(p + "input_layernorm.weight", {kHidden}, true);
+    add(p + "self_attn.q_proj.weight", {kHeads * kHeadDim, kHidden});
+    add(p + "self_attn.k_proj.weight", {kKvHeads * kHeadDim, kHidden});
+    add(p + "self_attn.v_proj.weight", {kKvHeads * kHeadDim, kHidden});
+    add(p + "self_attn.o_proj.weight", {kHidden, kHeads * kHeadDim});
+    add(p + "post_attention_layernorm.weight", {kHidden}, true);
+    add(p + "mlp.gate_proj.weight", {kFfn, kHidden});
+    add(p + "mlp.up_proj.weight", {kFfn, kHidden});
+    add(p + "mlp.down_proj.weight", {kHidden, kFfn});
+  }
+  add("model.norm.weight", {kHidden}, true);
+  add("lm_head.weight", {kVocab, kHidden});
+  w.write();
+}
+
+}  // namespace loom::test_util
