@@ -185,6 +185,15 @@ class LoraTrainable final : public TrainableParams {
   void write_output(const Model& model, const TrainConfig& c, const FolderWriteOptions& opt) override {
     peft::write_adapter(c.output_dir, adapter_tensors(lora_, model.config(), c), safetensors::StDType::f32, opt);
   }
+  void write_whole_output(std::span<const float> whole, const ModelConfig& full, const TrainConfig& c,
+                          const FolderWriteOptions& opt) const override {
+    LoraModel w(full, lora_.config());
+    if (whole.size() != static_cast<size_t>(w.param_count()))
+      fail(ErrorKind::invalid_input, "tensor parallel: {} floats gathered for an adapter of {}", whole.size(),
+           w.param_count());
+    std::copy(whole.begin(), whole.end(), w.params());
+    peft::write_adapter(c.output_dir, adapter_tensors(w, full, c), safetensors::StDType::f32, opt);
+  }
 
  private:
   LoraModel lora_;
@@ -304,6 +313,11 @@ size_t TrainableParams::tensor_parallel_whole_size() const {
 
 void TrainableParams::gather_tensor_parallel_array(Communicator&, std::span<const float>, std::vector<float>&) const {
   fail(ErrorKind::unsupported, "checkpoints of tensor parallel (dist.tp) hold LoRA adapters only in this build");
+}
+
+void TrainableParams::write_whole_output(std::span<const float>, const ModelConfig&, const TrainConfig&,
+                                         const FolderWriteOptions&) const {
+  fail(ErrorKind::unsupported, "a tensor-parallel run's output at a checkpoint is written for LoRA adapters only");
 }
 
 void TrainableParams::take_tensor_parallel_shard(std::span<const float>, std::span<float>) const {

@@ -89,6 +89,11 @@ class TrainableParams {
   virtual void gather_tensor_parallel_array(Communicator& comm, std::span<const float> mine,
                                             std::vector<float>& whole) const;
   virtual void take_tensor_parallel_shard(std::span<const float> whole, std::span<float> mine) const;
+  // write_output of the whole model's parameters `whole` (gathered with
+  // gather_tensor_parallel_array, rank 0) for a model of `full` shapes, this
+  // rank's own shard untouched (the adapter of a checkpoint, mid-run). LoRA only.
+  virtual void write_whole_output(std::span<const float> whole, const ModelConfig& full, const TrainConfig& c,
+                                  const FolderWriteOptions& opt) const;
 
   // Parameters beyond the model's own (LoRA: the adapters; full: none).
   virtual int64_t added_params() const = 0;

@@ -215,9 +215,6 @@ void Trainer::prepare(bool dry_run) {
 void Trainer::check_options() const {
   if (rt_.checkpoint_adapters && c_.method != TrainMethod::lora)
     fail(ErrorKind::invalid_input, "{}: adapters at checkpoints: method: full writes no adapter", c_.source);
-  if (rt_.checkpoint_adapters && (c_.dist.tp > 1 || c_.dist.pp > 1))
-    fail(ErrorKind::unsupported, "{}: adapters at checkpoints (--publish-every-checkpoint) with dist.tp or dist.pp "
-         "above 1 are not built yet; the adapter at the end of the run is", c_.source);
   if (c_.method == TrainMethod::full && c_.precision != TrainPrecision::fp32)
     fail(ErrorKind::unsupported, "{}: precision: {} with method: full is not built yet (full fine-tuning's products "
          "run in fp32); use precision: fp32, or method: lora", c_.source, train_precision_name(c_.precision));
@@ -732,7 +729,14 @@ void Trainer::write_checkpoint_adapter() {
   c.output_dir = checkpoint_adapter_dir();
   FolderWriteOptions opt;
   opt.what = "the checkpoint's adapter folder (latest-adapter)";
-  on_root("write the checkpoint's adapter", [&] { params_->write_output(*model_, c, opt); });
+  if (tp_sums_) {  // the whole model's adapter from the shards (a collective), rank 0 writes it
+    std::vector<float> whole;
+    params_->gather_tensor_parallel_array(*tp_comm_, params_->params(), whole);
+    on_root("write the checkpoint's adapter",
+            [&] { params_->write_whole_output(whole, tp_full_config_, c, opt); });
+  } else {
+    on_root("write the checkpoint's adapter", [&] { params_->write_output(*model_, c, opt); });
+  }
   if (!is_root()) return;
   log_->record(LogLevel::info, "checkpoint_adapter",
                fmt::format("adapter of step {} written to {}", steps_done(), c.output_dir),

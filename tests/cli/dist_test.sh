@@ -23,7 +23,9 @@
 # 10. groups: data parallel across tensor-parallel groups and pipelines (4 ranks = 2 groups of 2:
 #     the bits of one group with grad_accum 2; pipelines also with ZeRO-1, top-k and a resume),
 #     tensor parallel inside pipeline stages (4 ranks) and 2 such groups (8 ranks): one process's
-#     losses within 1e-5, one tensor-parallel group's adapter within 1e-6 / its bits.
+#     losses within 1e-5, one tensor-parallel group's adapter within 1e-6 / its bits;
+# 11. --publish-every-checkpoint under dist.tp and dist.pp: every checkpoint's whole adapter
+#     published to a loom serve, the last one the final adapter's bytes.
 # Exit 77 (skipped) without mpirun; under CI=true that is a failure.
 # Usage: dist_test.sh LOOM_BINARY SOURCE_DIR
 set -u
@@ -460,6 +462,36 @@ run dtf_1 2 2 "${tg[@]}" && run dtf_2 4 1 "${tg[@]}" && same_bits dtf_1 dtf_2 mo
 if ! run dtpzero 4 1 --set lora.dropout=0 --set dist.tp=2 --set dist.zero=1 >/dev/null &&
   grep -q "across tensor-parallel groups are not built yet" "$tmp/dtpzero.out"; then ok; else
   bad "dist.zero across tensor-parallel groups is not refused"; fi
+
+echo "11. --publish-every-checkpoint with tensor and pipeline parallel"
+# A server of the tiny model; each checkpoint's adapter (latest-adapter) is written whole by rank 0
+# and published; the last one is the run's final adapter byte for byte.
+mkdir -p "$tmp/published"
+"$loom" serve -m "$tiny" --host 127.0.0.1 --port 0 -t 1 --adapter-dir "$tmp" >"$tmp/serve.log" 2>&1 &
+serve_pid=$!
+port=
+for _ in $(seq 300); do
+  port=$(grep -o 'on http://127.0.0.1:[0-9]*' "$tmp/serve.log" | grep -o '[0-9]*$')
+  [[ -n "$port" ]] && curl -sf --max-time 2 "http://127.0.0.1:$port/health" >/dev/null && break
+  sleep 0.1
+done
+if [[ -z "$port" ]]; then
+  bad "loom serve of the tiny model did not start"; tail -5 "$tmp/serve.log"
+else
+  pub=(--set steps=4 --set checkpoint_interval=2 --set eval_interval=0 --publish "http://127.0.0.1:$port"
+    --publish-every-checkpoint)
+  for par in dist.tp=2 dist.pp=2; do
+    name=pub_${par//[.=]/_}
+    run "$name" 2 1 --set "$par" "${pub[@]}" --publish-name "$name" && {
+      cmp -s "$tmp/$name/checkpoints/latest-adapter/adapter_model.safetensors" \
+        "$tmp/$name/adapter_model.safetensors" && ok || bad "$par: latest-adapter is not the final adapter"
+      n=$(grep -c "published .* of step" "$tmp/$name.out")
+      [[ $n -ge 3 ]] && ok || bad "$par: $n publish records, expected 3 (2 checkpoints, the end)"
+    }
+  done
+fi
+kill "$serve_pid" 2>/dev/null
+wait "$serve_pid" 2>/dev/null
 
 echo "$pass passed, $fail failed"
 [[ $fail == 0 ]]
