@@ -404,10 +404,16 @@ StepReport Trainer::train_step() {
   params_->zero_grads();
   double loss_sum = 0;
   const int64_t input_before = input_tokens_;
+  const int64_t tp_bytes_before = tp_sums_ ? tp_sums_->wire_bytes() : 0, tp_sums_before = tp_sums_ ? tp_sums_->calls() : 0;
+  step_pp_bytes_ = 0;
   if (r.loss_tokens > 0) {
     float scale = 1.0f / static_cast<float>(r.loss_tokens);
     if (scaler_) scale *= scaler_->scale();  // fp16: a power of two, exact
     loss_sum = backward_step(scale, step);  // data parallel: gradients summed over the ranks on return
+  }
+  if (tp_sums_) {  // this step's forward and backward sums (and the adapters' gradient sum)
+    step_tp_bytes_ = tp_sums_->wire_bytes() - tp_bytes_before;
+    step_tp_sums_ = tp_sums_->calls() - tp_sums_before;
   }
   if (data_ranks() > 1) {  // the step's loss and tokens over every rank
     double v[2] = {loss_sum, static_cast<double>(input_tokens_ - input_before)};
@@ -479,6 +485,11 @@ void Trainer::write_metrics_step(const StepReport& r, double tok_s) {
                  world(), static_cast<long long>(sync_stats_.wire_bytes),
                  static_cast<long long>(sync_stats_.uncompressed_wire_bytes), sync_stats_.comm_seconds,
                  sync_stats_.wait_seconds);
+  if (tp_sums_)  // tensor parallel: what rank 0 sent for its sums this step
+    std::fprintf(metrics_.get(), ",\"tp_wire_bytes\":%lld,\"tp_sums\":%lld", static_cast<long long>(step_tp_bytes_),
+                 static_cast<long long>(step_tp_sums_));
+  if (c_.dist.pp > 1)  // pipeline: what the stages of rank 0's pipeline sent to each other this step
+    std::fprintf(metrics_.get(), ",\"pp_wire_bytes\":%lld", static_cast<long long>(step_pp_bytes_));
   std::fputs("}\n", metrics_.get());
   std::fflush(metrics_.get());
 }

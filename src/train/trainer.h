@@ -19,6 +19,7 @@
 #include "core/trace.h"
 #include "dist/communicator.h"
 #include "dist/grad_reducer.h"
+#include "dist/partial_sums.h"
 #include "kernels/backend.h"
 #include "kernels/int_quant.h"
 #include "model/model.h"
@@ -358,7 +359,10 @@ class Trainer {
   std::vector<size_t> zero_cuts_;  // dist.zero 1: data rank r updates parameters [cuts[r], cuts[r + 1])
   GradSyncStats sync_stats_;
   // Tensor parallel (dist.tp): the sums over its ranks, the whole model's shapes.
-  std::unique_ptr<PartialSums> tp_sums_;
+  std::unique_ptr<CommunicatorSums> tp_sums_;
+  // The last step's tensor-parallel sums (this rank's bytes sent, calls) and
+  // pipeline messages (bytes sent by every stage of this pipeline).
+  int64_t step_tp_bytes_ = 0, step_tp_sums_ = 0, step_pp_bytes_ = 0;
   ModelConfig tp_full_config_;
   // Pipeline parallel (dist.pp): this stage's layers and a session per micro-batch but the first.
   int64_t stage_first_ = 0, stage_last_ = 0;

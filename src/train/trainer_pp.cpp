@@ -69,6 +69,7 @@ double Trainer::pipeline_step(float scale, int64_t step) {
   };
   std::vector<float> x;
   double loss_sum = 0;
+  int64_t sent = 0;  // bytes this stage sends
   auto tokens = [&](int64_t i) { return micro_[static_cast<size_t>(i)].rows * micro_[static_cast<size_t>(i)].seq_len; };
   auto forward = [&](int64_t i) {
     const Batch& b = micro_[static_cast<size_t>(i)];
@@ -84,9 +85,11 @@ double Trainer::pipeline_step(float scale, int64_t step) {
     const auto mask_counter = static_cast<uint64_t>((step * data_ranks() + data_rank()) * G + i);
     const float* out =
         stage_session(static_cast<size_t>(i)).forward_stage(b, scale, mask_counter, s > 0 ? x.data() : nullptr, &r);
-    if (s + 1 < S)
+    if (s + 1 < S) {
       sends[static_cast<size_t>(i % K)].push_back(
           pp_comm_->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
+      sent += n * static_cast<int64_t>(sizeof(float));
+    }
     else
       loss_sum += r.loss_sum;
     input_tokens_ += tokens(i);
@@ -100,9 +103,11 @@ double Trainer::pipeline_step(float scale, int64_t step) {
       pp_comm_->recv(dy.data(), dy.size() * sizeof(float), s + 1, static_cast<int>(2 * i + 1));
     }
     const float* dx = stage_session(static_cast<size_t>(i)).backward_stage(s + 1 < S ? dy.data() : nullptr);
-    if (s > 0)  // the session keeps dx until its next call
+    if (s > 0) {  // the session keeps dx until its next call
       sends[static_cast<size_t>(i % K)].push_back(
           pp_comm_->start_send(dx, static_cast<size_t>(n) * sizeof(float), s - 1, static_cast<int>(2 * i + 1)));
+      sent += n * static_cast<int64_t>(sizeof(float));
+    }
   };
   const int64_t warm = std::min<int64_t>(S - s - 1, G);
   for (int64_t i = 0; i < warm; ++i) forward(i);
@@ -115,8 +120,10 @@ double Trainer::pipeline_step(float scale, int64_t step) {
   // Each layer's gradients live on its stage: the sum over stages gives every rank all of them.
   const std::span<float> g = params_->grads();
   pp_comm_->allreduce_sum(g);
-  pp_comm_->allreduce_sum(std::span<double>(&loss_sum, 1));
-  return loss_sum;
+  double v[2] = {loss_sum, static_cast<double>(sent)};  // the last stage's loss; every stage's bytes
+  pp_comm_->allreduce_sum(std::span<double>(v, 2));
+  step_pp_bytes_ = static_cast<int64_t>(v[1]);
+  return v[0];
 }
 
 // An evaluation batch by batch through the stages (forward only); the

@@ -128,6 +128,17 @@ sys.exit(0 if worst <= tol else 1)
 EOF
 }
 
+# step_field NAME FIELD VALUE: every step line of NAME's metrics has FIELD == VALUE (prints it).
+step_field() {
+  python3 - "$tmp/$1.jsonl" "$2" "$3" <<'EOF'
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+got = sorted({s.get(sys.argv[2]) for s in steps}, key=str)
+print(f"  {sys.argv[2]}: {got} a step (expected {sys.argv[3]})")
+sys.exit(0 if steps and got == [int(sys.argv[3])] else 1)
+EOF
+}
+
 # The metrics lines' step, losses and gradient norm.
 losses() {
   python3 -c '
@@ -284,6 +295,11 @@ echo "8. tensor parallel (dist.tp 2): one process's losses, the whole adapter wr
 tp=(--set lora.dropout=0 --set steps=2 --set eval_interval=1)
 run tp1 1 1 "${tp[@]}" && run tp2 2 1 "${tp[@]}" --set dist.tp=2 && {
   close_losses tp1 tp2 1e-5 && ok || bad "dist.tp 2: losses"
+  # The volume: 2 sums a layer forward, 2 backward (1 in layer 0: LoRA needs no input gradient there),
+  # one for the whole adapters' gradients: 4 L - 1 + 1 = 8. Each activation sum is T x H floats
+  # (64 x 64, 16384 bytes; 2 ranks: a ring sends 2 (N-1)/N = 1 times it), the adapters' sum the A of
+  # q/k/v/gate/up and the B of o/down (r 4: 1792 floats a layer): 7 x 16384 + 2 x 1792 x 4 = 129024.
+  step_field tp2 tp_sums 8 && step_field tp2 tp_wire_bytes 129024 && ok || bad "dist.tp 2: communication volume"
   # Step 1 has lr 0 (warm-up): the adapter written is the initialization, gathered from the shards.
   run tp1a 1 1 "${tp[@]}" --set steps=1 && run tp2a 2 1 "${tp[@]}" --set steps=1 --set dist.tp=2 &&
     { cmp -s "$tmp/tp1a/adapter_model.safetensors" "$tmp/tp2a/adapter_model.safetensors" && ok ||
@@ -348,8 +364,11 @@ if ! run tpqat 2 1 --set dist.tp=2 --set qat.bits=4 >/dev/null && grep -q "qat w
 echo "9. pipeline parallel (dist.pp): 1F1B through the stages, the bits of one process"
 for ga in 1 3; do
   pp=(--set steps=4 --set eval_interval=2)
-  run "pp1_$ga" 1 $ga "${pp[@]}" && run "pp2_$ga" 2 $ga "${pp[@]}" --set dist.pp=2 &&
+  run "pp1_$ga" 1 $ga "${pp[@]}" && run "pp2_$ga" 2 $ga "${pp[@]}" --set dist.pp=2 && {
     same_bits "pp1_$ga" "pp2_$ga" adapter_model.safetensors
+    # Each micro-batch's activations forward and their gradients back: 2 G x T x H x 4 bytes.
+    step_field "pp2_$ga" pp_wire_bytes $((2 * ga * 64 * 64 * 4)) && ok || bad "dist.pp 2: communication volume"
+  }
 done
 # Gradient checkpointing and bf16 saved activations, in stages as in one process (1 layer a segment).
 for acts in "gradient_checkpointing=1" "activation_dtype=bf16" "gradient_checkpointing=1 activation_dtype=bf16"; do
