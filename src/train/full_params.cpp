@@ -71,6 +71,7 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   auto take_matrix = [&](Tensor& t, size_t span) {
     float* dst = p(span);
     const Tensor src = t;
+    bound_bytes_ += src.nbytes();
     pool.parallel_for(src.rows(), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) dequantize_row(src.dtype, src.row_ptr(r), dst + r * src.cols(), src.cols());
     });
@@ -80,6 +81,7 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   };
   auto take_vector = [&](const float*& v, size_t span) {
     std::memcpy(p(span), v, spans_[span].size * sizeof(float));
+    bound_bytes_ += spans_[span].size * sizeof(float);
     v = p(span);
     return g(span);
   };

@@ -44,6 +44,9 @@ class FullParams {
   float* output_grad() const { return output_grad_; }  // == token_embd_grad() when tied
   float* output_norm_grad() const { return output_norm_grad_; }
   bool tied() const { return tied_; }
+  // The bytes of the weights as they were bound before the arena took them
+  // (a pipeline stage's file pages read: Model::weight_bytes now counts the arena).
+  size_t bound_bytes() const { return bound_bytes_; }
   // Pipeline parallel: this stage's copy of a tied embedding (empty otherwise).
   std::span<float> tied_copy_grads();
 
@@ -88,6 +91,7 @@ class FullParams {
   float *embd_grad_ = nullptr, *output_grad_ = nullptr, *output_norm_grad_ = nullptr;
   bool tied_ = false;
   bool tied_copy_ = false;
+  size_t bound_bytes_ = 0;
   size_t tied_copy_span_ = SIZE_MAX;  // index into spans_
 };
 

@@ -241,6 +241,7 @@ class FullTrainable final : public TrainableParams {
     gather_full_tensor_parallel(comm, w_, whole_);
   }
   bool split_into_stages() const override { return true; }
+  size_t bound_weight_bytes() const override { return full_.bound_bytes(); }
   void sum_tied_stage_grads(Communicator& pp) override { sum_tied_embedding_grads(pp, full_.tied_copy_grads()); }
   double stage_sum_squares(Communicator& pp, double local) override {
     if (pp.rank() > 0) {  // the last stage's copy of a tied embedding: the first stage counts it

@@ -104,6 +104,9 @@ class TrainableParams {
   virtual void sum_tied_stage_grads(Communicator&) {}
   virtual double stage_sum_squares(Communicator&, double local) { return local; }
   virtual void gather_pipeline(Communicator&, Model&) {}
+  // Full fine-tuning: the bytes of the weights as bound before its arena took
+  // them (what a pipeline stage reads of the file); 0: the model's own count.
+  virtual size_t bound_weight_bytes() const { return 0; }
 
   // Parameters beyond the model's own (LoRA: the adapters; full: none).
   virtual int64_t added_params() const = 0;

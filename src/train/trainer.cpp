@@ -200,8 +200,9 @@ void Trainer::prepare(bool dry_run) {
   session_->set_activation_options(
       {c_.gradient_checkpointing, c_.activation_dtype == TrainConfig::ActivationDType::bf16});
   build_optimizer();
-  res_.trainable_params = params_->count();
   res_.total_params = model_->parameter_count() + params_->added_params();
+  // Full fine-tuning in stages trains every weight, each stage's arena a part.
+  res_.trainable_params = c_.dist.pp > 1 && params_->split_into_stages() ? res_.total_params : params_->count();
   log_start();
   log_advice();
   setup_data_parallel();      // trainer_dist.cpp; nothing for one process
