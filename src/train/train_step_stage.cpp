@@ -29,7 +29,7 @@ const float* TrainSession::forward_stage(const Batch& batch, float grad_scale, u
   forward_layers(T, dropout, step, backward);
   stage_.dropout = dropout;
   stage_.step = step;
-  if (full_ != nullptr && first == 0) stage_.tokens.assign(batch.tokens.begin(), batch.tokens.end());  // for the backward
+  if (backward && full_ != nullptr && first == 0) stage_.tokens.assign(batch.tokens.begin(), batch.tokens.end());  // for the backward
   if (last < c_.n_layers) return x_final_;  // the stage's output
   LOOM_ASSERT(loss != nullptr);
   *loss = loss_and_head_backward(batch, grad_scale, backward);  // the gradient of the last output in dres_
