@@ -23,8 +23,10 @@ struct Run {
 // Layer L's tensors in the order both sides of the gather walk them; `like`:
 // a layer of the same shapes (the receiver's own first layer).
 std::vector<Run> layer_runs(LayerWeights& L, const LayerWeights& like, int64_t hidden) {
-  std::vector<Run> r = {{nullptr, &L.attn_norm, nullptr, hidden}, {&L.wq, nullptr, &like.wq, like.wq.numel()},
-                        {&L.wk, nullptr, &like.wk, like.wk.numel()},  {&L.wv, nullptr, &like.wv, like.wv.numel()},
+  std::vector<Run> r = {{nullptr, &L.attn_norm, nullptr, hidden},
+                        {&L.wq, nullptr, &like.wq, like.wq.numel()},
+                        {&L.wk, nullptr, &like.wk, like.wk.numel()},
+                        {&L.wv, nullptr, &like.wv, like.wv.numel()},
                         {&L.wo, nullptr, &like.wo, like.wo.numel()}};
   if (like.bq != nullptr) {
     r.push_back({nullptr, &L.bq, nullptr, like.wq.rows()});
@@ -40,15 +42,16 @@ std::vector<Run> layer_runs(LayerWeights& L, const LayerWeights& like, int64_t h
 
 // Stage k's tensors, in order: its layers, then (the last stage) the final
 // norm and, when not tied, the output matrix.
-std::vector<Run> stage_runs(ModelWeights& w, const LayerWeights& like, const Tensor& embd, const ModelConfig& c,
-                            PipelineStage s) {
+std::vector<Run> stage_runs(ModelWeights& w, const LayerWeights& like, const Tensor& embd,
+                            const ModelConfig& c, PipelineStage s) {
   std::vector<Run> out;
   const LayerSpan span = pipeline_stage_layers(c.n_layers, s);
   for (int64_t l = span.first; l < span.last; ++l)
     for (const Run& r : layer_runs(w.layers[static_cast<size_t>(l)], like, c.hidden)) out.push_back(r);
   if (span.last == c.n_layers) {
     out.push_back({nullptr, &w.output_norm, nullptr, c.hidden});
-    if (!c.tied_embeddings) out.push_back({&w.output, nullptr, &embd, embd.numel()});  // [vocab, hidden] as the embedding
+    if (!c.tied_embeddings)
+      out.push_back({&w.output, nullptr, &embd, embd.numel()});  // [vocab, hidden] as the embedding
   }
   return out;
 }

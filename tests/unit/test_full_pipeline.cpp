@@ -40,9 +40,12 @@ struct Fixture {
   }
   FullModel load(std::optional<PipelineStage> stage) {
     FullModel m;
-    auto take = [&](ModelWeights& w, const ModelConfig& c) { m.full = std::make_unique<FullParams>(w, c, pool); };
-    m.model = Model::load(dir.str(),
-                          {.tokenizer = false, .pack = true, .backend = backend.get(), .before_pack = take, .stage = stage});
+    auto take = [&](ModelWeights& w, const ModelConfig& c) {
+      m.full = std::make_unique<FullParams>(w, c, pool);
+    };
+    m.model = Model::load(
+        dir.str(),
+        {.tokenizer = false, .pack = true, .backend = backend.get(), .before_pack = take, .stage = stage});
     m.session = std::make_unique<TrainSession>(m.model->config(), m.model->weights(), *m.full, *backend,
                                                BackwardMode::exact);
     return m;
@@ -92,7 +95,8 @@ TEST(FullPipeline, StagesHoldTheirTensorsAndGiveTheWholeGradients) {
   Fixture f(/*tied=*/false);
   FullModel whole = f.load(std::nullopt);
   double ref_loss = 0;
-  for (uint32_t i = 0; i < 2; ++i) ref_loss += whole.session->forward_backward(make_batch(i + 1), 0.01f, i).loss_sum;
+  for (uint32_t i = 0; i < 2; ++i)
+    ref_loss += whole.session->forward_backward(make_batch(i + 1), 0.01f, i).loss_sum;
   const std::vector<float> ref_params = arena(whole.full->params(), *whole.full);
   const std::vector<float> ref_grads = arena(whole.full->grads(), *whole.full);
   for (int stages : {2, 3}) {
@@ -128,7 +132,8 @@ TEST(FullPipeline, TiedEmbeddingCopiesSumToTheWholeGradient) {
   FullModel whole = f.load(std::nullopt);
   ASSERT_TRUE(whole.full->tied());
   double ref_loss = 0;
-  for (uint32_t i = 0; i < 2; ++i) ref_loss += whole.session->forward_backward(make_batch(i + 1), 0.01f, i).loss_sum;
+  for (uint32_t i = 0; i < 2; ++i)
+    ref_loss += whole.session->forward_backward(make_batch(i + 1), 0.01f, i).loss_sum;
   const float* ref = whole.full->token_embd_grad();  // the whole arena's first run
   double loss = 0;
   std::vector<FullModel> ms = run_stages(f, 2, &loss);
