@@ -104,7 +104,9 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
 
 int64_t Model::parameter_count() const {
   const ModelConfig& c = config_;
-  int64_t n = c.vocab_size * c.hidden * (weights_.output.data == weights_.token_embd.data ? 1 : 2) + c.hidden;
+  // The whole model's count, also for a pipeline stage (which may hold neither matrix): the config says whether tied.
+  const bool tied = c.tied_embeddings || weights_.output.data == weights_.token_embd.data;
+  int64_t n = c.vocab_size * c.hidden * (tied ? 1 : 2) + c.hidden;
   const int64_t per_layer = 2 * c.hidden + c.hidden * c.q_dim() * 2 + 2 * c.hidden * c.kv_dim() +
                             3 * c.hidden * c.intermediate + (c.qkv_bias ? c.q_dim() + 2 * c.kv_dim() : 0);
   return n + per_layer * c.n_layers;

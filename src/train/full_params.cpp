@@ -11,7 +11,7 @@
 namespace loom {
 
 FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) {
-  tied_ = w.output.data == w.token_embd.data;
+  tied_ = w.output.data != nullptr && w.output.data == w.token_embd.data;  // both in one process (or one stage)
   // Pass 1: sizes and offsets, in a fixed order; pass 2 copies and re-points.
   size_t total = 0;
   // `split`: a layer's projection or bias, cut by tensor parallel (model/tensor_parallel.h).
@@ -21,13 +21,24 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     return spans_.size() - 1;
   };
   const int64_t H = c.hidden;
-  const size_t embd = add(w.token_embd.numel(), true, "model.embed_tokens.weight", w.token_embd.rows());
+  // A pipeline stage (model/pipeline_stage.h) holds some layers and maybe the
+  // embedding or the head: the arena takes only what it holds.
+  const bool has_embd = w.token_embd.data != nullptr, has_head = w.output.data != nullptr;
+  // Tied embeddings split over the first and the last stage: each holds a copy.
+  tied_copy_ = c.tied_embeddings && has_embd != has_head;
+  const size_t embd =
+      has_embd ? add(w.token_embd.numel(), true, "model.embed_tokens.weight", w.token_embd.rows()) : SIZE_MAX;
   struct LayerSpans {
     size_t attn_norm, wq, wk, wv, wo, bq = SIZE_MAX, bk = SIZE_MAX, bv = SIZE_MAX, ffn_norm, gate, up, down;
   };
   std::vector<LayerSpans> ls;
   for (const LayerWeights& L : w.layers) {
     LayerSpans s{};
+    if (!L.held()) {  // another stage's: an empty run where it would be keeps the layers' runs adjacent
+      ls.push_back(s);
+      layer_ranges_.push_back({total, total});
+      continue;
+    }
     const std::string p = fmt::format("model.layers.{}.", ls.size());  // Hugging Face names
     s.attn_norm = add(H, false, p + "input_layernorm.weight");
     s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight", L.wq.rows(), true);
@@ -46,8 +57,10 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     ls.push_back(s);
     layer_ranges_.push_back({spans_[s.attn_norm].offset, spans_[s.down].offset + spans_[s.down].size});
   }
-  const size_t out_norm = add(H, false, "model.norm.weight");
-  const size_t output = tied_ ? embd : add(w.output.numel(), true, "lm_head.weight", w.output.rows());
+  const size_t out_norm = w.output_norm != nullptr ? add(H, false, "model.norm.weight") : SIZE_MAX;
+  const char* head_name = tied_copy_ ? "model.embed_tokens.weight" : "lm_head.weight";  // the last stage's copy
+  const size_t output = !has_head ? SIZE_MAX : tied_ ? embd : add(w.output.numel(), true, head_name, w.output.rows());
+  if (tied_copy_) tied_copy_span_ = has_embd ? embd : output;
 
   params_.assign(total, 0.0f);
   grads_.assign(total, 0.0f);
@@ -58,6 +71,7 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   auto take_matrix = [&](Tensor& t, size_t span) {
     float* dst = p(span);
     const Tensor src = t;
+    bound_bytes_ += src.nbytes();
     pool.parallel_for(src.rows(), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) dequantize_row(src.dtype, src.row_ptr(r), dst + r * src.cols(), src.cols());
     });
@@ -67,20 +81,27 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   };
   auto take_vector = [&](const float*& v, size_t span) {
     std::memcpy(p(span), v, spans_[span].size * sizeof(float));
+    bound_bytes_ += spans_[span].size * sizeof(float);
     v = p(span);
     return g(span);
   };
-  take_matrix(w.token_embd, embd);
+  if (has_embd) {
+    take_matrix(w.token_embd, embd);
+    embd_grad_ = g(embd);
+  }
   if (tied_)
     w.output = w.token_embd;
-  else
+  else if (has_head)
     take_matrix(w.output, output);
-  embd_grad_ = g(embd);
-  output_grad_ = g(output);
+  if (has_head) output_grad_ = g(output);
   for (size_t l = 0; l < w.layers.size(); ++l) {
     LayerWeights& L = w.layers[l];
     const LayerSpans& s = ls[l];
     LayerGrads lg;
+    if (!L.held()) {
+      layers_.push_back(lg);
+      continue;
+    }
     lg.attn_norm = take_vector(L.attn_norm, s.attn_norm);
     lg.wq = take_matrix(L.wq, s.wq);
     lg.wk = take_matrix(L.wk, s.wk);
@@ -97,7 +118,12 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     lg.w_down = take_matrix(L.w_down, s.down);
     layers_.push_back(lg);
   }
-  output_norm_grad_ = take_vector(w.output_norm, out_norm);
+  if (out_norm != SIZE_MAX) output_norm_grad_ = take_vector(w.output_norm, out_norm);
+}
+
+std::span<float> FullParams::tied_copy_grads() {
+  if (tied_copy_span_ == SIZE_MAX) return {};
+  return {grads_.data() + spans_[tied_copy_span_].offset, spans_[tied_copy_span_].size};
 }
 
 std::string FullParams::tensor_at(size_t offset) const {

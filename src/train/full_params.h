@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,9 @@ class FullParams {
   // Copies every weight of `w` (dequantized to f32) into the arena and points
   // `w`'s tensors and vectors at it; `w` must then be (re)packed. Tied output
   // and embedding stay one tensor (one parameter, both gradients summed).
+  // A pipeline stage's `w` (model/pipeline_stage.h): only the tensors it holds;
+  // with tied embeddings the first and the last stage each hold a copy
+  // (tied_copy_grads), whose gradients the Trainer sums between them.
   FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool);
 
   int64_t param_count() const { return static_cast<int64_t>(params_.size()); }
@@ -40,6 +44,11 @@ class FullParams {
   float* output_grad() const { return output_grad_; }  // == token_embd_grad() when tied
   float* output_norm_grad() const { return output_norm_grad_; }
   bool tied() const { return tied_; }
+  // The bytes of the weights as they were bound before the arena took them
+  // (a pipeline stage's file pages read: Model::weight_bytes now counts the arena).
+  size_t bound_bytes() const { return bound_bytes_; }
+  // Pipeline parallel: this stage's copy of a tied embedding (empty otherwise).
+  std::span<float> tied_copy_grads();
 
   // Two groups like transformers' Trainer: matrices and embeddings decay,
   // norms and biases do not.
@@ -81,6 +90,9 @@ class FullParams {
   std::vector<std::pair<size_t, size_t>> layer_ranges_;
   float *embd_grad_ = nullptr, *output_grad_ = nullptr, *output_norm_grad_ = nullptr;
   bool tied_ = false;
+  bool tied_copy_ = false;
+  size_t bound_bytes_ = 0;
+  size_t tied_copy_span_ = SIZE_MAX;  // index into spans_
 };
 
 }  // namespace loom

@@ -251,6 +251,7 @@ class TrainSession {
   struct Stage {  // of the micro-batch forward_stage ran, for backward_stage
     bool dropout = false;
     uint64_t step = 0;
+    std::vector<int32_t> tokens;  // full fine-tuning's first stage: the embedding's backward reads them
   } stage_;
   void check_batch(const Batch& batch) const;
   // x_next: where the layer's output goes (the next layer's input, or a spill).

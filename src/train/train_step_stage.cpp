@@ -1,7 +1,8 @@
 // Pipeline parallel's share of a TrainSession: the forward and the backward
 // of one micro-batch through the layers a stage holds (train/trainer_pp.cpp).
 // The same kernels in the same order as forward_backward, so a pipeline of
-// stages gives the gradients of one process bit for bit.
+// stages gives the gradients of one process bit for bit (LoRA; full
+// fine-tuning's tied embedding sums its two stages' parts in another order).
 #include <cstring>
 
 #include "core/error.h"
@@ -26,7 +27,9 @@ const float* TrainSession::forward_stage(const Batch& batch, float grad_scale, u
     std::memcpy(x0, x_in, static_cast<size_t>(T * H) * sizeof(float));
   dec_.rope_table(pos_.data(), T, rope_cs_);
   forward_layers(T, dropout, step, backward);
-  stage_ = {dropout, step};
+  stage_.dropout = dropout;
+  stage_.step = step;
+  if (backward && full_ != nullptr && first == 0) stage_.tokens.assign(batch.tokens.begin(), batch.tokens.end());  // for the backward
   if (last < c_.n_layers) return x_final_;  // the stage's output
   LOOM_ASSERT(loss != nullptr);
   *loss = loss_and_head_backward(batch, grad_scale, backward);  // the gradient of the last output in dres_
@@ -39,7 +42,10 @@ const float* TrainSession::backward_stage(const float* dy) {
   if (dy != nullptr) std::memcpy(dres_, dy, static_cast<size_t>(T * H) * sizeof(float));
   backward_segments(T, stage_.dropout, stage_.step);
   if (span_.first > 0) return dres_;
-  return nullptr;  // LoRA: the embedding is frozen (full fine-tuning is not split into stages yet)
+  // dres_ is d(embedding rows): full fine-tuning's first stage trains the embedding (LoRA's is frozen).
+  if (full_ != nullptr)
+    be_.embedding_backward(full_->token_embd_grad(), dres_, stage_.tokens.data(), T, c_.vocab_size, H);
+  return nullptr;
 }
 
 }  // namespace loom

@@ -12,6 +12,7 @@
 #include "model/peft_adapter.h"
 #include "model/tensor_parallel.h"
 #include "train/full_params.h"
+#include "train/full_pp.h"
 #include "train/full_tp.h"
 #include "train/lora_params.h"
 #include "train/lora_tp.h"
@@ -248,6 +249,20 @@ class FullTrainable final : public TrainableParams {
   void gather_tensor_parallel(Communicator& comm, const ModelConfig&) override {
     gather_full_tensor_parallel(comm, w_, whole_);
   }
+  bool split_into_stages() const override { return true; }
+  size_t bound_weight_bytes() const override { return full_.bound_bytes(); }
+  void sum_tied_stage_grads(Communicator& pp) override { sum_tied_embedding_grads(pp, full_.tied_copy_grads()); }
+  double stage_sum_squares(Communicator& pp, double local) override {
+    if (pp.rank() > 0) {  // the last stage's copy of a tied embedding: the first stage counts it
+      const std::span<float> t = full_.tied_copy_grads();
+      for (float x : t) local -= static_cast<double>(x) * x;
+    }
+    pp.allreduce_sum(std::span<double>(&local, 1));
+    return local;
+  }
+  void gather_pipeline(Communicator& pp, Model& model) override {
+    gather_full_pipeline(pp, model.mutable_weights(), model.config(), whole_);
+  }
   int64_t added_params() const override { return 0; }
   std::string describe() const override {
     return qat_ ? "full fine-tuning (f32), QAT " + qat_->describe() : "full fine-tuning (f32)";
@@ -275,7 +290,7 @@ class FullTrainable final : public TrainableParams {
   ThreadPool& pool_;
   ModelWeights& w_;  // the model's, pointing into full_'s arena
   int tp_ranks_ = 1;
-  std::vector<std::vector<float>> whole_;  // tensor parallel, rank 0 at the end: the whole model's tensors
+  std::vector<std::vector<float>> whole_;  // tensor or pipeline parallel, rank 0 at the end: the other ranks' tensors
   bool masked_ = false;
   std::unique_ptr<QatWeights> qat_;
 };
@@ -355,9 +370,9 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
   if (tp > 1 && c.method == TrainMethod::lora)
     lo.before_pack = [&](ModelWeights& w, const ModelConfig& mc) { shard_weights_for_tensor_parallel(w, mc, tp_rank, tp); };
   if (c.dist.pp > 1) {
-    if (c.method != TrainMethod::lora)
-      fail(ErrorKind::unsupported, "{}: dist.pp {} trains LoRA adapters in this build (method: full is not split "
-           "into stages yet)", c.source, c.dist.pp);
+    if (c.method == TrainMethod::full && tp > 1)
+      fail(ErrorKind::unsupported, "{}: method: full with both dist.pp {} and dist.tp {} is not built yet (each "
+           "works alone)", c.source, c.dist.pp, tp);
     lo.stage = PipelineStage{pp_stage, c.dist.pp};
   }
   out.model = Model::load(c.model, lo);

@@ -95,6 +95,24 @@ class TrainableParams {
   virtual void write_whole_output(std::span<const float> whole, const ModelConfig& full, const TrainConfig& c,
                                   const FolderWriteOptions& opt) const;
 
+  // Pipeline parallel (dist.pp; train/trainer_pp.cpp), with `pp` the
+  // pipeline's communicator (rank = stage). LoRA (the defaults): the adapters
+  // are whole on every stage, each layer's gradients non-zero on its stage
+  // only, so the Trainer all-reduces the arena over the stages and the
+  // gradient norm is the stage's own. Full fine-tuning (split_into_stages;
+  // train/full_pp.h): each stage holds only its tensors; after the
+  // data-parallel sum the two copies of a tied embedding add their gradients
+  // (sum_tied_stage_grads), the norm sums the stages' squares (that copy
+  // once), and gather_pipeline makes rank 0's model the whole model at the
+  // end. The last three are collectives of every stage of `pp`.
+  virtual bool split_into_stages() const { return false; }
+  virtual void sum_tied_stage_grads(Communicator&) {}
+  virtual double stage_sum_squares(Communicator&, double local) { return local; }
+  virtual void gather_pipeline(Communicator&, Model&) {}
+  // Full fine-tuning: the bytes of the weights as bound before its arena took
+  // them (what a pipeline stage reads of the file); 0: the model's own count.
+  virtual size_t bound_weight_bytes() const { return 0; }
+
   // Parameters beyond the model's own (LoRA: the adapters; full: none).
   virtual int64_t added_params() const = 0;
   virtual std::string describe() const = 0;     // "LoRA r=8 alpha=16", "full fine-tuning (f32)"
@@ -119,9 +137,10 @@ struct TrainableModel {
 // run's log go to `notes`.
 // `tp_rank` (with c.dist.tp > 1): the model and adapters are that rank's
 // tensor-parallel shard, the model's config the shard's shapes.
-// `pp_stage` (with c.dist.pp > 1, LoRA): the model holds only that pipeline
-// stage's weights (model/pipeline_stage.h); the config and the adapters stay
-// whole (the adapter is written and checkpointed whole).
+// `pp_stage` (with c.dist.pp > 1): the model holds only that pipeline
+// stage's weights (model/pipeline_stage.h); the config stays whole. LoRA's
+// adapters stay whole (written and checkpointed whole); full fine-tuning's
+// arena takes only the stage's tensors (train/full_pp.h).
 TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, ThreadPool& pool,
                                     std::vector<std::string>* notes = nullptr, int tp_rank = 0, int pp_stage = 0);
 

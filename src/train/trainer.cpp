@@ -200,8 +200,9 @@ void Trainer::prepare(bool dry_run) {
   session_->set_activation_options(
       {c_.gradient_checkpointing, c_.activation_dtype == TrainConfig::ActivationDType::bf16});
   build_optimizer();
-  res_.trainable_params = params_->count();
   res_.total_params = model_->parameter_count() + params_->added_params();
+  // Full fine-tuning in stages trains every weight, each stage's arena a part.
+  res_.trainable_params = c_.dist.pp > 1 && params_->split_into_stages() ? res_.total_params : params_->count();
   log_start();
   log_advice();
   setup_data_parallel();      // trainer_dist.cpp; nothing for one process
@@ -544,6 +545,7 @@ TrainResult Trainer::finish() {
     params_->gather_tensor_parallel(*tp_comm_, tp_full_config_);
     if (is_root()) model_->reshape(tp_full_config_);
   }
+  if (c_.dist.pp > 1 && data_rank() == 0) params_->gather_pipeline(*pp_comm_, *model_);  // full: rank 0's is whole
   on_root("write the output", [&] { params_->write_output(*model_, c_, out_opt); });
   res_.adapter_dir = c_.output_dir;
   if (rt_.metrics) rt_.metrics->on_finish();
@@ -689,6 +691,9 @@ CheckpointState Trainer::checkpoint_state(std::string_view reason) {
 
 void Trainer::write_checkpoint(std::string_view reason) {
   LOOM_ASSERT(opt_);
+  if (c_.dist.pp > 1 && params_->split_into_stages())  // a signal's or memory alarm's (check_pipeline_full)
+    fail(ErrorKind::unsupported, "{}: a checkpoint ({}) of full fine-tuning with dist.pp cannot be written yet (each "
+         "stage holds only its tensors)", c_.source, reason);
   const int64_t step = steps_done();
   const auto stage = [&](std::string_view s) {
     if (s == "files_written") fail_point(rt_.failpoints, "checkpoint_write", step);

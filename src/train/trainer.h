@@ -278,6 +278,7 @@ class Trainer {
   int64_t in_flight() const;  // micro-batches a pipeline stage holds at once: min(grad_accum, S - s)
   TrainSession& stage_session(size_t micro_batch);
   double pipeline_step(float scale, int64_t step);
+  void check_pipeline_full() const;
   LossResult eval_pipeline(const DataSplit& split);
   void setup_tensor_parallel();
   void sum_replicated_grads();

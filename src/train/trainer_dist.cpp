@@ -133,6 +133,7 @@ double Trainer::backward_step(float scale, int64_t step) {
   if (c_.dist.pp > 1) {  // trainer_pp.cpp; then the sum over the data-parallel groups, after the pipeline's flush
     const double loss_sum = pipeline_step(scale, step);
     finish_reduction();
+    params_->sum_tied_stage_grads(*pp_comm_);  // full fine-tuning: after the data-parallel sum, alike on both stages
     sum_replicated_grads();  // tensor parallel inside the stages (trainer_tp.cpp)
     return loss_sum;
   }

@@ -84,7 +84,9 @@ std::vector<MemoryArena> Trainer::memory_arenas(int64_t planned_tokens) const {
   }
   auto i64 = [](size_t n) { return static_cast<int64_t>(n); };
   const int64_t values[kMemoryArenaCount] = {
-      i64(mapped_weight_bytes(*model_)),
+      // A stage's full fine-tuning: Model::weight_bytes would count the f32 arena (trainable) again.
+      i64(model_->stage() && params_->bound_weight_bytes() > 0 ? params_->bound_weight_bytes()
+                                                               : mapped_weight_bytes(*model_)),
       i64(prepared_bytes(model_->weights())),
       i64(session_->transposed_bytes()),
       i64(n_params * sizeof(float)),

@@ -1,14 +1,15 @@
 // The Trainer under pipeline parallel (dist.pp S): rank s holds the decoder
 // layers [s L / S, (s+1) L / S) (model/pipeline_stage.h: only their weights are
 // loaded, prepared and transposed; stage 0 adds the embedding, the last stage
-// the head; the LoRA arena stays whole on every rank), the stages of a pipeline
+// the head; the LoRA arena stays whole on every rank, full fine-tuning's
+// arena holds the stage's tensors only: train/full_pp.h), the stages of a pipeline
 // read the same micro-batches (N pipelines on N S ranks split the data as data
 // parallel does), and they flow through the stages in the 1F1B order: stage s
 // runs S - s - 1 forwards, then one forward and one backward in turn, then the
 // remaining backwards (PipeDream-Flush, Megatron-LM's default). Activations go
 // forward and their gradients back as point-to-point messages. Each layer's
 // gradients are accumulated micro-batch after micro-batch as one process does
-// it, then summed over the stages (each gradient is non-zero on one stage
+// it, then (LoRA) summed over the stages (each gradient is non-zero on one stage
 // only): the same bits as one process with the same grad_accum.
 #include <algorithm>
 #include <cstring>
@@ -22,12 +23,28 @@ namespace loom {
 void Trainer::check_pipeline_parallel() const {
   const int pp = c_.dist.pp;
   if (pp == 1) return;
-  if (c_.method != TrainMethod::lora)
-    fail(ErrorKind::unsupported, "{}: dist.pp trains LoRA adapters in this build (method: full is not split into "
-         "stages yet)", c_.source);
+  if (c_.method == TrainMethod::full) check_pipeline_full();
   if (c_.qat.enabled())
     fail(ErrorKind::unsupported, "{}: qat with dist.pp is not built yet (the fake-quantized W + s B A spans the "
          "stages' layers)", c_.source);
+}
+
+// Full fine-tuning splits its arena into the stages' tensors: what would need
+// one layout on every stage (the whole arena) is refused.
+void Trainer::check_pipeline_full() const {
+  if (c_.dist.tp > 1)
+    fail(ErrorKind::unsupported, "{}: method: full with both dist.pp {} and dist.tp {} is not built yet (each works "
+         "alone)", c_.source, c_.dist.pp, c_.dist.tp);
+  if (c_.checkpoint_interval > 0 || c_.checkpoint_minutes > 0 || rt_.resume.has_value())
+    fail(ErrorKind::unsupported, "{}: checkpoints of full fine-tuning with dist.pp are not written yet (each stage "
+         "holds only its tensors and their AdamW moments); leave checkpoint_interval and checkpoint_minutes at 0 and "
+         "do not --resume", c_.source);
+  // Both copies of a tied embedding must take the same update: they are summed
+  // after the data-parallel sum, which must then be the plain one (a ZeRO shard
+  // or a compressed gradient would differ between the first and last stage's arenas).
+  if (world() > model_ranks() && (c_.dist.zero1 || c_.dist.sync.compression != GradCompression::none))
+    fail(ErrorKind::unsupported, "{}: dist.zero and dist.compression across pipelines of full fine-tuning are not "
+         "built yet; leave them off", c_.source);
 }
 
 void Trainer::setup_pipeline_parallel() {
@@ -117,9 +134,10 @@ double Trainer::pipeline_step(float scale, int64_t step) {
   }
   for (int64_t i = G - warm; i < G; ++i) backward(i);
   for (int64_t j = 0; j < K; ++j) wait_sends(j);
-  // Each layer's gradients live on its stage: the sum over stages gives every rank all of them.
-  const std::span<float> g = params_->grads();
-  pp_comm_->allreduce_sum(g);
+  // LoRA: each layer's gradients live on its stage: the sum over stages gives
+  // every rank all of them. Full fine-tuning: each stage keeps its own
+  // (sum_tied_stage_grads follows the data-parallel sum).
+  if (!params_->split_into_stages()) pp_comm_->allreduce_sum(params_->grads());
   double v[2] = {loss_sum, static_cast<double>(sent)};  // the last stage's loss; every stage's bytes
   pp_comm_->allreduce_sum(std::span<double>(v, 2));
   step_pp_bytes_ = static_cast<int64_t>(v[1]);

@@ -72,6 +72,7 @@ void Trainer::sum_replicated_grads() {
 // of squares `local`): the shards' parts summed over the ranks, the whole
 // adapters' part once.
 double Trainer::global_sum_squares(double local) {
+  if (c_.dist.pp > 1) local = params_->stage_sum_squares(*pp_comm_, local);  // full fine-tuning: over the stages
   if (!tp_sums_) return local;
   const std::span<const float> g = params_->grads();
   double whole = 0;

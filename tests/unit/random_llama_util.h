@@ -13,13 +13,15 @@
 
 namespace loom::test_util {
 
-inline void write_random_llama(const std::string& dir, int64_t layers) {
+// `tied`: no lm_head.weight, the output is the token embedding (SmolLM2's way).
+inline void write_random_llama(const std::string& dir, int64_t layers, bool tied = false) {
   constexpr int64_t kHidden = 64, kFfn = 176, kVocab = 320, kHeads = 4, kKvHeads = 2, kHeadDim = 16;
   std::ofstream(dir + "/config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
     "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": )"
                                       << layers << R"(, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": 320, "tie_word_embeddings": false,
+    "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": 320, "tie_word_embeddings": )"
+                                      << (tied ? "true" : "false") << R"(,
     "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})";
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 0.08f);
@@ -45,7 +47,7 @@ inline void write_random_llama(const std::string& dir, int64_t layers) {
     add(p + "mlp.down_proj.weight", {kHidden, kFfn});
   }
   add("model.norm.weight", {kHidden}, true);
-  add("lm_head.weight", {kVocab, kHidden});
+  if (!tied) add("lm_head.weight", {kVocab, kHidden});
   w.write();
 }
 
