@@ -7,9 +7,10 @@
 // gathers its weights at the end). The global gradient
 // norm counts each shard once and the whole adapters once. LoRA dropout draws
 // one process's masks (TrainSession::set_tensor_parallel). Rank 0 gathers the
-// adapters of the whole model at the end, and at each checkpoint the adapters
-// and AdamW's moments in one process's layout (train/lora_tp.h), which every
-// rank of a resumed run cuts its shard from, whatever its dist.tp.
+// adapters (or weights) of the whole model at the end, and at each checkpoint
+// the trained params and AdamW's moments in one process's layout
+// (train/lora_tp.h, train/full_tp.h), which every rank of a resumed run cuts
+// its shard from, whatever its dist.tp.
 #include <cmath>
 
 #include "core/error.h"
@@ -29,9 +30,6 @@ void Trainer::check_tensor_parallel() const {
   // adamw8bit quantizes each tensor's moments in blocks from its first element: a shard's blocks are not the
   // whole tensor's, so its state cannot be written in (or read from) one process's layout.
   const bool checkpoints = c_.checkpoint_interval > 0 || c_.checkpoint_minutes > 0 || rt_.resume.has_value();
-  if (c_.method == TrainMethod::full && checkpoints)
-    fail(ErrorKind::unsupported, "{}: checkpoints of full fine-tuning with dist.tp are not written yet (the adapters' "
-         "are); leave checkpoint_interval and checkpoint_minutes at 0 and do not --resume", c_.source);
   if (c_.optimizer == OptimizerKind::adamw8bit && checkpoints)
     fail(ErrorKind::unsupported, "{}: optim.kind adamw8bit with dist.tp keeps no checkpoints (its 8-bit blocks of a "
          "shard are not those of the whole tensor); use optim.kind adamw, or leave checkpoint_interval and "

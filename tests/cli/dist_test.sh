@@ -334,9 +334,34 @@ run tf1 1 1 "${tf[@]}" && run tf2 2 1 "${tf[@]}" --set dist.tp=2 && {
   close_tensors "$tmp/tf1/model.safetensors" "$tmp/tf2/model.safetensors" 1e-4 && ok ||
     bad "dist.tp 2, full fine-tuning: the model written"
 }
-if ! run tfck 2 1 "${tf[@]}" --set dist.tp=2 --set checkpoint_interval=2 >/dev/null &&
-  grep -q "checkpoints of full fine-tuning with dist.tp" "$tmp/tfck.out"; then ok; else
-  bad "dist.tp full fine-tuning with checkpoints is not refused"; fi
+# Its checkpoints: the whole model's weights and moments in one process's layout. Step 1 has lr 0, so
+# its params.f32 is the initial model: the bytes of one process's (the shards mapped exactly). Resumed
+# at step 2 with dist.tp 2: the uninterrupted run's bits; by one process (and the other way round):
+# one process's losses and model within the tolerances above.
+tfc=("${tf[@]}" --set checkpoint_interval=1 --set keep_checkpoints=5)
+if run tfck 2 1 "${tfc[@]}" --set dist.tp=2 && run tf1ck 1 1 "${tfc[@]}"; then
+  cmp -s "$tmp/tfck/checkpoints/step-00000001/params.f32" "$tmp/tf1ck/checkpoints/step-00000001/params.f32" &&
+    ok || bad "dist.tp 2, full fine-tuning: the checkpoint's params are not one process's"
+  ck2=$tmp/tfck/checkpoints/step-00000002
+  run tfres 2 1 "${tfc[@]}" --set dist.tp=2 --resume "$ck2" && same_bits tfck tfres model.safetensors
+  if run tfres1 1 1 "${tfc[@]}" --resume "$ck2" && grep -q "written with dist.tp 2" "$tmp/tfres1.out"; then
+    close_losses tf1 tfres1 1e-5 && ok || bad "dist.tp 2 full fine-tuning checkpoint resumed by one process: losses"
+    close_tensors "$tmp/tf1/model.safetensors" "$tmp/tfres1/model.safetensors" 1e-4 && ok ||
+      bad "dist.tp 2 full fine-tuning checkpoint resumed by one process: model"
+  else
+    bad "dist.tp 2 full fine-tuning checkpoint: resume by one process"
+  fi
+  if run tfres2 2 1 "${tfc[@]}" --set dist.tp=2 --resume "$tmp/tf1ck/checkpoints/step-00000002" &&
+    grep -q "written with dist.tp 1" "$tmp/tfres2.out"; then
+    close_losses tf1 tfres2 1e-5 && ok || bad "one process's full fine-tuning checkpoint resumed with dist.tp 2: losses"
+    close_tensors "$tmp/tf1/model.safetensors" "$tmp/tfres2/model.safetensors" 1e-4 && ok ||
+      bad "one process's full fine-tuning checkpoint resumed with dist.tp 2: model"
+  else
+    bad "one process's full fine-tuning checkpoint: resume with dist.tp 2"
+  fi
+else
+  bad "dist.tp 2, full fine-tuning with checkpoints"
+fi
 if ! run tp8bit 2 1 --set dist.tp=2 --set optim.kind=adamw8bit --set checkpoint_interval=2 >/dev/null &&
   grep -q "adamw8bit with dist.tp keeps no checkpoints" "$tmp/tp8bit.out"; then ok; else
   bad "dist.tp with adamw8bit and checkpoints is not refused"; fi
