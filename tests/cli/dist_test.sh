@@ -15,13 +15,14 @@
 #  8. tensor parallel (dist.tp 2): the losses of one process within 1e-5, the whole adapter gathered
 #     (the initialization bit for bit), also with LoRA dropout; checkpoints in one process's layout:
 #     resumed with dist.tp 2 the uninterrupted run's bits, resumed by one process within tolerance;
-#     full fine-tuning; what it does not support yet refused;
+#     full fine-tuning, its checkpoints too; what it does not support yet refused;
 #  9. pipeline parallel (dist.pp): 2 stages of the tiny model, 2 and 3 of the default model (1F1B, LoRA
 #     dropout, 1 to 4 micro-batches; gradient checkpointing and bf16 activations): the losses and
 #     adapter bytes of one process; each stage prepares and transposes only its own layers' weights
 #     and keeps activations for its layers and the micro-batches in flight (per-stage estimates);
 # 10. groups: data parallel across tensor-parallel groups and pipelines (4 ranks = 2 groups of 2:
-#     the bits of one group with grad_accum 2; pipelines also with ZeRO-1, top-k and a resume),
+#     the bits of one group with grad_accum 2; pipelines also with ZeRO-1, top-k and a resume;
+#     tensor-parallel groups with ZeRO-1 (LoRA, full) and top-k, checkpoints resumed bit for bit),
 #     tensor parallel inside pipeline stages (4 ranks) and 2 such groups (8 ranks): one process's
 #     losses within 1e-5, one tensor-parallel group's adapter within 1e-6 / its bits.
 # Exit 77 (skipped) without mpirun; under CI=true that is a failure.
@@ -482,9 +483,31 @@ run d3_1 1 2 "${g2[@]}" && {
 tg=(--set method=full --set steps=3 --set eval_interval=1 --set output_dtype=f32 --set optim.lr=1e-4
   --set dist.deterministic=true --set dist.tp=2)
 run dtf_1 2 2 "${tg[@]}" && run dtf_2 4 1 "${tg[@]}" && same_bits dtf_1 dtf_2 model.safetensors
-if ! run dtpzero 4 1 --set lora.dropout=0 --set dist.tp=2 --set dist.zero=1 >/dev/null &&
-  grep -q "across tensor-parallel groups are not built yet" "$tmp/dtpzero.out"; then ok; else
-  bad "dist.zero across tensor-parallel groups is not refused"; fi
+# ZeRO-1 and top-k compression across tensor-parallel groups: each shard's state over its data group.
+# ZeRO: the bits of one group with grad_accum 2; its checkpoint (gathered over the data group, then the
+# shards, into one process's layout) resumed with and without ZeRO: the uninterrupted run's bits.
+gk=("${g2[@]}" --set dist.tp=2 --set steps=4 --set checkpoint_interval=2 --set keep_checkpoints=5)
+run dtz_1 2 2 "${gk[@]}" && run dtz_2 4 1 "${gk[@]}" --set dist.zero=1 && {
+  same_bits dtz_1 dtz_2 adapter_model.safetensors
+  run dtz_res 4 1 "${gk[@]}" --set dist.zero=1 --resume "$tmp/dtz_2/checkpoints/step-00000002" &&
+    same_bits dtz_2 dtz_res adapter_model.safetensors
+  run dtz_nz 4 1 "${gk[@]}" --resume "$tmp/dtz_2/checkpoints/step-00000002" &&
+    same_bits dtz_2 dtz_nz adapter_model.safetensors
+}
+# Full fine-tuning with ZeRO across 2 groups of 2 shards: one group's bits, and resumed, the same.
+run dtfz_1 2 2 "${tg[@]}" --set steps=4 --set checkpoint_interval=2 && {
+  run dtfz_2 4 1 "${tg[@]}" --set steps=4 --set checkpoint_interval=2 --set dist.zero=1 &&
+    same_bits dtfz_1 dtfz_2 model.safetensors
+  run dtfz_res 4 1 "${tg[@]}" --set steps=4 --set checkpoint_interval=2 --set dist.zero=1 \
+    --resume "$tmp/dtfz_2/checkpoints/step-00000002" && same_bits dtfz_2 dtfz_res model.safetensors
+}
+# Top-k: every rank's error-feedback residual (world rank order) in the checkpoint, each resumed as its own.
+gt=("${gk[@]}" --set dist.compression=topk --set dist.ratio=0.1 --set lora.r=16)
+run dtk 4 1 "${gt[@]}" && run dtk_res 4 1 "${gt[@]}" --resume "$tmp/dtk/checkpoints/step-00000002" &&
+  same_bits dtk dtk_res adapter_model.safetensors
+if ! run dtpsgd 4 1 "${gk[@]}" --set dist.compression=powersgd >/dev/null &&
+  grep -q "powersgd across tensor-parallel groups keeps no checkpoints" "$tmp/dtpsgd.out"; then ok; else
+  bad "dist.compression powersgd across tensor-parallel groups with checkpoints is not refused"; fi
 
 echo "$pass passed, $fail failed"
 [[ $fail == 0 ]]
