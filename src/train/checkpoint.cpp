@@ -374,10 +374,12 @@ void load_checkpoint_arenas(const std::string& path, std::span<float> params, Ad
   std::vector<float> whole(whole_size);
   read_floats(dir / kParams, whole, "parameter");
   take(whole, params);
+  std::vector<float> state(params.size());  // a moment in this rank's layout, of which ZeRO-1 keeps a run
   for (const AdamW::StatePart& part : opt.state_parts()) {  // adamw: m and v, one float per parameter
-    LOOM_ASSERT(part.bytes == params.size_bytes() && part.file_offset == 0);
+    LOOM_ASSERT(part.file_bytes == params.size_bytes() && part.file_offset + part.bytes <= part.file_bytes);
     read_floats(dir / part.file, whole, "optimizer state");
-    take(whole, {static_cast<float*>(part.data), params.size()});
+    take(whole, state);
+    std::memcpy(part.data, reinterpret_cast<const char*>(state.data()) + part.file_offset, part.bytes);
   }
   opt.set_step_count(st.step);
 }

@@ -15,8 +15,9 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   // Pass 1: sizes and offsets, in a fixed order; pass 2 copies and re-points.
   size_t total = 0;
   // `split`: a layer's projection or bias, cut by tensor parallel (model/tensor_parallel.h).
-  auto add = [&](int64_t n, bool decay, std::string name, int64_t rows = 0, bool split = false) {
-    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name), rows, split});
+  auto add = [&](int64_t n, bool decay, std::string name, int64_t rows = 0, bool split = false,
+                 bool by_columns = false) {
+    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name), rows, split, by_columns});
     total += static_cast<size_t>(n);
     return spans_.size() - 1;
   };
@@ -44,7 +45,7 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight", L.wq.rows(), true);
     s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight", L.wk.rows(), true);
     s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight", L.wv.rows(), true);
-    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight", L.wo.rows(), true);
+    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight", L.wo.rows(), true, true);
     if (L.bq != nullptr) {
       s.bq = add(L.wq.rows(), false, p + "self_attn.q_proj.bias", 0, true);
       s.bk = add(L.wk.rows(), false, p + "self_attn.k_proj.bias", 0, true);
@@ -53,7 +54,7 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     s.ffn_norm = add(H, false, p + "post_attention_layernorm.weight");
     s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight", L.w_gate.rows(), true);
     s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight", L.w_up.rows(), true);
-    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight", L.w_down.rows(), true);
+    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight", L.w_down.rows(), true, true);
     ls.push_back(s);
     layer_ranges_.push_back({spans_[s.attn_norm].offset, spans_[s.down].offset + spans_[s.down].size});
   }
@@ -142,6 +143,13 @@ std::vector<std::pair<size_t, size_t>> FullParams::unsplit_ranges() const {
   std::vector<std::pair<size_t, size_t>> out;
   for (const Span& s : spans_)
     if (!s.split) out.push_back({s.offset, s.size});
+  return out;
+}
+
+std::vector<FullParams::CutSpan> FullParams::cut_spans() const {
+  std::vector<CutSpan> out;
+  for (const Span& s : spans_)
+    out.push_back({s.offset, s.size, s.rows, !s.split ? Cut::none : s.by_columns ? Cut::columns : Cut::rows});
   return out;
 }
 

@@ -61,6 +61,15 @@ class FullParams {
   // output), whole and alike on every rank, their gradients too (computed from
   // the summed input gradients).
   std::vector<std::pair<size_t, size_t>> unsplit_ranges() const;
+  // Every tensor's run of the arena and how tensor parallel cuts it (train/full_tp.h
+  // maps a rank's arena onto the whole model's with them).
+  enum class Cut { none, rows, columns };  // biases: rows (of one column)
+  struct CutSpan {
+    size_t offset, size;
+    int64_t rows;
+    Cut cut;
+  };
+  std::vector<CutSpan> cut_spans() const;
   // Layer l's run [begin, end) of the arena: its norms, matrices and biases.
   const std::vector<std::pair<size_t, size_t>>& layer_ranges() const { return layer_ranges_; }
 
@@ -79,6 +88,7 @@ class FullParams {
     std::string name;
     int64_t rows = 0;  // matrices: their rows
     bool split = false;  // cut by tensor parallel
+    bool by_columns = false;  // cut by columns (o and down), else by rows
   };
   void apply_mask(float* arena) const;
 

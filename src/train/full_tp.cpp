@@ -46,6 +46,38 @@ void gather_vector(Communicator& comm, const float*& v, size_t n, std::vector<st
 
 }  // namespace
 
+std::vector<TensorParallelRun> full_tensor_parallel_runs(const FullParams& shard, int rank, int ranks) {
+  LOOM_ASSERT(rank >= 0 && rank < ranks);
+  const auto k = static_cast<size_t>(rank), N = static_cast<size_t>(ranks);
+  std::vector<TensorParallelRun> runs;
+  size_t at = 0;  // the tensor in the whole arena
+  for (const FullParams::CutSpan& s : shard.cut_spans()) {
+    switch (s.cut) {
+      case FullParams::Cut::none:
+        runs.push_back({s.offset, at, s.size, true});
+        break;
+      case FullParams::Cut::rows:  // the shards in rank order are the whole
+        runs.push_back({s.offset, at + k * s.size, s.size, false});
+        break;
+      case FullParams::Cut::columns: {  // [rows, cols] of the whole [rows, N cols]: its columns of each row
+        const auto rows = static_cast<size_t>(s.rows), cols = s.size / rows;
+        for (size_t r = 0; r < rows; ++r)
+          runs.push_back({s.offset + r * cols, at + (r * N + k) * cols, cols, false});
+        break;
+      }
+    }
+    at += s.cut == FullParams::Cut::none ? s.size : s.size * N;
+  }
+  return runs;
+}
+
+size_t full_tensor_parallel_whole_size(const FullParams& shard, int ranks) {
+  size_t n = 0;
+  for (const FullParams::CutSpan& s : shard.cut_spans())
+    n += s.cut == FullParams::Cut::none ? s.size : s.size * static_cast<size_t>(ranks);
+  return n;
+}
+
 void gather_full_tensor_parallel(Communicator& comm, ModelWeights& w, std::vector<std::vector<float>>& store) {
   for (LayerWeights& L : w.layers) {
     const auto q_rows = static_cast<size_t>(L.wq.rows()), kv_rows = static_cast<size_t>(L.wk.rows());

@@ -57,32 +57,12 @@ size_t lora_tensor_parallel_whole_size(const LoraModel& shard, int ranks) {
   return n;
 }
 
-void take_tensor_parallel_shard(std::span<const TensorParallelRun> runs, std::span<const float> whole,
-                                std::span<float> mine) {
-  for (const TensorParallelRun& run : runs) {
-    LOOM_ASSERT(run.whole + run.n <= whole.size() && run.mine + run.n <= mine.size());
-    std::copy_n(whole.begin() + static_cast<std::ptrdiff_t>(run.whole), run.n,
-                mine.begin() + static_cast<std::ptrdiff_t>(run.mine));
-  }
-}
-
 void gather_tensor_parallel_arena(Communicator& comm, const LoraModel& shard, std::span<const float> mine,
                                   std::vector<float>& whole) {
+  LOOM_ASSERT(mine.size() == static_cast<size_t>(shard.param_count()));
   const int ranks = comm.size();
-  const size_t n = mine.size();
-  LOOM_ASSERT(n == static_cast<size_t>(shard.param_count()));
-  std::vector<float> all(comm.rank() == 0 ? static_cast<size_t>(ranks) * n : 0);
-  comm.gatherv(mine.data(), all.data(), std::vector<size_t>(static_cast<size_t>(ranks), n * sizeof(float)),
-               0);
-  whole.clear();
-  if (comm.rank() != 0) return;
-  whole.assign(lora_tensor_parallel_whole_size(shard, ranks), 0.0f);
-  for (int k = 0; k < ranks; ++k) {
-    const float* from = all.data() + static_cast<size_t>(k) * n;
-    for (const TensorParallelRun& run : lora_tensor_parallel_runs(shard, k, ranks))
-      if (k == 0 || !run.replicated)
-        std::copy_n(from + run.mine, run.n, whole.begin() + static_cast<std::ptrdiff_t>(run.whole));
-  }
+  gather_tensor_parallel_runs(comm, mine, lora_tensor_parallel_whole_size(shard, ranks),
+                              [&](int k) { return lora_tensor_parallel_runs(shard, k, ranks); }, whole);
 }
 
 }  // namespace loom

@@ -16,6 +16,7 @@
 #include "train/full_tp.h"
 #include "train/lora_params.h"
 #include "train/lora_tp.h"
+#include "train/tp_runs.h"
 #include "train/qat.h"
 
 namespace loom {
@@ -241,7 +242,10 @@ class FullTrainable final : public TrainableParams {
   }
   // Tensor parallel: the weights were cut before the arena took them; the
   // uncut tensors' gradients are alike on every rank (not partial sums).
-  void shard_for_tensor_parallel(const ModelConfig&, int, int ranks) override { tp_ranks_ = ranks; }
+  void shard_for_tensor_parallel(const ModelConfig&, int rank, int ranks) override {
+    tp_rank_ = rank;
+    tp_ranks_ = ranks;
+  }
   std::vector<std::pair<size_t, size_t>> replicated_ranges() const override {
     return tp_ranks_ > 1 ? full_.unsplit_ranges() : std::vector<std::pair<size_t, size_t>>{};
   }
@@ -262,6 +266,17 @@ class FullTrainable final : public TrainableParams {
   }
   void gather_pipeline(Communicator& pp, Model& model) override {
     gather_full_pipeline(pp, model.mutable_weights(), model.config(), whole_);
+  }
+  // Checkpoints: the arenas in one process's layout (train/full_tp.h).
+  size_t tensor_parallel_whole_size() const override { return full_tensor_parallel_whole_size(full_, tp_ranks_); }
+  void gather_tensor_parallel_array(Communicator& comm, std::span<const float> mine,
+                                    std::vector<float>& whole) const override {
+    LOOM_ASSERT(comm.size() == tp_ranks_ && mine.size() == static_cast<size_t>(full_.param_count()));
+    gather_tensor_parallel_runs(comm, mine, tensor_parallel_whole_size(),
+                                [&](int k) { return full_tensor_parallel_runs(full_, k, tp_ranks_); }, whole);
+  }
+  void take_tensor_parallel_shard(std::span<const float> whole, std::span<float> mine) const override {
+    loom::take_tensor_parallel_shard(full_tensor_parallel_runs(full_, tp_rank_, tp_ranks_), whole, mine);
   }
   int64_t added_params() const override { return 0; }
   std::string describe() const override {
@@ -289,7 +304,7 @@ class FullTrainable final : public TrainableParams {
   FullParams full_;
   ThreadPool& pool_;
   ModelWeights& w_;  // the model's, pointing into full_'s arena
-  int tp_ranks_ = 1;
+  int tp_rank_ = 0, tp_ranks_ = 1;  // this arena's shard (shard_for_tensor_parallel)
   std::vector<std::vector<float>> whole_;  // tensor or pipeline parallel, rank 0 at the end: the other ranks' tensors
   bool masked_ = false;
   std::unique_ptr<QatWeights> qat_;

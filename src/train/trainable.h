@@ -63,9 +63,9 @@ class TrainableParams {
   virtual bool qat_started() const = 0;
 
   // Tensor parallel (dist.tp; model/tensor_parallel.h). Full fine-tuning trains
-  // the shard's weights (cut before the arena takes them), gathers them whole
-  // on rank 0 at the end and keeps no tensor-parallel checkpoints (the
-  // checkpoint functions below throw unsupported). LoRA: shard_for_tensor_parallel: the adapters
+  // the shard's weights (cut before the arena takes them; shard_for_tensor_parallel
+  // only records the rank) and gathers them whole on rank 0 at the end
+  // (gather_tensor_parallel). LoRA: shard_for_tensor_parallel: the adapters
   // become rank `rank`'s shard of those a model of `full` shapes gets, with the
   // same initial values (A of o/down: this rank's columns; the other A whole;
   // B of q/k/v/gate/up: this rank's rows). replicated_ranges: the arena runs
@@ -80,7 +80,7 @@ class TrainableParams {
   virtual bool replicated_grads_are_partial_sums() const { return true; }
   virtual void gather_tensor_parallel(Communicator& comm, const ModelConfig& full);
   // Checkpoints of a tensor-parallel run hold the whole model's arenas in one
-  // process's layout (train/lora_tp.h), so they resume on any rank count:
+  // process's layout (train/lora_tp.h, train/full_tp.h), so they resume on any rank count:
   // tensor_parallel_whole_size: the floats of such an arena;
   // gather_tensor_parallel_array: `mine`, an array of this arena's layout
   // (params, a moment), from every rank into `whole` on rank 0 (a collective);

@@ -611,7 +611,7 @@ void Trainer::load_checkpoint(const std::string& path) {
     load_tensor_parallel_arenas(path);  // trainer_tp.cpp: each rank its shard of the whole model's
   else
     load_checkpoint_arenas(path, params_->params(), *opt_);
-  restore_compression_state(path, st.world_size);
+  restore_compression_state(path, st.world_size, st.tensor_parallel);
   params_->after_update(*model_, *session_, *backend_);  // full: the backend's copies of the weights
   restore_faults(st.faults);
   if (scaler_) {

@@ -295,11 +295,11 @@ class Trainer {
   void gather_zero_params();             // every rank's updated part to every rank
   std::vector<std::vector<char>> gather_zero_state(std::vector<AdamW::StatePart>& parts);
   // Gradient compression's state in checkpoints: every rank's error-feedback
-  // residual (rank order) and PowerSGD's Q, gathered on rank 0 into the two
+  // residual (world rank order) and PowerSGD's Q, gathered on rank 0 into the two
   // vectors the returned parts point at; and read back on resume.
   std::vector<AdamW::StatePart> gather_compression_state(std::vector<float>& residuals, std::vector<float>& q);
   void fill_profile_metadata() const;
-  void restore_compression_state(const std::string& path, int64_t checkpoint_world);
+  void restore_compression_state(const std::string& path, int64_t checkpoint_world, int checkpoint_tp);
   void on_root(std::string_view what, const std::function<void()>& work);
   std::vector<MemoryArena> memory_arenas(int64_t planned_tokens) const;
   // Pipeline parallel: every stage's estimate (arenas, other, total) on rank 0,

@@ -305,17 +305,25 @@ std::vector<std::vector<char>> Trainer::gather_zero_state(std::vector<AdamW::Sta
 }
 
 namespace {
-constexpr const char* kResidualFile = "dist_residual.f32";  // every rank's residual, rank order
+constexpr const char* kResidualFile = "dist_residual.f32";  // every rank's residual, world rank order
 constexpr const char* kPowerSgdFile = "dist_powersgd_q.f32";
 }  // namespace
 
 std::vector<AdamW::StatePart> Trainer::gather_compression_state(std::vector<float>& residuals, std::vector<float>& q) {
   std::vector<AdamW::StatePart> out;
   if (!reducer_ || reducer_->residual().empty()) return out;
+  // Every rank's, not only a model group's: a tensor-parallel shard's (or a
+  // pipeline stage's) residual is its own, of its own arena.
   const std::span<float> mine = reducer_->residual();
-  const auto W = static_cast<size_t>(data_ranks());
-  residuals.resize(data_rank() == 0 ? W * mine.size() : 0);
-  data_comm_->gatherv(mine.data(), residuals.data(), std::vector<size_t>(W, mine.size_bytes()), 0);
+  const auto W = static_cast<size_t>(world());
+  std::vector<uint64_t> sizes(W);
+  const uint64_t my_bytes = mine.size_bytes();
+  rt_.comm->allgatherv(&my_bytes, sizes.data(), std::vector<size_t>(W, sizeof(uint64_t)));
+  const std::vector<size_t> counts(sizes.begin(), sizes.end());
+  size_t total = 0;
+  for (size_t b : counts) total += b;
+  residuals.resize(is_root() ? total / sizeof(float) : 0);
+  rt_.comm->gatherv(mine.data(), residuals.data(), counts, 0);
   const size_t rb = residuals.size() * sizeof(float);
   out.push_back({kResidualFile, residuals.data(), rb, 0, rb});
   q = reducer_->powersgd_q();
@@ -324,10 +332,13 @@ std::vector<AdamW::StatePart> Trainer::gather_compression_state(std::vector<floa
   return out;
 }
 
-// The residual of the same rank count resumes as it was. On another count the
-// ranks' residuals cannot be mapped one to one: rank 0 takes their sum (what is
-// still owed to the update), the others start at zero.
-void Trainer::restore_compression_state(const std::string& path, int64_t checkpoint_world) {
+// The residual of the same rank groups resumes as it was, each rank's its own.
+// On another data-parallel rank count without model groups the ranks'
+// residuals cannot be mapped one to one: rank 0 takes their sum (what is still
+// owed to the update), the others start at zero. Shards of another dist.tp (or
+// stages) have other arenas: their residuals are dropped with a warning.
+void Trainer::restore_compression_state(const std::string& path, int64_t checkpoint_world,
+                                        int checkpoint_tp) {
   if (!reducer_ || reducer_->residual().empty()) return;
   const std::span<float> mine = reducer_->residual();
   std::fill(mine.begin(), mine.end(), 0.0f);
@@ -341,13 +352,21 @@ void Trainer::restore_compression_state(const std::string& path, int64_t checkpo
   }
   const MappedFile f((dir / kResidualFile).string());
   const size_t n = mine.size();
-  if (checkpoint_world < 1 || f.size() != static_cast<size_t>(checkpoint_world) * n * sizeof(float))
-    fail(ErrorKind::invalid_input, "{}: {} holds {} bytes, not {} ranks' residuals of {} gradients", path,
-         kResidualFile, f.size(), checkpoint_world, n);
   const auto* all = reinterpret_cast<const float*>(f.data());
-  if (checkpoint_world == data_ranks()) {
-    std::copy(all + static_cast<size_t>(data_rank()) * n, all + static_cast<size_t>(data_rank() + 1) * n, mine.begin());
+  const bool same_groups = checkpoint_world == data_ranks() && checkpoint_tp == c_.dist.tp &&
+                           f.size() == static_cast<size_t>(world()) * n * sizeof(float);
+  if (same_groups) {
+    std::copy(all + static_cast<size_t>(rank()) * n, all + static_cast<size_t>(rank() + 1) * n, mine.begin());
+  } else if (model_ranks() > 1 || checkpoint_tp != 1) {
+    log_->record(LogLevel::warning, "resume",
+                 fmt::format("resume: {} holds the error-feedback residuals of other rank groups ({} data-parallel "
+                             "x dist.tp {}, {} bytes; now {} x dist.tp {}): the error feedback starts from zero",
+                             path, checkpoint_world, checkpoint_tp, f.size(), data_ranks(), c_.dist.tp));
+    return;
   } else {
+    if (checkpoint_world < 1 || f.size() != static_cast<size_t>(checkpoint_world) * n * sizeof(float))
+      fail(ErrorKind::invalid_input, "{}: {} holds {} bytes, not {} ranks' residuals of {} gradients", path,
+           kResidualFile, f.size(), checkpoint_world, n);
     if (data_rank() == 0)
       for (int64_t r = 0; r < checkpoint_world; ++r)
         for (size_t i = 0; i < n; ++i) mine[i] += all[static_cast<size_t>(r) * n + i];

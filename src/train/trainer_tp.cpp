@@ -7,9 +7,10 @@
 // gathers its weights at the end). The global gradient
 // norm counts each shard once and the whole adapters once. LoRA dropout draws
 // one process's masks (TrainSession::set_tensor_parallel). Rank 0 gathers the
-// adapters of the whole model at the end, and at each checkpoint the adapters
-// and AdamW's moments in one process's layout (train/lora_tp.h), which every
-// rank of a resumed run cuts its shard from, whatever its dist.tp.
+// adapters (or weights) of the whole model at the end, and at each checkpoint
+// the trained params and AdamW's moments in one process's layout
+// (train/lora_tp.h, train/full_tp.h), which every rank of a resumed run cuts
+// its shard from, whatever its dist.tp.
 #include <cmath>
 
 #include "core/error.h"
@@ -23,15 +24,14 @@ namespace loom {
 void Trainer::check_tensor_parallel() const {
   const int tp = c_.dist.tp;
   if (tp == 1) return;
-  if (world() > model_ranks() && (c_.dist.zero1 || c_.dist.sync.compression != GradCompression::none))
-    fail(ErrorKind::unsupported, "{}: dist.zero and dist.compression across tensor-parallel groups are not built yet "
-         "(their checkpoints would hold one shard's state); run {} ranks or leave them off", c_.source, model_ranks());
+  const bool checkpoints = c_.checkpoint_interval > 0 || c_.checkpoint_minutes > 0 || rt_.resume.has_value();
+  // PowerSGD's Q matrices are per shard (each rank's tensors have their own shapes), and a checkpoint keeps one.
+  if (world() > model_ranks() && c_.dist.sync.compression == GradCompression::powersgd && checkpoints)
+    fail(ErrorKind::unsupported, "{}: dist.compression powersgd across tensor-parallel groups keeps no checkpoints "
+         "(its Q matrices are per shard); use dist.compression topk, or leave checkpoint_interval and "
+         "checkpoint_minutes at 0 and do not --resume", c_.source);
   // adamw8bit quantizes each tensor's moments in blocks from its first element: a shard's blocks are not the
   // whole tensor's, so its state cannot be written in (or read from) one process's layout.
-  const bool checkpoints = c_.checkpoint_interval > 0 || c_.checkpoint_minutes > 0 || rt_.resume.has_value();
-  if (c_.method == TrainMethod::full && checkpoints)
-    fail(ErrorKind::unsupported, "{}: checkpoints of full fine-tuning with dist.tp are not written yet (the adapters' "
-         "are); leave checkpoint_interval and checkpoint_minutes at 0 and do not --resume", c_.source);
   if (c_.optimizer == OptimizerKind::adamw8bit && checkpoints)
     fail(ErrorKind::unsupported, "{}: optim.kind adamw8bit with dist.tp keeps no checkpoints (its 8-bit blocks of a "
          "shard are not those of the whole tensor); use optim.kind adamw, or leave checkpoint_interval and "
@@ -85,11 +85,12 @@ double Trainer::global_sum_squares(double local) {
 
 // Rank 0's `parts` (AdamW's m and v) and the params returned become the whole
 // model's, gathered into `whole`; on the other ranks they are left as they are
-// (only rank 0 writes).
+// (only rank 0 writes). Only the first data-parallel group gathers: with
+// dist.zero its parts alone hold the whole arena's state (gather_zero_state).
 std::span<const float> Trainer::gather_tensor_parallel_state(std::vector<AdamW::StatePart>& parts,
                                                              std::vector<std::vector<float>>& whole) {
   const std::span<const float> mine = params_->params();
-  if (!tp_sums_) return mine;
+  if (!tp_sums_ || data_rank() != 0) return mine;
   if (opt_->kind() != OptimizerKind::adamw)  // a signal's or memory alarm's checkpoint (check_tensor_parallel)
     fail(ErrorKind::unsupported, "{}: a checkpoint of dist.tp with optim.kind {} cannot be written (only adamw's "
          "moments are kept in one process's layout)", c_.source, optimizer_kind_name(opt_->kind()));

@@ -15,7 +15,7 @@
 #  8. tensor parallel (dist.tp 2): the losses of one process within 1e-5, the whole adapter gathered
 #     (the initialization bit for bit), also with LoRA dropout; checkpoints in one process's layout:
 #     resumed with dist.tp 2 the uninterrupted run's bits, resumed by one process within tolerance;
-#     full fine-tuning; what it does not support yet refused;
+#     full fine-tuning, its checkpoints too; what it does not support yet refused;
 #  9. pipeline parallel (dist.pp): 2 stages of the tiny model, 2 and 3 of the default model (1F1B, LoRA
 #     dropout, 1 to 4 micro-batches; gradient checkpointing and bf16 activations): the losses and
 #     adapter bytes of one process; each stage prepares and transposes only its own layers' weights
@@ -23,7 +23,8 @@
 #     full fine-tuning in 2 stages: one process's model (its bits untied, within 1e-5 tied), each
 #     stage's f32 arenas only its tensors; with checkpoints refused;
 # 10. groups: data parallel across tensor-parallel groups and pipelines (4 ranks = 2 groups of 2:
-#     the bits of one group with grad_accum 2; pipelines also with ZeRO-1, top-k and a resume),
+#     the bits of one group with grad_accum 2; pipelines also with ZeRO-1, top-k and a resume;
+#     tensor-parallel groups with ZeRO-1 (LoRA, full) and top-k, checkpoints resumed bit for bit),
 #     tensor parallel inside pipeline stages (4 ranks) and 2 such groups (8 ranks): one process's
 #     losses within 1e-5, one tensor-parallel group's adapter within 1e-6 / its bits; full fine-tuning
 #     in 2 pipelines: one process's losses and model within tolerance;
@@ -355,9 +356,34 @@ run tf1 1 1 "${tf[@]}" && run tf2 2 1 "${tf[@]}" --set dist.tp=2 && {
   close_tensors "$tmp/tf1/model.safetensors" "$tmp/tf2/model.safetensors" 1e-4 && ok ||
     bad "dist.tp 2, full fine-tuning: the model written"
 }
-if ! run tfck 2 1 "${tf[@]}" --set dist.tp=2 --set checkpoint_interval=2 >/dev/null &&
-  grep -q "checkpoints of full fine-tuning with dist.tp" "$tmp/tfck.out"; then ok; else
-  bad "dist.tp full fine-tuning with checkpoints is not refused"; fi
+# Its checkpoints: the whole model's weights and moments in one process's layout. Step 1 has lr 0, so
+# its params.f32 is the initial model: the bytes of one process's (the shards mapped exactly). Resumed
+# at step 2 with dist.tp 2: the uninterrupted run's bits; by one process (and the other way round):
+# one process's losses and model within the tolerances above.
+tfc=("${tf[@]}" --set checkpoint_interval=1 --set keep_checkpoints=5)
+if run tfck 2 1 "${tfc[@]}" --set dist.tp=2 && run tf1ck 1 1 "${tfc[@]}"; then
+  cmp -s "$tmp/tfck/checkpoints/step-00000001/params.f32" "$tmp/tf1ck/checkpoints/step-00000001/params.f32" &&
+    ok || bad "dist.tp 2, full fine-tuning: the checkpoint's params are not one process's"
+  ck2=$tmp/tfck/checkpoints/step-00000002
+  run tfres 2 1 "${tfc[@]}" --set dist.tp=2 --resume "$ck2" && same_bits tfck tfres model.safetensors
+  if run tfres1 1 1 "${tfc[@]}" --resume "$ck2" && grep -q "written with dist.tp 2" "$tmp/tfres1.out"; then
+    close_losses tf1 tfres1 1e-5 && ok || bad "dist.tp 2 full fine-tuning checkpoint resumed by one process: losses"
+    close_tensors "$tmp/tf1/model.safetensors" "$tmp/tfres1/model.safetensors" 1e-4 && ok ||
+      bad "dist.tp 2 full fine-tuning checkpoint resumed by one process: model"
+  else
+    bad "dist.tp 2 full fine-tuning checkpoint: resume by one process"
+  fi
+  if run tfres2 2 1 "${tfc[@]}" --set dist.tp=2 --resume "$tmp/tf1ck/checkpoints/step-00000002" &&
+    grep -q "written with dist.tp 1" "$tmp/tfres2.out"; then
+    close_losses tf1 tfres2 1e-5 && ok || bad "one process's full fine-tuning checkpoint resumed with dist.tp 2: losses"
+    close_tensors "$tmp/tf1/model.safetensors" "$tmp/tfres2/model.safetensors" 1e-4 && ok ||
+      bad "one process's full fine-tuning checkpoint resumed with dist.tp 2: model"
+  else
+    bad "one process's full fine-tuning checkpoint: resume with dist.tp 2"
+  fi
+else
+  bad "dist.tp 2, full fine-tuning with checkpoints"
+fi
 if ! run tp8bit 2 1 --set dist.tp=2 --set optim.kind=adamw8bit --set checkpoint_interval=2 >/dev/null &&
   grep -q "adamw8bit with dist.tp keeps no checkpoints" "$tmp/tp8bit.out"; then ok; else
   bad "dist.tp with adamw8bit and checkpoints is not refused"; fi
@@ -541,9 +567,31 @@ if ! run dpfzero 4 1 "${pg[@]}" --set dist.pp=2 --set dist.zero=1 >/dev/null &&
 if ! run dpftp 4 1 "${pg[@]}" --set dist.pp=2 --set dist.tp=2 >/dev/null &&
   grep -q "method: full with both dist.pp 2 and dist.tp 2 is not built yet" "$tmp/dpftp.out"; then ok; else
   bad "full fine-tuning with dist.pp and dist.tp is not refused"; fi
-if ! run dtpzero 4 1 --set lora.dropout=0 --set dist.tp=2 --set dist.zero=1 >/dev/null &&
-  grep -q "across tensor-parallel groups are not built yet" "$tmp/dtpzero.out"; then ok; else
-  bad "dist.zero across tensor-parallel groups is not refused"; fi
+# ZeRO-1 and top-k compression across tensor-parallel groups: each shard's state over its data group.
+# ZeRO: the bits of one group with grad_accum 2; its checkpoint (gathered over the data group, then the
+# shards, into one process's layout) resumed with and without ZeRO: the uninterrupted run's bits.
+gk=("${g2[@]}" --set dist.tp=2 --set steps=4 --set checkpoint_interval=2 --set keep_checkpoints=5)
+run dtz_1 2 2 "${gk[@]}" && run dtz_2 4 1 "${gk[@]}" --set dist.zero=1 && {
+  same_bits dtz_1 dtz_2 adapter_model.safetensors
+  run dtz_res 4 1 "${gk[@]}" --set dist.zero=1 --resume "$tmp/dtz_2/checkpoints/step-00000002" &&
+    same_bits dtz_2 dtz_res adapter_model.safetensors
+  run dtz_nz 4 1 "${gk[@]}" --resume "$tmp/dtz_2/checkpoints/step-00000002" &&
+    same_bits dtz_2 dtz_nz adapter_model.safetensors
+}
+# Full fine-tuning with ZeRO across 2 groups of 2 shards: one group's bits, and resumed, the same.
+run dtfz_1 2 2 "${tg[@]}" --set steps=4 --set checkpoint_interval=2 && {
+  run dtfz_2 4 1 "${tg[@]}" --set steps=4 --set checkpoint_interval=2 --set dist.zero=1 &&
+    same_bits dtfz_1 dtfz_2 model.safetensors
+  run dtfz_res 4 1 "${tg[@]}" --set steps=4 --set checkpoint_interval=2 --set dist.zero=1 \
+    --resume "$tmp/dtfz_2/checkpoints/step-00000002" && same_bits dtfz_2 dtfz_res model.safetensors
+}
+# Top-k: every rank's error-feedback residual (world rank order) in the checkpoint, each resumed as its own.
+gt=("${gk[@]}" --set dist.compression=topk --set dist.ratio=0.1 --set lora.r=16)
+run dtk 4 1 "${gt[@]}" && run dtk_res 4 1 "${gt[@]}" --resume "$tmp/dtk/checkpoints/step-00000002" &&
+  same_bits dtk dtk_res adapter_model.safetensors
+if ! run dtpsgd 4 1 "${gk[@]}" --set dist.compression=powersgd >/dev/null &&
+  grep -q "powersgd across tensor-parallel groups keeps no checkpoints" "$tmp/dtpsgd.out"; then ok; else
+  bad "dist.compression powersgd across tensor-parallel groups with checkpoints is not refused"; fi
 
 echo "11. --publish-every-checkpoint with tensor and pipeline parallel"
 # A server of the tiny model; each checkpoint's adapter (latest-adapter) is written whole by rank 0

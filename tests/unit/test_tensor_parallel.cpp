@@ -7,7 +7,8 @@
 // bit for bit). Also the shard shapes, the sizes that do not divide, the
 // gathered adapters at the start equal to a whole model's initialization, and
 // the arena map (train/lora_tp.h) exact both ways; full fine-tuning's shards
-// gathered into one process's gradients.
+// gathered into one process's gradients, and its arena map (train/full_tp.h)
+// the loader's cut bit for bit, both ways.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -26,6 +27,7 @@
 #include "train/train_config.h"
 #include "train/train_step.h"
 #include "train/trainable.h"
+#include "train/tp_runs.h"
 
 namespace loom {
 namespace {
@@ -373,6 +375,36 @@ TEST(TensorParallel, ArenaMapRoundTrips) {
     EXPECT_EQ(mine, shard_arena(whole, full, lc, comm.rank(), N)) << "rank " << comm.rank();
     std::vector<float> back;
     gather_tensor_parallel_arena(comm, shard, mine, back);
+    if (comm.rank() == 0) gathered = back;
+  });
+  EXPECT_EQ(gathered, whole);
+}
+
+// Full fine-tuning: one process's arena (the whole layout of checkpoints) cut
+// by the map is each rank's arena as the loader cut it (model/tensor_parallel.h),
+// bit for bit, and every rank's gathered back is one process's again.
+TEST(TensorParallel, FullArenaMapIsTheLoadersCut) {
+  const int N = 2;
+  ThreadPool pool(1);
+  auto backend = make_backend(kCpu, pool);
+  TrainConfig c1 = lora_config(1);
+  c1.method = TrainMethod::full;
+  TrainableModel one = load_trainable_model(c1, *backend, pool);
+  const std::vector<float> whole(one.params->params().begin(), one.params->params().end());
+  std::vector<float> gathered;
+  run_ranks(N, [&](ThreadCommunicator& comm) {
+    ThreadPool rank_pool(1);
+    auto rank_backend = make_backend(kCpu, rank_pool);
+    TrainConfig c = lora_config(N);
+    c.method = TrainMethod::full;
+    TrainableModel m = load_trainable_model(c, *rank_backend, rank_pool, nullptr, comm.rank());
+    ASSERT_EQ(m.params->tensor_parallel_whole_size(), whole.size());
+    std::vector<float> mine(m.params->params().size(), std::nanf(""));
+    m.params->take_tensor_parallel_shard(whole, mine);
+    const std::vector<float> loaded(m.params->params().begin(), m.params->params().end());
+    EXPECT_EQ(mine, loaded) << "rank " << comm.rank();
+    std::vector<float> back;
+    m.params->gather_tensor_parallel_array(comm, mine, back);
     if (comm.rank() == 0) gathered = back;
   });
   EXPECT_EQ(gathered, whole);
