@@ -143,6 +143,19 @@ sys.exit(0 if steps and got == [int(sys.argv[3])] else 1)
 EOF
 }
 
+# resumed_like REF FILE WHAT NAME NP [run args...]: run NAME on NP ranks (a resume from a checkpoint
+# of another dist.tp, which it must say), then REF's losses within 1e-5 and FILE within 1e-4.
+resumed_like() {
+  local ref=$1 file=$2 what=$3 name=$4 np=$5
+  shift 5
+  if run "$name" "$np" 1 "$@" && grep -q "written with dist.tp" "$tmp/$name.out"; then
+    close_losses "$ref" "$name" 1e-5 && ok || bad "$what: losses"
+    close_tensors "$tmp/$ref/$file" "$tmp/$name/$file" 1e-4 && ok || bad "$what: $file"
+  else
+    bad "$what: the resume"
+  fi
+}
+
 # The metrics lines' step, losses and gradient norm.
 losses() {
   python3 -c '
@@ -327,22 +340,12 @@ tpc=("${tpd[@]}" --set checkpoint_interval=2 --set keep_checkpoints=5)
 run tpck 2 1 "${tpc[@]}" --set dist.tp=2 && {
   ck2=$tmp/tpck/checkpoints/step-00000002
   run tpres 2 1 "${tpc[@]}" --set dist.tp=2 --resume "$ck2" && same_bits tpck tpres adapter_model.safetensors
-  if run tpres1 1 1 "${tpc[@]}" --resume "$ck2" && grep -q "written with dist.tp 2" "$tmp/tpres1.out"; then
-    close_losses tp1d tpres1 1e-5 && ok || bad "dist.tp 2 checkpoint resumed by one process: losses"
-    close_tensors "$tmp/tp1d/adapter_model.safetensors" "$tmp/tpres1/adapter_model.safetensors" 1e-4 && ok ||
-      bad "dist.tp 2 checkpoint resumed by one process: adapter"
-  else
-    bad "dist.tp 2 checkpoint: resume by one process"
-  fi
+  resumed_like tp1d adapter_model.safetensors "dist.tp 2 checkpoint resumed by one process" \
+    tpres1 1 "${tpc[@]}" --resume "$ck2"
   # A checkpoint of one process has the same layout: dist.tp 2 resumes it with one process's losses.
-  if run tp1ck 1 1 "${tpc[@]}" && run tpres2 2 1 "${tpc[@]}" --set dist.tp=2 \
-    --resume "$tmp/tp1ck/checkpoints/step-00000002" && grep -q "written with dist.tp 1" "$tmp/tpres2.out"; then
-    close_losses tp1d tpres2 1e-5 && ok || bad "one process's checkpoint resumed with dist.tp 2: losses"
-    close_tensors "$tmp/tp1d/adapter_model.safetensors" "$tmp/tpres2/adapter_model.safetensors" 1e-4 && ok ||
-      bad "one process's checkpoint resumed with dist.tp 2: adapter"
-  else
-    bad "one process's checkpoint: resume with dist.tp 2"
-  fi
+  run tp1ck 1 1 "${tpc[@]}" && resumed_like tp1d adapter_model.safetensors \
+    "one process's checkpoint resumed with dist.tp 2" tpres2 2 "${tpc[@]}" --set dist.tp=2 \
+    --resume "$tmp/tp1ck/checkpoints/step-00000002"
 }
 # checkpoint_minutes: rank 0's clock decides for both ranks (a rank alone in the gather would hang).
 run tpmin 2 1 "${tpd[@]}" --set dist.tp=2 --set checkpoint_minutes=0.00001 &&
@@ -366,21 +369,10 @@ if run tfck 2 1 "${tfc[@]}" --set dist.tp=2 && run tf1ck 1 1 "${tfc[@]}"; then
     ok || bad "dist.tp 2, full fine-tuning: the checkpoint's params are not one process's"
   ck2=$tmp/tfck/checkpoints/step-00000002
   run tfres 2 1 "${tfc[@]}" --set dist.tp=2 --resume "$ck2" && same_bits tfck tfres model.safetensors
-  if run tfres1 1 1 "${tfc[@]}" --resume "$ck2" && grep -q "written with dist.tp 2" "$tmp/tfres1.out"; then
-    close_losses tf1 tfres1 1e-5 && ok || bad "dist.tp 2 full fine-tuning checkpoint resumed by one process: losses"
-    close_tensors "$tmp/tf1/model.safetensors" "$tmp/tfres1/model.safetensors" 1e-4 && ok ||
-      bad "dist.tp 2 full fine-tuning checkpoint resumed by one process: model"
-  else
-    bad "dist.tp 2 full fine-tuning checkpoint: resume by one process"
-  fi
-  if run tfres2 2 1 "${tfc[@]}" --set dist.tp=2 --resume "$tmp/tf1ck/checkpoints/step-00000002" &&
-    grep -q "written with dist.tp 1" "$tmp/tfres2.out"; then
-    close_losses tf1 tfres2 1e-5 && ok || bad "one process's full fine-tuning checkpoint resumed with dist.tp 2: losses"
-    close_tensors "$tmp/tf1/model.safetensors" "$tmp/tfres2/model.safetensors" 1e-4 && ok ||
-      bad "one process's full fine-tuning checkpoint resumed with dist.tp 2: model"
-  else
-    bad "one process's full fine-tuning checkpoint: resume with dist.tp 2"
-  fi
+  resumed_like tf1 model.safetensors "dist.tp 2 full fine-tuning checkpoint resumed by one process" \
+    tfres1 1 "${tfc[@]}" --resume "$ck2"
+  resumed_like tf1 model.safetensors "one process's full fine-tuning checkpoint resumed with dist.tp 2" \
+    tfres2 2 "${tfc[@]}" --set dist.tp=2 --resume "$tmp/tf1ck/checkpoints/step-00000002"
 else
   bad "dist.tp 2, full fine-tuning with checkpoints"
 fi

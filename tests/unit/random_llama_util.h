@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "io/safetensors_writer.h"
+#include "train/data.h"
 
 namespace loom::test_util {
 
@@ -49,6 +50,26 @@ inline void write_random_llama(const std::string& dir, int64_t layers, bool tied
   add("model.norm.weight", {kHidden}, true);
   if (!tied) add("lm_head.weight", {kVocab, kHidden});
   w.write();
+}
+
+// Two rows of 24 tokens of the model's 320 (random, seeded); row 1 packs two
+// samples (seq_start restarts at 10); some targets ignored.
+inline Batch random_packed_batch(uint32_t seed) {
+  std::mt19937 rng(seed);
+  Batch b;
+  b.rows = 2;
+  b.seq_len = 24;
+  for (int64_t r = 0; r < b.rows; ++r)
+    for (int32_t t = 0; t < b.seq_len; ++t) {
+      const int32_t start = r == 1 && t >= 10 ? 10 : 0;
+      b.tokens.push_back(static_cast<int32_t>(rng() % 320));
+      const bool target = t + 1 < b.seq_len && t != 9 && t % 5 != 0;
+      b.targets.push_back(target ? static_cast<int32_t>(rng() % 320) : kIgnoreLabel);
+      b.positions.push_back(t - start);
+      b.seq_start.push_back(start);
+      b.target_tokens += target ? 1 : 0;
+    }
+  return b;
 }
 
 }  // namespace loom::test_util

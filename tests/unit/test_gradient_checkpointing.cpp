@@ -24,29 +24,12 @@
 namespace loom {
 namespace {
 
-constexpr int64_t kLayers = 5, kVocab = 320;
+constexpr int64_t kLayers = 5;
 
 // A random 5-layer llama, so segments of 2 and 3 do not divide the layer count.
 void write_model(const std::string& dir) { test_util::write_random_llama(dir, kLayers); }
 
-// Two rows of 24 tokens; row 1 packs two samples (seq_start restarts at 10).
-Batch make_batch(uint32_t seed) {
-  std::mt19937 rng(seed);
-  Batch b;
-  b.rows = 2;
-  b.seq_len = 24;
-  for (int64_t r = 0; r < b.rows; ++r)
-    for (int32_t t = 0; t < b.seq_len; ++t) {
-      const int32_t start = r == 1 && t >= 10 ? 10 : 0;
-      b.tokens.push_back(static_cast<int32_t>(rng() % kVocab));
-      const bool target = t + 1 < b.seq_len && t != 9 && t % 5 != 0;
-      b.targets.push_back(target ? static_cast<int32_t>(rng() % kVocab) : kIgnoreLabel);
-      b.positions.push_back(t - start);
-      b.seq_start.push_back(start);
-      b.target_tokens += target ? 1 : 0;
-    }
-  return b;
-}
+Batch make_batch(uint32_t seed) { return test_util::random_packed_batch(seed); }
 
 struct Outcome {
   std::vector<float> grads;

@@ -26,7 +26,7 @@
 namespace loom {
 namespace {
 
-constexpr int64_t kLayers = 5, kVocab = 320;
+constexpr int64_t kLayers = 5;
 
 struct Fixture {
   Fixture() : dir("pp_stage"), pool(2), backend(make_backend(kCpu, pool)) {
@@ -41,24 +41,7 @@ struct Fixture {
   std::unique_ptr<Backend> backend;
 };
 
-// Two rows of 24 tokens; row 1 packs two samples (seq_start restarts at 10).
-Batch make_batch(uint32_t seed) {
-  std::mt19937 rng(seed);
-  Batch b;
-  b.rows = 2;
-  b.seq_len = 24;
-  for (int64_t r = 0; r < b.rows; ++r)
-    for (int32_t t = 0; t < b.seq_len; ++t) {
-      const int32_t start = r == 1 && t >= 10 ? 10 : 0;
-      b.tokens.push_back(static_cast<int32_t>(rng() % kVocab));
-      const bool target = t + 1 < b.seq_len && t != 9 && t % 5 != 0;
-      b.targets.push_back(target ? static_cast<int32_t>(rng() % kVocab) : kIgnoreLabel);
-      b.positions.push_back(t - start);
-      b.seq_start.push_back(start);
-      b.target_tokens += target ? 1 : 0;
-    }
-  return b;
-}
+Batch make_batch(uint32_t seed) { return test_util::random_packed_batch(seed); }
 
 TEST(PipelineStage, LayerSpans) {
   const LayerSpan a = pipeline_stage_layers(30, {0, 3}), b = pipeline_stage_layers(30, {2, 3});
