@@ -14,10 +14,9 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   tied_ = w.output.data != nullptr && w.output.data == w.token_embd.data;  // both in one process (or one stage)
   // Pass 1: sizes and offsets, in a fixed order; pass 2 copies and re-points.
   size_t total = 0;
-  // `split`: a layer's projection or bias, cut by tensor parallel (model/tensor_parallel.h).
-  auto add = [&](int64_t n, bool decay, std::string name, int64_t rows = 0, bool split = false,
-                 bool by_columns = false) {
-    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name), rows, split, by_columns});
+  // `cut`: how tensor parallel cuts it (model/tensor_parallel.h): a layer's projections and biases.
+  auto add = [&](int64_t n, bool decay, std::string name, int64_t rows = 0, Cut cut = Cut::none) {
+    spans_.push_back({total, static_cast<size_t>(n), decay, std::move(name), rows, cut});
     total += static_cast<size_t>(n);
     return spans_.size() - 1;
   };
@@ -26,7 +25,7 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
   // embedding or the head: the arena takes only what it holds.
   const bool has_embd = w.token_embd.data != nullptr, has_head = w.output.data != nullptr;
   // Tied embeddings split over the first and the last stage: each holds a copy.
-  tied_copy_ = c.tied_embeddings && has_embd != has_head;
+  const bool tied_copy = c.tied_embeddings && has_embd != has_head;
   const size_t embd =
       has_embd ? add(w.token_embd.numel(), true, "model.embed_tokens.weight", w.token_embd.rows()) : SIZE_MAX;
   struct LayerSpans {
@@ -42,26 +41,26 @@ FullParams::FullParams(ModelWeights& w, const ModelConfig& c, ThreadPool& pool) 
     }
     const std::string p = fmt::format("model.layers.{}.", ls.size());  // Hugging Face names
     s.attn_norm = add(H, false, p + "input_layernorm.weight");
-    s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight", L.wq.rows(), true);
-    s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight", L.wk.rows(), true);
-    s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight", L.wv.rows(), true);
-    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight", L.wo.rows(), true, true);
+    s.wq = add(L.wq.numel(), true, p + "self_attn.q_proj.weight", L.wq.rows(), Cut::rows);
+    s.wk = add(L.wk.numel(), true, p + "self_attn.k_proj.weight", L.wk.rows(), Cut::rows);
+    s.wv = add(L.wv.numel(), true, p + "self_attn.v_proj.weight", L.wv.rows(), Cut::rows);
+    s.wo = add(L.wo.numel(), true, p + "self_attn.o_proj.weight", L.wo.rows(), Cut::columns);
     if (L.bq != nullptr) {
-      s.bq = add(L.wq.rows(), false, p + "self_attn.q_proj.bias", 0, true);
-      s.bk = add(L.wk.rows(), false, p + "self_attn.k_proj.bias", 0, true);
-      s.bv = add(L.wv.rows(), false, p + "self_attn.v_proj.bias", 0, true);
+      s.bq = add(L.wq.rows(), false, p + "self_attn.q_proj.bias", 0, Cut::rows);
+      s.bk = add(L.wk.rows(), false, p + "self_attn.k_proj.bias", 0, Cut::rows);
+      s.bv = add(L.wv.rows(), false, p + "self_attn.v_proj.bias", 0, Cut::rows);
     }
     s.ffn_norm = add(H, false, p + "post_attention_layernorm.weight");
-    s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight", L.w_gate.rows(), true);
-    s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight", L.w_up.rows(), true);
-    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight", L.w_down.rows(), true, true);
+    s.gate = add(L.w_gate.numel(), true, p + "mlp.gate_proj.weight", L.w_gate.rows(), Cut::rows);
+    s.up = add(L.w_up.numel(), true, p + "mlp.up_proj.weight", L.w_up.rows(), Cut::rows);
+    s.down = add(L.w_down.numel(), true, p + "mlp.down_proj.weight", L.w_down.rows(), Cut::columns);
     ls.push_back(s);
     layer_ranges_.push_back({spans_[s.attn_norm].offset, spans_[s.down].offset + spans_[s.down].size});
   }
   const size_t out_norm = w.output_norm != nullptr ? add(H, false, "model.norm.weight") : SIZE_MAX;
-  const char* head_name = tied_copy_ ? "model.embed_tokens.weight" : "lm_head.weight";  // the last stage's copy
+  const char* head_name = tied_copy ? "model.embed_tokens.weight" : "lm_head.weight";  // the last stage's copy
   const size_t output = !has_head ? SIZE_MAX : tied_ ? embd : add(w.output.numel(), true, head_name, w.output.rows());
-  if (tied_copy_) tied_copy_span_ = has_embd ? embd : output;
+  if (tied_copy) tied_copy_span_ = has_embd ? embd : output;
 
   params_.assign(total, 0.0f);
   grads_.assign(total, 0.0f);
@@ -142,14 +141,14 @@ std::vector<TensorSpan> FullParams::tensor_spans() const {
 std::vector<std::pair<size_t, size_t>> FullParams::unsplit_ranges() const {
   std::vector<std::pair<size_t, size_t>> out;
   for (const Span& s : spans_)
-    if (!s.split) out.push_back({s.offset, s.size});
+    if (s.cut == Cut::none) out.push_back({s.offset, s.size});
   return out;
 }
 
 std::vector<FullParams::CutSpan> FullParams::cut_spans() const {
   std::vector<CutSpan> out;
   for (const Span& s : spans_)
-    out.push_back({s.offset, s.size, s.rows, !s.split ? Cut::none : s.by_columns ? Cut::columns : Cut::rows});
+    out.push_back({s.offset, s.size, s.rows, s.cut});
   return out;
 }
 

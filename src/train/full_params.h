@@ -87,8 +87,7 @@ class FullParams {
     bool decay;
     std::string name;
     int64_t rows = 0;  // matrices: their rows
-    bool split = false;  // cut by tensor parallel
-    bool by_columns = false;  // cut by columns (o and down), else by rows
+    Cut cut = Cut::none;  // by tensor parallel
   };
   void apply_mask(float* arena) const;
 
@@ -100,7 +99,6 @@ class FullParams {
   std::vector<std::pair<size_t, size_t>> layer_ranges_;
   float *embd_grad_ = nullptr, *output_grad_ = nullptr, *output_norm_grad_ = nullptr;
   bool tied_ = false;
-  bool tied_copy_ = false;
   size_t bound_bytes_ = 0;
   size_t tied_copy_span_ = SIZE_MAX;  // index into spans_
 };

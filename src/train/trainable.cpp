@@ -399,16 +399,15 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
                      tp_rank, tp, out.model->config().n_heads, full.n_heads, out.model->config().n_kv_heads,
                      full.n_kv_heads, out.model->config().intermediate, full.intermediate));
   }
-  if (tp > 1 && out.params) out.params->shard_for_tensor_parallel(full, tp_rank, tp);  // full fine-tuning
   if (c.method == TrainMethod::lora) {
     auto lora = std::make_unique<LoraTrainable>(out.model->config(), c.lora, pool);
-    if (tp > 1) lora->shard_for_tensor_parallel(full, tp_rank, tp);
     if (!out.model->config().unstructured_pruning.empty())
       note(fmt::format("the model is pruned ({}): LoRA trains on it as it is; merging the adapter (loom merge, "
                        "export) keeps its zeros", out.model->config().unstructured_pruning));
     out.params = std::move(lora);
   }
   LOOM_ASSERT(out.params);
+  if (tp > 1) out.params->shard_for_tensor_parallel(full, tp_rank, tp);
   return out;
 }
 

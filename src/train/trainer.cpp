@@ -541,7 +541,7 @@ TrainResult Trainer::finish() {
   out_opt.what = "output_dir";
   out_opt.force = "--overwrite (or overwrite: true)";
   out_opt.keep = output_keep_;  // the checkpoints stay (hard links into the new folder)
-  if (tp_sums_) {  // rank 0 writes the whole model's adapters
+  if (tp_sums_ && data_rank() == 0) {  // rank 0 writes the whole model's adapters (every group holds the same)
     params_->gather_tensor_parallel(*tp_comm_, tp_full_config_);
     if (is_root()) model_->reshape(tp_full_config_);
   }
@@ -745,9 +745,9 @@ void Trainer::write_checkpoint_adapter() {
   c.output_dir = checkpoint_adapter_dir();
   FolderWriteOptions opt;
   opt.what = "the checkpoint's adapter folder (latest-adapter)";
-  if (tp_sums_) {  // the whole model's adapter from the shards (a collective), rank 0 writes it
+  if (tp_sums_) {  // the whole model's adapter from the shards (a collective of rank 0's group), rank 0 writes it
     std::vector<float> whole;
-    params_->gather_tensor_parallel_array(*tp_comm_, params_->params(), whole);
+    if (data_rank() == 0) params_->gather_tensor_parallel_array(*tp_comm_, params_->params(), whole);
     on_root("write the checkpoint's adapter",
             [&] { params_->write_whole_output(whole, tp_full_config_, c, opt); });
   } else {

@@ -365,8 +365,7 @@ class Trainer {
   // pipeline messages (bytes sent by every stage of this pipeline).
   int64_t step_tp_bytes_ = 0, step_tp_sums_ = 0, step_pp_bytes_ = 0;
   ModelConfig tp_full_config_;
-  // Pipeline parallel (dist.pp): this stage's layers and a session per micro-batch but the first.
-  int64_t stage_first_ = 0, stage_last_ = 0;
+  // Pipeline parallel (dist.pp): a session per micro-batch in flight but the first.
   std::vector<std::unique_ptr<TrainSession>> stage_sessions_;
 };
 

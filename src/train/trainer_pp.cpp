@@ -30,11 +30,9 @@ void Trainer::check_pipeline_parallel() const {
 }
 
 // Full fine-tuning splits its arena into the stages' tensors: what would need
-// one layout on every stage (the whole arena) is refused.
+// one layout on every stage (the whole arena) is refused (with dist.tp too:
+// load_trainable_model refuses that).
 void Trainer::check_pipeline_full() const {
-  if (c_.dist.tp > 1)
-    fail(ErrorKind::unsupported, "{}: method: full with both dist.pp {} and dist.tp {} is not built yet (each works "
-         "alone)", c_.source, c_.dist.pp, c_.dist.tp);
   if (c_.checkpoint_interval > 0 || c_.checkpoint_minutes > 0 || rt_.resume.has_value())
     fail(ErrorKind::unsupported, "{}: checkpoints of full fine-tuning with dist.pp are not written yet (each stage "
          "holds only its tensors and their AdamW moments); leave checkpoint_interval and checkpoint_minutes at 0 and "
@@ -51,15 +49,13 @@ void Trainer::setup_pipeline_parallel() {
   if (c_.dist.pp == 1) return;
   const int64_t L = model_->config().n_layers, S = c_.dist.pp;
   const LayerSpan span = pipeline_stage_layers(L, *model_->stage());  // the layers the model holds
-  stage_first_ = span.first;
-  stage_last_ = span.last;
   // One session (its saved activations) per micro-batch in flight: 1F1B has
   // at most S - s on stage s. They share the first's transposed backward weights.
   stage_sessions_.clear();
   for (int64_t i = 1; i < in_flight(); ++i) stage_sessions_.push_back(session_->sibling());
   log_->record(LogLevel::info, "dist",
                fmt::format("pipeline parallel: {} stages of about {} layers, 1F1B over {} micro-batches a step; stage "
-                           "{} runs layers [{}, {})", S, L / S, c_.grad_accum, stage(), stage_first_, stage_last_),
+                           "{} runs layers [{}, {})", S, L / S, c_.grad_accum, stage(), span.first, span.last),
                {{"dist", {{"pipeline_stages", S}, {"micro_batches", c_.grad_accum}}}});
 }
 
@@ -106,9 +102,9 @@ double Trainer::pipeline_step(float scale, int64_t step) {
       sends[static_cast<size_t>(i % K)].push_back(
           pp_comm_->start_send(out, static_cast<size_t>(n) * sizeof(float), s + 1, static_cast<int>(2 * i)));
       sent += n * static_cast<int64_t>(sizeof(float));
-    }
-    else
+    } else {
       loss_sum += r.loss_sum;
+    }
     input_tokens_ += tokens(i);
   };
   std::vector<float> dy;

@@ -46,6 +46,16 @@ tmp=$(mktemp -d)
 trap 'pkill -9 -f "$tmp/" 2>/dev/null; rm -rf "$tmp"' EXIT
 pass=0
 fail=0
+# The memory record (train/memory.h) of a run's log_file, for the pipeline checks' python.
+cat >"$tmp/memory_record.py" <<'EOF'
+import json, sys
+def memory(path):
+    for line in open(path):
+        m = json.loads(line).get("loom", {}).get("memory", {})
+        if "arenas" in m:
+            return m
+    sys.exit(f"{path}: no memory record")
+EOF
 ok() { pass=$((pass + 1)); }
 bad() { echo "FAIL $*"; fail=$((fail + 1)); }
 
@@ -404,13 +414,9 @@ done
 # of S keeps activations for its layers only, for the min(G, S - s) micro-batches 1F1B has in flight.
 stage_memory() {
   python3 - "$tmp/$1.log" "$tmp/$2.log" "$3" <<'EOF'
-import json, sys
-def memory(path):
-    for line in open(path):
-        m = json.loads(line).get("loom", {}).get("memory", {})
-        if "arenas" in m:
-            return m
-    sys.exit(f"{path}: no memory record")
+import sys
+sys.path.insert(0, sys.argv[1].rsplit("/", 1)[0])
+from memory_record import memory
 kinds = ("weights_prepared", "weights_backward")
 one = memory(sys.argv[1])["arenas"]
 stages = memory(sys.argv[2]).get("stages") or sys.exit("no per-stage estimates")
@@ -476,13 +482,9 @@ done
 # Each stage's parameter, gradient and AdamW arenas hold only its tensors: together one process's (no
 # tensor twice: tiny-llama is untied), each stage at most 0.6 of it.
 python3 - "$tmp/pf1_1.log" "$tmp/pf2_1.log" <<'EOF2' && ok || bad "dist.pp 2, full fine-tuning: the stages' arenas are not split"
-import json, sys
-def memory(path):
-    for line in open(path):
-        m = json.loads(line).get("loom", {}).get("memory", {})
-        if "arenas" in m:
-            return m
-    sys.exit(f"{path}: no memory record")
+import sys
+sys.path.insert(0, sys.argv[1].rsplit("/", 1)[0])
+from memory_record import memory
 one = memory(sys.argv[1])["arenas"]
 stages = memory(sys.argv[2]).get("stages") or sys.exit("no per-stage estimates")
 ok = True
