@@ -23,14 +23,19 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(args, compression, seed, work):
-    name = f"{compression}_s{seed}"
+def run(args, spec, seed, work):
+    # "topk:plain": top-k with dist.lazy_adam false (the zeros of unsent entries enter AdamW's moments).
+    compression, _, variant = spec.partition(":")
+    if variant not in ("", "plain"):
+        sys.exit(f"unknown variant '{variant}' in '{spec}' (expected NAME or NAME:plain)")
+    name = f"{compression}_{variant or 'default'}_s{seed}"
     metrics = os.path.join(work, name + ".jsonl")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.ranks),
            os.path.join(ROOT, "build", "loom"), "train", os.path.join(ROOT, "configs", "main_job.yaml"),
            "--set", f"steps={args.steps}", "--set", f"batch_size={4 // args.ranks}", "--set", "threads=1",
            "--set", f"seed={seed}", "--set", f"dist.compression={compression}",
            "--set", f"dist.ratio={args.ratio}", "--set", f"dist.rank={args.rank}",
+           "--set", f"dist.lazy_adam={'false' if variant == 'plain' else 'true'}",
            "--set", f"output_dir={os.path.join(work, name)}", "--set", f"metrics_file={metrics}", "--overwrite"]
     with open(os.path.join(work, name + ".log"), "w") as log:
         subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -48,7 +53,8 @@ def main():
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--compressions", nargs="+", default=["none", "topk", "powersgd"])
+    p.add_argument("--compressions", nargs="+", default=["none", "topk", "powersgd"],
+                   help="dist.compression values; topk:plain is top-k with dist.lazy_adam: false")
     p.add_argument("--ratio", type=float, default=0.1, help="dist.ratio for topk (0.1: 90%% sparsity)")
     p.add_argument("--rank", type=int, default=4, help="dist.rank for powersgd")
     p.add_argument("--out", help="JSON file for the figures")

@@ -150,6 +150,17 @@ struct AdamWUpdate {
   float eps;
 };
 
+// AdamW for gradients that arrive sparsely (dist.compression topk): a zero
+// gradient means "not sent this step" and leaves m, v and p alone (but for the
+// weight decay) while the entry's gap grows; the sum that arrives after a gap
+// of a steps is taken as a steps of its mean (m = b1^a m + (1 - b1^a) g/a, v
+// likewise), then p takes one step. With every entry arriving every step it is
+// adamw_update bit for bit.
+struct AdamWLazyUpdate {
+  AdamWUpdate step;    // the scalars of a gap of 1
+  double beta1, beta2;  // beta^a over a gap of a steps (in double: 1 - beta^a from a float beta is off by 1e-5)
+};
+
 // One step of bitsandbytes' blockwise 8-bit AdamW (optim.kind adamw8bit): the
 // same scalars as AdamWUpdate plus beta1 (its m = b1 m + w1 g order).
 struct Adam8bitUpdate {
@@ -315,6 +326,10 @@ class Backend {
 
   // ---- optimizer
   virtual void adamw_update(const AdamWUpdate& u, float* p, const float* g, float* m, float* v, size_t n) = 0;
+  // gap [n]: steps since the entry's gradient last arrived, minus one
+  // (AdamWLazyUpdate); 0 after an arrival.
+  virtual void adamw_lazy_update(const AdamWLazyUpdate& u, float* p, const float* g, float* m, float* v, float* gap,
+                                 size_t n) = 0;
   // Block-wise 8-bit (kernels/blockwise8.h), bit-equal to bitsandbytes' CPU
   // functions: codes [n], absmax [blockwise8_blocks(n)], blocks from x's start.
   virtual void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes,

@@ -196,6 +196,11 @@ class ProfilingBackend final : public Backend {
   void adamw_update(const AdamWUpdate& u, float* p, const float* g, float* m, float* v, size_t n) override {
     run("adamw", elements(static_cast<int64_t>(n), 7), [&] { in_->adamw_update(u, p, g, m, v, n); });
   }
+  // p, g, m, v, gap read; p, m, v, gap written.
+  void adamw_lazy_update(const AdamWLazyUpdate& u, float* p, const float* g, float* m, float* v, float* gap,
+                         size_t n) override {
+    run("adamw_lazy", elements(static_cast<int64_t>(n), 9), [&] { in_->adamw_lazy_update(u, p, g, m, v, gap, n); });
+  }
   void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes, float* absmax) override {
     run("quantize_blockwise", elements(static_cast<int64_t>(n), 1.25),
         [&] { in_->quantize_blockwise(map, x, n, codes, absmax); });

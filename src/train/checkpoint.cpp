@@ -353,6 +353,15 @@ void check_optimizer_kind(const std::string& path, const AdamW& opt) {
     fail(ErrorKind::invalid_input, "{}: the checkpoint's optimizer state is optim.kind {}, this run uses {}", path,
          kind, optimizer_kind_name(opt.kind()));
 }
+
+// An optional state part a checkpoint does not hold (written by a run without
+// it, e.g. before dist.compression topk was switched on): zeros.
+bool absent_and_zeroed(const fs::path& dir, const AdamW::StatePart& part) {
+  std::error_code ec;
+  if (!part.zero_if_absent || fs::exists(dir / part.file, ec)) return false;
+  std::memset(part.data, 0, part.bytes);
+  return true;
+}
 }  // namespace
 
 void load_checkpoint_arenas(const std::string& path, std::span<float> params, AdamW& opt) {
@@ -360,8 +369,10 @@ void load_checkpoint_arenas(const std::string& path, std::span<float> params, Ad
   const CheckpointState st = read_checkpoint_state(path);
   check_optimizer_kind(path, opt);
   read_floats(dir / kParams, params, "parameter");
-  for (const AdamW::StatePart& part : opt.state_parts())  // a ZeRO-1 shard reads its run
+  for (const AdamW::StatePart& part : opt.state_parts()) {  // a ZeRO-1 shard reads its run
+    if (absent_and_zeroed(dir, part)) continue;
     read_bytes(dir / part.file, part.data, part.bytes, part.file_offset, part.file_bytes, "optimizer state");
+  }
   opt.set_step_count(st.step);
 }
 
@@ -377,6 +388,7 @@ void load_checkpoint_arenas(const std::string& path, std::span<float> params, Ad
   std::vector<float> state(params.size());  // a moment in this rank's layout, of which ZeRO-1 keeps a run
   for (const AdamW::StatePart& part : opt.state_parts()) {  // adamw: m and v, one float per parameter
     LOOM_ASSERT(part.file_bytes == params.size_bytes() && part.file_offset + part.bytes <= part.file_bytes);
+    if (absent_and_zeroed(dir, part)) continue;
     read_floats(dir / part.file, whole, "optimizer state");
     take(whole, state);
     std::memcpy(part.data, reinterpret_cast<const char*>(state.data()) + part.file_offset, part.bytes);

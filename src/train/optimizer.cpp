@@ -100,6 +100,12 @@ AdamW::AdamW(Backend& backend, AdamWConfig config, std::vector<ParamGroup> group
   keep_shard();
   m_ = backend.alloc(n_f32_ * sizeof(float));
   v_ = backend.alloc(n_f32_ * sizeof(float));
+  if (config_.sparse_gradients) {
+    if (kind_ != OptimizerKind::adamw)
+      fail(ErrorKind::invalid_input, "optim.kind {} cannot take sparse gradients (dist.compression topk): its 8-bit "
+           "moments have no lazy update; use optim.kind adamw", optimizer_kind_name(kind_));
+    gap_ = backend.alloc(n_f32_ * sizeof(float));
+  }
   if (kind_ != OptimizerKind::adamw8bit) return;
   mq_ = backend.alloc(n_q8_);
   vq_ = backend.alloc(n_q8_);
@@ -208,6 +214,11 @@ void AdamW::keep_shard() {
   segments_ = std::move(kept);
 }
 
+void AdamW::set_sparse_gradients(bool on) {
+  LOOM_ASSERT(!on || config_.sparse_gradients);
+  sparse_now_ = on;
+}
+
 double AdamW::current_lr(size_t group) const {
   LOOM_ASSERT(group < groups_.size());
   return groups_[group].lr * schedule_.multiplier(step_) * lr_scale_;
@@ -249,6 +260,11 @@ StepStats AdamW::step(std::span<float> params, std::span<float> grads, std::opti
     u.step_size = q.step_size = static_cast<float>(lr / bc1);
     float* p = params.data() + s.offset;
     const float* gr = grads.data() + s.offset;
+    if (!s.q8 && sparse_now_) {
+      be_.adamw_lazy_update({u, config_.beta1, config_.beta2}, p, gr, m_.floats() + s.at, v_.floats() + s.at,
+                            gap_.floats() + s.at, s.size);
+      continue;
+    }
     if (!s.q8) {
       be_.adamw_update(u, p, gr, m_.floats() + s.at, v_.floats() + s.at, s.size);
       continue;
@@ -264,6 +280,7 @@ std::vector<AdamW::StatePart> AdamW::state_parts() const {
   constexpr size_t F = sizeof(float);
   std::vector<StatePart> out = {{"adam_m.f32", m_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F},
                                 {"adam_v.f32", v_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F}};
+  if (config_.sparse_gradients) out.push_back({"adam_gap.f32", gap_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F, true});
   if (kind_ == OptimizerKind::adamw8bit) {
     out.push_back({"adam_m.q8", mq_.data(), n_q8_, first_q8_, all_q8_});
     out.push_back({"adam_m_absmax.f32", ma_.data(), n_blocks_ * F, first_block_ * F, all_blocks_ * F});

@@ -64,6 +64,10 @@ struct AdamWConfig {
   double beta2 = 0.999;
   double eps = 1e-8;
   double max_grad_norm = 1.0;  // <= 0 disables clipping
+  // dist.compression topk: the moments are updated lazily (AdamWLazyUpdate,
+  // kernels/backend.h) on the steps set_sparse_gradients(true) marks; holds
+  // one more float per parameter (each one's gap since its gradient arrived).
+  bool sparse_gradients = false;
 };
 
 // ZeRO stage 1: this process keeps the optimizer state of, and updates, only
@@ -116,6 +120,9 @@ class AdamW {
   // Multiplies every group's learning rate (a divergence rollback lowers it;
   // train/faults.h). Not part of save(): the checkpoint's FaultState holds it.
   void set_lr_scale(double scale) { lr_scale_ = scale; }
+  // This step's gradient is sparse (zero: not sent): the lazy update. Needs
+  // AdamWConfig::sparse_gradients; off, the plain AdamW (dense warm-up steps).
+  void set_sparse_gradients(bool on);
 
   double lr_scale() const { return lr_scale_; }
   // The f32 moments: adamw, arenas of the parameter arena's layout; adamw8bit,
@@ -141,6 +148,7 @@ class AdamW {
     size_t bytes;
     size_t file_offset = 0;
     size_t file_bytes = 0;
+    bool zero_if_absent = false;  // a checkpoint without it (written before it existed) reads zeros
   };
   std::vector<StatePart> state_parts() const;
   // Bytes of optimizer state held (moments, codes, absmax and the two maps).
@@ -182,6 +190,8 @@ class AdamW {
   DeviceBuffer m_, v_;                   // f32 moments
   DeviceBuffer mq_, vq_, ma_, va_;       // adamw8bit: codes and absmax
   DeviceBuffer maps_;                    // adamw8bit: Blockwise8Map signed, unsigned
+  DeviceBuffer gap_;                     // sparse_gradients: steps since each f32 entry's gradient arrived, - 1
+  bool sparse_now_ = false;
 };
 
 }  // namespace loom

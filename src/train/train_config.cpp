@@ -37,7 +37,8 @@ const char* const kLeaves[] = {
     "gradient_checkpointing", "activation_dtype", "optim.kind",       "precision",         "quantize_base",
     "qat.bits",       "qat.group_size",     "qat.scheme",          "qat.start_step",    "sparsity_mask",
     "dist.bucket_mb", "dist.overlap",       "dist.deterministic",  "dist.compression",  "dist.ratio",
-    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero",        "dist.tp",          "dist.compression_warmup", "dist.pp"};
+    "dist.rank",      "dist.algorithm",     "dist.timeout",        "dist.zero",        "dist.tp",          "dist.compression_warmup", "dist.pp",
+    "dist.lazy_adam"};
 
 bool is_group(const std::string& k) {
   for (const char* g : kGroups)
@@ -286,6 +287,7 @@ void read_dist_keys(const Reader& r, TrainConfig& c) {
   int64_t tp = 1;
   if (r.integer("dist.tp", tp, 1, 1024)) d.tp = static_cast<int>(tp);
   r.integer("dist.compression_warmup", d.compression_warmup, 0, int64_t{1} << 40);
+  r.boolean("dist.lazy_adam", d.lazy_adam);
   int64_t pp = 1;
   if (r.integer("dist.pp", pp, 1, 1024)) d.pp = static_cast<int>(pp);
 }

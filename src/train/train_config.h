@@ -150,6 +150,10 @@ struct TrainConfig {
     int pp = 1;              // dist.pp: pipeline parallel over this many stages (train/trainer_pp.cpp)
     // dist.compression_warmup: plain all-reduce steps before the compression starts
     int64_t compression_warmup = 0;
+    // dist.lazy_adam: under dist.compression topk, AdamW takes each entry's
+    // gradient as the mean over the steps it waited (optimizer.h); false: the
+    // zeros of the entries not sent enter the moments as gradients
+    bool lazy_adam = true;
   } dist;
 
   std::string source;  // the config file name, for messages

@@ -348,7 +348,14 @@ void Trainer::build_optimizer() {
     total_steps_ = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(micro / static_cast<double>(c_.grad_accum))));
   }
   LrSchedule sched{.kind = c_.schedule, .warmup_steps = c_.warmup_steps, .total_steps = total_steps_};
-  opt_ = std::make_unique<AdamW>(*backend_, c_.adam, params_->param_groups(c_),
+  AdamWConfig adam = c_.adam;
+  adam.sparse_gradients =
+      data_ranks() > 1 && c_.dist.sync.compression == GradCompression::topk && c_.dist.lazy_adam;
+  if (adam.sparse_gradients && c_.optimizer != OptimizerKind::adamw)
+    fail(ErrorKind::invalid_input, "{}: dist.compression topk with optim.kind {}: the lazy moments of dist.lazy_adam "
+         "(the default) need optim.kind adamw; set dist.lazy_adam: false for the plain update", c_.source,
+         optimizer_kind_name(c_.optimizer));
+  opt_ = std::make_unique<AdamW>(*backend_, adam, params_->param_groups(c_),
                                  static_cast<size_t>(params_->count()), sched, c_.optimizer, params_->tensor_spans(),
                                  zero_shard());
 }

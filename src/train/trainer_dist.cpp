@@ -93,6 +93,7 @@ void Trainer::update_compression(int64_t step) {
   const bool on = step >= warm;
   const bool was = reducer_->compression_enabled();
   reducer_->set_compression_enabled(on);
+  if (opt_->config().sparse_gradients) opt_->set_sparse_gradients(on);  // top-k's lazy moments
   if (!on) return;
   if (!was || step == 0)
     log_->record(LogLevel::info, "dist",

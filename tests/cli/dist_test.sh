@@ -266,6 +266,20 @@ for c in topk powersgd; do
     run "res_$c" 2 1 "${ck[@]}" "${cc[@]}" --resume "$tmp/full_$c/checkpoints/step-00000003" &&
     same_bits "full_$c" "res_$c" adapter_model.safetensors
 done
+# Top-k's lazy AdamW keeps each entry's steps since its gradient arrived: some are waiting at the
+# checkpoint (so the resume above depends on them), and none when the compression is PowerSGD.
+python3 - "$tmp/full_topk/checkpoints/step-00000003" "$tmp/full_powersgd/checkpoints/step-00000003" <<'EOF' && ok ||
+import os, struct, sys
+gaps = open(os.path.join(sys.argv[1], "adam_gap.f32"), "rb").read()
+vals = struct.unpack(f"{len(gaps) // 4}f", gaps)
+waiting = sum(1 for v in vals if v > 0)
+print(f"  top-k checkpoint: {waiting} of {len(vals)} entries waiting, the longest {max(vals):.0f} steps")
+sys.exit(0 if 0 < waiting < len(vals) and not os.path.exists(os.path.join(sys.argv[2], "adam_gap.f32")) else 1)
+EOF
+  bad "top-k checkpoint: no entries waiting in adam_gap.f32 (or PowerSGD's has one)"
+if ! run tk8bit 2 1 --set dist.compression=topk --set optim.kind=adamw8bit >/dev/null &&
+  grep -q "need optim.kind adamw; set dist.lazy_adam: false" "$tmp/tk8bit.out"; then ok; else
+  bad "dist.compression topk with optim.kind adamw8bit is not refused"; fi
 if run res3 3 1 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" &&
   grep -q "written by 2 data-parallel ranks, this run has 3" "$tmp/res3.out"; then ok; else bad "resume on 3 ranks"; fi
 if ! run resga 1 2 "${ck[@]}" --resume "$tmp/full2/checkpoints/step-00000003" >/dev/null &&

@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <set>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -166,6 +168,115 @@ TEST(AdamW, SaveLoadRoundTripAndCorruption) {
   std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), 20);
   EXPECT_THROW(b.load(path), Error);
   std::filesystem::remove_all(dir);
+}
+
+// ---- top-k's lazy moments (AdamWLazyUpdate): every entry arriving every step
+// is adamw_update's bits; sparse arrivals follow a double-precision reference.
+
+AdamWUpdate lazy_test_scalars(int64_t t) {
+  const double b1 = 0.9, b2 = 0.999, lr = 1e-2, wd = 0.1;
+  AdamWUpdate u{};
+  u.keep = static_cast<float>(1.0 - lr * wd);
+  u.step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
+  u.w1 = static_cast<float>(1.0 - b1);
+  u.b2 = static_cast<float>(b2);
+  u.w2 = static_cast<float>(1.0 - b2);
+  u.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(b2, t)));
+  u.eps = 1e-8f;
+  return u;
+}
+
+TEST(AdamWLazy, EveryEntryArrivingIsAdamWBitForBit) {
+  Cpu cpu;
+  constexpr size_t n = 257;
+  CounterRng rng(7);
+  std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), gap(n, 0.0f);
+  for (float& x : p) x = static_cast<float>(rng.next_double() - 0.5);
+  std::vector<float> p2 = p, m2 = m, v2 = v, g(n);
+  for (int64_t t = 1; t <= 20; ++t) {
+    for (float& x : g) x = static_cast<float>(rng.next_double() - 0.5) + 1e-3f;  // never exactly zero
+    const AdamWUpdate u = lazy_test_scalars(t);
+    cpu.backend->adamw_update(u, p.data(), g.data(), m.data(), v.data(), n);
+    cpu.backend->adamw_lazy_update({u, 0.9, 0.999}, p2.data(), g.data(), m2.data(), v2.data(), gap.data(), n);
+  }
+  EXPECT_EQ(0, std::memcmp(p.data(), p2.data(), n * 4));
+  EXPECT_EQ(0, std::memcmp(m.data(), m2.data(), n * 4));
+  EXPECT_EQ(0, std::memcmp(v.data(), v2.data(), n * 4));
+  for (float x : gap) ASSERT_EQ(x, 0.0f);
+}
+
+// Sparse arrivals (about 1 entry in 4 a step, sums of what waited) against the
+// rule in double: within 2e-6 of each value (m: of 1e-2, its scale here) after 40 steps.
+TEST(AdamWLazy, SparseArrivalsMatchDoubleReference) {
+  Cpu cpu;
+  constexpr size_t n = 300;
+  const double b1 = 0.9, b2 = 0.999, lr = 1e-2, wd = 0.1, eps = 1e-8;
+  CounterRng rng(11);
+  std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), gap(n, 0.0f), g(n);
+  std::vector<double> rp(n), rm(n, 0.0), rv(n, 0.0), rgap(n, 0.0);
+  for (size_t i = 0; i < n; ++i) rp[i] = p[i] = static_cast<float>(rng.next_double() - 0.5);
+  int arrivals_after_a_gap = 0;
+  for (int64_t t = 1; t <= 40; ++t) {
+    for (float& x : g) x = rng.next_double() < 0.25 ? static_cast<float>(rng.next_double() - 0.5) + 1e-3f : 0.0f;
+    cpu.backend->adamw_lazy_update({lazy_test_scalars(t), b1, b2}, p.data(), g.data(), m.data(), v.data(), gap.data(),
+                                   n);
+    for (size_t i = 0; i < n; ++i) {
+      rp[i] *= 1.0 - lr * wd;
+      if (g[i] == 0.0f) {
+        rgap[i] += 1;
+        continue;
+      }
+      const double a = rgap[i] + 1, ga = g[i] / a;
+      arrivals_after_a_gap += a > 1;
+      rm[i] = std::pow(b1, a) * rm[i] + (1 - std::pow(b1, a)) * ga;
+      rv[i] = std::pow(b2, a) * rv[i] + (1 - std::pow(b2, a)) * ga * ga;
+      rp[i] -= lr / (1 - std::pow(b1, t)) * rm[i] / (std::sqrt(rv[i] / (1 - std::pow(b2, t))) + eps);
+      rgap[i] = 0;
+    }
+  }
+  EXPECT_GT(arrivals_after_a_gap, 1000);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(gap[i], rgap[i]) << i;
+    ASSERT_NEAR(p[i], rp[i], 2e-6 * std::max(1.0, std::fabs(rp[i]))) << "p " << i;
+    ASSERT_NEAR(m[i], rm[i], 2e-6 * std::max(1e-2, std::fabs(rm[i]))) << "m " << i;
+    ASSERT_NEAR(v[i], rv[i], 2e-6 * std::max(1e-6, std::fabs(rv[i]))) << "v " << i;
+  }
+}
+
+// A steady gradient c sent only every few steps (as top-k's error feedback
+// sends an entry's a steps at once: a c) leaves the moments where dense AdamW
+// leaves them after the same steps; the parameter does not move in between.
+TEST(AdamWLazy, SteadyGradientSentInBurstsGivesDenseMoments) {
+  Cpu cpu;
+  const std::vector<ParamGroup> groups = {{"x", 0, 2, 1e-2, 0.0, true, false}};
+  AdamWConfig cfg;
+  cfg.max_grad_norm = 0;
+  AdamW dense(*cpu.backend, cfg, groups, 2);
+  cfg.sparse_gradients = true;
+  AdamW lazy(*cpu.backend, cfg, groups, 2);
+  lazy.set_sparse_gradients(true);
+  const float c[2] = {0.3f, -0.02f};
+  std::vector<float> pd = {1, 1}, pl = {1, 1}, waited = {0, 0};
+  const std::set<int> sends = {1, 4, 5, 9, 16};  // entry 0 at these steps; entry 1 every step
+  for (int t = 1; t <= 16; ++t) {
+    std::vector<float> gd = {c[0], c[1]}, gl = {0, c[1]};
+    waited[0] += c[0];
+    if (sends.count(t)) gl[0] = waited[0], waited[0] = 0;
+    const float before = pl[0];
+    dense.step(pd, gd);
+    lazy.step(pl, gl);
+    if (!sends.count(t)) ASSERT_EQ(pl[0], before) << "step " << t;
+    if (sends.count(t)) {
+      EXPECT_NEAR(lazy.exp_avg()[0], dense.exp_avg()[0], 1e-6 * std::fabs(dense.exp_avg()[0])) << "step " << t;
+      EXPECT_NEAR(lazy.exp_avg_sq()[0], dense.exp_avg_sq()[0], 1e-5 * dense.exp_avg_sq()[0]) << "step " << t;
+    }
+  }
+  EXPECT_EQ(pl[1], pd[1]);  // the entry sent every step: plain AdamW
+  ASSERT_EQ(lazy.state_parts().size(), 3u);
+  EXPECT_STREQ(lazy.state_parts()[2].file, "adam_gap.f32");
+  EXPECT_TRUE(lazy.state_parts()[2].zero_if_absent);
+  cfg.max_grad_norm = 1;
+  EXPECT_THROW(AdamW(*cpu.backend, cfg, groups, 2, {}, OptimizerKind::adamw8bit), Error);
 }
 
 }  // namespace

@@ -415,6 +415,32 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // Scalar: it runs over LoRA-sized arenas once a step, far from the step's cost.
+  void adamw_lazy_update(const AdamWLazyUpdate& u, float* p, const float* g, float* m, float* v, float* gap,
+                         size_t n) override {
+    const AdamWUpdate& s = u.step;
+    for (size_t i = 0; i < n; ++i) {
+      p[i] *= s.keep;
+      if (g[i] == 0.0f) {  // not sent this step
+        gap[i] += 1.0f;
+        continue;
+      }
+      float w1 = s.w1, b2 = s.b2, w2 = s.w2, gi = g[i];
+      if (gap[i] > 0.0f) {  // the sum of a = gap + 1 steps: a steps of its mean
+        const double a = static_cast<double>(gap[i]) + 1.0;
+        w1 = static_cast<float>(1.0 - std::pow(u.beta1, a));
+        b2 = static_cast<float>(std::pow(u.beta2, a));
+        w2 = static_cast<float>(1.0 - std::pow(u.beta2, a));
+        gi = static_cast<float>(static_cast<double>(g[i]) / a);
+        gap[i] = 0.0f;
+      }
+      m[i] = m[i] + w1 * (gi - m[i]);
+      v[i] = v[i] * b2 + w2 * (gi * gi);
+      const float denom = std::sqrt(v[i]) / s.bc2_sqrt + s.eps;
+      p[i] = p[i] - s.step_size * (m[i] / denom);
+    }
+  }
+
   void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes,
                           float* absmax) override {
     quantize_blockwise_cpu(pool_, map, x, n, codes, absmax);
