@@ -5,8 +5,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <cctype>
+#include <cmath>
+#include <optional>
 #include <map>
 #include <set>
 #include <vector>
@@ -50,7 +53,13 @@ const std::map<std::string, std::vector<std::string>>& primitive_deps() {
   return deps;
 }
 
-// Keywords with a meaning the grammar would silently drop: refused.
+// An integer's bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum): honoured on type "integer".
+const std::set<std::string>& integer_bound_keywords() {
+  static const std::set<std::string> k = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"};
+  return k;
+}
+
+// Keywords with a meaning the grammar would silently drop: refused (the integer bounds but on "integer").
 const std::set<std::string>& unsupported_keywords() {
   static const std::set<std::string> k = {
       "pattern", "patternProperties", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -106,8 +115,11 @@ class Converter {
       return use("value");
     }
     if (!s.is_object()) fail_at(path, "a schema must be an object or a boolean");
+    const bool integer = s.contains("type") && s["type"] == "integer";
     for (const auto& [key, unused] : s.items())
-      if (unsupported_keywords().count(key)) fail_at(path, fmt::format("'{}' is not supported", key));
+      if (unsupported_keywords().count(key) && !(integer && integer_bound_keywords().count(key)))
+        fail_at(path, fmt::format("'{}' is not supported{}", key,
+                                  integer_bound_keywords().count(key) ? " (bounds are, on type \"integer\")" : ""));
     if (const auto it = s.find("$ref"); it != s.end()) return ref(*it, path, depth);
     if (const auto it = s.find("const"); it != s.end()) return literal(*it);
     if (const auto it = s.find("enum"); it != s.end()) return enumeration(*it, path);
@@ -138,7 +150,8 @@ class Converter {
     if (type == "object") return object(s, path, hint, depth);
     if (type == "array") return array(s, path, hint, depth);
     if (type == "string") return string(s, path);
-    if (type == "number" || type == "integer" || type == "boolean" || type == "null") return use(type);
+    if (type == "integer") return integer(s, path);
+    if (type == "number" || type == "boolean" || type == "null") return use(type);
     fail_at(path, fmt::format("unknown type '{}'", type));
   }
 
@@ -195,6 +208,70 @@ class Converter {
     const std::string head = min - 1 == 0 ? "" : fmt::format("{}{{{}}}", more, min - 1);
     const std::string rest = max < 0 ? tail : max > min ? fmt::format("{}{{0,{}}}", more, max - min) : "";
     return item + " " + head + " " + rest;
+  }
+
+  // type "integer": the plain rule, or with bounds the decimal spellings of exactly the integers in
+  // [lo, hi] (no leading zeros, no "-0"), each side open when not given; at most 16 digits as the
+  // plain rule.
+  std::string integer(const json& s, const std::string& path) {
+    constexpr int64_t kMax = 9'999'999'999'999'999;  // 16 nines: integral-part's longest
+    const auto bound = [&](const char* key) -> std::optional<double> {
+      const auto it = s.find(key);
+      if (it == s.end() || it->is_boolean()) return std::nullopt;  // draft 4's exclusive flags: read below
+      if (!it->is_number() || !std::isfinite(it->get<double>())) fail_at(path, fmt::format("'{}' must be a number", key));
+      return it->get<double>();
+    };
+    const auto flag = [&](const char* key) { return s.contains(key) && s[key].is_boolean() && s[key].get<bool>(); };
+    int64_t lo = -kMax, hi = kMax;
+    const auto clamp = [&](double v) { return static_cast<int64_t>(std::clamp(v, -1e17, 1e17)); };
+    if (const auto v = bound("minimum")) lo = std::max(lo, flag("exclusiveMinimum") ? clamp(std::floor(*v)) + 1 : clamp(std::ceil(*v)));
+    if (const auto v = bound("exclusiveMinimum")) lo = std::max(lo, clamp(std::floor(*v)) + 1);
+    if (const auto v = bound("maximum")) hi = std::min(hi, flag("exclusiveMaximum") ? clamp(std::ceil(*v)) - 1 : clamp(std::floor(*v)));
+    if (const auto v = bound("exclusiveMaximum")) hi = std::min(hi, clamp(std::ceil(*v)) - 1);
+    if (lo == -kMax && hi == kMax) return use("integer");
+    if (lo > hi) fail_at(path, "no integer of at most 16 digits lies within 'minimum' / 'maximum' (or their exclusive forms)");
+    std::vector<std::string> parts;
+    if (lo < 0) parts.push_back("\"-\" " + unsigned_range(std::max<int64_t>(1, -std::min<int64_t>(hi, -1)), -lo));
+    if (hi >= 0) parts.push_back(unsigned_range(std::max<int64_t>(lo, 0), hi));
+    return "(" + (parts.size() == 1 ? parts[0] : "(" + parts[0] + ") | (" + parts[1] + ")") + ") " + use("space");
+  }
+
+  // The decimal numbers a..b (0 <= a <= b), grouped by their count of digits.
+  static std::string unsigned_range(int64_t a, int64_t b) {
+    std::vector<std::string> alts;
+    int64_t low = 0;  // the smallest number of the current digit count
+    for (int digits = 1; digits <= 16 && low <= b; ++digits) {
+      const int64_t high = low == 0 ? 9 : low * 10 - 1;
+      const int64_t from = std::max(a, low), to = std::min(b, high);
+      if (from <= to) alts.push_back(same_length(std::to_string(from), std::to_string(to)));
+      low = low == 0 ? 10 : low * 10;
+    }
+    std::string out;
+    for (size_t i = 0; i < alts.size(); ++i) out += (i ? " | " : "") + alts[i];
+    return alts.size() == 1 ? out : "(" + out + ")";
+  }
+
+  // The digit strings of one length from a to b (a <= b): the shared prefix, then at the first digit
+  // that differs, a's digit followed by anything >= a's rest, the digits between followed by anything,
+  // or b's digit followed by anything <= b's rest.
+  static std::string same_length(const std::string& a, const std::string& b) {
+    size_t i = 0;
+    while (i < a.size() && a[i] == b[i]) ++i;
+    const std::string prefix = i ? "\"" + a.substr(0, i) + "\" " : "";
+    if (i == a.size()) return i ? "\"" + a + "\"" : "\"\"";
+    const size_t rest = a.size() - i - 1;
+    const auto any = [&](size_t n) { return n == 0 ? std::string() : fmt::format(" [0-9]{{{}}}", n); };
+    const auto digits = [](char x, char y) { return x == y ? fmt::format("[{}]", x) : fmt::format("[{}-{}]", x, y); };
+    const std::string a_rest = a.substr(i + 1), b_rest = b.substr(i + 1);
+    if (a_rest == std::string(rest, '0') && b_rest == std::string(rest, '9'))
+      return "(" + prefix + digits(a[i], b[i]) + any(rest) + ")";
+    std::vector<std::string> alts;
+    alts.push_back(digits(a[i], a[i]) + (rest ? " " + same_length(a_rest, std::string(rest, '9')) : ""));
+    if (a[i] + 1 <= b[i] - 1) alts.push_back(digits(static_cast<char>(a[i] + 1), static_cast<char>(b[i] - 1)) + any(rest));
+    alts.push_back(digits(b[i], b[i]) + (rest ? " " + same_length(std::string(rest, '0'), b_rest) : ""));
+    std::string out = "(" + prefix + "(";
+    for (size_t k = 0; k < alts.size(); ++k) out += (k ? " | " : "") + alts[k];
+    return out + "))";
   }
 
   std::string string(const json& s, const std::string& path) {

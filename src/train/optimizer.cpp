@@ -280,7 +280,8 @@ std::vector<AdamW::StatePart> AdamW::state_parts() const {
   constexpr size_t F = sizeof(float);
   std::vector<StatePart> out = {{"adam_m.f32", m_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F},
                                 {"adam_v.f32", v_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F}};
-  if (config_.sparse_gradients) out.push_back({"adam_gap.f32", gap_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F, true});
+  if (config_.sparse_gradients)  // absent from checkpoints of runs without top-k
+    out.push_back({"adam_gap.f32", gap_.data(), n_f32_ * F, first_f32_ * F, all_f32_ * F, /*zero_if_absent=*/true});
   if (kind_ == OptimizerKind::adamw8bit) {
     out.push_back({"adam_m.q8", mq_.data(), n_q8_, first_q8_, all_q8_});
     out.push_back({"adam_m_absmax.f32", ma_.data(), n_blocks_ * F, first_block_ * F, all_blocks_ * F});

@@ -277,6 +277,11 @@ print(f"  top-k checkpoint: {waiting} of {len(vals)} entries waiting, the longes
 sys.exit(0 if 0 < waiting < len(vals) and not os.path.exists(os.path.join(sys.argv[2], "adam_gap.f32")) else 1)
 EOF
   bad "top-k checkpoint: no entries waiting in adam_gap.f32 (or PowerSGD's has one)"
+# A checkpoint of a run without compression resumes under top-k: residuals and gaps start at zero.
+if run res_totopk 2 1 "${ck[@]}" --set dist.compression=topk --set dist.ratio=0.1 \
+  --resume "$tmp/full2/checkpoints/step-00000003" &&
+  grep -q "holds no gradient-compression state" "$tmp/res_totopk.out"; then ok; else
+  bad "a checkpoint without compression does not resume under dist.compression topk"; fi
 if ! run tk8bit 2 1 --set dist.compression=topk --set optim.kind=adamw8bit >/dev/null &&
   grep -q "need optim.kind adamw; set dist.lazy_adam: false" "$tmp/tk8bit.out"; then ok; else
   bad "dist.compression topk with optim.kind adamw8bit is not refused"; fi

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -264,6 +265,48 @@ TEST(JsonSchema, AdditionalPropertiesAndGenericObjects) {
   expect_schema(R"({})", {"1", R"("s")", "[{}]"}, {"x"});
 }
 
+// Integer bounds (pydantic's Field(ge=, le=, gt=, lt=)): every integer of a window around the bounds, and
+// some far away, is accepted exactly when it lies within them; never "-0", leading zeros or a fraction.
+TEST(JsonSchema, IntegerBoundsAcceptExactlyTheRange) {
+  struct Case {
+    const char* bounds;
+    int64_t lo, hi;  // INT64_MIN / INT64_MAX: open
+  };
+  constexpr int64_t kOpenLo = INT64_MIN, kOpenHi = INT64_MAX;
+  const Case cases[] = {
+      {R"("minimum":0,"maximum":0)", 0, 0},          {R"("minimum":5,"maximum":123)", 5, 123},
+      {R"("minimum":-17,"maximum":42)", -17, 42},    {R"("minimum":-100,"maximum":-3)", -100, -3},
+      {R"("minimum":7)", 7, kOpenHi},                {R"("maximum":-5)", kOpenLo, -5},
+      {R"("maximum":250)", kOpenLo, 250},            {R"("minimum":99,"maximum":1000)", 99, 1000},
+      {R"("minimum":1,"maximum":12)", 1, 12},        {R"("exclusiveMinimum":0,"exclusiveMaximum":100)", 1, 99},
+      {R"("minimum":1.5,"maximum":9.9)", 2, 9},      {R"("minimum":10,"exclusiveMinimum":true)", 11, kOpenHi},
+      {R"("maximum":10,"exclusiveMaximum":true)", kOpenLo, 9}, {R"("minimum":-1999,"maximum":1999)", -1999, 1999},
+      {R"("minimum":2024,"maximum":2030)", 2024, 2030}, {R"("minimum":-9,"maximum":9)", -9, 9},
+  };
+  for (const Case& c : cases) {
+    const std::string schema = std::string(R"({"type":"integer",)") + c.bounds + "}";
+    const std::string gbnf = json_schema_to_gbnf(ojson::parse(schema));
+    const auto g = compile_gbnf(gbnf);
+    std::vector<int64_t> values;
+    for (int64_t v = -2500; v <= 2500; ++v) values.push_back(v);
+    for (int64_t v : {int64_t{99999}, int64_t{-99999}, int64_t{1234567890123}, int64_t{-1234567890123},
+                      int64_t{9999999999999999}, int64_t{-9999999999999999}})
+      values.push_back(v);
+    for (const int64_t v : values) {
+      const bool in = v >= c.lo && v <= c.hi;
+      ASSERT_EQ(grammar_matches(g, std::to_string(v)), in) << schema << " value " << v << "\n" << gbnf;
+    }
+    const bool zero = 0 >= c.lo && 0 <= c.hi;
+    for (const char* bad : {"-0", "007", "+5", "1.0", "1e2", "", "-", "00"})
+      EXPECT_FALSE(grammar_matches(g, bad)) << schema << " " << bad;
+    EXPECT_EQ(grammar_matches(g, "0 "), zero) << schema;  // the trailing space of every value
+  }
+  // Inside an object, as the openai client sends a pydantic model with Field(ge=0, le=150).
+  expect_schema(R"({"type":"object","properties":{"age":{"type":"integer","minimum":0,"maximum":150}},
+    "required":["age"],"additionalProperties":false})",
+                {R"({"age":0})", R"({"age": 150})", R"({"age":37})"}, {R"({"age":151})", R"({"age":-1})", R"({"age":1000})"});
+}
+
 TEST(JsonSchema, JsonObjectGrammar) {
   const auto g = compile_gbnf(json_object_gbnf());
   EXPECT_TRUE(grammar_matches(g, R"({"a": {"b": [1, "2", false]}})"));
@@ -273,7 +316,14 @@ TEST(JsonSchema, JsonObjectGrammar) {
 
 TEST(JsonSchema, RefusedSchemasSayWhy) {
   EXPECT_NE(schema_error(R"({"type":"string","pattern":"^a$"})").find("'pattern' is not supported"), std::string::npos);
-  EXPECT_NE(schema_error(R"({"type":"integer","minimum":0})").find("'minimum' is not supported"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"number","minimum":0})").find("'minimum' is not supported (bounds are, on type"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":["integer","null"],"maximum":3})").find("'maximum' is not supported"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"integer","minimum":5,"maximum":4})").find("no integer"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"integer","exclusiveMinimum":2,"exclusiveMaximum":3})").find("no integer"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"integer","minimum":"0"})").find("'minimum' must be a number"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"strin"})").find("unknown type 'strin'"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":3})").find("'type' must be"), std::string::npos);
   EXPECT_NE(schema_error(R"({"$ref":"#/$defs/missing"})").find("does not resolve"), std::string::npos);
