@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "serve/grammar.h"
+#include "serve/regex_grammar.h"
 
 namespace loom {
 
@@ -116,10 +117,14 @@ class Converter {
     }
     if (!s.is_object()) fail_at(path, "a schema must be an object or a boolean");
     const bool integer = s.contains("type") && s["type"] == "integer";
+    const bool string_type = s.contains("type") && s["type"] == "string";
     for (const auto& [key, unused] : s.items())
-      if (unsupported_keywords().count(key) && !(integer && integer_bound_keywords().count(key)))
+      if (unsupported_keywords().count(key) && !(integer && integer_bound_keywords().count(key)) &&
+          !(string_type && key == "pattern"))
         fail_at(path, fmt::format("'{}' is not supported{}", key,
-                                  integer_bound_keywords().count(key) ? " (bounds are, on type \"integer\")" : ""));
+                                  integer_bound_keywords().count(key) ? " (bounds are, on type \"integer\")"
+                                  : key == "pattern"                  ? " (it is, on type \"string\")"
+                                                                      : ""));
     if (const auto it = s.find("$ref"); it != s.end()) return ref(*it, path, depth);
     if (const auto it = s.find("const"); it != s.end()) return literal(*it);
     if (const auto it = s.find("enum"); it != s.end()) return enumeration(*it, path);
@@ -218,18 +223,22 @@ class Converter {
     const auto bound = [&](const char* key) -> std::optional<double> {
       const auto it = s.find(key);
       if (it == s.end() || it->is_boolean()) return std::nullopt;  // draft 4's exclusive flags: read below
-      if (!it->is_number() || !std::isfinite(it->get<double>())) fail_at(path, fmt::format("'{}' must be a number", key));
+      if (!it->is_number() || !std::isfinite(it->get<double>()))
+        fail_at(path, fmt::format("'{}' must be a number", key));
       return it->get<double>();
     };
     const auto flag = [&](const char* key) { return s.contains(key) && s[key].is_boolean() && s[key].get<bool>(); };
     int64_t lo = -kMax, hi = kMax;
     const auto clamp = [&](double v) { return static_cast<int64_t>(std::clamp(v, -1e17, 1e17)); };
-    if (const auto v = bound("minimum")) lo = std::max(lo, flag("exclusiveMinimum") ? clamp(std::floor(*v)) + 1 : clamp(std::ceil(*v)));
+    if (const auto v = bound("minimum"))
+      lo = std::max(lo, flag("exclusiveMinimum") ? clamp(std::floor(*v)) + 1 : clamp(std::ceil(*v)));
     if (const auto v = bound("exclusiveMinimum")) lo = std::max(lo, clamp(std::floor(*v)) + 1);
-    if (const auto v = bound("maximum")) hi = std::min(hi, flag("exclusiveMaximum") ? clamp(std::ceil(*v)) - 1 : clamp(std::floor(*v)));
+    if (const auto v = bound("maximum"))
+      hi = std::min(hi, flag("exclusiveMaximum") ? clamp(std::ceil(*v)) - 1 : clamp(std::floor(*v)));
     if (const auto v = bound("exclusiveMaximum")) hi = std::min(hi, clamp(std::ceil(*v)) - 1);
     if (lo == -kMax && hi == kMax) return use("integer");
-    if (lo > hi) fail_at(path, "no integer of at most 16 digits lies within 'minimum' / 'maximum' (or their exclusive forms)");
+    if (lo > hi)
+      fail_at(path, "no integer of at most 16 digits lies within 'minimum' / 'maximum' (or their exclusive forms)");
     std::vector<std::string> parts;
     if (lo < 0) parts.push_back("\"-\" " + unsigned_range(std::max<int64_t>(1, -std::min<int64_t>(hi, -1)), -lo));
     if (hi >= 0) parts.push_back(unsigned_range(std::max<int64_t>(lo, 0), hi));
@@ -267,7 +276,8 @@ class Converter {
       return "(" + prefix + digits(a[i], b[i]) + any(rest) + ")";
     std::vector<std::string> alts;
     alts.push_back(digits(a[i], a[i]) + (rest ? " " + same_length(a_rest, std::string(rest, '9')) : ""));
-    if (a[i] + 1 <= b[i] - 1) alts.push_back(digits(static_cast<char>(a[i] + 1), static_cast<char>(b[i] - 1)) + any(rest));
+    if (a[i] + 1 <= b[i] - 1)
+      alts.push_back(digits(static_cast<char>(a[i] + 1), static_cast<char>(b[i] - 1)) + any(rest));
     alts.push_back(digits(b[i], b[i]) + (rest ? " " + same_length(std::string(rest, '0'), b_rest) : ""));
     std::string out = "(" + prefix + "(";
     for (size_t k = 0; k < alts.size(); ++k) out += (k ? " | " : "") + alts[k];
@@ -275,6 +285,17 @@ class Converter {
   }
 
   std::string string(const json& s, const std::string& path) {
+    if (const auto it = s.find("pattern"); it != s.end()) {
+      if (!it->is_string()) fail_at(path, "'pattern' must be a string");
+      if (s.contains("minLength") || s.contains("maxLength"))
+        fail_at(path, "'pattern' together with 'minLength' / 'maxLength' is not supported");
+      use("char");  // an unanchored pattern allows any characters around its match
+      try {
+        return "\"\\\"\" " + regex_to_gbnf(it->get<std::string>(), lim_.max_items) + " \"\\\"\" " + use("space");
+      } catch (const SchemaError& e) {
+        fail_at(path, e.what());
+      }
+    }
     const int64_t min = count(s, "minLength", 0, path);
     const int64_t max = count(s, "maxLength", -1, path);
     if (max >= 0 && max < min) fail_at(path, "'maxLength' is below 'minLength'");

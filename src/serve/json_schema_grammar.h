@@ -23,10 +23,10 @@ struct SchemaLimits {
 
 // The GBNF of values that validate against `schema` (ordered: properties are written in the schema's order). Supported: type (one or a list), object (properties,
 // required, additionalProperties false / true / a schema), array (items, prefixItems, minItems, maxItems),
-// string (minLength, maxLength; format ignored), number, integer (minimum, maximum, exclusiveMinimum,
+// string (minLength, maxLength, or pattern: serve/regex_grammar.h; format ignored), number, integer (minimum, maximum, exclusiveMinimum,
 // exclusiveMaximum, draft 4's boolean exclusive flags too), boolean, null, enum, const, anyOf, oneOf,
 // allOf of one schema, $ref to local definitions ("#/$defs/x", "#/definitions/x", recursion included).
-// Keywords the grammar cannot honour (pattern, bounds on anything but an integer, multipleOf,
+// Keywords the grammar cannot honour (pattern but on a string, bounds on anything but an integer, multipleOf,
 // uniqueItems, not, if, ...) throw SchemaError rather than produce output that may not validate.
 std::string json_schema_to_gbnf(const nlohmann::ordered_json& schema, const SchemaLimits& limits = {});
 

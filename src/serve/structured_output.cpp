@@ -8,6 +8,7 @@
 
 #include "serve/json_schema_grammar.h"
 #include "serve/openai_protocol.h"
+#include "serve/regex_grammar.h"
 
 namespace loom {
 
@@ -76,6 +77,17 @@ std::shared_ptr<const Grammar> from_choices(const ojson& v) {
   return compile(gbnf, param);
 }
 
+// vLLM's guided_regex: the whole output matches (serve/regex_grammar.h, raw text).
+std::shared_ptr<const Grammar> from_regex(const std::string& pattern, const std::string& param) {
+  std::string gbnf;
+  try {
+    gbnf = "root ::= " + regex_to_gbnf(pattern, SchemaLimits{}.max_items, RegexText::raw, "'" + param + "'") + "\n";
+  } catch (const SchemaError& e) {
+    throw invalid_request(param, e.what());
+  }
+  return compile(gbnf, param);
+}
+
 }  // namespace
 
 std::shared_ptr<const Grammar> parse_structured_output(const nlohmann::json& body, std::string_view text) {
@@ -100,7 +112,7 @@ std::shared_ptr<const Grammar> parse_structured_output(const nlohmann::json& bod
   if (k == "response_format") return from_response_format(v);
   if (k == "grammar" || k == "guided_grammar") return compile(string_field(v, k), k);
   if (k == "guided_choice") return from_choices(v);
-  if (k == "guided_regex") throw invalid_request(k, "'guided_regex' is not supported; use 'grammar' (GBNF)");
+  if (k == "guided_regex") return from_regex(string_field(v, k), k);
   // json_schema (llama-server) and guided_json (vLLM): a schema, or vLLM's schema as a JSON string.
   if (v.is_string()) {
     ojson schema;

@@ -1,5 +1,5 @@
 // Structured outputs of a request: response_format (OpenAI: text, json_object, json_schema), llama-server's
-// "grammar" and "json_schema", vLLM's guided_json / guided_grammar / guided_choice, compiled into one Grammar
+// "grammar" and "json_schema", vLLM's guided_json / guided_grammar / guided_choice / guided_regex, compiled into one Grammar
 // on the HTTP thread so that a bad schema or grammar is a 400 before anything is queued.
 #pragma once
 

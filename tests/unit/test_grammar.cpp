@@ -307,6 +307,71 @@ TEST(JsonSchema, IntegerBoundsAcceptExactlyTheRange) {
                 {R"({"age":0})", R"({"age": 150})", R"({"age":37})"}, {R"({"age":151})", R"({"age":-1})", R"({"age":1000})"});
 }
 
+// `pattern` on strings: the JSON text of a string is accepted exactly when its decoded text matches
+// (anchored or anywhere, as JSON Schema says); characters JSON escapes are matched as their escapes.
+TEST(JsonSchema, PatternMatchesAsTheRegexDoes) {
+  const auto pat = [](const char* pattern_json) {
+    return std::string(R"({"type":"string","pattern":)") + pattern_json + "}";
+  };
+  const auto check = [&](const char* pattern_json, const std::vector<std::string>& good,
+                         const std::vector<std::string>& bad) {
+    expect_schema(pat(pattern_json).c_str(), good, bad);
+  };
+  check(R"("^[a-z]+$")", {R"("abc")", R"("z")"}, {R"("")", R"("aBc")", R"("abc1")", "abc"});
+  check(R"("^\\d{3}-\\d{4}$")", {R"("555-1234")"}, {R"("5551234")", R"("55-1234")", R"("555-12345")"});
+  check(R"("^(foo|bar)baz$")", {R"("foobaz")", R"("barbaz")"}, {R"("baz")", R"("foobarbaz")"});
+  check(R"("ab")", {R"("ab")", R"("xxabyy")", R"("a\"ab")"}, {R"("a b")", R"("ba")", R"("")"});
+  check(R"("^ab")", {R"("ab")", R"("abc")"}, {R"("xab")"});
+  check(R"("ab$")", {R"("ab")", R"("xab")"}, {R"("abx")"});
+  check(R"("^[^\"]*$")", {R"("hello")", R"("")", R"("a\\b")"}, {R"("he\"llo")"});
+  check(R"("^a\"b$")", {R"("a\"b")"}, {R"("ab")", R"("a\\b")"});
+  check(R"("^.{2,3}$")", {R"("éx")", R"("a\tb")", R"("a\"b")", R"("a\\b")"},
+        {R"("a")", R"("abcd")", R"("a\nb")"});
+  check(R"("^\\w+@\\w+\\.com$")", {R"("a_b@x.com")"}, {R"("a@x.org")", R"("a@xcom")", R"("@x.com")"});
+  check(R"("^(?:ab)?c$")", {R"("c")", R"("abc")"}, {R"("ababc")", R"("ac")"});
+  check(R"("^[A-Z]{2}\\s?[0-9]{2,4}$")", {R"("AB 123")", R"("AB12")", R"("AB\t1234")"},
+        {R"("AB 1")", R"("ab 12")", R"("AB  12")"});
+  check(R"("^(?<year>\\d{4})-(?<m>0[1-9]|1[0-2])$")", {R"("2024-01")", R"("1999-12")"}, {R"("2024-13")"});
+  check(R"("^a\\tb\\n$")", {R"("a\tb\n")"}, {R"("a b\n")", R"("atb")"});
+  check(R"("^[\\d.,-]+$")", {R"("-1,234.5")"}, {R"("1 2")"});
+  check(R"("^a+?b*?$")", {R"("a")", R"("aab")"}, {R"("b")"});
+  check(R"("^x{2}\\{y$")", {R"("xx{y")"}, {R"("xxy")"});
+  check(R"("^\\u00e9\\x41$")", {R"("éA")"}, {R"("eA")"});
+  check(R"("^[α-ω]+$")", {R"("αβγ")"}, {R"("abc")"});
+  // In an object, as pydantic's Field(pattern=...) sends it.
+  expect_schema(R"({"type":"object","properties":{"zip":{"type":"string","pattern":"^[0-9]{5}$"}},
+    "required":["zip"],"additionalProperties":false})",
+                {R"({"zip":"75001"})"}, {R"({"zip":"7500"})", R"({"zip":"75001a"})"});
+}
+
+TEST(JsonSchema, UnsupportedPatternsSayWhy) {
+  const auto err = [](const char* pattern_json) {
+    return schema_error((std::string(R"({"type":"string","pattern":)") + pattern_json + "}").c_str());
+  };
+  EXPECT_NE(err(R"("(?=a)b")").find("lookahead"), std::string::npos);
+  EXPECT_NE(err(R"("(a)\\1")").find("back-references"), std::string::npos);
+  EXPECT_NE(err(R"("\\bfoo")").find("word boundaries"), std::string::npos);
+  EXPECT_NE(err(R"("\\p{L}")").find("Unicode property"), std::string::npos);
+  EXPECT_NE(err(R"("a**")").find("quantifier after a quantifier"), std::string::npos);
+  EXPECT_NE(err(R"("[z-a]")").find("out of order"), std::string::npos);
+  EXPECT_NE(err(R"("^a|b$")").find("'|' outside any group"), std::string::npos);
+  EXPECT_NE(err(R"("(ab")").find("unclosed '('"), std::string::npos);
+  EXPECT_NE(err(R"x("ab)")x").find("unmatched ')'"), std::string::npos);
+  EXPECT_NE(err(R"("[abc")").find("unclosed '['"), std::string::npos);
+  EXPECT_NE(err(R"("*a")").find("nothing to repeat"), std::string::npos);
+  EXPECT_NE(err(R"("a{2000}")").find("more than 1000"), std::string::npos);
+  EXPECT_NE(err(R"("a{3,2}")").find("below the minimum"), std::string::npos);
+  EXPECT_NE(err(R"("a^b")").find("only at the start"), std::string::npos);
+  EXPECT_NE(err(R"("\\q")").find("unknown escape"), std::string::npos);
+  EXPECT_NE(err("3").find("'pattern' must be a string"), std::string::npos);
+  EXPECT_NE(schema_error(R"x({"type":"object","properties":{"z":{"type":"string","pattern":"(?!x)"}}})x")
+                .find("at '/properties/z': 'pattern' lookahead"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"string","pattern":"^a$","maxLength":3})").find("together with"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"number","pattern":"1"})").find("(it is, on type \"string\")"),
+            std::string::npos);
+}
+
 TEST(JsonSchema, JsonObjectGrammar) {
   const auto g = compile_gbnf(json_object_gbnf());
   EXPECT_TRUE(grammar_matches(g, R"({"a": {"b": [1, "2", false]}})"));
@@ -315,7 +380,6 @@ TEST(JsonSchema, JsonObjectGrammar) {
 }
 
 TEST(JsonSchema, RefusedSchemasSayWhy) {
-  EXPECT_NE(schema_error(R"({"type":"string","pattern":"^a$"})").find("'pattern' is not supported"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"number","minimum":0})").find("'minimum' is not supported (bounds are, on type"),
             std::string::npos);
   EXPECT_NE(schema_error(R"({"type":["integer","null"],"maximum":3})").find("'maximum' is not supported"),
@@ -329,7 +393,7 @@ TEST(JsonSchema, RefusedSchemasSayWhy) {
   EXPECT_NE(schema_error(R"({"$ref":"#/$defs/missing"})").find("does not resolve"), std::string::npos);
   EXPECT_NE(schema_error(R"({"$ref":"https://x/y.json"})").find("only local references"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"object","properties":{"a":{"type":"object","properties":{"b":{"type":"string",
-    "pattern":"x"}}}}})").find("at '/properties/a/properties/b'"), std::string::npos);
+    "multipleOf":2}}}}})").find("at '/properties/a/properties/b'"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"object","properties":[]})").find("'properties' must be an object"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"array","minItems":-1})").find("non-negative"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"object","required":["x"],"properties":{},"additionalProperties":false})")
@@ -367,6 +431,16 @@ TEST(StructuredOutputRequest, FieldsAndErrors) {
   EXPECT_TRUE(grammar_matches(parse(R"({"guided_json":"{\"type\":\"null\"}"})"), "null"));
   EXPECT_TRUE(grammar_matches(parse(R"({"json_schema":{"type":"integer"}})"), "7"));
   EXPECT_TRUE(grammar_matches(parse(R"({"guided_choice":["a b","c"]})"), "a b"));
+  // vLLM's guided_regex: raw text matched whole (quotes and newlines as themselves, ^ $ change nothing).
+  const auto rx = parse(R"({"guided_regex":"^[A-Z][a-z]+ \\d{2}\\n\"ok\"$"})");
+  EXPECT_TRUE(grammar_matches(rx, "Paris 75\n\"ok\""));
+  EXPECT_FALSE(grammar_matches(rx, "Paris 75\\n\"ok\""));
+  EXPECT_FALSE(grammar_matches(rx, "xParis 75\n\"ok\""));
+  const auto dot = parse(R"({"guided_regex":"a.c|[^x]"})");
+  EXPECT_TRUE(grammar_matches(dot, "a\"c"));
+  EXPECT_TRUE(grammar_matches(dot, "\n"));
+  EXPECT_FALSE(grammar_matches(dot, "a\nc"));
+  EXPECT_FALSE(grammar_matches(dot, "x"));
 
   EXPECT_EQ(request_error(R"({"response_format":{"type":"xml"}})"), std::make_pair(400, std::string("response_format")));
   EXPECT_EQ(request_error(R"({"response_format":"json"})"), std::make_pair(400, std::string("response_format")));
@@ -375,7 +449,8 @@ TEST(StructuredOutputRequest, FieldsAndErrors) {
   EXPECT_EQ(request_error(R"({"grammar":"root ::= foo"})"), std::make_pair(400, std::string("grammar")));
   EXPECT_EQ(request_error(R"({"grammar":5})"), std::make_pair(400, std::string("grammar")));
   EXPECT_EQ(request_error(R"({"guided_json":"{"})"), std::make_pair(400, std::string("guided_json")));
-  EXPECT_EQ(request_error(R"({"guided_regex":"a+"})"), std::make_pair(400, std::string("guided_regex")));
+  EXPECT_EQ(request_error(R"({"guided_regex":"(a+"})"), std::make_pair(400, std::string("guided_regex")));
+  EXPECT_EQ(request_error(R"({"guided_regex":7})"), std::make_pair(400, std::string("guided_regex")));
   EXPECT_EQ(request_error(R"({"grammar":"root ::= \"a\"","guided_json":{}})").first, 400);
 }
 
@@ -445,6 +520,11 @@ TEST_F(MaskTest, SchemaMaskEqualsBruteForce) {
   expect_mask_matches_reference(*tok_, *trie_, gbnf,
                                 {"", "{", "{\"", "{\"name\": \"Al", "{\"name\": \"Al\\", "{\"name\":\"é\", \"age\": 1",
                                  "{\"name\":\"x\",\"age\":12,\"tags\":[\"a\"", "{\"name\":\"x\",\"age\":1}"});
+}
+
+TEST_F(MaskTest, PatternMaskEqualsBruteForce) {
+  const std::string gbnf = json_schema_to_gbnf(ojson::parse(R"({"type":"string","pattern":"^[A-Z]{2}-\\d{3}(x|yz)?$"})"));
+  expect_mask_matches_reference(*tok_, *trie_, gbnf, {"", "\"", "\"AB", "\"AB-12", "\"AB-123", "\"AB-123y"});
 }
 
 TEST_F(MaskTest, GbnfMaskEqualsBruteForce) {
