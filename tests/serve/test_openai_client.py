@@ -477,6 +477,10 @@ def validate(value, schema, defs=None):
                 validate(v, props[k], defs)
             else:
                 assert schema.get("additionalProperties", True) is not False, ("extra key", k)
+    if t == "integer":
+        assert value >= schema.get("minimum", -(1 << 62)) and value <= schema.get("maximum", 1 << 62), (value, schema)
+    if t == "string" and "pattern" in schema:
+        assert re.search(schema["pattern"], value), (value, schema["pattern"])
     if t == "array":
         assert len(value) >= schema.get("minItems", 0), value
         assert len(value) <= schema.get("maxItems", 1 << 30), value
@@ -537,6 +541,24 @@ class StructuredOutputTest(unittest.TestCase):
             self.assertEqual(choice.finish_reason, "stop", choice.message.content)
             validate(json.loads(choice.message.content), EVENT_SCHEMA)
 
+    def test_json_schema_pattern_and_integer_bounds(self):
+        # What pydantic sends for Field(pattern=r"^[A-Z]{2}-\d{3}$") and Field(ge=1, le=12).
+        schema = {"type": "object", "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+            "month": {"type": "integer", "minimum": 1, "maximum": 12},
+            "note": {"type": "string", "pattern": "^[^\\n]{0,30}$"}},
+            "required": ["code", "month", "note"], "additionalProperties": False}
+        for temperature in (0, 1.0):
+            r = self.chat("Invent a product code, a month number and a short note, as JSON.", temperature=temperature,
+                          seed=7, response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "item", "schema": schema, "strict": True}})
+            self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0].message.content)
+            validate(json.loads(r.choices[0].message.content), schema)
+        # vLLM's guided_regex: the whole text matches.
+        r = self.c.completions.create(model="smol", prompt="The date today is", max_tokens=20, temperature=0,
+                                      extra_body={"guided_regex": " (19|20)\\d{2}-(0[1-9]|1[0-2])-[0-3]\\d"})
+        self.assertRegex(r.choices[0].text, r"^ (19|20)\d{2}-(0[1-9]|1[0-2])-[0-3]\d$")
+
     def test_gbnf_grammar_via_extra_body(self):
         grammar = 'root ::= answer "." \nanswer ::= ("yes" | "no") (", " [a-z]{1,8}){0,2}  # llama.cpp syntax\n'
         for temperature in (0, 1.0):
@@ -579,7 +601,10 @@ class StructuredOutputTest(unittest.TestCase):
             ({"response_format": {"type": "json_schema", "json_schema": {
                 "name": "x", "schema": {"$ref": "#/$defs/nowhere"}}}}, "response_format", "does not resolve"),
             ({"response_format": {"type": "json_schema", "json_schema": {
-                "name": "x", "schema": {"type": "string", "pattern": "^a+$"}}}}, "response_format", "pattern"),
+                "name": "x", "schema": {"type": "string", "pattern": "^(?=a)b$"}}}}, "response_format", "lookahead"),
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "number", "minimum": 0}}}}, "response_format", "'minimum'"),
+            ({"guided_regex": "(ab"}, "guided_regex", "unclosed '('"),
             ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
             ({"grammar": 'root ::= "a" | b'}, "grammar", "undefined rule 'b'"),
             ({"grammar": 'root ::= "a\nx ::= "b"'}, "grammar", "line 1, column 12"),
