@@ -1,7 +1,8 @@
 // Google Benchmark cases of one optimizer update of 4.88M parameters (the main
 // job's LoRA r=16 on SmolLM2-135M) in tensors of 4608 elements: f32 AdamW
 // (Backend::adamw_update) against the fused 8-bit step (adamw8bit_update:
-// dequantize, update, absmax, table lookup), and the 8-bit quantize alone.
+// dequantize, update, absmax, table lookup), top-k's lazy AdamW (adamw_lazy_update), and the 8-bit
+// quantize alone.
 // One thread.
 //   loom_bench --benchmark_filter=Optim
 #include <benchmark/benchmark.h>
@@ -57,6 +58,28 @@ void OptimAdamWF32(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(kTensor * kTensors));
 }
 
+// Top-k's lazy AdamW (dist.compression topk, ratio 0.1): each step a tenth of the entries arrive, each
+// after a gap of about 9 steps (ten gradient arenas taken in turn).
+void OptimAdamWLazyTopk(benchmark::State& state) {
+  Setup s;
+  const AdamWUpdate u = f32_update();
+  const size_t n = s.g.size();
+  std::vector<std::vector<float>> grads(10, std::vector<float>(n, 0.0f));
+  std::mt19937 rng(5);
+  for (size_t i = 0; i < n; ++i) grads[rng() % 10][i] = s.g[i];
+  std::vector<float> gap(n, 0.0f);
+  size_t step = 0;
+  for (auto _ : state) {
+    const std::vector<float>& g = grads[step++ % 10];
+    for (size_t t = 0; t < kTensors; ++t) {
+      const size_t o = t * kTensor;
+      s.be->adamw_lazy_update({u, 0.9, 0.999}, s.p.data() + o, g.data() + o, s.m.data() + o, s.v.data() + o,
+                              gap.data() + o, kTensor);
+    }
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(kTensor * kTensors));
+}
+
 void OptimAdamW8bit(benchmark::State& state) {
   Setup s;
   const Adam8bitUpdate u{0.99999f, 1e-3f, 0.9f, 0.1f, 0.999f, 0.001f, 0.03f, 1e-8f};
@@ -78,6 +101,7 @@ void OptimQuantizeBlockwise(benchmark::State& state) {
 }
 
 BENCHMARK(OptimAdamWF32)->Unit(benchmark::kMillisecond);
+BENCHMARK(OptimAdamWLazyTopk)->Unit(benchmark::kMillisecond);
 BENCHMARK(OptimAdamW8bit)->Unit(benchmark::kMillisecond);
 BENCHMARK(OptimQuantizeBlockwise)->Unit(benchmark::kMillisecond);
 
