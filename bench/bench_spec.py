@@ -2,7 +2,7 @@
 """Prompt-lookup speculative decoding (--spec-ngram): tokens/s with and without, and the acceptance rate.
 
 Two parts, both greedy on the same prompts (repetitive: quoting a paragraph, editing code; not repetitive:
-free writing):
+free writing; `--temp T` samples in the generate part instead):
   generate  `loom generate --temp 0` with and without --spec-ngram K: median generation tokens/s of --runs
             runs, the accepted share of drafted tokens, and whether the outputs are identical (they must be).
   serve     `loom serve` with and without --spec-ngram K, the same chat requests (one at a time, then
@@ -10,7 +10,7 @@ free writing):
 
 Usage: python3 bench/bench_spec.py [--loom build/loom] [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
                                    [--k 5] [--runs 3] [--threads 2] [--tokens 200] [--concurrency 1,2,4]
-                                   [--max-batch 2] [--only generate|serve]
+                                   [--max-batch 2] [--only generate|serve] [--temp 0]
 """
 import argparse
 import json
@@ -46,7 +46,8 @@ SPEC_RE = re.compile(r"speculation: (\d+) of (\d+) drafted tokens accepted")
 
 
 def run_generate(a, prompt, k):
-    cmd = [a.loom, "generate", "-m", a.model, "-p", prompt, "-n", str(a.tokens), "--temp", "0", "-t", str(a.threads)]
+    cmd = [a.loom, "generate", "-m", a.model, "-p", prompt, "-n", str(a.tokens), "--temp", str(a.temp),
+           "-t", str(a.threads), "--seed", "1"]
     if k:
         cmd += ["--spec-ngram", str(k), "--spec-ngram-max", str(a.ngram_max), "--spec-ngram-min", str(a.ngram_min)]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -58,7 +59,8 @@ def run_generate(a, prompt, k):
 
 
 def bench_generate(a):
-    print(f"## loom generate: {a.tokens} tokens, greedy, -t {a.threads}, median of {a.runs} runs, "
+    how = "greedy" if a.temp <= 0 else f"sampled at --temp {a.temp} --seed 1"
+    print(f"## loom generate: {a.tokens} tokens, {how}, -t {a.threads}, median of {a.runs} runs, "
           f"--spec-ngram {a.k} --spec-ngram-max {a.ngram_max} --spec-ngram-min {a.ngram_min}\n")
     print("| prompt | plain tok/s | speculative tok/s | speed-up | accepted / drafted | same output |")
     print("|---|---|---|---|---|---|")
@@ -72,7 +74,8 @@ def bench_generate(a):
             same = same and out0 == out1
         p, s = statistics.median(plain), statistics.median(spec)
         rate = f"{acc[0]} / {acc[1]} ({100 * acc[0] / acc[1]:.0f}%)" if acc[1] else "0 / 0"
-        print(f"| {name} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {rate} | {'yes' if same else 'NO'} |")
+        same_text = ("yes" if same else "NO") if a.temp <= 0 else "- (sampled: same distribution, other draws)"
+        print(f"| {name} | {p:.1f} | {s:.1f} | {s / p:.2f}x | {rate} | {same_text} |")
         sys.stdout.flush()
 
 
@@ -167,6 +170,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--temp", type=float, default=0.0,
+                    help="loom generate's --temp (0: greedy; above: speculative sampling, outputs not compared)")
     ap.add_argument("--concurrency", default="1,2,4", help="clients at once, comma-separated")
     ap.add_argument("--max-batch", type=int, default=2, help="--spec-max-batch of the speculating server")
     ap.add_argument("--only", choices=["generate", "serve"])

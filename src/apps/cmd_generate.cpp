@@ -31,7 +31,7 @@ int run_generate(int argc, char** argv) {
   app.add_flag("--no-special", no_special, "treat special-token text in the prompt as plain text");
   add_sampling_flags(app, opts.sampling, seed);
   add_spec_flags(app, opts.spec,
-                 "prompt-lookup speculative decoding: up to K drafted tokens per step (greedy only; 0: off)");
+                 "prompt-lookup speculative decoding: up to K drafted tokens per step (0: off)");
   add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
@@ -39,8 +39,6 @@ int run_generate(int argc, char** argv) {
   if (prompt.empty()) fail(ErrorKind::invalid_input, "the prompt is empty: give -p TEXT or -f FILE");
   finish_generate_options(opts, n_predict, seed);
   validate_ngram_spec(opts.spec);
-  if (opts.spec.enabled() && opts.sampling.temperature > 0)
-    std::fprintf(stderr, "loom generate: --spec-ngram applies to greedy sampling (--temp 0) only; ignored\n");
 
   const LoadedModel loaded = load_model(model_flags);
   const std::unique_ptr<Model>& model = loaded.model;

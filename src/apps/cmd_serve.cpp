@@ -124,7 +124,7 @@ int run_serve(int argc, char** argv) {
                  "folder of the measured step costs (default: $XDG_CACHE_HOME/loom or ~/.cache/loom; '-': none)");
   app.add_flag("--remeasure-step-cost", so.remeasure_step_cost, "measure the step cost even when it is cached");
   add_spec_flags(app, so.spec,
-                 "prompt-lookup speculation: up to K drafted tokens a step, greedy requests only (0: off)");
+                 "prompt-lookup speculation: up to K drafted tokens a step (0: off)");
   app.add_option("--spec-max-batch", so.spec_max_batch,
                  "draft only in steps with at most N decoding sequences (0: always)")
       ->capture_default_str()

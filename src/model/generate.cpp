@@ -113,7 +113,7 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
     return true;
   };
 
-  const bool speculate = opts.spec.enabled() && opts.sampling.temperature <= 0;
+  const bool speculate = opts.spec.enabled();
   const auto V = static_cast<size_t>(session.vocab_size());
   std::vector<int32_t> drafts, chunk;
   int64_t draft_length = opts.spec.num_draft;  // adapted after each verification
@@ -143,7 +143,7 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
       size_t j = 0;
       bool more = true;
       for (;; ++j) {
-        id = sampler.sample(rows + j * V, history);
+        id = sampler.sample(rows + j * V, history, j < drafts.size() ? drafts[j] : -1);
         if (j == drafts.size() || id != drafts[j]) break;
         ++r.accepted_tokens;
         if (!(more = take(id))) break;

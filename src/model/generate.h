@@ -42,7 +42,7 @@ struct GenerateOptions {
   SamplingParams sampling;
   std::vector<std::string> stop;
   std::vector<int32_t> extra_eos;  // besides the tokenizer's end-of-generation ids
-  // Prompt-lookup speculation (greedy sampling only; ignored otherwise): the same tokens as without it.
+  // Prompt-lookup speculation: greedy, the same tokens as without it; sampled, the same distribution.
   NgramSpecParams spec;
 };
 
@@ -62,9 +62,11 @@ struct GenerateResult {
 
 // Evaluates `prompt` (appended to whatever the session holds) and samples up to
 // max_tokens more. `on_text` receives printable text as it becomes final; it
-// may return false to cancel (finish = stop). With opts.spec and greedy
-// sampling, drafts are verified several tokens per evaluation; the tokens and
-// the session's positions at the end are those of plain decoding.
+// may return false to cancel (finish = stop). With opts.spec, drafts are
+// verified several tokens per evaluation: greedy, the tokens and the session's
+// positions at the end are those of plain decoding; sampled, the tokens have
+// plain decoding's distribution (not its draws: the seed's numbers are used
+// differently).
 GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::span<const int32_t> prompt,
                         const GenerateOptions& opts, const std::function<bool(const std::string&)>& on_text);
 

@@ -26,7 +26,11 @@ Sampler::Sampler(const SamplingParams& params, int64_t vocab_size)
   validate_sampling(params);
 }
 
-int32_t Sampler::sample(const float* logits, std::span<const int32_t> history) {
+int32_t Sampler::keep_draft(double draft_mass, double total, int32_t draft) {
+  return rng_.next_double() * total < draft_mass ? draft : -1;
+}
+
+int32_t Sampler::sample(const float* logits, std::span<const int32_t> history, int32_t draft) {
   const auto V = static_cast<size_t>(vocab_);
   work_.assign(logits, logits + V);
 
@@ -57,7 +61,8 @@ int32_t Sampler::sample(const float* logits, std::span<const int32_t> history) {
   }
 
   const bool filtered = (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < V) || p_.top_p < 1.0f || p_.min_p > 0;
-  if (!filtered) return sample_unfiltered();
+  if (draft < 0 || static_cast<size_t>(draft) >= V) draft = -1;
+  if (!filtered) return sample_unfiltered(draft);
   cand_.resize(V);
   for (size_t i = 0; i < V; ++i) cand_[i] = {static_cast<int32_t>(i), work_[i], 0.0f};
   auto by_logit = [](const Candidate& a, const Candidate& b) {
@@ -91,26 +96,43 @@ int32_t Sampler::sample(const float* logits, std::span<const int32_t> history) {
     cand_.resize(n);
   }
   softmax(p_.temperature);
-  const double r = rng_.next_double();
+  double rest = 1.0;  // the mass the draw walks: all, or all but a rejected draft's
+  if (draft >= 0) {
+    double mass = 0;
+    for (const auto& c : cand_)
+      if (c.id == draft) mass = c.prob;
+    if (keep_draft(mass, 1.0, draft) >= 0) return draft;
+    rest = 1.0 - mass;
+  }
+  const double r = rng_.next_double() * rest;
   double cum = 0;
+  int32_t last = cand_.back().id;
   for (const auto& c : cand_) {
+    if (c.id == draft) continue;
     cum += c.prob;
+    last = c.id;
     if (r < cum) return c.id;
   }
-  return cand_.back().id;
+  return last;
 }
 
 // The same distribution as the sorted path (softmax of logit / temperature),
 // drawn by walking the vocabulary in index order: the sort of every token
 // (~3 ms for 49k candidates, the OpenAI API's defaults top_p 1, no top_k) is
 // what filters need, not a plain draw.
-int32_t Sampler::sample_unfiltered() {
+int32_t Sampler::sample_unfiltered(int32_t draft) {
   const float mx = *std::max_element(work_.begin(), work_.end());
   const float inv_t = 1.0f / p_.temperature;
   double sum = 0;
   for (float& l : work_) {  // work_ becomes the unnormalized probabilities
     l = std::exp((l - mx) * inv_t);
     sum += l;
+  }
+  if (draft >= 0) {  // kept, or drawn from the rest
+    const double mass = work_[static_cast<size_t>(draft)];
+    if (keep_draft(mass, sum, draft) >= 0) return draft;
+    sum -= mass;
+    work_[static_cast<size_t>(draft)] = 0.0f;
   }
   const double r = rng_.next_double() * sum;
   double cum = 0;

@@ -29,7 +29,12 @@ class Sampler {
  public:
   Sampler(const SamplingParams& params, int64_t vocab_size);
   // `history`: tokens so far (prompt and generated), for the penalties.
-  int32_t sample(const float* logits, std::span<const int32_t> history);
+  // `draft` (>= 0): a token proposed for this position by a deterministic
+  // drafter (prompt lookup): when sampling, it is kept with probability p(draft)
+  // and otherwise a token is drawn from p without it (speculative sampling,
+  // Leviathan et al. 2023, with a one-hot draft distribution): the result has
+  // the distribution of a plain draw. Greedy ignores it.
+  int32_t sample(const float* logits, std::span<const int32_t> history, int32_t draft = -1);
 
   struct Candidate {
     int32_t id;
@@ -39,7 +44,10 @@ class Sampler {
  private:
   // Temperature sampling over the whole vocabulary (no top-k, top-p or min-p
   // filter), without sorting it.
-  int32_t sample_unfiltered();
+  int32_t sample_unfiltered(int32_t draft);
+  // Keeps `draft` with probability p(draft) = mass(draft) / total (u: a uniform
+  // draw), else returns -1: the caller then draws from the rest.
+  int32_t keep_draft(double draft_mass, double total, int32_t draft);
 
   SamplingParams p_;
   int64_t vocab_;

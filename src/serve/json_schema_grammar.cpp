@@ -9,8 +9,8 @@
 #include <array>
 #include <cctype>
 #include <cmath>
-#include <optional>
 #include <map>
+#include <optional>
 #include <set>
 #include <vector>
 

@@ -284,7 +284,7 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
                       "max_tokens");
   if (g.n < 1) throw EngineError(EngineErrc::invalid_request, "n must be at least 1", "n");
   r->usage.prompt_tokens = n_prompt;
-  r->speculate = opt_.spec.enabled() && !embedding && g.sampling.temperature <= 0;
+  r->speculate = opt_.spec.enabled() && !embedding;
   const uint64_t base_seed = g.seed ? *g.seed : fresh_seed();
   const Tokenizer& tok = model_->tokenizer();
   for (int32_t i = 0; i < g.n; ++i) {
@@ -502,7 +502,7 @@ void ServingEngine::admit() {
   }
 }
 
-int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
+int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t draft) {
   Request* r = s->req;
   const Tokenizer& tok = model_->tokenizer();
   const int64_t V = model_->config().vocab_size;
@@ -519,7 +519,7 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits) {
     retire(s);
     return -1;
   }
-  const int32_t id = s->sampler.sample(sample_from, s->generated);
+  const int32_t id = s->sampler.sample(sample_from, s->generated, draft);
   if (s->grammar && !s->grammar->accept(id))
     throw EngineError(EngineErrc::internal, fmt::format("the sampled token {} is not allowed by the grammar", id));
   d.token_ids.push_back(id);
@@ -606,7 +606,7 @@ void ServingEngine::accept_drafts(Sequence* s, std::span<const int32_t> drafts, 
   const int64_t V = model_->config().vocab_size;
   spec_drafted_.fetch_add(static_cast<int64_t>(drafts.size()));
   for (size_t j = 0;; ++j) {
-    const int32_t id = sample_and_emit(s, logits + static_cast<int64_t>(j) * V);
+    const int32_t id = sample_and_emit(s, logits + static_cast<int64_t>(j) * V, j < drafts.size() ? drafts[j] : -1);
     if (j == drafts.size() || id != drafts[j]) {
       s->draft_length =
           next_draft_length(opt_.spec, static_cast<int64_t>(j), static_cast<int64_t>(drafts.size()));

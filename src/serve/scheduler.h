@@ -66,8 +66,8 @@ struct ServeOptions {
   int threads = 0;                        // 0: physical cores
   Device device = kCpu;                   // which backend computes (kernels/backend.h)
   size_t max_waiting = 4096;              // queued requests before 503 overloaded
-  // Prompt-lookup speculative decoding (`--spec-ngram K`) for greedy requests (temperature 0); other
-  // requests decode one token a step. The tokens are those of plain decoding (docs/serving.md).
+  // Prompt-lookup speculative decoding (`--spec-ngram K`): greedy requests get plain decoding's tokens;
+  // sampled ones its distribution (speculative sampling; docs/serving.md).
   NgramSpecParams spec;
   // Steps with more decoding sequences than this draft nothing: a batch already uses the compute a
   // sequence's drafts would fill (vLLM's speculative disable_by_batch_size). 0: no limit.
@@ -156,7 +156,8 @@ class ServingEngine : public Engine {
   // A sequence is done (finished, cancelled or failed): frees its blocks.
   void retire(Sequence* s);
   // Samples, appends and streams one token; returns it (-1 when a grammar allowed none and the choice ended).
-  int32_t sample_and_emit(Sequence* s, const float* logits);
+  // `draft` (>= 0): the token drafted for this position (Sampler::sample's speculative draw).
+  int32_t sample_and_emit(Sequence* s, const float* logits, int32_t draft = -1);
   // Speculation: puts [last token, drafts] in s's draft chunk and returns the number of drafts (0: none),
   // at most `spare`, backed by KV blocks.
   int64_t draft(Sequence* s, int64_t spare);

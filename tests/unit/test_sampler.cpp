@@ -56,6 +56,42 @@ TEST(Sampler, FrequenciesFollowSoftmaxWithTemperature) {
     EXPECT_NEAR(count[k] / static_cast<double>(n), std::exp(logits[k] / 2.0) / z, 0.01) << k;
 }
 
+// Speculative sampling with a drafted token: whatever the draft (likely, unlikely, outside top-k), the
+// returned token has the plain draw's distribution, within 5 standard errors of 100,000 draws; the draft
+// is kept about p(draft) of the time.
+TEST(Sampler, DraftedTokenKeepsTheDistribution) {
+  const float logits[] = {0.5f, 2.0f, 1.0f, -1.0f, 1.5f};
+  for (const int top_k : {0, 3}) {
+    auto p = plain(top_k ? 1.2f : 0.8f);
+    p.top_k = top_k;
+    // The exact distribution: softmax(logit / T) over the top_k largest (all when 0).
+    std::vector<double> want(5, 0.0);
+    double z = 0;
+    for (int k = 0; k < 5; ++k) {
+      int above = 0;
+      for (float l : logits) above += l > logits[k];
+      if (top_k == 0 || above < top_k) want[static_cast<size_t>(k)] = std::exp(logits[k] / p.temperature);
+      z += want[static_cast<size_t>(k)];
+    }
+    for (double& w : want) w /= z;
+    for (int32_t draft = 0; draft < 5; ++draft) {
+      p.seed = 100 + static_cast<uint64_t>(draft);
+      Sampler s(p, 5);
+      std::vector<int> count(5, 0);
+      const int n = 100000;
+      for (int i = 0; i < n; ++i) count[static_cast<size_t>(s.sample(logits, {}, draft))]++;
+      for (int k = 0; k < 5; ++k) {
+        const double w = want[static_cast<size_t>(k)];
+        const double tol = 5 * std::sqrt(w * (1 - w) / n) + 1e-4;
+        EXPECT_NEAR(count[static_cast<size_t>(k)] / static_cast<double>(n), w, tol)
+            << "top_k " << top_k << ", draft " << draft << ", token " << k;
+      }
+    }
+  }
+  Sampler greedy(plain(0), 5);
+  EXPECT_EQ(greedy.sample(logits, {}, 3), 1);  // greedy ignores the draft
+}
+
 TEST(Sampler, TopKTopPMinPRestrictTheCandidates) {
   const float logits[] = {5.0f, 4.9f, 4.8f, 0.0f, -1.0f};
   {

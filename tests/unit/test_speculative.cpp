@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -206,15 +207,49 @@ TEST_F(SpeculativeGenerate, CutsExactlyAtMaxTokensStopStringsAndAFullContext) {
   EXPECT_EQ(got_c.n_past, want_c.n_past);
 }
 
-TEST_F(SpeculativeGenerate, SamplingAtATemperatureIgnoresSpeculation) {
-  GenerateOptions o = greedy(30);
-  o.sampling.temperature = 0.9f;
-  o.sampling.seed = 11;
-  const Run want = run(test_prompts()[2], o);
-  o.spec = {4, 3, 1};
-  const Run got = run(test_prompts()[2], o);
-  EXPECT_EQ(got.r.tokens, want.r.tokens);
-  EXPECT_EQ(got.r.draft_tokens, 0);
+// Sampling with speculation: a seed gives the same tokens again; drafts are verified and some kept; the
+// first 16 tokens have plain sampling's distribution (1,500 seeds each way, compared position by
+// position on the frequent tokens).
+TEST_F(SpeculativeGenerate, SamplingKeepsPlainSamplingsDistribution) {
+  const std::vector<int32_t> prompt = test_prompts()[2];
+  GenerateOptions o = greedy(16);
+  o.sampling.temperature = 0.3f;
+  o.sampling.top_k = 0;
+  o.sampling.top_p = 1.0f;
+  o.sampling.min_p = 0.0f;
+  const auto tokens = [&](const GenerateOptions& g, int64_t* drafted, int64_t* accepted) {
+    InferenceSession s(model->config(), model->weights(), *backend, 128);
+    const GenerateResult r = generate(s, model->tokenizer(), prompt, g, [](const std::string&) { return true; });
+    if (drafted) *drafted += r.draft_tokens, *accepted += r.accepted_tokens;
+    return r.tokens;
+  };
+  GenerateOptions spec = o;
+  spec.spec = {4, 3, 1};
+  spec.sampling.seed = 11;
+  EXPECT_EQ(tokens(spec, nullptr, nullptr), tokens(spec, nullptr, nullptr));
+  constexpr int kSeeds = 1500;
+  std::vector<std::map<int32_t, int>> plain_counts(16), spec_counts(16);
+  int64_t drafted = 0, accepted = 0;
+  for (int seed = 0; seed < kSeeds; ++seed) {
+    o.sampling.seed = spec.sampling.seed = static_cast<uint64_t>(seed);
+    const auto a = tokens(o, nullptr, nullptr), b = tokens(spec, &drafted, &accepted);
+    for (size_t t = 0; t < a.size(); ++t) plain_counts[t][a[t]]++;
+    for (size_t t = 0; t < b.size(); ++t) spec_counts[t][b[t]]++;
+  }
+  EXPECT_GT(drafted, kSeeds);
+  EXPECT_GT(accepted, kSeeds / 4) << "few drafts kept: the test exercises little";
+  // Per position, every token drawn in at least 3% of the plain runs: the two frequencies within 5
+  // standard errors of their difference.
+  int compared = 0;
+  for (size_t t = 0; t < 16; ++t)
+    for (const auto& [id, n] : plain_counts[t]) {
+      if (n < kSeeds * 3 / 100) continue;
+      const double a = n / static_cast<double>(kSeeds), b = spec_counts[t][id] / static_cast<double>(kSeeds);
+      const double m = (a + b) / 2;
+      EXPECT_LT(std::abs(a - b), 5 * std::sqrt(2 * m * (1 - m) / kSeeds)) << "position " << t << ", token " << id;
+      ++compared;
+    }
+  EXPECT_GT(compared, 40);
 }
 
 // The default model (skipped without it): quoting, code editing and free text, 64 greedy tokens each.
@@ -293,7 +328,7 @@ ServeOptions serve_options(const std::string& model, NgramSpecParams spec) {
   return o;
 }
 
-// The requests: greedy with and without logprobs, stop strings and token limits, and one seeded sampled one.
+// The requests: greedy with and without logprobs, stop strings and token limits.
 std::vector<GenerationRequest> serve_requests() {
   std::vector<GenerationRequest> out;
   int i = 0;
@@ -309,10 +344,6 @@ std::vector<GenerationRequest> serve_requests() {
     out.push_back(g);
     ++i;
   }
-  GenerationRequest sampled = test::greedy_request("base", test_prompts()[2], 24);
-  sampled.sampling.temperature = 0.8f;
-  sampled.seed = 5;
-  out.push_back(sampled);
   return out;
 }
 
@@ -366,6 +397,26 @@ TEST_P(SpeculativeServe, SameOutputsAsPlainDecodingAloneAndBatched) {
   EXPECT_EQ(plain.spec_draft_tokens(), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_EQ(spec.stats().kv_cache_usage, 0.0);
+}
+
+// Sampled requests speculate too (their tokens keep plain sampling's distribution, not its draws:
+// SpeculativeGenerate.SamplingKeepsPlainSamplingsDistribution): drafts are verified and some kept, and a
+// seeded request served alone twice gives the same tokens.
+TEST_P(SpeculativeServe, SampledRequestsSpeculate) {
+  ServingEngine spec(serve_options(GetParam(), {4, 3, 1}));
+  GenerationRequest g = test::greedy_request("base", test_prompts()[2], 32);
+  g.sampling.temperature = 0.3f;
+  g.sampling.top_k = 0;
+  g.sampling.top_p = 1.0f;
+  g.sampling.min_p = 0.0f;
+  std::vector<Served> runs;
+  for (uint64_t seed : {5u, 5u, 6u, 7u, 8u, 9u}) {
+    g.seed = seed;
+    runs.push_back(run_alone(spec, g));
+  }
+  expect_same(runs[1], runs[0]);
+  EXPECT_GT(spec.spec_draft_tokens(), 0);
+  EXPECT_GT(spec.spec_accepted_tokens(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, SpeculativeServe,
