@@ -284,7 +284,29 @@ class Converter {
     return out + "))";
   }
 
+  // The `format`s the grammar spells (RFC 3339 date, time and date-time; uuid), as anchored patterns; other
+  // formats (email, uri, ...) are annotations, as JSON Schema's default is.
+  static const char* format_pattern(const std::string& format) {
+    static const std::map<std::string, const char*> formats = {
+        {"date", R"(^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])$)"},
+        {"time", R"(^([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d{1,9})?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)$)"},
+        {"date-time", R"re(^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])[Tt]([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60))re"
+                      R"re((\.\d{1,9})?([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)$)re"},
+        {"uuid", R"(^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)"},
+    };
+    const auto it = formats.find(format);
+    return it == formats.end() ? nullptr : it->second;
+  }
+
   std::string string(const json& s, const std::string& path) {
+    if (const auto it = s.find("format"); it != s.end() && it->is_string()) {
+      if (const char* pattern = format_pattern(it->get<std::string>())) {
+        if (s.contains("pattern") || s.contains("minLength") || s.contains("maxLength"))
+          fail_at(path, fmt::format("'format' \"{}\" together with 'pattern', 'minLength' or 'maxLength' is not "
+                                    "supported", it->get<std::string>()));
+        return "\"\\\"\" " + regex_to_gbnf(pattern, lim_.max_items) + " \"\\\"\" " + use("space");
+      }
+    }
     if (const auto it = s.find("pattern"); it != s.end()) {
       if (!it->is_string()) fail_at(path, "'pattern' must be a string");
       if (s.contains("minLength") || s.contains("maxLength"))

@@ -23,7 +23,8 @@ struct SchemaLimits {
 
 // The GBNF of values that validate against `schema` (ordered: properties are written in the schema's order). Supported: type (one or a list), object (properties,
 // required, additionalProperties false / true / a schema), array (items, prefixItems, minItems, maxItems),
-// string (minLength, maxLength, or pattern: serve/regex_grammar.h; format ignored), number, integer (minimum, maximum, exclusiveMinimum,
+// string (minLength, maxLength, or pattern: serve/regex_grammar.h; format date, time, date-time and uuid;
+// other formats ignored), number, integer (minimum, maximum, exclusiveMinimum,
 // exclusiveMaximum, draft 4's boolean exclusive flags too), boolean, null, enum, const, anyOf, oneOf,
 // allOf of one schema, $ref to local definitions ("#/$defs/x", "#/definitions/x", recursion included).
 // Keywords the grammar cannot honour (pattern but on a string, bounds on anything but an integer, multipleOf,

@@ -233,7 +233,7 @@ TEST(JsonSchema, EnumConstAndPrimitives) {
   expect_schema(R"({"type":"string","minLength":2,"maxLength":3})", {R"("ab")", R"("abc")", R"("\n\u00e9")"},
                 {R"("a")", R"("abcd")"});
   expect_schema(R"({"type":["string","null"]})", {R"("x")", "null"}, {"1"});
-  expect_schema(R"({"type":"string","format":"date"})", {R"("2024-01-01")"}, {"1"});  // format ignored
+  expect_schema(R"({"type":"string","format":"email"})", {R"("x")", R"("a@b.c")"}, {"1"});  // annotation only
 }
 
 TEST(JsonSchema, AnyOfOneOfAndRefs) {
@@ -342,6 +342,22 @@ TEST(JsonSchema, PatternMatchesAsTheRegexDoes) {
   expect_schema(R"({"type":"object","properties":{"zip":{"type":"string","pattern":"^[0-9]{5}$"}},
     "required":["zip"],"additionalProperties":false})",
                 {R"({"zip":"75001"})"}, {R"({"zip":"7500"})", R"({"zip":"75001a"})"});
+}
+
+// The formats the grammar spells (RFC 3339 date, time, date-time; uuid), as pydantic's date, time,
+// datetime and UUID fields send them.
+TEST(JsonSchema, DateTimeAndUuidFormats) {
+  const auto fmt_schema = [](const char* f) { return std::string(R"({"type":"string","format":")") + f + "\"}"; };
+  expect_schema(fmt_schema("date").c_str(), {R"("2024-01-31")", R"("1999-12-01")"},
+                {R"("2024-1-31")", R"("2024-13-01")", R"("2024-00-10")", R"("2024-01-32")", R"("Friday")", R"("")"});
+  expect_schema(fmt_schema("time").c_str(), {R"("23:59:59Z")", R"("08:00:00.123+02:00")", R"("12:30:00-05:30")"},
+                {R"("24:00:00Z")", R"("12:60:00Z")", R"("12:30:00")", R"("12:30Z")"});
+  expect_schema(fmt_schema("date-time").c_str(), {R"("2024-02-29T13:45:00Z")", R"("2024-02-29t13:45:00.5+01:00")"},
+                {R"("2024-02-29 13:45:00Z")", R"("2024-02-29T13:45Z")", R"("2024-02-29")"});
+  expect_schema(fmt_schema("uuid").c_str(), {R"("123e4567-e89b-12d3-a456-426614174000")"},
+                {R"("123e4567e89b12d3a456426614174000")", R"("123e4567-e89b-12d3-a456-42661417400g")"});
+  EXPECT_NE(schema_error(R"({"type":"string","format":"date","maxLength":10})").find("together with"),
+            std::string::npos);
 }
 
 TEST(JsonSchema, UnsupportedPatternsSayWhy) {
