@@ -481,6 +481,8 @@ def validate(value, schema, defs=None):
         assert value >= schema.get("minimum", -(1 << 62)) and value <= schema.get("maximum", 1 << 62), (value, schema)
     if t == "string" and "pattern" in schema:
         assert re.search(schema["pattern"], value), (value, schema["pattern"])
+    if t == "string" and schema.get("format") == "date":
+        assert re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])", value), value
     if t == "array":
         assert len(value) >= schema.get("minItems", 0), value
         assert len(value) <= schema.get("maxItems", 1 << 30), value
@@ -542,12 +544,13 @@ class StructuredOutputTest(unittest.TestCase):
             validate(json.loads(choice.message.content), EVENT_SCHEMA)
 
     def test_json_schema_pattern_and_integer_bounds(self):
-        # What pydantic sends for Field(pattern=r"^[A-Z]{2}-\d{3}$") and Field(ge=1, le=12).
+        # What pydantic sends for Field(pattern=r"^[A-Z]{2}-\d{3}$"), Field(ge=1, le=12) and a date field.
         schema = {"type": "object", "properties": {
             "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
             "month": {"type": "integer", "minimum": 1, "maximum": 12},
-            "note": {"type": "string", "pattern": "^[^\\n]{0,30}$"}},
-            "required": ["code", "month", "note"], "additionalProperties": False}
+            "note": {"type": "string", "pattern": "^[^\\n]{0,30}$"},
+            "shipped": {"type": "string", "format": "date"}},
+            "required": ["code", "month", "note", "shipped"], "additionalProperties": False}
         for temperature in (0, 1.0):
             r = self.chat("Invent a product code, a month number and a short note, as JSON.", temperature=temperature,
                           seed=7, response_format={"type": "json_schema",
