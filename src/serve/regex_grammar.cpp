@@ -180,6 +180,7 @@ class RegexConverter {
   }
 
   std::string group() {
+    if (++depth_ > kMaxDepth) fail(fmt::format("nests groups deeper than {}", kMaxDepth));
     if (peek() == '?') {
       if (peek(1) == ':') {
         pos_ += 2;
@@ -195,6 +196,7 @@ class RegexConverter {
     std::vector<std::string> alts = alternation();
     if (!more() || peek() != ')') fail("has an unclosed '('");
     ++pos_;
+    --depth_;
     return alternatives(alts);
   }
 
@@ -375,8 +377,11 @@ class RegexConverter {
     return gbnf_class(ranges, set.negated);
   }
 
+  static constexpr int kMaxDepth = 64;  // the parser recurses per group: a bound, not the stack's size
+
   std::vector<char32_t> cps_;
   size_t pos_ = 0, end_ = 0;
+  int depth_ = 0;
   int64_t max_repeat_;
   bool raw_;
   std::string name_;

@@ -379,6 +379,8 @@ TEST(JsonSchema, UnsupportedPatternsSayWhy) {
   EXPECT_NE(err(R"("a{3,2}")").find("below the minimum"), std::string::npos);
   EXPECT_NE(err(R"("a^b")").find("only at the start"), std::string::npos);
   EXPECT_NE(err(R"("\\q")").find("unknown escape"), std::string::npos);
+  EXPECT_NE(err(("\"" + std::string(100000, '(') + "\"").c_str()).find("nests groups deeper than 64"),
+            std::string::npos);
   EXPECT_NE(err("3").find("'pattern' must be a string"), std::string::npos);
   EXPECT_NE(schema_error(R"x({"type":"object","properties":{"z":{"type":"string","pattern":"(?!x)"}}})x")
                 .find("at '/properties/z': 'pattern' lookahead"), std::string::npos);
