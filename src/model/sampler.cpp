@@ -26,9 +26,7 @@ Sampler::Sampler(const SamplingParams& params, int64_t vocab_size)
   validate_sampling(params);
 }
 
-int32_t Sampler::keep_draft(double draft_mass, double total, int32_t draft) {
-  return rng_.next_double() * total < draft_mass ? draft : -1;
-}
+bool Sampler::keep_draft(double draft_mass, double total) { return rng_.next_double() * total < draft_mass; }
 
 int32_t Sampler::sample(const float* logits, std::span<const int32_t> history, int32_t draft) {
   const auto V = static_cast<size_t>(vocab_);
@@ -101,7 +99,7 @@ int32_t Sampler::sample(const float* logits, std::span<const int32_t> history, i
     double mass = 0;
     for (const auto& c : cand_)
       if (c.id == draft) mass = c.prob;
-    if (keep_draft(mass, 1.0, draft) >= 0) return draft;
+    if (keep_draft(mass, 1.0)) return draft;
     rest = 1.0 - mass;
   }
   const double r = rng_.next_double() * rest;
@@ -130,7 +128,7 @@ int32_t Sampler::sample_unfiltered(int32_t draft) {
   }
   if (draft >= 0) {  // kept, or drawn from the rest
     const double mass = work_[static_cast<size_t>(draft)];
-    if (keep_draft(mass, sum, draft) >= 0) return draft;
+    if (keep_draft(mass, sum)) return draft;
     sum -= mass;
     work_[static_cast<size_t>(draft)] = 0.0f;
   }

@@ -45,9 +45,9 @@ class Sampler {
   // Temperature sampling over the whole vocabulary (no top-k, top-p or min-p
   // filter), without sorting it.
   int32_t sample_unfiltered(int32_t draft);
-  // Keeps `draft` with probability p(draft) = mass(draft) / total (u: a uniform
-  // draw), else returns -1: the caller then draws from the rest.
-  int32_t keep_draft(double draft_mass, double total, int32_t draft);
+  // One uniform draw: whether a draft of probability draft_mass / total is
+  // kept (else the caller draws from the rest).
+  bool keep_draft(double draft_mass, double total);
 
   SamplingParams p_;
   int64_t vocab_;

@@ -298,13 +298,16 @@ class Converter {
     return it == formats.end() ? nullptr : it->second;
   }
 
+  // A JSON string whose contents are `body`, then the value's trailing space.
+  std::string quoted(const std::string& body) { return "\"\\\"\" " + body + " \"\\\"\" " + use("space"); }
+
   std::string string(const json& s, const std::string& path) {
     if (const auto it = s.find("format"); it != s.end() && it->is_string()) {
       if (const char* pattern = format_pattern(it->get<std::string>())) {
         if (s.contains("pattern") || s.contains("minLength") || s.contains("maxLength"))
           fail_at(path, fmt::format("'format' \"{}\" together with 'pattern', 'minLength' or 'maxLength' is not "
                                     "supported", it->get<std::string>()));
-        return "\"\\\"\" " + regex_to_gbnf(pattern, lim_.max_items) + " \"\\\"\" " + use("space");
+        return quoted(regex_to_gbnf(pattern, lim_.max_items));
       }
     }
     if (const auto it = s.find("pattern"); it != s.end()) {
@@ -313,7 +316,7 @@ class Converter {
         fail_at(path, "'pattern' together with 'minLength' / 'maxLength' is not supported");
       use("char");  // an unanchored pattern allows any characters around its match
       try {
-        return "\"\\\"\" " + regex_to_gbnf(it->get<std::string>(), lim_.max_items) + " \"\\\"\" " + use("space");
+        return quoted(regex_to_gbnf(it->get<std::string>(), lim_.max_items));
       } catch (const SchemaError& e) {
         fail_at(path, e.what());
       }
@@ -324,7 +327,7 @@ class Converter {
     if (min == 0 && max < 0) return use("string");
     use("char");
     std::string chars = fmt::format("char{{{},{}}}", min, max < 0 ? std::string() : std::to_string(max));
-    return "\"\\\"\" " + chars + " \"\\\"\" " + use("space");
+    return quoted(chars);
   }
 
   std::string array(const json& s, const std::string& path, const std::string& hint, int depth) {

@@ -75,7 +75,7 @@ std::vector<Range> merged(std::vector<Range> r) {
 std::vector<Range> raw_part(const std::vector<Range>& ranges) {
   std::vector<Range> out;
   for (auto [lo, hi] : ranges) {
-    for (const Range cut : {Range{0x00, 0x1F}, Range{'"', '"'}, Range{'\\', '\\'}, Range{0x7F, 0x7F}}) {
+    for (const Range& cut : {Range{0x00, 0x1F}, Range{'"', '"'}, Range{'\\', '\\'}, Range{0x7F, 0x7F}}) {
       if (hi < cut.first || lo > cut.second) continue;
       if (lo < cut.first) out.push_back({lo, cut.first - 1});
       lo = cut.second + 1;
@@ -166,7 +166,7 @@ class RegexConverter {
       case '(': return group();
       case '[': return emit(char_class());
       case '.': return emit({{{'\n', '\n'}, {'\r', '\r'}, {0x2028, 0x2029}}, true});
-      case '\\': return escape_atom();
+      case '\\': return emit(escape(false));
       case '^': fail("'^' is supported only at the start");
       case '$': fail("'$' is supported only at the end");
       case '*':
@@ -301,8 +301,6 @@ class RegexConverter {
     }
   }
 
-  std::string escape_atom() { return emit(escape(false)); }
-
   CharSet char_class() {
     CharSet set;
     if (peek() == '^') set.negated = true, ++pos_;
@@ -356,7 +354,7 @@ class RegexConverter {
           if (needs_escape(c)) alts.push_back(gbnf_literal(json_escape(c)));
     } else {
       std::vector<Range> excluded = set.ranges;
-      for (const Range r : {Range{0x00, 0x1F}, Range{'"', '"'}, Range{'\\', '\\'}, Range{0x7F, 0x7F}})
+      for (const Range& r : {Range{0x00, 0x1F}, Range{'"', '"'}, Range{'\\', '\\'}, Range{0x7F, 0x7F}})
         excluded.push_back(r);
       alts.push_back(gbnf_class(merged(excluded), true));
       for (const char32_t c : {U'"', U'\\', U'\t', U'\n', U'\r'})
