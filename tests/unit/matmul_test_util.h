@@ -80,6 +80,19 @@ inline float f16(const uint8_t* p) {
   return fp16_to_fp32(h);
 }
 
+// vcvtneps2bf16's rounding, written from its definition (independent of
+// kernels/cpu/bf16_gemm.h): to nearest even; f32 subnormals become signed zeros.
+inline float bf16_model_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0) return std::signbit(x) ? -0.0f : 0.0f;
+  if (std::isnan(x)) return x;
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
 // The kernels' result for one output: row `w` (GGUF bytes) times activations x.
 inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) {
   float acc = 0.0f;
@@ -219,6 +232,21 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
       }
       return acc;
     }
+    case DType::bf16: {
+      // Activations rounded to bf16 (to nearest even, f32 subnormals to zero); per
+      // pair the odd product, then the even one (vdpbf16ps; the products are exact,
+      // so each step is one fma). Denormal flushing is not modelled: no test data
+      // comes near 1e-38.
+      std::vector<float> wf(static_cast<size_t>(K + 1), 0.0f), xr(static_cast<size_t>(K + 1), 0.0f);
+      dequantize_row_ref(type, w, wf.data(), K);
+      for (int64_t k = 0; k < K; ++k) xr[static_cast<size_t>(k)] = bf16_model_round(x[k]);
+      for (int64_t k = 0; k < K; k += 2) {
+        const auto i = static_cast<size_t>(k);
+        acc = std::fma(wf[i + 1], xr[i + 1], acc);
+        acc = std::fma(wf[i], xr[i], acc);
+      }
+      return acc;
+    }
     default: {
       std::vector<float> wf(static_cast<size_t>(K));
       dequantize_row_ref(type, w, wf.data(), K);
@@ -269,6 +297,9 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
       dequantize_row_ref(DType::q8_k, b.data(), xq.data(), K);
       break;
     }
+    case DType::bf16:
+      for (int64_t k = 0; k < K; ++k) xq[static_cast<size_t>(k)] = bf16_model_round(x[k]);
+      break;
     default:
       xq.assign(x, x + K);
       break;

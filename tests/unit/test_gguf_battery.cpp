@@ -94,9 +94,11 @@ TEST(GgufBattery, EveryFileLoadsAndMatchesItsDequantizedWeights) {
     InferenceSession sd(d->config(), d->weights(), backend, 64);
     sq.eval(kPrompt, /*all_logits=*/true);
     sd.eval(kPrompt, /*all_logits=*/true);
-    // f16/bf16 use f32 activations: only f32 rounding differs.
+    // f16 uses f32 activations: only f32 rounding differs; bf16 rounds them to
+    // bf16 (8 significant bits; measured 2.6e-3 .. 4.2e-3); the others to 8-bit
+    // integers.
     const std::string ft = f["file_type"];
-    const double tol = ft == "F16" || ft == "BF16" ? 1e-4 : 0.1;
+    const double tol = ft == "F16" ? 1e-4 : ft == "BF16" ? 1e-2 : 0.1;
     for (size_t t = 0; t < kPrompt.size(); ++t)
       EXPECT_LT(test::relative_error(sq.logits().data() + t * V, sd.logits().data() + t * V, V), tol) << "position " << t;
     const auto ids = test::greedy_ids(sq, sq.logits().data() + (kPrompt.size() - 1) * V, 8);

@@ -55,7 +55,9 @@ TEST(LinearBackwardPacked, MatchesExactPathForEveryDtypeAndPrecision) {
         std::vector<float> got = init;
         linear_backward_input_packed(pool, Wt, dy.data(), c.N, got.data(), c.T, true, scratch);
         const bool is_float = !dtype_is_quantized(c.type);
-        const double tol = is_float ? 1e-5 : prec == TransposedPrecision::f16 ? 2e-3 : 3e-2;
+        // bf16 under int8 stays bf16, whose products round dy to bf16 (2^-9 relative).
+        const bool rounds_dy = c.type == DType::bf16 && prec == TransposedPrecision::int8;
+        const double tol = rounds_dy ? 4e-3 : is_float ? 1e-5 : prec == TransposedPrecision::f16 ? 2e-3 : 3e-2;
         EXPECT_LT(rel_err(got, want), tol);
 
         // accumulate = false overwrites: the product alone.

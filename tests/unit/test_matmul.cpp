@@ -164,7 +164,7 @@ TEST(Matmul, BatchInvariant) {
 TEST(Matmul, ThreadCountAndIsaInvariant) {
   ThreadPool p1(1), p2(2), p3(3);  // 3: uneven splits
   MatmulScratch scratch;
-  for (DType type : {DType::q4_1, DType::q8_0, DType::f16, DType::q5_k, DType::q3_k}) {
+  for (DType type : {DType::q4_1, DType::q8_0, DType::f16, DType::q5_k, DType::q3_k, DType::bf16}) {
     for (int64_t T : {int64_t{1}, int64_t{9}}) {
       Problem pr(type, 100, test_k(type, 1), T, 11);
       const PackedWeight pw = PackedWeight::pack(pr.W);

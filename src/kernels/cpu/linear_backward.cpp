@@ -189,7 +189,10 @@ namespace loom {
 
 DType transposed_weight_dtype(DType w, int64_t n_total, TransposedPrecision p) {
   if (p == TransposedPrecision::bf16) return DType::bf16;
-  if (w == DType::f32 || w == DType::f16 || w == DType::bf16) return w;
+  // bf16 products round dy to bf16 (kernels/cpu/matmul.h): the exact mode
+  // widens bf16 weights to f32 instead.
+  if (w == DType::bf16) return p == TransposedPrecision::f16 ? DType::f32 : DType::bf16;
+  if (w == DType::f32 || w == DType::f16) return w;
   if (p == TransposedPrecision::f16) return DType::f16;
   return n_total % 32 == 0 ? DType::q8_0 : DType::f16;
 }
@@ -205,7 +208,8 @@ int64_t slice_cols(DType src) {
   return bs == 1 && !dtype_is_quantized(src) ? cpu::kPanelRows : std::max<int64_t>(bs, 256) / bs * bs;
 }
 
-// How pack_transposed converts: f16 / bf16 moved as they are (exact), else
+// How pack_transposed converts: f16 / bf16 moved as they are when they keep
+// their dtype (exact), else
 // dequantized to f32 rows of W^T (`wt`) and, unless they stay f32 or become
 // bf16 pairs, stored as dst rows (`rows`).
 struct TransposePlan {

@@ -27,8 +27,10 @@ void linear_backward_input(ThreadPool& pool, const Tensor& W, const float* dy, f
 
 // Fast input gradients through frozen weights: W^T packed once for the inference
 // matmul kernels, so dx = dy W runs at matmul speed (the tile path above is
-// several times slower). f32, f16 and bf16 weights keep their dtype (exact: the
-// same products in another summation order). Quantized weights become
+// several times slower). f32 and f16 weights keep their dtype (exact: the same
+// products in another summation order); bf16 ones become f32 for ::f16 (exact;
+// bf16 products would round dy to bf16) and stay bf16 for ::int8 (dy rounded to
+// bf16, ~2e-3 relative). Quantized weights become
 //  - f16 (TransposedPrecision::f16): each dequantized weight rounded to 11
 //    significant bits; on SmolLM2 Q4_1 the LoRA gradients differ from the exact
 //    path by 7e-4 relative (tests/model/test_training_default_model.cpp);

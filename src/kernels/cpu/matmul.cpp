@@ -77,8 +77,9 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   const bool split_tokens = T > 1 && np < 2 * nt;
   const bool fly = segs[0].packed == nullptr;
   LOOM_ASSERT(!fly || segs.size() == 1);
-  const cpu::ActKind kind = cpu::act_kind(type);
-  const size_t arb = cpu::act_row_bytes(type, K);
+  const bool bf16_pairs = cpu::bf16_native(isa);
+  const cpu::ActKind kind = cpu::act_kind(type, bf16_pairs);
+  const size_t arb = cpu::act_row_bytes(kind, K);
   // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
   const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) &&
                        cpu::amx_available();
@@ -102,7 +103,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     // Token-split workers quantize their own rows; otherwise quantize up front.
     if (!split_tokens) {
       auto quant = [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(type, x + t * ldx, K, qbuf + t * arb);
+        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(kind, type, x + t * ldx, K, qbuf + t * arb);
       };
       if (T >= 4 && nt > 1)
         pool.parallel_for(T, quant);
@@ -121,7 +122,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
       t0 = T * ti / tn;
       t1 = T * (ti + 1) / tn;
       if (qbuf != nullptr)
-        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(type, x + t * ldx, K, qbuf + t * arb);
+        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(kind, type, x + t * ldx, K, qbuf + t * arb);
     } else {
       g0 = np * ti / tn;
       g1 = np * (ti + 1) / tn;
@@ -134,6 +135,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     a.act_stride = astride;
     a.T = t1 - t0;
     a.tmp = tmp_bytes > 0 ? wb + fly_bytes : nullptr;
+    a.bf16_pairs = bf16_pairs;
     int64_t base = 0;  // global index of the segment's first panel
     for (const Segment& g : segs) {
       const int64_t gnp = (g.N + kPanelRows - 1) / kPanelRows;
@@ -294,6 +296,8 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
 namespace cpu {
 
 bool amx_available() { return cpu_features().amx_int8 && amx_tile_state_granted(); }
+
+bool bf16_native(Isa isa) { return isa != Isa::avx2 && usable_cpu_features().avx512bf16; }
 
 // i8_ch has no AMX-INT8 kernel (it was written on a machine without AMX to test
 // one on): with Isa::amx it runs the AVX-512 VNNI kernel.

@@ -19,12 +19,15 @@ namespace loom {
 // Weights are used in "panels": 16 consecutive rows of W interleaved so that one
 // vector lane holds one output row (lane n computes y[t, n0 + n]). Quantized types
 // keep their quants and scales (about the GGUF size: +3% q4_k/q5_k, +4% q3_k,
-// +19% q2_k); f16/bf16/f32 keep their element type. Activations are quantized once
+// +19% q2_k); f16/bf16/f32 keep their element type (bf16 in column pairs). Activations are quantized once
 // per call the way llama.cpp does it (q8_0 for q4_0/q5_0/q8_0, q8_1 for q4_1/q5_1,
 // q8_K for the k-quants; bit-identical to kernels/ref/dequant_ref.h) and each
 // block's integer dot product is exact (vpdpbusd on AVX-512, vpmaddubsw on AVX2,
 // AMX-INT8 tiles for batches of >= 8 tokens of q4_0/q4_1/q5_0/q5_1/q8_0 where the
-// CPU has them); f16/bf16/f32 weights use f32 activations and f32 FMA.
+// CPU has them); f16/f32 weights use f32 activations and f32 FMA; bf16 weights
+// take activations rounded to bf16 (as llama.cpp and PyTorch's bf16 do) and
+// multiply pairs with vdpbf16ps where the CPU has AVX512-BF16 (twice the f32
+// FMA's products per instruction), else emulate it exactly with f32 FMAs.
 //
 // Every output element is one fixed sequence of float operations over the K axis:
 //   32-blocks: acc = fma(float(idot), d_w * d_x, acc); q4_1/q5_1 then
@@ -33,7 +36,10 @@ namespace loom {
 //              acc = fma(-float(sum_g m_g xsum_g), dmin * d_x, acc)
 //   q6_k/q3_k: per 256: acc = fma(float(sum_j sc_j idot_j), d * d_x, acc)
 //   q2_k:      as q6_k, then acc = fma(-float(sum_j m_j xsum_j), dmin * d_x, acc)
-//   float:     acc = fma(w[k], x[k], acc) for k = 0, 1, ...
+//   f32 / f16: acc = fma(w[k], x[k], acc) for k = 0, 1, ...
+//   bf16:      per pair j = 0, 1, ...: acc = fma(w[2j+1], xb[2j+1], acc), then
+//              acc = fma(w[2j], xb[2j], acc) (xb: x rounded to bf16, subnormals to
+//              zero; a zero column pads odd K; denormals as zero, as vdpbf16ps)
 //   nf4:       per 64: s = fma chain of code[q_k] * x[k] from 0, then
 //              acc = fma(s, absmax, acc)   (f32 activations; kernels/cpu/nf4.h)
 //   i8_ch:     x quantized per row (one int8 scale per token), the exact int32
@@ -44,10 +50,12 @@ namespace loom {
 //  - batch invariant: row t of y is bit-identical whether computed with T = 1 or in
 //    any batch, and whether W is a Tensor or a PackedWeight;
 //  - identical on the AVX2, AVX-512 and AMX paths (they differ only in the order
-//    of exact integer adds).
+//    of exact integer adds; for bf16, vdpbf16ps vs its emulation, measured equal
+//    on AMD Zen 5 and tested bit for bit wherever the tests run).
 // They differ from the exact product of dequantized W with x by the activation
 // rounding (sum_k |w_k| |x_k - xq_k| <= sum_k |w_k| d_x(k) / 2 for the q8 types,
-// plus |m_w| |s - d_x sum(qs)| per q4_1/q5_1 block) plus f32 rounding.
+// sum_k |w_k| |x_k| 2^-9 for bf16, plus |m_w| |s - d_x sum(qs)| per q4_1/q5_1
+// block) plus f32 rounding.
 //
 // LOOM_CPU=avx2 selects the AVX2 kernels, LOOM_CPU=avx512 AVX-512 without AMX.
 

@@ -238,8 +238,9 @@ size_t panel_block_bytes(DType type) {
     case DType::f32:
       return 64;
     case DType::f16:
-    case DType::bf16:
       return 32;
+    case DType::bf16:
+      return 64;  // per pair of columns
     case DType::q4_0:
       return 288;
     case DType::q4_1:
@@ -271,10 +272,11 @@ size_t panel_block_bytes(DType type) {
   return 0;
 }
 
-int64_t panel_block_elems(DType type) { return dtype_block_size(type); }
+int64_t panel_block_elems(DType type) { return type == DType::bf16 ? 2 : dtype_block_size(type); }
 
 size_t panel_bytes(DType type, int64_t K) {
   if (type == DType::i8_ch) return i8ch_panel_bytes(K);
+  if (type == DType::bf16) return static_cast<size_t>(bf16_pair_count(K)) * panel_block_bytes(type);
   return static_cast<size_t>(K / panel_block_elems(type)) * panel_block_bytes(type);
 }
 
@@ -288,9 +290,13 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
         for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * 64 + r * 4, rows[r] + k * 4, 4);
       return;
     case DType::f16:
-    case DType::bf16:
       for (int r = 0; r < nrows; ++r)
         for (int64_t k = 0; k < K; ++k) std::memcpy(dst + k * 32 + r * 2, rows[r] + k * 2, 2);
+      return;
+    case DType::bf16:
+      if (K % 2 != 0 && nrows == R) std::memset(dst, 0, pbytes);  // the padding column
+      for (int r = 0; r < nrows; ++r)
+        for (int64_t k = 0; k < K; ++k) std::memcpy(dst + (k / 2) * 64 + r * 4 + (k % 2) * 2, rows[r] + k * 2, 2);
       return;
     case DType::nf4:
       for (int r = 0; r < nrows; ++r) pack_nf4_row(rows[r], r, K, dst);

@@ -51,7 +51,10 @@ constexpr int kPanelRows = 16;
 //               8 groups @576 of 128 bytes: the two 2-bit words of q (0..3)
 //  q3_k (1824): d @0, scale i8[16][16] @32, 8 groups @288 of 192 bytes: the two
 //               2-bit words, then the bit-2 word, of u = q + 4 (0..7)
-//  f32 / f16 / bf16: element k of rows 0..15 contiguous (64 / 32 / 32 bytes)
+//  f32 / f16: element k of rows 0..15 contiguous (64 / 32 bytes)
+//  bf16 (64 per pair of columns): pair row j = rows 0..15 as 32-bit words, word r
+//               = element 2j (low half) and 2j + 1 (high half) of row r: the
+//               operand order of vdpbf16ps; an odd K gets a zero column
 //  nf4 (576, per 64): f32 absmax[16] @0, 32 code-pair slots of 16 bytes @64
 //               (kernels/cpu/nf4.h)
 //  i8_ch (no blocks): one 192-byte header per panel (scales, zero points,
@@ -64,6 +67,10 @@ int64_t panel_block_elems(DType type);  // 32, 256 or 1
 
 // Bytes of one panel of K columns.
 size_t panel_bytes(DType type, int64_t K);
+namespace {  // local to each file (see the note at the top)
+// Pair rows of a bf16 panel (and pairs of a bf16 act row) for K columns.
+inline int64_t bf16_pair_count(int64_t K) { return (K + 1) / 2; }
+}  // namespace
 
 // Packs `nrows` (<= 16) GGUF rows of K columns into one panel; missing rows
 // become zeros.
@@ -96,12 +103,19 @@ static_assert(sizeof(ActQ8K) == 384);
 
 // i8row (i8_ch weights): the whole row quantized to int8 with one scale
 // (kernels/cpu/i8ch.h).
-enum class ActKind { q8x32, q8k, i8row, f32 };
-ActKind act_kind(DType type);
+// bf16 weights take activations rounded to bf16 (round_to_bf16 of
+// kernels/cpu/bf16_gemm.h, as llama.cpp and PyTorch's bf16 do), K padded to even
+// with a zero, in one of two encodings with the same values: bf16pairs (the
+// vdpbf16ps operand: pair j = 32-bit word j) or bf16f32 (the rounded values as
+// floats, for the kernels that emulate vdpbf16ps with f32 FMAs).
+enum class ActKind { q8x32, q8k, i8row, bf16pairs, bf16f32, f32 };
+// `bf16_pairs`: whether the kernel that will read the rows multiplies bf16 pairs
+// natively (bf16_native(isa)); only bf16 weights care.
+ActKind act_kind(DType type, bool bf16_pairs);
 // Bytes of one token's act row for K columns (f32: K floats).
-size_t act_row_bytes(DType type, int64_t K);
-// Quantizes one token row for weights of `type` (not for f32-activation types).
-void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst);
+size_t act_row_bytes(ActKind kind, int64_t K);
+// Quantizes (or rounds) one token row for weights of `type` (not for f32-activation types).
+void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8_t* dst);
 
 // One quantized block of 32 (bit-identical to quantize_row_q8_0_ref): writes qs,
 // returns the unrounded scale d (callers round it to fp16 as the format needs).
@@ -123,6 +137,7 @@ struct KernelArgs {
   int64_t ldy = 0;
   int64_t n_valid = 0;  // rows beyond this (counted from panel 0) are not stored
   void* tmp = nullptr;  // per-thread scratch (AMX: K*16 bytes)
+  bool bf16_pairs = false;  // bf16 weights: act rows are ActKind::bf16pairs (else bf16f32)
 };
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
@@ -134,6 +149,10 @@ void panel_kernel_avx512(DType type, const KernelArgs& a);
 // cpu_features().has_avx512_kernels().
 // amx: AVX-512 plus AMX-INT8 tiles for batches of 32-element block types.
 enum class Isa { avx2, avx512, amx };
+// Whether the kernels of `isa` multiply bf16 pairs with vdpbf16ps on this CPU
+// (AVX512-BF16, not masked by LOOM_CPU); else they emulate it exactly with f32
+// FMAs (the odd product, then the even one, denormals as zero).
+bool bf16_native(Isa isa);
 void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y,
                 int64_t ldy, int64_t T, MatmulScratch& scratch);
 void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y,

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/cpu/i8ch.h"
+#include "kernels/cpu/mxcsr.h"
 #include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/panel_kernels.h"
@@ -309,7 +310,42 @@ struct K16Impl {
   }
 };
 
-// ---- f32 / f16 / bf16 ----
+// ---- bf16 panels (pair rows): vdpbf16ps emulated exactly (see the AVX-512
+// file): per pair, the odd product then the even one, under DAZ + FTZ; act rows
+// are the bf16-rounded values as floats (ActKind::bf16f32). ----
+
+struct Bf16EmuImpl {
+  static constexpr int kP1 = 2, kPB = 1, kCB = 6;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m256 acc[P][2][C];
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    const float* x[C];
+    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const int64_t pairs = bf16_pair_count(ta.K);
+    for (int64_t j = 0; j < pairs; ++j) {
+      if constexpr (C == 1)
+        for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + j * 64);
+      for (int p = 0; p < P; ++p) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = load256(ta.pan + p * ta.pstride + j * 64 + 32 * h);
+          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+          for (int c = 0; c < C; ++c) {
+            acc[p][h][c] = _mm256_fmadd_ps(odd, _mm256_set1_ps(x[c][2 * j + 1]), acc[p][h][c]);
+            acc[p][h][c] = _mm256_fmadd_ps(even, _mm256_set1_ps(x[c][2 * j]), acc[p][h][c]);
+          }
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- f32 / f16 ----
 
 template <DType kKind>
 struct FloatImpl {
@@ -317,9 +353,7 @@ struct FloatImpl {
   static constexpr size_t kStep = kKind == DType::f32 ? 64 : 32;
   static __m256 load(const uint8_t* p, int h) {
     if constexpr (kKind == DType::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
-    if constexpr (kKind == DType::f16) return load_f16x8(p + 16 * h);
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    return load_f16x8(p + 16 * h);
   }
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -350,6 +384,10 @@ struct FloatImpl {
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
   if (type == DType::nf4) return nf4_panel_kernel_avx2(a);
   if (type == DType::i8_ch) return i8ch_panel_kernel_avx2(a);
+  if (type == DType::bf16) {
+    const DenormalsAreZero daz;
+    return drive_tiles<Bf16EmuImpl>(a);
+  }
   run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a);
 }
 

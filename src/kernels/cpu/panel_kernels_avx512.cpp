@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "kernels/cpu/i8ch.h"
+#include "kernels/cpu/mxcsr.h"
 #include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/panel_kernels.h"
@@ -96,6 +97,11 @@ inline __m512i idot(__m512i init, const __m512i (&ops)[8], const int8_t* x) {
   }
 }
 
+// Tiles of 4 or more outputs have enough independent chains to hide vpdpbusd's
+// latency; fewer (decode) split each chain in two.
+template <int P, int C>
+constexpr int kChainsFor = P * C >= 4 ? 1 : 2;
+
 // ---- 32-element block types: q4_0, q4_1, q5_0, q5_1, q8_0 ----
 
 template <DType kT>
@@ -135,7 +141,7 @@ struct Q32Impl {
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
           const __m512i init = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(x->aux);
-          const __m512 f = _mm512_cvtepi32_ps(idot<0, 8, (P * C >= 4 ? 1 : 2)>(init, ops, x->qs));
+          const __m512 f = _mm512_cvtepi32_ps(idot<0, 8, kChainsFor<P, C>>(init, ops, x->qs));
           acc[p][c] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[p][c]);
           if constexpr (Q::kMin) {
             float s;
@@ -180,7 +186,7 @@ struct Q45KImpl {
           if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, ops);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m512i d = idot<0, 8>(_mm512_setzero_si512(), ops, x->qs + 32 * g);
+            const __m512i d = idot<0, 8, kChainsFor<P, C>>(_mm512_setzero_si512(), ops, x->qs + 32 * g);
             isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(d, sc));
           }
         }
@@ -283,8 +289,8 @@ struct K16Impl {
           unpack(pb + kGroups + g * kGroup, ops);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m512i d0 = idot<0, 4>(offset(x, 2 * g), ops, x->qs + 32 * g);
-            const __m512i d1 = idot<4, 8>(offset(x, 2 * g + 1), ops, x->qs + 32 * g);
+            const __m512i d0 = idot<0, 4, kChainsFor<P, C>>(offset(x, 2 * g), ops, x->qs + 32 * g);
+            const __m512i d1 = idot<4, 8, kChainsFor<P, C>>(offset(x, 2 * g + 1), ops, x->qs + 32 * g);
             isc[p][c] = _mm512_add_epi32(
                 isc[p][c], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
           }
@@ -317,7 +323,72 @@ struct K16Impl {
   }
 };
 
-// ---- f32 / f16 / bf16 panels with f32 activations ----
+// ---- bf16 panels (pair rows) with bf16 activations ----
+// Per lane and pair j: acc += w[2j+1] x[2j+1], then acc += w[2j] x[2j], each an
+// exact product added with one rounding, denormals as zero: what vdpbf16ps does
+// (Intel's definition; measured bit-equal on AMD Zen 5), and what the emulating
+// kernels do with two FMAs under MXCSR DAZ + FTZ (Bf16Emu; kernels/cpu/mxcsr.h).
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// AVX512-BF16: act rows are bf16 pairs (ActKind::bf16pairs).
+struct Bf16DotImpl {
+  static constexpr int kP1 = 4, kPB = 2, kCB = 12;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m512 acc[P][C];
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    const int64_t pairs = bf16_pair_count(ta.K);
+    for (int64_t j = 0; j < pairs; ++j) {
+      if constexpr (C == 1)
+        for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + j * 64);
+      __m512i w[P];
+      for (int p = 0; p < P; ++p) w[p] = load512(ta.pan + p * ta.pstride + j * 64);
+      for (int c = 0; c < C; ++c) {
+        const __m512bh x = as_bh(bcast32(ta.act + c * ta.astride + 4 * j));
+        for (int p = 0; p < P; ++p) acc[p][c] = _mm512_dpbf16_ps(acc[p][c], as_bh(w[p]), x);
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// AVX-512 without BF16: act rows are the bf16 values as floats (ActKind::bf16f32);
+// the caller sets DAZ + FTZ.
+struct Bf16EmuImpl {
+  static constexpr int kP1 = 4, kPB = 2, kCB = 6;
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m512 acc[P][C];
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    const float* x[C];
+    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const int64_t pairs = bf16_pair_count(ta.K);
+    for (int64_t j = 0; j < pairs; ++j) {
+      if constexpr (C == 1)
+        for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + j * 64);
+      __m512 odd[P], even[P];
+      for (int p = 0; p < P; ++p) {
+        const __m512i w = load512(ta.pan + p * ta.pstride + j * 64);
+        odd[p] = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+        even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      }
+      for (int c = 0; c < C; ++c) {
+        const __m512 xo = _mm512_set1_ps(x[c][2 * j + 1]), xe = _mm512_set1_ps(x[c][2 * j]);
+        for (int p = 0; p < P; ++p) {
+          acc[p][c] = _mm512_fmadd_ps(odd[p], xo, acc[p][c]);
+          acc[p][c] = _mm512_fmadd_ps(even[p], xe, acc[p][c]);
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// ---- f32 / f16 panels with f32 activations ----
 
 template <DType kKind>
 struct FloatImpl {
@@ -325,9 +396,7 @@ struct FloatImpl {
   static constexpr size_t kStep = kKind == DType::f32 ? 64 : 32;
   static __m512 load(const uint8_t* p) {
     if constexpr (kKind == DType::f32) return _mm512_loadu_ps(p);
-    if constexpr (kKind == DType::f16) return load_f16x16(p);
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    return load_f16x16(p);
   }
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -354,6 +423,11 @@ struct FloatImpl {
 void panel_kernel_avx512(DType type, const KernelArgs& a) {
   if (type == DType::nf4) return nf4_panel_kernel_avx512(a);
   if (type == DType::i8_ch) return i8ch_panel_kernel_avx512(a);
+  if (type == DType::bf16) {
+    if (a.bf16_pairs) return drive_tiles<Bf16DotImpl>(a);
+    const DenormalsAreZero daz;
+    return drive_tiles<Bf16EmuImpl>(a);
+  }
   run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a);
 }
 

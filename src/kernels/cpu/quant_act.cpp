@@ -9,6 +9,8 @@
 
 #include "core/cpu_features.h"
 #include "core/error.h"
+#include "core/half.h"
+#include "kernels/cpu/bf16_gemm.h"
 #include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/matmul.h"
@@ -176,7 +178,7 @@ float quantize_block_q8_k(const float* x, int8_t* qs, int16_t* bsums) {
   return 1.0f / iscale;
 }
 
-ActKind act_kind(DType type) {
+ActKind act_kind(DType type, bool bf16_pairs) {
   switch (type) {
     case DType::q4_0:
     case DType::q4_1:
@@ -192,27 +194,33 @@ ActKind act_kind(DType type) {
       return ActKind::q8k;
     case DType::i8_ch:
       return ActKind::i8row;
+    case DType::bf16:
+      return bf16_pairs ? ActKind::bf16pairs : ActKind::bf16f32;
     default:
       return ActKind::f32;
   }
 }
 
-size_t act_row_bytes(DType type, int64_t K) {
-  switch (act_kind(type)) {
+size_t act_row_bytes(ActKind kind, int64_t K) {
+  switch (kind) {
     case ActKind::q8x32:
       return static_cast<size_t>(K / 32) * sizeof(ActQ8x32);
     case ActKind::q8k:
       return static_cast<size_t>(K / QK_K) * sizeof(ActQ8K);
     case ActKind::i8row:
       return i8ch_act_row_bytes(K);
+    case ActKind::bf16pairs:
+      return static_cast<size_t>(bf16_pair_count(K)) * 2 * sizeof(uint16_t);
+    case ActKind::bf16f32:
+      return static_cast<size_t>(bf16_pair_count(K)) * 2 * sizeof(float);
     case ActKind::f32:
       return static_cast<size_t>(K) * sizeof(float);
   }
   return 0;
 }
 
-void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst) {
-  switch (act_kind(type)) {
+void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8_t* dst) {
+  switch (kind) {
     case ActKind::q8x32: {
       auto* a = reinterpret_cast<ActQ8x32*>(dst);
       const bool with_s = type == DType::q4_1 || type == DType::q5_1;
@@ -247,6 +255,21 @@ void quantize_act_row(DType type, const float* x, int64_t K, uint8_t* dst) {
     case ActKind::i8row:
       quantize_act_row_i8ch(x, K, dst);
       return;
+    case ActKind::bf16pairs: {
+      auto* h = reinterpret_cast<uint16_t*>(dst);
+      round_to_bf16(x, h, K);
+      if (K % 2 != 0) h[K] = 0;
+      return;
+    }
+    case ActKind::bf16f32: {
+      // Rounded in place, then widened back (exact), back to front.
+      auto* f = reinterpret_cast<float*>(dst);
+      auto* h = reinterpret_cast<uint16_t*>(dst);
+      round_to_bf16(x, h, K);
+      for (int64_t k = K - 1; k >= 0; --k) f[k] = bf16_to_fp32(h[k]);
+      if (K % 2 != 0) f[K] = 0.0f;
+      return;
+    }
     case ActKind::f32:
       break;
   }
