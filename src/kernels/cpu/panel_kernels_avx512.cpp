@@ -40,6 +40,24 @@ inline void store_tile(const TileArgs& ta, __m512 (&acc)[P][C]) {
     for (int p = 0; p < P; ++p) store_rows(ta.y + c * ta.ldy + p * 16, acc[p][c], ta.nv - p * 16);
 }
 
+// The float sums of a tile in memory (L1) rather than registers: the k-quant
+// batch tiles update them once per superblock, and their registers go to the
+// integer sums of 16 tokens next to the unpacked weights.
+template <int P, int C>
+struct MemAcc {
+  alignas(64) float v[P][C][16];
+  MemAcc() {
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c) _mm512_store_ps(v[p][c], _mm512_setzero_ps());
+  }
+  __m512 get(int p, int c) const { return _mm512_load_ps(v[p][c]); }
+  void set(int p, int c, __m512 a) { _mm512_store_ps(v[p][c], a); }
+  void store(const TileArgs& ta) const {
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < P; ++p) store_rows(ta.y + c * ta.ldy + p * 16, get(p, c), ta.nv - p * 16);
+  }
+};
+
 // imm8 for vpternlogd computing A | (B & C).
 constexpr int kOrAnd = 0xF8;
 
@@ -160,13 +178,11 @@ struct Q32Impl {
 template <DType kT>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
-  static constexpr int kP1 = 4, kPB = 1, kCB = 8;
+  static constexpr int kP1 = 4, kPB = 1, kCB = 16;
   static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
   template <int P, int C>
   static void run(const TileArgs& ta) {
-    __m512 acc[P][C];
-    for (int p = 0; p < P; ++p)
-      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    MemAcc<P, C> acc;
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       __m512i isc[P][C];
@@ -203,12 +219,12 @@ struct Q45KImpl {
           __m512i im = _mm512_setzero_si512();
           for (int q = 0; q < 4; ++q) im = _mm512_dpwssd_epi32(im, mins[q], bcast32(x->s32 + 2 * q));
           const __m512 xd = _mm512_set1_ps(x->d);
-          acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc[p][c]);
-          acc[p][c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), acc[p][c]);
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc.get(p, c));
+          acc.set(p, c, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), a));
         }
       }
     }
-    store_tile<P, C>(ta, acc);
+    acc.store(ta);
   }
 };
 
@@ -244,7 +260,7 @@ inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
 // acc = fma(float(I), d * d_x, acc); q2_k then acc -= float(sum_j m_j xsum_j) * dmin * d_x.
 template <DType kKind>
 struct K16Impl {
-  static constexpr int kP1 = 4, kPB = 1, kCB = 8;
+  static constexpr int kP1 = 4, kPB = 1, kCB = 16;
   static constexpr bool kMin = kKind == DType::q2_k;
   static constexpr size_t kPBB = kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600;
   static constexpr size_t kScales = kMin ? 64 : 32;
@@ -266,9 +282,7 @@ struct K16Impl {
   }
   template <int P, int C>
   static void run(const TileArgs& ta) {
-    __m512 acc[P][C];
-    for (int p = 0; p < P; ++p)
-      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    MemAcc<P, C> acc;
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       __m512i isc[P][C];
@@ -310,16 +324,17 @@ struct K16Impl {
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
           const __m512 xd = _mm512_set1_ps(x->d);
-          acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc[p][c]);
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc.get(p, c));
           if constexpr (kMin) {
             __m512i im = _mm512_setzero_si512();
             for (int q = 0; q < 8; ++q) im = _mm512_dpwssd_epi32(im, mins[q], bcast32(x->s16 + 2 * q));
-            acc[p][c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), acc[p][c]);
+            a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), a);
           }
+          acc.set(p, c, a);
         }
       }
     }
-    store_tile<P, C>(ta, acc);
+    acc.store(ta);
   }
 };
 
