@@ -315,7 +315,7 @@ struct K16Impl {
 // are the bf16-rounded values as floats (ActKind::bf16f32). ----
 
 struct Bf16EmuImpl {
-  static constexpr int kP1 = 2, kPB = 1, kCB = 6;
+  static constexpr int kP1 = 2, kPB = 1, kCB = 4;  // 8 sums, 4 weight halves, 2 broadcasts
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
@@ -329,14 +329,20 @@ struct Bf16EmuImpl {
     for (int64_t j = 0; j < pairs; ++j) {
       if constexpr (C == 1)
         for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + j * 64);
+      // Both halves unpacked first, then each token's two broadcasts serve both
+      // (the broadcasts are loads, which bound this loop; see FloatImpl).
       for (int p = 0; p < P; ++p) {
+        __m256 odd[2], even[2];
         for (int h = 0; h < 2; ++h) {
           const __m256i w = load256(ta.pan + p * ta.pstride + j * 64 + 32 * h);
-          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
-          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-          for (int c = 0; c < C; ++c) {
-            acc[p][h][c] = _mm256_fmadd_ps(odd, _mm256_set1_ps(x[c][2 * j + 1]), acc[p][h][c]);
-            acc[p][h][c] = _mm256_fmadd_ps(even, _mm256_set1_ps(x[c][2 * j]), acc[p][h][c]);
+          odd[h] = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+          even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        }
+        for (int c = 0; c < C; ++c) {
+          const __m256 xo = _mm256_set1_ps(x[c][2 * j + 1]), xe = _mm256_set1_ps(x[c][2 * j]);
+          for (int h = 0; h < 2; ++h) {
+            acc[p][h][c] = _mm256_fmadd_ps(odd[h], xo, acc[p][h][c]);
+            acc[p][h][c] = _mm256_fmadd_ps(even[h], xe, acc[p][h][c]);
           }
         }
       }
@@ -367,11 +373,15 @@ struct FloatImpl {
       if constexpr (C == 1)
         if ((k * kStep) % 64 == 0)
           for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + k * kStep);
+      // Both halves' weights first, then one broadcast per token for both: the
+      // broadcasts are loads, and the load ports (not the FMAs) bound this loop.
       for (int p = 0; p < P; ++p) {
-        for (int h = 0; h < 2; ++h) {
-          const __m256 w = load(ta.pan + p * ta.pstride + k * kStep, h);
-          for (int c = 0; c < C; ++c)
-            acc[p][h][c] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[c][k]), acc[p][h][c]);
+        const __m256 w0 = load(ta.pan + p * ta.pstride + k * kStep, 0);
+        const __m256 w1 = load(ta.pan + p * ta.pstride + k * kStep, 1);
+        for (int c = 0; c < C; ++c) {
+          const __m256 xc = _mm256_set1_ps(x[c][k]);
+          acc[p][0][c] = _mm256_fmadd_ps(w0, xc, acc[p][0][c]);
+          acc[p][1][c] = _mm256_fmadd_ps(w1, xc, acc[p][1][c]);
         }
       }
     }

@@ -424,9 +424,13 @@ struct FloatImpl {
       if constexpr (C == 1)
         if ((k * kStep) % 64 == 0)
           for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + k * kStep);
-      for (int p = 0; p < P; ++p) {
-        const __m512 w = load(ta.pan + p * ta.pstride + k * kStep);
-        for (int c = 0; c < C; ++c) acc[p][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[c][k]), acc[p][c]);
+      // All panels' weights first, then one broadcast per token for all of them:
+      // the broadcasts are loads, and the load ports bound this loop.
+      __m512 w[P];
+      for (int p = 0; p < P; ++p) w[p] = load(ta.pan + p * ta.pstride + k * kStep);
+      for (int c = 0; c < C; ++c) {
+        const __m512 xc = _mm512_set1_ps(x[c][k]);
+        for (int p = 0; p < P; ++p) acc[p][c] = _mm512_fmadd_ps(w[p], xc, acc[p][c]);
       }
     }
     store_tile<P, C>(ta, acc);
