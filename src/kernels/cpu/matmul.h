@@ -51,7 +51,7 @@ namespace loom {
 //    any batch, and whether W is a Tensor or a PackedWeight;
 //  - identical on the AVX2, AVX-512 and AMX paths (they differ only in the order
 //    of exact integer adds; for bf16, vdpbf16ps vs its emulation, measured equal
-//    on AMD Zen 5 and tested bit for bit wherever the tests run).
+//    on AMD Zen 4 and tested bit for bit wherever the tests run).
 // They differ from the exact product of dequantized W with x by the activation
 // rounding (sum_k |w_k| |x_k - xq_k| <= sum_k |w_k| d_x(k) / 2 for the q8 types,
 // sum_k |w_k| |x_k| 2^-9 for bf16, plus |m_w| |s - d_x sum(qs)| per q4_1/q5_1

@@ -341,14 +341,14 @@ struct K16Impl {
 // ---- bf16 panels (pair rows) with bf16 activations ----
 // Per lane and pair j: acc += w[2j+1] x[2j+1], then acc += w[2j] x[2j], each an
 // exact product added with one rounding, denormals as zero: what vdpbf16ps does
-// (Intel's definition; measured bit-equal on AMD Zen 5), and what the emulating
+// (Intel's definition; measured bit-equal on AMD Zen 4), and what the emulating
 // kernels do with two FMAs under MXCSR DAZ + FTZ (Bf16Emu; kernels/cpu/mxcsr.h).
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
 // AVX512-BF16: act rows are bf16 pairs (ActKind::bf16pairs).
 struct Bf16DotImpl {
-  static constexpr int kP1 = 4, kPB = 2, kCB = 12;
+  static constexpr int kP1 = 4, kPB = 4, kCB = 6;
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
