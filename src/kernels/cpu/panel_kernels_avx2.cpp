@@ -336,6 +336,15 @@ struct K16Impl {
   }
 };
 
+// Zeroed sums and the f32 act rows of a float-activation tile.
+template <int P, int C>
+inline void start_float_tile(const TileArgs& ta, __m256 (&acc)[P][2][C], const float* (&x)[C]) {
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+  for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+}
+
 // ---- bf16 panels (pair rows): vdpbf16ps emulated exactly (see the AVX-512
 // file): per pair, the odd product then the even one, under DAZ + FTZ; act rows
 // are the bf16-rounded values as floats (ActKind::bf16f32). ----
@@ -345,11 +354,8 @@ struct Bf16EmuImpl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
-    for (int p = 0; p < P; ++p)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
     const float* x[C];
-    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    start_float_tile(ta, acc, x);
     const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
     const int64_t pairs = bf16_pair_count(ta.K);
     for (int64_t j = 0; j < pairs; ++j) {
@@ -390,11 +396,8 @@ struct FloatImpl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
-    for (int p = 0; p < P; ++p)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
     const float* x[C];
-    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    start_float_tile(ta, acc, x);
     for (int64_t k = 0; k < ta.K; ++k) {
       if constexpr (C == 1)
         if ((k * kStep) % 64 == 0)

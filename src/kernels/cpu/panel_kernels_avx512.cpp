@@ -338,6 +338,14 @@ struct K16Impl {
   }
 };
 
+// Zeroed sums and the f32 act rows of a float-activation tile.
+template <int P, int C>
+inline void start_float_tile(const TileArgs& ta, __m512 (&acc)[P][C], const float* (&x)[C]) {
+  for (int p = 0; p < P; ++p)
+    for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+}
+
 // ---- bf16 panels (pair rows) with bf16 activations ----
 // Per lane and pair j: acc += w[2j+1] x[2j+1], then acc += w[2j] x[2j], each an
 // exact product added with one rounding, denormals as zero: what vdpbf16ps does
@@ -376,10 +384,8 @@ struct Bf16EmuImpl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
-    for (int p = 0; p < P; ++p)
-      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
     const float* x[C];
-    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    start_float_tile(ta, acc, x);
     const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     const int64_t pairs = bf16_pair_count(ta.K);
     for (int64_t j = 0; j < pairs; ++j) {
@@ -416,10 +422,8 @@ struct FloatImpl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
-    for (int p = 0; p < P; ++p)
-      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
     const float* x[C];
-    for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
+    start_float_tile(ta, acc, x);
     for (int64_t k = 0; k < ta.K; ++k) {
       if constexpr (C == 1)
         if ((k * kStep) % 64 == 0)
