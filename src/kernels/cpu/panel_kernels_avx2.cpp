@@ -170,6 +170,11 @@ inline void prefetch_group(const uint8_t* pb, int g, size_t header, size_t group
   for (size_t o = 0; o < group; o += 64) __builtin_prefetch(pb + header + g * group + kPrefetchBytes + o, 0, 3);
 }
 
+// 8-lane halves of a panel per pass over a superblock's groups: decode reads the
+// bytes once for both; a batch tile has registers for one half's sums only.
+template <int C>
+constexpr int kHalvesPerPass = C == 1 ? 2 : 1;
+
 // ---- q4_k / q5_k ----
 
 template <DType kT>
@@ -189,14 +194,14 @@ struct Q45KImpl {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
         // Decode walks the groups once with both halves (one pass over the
         // superblock's bytes); batches take one half at a time (registers).
-        constexpr int kHalvesPerPass = C == 1 ? 2 : 1;
-        __m256i isc[2][C];
-        for (int h = 0; h < 2; ++h)
-          for (int c = 0; c < C; ++c) isc[h][c] = _mm256_setzero_si256();
-        for (int h0 = 0; h0 < 2; h0 += kHalvesPerPass) {
+        for (int h0 = 0; h0 < 2; h0 += kHalvesPerPass<C>) {
+          __m256i isc[kHalvesPerPass<C>][C];
+          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh)
+            for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
           for (int g = 0; g < 8; ++g) {
             if constexpr (C == 1) prefetch_group(pb, g, 320, kGroup);
-            for (int h = h0; h < h0 + kHalvesPerPass; ++h) {
+            for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
+              const int h = h0 + hh;
               __m128i sc8;
               std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
               const __m256i sc = _mm256_cvtepu8_epi32(sc8);
@@ -206,25 +211,27 @@ struct Q45KImpl {
               for (int c = 0; c < C; ++c) {
                 const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
                 const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
-                isc[h][c] = _mm256_add_epi32(isc[h][c], _mm256_mullo_epi32(d, sc));
+                isc[hh][c] = _mm256_add_epi32(isc[hh][c], _mm256_mullo_epi32(d, sc));
               }
             }
           }
-        }
-        for (int h = 0; h < 2; ++h) {
-          const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
-          __m256i mins[4];
-          for (int q = 0; q < 4; ++q)
-            mins[q] = _mm256_cvtepu8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
-          for (int c = 0; c < C; ++c) {
-            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            __m256i im = _mm256_setzero_si256();
+          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
+            const int h = h0 + hh;
+            const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
+            __m256i mins[4];
             for (int q = 0; q < 4; ++q)
-              im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
-            const __m256 xd = _mm256_set1_ps(x->d);
-            acc[p][h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
-            acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
+              mins[q] = _mm256_cvtepu8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
+            for (int c = 0; c < C; ++c) {
+              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+              __m256i im = _mm256_setzero_si256();
+              for (int q = 0; q < 4; ++q)
+                im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
+              const __m256 xd = _mm256_set1_ps(x->d);
+              acc[p][h][c] =
+                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[hh][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
+              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
+            }
           }
         }
       }
@@ -281,15 +288,14 @@ struct K16Impl {
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
-        // As Q45KImpl: decode takes both halves per group, batches one at a time.
-        constexpr int kHalvesPerPass = C == 1 ? 2 : 1;
-        __m256i isc[2][C];
-        for (int h = 0; h < 2; ++h)
-          for (int c = 0; c < C; ++c) isc[h][c] = _mm256_setzero_si256();
-        for (int h0 = 0; h0 < 2; h0 += kHalvesPerPass) {
+        for (int h0 = 0; h0 < 2; h0 += kHalvesPerPass<C>) {
+          __m256i isc[kHalvesPerPass<C>][C];
+          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh)
+            for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
           for (int g = 0; g < 8; ++g) {
             if constexpr (C == 1) prefetch_group(pb, g, kGroups, kGroup);
-            for (int h = h0; h < h0 + kHalvesPerPass; ++h) {
+            for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
+              const int h = h0 + hh;
               __m128i s0, s1;
               std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
               std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
@@ -302,31 +308,33 @@ struct K16Impl {
                                                     _mm256_set1_epi32(offset(x, 2 * g)));
                 const __m256i d1 = _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g),
                                                     _mm256_set1_epi32(offset(x, 2 * g + 1)));
-                isc[h][c] = _mm256_add_epi32(
-                    isc[h][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
+                isc[hh][c] = _mm256_add_epi32(
+                    isc[hh][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
               }
             }
           }
-        }
-        for (int h = 0; h < 2; ++h) {
-          const __m256 dw = load_f16x8(pb + 16 * h);
-          __m256 dm = _mm256_setzero_ps();
-          __m256i mins[8];
-          if constexpr (kMin) {
-            dm = load_f16x8(pb + 32 + 16 * h);
-            for (int q = 0; q < 8; ++q)
-              mins[q] = _mm256_cvtepu8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
-          }
-          for (int c = 0; c < C; ++c) {
-            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m256 xd = _mm256_set1_ps(x->d);
-            acc[p][h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
+          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
+            const int h = h0 + hh;
+            const __m256 dw = load_f16x8(pb + 16 * h);
+            __m256 dm = _mm256_setzero_ps();
+            __m256i mins[8];
             if constexpr (kMin) {
-              __m256i im = _mm256_setzero_si256();
+              dm = load_f16x8(pb + 32 + 16 * h);
               for (int q = 0; q < 8; ++q)
-                im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
-              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
+                mins[q] = _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
+            }
+            for (int c = 0; c < C; ++c) {
+              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+              const __m256 xd = _mm256_set1_ps(x->d);
+              acc[p][h][c] =
+                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[hh][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
+              if constexpr (kMin) {
+                __m256i im = _mm256_setzero_si256();
+                for (int q = 0; q < 8; ++q)
+                  im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
+                acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
+              }
             }
           }
         }
