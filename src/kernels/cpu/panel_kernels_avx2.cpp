@@ -35,6 +35,13 @@ inline void store_rows(float* y, __m256 v, int64_t nv) {
 }
 
 template <int P, int C>
+inline void zero_tile(__m256 (&acc)[P][2][C]) {
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+}
+
+template <int P, int C>
 inline void store_tile(const TileArgs& ta, __m256 (&acc)[P][2][C]) {
   for (int c = 0; c < C; ++c)
     for (int p = 0; p < P; ++p)
@@ -119,9 +126,7 @@ struct Q32Impl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
-    for (int p = 0; p < P; ++p)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    zero_tile(acc);
     const int64_t nb = ta.K / 32;
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
@@ -185,9 +190,7 @@ struct Q45KImpl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
-    for (int p = 0; p < P; ++p)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    zero_tile(acc);
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
@@ -281,9 +284,7 @@ struct K16Impl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
-    for (int p = 0; p < P; ++p)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+    zero_tile(acc);
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
@@ -347,9 +348,7 @@ struct K16Impl {
 // Zeroed sums and the f32 act rows of a float-activation tile.
 template <int P, int C>
 inline void start_float_tile(const TileArgs& ta, __m256 (&acc)[P][2][C], const float* (&x)[C]) {
-  for (int p = 0; p < P; ++p)
-    for (int h = 0; h < 2; ++h)
-      for (int c = 0; c < C; ++c) acc[p][h][c] = _mm256_setzero_ps();
+  zero_tile(acc);
   for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
 }
 

@@ -40,6 +40,12 @@ inline void store_tile(const TileArgs& ta, __m512 (&acc)[P][C]) {
     for (int p = 0; p < P; ++p) store_rows(ta.y + c * ta.ldy + p * 16, acc[p][c], ta.nv - p * 16);
 }
 
+template <int P, int C>
+inline void zero_tile(__m512 (&acc)[P][C]) {
+  for (int p = 0; p < P; ++p)
+    for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+}
+
 // The float sums of a tile in memory (L1) rather than registers: the k-quant
 // batch tiles update them once per superblock, and their registers go to the
 // integer sums of 16 tokens next to the unpacked weights.
@@ -144,8 +150,7 @@ struct Q32Impl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
-    for (int p = 0; p < P; ++p)
-      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    zero_tile(acc);
     const int64_t nb = ta.K / 32;
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
@@ -341,8 +346,7 @@ struct K16Impl {
 // Zeroed sums and the f32 act rows of a float-activation tile.
 template <int P, int C>
 inline void start_float_tile(const TileArgs& ta, __m512 (&acc)[P][C], const float* (&x)[C]) {
-  for (int p = 0; p < P; ++p)
-    for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const float*>(ta.act + c * ta.astride);
 }
 
@@ -360,8 +364,7 @@ struct Bf16DotImpl {
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
-    for (int p = 0; p < P; ++p)
-      for (int c = 0; c < C; ++c) acc[p][c] = _mm512_setzero_ps();
+    zero_tile(acc);
     const int64_t pairs = bf16_pair_count(ta.K);
     for (int64_t j = 0; j < pairs; ++j) {
       if constexpr (C == 1)
