@@ -63,7 +63,7 @@ constexpr int kPanelRows = 16;
 // (2-bit words: word h, bits 2s..2s+1 of byte i = bits 0..1 of element 4(4h+s)+i;
 //  bit-2 word: bit o of byte i = bit 2 of element 4o+i.)
 size_t panel_block_bytes(DType type);
-int64_t panel_block_elems(DType type);  // 32, 256 or 1
+int64_t panel_block_elems(DType type);  // 32, 256, 2 (bf16 column pairs) or 1
 
 // Bytes of one panel of K columns.
 size_t panel_bytes(DType type, int64_t K);

@@ -262,11 +262,8 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
       return;
     }
     case ActKind::bf16f32: {
-      // Rounded in place, then widened back (exact), back to front.
       auto* f = reinterpret_cast<float*>(dst);
-      auto* h = reinterpret_cast<uint16_t*>(dst);
-      round_to_bf16(x, h, K);
-      for (int64_t k = K - 1; k >= 0; --k) f[k] = bf16_to_fp32(h[k]);
+      for (int64_t k = 0; k < K; ++k) f[k] = bf16_to_fp32(round_to_bf16(x[k]));
       if (K % 2 != 0) f[K] = 0.0f;
       return;
     }
