@@ -8,9 +8,12 @@
 //   decode16cold: 16 rows, each its own adapter out of 64, each call another
 //     layer's factors out of 30: the factors come from DRAM as in a serving
 //     step (64 adapters x 30 layers do not fit the caches), where the cases
-//     above reread what the last call left in cache;
-// with f32 factors, "_bf16" kept in bf16 (`serve --lora-bits 16`) and, "_int4",
-// factors kept in 4 bits as `serve --lora-bits 4` keeps them (read in place).
+//     above reread what the last call left in cache; the kernel prefetches
+//     them (LoraRowsJob::stream_factors, as the server asks when a step's
+//     weights and adapters exceed the last-level cache), "_noprefetch" not;
+// with f32 factors, "_bf16" kept in bf16 (`serve --lora-bits 16`: one block per
+// adapter, in huge pages where the system gives them) and, "_int4", factors
+// kept in 4 bits as `serve --lora-bits 4` keeps them (read in place).
 // Time per call, one thread (CPU time).
 //   loom_bench --benchmark_filter=LoraRows
 // BasePass/<base dtype>/{separate,fused}: the q/k/v base products and the
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "core/half.h"
+#include "core/huge_page_buffer.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/matmul.h"
@@ -39,6 +43,7 @@ struct LoraCase {
   int64_t in, rows, adapters, rank;
   int bits = 32;       // 32: f32 factors, 16: bf16, 4: 4-bit
   int64_t layers = 1;  // sets of factors the calls go through in turn
+  bool stream = false;  // LoraRowsJob::stream_factors: prefetch the factors ahead
 };
 
 void run_lora_rows(benchmark::State& state, LoraCase c) {
@@ -59,21 +64,28 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
     }
   std::vector<PackedInt4> packed;
   packed.reserve(2 * as.size());  // the factors point into these
-  std::vector<std::vector<uint16_t>> halves;
-  halves.reserve(2 * as.size());
+  // bf16: one block per adapter, every layer's factors in it, as `serve --lora-bits 16` keeps them
+  // (serve/loaded_adapter.cpp).
+  std::vector<HugePageBuffer> blocks;
+  size_t adapter_halves = 0;
+  for (int64_t out : c.outs) adapter_halves += static_cast<size_t>(c.layers * c.rank * (c.in + out));
+  for (int64_t a = 0; c.bits == 16 && a < c.adapters; ++a) blocks.emplace_back(adapter_halves * sizeof(uint16_t));
+  std::vector<size_t> filled(blocks.size(), 0);
   for (size_t i = 0; i < as.size(); ++i) {
     const int64_t out = c.outs[i % c.outs.size()];
     factors.push_back({as[i].data(), bs[i].data(), c.rank, c.in, out, 0.5f, {}, {}});
     if (c.bits == 16) {
-      for (std::vector<float>* v : {&as[i], &bs[i]}) {
-        std::vector<uint16_t>& h = halves.emplace_back(v->size());
-        for (size_t e = 0; e < v->size(); ++e) h[e] = fp32_to_bf16((*v)[e]);
-        std::vector<float>().swap(*v);  // only the bf16 copy stays in memory
-      }
+      const size_t ad = i / c.outs.size() % static_cast<size_t>(c.adapters);
+      auto* h = reinterpret_cast<uint16_t*>(blocks[ad].data()) + filled[ad];
       LoraFactor& f = factors.back();
       f.a = f.b = nullptr;
-      f.a16 = halves[halves.size() - 2].data();
-      f.b16 = halves.back().data();
+      f.a16 = h;
+      f.b16 = h + as[i].size();
+      for (std::vector<float>* v : {&as[i], &bs[i]}) {
+        for (float e : *v) *h++ = fp32_to_bf16(e);
+        filled[ad] += v->size();
+        std::vector<float>().swap(*v);  // only the bf16 copy stays in memory
+      }
       continue;
     }
     if (c.bits != 4) continue;
@@ -93,7 +105,7 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   std::vector<LoraRowsJob> jobs;
   for (int64_t j = 0; j < n_jobs; ++j) ys.push_back(fill(static_cast<size_t>(T * c.outs[j])));
   for (int64_t j = 0; j < n_jobs; ++j)
-    jobs.push_back({x.data(), c.in, ys[j].data(), c.outs[j], c.outs[j], per_row.data() + j * T});
+    jobs.push_back({x.data(), c.in, ys[j].data(), c.outs[j], c.outs[j], per_row.data() + j * T, c.stream});
   // Call i: layer i % layers; rows of one adapter adjacent, as BatchForward sorts them (decode16cold:
   // each row the next of the 64 adapters).
   auto bind = [&](int64_t i) {
@@ -181,13 +193,14 @@ const bool registered = [] {
   for (int64_t r : {8, 16})
     for (int bits : {32, 16, 4})
       for (const Point& p : points)
-        for (auto [shape, rows, adapters, layers] :
-             {std::tuple{"decode16", 16, 16, 1}, std::tuple{"decode16x8", 16, 8, 1},
-              std::tuple{"prefill128", 128, 1, 1}, std::tuple{"decode16cold", 16, 64, 30}}) {
+        for (auto [shape, rows, adapters, layers, stream] :
+             {std::tuple{"decode16", 16, 16, 1, false}, std::tuple{"decode16x8", 16, 8, 1, false},
+              std::tuple{"prefill128", 128, 1, 1, false}, std::tuple{"decode16cold", 16, 64, 30, true},
+              std::tuple{"decode16cold_noprefetch", 16, 64, 30, false}}) {
           const char* suffix = bits == 4 ? "_int4" : bits == 16 ? "_bf16" : "";
           const std::string name = fmt::format("LoraRows/{}/{}_r{}{}/t1", p.name, shape, r, suffix);
           benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
-                                       LoraCase{p.outs, p.in, rows, adapters, r, bits, layers})
+                                       LoraCase{p.outs, p.in, rows, adapters, r, bits, layers, stream})
               ->Unit(benchmark::kMicrosecond);
         }
   return true;

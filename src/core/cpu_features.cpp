@@ -116,4 +116,28 @@ std::string cpu_model_name() {
   return "unknown";
 }
 
+size_t last_level_cache_bytes() {
+  size_t best = 0;
+  int best_level = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_in(dir + "level"), type_in(dir + "type"), size_in(dir + "size");
+    int level = 0;
+    std::string type, size;
+    if (!(level_in >> level) || !(type_in >> type) || !(size_in >> size)) continue;
+    if (type != "Data" && type != "Unified") continue;
+    // "32768K", "1024K", "2M": the kernel's own units.
+    char* end = nullptr;
+    size_t bytes = std::strtoull(size.c_str(), &end, 10);
+    if (*end == 'K') bytes <<= 10;
+    else if (*end == 'M') bytes <<= 20;
+    else if (*end == 'G') bytes <<= 30;
+    if (level > best_level) {
+      best_level = level;
+      best = bytes;
+    }
+  }
+  return best;
+}
+
 }  // namespace loom

@@ -3,6 +3,7 @@
 // never from a CPU's name.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -34,6 +35,11 @@ struct CpuFeatures {
 // /proc/cpuinfo's first "model name" ("unknown" where there is none): for
 // reports and cache keys, never for choosing a code path.
 std::string cpu_model_name();
+
+// The size of the largest data (or unified) cache CPU 0 has, in bytes, from
+// /sys/devices/system/cpu/cpu0/cache (on AMD the L3 of one core complex, not
+// the socket's sum that sysconf reports); 0 where the system does not say.
+size_t last_level_cache_bytes();
 
 // What the CPU reports (CPUID), unmasked.
 const CpuFeatures& cpu_features();

@@ -114,6 +114,10 @@ struct LoraRowsJob {
   int64_t ldy;
   int64_t out;                       // y's width (the widest factor's out)
   const LoraFactor* const* factors;  // [rows.size()]: factor of each listed row, null: not adapted
+  // The caller's judgement that the factors are not in cache (a step's adapters
+  // exceed the last-level cache): the kernel then prefetches them ahead, which
+  // costs time on factors that are (cpu/prefetch_stream.h).
+  bool stream_factors = false;
 };
 
 // The paged K/V store of one layer (serve/kv_pool.h): [n_blocks][n_kv_heads][block_size][head_dim]

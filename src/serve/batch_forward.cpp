@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "dist/partial_sums.h"
 #include "serve/tp_adapters.h"
@@ -70,7 +71,8 @@ class BatchForward::RowAdapters final : public LayerAdapters {
         if (p.present()) factors_[j * NR + i] = factor_of(p, a->scale);
         pointers_[j * NR + i] = p.present() ? &factors_[j * NR + i] : nullptr;
       }
-      out[j] = {job.x, job.ldx, job.y, job.ldy, lora_target_out(f_.c_, job.target), pointers_.data() + j * NR};
+      out[j] = {job.x,     job.ldx, job.y, job.ldy, lora_target_out(f_.c_, job.target), pointers_.data() + j * NR,
+                f_.lora_cold_};
     }
     f_.dec_.backend().lora_rows(*f_.ws_, std::span<const LoraRowsJob>(out, jobs.size()), rows, f_.lora_rank_,
                                 f_.lora_u_.data(), f_.T_);
@@ -107,6 +109,11 @@ BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weight
       attention_(std::make_unique<PagedAttention>(*this)),
       adapters_(std::make_unique<RowAdapters>(*this)),
       acts_(config, backend, max_batch_tokens, /*kv_rows=*/true) {
+  llc_bytes_ = last_level_cache_bytes();
+  weight_bytes_ = weights.output.nbytes();
+  for (const LayerWeights& L : weights.layers)
+    for (const Tensor* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+      weight_bytes_ += w->data != nullptr ? w->nbytes() : 0;
   LOOM_ASSERT(max_batch_tokens > 0 && max_logit_rows > 0);
   LOOM_ASSERT(kv.n_layers() == config.n_layers && kv.n_kv_heads() == config.n_kv_heads &&
               kv.head_dim() == config.head_dim);
@@ -154,6 +161,7 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
   hidden_src_.clear();
   lora_rows_.clear();
   lora_rank_ = 0;
+  size_t lora_bytes = 0;
   int64_t r = 0;
   for (size_t ci = 0; ci < chunks.size(); ++ci) {
     const BatchChunk& ch = chunks[ci];
@@ -166,8 +174,10 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
       LOOM_ASSERT(kv_.ref_count(tb.blocks[static_cast<size_t>(b)]) == 1);
     if (ch.adapter != nullptr) {
       LOOM_ASSERT(ch.adapter->pairs.size() == static_cast<size_t>(c_.n_layers * kLoraTargetCount));
-      if (ci == 0 || chunks[ci - 1].adapter != ch.adapter)
+      if (ci == 0 || chunks[ci - 1].adapter != ch.adapter) {
         lora_rank_ = std::max(lora_rank_, ch.adapter->max_rank());
+        lora_bytes += ch.adapter->factor_bytes();  // an adapter in two runs counts twice: a bound
+      }
     }
     tokens_.insert(tokens_.end(), ch.tokens.begin(), ch.tokens.end());
     for (int64_t i = 0; i < n; ++i, ++r) {
@@ -198,6 +208,7 @@ void BatchForward::prepare(std::span<const BatchChunk> chunks) {
     const ServeAdapter* pb = row_adapter_[static_cast<size_t>(b)];
     return pa != pb ? std::less<const ServeAdapter*>()(pa, pb) : a < b;
   });
+  lora_cold_ = llc_bytes_ == 0 || weight_bytes_ + lora_bytes > llc_bytes_;
   grow(lora_u_, static_cast<size_t>(3 * T * lora_rank_));
   grow(logits_, logit_src_.size() * static_cast<size_t>(c_.vocab_size));
   grow(hidden_, hidden_src_.size() * static_cast<size_t>(c_.hidden));

@@ -97,6 +97,12 @@ class BatchForward {
   std::vector<const ServeAdapter*> row_adapter_;  // [T]
   std::vector<int32_t> lora_rows_;                // rows with an adapter, one adapter's rows adjacent
   int64_t lora_rank_ = 0;                         // largest rank among this step's adapters
+  // A step reads every layer's weights, so a layer's LoRA factors are still in
+  // cache at the next step only when the weights and this step's distinct
+  // adapters together fit the last-level cache (`llc_bytes_`, 0: unknown).
+  // Otherwise (`lora_cold_`) the LoRA kernel prefetches the factors ahead.
+  bool lora_cold_ = false;
+  size_t llc_bytes_ = 0, weight_bytes_ = 0;
   std::vector<float> lora_u_;                     // [3, T, lora_rank_] scale * A x
   std::vector<int64_t> logit_row_;                // per chunk: index into logits_, or -1
   std::vector<int64_t> logit_src_;                // per logits row: the batch row it comes from

@@ -47,8 +47,8 @@ void pack_bf16(LoadedAdapter& a) {
   size_t n = 0;
   for (const ServeLoraPair& p : a.view.pairs)
     if (p.present()) n += static_cast<size_t>(p.a.numel() + p.b.numel());
-  a.halves.resize(n);
-  uint16_t* at = a.halves.data();
+  a.halves = HugePageBuffer(n * sizeof(uint16_t));
+  auto* at = reinterpret_cast<uint16_t*>(a.halves.data());
   for (ServeLoraPair& p : a.view.pairs) {
     if (!p.present()) continue;
     const int64_t na = p.a.numel(), nb = p.b.numel();

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/huge_page_buffer.h"
 #include "kernels/int_quant.h"
 #include "model/peft_adapter.h"
 #include "serve/adapter_shard.h"
@@ -25,7 +26,9 @@ struct LoadedAdapter {
   peft::AdapterTensors tensors;           // keeps the file mapping alive (emptied when kept in 4 bits)
   std::vector<std::vector<float>> owned;  // q/k B rows permuted for the model, or a tensor-parallel part
   std::vector<PackedInt4> packed;         // the 4-bit factors (lora_bits 4)
-  std::vector<uint16_t> halves;           // every factor in bf16, one block (lora_bits 16)
+  // Every factor in bf16, one block (lora_bits 16); in huge pages where the system gives them, as
+  // decode rows of many adapters read their factors in short scattered spans (core/huge_page_buffer.h).
+  HugePageBuffer halves;
   ServeAdapter view;
   size_t bytes = 0;      // memory of the factors as kept (f32 or 4-bit)
   size_t f32_bytes = 0;  // what they take in f32

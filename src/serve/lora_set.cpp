@@ -21,6 +21,21 @@ int64_t ServeAdapter::max_rank() const {
   return r;
 }
 
+size_t ServeAdapter::factor_bytes() const {
+  size_t n = 0;
+  for (const ServeLoraPair& p : pairs) {
+    if (!p.present()) continue;
+    const auto a = static_cast<size_t>(p.rank() * p.a.dim(1)), b = static_cast<size_t>(p.rank() * p.b.dim(0));
+    if (p.bf16())
+      n += (a + b) * sizeof(uint16_t);
+    else if (p.quantized())  // codes, and an f32 scale per group
+      n += (a + b) / 2 + (a / static_cast<size_t>(p.a4.group) + b / static_cast<size_t>(p.b4.group)) * sizeof(float);
+    else
+      n += (a + b) * sizeof(float);
+  }
+  return n;
+}
+
 void ServeAdapter::validate(const ModelConfig& config, std::string_view what) const {
   if (pairs.size() != static_cast<size_t>(config.n_layers * kLoraTargetCount))
     fail(ErrorKind::invalid_input, "{}: {} adapter slots, the model needs {} layers x {} targets", what,

@@ -48,6 +48,8 @@ struct ServeAdapter {
   }
   // Largest rank of any pair (0 when none).
   int64_t max_rank() const;
+  // Bytes of its factors as kept (f32, bf16 or 4-bit codes and scales).
+  size_t factor_bytes() const;
   // Throws invalid_input naming `what`, the layer and target when the layout
   // or a pair's dtype or shape does not fit `config`.
   void validate(const ModelConfig& config, std::string_view what) const;

@@ -12,6 +12,7 @@
 #include "core/half.h"
 #include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/int4_dequant.h"
+#include "kernels/cpu/prefetch_stream.h"
 #include "kernels/cpu/simd_rows.h"
 
 namespace loom {
@@ -33,6 +34,23 @@ constexpr int64_t kSegment = 256;
 // Floats of a 4-bit B the second pass dequantizes at a time: a block of 64
 // rows up to rank 64, fewer rows (a multiple of 8) past it.
 constexpr int64_t kBFloats = kLoraCols * kMaxTransposedRank;
+// How far the software prefetch runs ahead of the factor bytes being read
+// (prefetch_stream.h), and the columns of A read between two of its steps.
+constexpr size_t kPrefetchAhead = 16 << 10;
+constexpr int64_t kPrefetchCols = 64;
+
+// The bytes of a factor's A, and of B's rows [c0, c1), as kept (f32, bf16 or 4 bits).
+size_t element_bits(const LoraFactor& f) { return f.bf16() ? 16 : f.quantized() ? 4 : 32; }
+void a_span(const LoraFactor& f, const void*& data, size_t& bytes) {
+  data = f.bf16() ? static_cast<const void*>(f.a16) : f.quantized() ? static_cast<const void*>(f.a4.codes) : f.a;
+  bytes = static_cast<size_t>(f.rank * f.in) * element_bits(f) / 8;
+}
+void b_span(const LoraFactor& f, int64_t c0, int64_t c1, const void*& data, size_t& bytes) {
+  const size_t bits = element_bits(f), at = static_cast<size_t>(c0 * f.rank) * bits / 8;
+  const void* base = f.bf16() ? static_cast<const void*>(f.b16) : f.quantized() ? static_cast<const void*>(f.b4.codes) : f.b;
+  data = static_cast<const char*>(base) + at;
+  bytes = static_cast<size_t>((c1 - c0) * f.rank) * bits / 8;
+}
 
 // Every dot product here ends as simd::dot4 / dot8 do: 8 lane sums, then
 // ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) for each of 4 accumulators.
@@ -73,8 +91,8 @@ struct FactorRow {
 // acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [0, n8);
 // A: float, or simd::Bf16 widened in registers (exact).
 template <int NR, int NA, typename A = float>
-inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t n8) {
-  for (int64_t c = 0; c < n8; c += 8) {
+inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c += 8) {
     __m256 xc[NR];
     for (int i = 0; i < NR; ++i) xc[i] = _mm256_loadu_ps(x[i] + c);
     for (int j = 0; j < NA; ++j) {
@@ -93,15 +111,20 @@ inline void reduce_tile(__m256 (&acc)[NR][NA], float (*s)[NA]) {
 
 // s[i][j] = dot(x[i], a[j]) over n floats, NR rows x NA factor rows: each
 // result the same operations as simd::dot4(x[i], a[j..]) gives (one FMA chain
-// per lane, reduce4, scalar tail), but each chunk of a[j] is read once for all rows.
-template <int NR, int NA, typename A = float>
-inline void dot_tile(const float* const* x, const A* const* a, int64_t n, float (*s)[NA]) {
+// per lane, reduce4, scalar tail), but each chunk of a[j] is read once for all
+// rows. `pf` is told of every kPrefetchCols columns read.
+template <int NR, int NA, typename A, typename PF>
+inline void dot_tile(const float* const* x, const A* const* a, int64_t n, float (*s)[NA], PF& pf) {
   static_assert(NA % 4 == 0);
   __m256 acc[NR][NA];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NA; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t n8 = n & ~int64_t{7};
-  accumulate<NR, NA, A>(acc, x, a, n8);
+  for (int64_t c0 = 0; c0 < n8; c0 += kPrefetchCols) {
+    const int64_t c1 = std::min(n8, c0 + kPrefetchCols);
+    accumulate<NR, NA, A>(acc, x, a, c0, c1);
+    pf.advance(static_cast<size_t>(NA * (c1 - c0)) * sizeof(A));
+  }
   reduce_tile<NR, NA>(acc, s);
   for (int64_t c = n8; c < n; ++c)
     for (int i = 0; i < NR; ++i)
@@ -111,8 +134,8 @@ inline void dot_tile(const float* const* x, const A* const* a, int64_t n, float 
 // dot_tile with some factor rows in 4 bits or bf16, kSegment columns at a
 // time: each such row's piece widened into `buf` [NA * kSegment] (L1) first,
 // then the same FMAs in the same order as over f32 rows holding those values.
-template <int NR, int NA>
-void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA]) {
+template <int NR, int NA, typename PF>
+void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA], PF& pf) {
   static_assert(NA % 4 == 0);
   __m256 acc[NR][NA];
   for (int i = 0; i < NR; ++i)
@@ -133,7 +156,8 @@ void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float
         as[j] = buf + j * kSegment;
       }
     }
-    accumulate<NR, NA>(acc, xs, as, w);
+    accumulate<NR, NA>(acc, xs, as, 0, w);
+    pf.advance(static_cast<size_t>(NA * w) * (a[0].f32 != nullptr ? 32 : a[0].h != nullptr ? 16 : 4) / 8);
   }
   reduce_tile<NR, NA>(acc, s);
   for (int64_t c = n8; c < n; ++c)
@@ -182,8 +206,8 @@ struct FirstPass {
   // adapter) and every job of g, NA factor rows at a time across the jobs'
   // concatenated A (the last block padded with its last row). Packed: some of
   // the factors are 4-bit or bf16 (`buf`: dot_tile_packed's scratch).
-  template <int NR, int NA, bool Packed>
-  void tile(const JobGroup& g, int64_t k0, float* buf) const {
+  template <int NR, int NA, bool Packed, typename PF>
+  void tile(const JobGroup& g, int64_t k0, float* buf, PF& pf) const {
     const LoraRowsJob& j0 = jobs[static_cast<size_t>(g.first)];
     const float* xs[NR];
     int64_t row[NR];
@@ -223,12 +247,12 @@ struct FirstPass {
         if (all_bf16) {  // widened in registers: no pass through buf
           const simd::Bf16* hp[NA];
           for (int q = 0; q < NA; ++q) hp[q] = reinterpret_cast<const simd::Bf16*>(ap[q].h + ap[q].e0);
-          dot_tile<NR, NA, simd::Bf16>(xs, hp, factor(at_job[0], k0)->in, s);
+          dot_tile<NR, NA, simd::Bf16>(xs, hp, factor(at_job[0], k0)->in, s, pf);
         } else {
-          dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s);
+          dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s, pf);
         }
       } else
-        dot_tile<NR, NA>(xs, ap, factor(at_job[0], k0)->in, s);
+        dot_tile<NR, NA, float>(xs, ap, factor(at_job[0], k0)->in, s, pf);
       for (int q = 0; q < m; ++q) {
         const float scale = factor(at_job[q], k0)->scale;
         for (int i = 0; i < NR; ++i) u[(at_job[q] * T + row[i]) * R + at_r[q]] = s[i][q] * scale;
@@ -237,30 +261,58 @@ struct FirstPass {
   }
   // Tiles with a 4-bit or bf16 factor go out of line, so that run's loop
   // keeps the f32 path's code (and speed) as it was.
-  template <int NR, int NA>
-  [[gnu::noinline]] void tile_packed(const JobGroup& g, int64_t k0, float* buf) const {
-    tile<NR, NA, true>(g, k0, buf);
+  template <int NR, int NA, typename PF>
+  [[gnu::noinline]] void tile_packed(const JobGroup& g, int64_t k0, float* buf, PF& pf) const {
+    tile<NR, NA, true>(g, k0, buf, pf);
   }
-  template <int NR, int NA>
-  void tile(const JobGroup& g, int64_t k0, float* buf) const {
+  template <int NR, int NA, typename PF>
+  void tile(const JobGroup& g, int64_t k0, float* buf, PF& pf) const {
     if (any_packed(g, k0))
-      tile_packed<NR, NA>(g, k0, buf);
+      tile_packed<NR, NA>(g, k0, buf, pf);
     else
-      tile<NR, NA, false>(g, k0, buf);
+      tile<NR, NA, false>(g, k0, buf, pf);
   }
+
+  // The A factors run(g, k0, k1) reads, in its order (a row with the factors
+  // of the row before it reads what is in cache, and jobs whose factors the
+  // caller expects in cache: skipped).
+  struct Spans {
+    const FirstPass& p;
+    const JobGroup& g;
+    int64_t k, k1, job;
+    Spans(const FirstPass& p, const JobGroup& g, int64_t k0, int64_t k1)
+        : p(p), g(g), k(k0), k1(k1), job(g.first) {}
+    bool next(const void*& data, size_t& bytes) {
+      for (;;) {
+        if (job == g.first + g.count) {
+          do ++k;
+          while (k < k1 && p.same_rows(g, k - 1, k));
+          job = g.first;
+        }
+        if (k >= k1) return false;
+        const bool stream = p.jobs[static_cast<size_t>(job)].stream_factors;
+        const LoraFactor* f = p.factor(job++, k);
+        if (f == nullptr || !stream) continue;
+        a_span(*f, data, bytes);
+        return true;
+      }
+    }
+  };
 
   // The listed rows [k0, k1) of group g, in tiles of one adapter's rows.
   void run(const JobGroup& g, int64_t k0, int64_t k1) const {
     alignas(32) float buf[8 * kSegment];  // 4-bit or bf16 A rows, widened a segment at a time
+    Spans spans(*this, g, k0, k1);
+    PrefetchStream<Spans> pf(spans, kPrefetchAhead);
     for (int64_t k = k0; k < k1;) {
       int n = 1;
       while (n < kTileRows && k + n < k1 && same_rows(g, k, k + n)) ++n;
       if (n == 3)
-        tile<3, 4>(g, k, buf);
+        tile<3, 4>(g, k, buf, pf);
       else if (n == 2)
-        tile<2, 4>(g, k, buf);
+        tile<2, 4>(g, k, buf, pf);
       else
-        tile<1, 8>(g, k, buf);
+        tile<1, 8>(g, k, buf, pf);
       k += n;
     }
   }
@@ -320,15 +372,59 @@ inline void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y,
   }
 }
 
-// The second pass's view of a call: units job-major, then column block, then
-// listed row (rows of one adapter adjacent), so a run of units shares one block of B.
+// Rows of one job with one factor, adjacent in the listed rows: at most
+// kRunRows, so a segment is one run of the second pass.
+struct Segment {
+  int64_t j, k0, len;  // job, first listed row, rows
+  const LoraFactor* f;
+  int64_t first_unit, blocks;  // its units: block-major, then row
+};
 
+// Each job's listed rows cut into segments (rows without a factor left out).
+std::vector<Segment> segments_of(std::span<const LoraRowsJob> jobs, int64_t NR) {
+  std::vector<Segment> segs;
+  int64_t units = 0;
+  for (int64_t j = 0; j < static_cast<int64_t>(jobs.size()); ++j) {
+    const LoraFactor* const* fs = jobs[static_cast<size_t>(j)].factors;
+    for (int64_t k = 0; k < NR;) {
+      int64_t n = 1;
+      while (n < kRunRows && k + n < NR && same_factor(fs[k + n], fs[k])) ++n;
+      if (fs[k] != nullptr) {
+        const int64_t blocks = (fs[k]->out + kLoraCols - 1) / kLoraCols;
+        segs.push_back({j, k, n, fs[k], units, blocks});
+        units += blocks * n;
+      }
+      k += n;
+    }
+  }
+  return segs;
+}
+
+// The second pass's view of a call: units segment by segment, in a segment
+// column block by block, in a block row by row. So a run of a segment's rows
+// shares one block of B, and a segment of one row (a decode row, its own
+// adapter) reads its B front to back, one stream.
 struct SecondPass {
   std::span<const LoraRowsJob> jobs;
   std::span<const int32_t> rows;
-  int64_t R, T, NR;
+  std::span<const Segment> segs;
+  int64_t R, T;
   const float* u;
-  int64_t first[4];  // first unit of each job
+
+  int64_t units() const { return segs.empty() ? 0 : segs.back().first_unit + segs.back().blocks * segs.back().len; }
+
+  // Unit i: its segment, row within it and column block [c0, c1).
+  struct Unit {
+    const Segment* seg;
+    int64_t m, c0, c1;
+  };
+  Unit unit(int64_t i) const {
+    const auto it = std::upper_bound(segs.begin(), segs.end(), i,
+                                     [](int64_t v, const Segment& sg) { return v < sg.first_unit; });
+    const Segment& sg = *(it - 1);
+    const int64_t local = i - sg.first_unit, c0 = local / sg.len * kLoraCols;
+    return {&sg, local % sg.len, c0, std::min(sg.f->out, c0 + kLoraCols)};
+  }
 
   // y[row][s0, s1) += B[s0, s1) u[row] for the listed rows k.. of a run of n
   // (one factor) of job j; b_row(n): B's row n. A long run with a narrow rank
@@ -368,30 +464,44 @@ struct SecondPass {
     }
   }
 
+  // The blocks of B run(b, e) reads, in its order (the block of each run
+  // once; none of jobs whose factors the caller expects in cache).
+  struct Spans {
+    const SecondPass& p;
+    int64_t i, e;
+    Spans(const SecondPass& p, int64_t b, int64_t e) : p(p), i(b), e(e) {}
+    bool next(const void*& data, size_t& bytes) {
+      while (i < e) {
+        const Unit at = p.unit(i);
+        i += at.seg->len - at.m;  // the next block (or segment)
+        if (!p.jobs[static_cast<size_t>(at.seg->j)].stream_factors) continue;
+        b_span(*at.seg->f, at.c0, at.c1, data, bytes);
+        return true;
+      }
+      return false;
+    }
+  };
+
   void run(int64_t b, int64_t e) const {
     alignas(32) float bt[kMaxTransposedRank * kLoraCols];
+    Spans spans(*this, b, e);
+    PrefetchStream<Spans> pf(spans, kPrefetchAhead);
     for (int64_t i = b; i < e;) {
-      int64_t j = 0;
-      while (i >= first[j + 1]) ++j;
-      const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
-      const int64_t k = (i - first[j]) % NR, cb = (i - first[j]) / NR;
-      const LoraFactor* f = job.factors[k];
-      // The run: listed rows k.. of this block with the same factor, inside [b, e).
-      int64_t n = 1;
-      while (n < kRunRows && k + n < NR && i + n < e && same_factor(job.factors[k + n], f)) ++n;
-      if (f != nullptr) {
-        const int64_t c0 = cb * kLoraCols, c1 = std::min(f->out, c0 + kLoraCols);
-        const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
-        const float* b0 = f->b;
-        const int64_t r = f->rank;
-        const auto* h = reinterpret_cast<const simd::Bf16*>(f->b16);
-        if (f->bf16())  // widened as read
-          add_rows([h, r](int64_t row) { return h + row * r; }, r, j, k, n, c0, c1, transposed, bt);
-        else if (f->packed())
-          add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
-        else
-          add_rows([b0, r](int64_t row) { return b0 + row * r; }, r, j, k, n, c0, c1, transposed, bt);
-      }
+      const auto [seg, m, c0, c1] = unit(i);
+      const LoraFactor* f = seg->f;
+      // The run: the segment's rows m.. of this block, inside [b, e).
+      const int64_t n = std::min(seg->len - m, e - i);
+      pf.advance(static_cast<size_t>((c1 - c0) * f->rank) * element_bits(*f) / 8);
+      const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
+      const float* b0 = f->b;
+      const int64_t r = f->rank, j = seg->j, k = seg->k0 + m;
+      const auto* h = reinterpret_cast<const simd::Bf16*>(f->b16);
+      if (f->bf16())  // widened as read
+        add_rows([h, r](int64_t row) { return h + row * r; }, r, j, k, n, c0, c1, transposed, bt);
+      else if (f->packed())
+        add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
+      else
+        add_rows([b0, r](int64_t row) { return b0 + row * r; }, r, j, k, n, c0, c1, transposed, bt);
       i += n;
     }
   }
@@ -434,10 +544,9 @@ void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<co
     for (int64_t g = b / NR; g < n_groups && g * NR < e; ++g)
       p1.run(groups[g], std::max(b - g * NR, int64_t{0}), std::min(e - g * NR, NR));
   });
-  SecondPass p2{jobs, rows, max_rank, T, NR, u, {0, 0, 0, 0}};
-  for (int64_t j = 0; j < n_jobs; ++j)
-    p2.first[j + 1] = p2.first[j] + NR * ((jobs[static_cast<size_t>(j)].out + kLoraCols - 1) / kLoraCols);
-  pool.parallel_for(p2.first[n_jobs], [&](int64_t b, int64_t e) { p2.run(b, e); });
+  const std::vector<Segment> segs = segments_of(jobs, NR);
+  const SecondPass p2{jobs, rows, segs, max_rank, T, u};
+  pool.parallel_for(p2.units(), [&](int64_t b, int64_t e) { p2.run(b, e); });
 }
 
 void paged_store(ThreadPool& pool, const AttentionShape& s, void* k_store, void* v_store, DType dtype,

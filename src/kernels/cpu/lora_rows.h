@@ -17,8 +17,11 @@ namespace loom {
 // product in the first pass: a row's A factors of all of them, concatenated,
 // in blocks of 4 or 8 over each chunk of x. Rows of one adapter adjacent in
 // `rows` are computed together: up to 3 in the first pass (each chunk of A
-// read once for them), runs of 4..16 in the second (B's block transposed once,
-// columns in the SIMD lanes). Every element is still one fixed sequence of
+// read once for them), segments of up to 16 in the second (B's block
+// transposed once for 4 or more, columns in the SIMD lanes), whose units go
+// segment by segment, so a decode row (a segment of one) reads its B front to
+// back. Both passes prefetch the factor bytes they will read next
+// (prefetch_stream.h): decode rows of many adapters read short spans from DRAM. Every element is still one fixed sequence of
 // operations (ref/lora_rows_ref.h states it), so a row's bits depend neither on
 // the other rows, nor on the grouping, nor on the threads. A factor kept in 4
 // bits (LoraFactor::a4 / b4) is read in place (kernels/cpu/int4_dequant.h):
