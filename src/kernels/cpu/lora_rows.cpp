@@ -88,7 +88,7 @@ struct FactorRow {
   }
 };
 
-// acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [0, n8);
+// acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [c0, c1);
 // A: float, or simd::Bf16 widened in registers (exact).
 template <int NR, int NA, typename A = float>
 inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t c0, int64_t c1) {
