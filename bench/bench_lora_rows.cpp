@@ -69,7 +69,8 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   std::vector<HugePageBuffer> blocks;
   size_t adapter_halves = 0;
   for (int64_t out : c.outs) adapter_halves += static_cast<size_t>(c.layers * c.rank * (c.in + out));
-  for (int64_t a = 0; c.bits == 16 && a < c.adapters; ++a) blocks.emplace_back(adapter_halves * sizeof(uint16_t));
+  for (int64_t a = 0; c.bits == 16 && a < c.adapters; ++a)
+    blocks.emplace_back(adapter_halves * sizeof(uint16_t));
   std::vector<size_t> filled(blocks.size(), 0);
   for (size_t i = 0; i < as.size(); ++i) {
     const int64_t out = c.outs[i % c.outs.size()];

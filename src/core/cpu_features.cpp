@@ -129,9 +129,12 @@ size_t last_level_cache_bytes() {
     // "32768K", "1024K", "2M": the kernel's own units.
     char* end = nullptr;
     size_t bytes = std::strtoull(size.c_str(), &end, 10);
-    if (*end == 'K') bytes <<= 10;
-    else if (*end == 'M') bytes <<= 20;
-    else if (*end == 'G') bytes <<= 30;
+    if (*end == 'K')
+      bytes <<= 10;
+    else if (*end == 'M')
+      bytes <<= 20;
+    else if (*end == 'G')
+      bytes <<= 30;
     if (level > best_level) {
       best_level = level;
       best = bytes;

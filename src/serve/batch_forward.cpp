@@ -71,8 +71,8 @@ class BatchForward::RowAdapters final : public LayerAdapters {
         if (p.present()) factors_[j * NR + i] = factor_of(p, a->scale);
         pointers_[j * NR + i] = p.present() ? &factors_[j * NR + i] : nullptr;
       }
-      out[j] = {job.x,     job.ldx, job.y, job.ldy, lora_target_out(f_.c_, job.target), pointers_.data() + j * NR,
-                f_.lora_cold_};
+      out[j] = {job.x, job.ldx, job.y, job.ldy, lora_target_out(f_.c_, job.target), pointers_.data() + j * NR};
+      out[j].stream_factors = f_.lora_cold_;
     }
     f_.dec_.backend().lora_rows(*f_.ws_, std::span<const LoraRowsJob>(out, jobs.size()), rows, f_.lora_rank_,
                                 f_.lora_u_.data(), f_.T_);

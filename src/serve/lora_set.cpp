@@ -29,7 +29,8 @@ size_t ServeAdapter::factor_bytes() const {
     if (p.bf16())
       n += (a + b) * sizeof(uint16_t);
     else if (p.quantized())  // codes, and an f32 scale per group
-      n += (a + b) / 2 + (a / static_cast<size_t>(p.a4.group) + b / static_cast<size_t>(p.b4.group)) * sizeof(float);
+      n += (a + b) / 2 +
+           (a / static_cast<size_t>(p.a4.group) + b / static_cast<size_t>(p.b4.group)) * sizeof(float);
     else
       n += (a + b) * sizeof(float);
   }

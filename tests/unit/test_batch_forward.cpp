@@ -20,6 +20,7 @@
 #include "core/half.h"
 #include "expect_error.h"
 #include "kernels/ref/dequant_ref.h"
+#include "model_test_util.h"
 #include "model/forward.h"
 #include "model/model.h"
 #include "serve/batch_forward.h"
@@ -323,6 +324,40 @@ TEST(BatchForward, LoraMatchesMergedWeights) {
     const float* lg = s.eval(t0);
     EXPECT_GT(rel_err(r[0].logits.at(28).data(), lg, c.vocab_size), 1e-2);
   }
+}
+
+// factor_bytes counts the factors as kept: f32, bf16, or 4-bit codes plus a scale per group
+// (what BatchForward weighs against the last-level cache to prefetch them).
+TEST(BatchForward, AdapterFactorBytesCountTheFactorsAsKept) {
+  const ModelConfig c = test::tiny_llama_config();
+  RandomAdapter a = make_adapter(c, 4, 0.5f, 3);
+  size_t f32 = 0, pairs = 0;
+  for (const ServeLoraPair& p : a.view.pairs)
+    if (p.present()) {
+      f32 += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
+      ++pairs;
+    }
+  ASSERT_GT(pairs, 0u);
+  EXPECT_EQ(a.view.factor_bytes(), f32);
+  std::vector<uint16_t> halves(f32 / sizeof(float));
+  for (ServeLoraPair& p : a.view.pairs)
+    if (p.present()) {
+      p.a16 = p.b16 = halves.data();  // only the kind counts here
+      p.a.data = p.b.data = nullptr;
+    }
+  EXPECT_EQ(a.view.factor_bytes(), f32 / 2);
+  const uint8_t code = 0;
+  const float scale = 1.0f;
+  size_t four = 0;
+  for (ServeLoraPair& p : a.view.pairs)
+    if (p.bf16()) {
+      const int64_t r = p.rank(), in = p.a.dim(1), out = p.b.dim(0);
+      p.a16 = p.b16 = nullptr;
+      p.a4 = {&code, &scale, in};  // one group per row of A, one per row of B
+      p.b4 = {&code, &scale, r};
+      four += static_cast<size_t>(r * (in + out)) / 2 + static_cast<size_t>(r + out) * sizeof(float);
+    }
+  EXPECT_EQ(a.view.factor_bytes(), four);
 }
 
 TEST(BatchForward, PrefixCacheHitsGiveTheSameResults) {

@@ -3,6 +3,10 @@
 // feature sets of the machines loom's users have, not only this one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
+#include <string>
+
 #include "core/cpu_features.h"
 #include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/linear_backward.h"
@@ -116,6 +120,24 @@ TEST(CpuFeatures, LiveChoicesAgree) {
   EXPECT_EQ(backward_mode_from_name("auto"), default_backward_mode());
   const Bf16Kernel k = automatic_bf16_kernel(u);
   EXPECT_TRUE(bf16_kernel_available(k));
+}
+
+// The largest data or unified cache of CPU 0, as sysfs lists it (0 where it does not).
+TEST(CpuFeatures, LastLevelCacheBytesIsTheDeepestCacheSysfsLists) {
+  std::ifstream level("/sys/devices/system/cpu/cpu0/cache/index0/level");
+  const size_t llc = last_level_cache_bytes();
+  if (!level) {
+    EXPECT_EQ(llc, 0u);
+    return;
+  }
+  EXPECT_GE(llc, size_t{32} << 10) << "no cache past 32 KiB";
+  size_t largest = 0;
+  for (int i = 0; i < 16; ++i) {
+    std::ifstream size("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
+    size_t kib = 0;
+    if (size >> kib) largest = std::max(largest, kib << 10);  // "32768K"
+  }
+  EXPECT_EQ(llc, largest);
 }
 
 }  // namespace loom

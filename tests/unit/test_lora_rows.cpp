@@ -114,17 +114,18 @@ struct Point {
     fj.b16 = h[1];
   }
 
-  std::vector<LoraRowsJob> make_jobs(std::vector<std::vector<float>>& y) const {
+  std::vector<LoraRowsJob> make_jobs(std::vector<std::vector<float>>& y, bool stream = false) const {
     std::vector<LoraRowsJob> out;
     for (size_t j = 0; j < static_cast<size_t>(jobs()); ++j)
-      out.push_back({x.data(), in, y[j].data(), outs[j], outs[j], per_row[j].data()});
+      out.push_back({x.data(), in, y[j].data(), outs[j], outs[j], per_row[j].data(), stream});
     return out;
   }
-  // y after the kernel, jobs [j0, j1) in one call.
-  std::vector<std::vector<float>> kernel(int threads, int64_t j0, int64_t j1) const {
+  // y after the kernel, jobs [j0, j1) in one call; `stream`: the factors
+  // prefetched ahead (LoraRowsJob::stream_factors), which changes no bit.
+  std::vector<std::vector<float>> kernel(int threads, int64_t j0, int64_t j1, bool stream = false) const {
     test_util::CpuBackend cpu(threads);
     std::vector<std::vector<float>> y = y0;
-    const std::vector<LoraRowsJob> all = make_jobs(y);
+    const std::vector<LoraRowsJob> all = make_jobs(y, stream);
     std::vector<float> u(static_cast<size_t>(jobs() * T * max_rank()));
     cpu.backend->lora_rows(*cpu.backend->make_workspace(),
                            std::span<const LoraRowsJob>(all).subspan(static_cast<size_t>(j0),
@@ -195,10 +196,12 @@ TEST(LoraRows, EqualsScalarReferenceBitForBit) {
     Point& p = ps[i];
     p.build(100 + static_cast<uint32_t>(i) * 50);
     const auto want = p.reference();
-    for (int threads : {1, 2}) {
-      const auto got = p.kernel(threads, 0, p.jobs());
+    for (auto [threads, stream] :
+         {std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true}}) {
+      const auto got = p.kernel(threads, 0, p.jobs(), stream);
       for (size_t j = 0; j < want.size(); ++j) {
-        EXPECT_TRUE(same_bits(got[j], want[j])) << "point " << i << " job " << j << " threads " << threads;
+        EXPECT_TRUE(same_bits(got[j], want[j]))
+            << "point " << i << " job " << j << " threads " << threads << " stream " << stream;
         EXPECT_FALSE(same_bits(got[j], p.y0[j])) << "point " << i << " job " << j << ": nothing added";
       }
     }
@@ -295,11 +298,14 @@ TEST(LoraRows, FourBitFactorsEqualTheirDequantizedValuesBitForBit) {
     ASSERT_FALSE(p.packed.empty());
     const auto want = twin.kernel(1, 0, twin.jobs());
     const auto ref = p.reference();
-    for (int threads : {1, 2}) {
-      const auto got = p.kernel(threads, 0, p.jobs());
+    for (auto [threads, stream] :
+         {std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true}}) {
+      const auto got = p.kernel(threads, 0, p.jobs(), stream);
       for (size_t j = 0; j < want.size(); ++j) {
-        EXPECT_TRUE(same_bits(got[j], want[j])) << "point " << i << " job " << j << " threads " << threads;
-        EXPECT_TRUE(same_bits(got[j], ref[j])) << "point " << i << " job " << j << " threads " << threads;
+        EXPECT_TRUE(same_bits(got[j], want[j]))
+            << "point " << i << " job " << j << " threads " << threads << " stream " << stream;
+        EXPECT_TRUE(same_bits(got[j], ref[j]))
+            << "point " << i << " job " << j << " threads " << threads << " stream " << stream;
         EXPECT_FALSE(same_bits(got[j], p.y0[j])) << "point " << i << " job " << j << ": nothing added";
       }
     }
@@ -332,11 +338,14 @@ TEST(LoraRows, Bf16FactorsEqualTheirWidenedValuesBitForBit) {
     ASSERT_FALSE(p.halves.empty());
     const auto want = twin.kernel(1, 0, twin.jobs());
     const auto ref = p.reference();
-    for (int threads : {1, 2}) {
-      const auto got = p.kernel(threads, 0, p.jobs());
+    for (auto [threads, stream] :
+         {std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true}}) {
+      const auto got = p.kernel(threads, 0, p.jobs(), stream);
       for (size_t j = 0; j < want.size(); ++j) {
-        EXPECT_TRUE(same_bits(got[j], want[j])) << "point " << i << " job " << j << " threads " << threads;
-        EXPECT_TRUE(same_bits(got[j], ref[j])) << "point " << i << " job " << j << " threads " << threads;
+        EXPECT_TRUE(same_bits(got[j], want[j]))
+            << "point " << i << " job " << j << " threads " << threads << " stream " << stream;
+        EXPECT_TRUE(same_bits(got[j], ref[j]))
+            << "point " << i << " job " << j << " threads " << threads << " stream " << stream;
         EXPECT_FALSE(same_bits(got[j], p.y0[j])) << "point " << i << " job " << j << ": nothing added";
       }
     }

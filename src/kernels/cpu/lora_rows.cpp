@@ -42,12 +42,16 @@ constexpr int64_t kPrefetchCols = 64;
 // The bytes of a factor's A, and of B's rows [c0, c1), as kept (f32, bf16 or 4 bits).
 size_t element_bits(const LoraFactor& f) { return f.bf16() ? 16 : f.quantized() ? 4 : 32; }
 void a_span(const LoraFactor& f, const void*& data, size_t& bytes) {
-  data = f.bf16() ? static_cast<const void*>(f.a16) : f.quantized() ? static_cast<const void*>(f.a4.codes) : f.a;
+  data = f.bf16()        ? static_cast<const void*>(f.a16)
+         : f.quantized() ? static_cast<const void*>(f.a4.codes)
+                         : f.a;
   bytes = static_cast<size_t>(f.rank * f.in) * element_bits(f) / 8;
 }
 void b_span(const LoraFactor& f, int64_t c0, int64_t c1, const void*& data, size_t& bytes) {
   const size_t bits = element_bits(f), at = static_cast<size_t>(c0 * f.rank) * bits / 8;
-  const void* base = f.bf16() ? static_cast<const void*>(f.b16) : f.quantized() ? static_cast<const void*>(f.b4.codes) : f.b;
+  const void* base = f.bf16()        ? static_cast<const void*>(f.b16)
+                     : f.quantized() ? static_cast<const void*>(f.b4.codes)
+                                     : f.b;
   data = static_cast<const char*>(base) + at;
   bytes = static_cast<size_t>((c1 - c0) * f.rank) * bits / 8;
 }
@@ -91,7 +95,8 @@ struct FactorRow {
 // acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [c0, c1);
 // A: float, or simd::Bf16 widened in registers (exact).
 template <int NR, int NA, typename A = float>
-inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t c0, int64_t c1) {
+inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t c0,
+                       int64_t c1) {
   for (int64_t c = c0; c < c1; c += 8) {
     __m256 xc[NR];
     for (int i = 0; i < NR; ++i) xc[i] = _mm256_loadu_ps(x[i] + c);
@@ -135,7 +140,8 @@ inline void dot_tile(const float* const* x, const A* const* a, int64_t n, float 
 // time: each such row's piece widened into `buf` [NA * kSegment] (L1) first,
 // then the same FMAs in the same order as over f32 rows holding those values.
 template <int NR, int NA, typename PF>
-void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA], PF& pf) {
+void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float* buf, float (*s)[NA],
+                     PF& pf) {
   static_assert(NA % 4 == 0);
   __m256 acc[NR][NA];
   for (int i = 0; i < NR; ++i)
@@ -411,7 +417,9 @@ struct SecondPass {
   int64_t R, T;
   const float* u;
 
-  int64_t units() const { return segs.empty() ? 0 : segs.back().first_unit + segs.back().blocks * segs.back().len; }
+  int64_t units() const {
+    return segs.empty() ? 0 : segs.back().first_unit + segs.back().blocks * segs.back().len;
+  }
 
   // Unit i: its segment, row within it and column block [c0, c1).
   struct Unit {

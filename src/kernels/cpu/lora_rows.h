@@ -20,12 +20,13 @@ namespace loom {
 // read once for them), segments of up to 16 in the second (B's block
 // transposed once for 4 or more, columns in the SIMD lanes), whose units go
 // segment by segment, so a decode row (a segment of one) reads its B front to
-// back. Both passes prefetch the factor bytes they will read next
-// (prefetch_stream.h): decode rows of many adapters read short spans from DRAM. Every element is still one fixed sequence of
-// operations (ref/lora_rows_ref.h states it), so a row's bits depend neither on
-// the other rows, nor on the grouping, nor on the threads. A factor kept in 4
-// bits (LoraFactor::a4 / b4) is read in place (kernels/cpu/int4_dequant.h):
-// a tile's A rows 256 columns at a time, and a run's block of B once, are
+// back. Jobs with stream_factors prefetch the factor bytes the passes read
+// next (prefetch_stream.h): decode rows of many adapters read short spans
+// from DRAM. Every element is still one fixed sequence of operations
+// (ref/lora_rows_ref.h states it), so a row's bits depend neither on the other
+// rows, nor on the grouping, nor on the threads. A factor kept in 4 bits
+// (LoraFactor::a4 / b4) is read in place (kernels/cpu/int4_dequant.h): a
+// tile's A rows 256 columns at a time, and a run's block of B once, are
 // dequantized into a stack buffer right before the same operations, so the
 // bits are those of the f32 kernel on the unpack_int4_rows values, and no
 // f32 copy of an adapter is made. A factor kept in bf16 (a16 / b16) is read
