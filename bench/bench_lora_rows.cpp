@@ -120,11 +120,12 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   };
   std::vector<float> u(static_cast<size_t>(n_jobs * T * c.rank));
   ThreadPool pool(1);
+  LoraRowsScratch scratch;
   int64_t call = 0;
   bind(0);
   for (auto _ : state) {
     if (c.layers > 1) bind(call++);
-    lora_rows(pool, jobs, rows, c.rank, u.data(), T);
+    lora_rows(pool, jobs, rows, c.rank, u.data(), T, scratch);
     benchmark::DoNotOptimize(ys[0].data());
   }
   int64_t macs = 0;

@@ -50,9 +50,10 @@ struct CpuWorkspace final : Workspace {
   AttnTrainScratch attention;  // the training attention's plans, K^T / V^T and tiles
   ScratchFloats weight_grad;   // linear_backward_weight's (the layers' and the loss's dW)
   ScratchFloats repack;        // pack_transposed's slices (W^T of weights repacked every step)
+  LoraRowsScratch lora;        // the server's per-row LoRA: its second pass's segments
   size_t bytes() const override {
     return matmul.bytes() + scratch_bytes(backward) + loss.bytes() + attention.bytes() + weight_grad.bytes() +
-           repack.bytes();
+           repack.bytes() + lora.segments.capacity() * sizeof(LoraSegment);
   }
   size_t loss_bytes() const override { return loss.bytes(); }
 };
@@ -186,9 +187,9 @@ class CpuBackend final : public Backend {
     loom::matmul_multi(pool_, std::span<const MatmulOut>(o, outs.size()), x, ldx, T, cpu(ws).matmul);
   }
 
-  void lora_rows(Workspace&, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows, int64_t max_rank,
+  void lora_rows(Workspace& ws, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows, int64_t max_rank,
                  float* u, int64_t T) override {
-    loom::lora_rows(pool_, jobs, rows, max_rank, u, T);
+    loom::lora_rows(pool_, jobs, rows, max_rank, u, T, cpu(ws).lora);
   }
 
   void rmsnorm(float* out, float* rstd, const float* x, const float* w, int64_t T, int64_t n, float eps) override {

@@ -378,17 +378,9 @@ inline void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y,
   }
 }
 
-// Rows of one job with one factor, adjacent in the listed rows: at most
-// kRunRows, so a segment is one run of the second pass.
-struct Segment {
-  int64_t j, k0, len;  // job, first listed row, rows
-  const LoraFactor* f;
-  int64_t first_unit, blocks;  // its units: block-major, then row
-};
-
 // Each job's listed rows cut into segments (rows without a factor left out).
-std::vector<Segment> segments_of(std::span<const LoraRowsJob> jobs, int64_t NR) {
-  std::vector<Segment> segs;
+void segments_of(std::span<const LoraRowsJob> jobs, int64_t NR, std::vector<LoraSegment>& segs) {
+  segs.clear();
   int64_t units = 0;
   for (int64_t j = 0; j < static_cast<int64_t>(jobs.size()); ++j) {
     const LoraFactor* const* fs = jobs[static_cast<size_t>(j)].factors;
@@ -403,7 +395,6 @@ std::vector<Segment> segments_of(std::span<const LoraRowsJob> jobs, int64_t NR) 
       k += n;
     }
   }
-  return segs;
 }
 
 // The second pass's view of a call: units segment by segment, in a segment
@@ -413,7 +404,7 @@ std::vector<Segment> segments_of(std::span<const LoraRowsJob> jobs, int64_t NR) 
 struct SecondPass {
   std::span<const LoraRowsJob> jobs;
   std::span<const int32_t> rows;
-  std::span<const Segment> segs;
+  std::span<const LoraSegment> segs;
   int64_t R, T;
   const float* u;
 
@@ -423,13 +414,13 @@ struct SecondPass {
 
   // Unit i: its segment, row within it and column block [c0, c1).
   struct Unit {
-    const Segment* seg;
+    const LoraSegment* seg;
     int64_t m, c0, c1;
   };
   Unit unit(int64_t i) const {
     const auto it = std::upper_bound(segs.begin(), segs.end(), i,
-                                     [](int64_t v, const Segment& sg) { return v < sg.first_unit; });
-    const Segment& sg = *(it - 1);
+                                     [](int64_t v, const LoraSegment& sg) { return v < sg.first_unit; });
+    const LoraSegment& sg = *(it - 1);
     const int64_t local = i - sg.first_unit, c0 = local / sg.len * kLoraCols;
     return {&sg, local % sg.len, c0, std::min(sg.f->out, c0 + kLoraCols)};
   }
@@ -532,7 +523,7 @@ void store_row(void* base, int64_t at, const float* x, int64_t n, bool f16) {
 }  // namespace
 
 void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
-               int64_t max_rank, float* u, int64_t T) {
+               int64_t max_rank, float* u, int64_t T, LoraRowsScratch& scratch) {
   LOOM_ASSERT(jobs.size() <= 3);
   const auto NR = static_cast<int64_t>(rows.size());
   const int64_t n_jobs = static_cast<int64_t>(jobs.size());
@@ -552,8 +543,8 @@ void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<co
     for (int64_t g = b / NR; g < n_groups && g * NR < e; ++g)
       p1.run(groups[g], std::max(b - g * NR, int64_t{0}), std::min(e - g * NR, NR));
   });
-  const std::vector<Segment> segs = segments_of(jobs, NR);
-  const SecondPass p2{jobs, rows, segs, max_rank, T, u};
+  segments_of(jobs, NR, scratch.segments);
+  const SecondPass p2{jobs, rows, scratch.segments, max_rank, T, u};
   pool.parallel_for(p2.units(), [&](int64_t b, int64_t e) { p2.run(b, e); });
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "core/thread_pool.h"
 #include "kernels/backend.h"
@@ -32,8 +33,21 @@ namespace loom {
 // f32 copy of an adapter is made. A factor kept in bf16 (a16 / b16) is read
 // the same way, widened exactly: half the bytes of f32, which is what decode
 // rows of many adapters wait for (each row streams its own adapter from DRAM).
+// Rows of one job with one factor, adjacent in the listed rows (at most 16):
+// one run of the second pass, whose units go segment by segment.
+struct LoraSegment {
+  int64_t j, k0, len;  // job, first listed row, rows
+  const LoraFactor* f;
+  int64_t first_unit, blocks;  // its units: block-major, then row
+};
+// The segments of the last call, kept so that a serving step allocates
+// nothing once warm (the CPU backend's workspace holds one).
+struct LoraRowsScratch {
+  std::vector<LoraSegment> segments;
+};
+
 void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
-               int64_t max_rank, float* u, int64_t T);
+               int64_t max_rank, float* u, int64_t T, LoraRowsScratch& scratch);
 
 // K/V rows [T, n_kv_heads * head_dim] into their slots of a paged store
 // (kernels/cpu/paged_attention.h layout), as f32 or IEEE half (round to nearest even).
