@@ -187,8 +187,8 @@ class CpuBackend final : public Backend {
     loom::matmul_multi(pool_, std::span<const MatmulOut>(o, outs.size()), x, ldx, T, cpu(ws).matmul);
   }
 
-  void lora_rows(Workspace& ws, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows, int64_t max_rank,
-                 float* u, int64_t T) override {
+  void lora_rows(Workspace& ws, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
+                 int64_t max_rank, float* u, int64_t T) override {
     loom::lora_rows(pool_, jobs, rows, max_rank, u, T, cpu(ws).lora);
   }
 
