@@ -13,15 +13,11 @@ void pack_4bit(LoadedAdapter& a) {
   size_t n = 0;
   for (const ServeLoraPair& p : a.view.pairs) n += p.present() && p.rank() % 2 == 0 ? 2 : 0;
   a.packed.reserve(n);  // Int4Rows point into these: no reallocation
-  a.bytes = 0;
   for (ServeLoraPair& p : a.view.pairs) {
     if (!p.present()) continue;
     const int64_t r = p.rank(), in = p.a.dim(1), out = p.b.dim(0);
     // An odd rank has no 4-bit row layout here: kept in f32 (PEFT ranks are even in practice).
-    if (r % 2 != 0) {
-      a.bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
-      continue;
-    }
+    if (r % 2 != 0) continue;
     const PackedInt4& qa = a.packed.emplace_back(
         pack_int4_rows(static_cast<const float*>(p.a.data), r, in, fitting_int4_group(in, kGroup)));
     const PackedInt4& qb = a.packed.emplace_back(
@@ -30,7 +26,6 @@ void pack_4bit(LoadedAdapter& a) {
     p.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
     p.a.data = nullptr;
     p.b.data = nullptr;
-    a.bytes += qa.bytes() + qb.bytes();
   }
   bool all_packed = true;
   for (const ServeLoraPair& p : a.view.pairs) all_packed = all_packed && (!p.present() || p.quantized());
@@ -62,7 +57,6 @@ void pack_bf16(LoadedAdapter& a) {
     p.b.data = nullptr;
     at += na + nb;
   }
-  a.bytes = n * sizeof(uint16_t);
   a.owned.clear();  // nothing points into the f32 copies or the file any more
   a.tensors.pairs.clear();
   a.tensors.mapping.reset();
@@ -74,9 +68,9 @@ void keep_adapter_in_bits(LoadedAdapter& a, int lora_bits) {
   a.f32_bytes = 0;
   for (const ServeLoraPair& p : a.view.pairs)
     if (p.present()) a.f32_bytes += static_cast<size_t>(p.a.numel() + p.b.numel()) * sizeof(float);
-  a.bytes = a.f32_bytes;
   if (lora_bits == 4) pack_4bit(a);
   if (lora_bits == 16) pack_bf16(a);
+  a.bytes = a.view.factor_bytes();
 }
 
 }  // namespace loom

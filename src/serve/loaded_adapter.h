@@ -30,7 +30,7 @@ struct LoadedAdapter {
   // decode rows of many adapters read their factors in short scattered spans (core/huge_page_buffer.h).
   HugePageBuffer halves;
   ServeAdapter view;
-  size_t bytes = 0;      // memory of the factors as kept (f32 or 4-bit)
+  size_t bytes = 0;      // memory of the factors as kept (f32, bf16 or 4-bit): view.factor_bytes()
   size_t f32_bytes = 0;  // what they take in f32
   // Tensor parallel, rank 0: follower rank k's part at [k - 1], cut at load
   // (off the scheduler thread) and released once the first step that uses the

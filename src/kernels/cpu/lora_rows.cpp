@@ -41,6 +41,13 @@ constexpr int64_t kPrefetchCols = 64;
 
 // The bytes of a factor's A, and of B's rows [c0, c1), as kept (f32, bf16 or 4 bits).
 size_t element_bits(const LoraFactor& f) { return f.bf16() ? 16 : f.quantized() ? 4 : 32; }
+// Some job of the call asked for its factors to be prefetched (else the
+// passes' span walks end at once: nothing to walk for).
+bool any_streams(std::span<const LoraRowsJob> jobs) {
+  for (const LoraRowsJob& j : jobs)
+    if (j.stream_factors) return true;
+  return false;
+}
 void a_span(const LoraFactor& f, const void*& data, size_t& bytes) {
   data = f.bf16()        ? static_cast<const void*>(f.a16)
          : f.quantized() ? static_cast<const void*>(f.a4.codes)
@@ -76,6 +83,7 @@ struct FactorRow {
     if (!f.quantized()) return {f.a + r * f.in, nullptr, nullptr, 0};
     return {nullptr, &f.a4, nullptr, r * f.in};
   }
+  size_t bits() const { return f32 != nullptr ? 32 : h != nullptr ? 16 : 4; }
   bool operator==(const FactorRow& o) const { return f32 == o.f32 && q == o.q && h == o.h && e0 == o.e0; }
   // Element c as unpack_int4_rows (or the bf16 widening) gives it.
   float at(int64_t c) const {
@@ -163,7 +171,7 @@ void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float
       }
     }
     accumulate<NR, NA>(acc, xs, as, 0, w);
-    pf.advance(static_cast<size_t>(NA * w) * (a[0].f32 != nullptr ? 32 : a[0].h != nullptr ? 16 : 4) / 8);
+    pf.advance(static_cast<size_t>(NA * w) * a[0].bits() / 8);
   }
   reduce_tile<NR, NA>(acc, s);
   for (int64_t c = n8; c < n; ++c)
@@ -287,7 +295,7 @@ struct FirstPass {
     const JobGroup& g;
     int64_t k, k1, job;
     Spans(const FirstPass& p, const JobGroup& g, int64_t k0, int64_t k1)
-        : p(p), g(g), k(k0), k1(k1), job(g.first) {}
+        : p(p), g(g), k(any_streams(p.jobs) ? k0 : k1), k1(k1), job(g.first) {}
     bool next(const void*& data, size_t& bytes) {
       for (;;) {
         if (job == g.first + g.count) {
@@ -468,7 +476,7 @@ struct SecondPass {
   struct Spans {
     const SecondPass& p;
     int64_t i, e;
-    Spans(const SecondPass& p, int64_t b, int64_t e) : p(p), i(b), e(e) {}
+    Spans(const SecondPass& p, int64_t b, int64_t e) : p(p), i(any_streams(p.jobs) ? b : e), e(e) {}
     bool next(const void*& data, size_t& bytes) {
       while (i < e) {
         const Unit at = p.unit(i);
