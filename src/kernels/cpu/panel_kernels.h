@@ -55,6 +55,17 @@ inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 // the cache lines kPrefetchBytes ahead of the `kBytes` it is about to read in a
 // panel. Batches reuse each panel for many tokens and need no hints.
 constexpr size_t kPrefetchBytes = 1536;
+
+// Panels per decode tile of the integer-dot (quantized) kernels: one, so each
+// thread reads its weights as one sequential stream. With 4 panels per tile (4
+// streams ~19 KiB apart per thread) an AMD Zen 4 read q4_k/q6_k from DRAM at
+// 18-27 GB/s against 27-34 with one (2 threads, bench Matmul/<type>/matvec_dram),
+// and a 1B-shape Q4_K_M decoded 37 -> 58 tokens/s; the AVX2 kernels gained as
+// much. Integer dots keep two vpdpbusd chains per output at P = 1 (kChainsFor),
+// so from cache they lose little. Float kernels keep several panels: their one
+// FMA chain per output would bound a single panel (f16 from L2: 52 -> 29 GB/s)
+// and their DRAM speed did not move with the panel count.
+constexpr int kDecodePanelsQuant = 1;
 template <size_t kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
   for (size_t o = 0; o < kBytes; o += 64) __builtin_prefetch(p + kPrefetchBytes + o, 0, 3);

@@ -122,7 +122,7 @@ struct Block32 : Block32Layout<kT> {
 template <DType kT>
 struct Q32Impl {
   using Q = Block32<kT>;
-  static constexpr int kP1 = 2, kPB = 1, kCB = 4;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
@@ -185,7 +185,7 @@ constexpr int kHalvesPerPass = C == 1 ? 2 : 1;
 template <DType kT>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
-  static constexpr int kP1 = 2, kPB = 1, kCB = 4;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -260,7 +260,7 @@ inline void add_bit2(const uint8_t* p, int h, __m256i (&ops)[8]) {
 
 template <DType kKind>
 struct K16Impl {
-  static constexpr int kP1 = 2, kPB = 1, kCB = 4;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   static constexpr bool kMin = kKind == DType::q2_k;
   static constexpr int kBits = kKind == DType::q6_k ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
   static constexpr size_t kPBB = kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600;

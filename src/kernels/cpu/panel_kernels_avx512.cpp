@@ -146,7 +146,7 @@ struct Block32 : Block32Layout<kT> {
 template <DType kT>
 struct Q32Impl {
   using Q = Block32<kT>;
-  static constexpr int kP1 = 4, kPB = 1, kCB = 8;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
@@ -183,7 +183,7 @@ struct Q32Impl {
 template <DType kT>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
-  static constexpr int kP1 = 4, kPB = 1, kCB = 16;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 16;
   static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -265,7 +265,7 @@ inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
 // acc = fma(float(I), d * d_x, acc); q2_k then acc -= float(sum_j m_j xsum_j) * dmin * d_x.
 template <DType kKind>
 struct K16Impl {
-  static constexpr int kP1 = 4, kPB = 1, kCB = 16;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 16;
   static constexpr bool kMin = kKind == DType::q2_k;
   static constexpr size_t kPBB = kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600;
   static constexpr size_t kScales = kMin ? 64 : 32;
