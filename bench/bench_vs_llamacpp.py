@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -150,6 +151,23 @@ def loom_bench(loom, model, a):
     return res
 
 
+def median_result(rounds, side, test, stat):
+    """The program's figure for a test: the median over the rounds that have it."""
+    vals = [r[side][test][stat] for r in rounds if r[side] and r[side][test]]
+    return {stat: statistics.median(vals)} if vals else None
+
+
+def round_ratios(rounds, test, stat):
+    """loom / llama.cpp within each round (both programs ran back to back)."""
+    out = []
+    for r in rounds:
+        lr = r["llama"][test] if r["llama"] else None
+        mr = r["loom"][test] if r["loom"] else None
+        if lr and mr and lr[stat] > 0:
+            out.append(mr[stat] / lr[stat])
+    return out
+
+
 def fmt_ts(r, stat):
     return f"{r[stat]:.2f}" if r else "-"
 
@@ -172,10 +190,15 @@ def main():
     ap.add_argument("--no-llama", action="store_true", help="skip llama-bench runs")
     ap.add_argument("--no-loom", action="store_true", help="skip loom runs")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per command")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the two programs this many times in turn per model; the table gives each "
+                         "one's median and the median (min-max) of the per-round ratios")
     ap.add_argument("--stat", choices=("avg", "best"), default="avg",
                     help="avg of the repetitions (default) or the fastest one, which is less "
                          "disturbed by other load on a shared machine")
     a = ap.parse_args()
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {a.rounds}")
 
     if not os.path.isfile(a.model):
         raise SystemExit(f"model {a.model} not found; run scripts/fetch_model")
@@ -198,21 +221,24 @@ def main():
 
     results = []
     for t, path in models:
-        entry = {"type": t, "model": os.path.relpath(path, ROOT)}
-        entry["llama"] = None if a.no_llama else llama_bench(a.llama_bin, path, a)
-        entry["loom"] = None if a.no_loom else loom_bench(a.loom, path, a)
+        entry = {"type": t, "model": os.path.relpath(path, ROOT), "rounds": []}
+        # Rounds alternate the two programs, so a drift in the machine's speed hits both.
+        for _ in range(a.rounds):
+            entry["rounds"].append({"llama": None if a.no_llama else llama_bench(a.llama_bin, path, a),
+                                    "loom": None if a.no_loom else loom_bench(a.loom, path, a)})
+        entry["llama"], entry["loom"] = entry["rounds"][-1]["llama"], entry["rounds"][-1]["loom"]
         results.append(entry)
 
     # Table.
     rows = []
     for e in results:
         for test, label in (("pp", f"pp{a.prompt}"), ("tg", f"tg{a.gen}")):
-            lr = e["llama"][test] if e["llama"] else None
-            mr = e["loom"][test] if e["loom"] else None
-            if lr and mr and lr[a.stat] > 0:
-                ratio = f"{mr[a.stat] / lr[a.stat]:.2f}"
-            else:
-                ratio = "-"
+            lr = median_result(e["rounds"], "llama", test, a.stat)
+            mr = median_result(e["rounds"], "loom", test, a.stat)
+            ratios = round_ratios(e["rounds"], test, a.stat)
+            ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
+            if len(ratios) > 1:
+                ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
             note = "; ".join(e[side]["error"] for side in ("llama", "loom")
                              if e[side] and e[side].get("error") and not e[side][test])
             # Decode against the bandwidth floor: weight bytes per token x tokens/s over the
@@ -230,19 +256,19 @@ def main():
     lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in [head] + rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     table = "\n".join(lines)
-    print(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps} stat={a.stat}")
+    print(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps} stat={a.stat} rounds={a.rounds}")
     print(table)
 
     os.makedirs(RESULTS_DIR, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = os.path.join(RESULTS_DIR, f"{stamp}-t{a.threads}")
     meta = {"date": stamp, "threads": a.threads, "prompt": a.prompt, "gen": a.gen, "reps": a.reps,
-            "stat": a.stat, "loadavg": os.getloadavg(),
+            "stat": a.stat, "rounds": a.rounds, "loadavg": os.getloadavg(),
             "host": platform.node(), "nproc": os.cpu_count(), "results": results}
     with open(base + ".json", "w") as f:
         json.dump(meta, f, indent=1)
     with open(base + ".md", "w") as f:
-        f.write(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps} stat={a.stat}\n\n{table}\n")
+        f.write(f"threads={a.threads} p={a.prompt} n={a.gen} r={a.reps} stat={a.stat} rounds={a.rounds}\n\n{table}\n")
     log(f"raw results: {os.path.relpath(base, ROOT)}.json / .md")
 
 
