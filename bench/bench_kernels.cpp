@@ -309,6 +309,15 @@ void register_all() {
         if (threads > 1) b->UseRealTime();
       }
     }
+    // Prompt tiles at Llama-3.2-1B's widths: K = 2048 (q/o/gate/up) and 8192
+    // (down), where one panel plus a tile's activations no longer fit in L1.
+    if (t == DType::q4_k || t == DType::q5_k || t == DType::q6_k || t == DType::q8_0 || t == DType::f16 ||
+        t == DType::bf16)
+      for (const int64_t k1b : {int64_t{2048}, int64_t{8192}}) {
+        const std::string pname = fmt::format("Matmul/{}/T512_2048x{}/t1", dtype_name(t), k1b);
+        benchmark::RegisterBenchmark(pname.c_str(), run_case, Case{t, 2048, k1b, 512, 1, true})
+            ->Unit(benchmark::kMillisecond);
+      }
     // Decode from DRAM: 256 MiB of weights, more than any cache holds (the
     // matvec cases above fit in L2/L3 and flatter the kernels that stream worst).
     const int64_t dram_K = 2048, dram_N = (int64_t{256} << 20) / static_cast<int64_t>(dtype_row_bytes(t, dram_K));
