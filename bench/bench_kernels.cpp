@@ -22,12 +22,12 @@
 #include "core/dtype.h"
 #include "core/half.h"
 #include "core/thread_pool.h"
+#include "kernels/cpu/dequant.h"
 #include "kernels/cpu/linear_backward.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops_backward.h"
 #include "kernels/cpu/paged_attention.h"
-#include "kernels/cpu/dequant.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -336,7 +336,8 @@ void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx) {
 void register_paged_attention() {
   for (const DType kv : {DType::f16, DType::f32}) {
     const std::string name = fmt::format("PagedAttention/decode16_ctx288_{}/t1", dtype_name(kv));
-    benchmark::RegisterBenchmark(name.c_str(), run_paged_attention, kv, int64_t{288})->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(name.c_str(), run_paged_attention, kv, int64_t{288})
+        ->Unit(benchmark::kMicrosecond);
   }
 }
 
