@@ -246,12 +246,16 @@ def main():
             lf = mf = "-"
             lj = (e["loom"] or {}).get("json") or {}
             if test == "tg" and lj.get("read_gbps") and lj.get("weight_bytes_per_token"):
-                per = lj["weight_bytes_per_token"] / (lj["read_gbps"] * 1e9)
-                lf = f"{100 * lr[a.stat] * per:.0f}%" if lr else "-"
-                mf = f"{100 * mr[a.stat] * per:.0f}%" if mr else "-"
+                # Against the best pass, and against the median pass where loom reported it.
+                gbps = [lj["read_gbps"]] + ([lj["read_gbps_median"]] if lj.get("read_gbps_median") else [])
+
+                def floor(r):
+                    return " / ".join(f"{100 * r[a.stat] * lj['weight_bytes_per_token'] / (g * 1e9):.0f}%"
+                                      for g in gbps) if r else "-"
+                lf, mf = floor(lr), floor(mr)
             rows.append((e["type"], label, fmt_ts(lr, a.stat), fmt_ts(mr, a.stat), ratio, lf, mf, note))
-    head = ("model", "test", "llama.cpp t/s", "loom t/s", "loom/llama.cpp", "llama.cpp floor", "loom floor",
-            "note")
+    head = ("model", "test", "llama.cpp t/s", "loom t/s", "loom/llama.cpp", "llama.cpp floor (best / median)",
+            "loom floor (best / median)", "note")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in [head] + rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

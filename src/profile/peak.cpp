@@ -52,17 +52,24 @@ const char* precision_name(BackwardPrecision p) {
 // The fastest of repeated calls (after one warm-up): a peak is what the machine
 // can do, so the best run counts, not the mean.
 template <typename F>
-double best_seconds(F&& fn, double min_seconds) {
+std::vector<double> pass_seconds(F&& fn, double min_seconds) {
   fn();
-  double best = 1e30, total = 0;
-  for (int n = 0; n < 3 || total < min_seconds; ++n) {
+  std::vector<double> passes;
+  double total = 0;
+  while (passes.size() < 3 || total < min_seconds) {
     const auto t0 = Clock::now();
     fn();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    best = std::min(best, s);
+    passes.push_back(std::max(s, 1e-9));
     total += s;
   }
-  return std::max(best, 1e-9);
+  return passes;
+}
+
+template <typename F>
+double best_seconds(F&& fn, double min_seconds) {
+  const std::vector<double> passes = pass_seconds(fn, min_seconds);
+  return *std::min_element(passes.begin(), passes.end());
 }
 
 // Sum of n 64-bit words: four independent 256-bit accumulators and a software
@@ -92,7 +99,7 @@ uint64_t sum_words(const uint64_t* p, size_t n) {
 
 }  // namespace
 
-double measure_read_gbps(ThreadPool& pool, size_t bytes, double min_seconds) {
+ReadBandwidth measure_read_bandwidth(ThreadPool& pool, size_t bytes, double min_seconds) {
   const size_t n = std::max<size_t>(bytes / sizeof(uint64_t), 1024);
   std::vector<uint64_t> buf(n);
   // Written by the threads that read it (first touch), and not zero: zero pages
@@ -102,7 +109,7 @@ double measure_read_gbps(ThreadPool& pool, size_t bytes, double min_seconds) {
       buf[static_cast<size_t>(i)] = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
   });
   std::vector<uint64_t> sums(static_cast<size_t>(pool.size()) * 8);  // a cache line per thread
-  const double s = best_seconds(
+  std::vector<double> passes = pass_seconds(
       [&] {
         pool.run([&](int ti, int tn) {
           const size_t b = n * static_cast<size_t>(ti) / static_cast<size_t>(tn);
@@ -113,7 +120,13 @@ double measure_read_gbps(ThreadPool& pool, size_t bytes, double min_seconds) {
       min_seconds);
   volatile uint64_t sink = 0;
   for (uint64_t v : sums) sink = sink + v;
-  return static_cast<double>(n * sizeof(uint64_t)) / s / 1e9;
+  std::sort(passes.begin(), passes.end());
+  const double gb = static_cast<double>(n * sizeof(uint64_t)) / 1e9;
+  return {gb / passes.front(), gb / passes[passes.size() / 2]};
+}
+
+double measure_read_gbps(ThreadPool& pool, size_t bytes, double min_seconds) {
+  return measure_read_bandwidth(pool, bytes, min_seconds).best_gbps;
 }
 
 namespace {

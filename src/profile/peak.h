@@ -93,6 +93,16 @@ PeakOptions quick_peak_options();
 // most, the floor `loom bench` compares generation with.
 double measure_read_gbps(ThreadPool& pool, size_t bytes = size_t{256} << 20, double min_seconds = 0.3);
 
+// The same passes' best and median. On a machine shared with others the best
+// pass catches moments the neighbours were idle (a streaming loop on a Zen 4
+// VM: median 27.5 GB/s, best 37.9 over 11 passes), while a decode run averages
+// over them; the median is what a long run can count on.
+struct ReadBandwidth {
+  double best_gbps = 0, median_gbps = 0;
+};
+ReadBandwidth measure_read_bandwidth(ThreadPool& pool, size_t bytes = size_t{256} << 20,
+                                     double min_seconds = 0.3);
+
 using PeakProgress = std::function<void(const std::string&)>;
 // Measures on the CPU backend computing with `pool` (key.threads should be
 // pool.size()). Random weights of each type: quantize_rows' types, nf4 and

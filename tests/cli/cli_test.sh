@@ -266,6 +266,8 @@ import json, sys
 o = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 assert 95_000_000 < o["weight_bytes_per_token"] < 98_000_000, o  # SmolLM2 Q4_1: 92.1 MiB of weights
 assert o["read_gbps"] > 0.1 and 0 < o["tg_floor_fraction"] < 2, o
+assert 0.1 < o["read_gbps_median"] <= o["read_gbps"], o  # the median pass never beats the best
+assert o["tg_floor_fraction"] <= o["tg_floor_fraction_median"] < 4, o
 assert len(o["pp_samples_tokens_per_s"]) == 1 and len(o["tg_samples_tokens_per_s"]) == 1, o
 PY
 then pass=$((pass + 1)); else echo "FAIL bench --json floor fields"; cat "$tmp/bench.err" | tail -3; fail=$((fail + 1)); fi

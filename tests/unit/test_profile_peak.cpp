@@ -102,6 +102,16 @@ TEST(ProfilePeak, QuickMeasurementHasEveryOpTypeAndRegime) {
 // Timed through the profiling backend, every call the peak makes is recorded
 // with an entry's op, dtype, shape and FLOPs (gflops x the best call's
 // seconds), and every entry was recorded: the peak and a trace's classes count alike.
+// The median pass can never read faster than the best one, and both are
+// plausible for 16 MiB read by two threads (a cache or DRAM, not a clock error).
+TEST(ProfilePeak, ReadBandwidthBestIsAtLeastTheMedianPass) {
+  ThreadPool pool(2);
+  const ReadBandwidth bw = measure_read_bandwidth(pool, size_t{16} << 20, 0.05);
+  EXPECT_GT(bw.median_gbps, 0.1);
+  EXPECT_GE(bw.best_gbps, bw.median_gbps);
+  EXPECT_LT(bw.best_gbps, 10000.0);
+}
+
 TEST(ProfilePeak, EveryEntryIsTheOpAsTheProfilerRecordsIt) {
   ThreadPool pool(2);
   Tracer tracer;
