@@ -142,9 +142,8 @@ int run_bench(int argc, char** argv) {
                   stg.mean, stg.stddev);
     if (read_gbps > 0)
       std::printf(
-          "tg reads %.1f MiB of weights per token: %.1f GB/s, %.0f%% of the %.1f GB/s this machine reads at "
-          "best "
-          "(%.0f%% of its median pass, %.1f GB/s)\n",
+          "tg reads %.1f MiB of weights per token: %.1f GB/s, %.0f%% of the %.1f GB/s this machine reads "
+          "at best (%.0f%% of its median pass, %.1f GB/s)\n",
           token_bytes / (1 << 20), tg_gbps, 100 * floor_fraction, read_gbps, 100 * median_fraction,
           bw.median_gbps);
   }

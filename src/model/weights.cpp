@@ -75,6 +75,15 @@ class Binder {
 
 }  // namespace
 
+size_t decode_matrix_bytes(const ModelWeights& w) {
+  size_t n = w.output.data != nullptr ? w.output.nbytes() : 0;
+  for (const LayerWeights& L : w.layers) {
+    if (!L.held()) continue;
+    for (const Tensor* t : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) n += t->nbytes();
+  }
+  return n;
+}
+
 void dequantize_weights(ModelWeights& w) {
   auto expand = [&w](Tensor& t) {
     if (t.data == nullptr || t.dtype == DType::f32) return;  // not held (a pipeline stage's cut), or f32 already

@@ -56,6 +56,12 @@ struct ModelWeights {
 Tensor& target_matrix(LayerWeights& L, LoraTarget t);
 const Tensor& target_matrix(const LayerWeights& L, LoraTarget t);
 
+// Bytes of the matrices one decoded token reads: every held layer's seven and
+// the output projection (a tied one is the embedding; an untied embedding is
+// read a row at a time, so it does not count); the norm vectors are left out.
+// The server's "do the weights and adapters fit the cache" test uses it.
+size_t decode_matrix_bytes(const ModelWeights& w);
+
 // Tensor names of the two on-disk layouts.
 enum class WeightNaming { gguf, hugging_face };
 

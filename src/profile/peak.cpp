@@ -49,8 +49,8 @@ const char* precision_name(BackwardPrecision p) {
   return "?";
 }
 
-// The fastest of repeated calls (after one warm-up): a peak is what the machine
-// can do, so the best run counts, not the mean.
+// Seconds of each of repeated calls after one warm-up: at least 3, and at
+// least `min_seconds` in all.
 template <typename F>
 std::vector<double> pass_seconds(F&& fn, double min_seconds) {
   fn();
@@ -66,6 +66,8 @@ std::vector<double> pass_seconds(F&& fn, double min_seconds) {
   return passes;
 }
 
+// The fastest of them: a peak is what the machine can do, so the best run
+// counts, not the mean.
 template <typename F>
 double best_seconds(F&& fn, double min_seconds) {
   const std::vector<double> passes = pass_seconds(fn, min_seconds);

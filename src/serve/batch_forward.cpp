@@ -110,10 +110,7 @@ BatchForward::BatchForward(const ModelConfig& config, const ModelWeights& weight
       adapters_(std::make_unique<RowAdapters>(*this)),
       acts_(config, backend, max_batch_tokens, /*kv_rows=*/true) {
   llc_bytes_ = last_level_cache_bytes();
-  weight_bytes_ = weights.output.nbytes();
-  for (const LayerWeights& L : weights.layers)
-    for (const Tensor* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
-      weight_bytes_ += w->data != nullptr ? w->nbytes() : 0;
+  weight_bytes_ = decode_matrix_bytes(weights);
   LOOM_ASSERT(max_batch_tokens > 0 && max_logit_rows > 0);
   LOOM_ASSERT(kv.n_layers() == config.n_layers && kv.n_kv_heads() == config.n_kv_heads &&
               kv.head_dim() == config.head_dim);
