@@ -48,7 +48,7 @@ inline void zero_tile(__m512 (&acc)[P][C]) {
 
 // The float sums of a tile in memory (L1) rather than registers: the k-quant
 // batch tiles update them once per superblock, and their registers go to the
-// integer sums of 16 tokens next to the unpacked weights.
+// integer sums of 8 tokens next to the unpacked weights and the 8 dot products.
 template <int P, int C>
 struct MemAcc {
   alignas(64) float v[P][C][16];
@@ -126,6 +126,23 @@ inline __m512i idot(__m512i init, const __m512i (&ops)[8], const int8_t* x) {
 template <int P, int C>
 constexpr int kChainsFor = P * C >= 4 ? 1 : 2;
 
+// d[c] += sum over o in [O0, O1) of ops[o] . x[c][4o..4o+3] for the C tokens of
+// a batch tile, token-interleaved: the C vpdpbusd of one operand are independent
+// and sit next to each other, where one token after the other (idot) makes
+// chains of 4-8 dependent vpdpbusd for the scheduler to overlap. With the
+// token-outer tile order (panel_kernels.h) and 8-token tiles this ran q4_0,
+// q4_k, q5_k and q8_0 T = 512 tiles 7-18% faster on an AMD Zen 4 than the
+// per-token order with 16-token tiles (q6_k alike); a stand-alone loop of the
+// q6_k group ran 1.3-1.7 G vpdpbusd/s per core per token, 2.4-2.7 interleaved.
+// Integer sums are exact, so the order changes no result.
+template <int O0, int O1, int C>
+inline void idot_tokens(__m512i (&d)[C], const __m512i (&ops)[8], const int8_t* const (&x)[C]) {
+#pragma GCC unroll 8
+  for (int o = O0; o < O1; ++o)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) d[c] = _mm512_dpbusd_epi32(d[c], ops[o], bcast32(x[c] + 4 * o));
+}
+
 // ---- 32-element block types: q4_0, q4_1, q5_0, q5_1, q8_0 ----
 
 template <DType kT>
@@ -147,6 +164,7 @@ template <DType kT>
 struct Q32Impl {
   using Q = Block32<kT>;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr bool kTokensOuter = true;
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m512 acc[P][C];
@@ -161,10 +179,21 @@ struct Q32Impl {
         if constexpr (Q::kMin) mw = load_f16x16(pb + 32);
         __m512i ops[8];
         Q::unpack(pb, ops);
+        const ActQ8x32* xs[C];
+        const int8_t* xq[C];
+        __m512i dots[C];
         for (int c = 0; c < C; ++c) {
-          const auto* x = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
-          const __m512i init = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(x->aux);
-          const __m512 f = _mm512_cvtepi32_ps(idot<0, 8, kChainsFor<P, C>>(init, ops, x->qs));
+          xs[c] = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
+          xq[c] = xs[c]->qs;
+          dots[c] = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(xs[c]->aux);
+        }
+        if constexpr (C == 1)
+          dots[0] = idot<0, 8, kChainsFor<P, C>>(dots[0], ops, xq[0]);
+        else
+          idot_tokens<0, 8>(dots, ops, xq);
+        for (int c = 0; c < C; ++c) {
+          const ActQ8x32* x = xs[c];
+          const __m512 f = _mm512_cvtepi32_ps(dots[c]);
           acc[p][c] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(x->d)), acc[p][c]);
           if constexpr (Q::kMin) {
             float s;
@@ -183,7 +212,8 @@ struct Q32Impl {
 template <DType kT>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 16;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr bool kTokensOuter = true;
   static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -205,11 +235,18 @@ struct Q45KImpl {
           __m512i ops[8];
           unpack_nibbles(pb + 320 + g * kGroup, ops);
           if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, ops);
+          const int8_t* xq[C];
+          __m512i dots[C];
           for (int c = 0; c < C; ++c) {
-            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m512i d = idot<0, 8, kChainsFor<P, C>>(_mm512_setzero_si512(), ops, x->qs + 32 * g);
-            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(d, sc));
+            xq[c] = (reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb)->qs + 32 * g;
+            dots[c] = _mm512_setzero_si512();
           }
+          if constexpr (C == 1)
+            dots[0] = idot<0, 8, kChainsFor<P, C>>(dots[0], ops, xq[0]);
+          else
+            idot_tokens<0, 8>(dots, ops, xq);
+          for (int c = 0; c < C; ++c)
+            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc));
         }
       }
       for (int p = 0; p < P; ++p) {
@@ -265,7 +302,8 @@ inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
 // acc = fma(float(I), d * d_x, acc); q2_k then acc -= float(sum_j m_j xsum_j) * dmin * d_x.
 template <DType kKind>
 struct K16Impl {
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 16;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
   static constexpr size_t kPBB = kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600;
   static constexpr size_t kScales = kMin ? 64 : 32;
@@ -306,12 +344,28 @@ struct K16Impl {
               _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
           __m512i ops[8];
           unpack(pb + kGroups + g * kGroup, ops);
+          const ActQ8K* xs[C];
+          const int8_t* xq[C];
           for (int c = 0; c < C; ++c) {
-            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m512i d0 = idot<0, 4, kChainsFor<P, C>>(offset(x, 2 * g), ops, x->qs + 32 * g);
-            const __m512i d1 = idot<4, 8, kChainsFor<P, C>>(offset(x, 2 * g + 1), ops, x->qs + 32 * g);
-            isc[p][c] = _mm512_add_epi32(
-                isc[p][c], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
+            xs[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            xq[c] = xs[c]->qs + 32 * g;
+          }
+          if constexpr (C == 1) {
+            const __m512i d0 = idot<0, 4, kChainsFor<P, C>>(offset(xs[0], 2 * g), ops, xq[0]);
+            const __m512i d1 = idot<4, 8, kChainsFor<P, C>>(offset(xs[0], 2 * g + 1), ops, xq[0]);
+            isc[p][0] = _mm512_add_epi32(
+                isc[p][0], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
+          } else {
+            // Wrapping int32 adds are associative: the same sums as the decode order.
+            __m512i dots[C];
+            for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g);
+            idot_tokens<0, 4>(dots, ops, xq);
+            for (int c = 0; c < C; ++c)
+              isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
+            for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g + 1);
+            idot_tokens<4, 8>(dots, ops, xq);
+            for (int c = 0; c < C; ++c)
+              isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc1));
           }
         }
       }
