@@ -160,6 +160,31 @@ TEST(Matmul, BatchInvariant) {
   }
 }
 
+// Batch tiles that walk tokens outside groups of panels (kTileGroupBytes, 256 KiB,
+// in kernels/cpu/panel_kernels.h): matrices of several groups, a last group and
+// a last token tile that are partial, 1 and 2 threads, bit-equal to the scalar model.
+TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
+  constexpr int64_t kGroupBytes = int64_t{256} << 10;
+  ThreadPool pool1(1), pool2(2);
+  MatmulScratch scratch;
+  uint32_t seed = 900;
+  for (DType type : {DType::q4_0, DType::q8_0, DType::q4_k, DType::q5_k, DType::q6_k, DType::q2_k}) {
+    const int64_t K = test_k(type, 1);
+    const int64_t group_rows = kGroupBytes / static_cast<int64_t>(dtype_row_bytes(type, K)) / 16 * 16;
+    Problem pr(type, 2 * group_rows + 37, K, 19, seed++);
+    const auto want = pr.model();
+    const PackedWeight pw = PackedWeight::pack(pr.W, &pool2);
+    for (cpu::Isa isa : isas())
+      for (ThreadPool* pool : {&pool1, &pool2}) {
+        std::vector<float> y(static_cast<size_t>(pr.N * pr.T), -7.0f);
+        cpu::matmul_isa(isa, *pool, pw, pr.x.data(), pr.K, y.data(), pr.N, pr.T, scratch);
+        expect_bits_equal(want, y,
+                          std::string(dtype_name(type)) + " N=" + std::to_string(pr.N) + " " + isa_name(isa) +
+                              " threads=" + std::to_string(pool->size()));
+      }
+  }
+}
+
 // Results do not depend on the number of threads, nor on the instruction set.
 TEST(Matmul, ThreadCountAndIsaInvariant) {
   ThreadPool p1(1), p2(2), p3(3);  // 3: uneven splits
