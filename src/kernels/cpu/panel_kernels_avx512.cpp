@@ -132,7 +132,7 @@ constexpr int kChainsFor = P * C >= 4 ? 1 : 2;
 // chains of 4-8 dependent vpdpbusd for the scheduler to overlap. With the
 // token-outer tile order (panel_kernels.h) and 8-token tiles this ran q4_0,
 // q4_k, q5_k and q8_0 T = 512 tiles 7-18% faster on an AMD Zen 4 than the
-// per-token order with 16-token tiles (q6_k alike); a stand-alone loop of the
+// per-token order (the k-quants then with 16-token tiles); a stand-alone loop of the
 // q6_k group ran 1.3-1.7 G vpdpbusd/s per core per token, 2.4-2.7 interleaved.
 // Integer sums are exact, so the order changes no result.
 template <int O0, int O1, int C>
@@ -141,6 +141,16 @@ inline void idot_tokens(__m512i (&d)[C], const __m512i (&ops)[8], const int8_t* 
   for (int o = O0; o < O1; ++o)
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) d[c] = _mm512_dpbusd_epi32(d[c], ops[o], bcast32(x[c] + 4 * o));
+}
+
+// The dots of a tile's C tokens: a decode tile (one token) splits its chain as
+// kChainsFor says, a batch tile interleaves its tokens.
+template <int O0, int O1, int P, int C>
+inline void idot_tile(__m512i (&d)[C], const __m512i (&ops)[8], const int8_t* const (&x)[C]) {
+  if constexpr (C == 1)
+    d[0] = idot<O0, O1, kChainsFor<P, C>>(d[0], ops, x[0]);
+  else
+    idot_tokens<O0, O1>(d, ops, x);
 }
 
 // ---- 32-element block types: q4_0, q4_1, q5_0, q5_1, q8_0 ----
@@ -187,10 +197,7 @@ struct Q32Impl {
           xq[c] = xs[c]->qs;
           dots[c] = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(xs[c]->aux);
         }
-        if constexpr (C == 1)
-          dots[0] = idot<0, 8, kChainsFor<P, C>>(dots[0], ops, xq[0]);
-        else
-          idot_tokens<0, 8>(dots, ops, xq);
+        idot_tile<0, 8, P>(dots, ops, xq);
         for (int c = 0; c < C; ++c) {
           const ActQ8x32* x = xs[c];
           const __m512 f = _mm512_cvtepi32_ps(dots[c]);
@@ -241,10 +248,7 @@ struct Q45KImpl {
             xq[c] = (reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb)->qs + 32 * g;
             dots[c] = _mm512_setzero_si512();
           }
-          if constexpr (C == 1)
-            dots[0] = idot<0, 8, kChainsFor<P, C>>(dots[0], ops, xq[0]);
-          else
-            idot_tokens<0, 8>(dots, ops, xq);
+          idot_tile<0, 8, P>(dots, ops, xq);
           for (int c = 0; c < C; ++c)
             isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc));
         }
@@ -350,23 +354,16 @@ struct K16Impl {
             xs[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
             xq[c] = xs[c]->qs + 32 * g;
           }
-          if constexpr (C == 1) {
-            const __m512i d0 = idot<0, 4, kChainsFor<P, C>>(offset(xs[0], 2 * g), ops, xq[0]);
-            const __m512i d1 = idot<4, 8, kChainsFor<P, C>>(offset(xs[0], 2 * g + 1), ops, xq[0]);
-            isc[p][0] = _mm512_add_epi32(
-                isc[p][0], _mm512_add_epi32(_mm512_mullo_epi32(d0, sc0), _mm512_mullo_epi32(d1, sc1)));
-          } else {
-            // Wrapping int32 adds are associative: the same sums as the decode order.
-            __m512i dots[C];
-            for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g);
-            idot_tokens<0, 4>(dots, ops, xq);
-            for (int c = 0; c < C; ++c)
-              isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
-            for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g + 1);
-            idot_tokens<4, 8>(dots, ops, xq);
-            for (int c = 0; c < C; ++c)
-              isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc1));
-          }
+          // The two sub-blocks' scaled sums in turn (wrapping int32 adds: any order gives the same sums).
+          __m512i dots[C];
+          for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g);
+          idot_tile<0, 4, P>(dots, ops, xq);
+          for (int c = 0; c < C; ++c)
+            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
+          for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g + 1);
+          idot_tile<4, 8, P>(dots, ops, xq);
+          for (int c = 0; c < C; ++c)
+            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc1));
         }
       }
       for (int p = 0; p < P; ++p) {
