@@ -160,11 +160,11 @@ TEST(Matmul, BatchInvariant) {
   }
 }
 
-// Batch tiles that walk tokens outside groups of panels (kTileGroupBytes, 256 KiB,
-// in kernels/cpu/panel_kernels.h): matrices of several groups, a last group and
+// Batch tiles that walk tokens outside groups of panels (kTileGroupBytes,
+// kernels/cpu/panel.h): matrices of several groups, a last group and
 // a last token tile that are partial, 1 and 2 threads, bit-equal to the scalar model.
 TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
-  constexpr int64_t kGroupBytes = int64_t{256} << 10;
+  constexpr int64_t kGroupBytes = cpu::kTileGroupBytes;
   ThreadPool pool1(1), pool2(2);
   MatmulScratch scratch;
   uint32_t seed = 900;
@@ -182,6 +182,59 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
                           std::string(dtype_name(type)) + " N=" + std::to_string(pr.N) + " " + isa_name(isa) +
                               " threads=" + std::to_string(pool->size()));
       }
+  }
+}
+
+// The k-quant batch kernels unpack each group of panels into scratch once and run
+// the token tiles on the copy (AVX-512: q2_k .. q6_k; AVX2: q2_k, q3_k, q6_k):
+// with scratch for the default group, for exactly one panel (a group per panel)
+// and for none (the packed kernel), both instruction sets give the scalar
+// model's bits. T = 19: the AVX-512 kernels'
+// two full 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
+TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
+  uint32_t seed = 950;
+  for (DType type : {DType::q4_k, DType::q5_k, DType::q6_k, DType::q3_k, DType::q2_k}) {
+    const int64_t K = test_k(type, 1);
+    Problem pr(type, 16 * 5 + 3, K, 19, seed++);
+    const auto want = pr.model();
+    const PackedWeight pw = PackedWeight::pack(pr.W);
+    for (cpu::Isa isa : isas()) {
+      if (isa == cpu::Isa::amx) continue;  // k-quants run the AVX-512 kernels there
+      const bool avx2 = isa == cpu::Isa::avx2;
+      const size_t panel =
+          avx2 ? cpu::unpacked_panel_bytes_avx2(type, K) : cpu::unpacked_panel_bytes_avx512(type, K);
+      const bool has_unpacked = !(avx2 && (type == DType::q4_k || type == DType::q5_k));
+      ASSERT_EQ(panel > 0, has_unpacked) << dtype_name(type) << " " << isa_name(isa);
+      if (!has_unpacked) continue;
+      const size_t group = cpu::unpack_scratch_bytes(panel);
+      ASSERT_GT(group, 2 * panel);
+      const cpu::ActKind kind = cpu::act_kind(type, cpu::bf16_native(isa));
+      const size_t arb = cpu::act_row_bytes(kind, K);
+      std::vector<uint8_t> act(arb * static_cast<size_t>(pr.T));
+      for (int64_t t = 0; t < pr.T; ++t)
+        cpu::quantize_act_row(kind, type, pr.x.data() + t * K, K, &act[arb * t]);
+      for (size_t tmp_bytes : {size_t{0}, group, panel}) {
+        std::vector<uint8_t> tmp(tmp_bytes);
+        std::vector<float> y(static_cast<size_t>(pr.N * pr.T), -7.0f);
+        cpu::KernelArgs a;
+        a.panels = pw.panel(0);
+        a.panel_stride = pw.panel_bytes();
+        a.n_panels = pw.n_panels();
+        a.K = K;
+        a.act = act.data();
+        a.act_stride = arb;
+        a.T = pr.T;
+        a.y = y.data();
+        a.ldy = pr.N;
+        a.n_valid = pr.N;
+        a.tmp = tmp_bytes > 0 ? tmp.data() : nullptr;
+        a.tmp_bytes = tmp_bytes;
+        (avx2 ? cpu::panel_kernel_avx2 : cpu::panel_kernel_avx512)(type, a);
+        expect_bits_equal(
+            want, y,
+            std::string(dtype_name(type)) + " " + isa_name(isa) + " scratch=" + std::to_string(tmp_bytes));
+      }
+    }
   }
 }
 

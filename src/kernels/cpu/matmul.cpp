@@ -17,6 +17,9 @@ using cpu::kPanelRows;
 
 constexpr int64_t kFlyGroup = 4;  // panels packed at a time by matmul(Tensor)
 constexpr int64_t kAmxMinT = 8;   // AMX tiles pay off from about this many tokens
+// Unpacking a batch's panels once per call (AVX-512 k-quants) pays off from about
+// two token tiles per worker; below that each panel is unpacked about once anyway.
+constexpr int64_t kUnpackMinT = 16;
 
 inline size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -87,7 +90,14 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
 
   // Per-worker scratch (grown here, on the calling thread, before any worker runs).
   const size_t fly_bytes = fly ? static_cast<size_t>(kFlyGroup) * segs[0].pstride : 0;
-  const size_t tmp_bytes = use_amx ? static_cast<size_t>(K) * kPanelRows : 0;  // AMX: unpacked 8-bit panel
+  const int64_t worker_tokens = split_tokens ? T / nt : T;
+  size_t tmp_bytes = 0;
+  if (use_amx)
+    tmp_bytes = static_cast<size_t>(K) * kPanelRows;  // AMX: unpacked 8-bit panel
+  else if (worker_tokens >= kUnpackMinT)
+    if (const size_t panel = isa == cpu::Isa::avx2 ? cpu::unpacked_panel_bytes_avx2(type, K)
+                                                   : cpu::unpacked_panel_bytes_avx512(type, K))
+      tmp_bytes = cpu::unpack_scratch_bytes(panel);
   if (fly_bytes + tmp_bytes > 0)
     for (int i = 0; i < nt; ++i) scratch.get(1 + static_cast<size_t>(i), fly_bytes + tmp_bytes);
 
@@ -135,6 +145,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     a.act_stride = astride;
     a.T = t1 - t0;
     a.tmp = tmp_bytes > 0 ? wb + fly_bytes : nullptr;
+    a.tmp_bytes = tmp_bytes;
     a.bf16_pairs = bf16_pairs;
     int64_t base = 0;  // global index of the segment's first panel
     for (const Segment& g : segs) {

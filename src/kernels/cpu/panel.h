@@ -136,13 +136,29 @@ struct KernelArgs {
   float* y = nullptr;  // y[t*ldy + 16*p + r] for panel p, token t, row r
   int64_t ldy = 0;
   int64_t n_valid = 0;  // rows beyond this (counted from panel 0) are not stored
-  void* tmp = nullptr;  // per-thread scratch (AMX: K*16 bytes)
+  void* tmp = nullptr;  // per-thread scratch (AMX: K*16 bytes; AVX-512 k-quants: unpacked panels)
+  size_t tmp_bytes = 0;
   bool bf16_pairs = false;  // bf16 weights: act rows are ActKind::bf16pairs (else bf16f32)
 };
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
 void panel_kernel_avx2(DType type, const KernelArgs& a);
 void panel_kernel_avx512(DType type, const KernelArgs& a);
+// Panels a batch tile group walks (panel_kernels.h): about this many bytes, so a
+// group stays in L2 (1-2 MiB per core on the x86 classes targeted) while every
+// token tile passes over it.
+constexpr int64_t kTileGroupBytes = int64_t{256} << 10;
+// The k-quant kernels unpack the panels of a batch (T > 1) into a.tmp once per
+// call, instead of once per token tile, when a.tmp_bytes holds at least one
+// unpacked panel of these bytes (0: the type's kernel reads packed panels only).
+size_t unpacked_panel_bytes_avx2(DType type, int64_t K);
+size_t unpacked_panel_bytes_avx512(DType type, int64_t K);
+// Scratch for a group of unpacked panels of `panel` bytes: about
+// kTileGroupBytes, at least one panel.
+inline size_t unpack_scratch_bytes(size_t panel) {
+  const size_t group = static_cast<size_t>(kTileGroupBytes);
+  return panel >= group ? panel : group / panel * panel;
+}
 
 // matmul with an explicit kernel set (tests and benchmarks run both paths on one
 // machine; the public matmul picks by use_avx512_kernels()). avx512 needs

@@ -73,14 +73,17 @@ inline void prefetch_ahead(const uint8_t* p) {
 }
 
 // Batch tiles of the AVX-512 integer kernels walk tokens outside panels within a
-// group of panels of about kTileGroupBytes: a tile's act rows (C tokens, 3-24 KiB)
+// group of panels of about kTileGroupBytes (panel.h): a tile's act rows (C tokens, 3-24 KiB)
 // stay in L1 for every panel of the group, and the group stays in L2 for every
 // token. The panel-outer order re-read each token's act row from L2 once per
 // panel, 4 bytes per vpdpbusd; on an AMD Zen 4 the token order ran T = 512
 // tiles 5-29% faster (q4_0 .. q8_0, q4_k, q5_k, q6_k; Matmul/<type>/T512_*,
 // same-moment pairs). The AVX2 kernels (maddubs, 4 tokens per tile) measured
 // no better that way and keep one panel per group.
-constexpr int64_t kTileGroupBytes = int64_t{256} << 10;
+
+// Bytes of a group of 32 values in an unpacked panel (has_unpacked below): the
+// 8 operands of 16 rows x 4 values, each as one whole byte.
+constexpr size_t kUnpackedGroup = 512;
 
 template <class Impl>
 constexpr bool tokens_outer() {
@@ -90,18 +93,13 @@ constexpr bool tokens_outer() {
     return false;
 }
 
-// Impl provides run<P, C>(const TileArgs&), the tile sizes kP1 (panels per tile
-// when T == 1), kPB and kCB (panels and tokens per tile when T > 1), and
-// optionally kTokensOuter (above). Each tile covers the whole K, so the order
-// of tiles changes no result.
+// Walks a's tiles: groups of `group` panels (a multiple of the batch tile's
+// panels), tokens inside a group, panels inside a token tile.
 template <class Impl>
-void drive_tiles(const KernelArgs& a) {
+void walk_tiles(const KernelArgs& a, int64_t group) {
   const bool decode = a.T == 1;
   const int PT = decode ? Impl::kP1 : Impl::kPB;
   const int CT = decode ? 1 : Impl::kCB;
-  int64_t group = PT;  // panels per group: one tile's worth walks panels outermost
-  if (tokens_outer<Impl>())
-    group = std::max<int64_t>(PT, kTileGroupBytes / static_cast<int64_t>(a.panel_stride) / PT * PT);
   for (int64_t p0 = 0; p0 < a.n_panels; p0 += group) {
     const int64_t p1 = min_i64(p0 + group, a.n_panels);
     for (int64_t t = 0; t < a.T; t += CT) {
@@ -118,6 +116,54 @@ void drive_tiles(const KernelArgs& a) {
       }
     }
   }
+}
+
+// An Impl may name a kernel for its panels unpacked to whole bytes, `Unpacked`,
+// with panel_bytes(K) and unpack_panel(packed, K, out): a batch with a.tmp then
+// unpacks each group of panels into it once and runs every token tile on the
+// unpacked copy, where the packed kernel unpacks each panel once per tile of
+// kCB tokens (the shifts and masks of the low bits and high bits). The copy holds
+// the same integers, so no result changes. Within a group, tiles go in the
+// Impl's order (kTokensOuter or not).
+template <class Impl>
+constexpr bool has_unpacked() {
+  return requires { typename Impl::Unpacked; };
+}
+
+template <class Impl>
+void drive_unpacked(const KernelArgs& a, size_t panel_bytes) {
+  using U = typename Impl::Unpacked;
+  const int64_t group =
+      std::max<int64_t>(1, static_cast<int64_t>(a.tmp_bytes / panel_bytes)) / U::kPB * U::kPB;
+  auto* buf = static_cast<uint8_t*>(a.tmp);
+  for (int64_t p0 = 0; p0 < a.n_panels; p0 += group) {
+    const int64_t pn = min_i64(group, a.n_panels - p0);
+    for (int64_t i = 0; i < pn; ++i)
+      U::unpack_panel(a.panels + (p0 + i) * a.panel_stride, a.K, buf + static_cast<size_t>(i) * panel_bytes);
+    KernelArgs g = a;
+    g.panels = buf;
+    g.panel_stride = panel_bytes;
+    g.n_panels = pn;
+    g.y = a.y + p0 * kPanelRows;
+    g.n_valid = a.n_valid - p0 * kPanelRows;
+    walk_tiles<U>(g, tokens_outer<U>() ? pn : U::kPB);
+  }
+}
+
+// Impl provides run<P, C>(const TileArgs&), the tile sizes kP1 (panels per tile
+// when T == 1), kPB and kCB (panels and tokens per tile when T > 1), and
+// optionally kTokensOuter and Unpacked (above). Each tile covers the whole K,
+// so the order of tiles changes no result.
+template <class Impl>
+void drive_tiles(const KernelArgs& a) {
+  if constexpr (has_unpacked<Impl>()) {
+    const size_t ub = Impl::Unpacked::panel_bytes(a.K);
+    if (a.T > 1 && a.tmp != nullptr && a.tmp_bytes >= ub) return drive_unpacked<Impl>(a, ub);
+  }
+  int64_t group = a.T == 1 ? Impl::kP1 : Impl::kPB;  // one tile's worth walks panels outermost
+  if (tokens_outer<Impl>())
+    group = std::max<int64_t>(group, kTileGroupBytes / static_cast<int64_t>(a.panel_stride) / group * group);
+  walk_tiles<Impl>(a, group);
 }
 
 // The dtype switch of every ISA file, given its kernel families (templates over

@@ -216,12 +216,44 @@ struct Q32Impl {
 
 // ---- q4_k / q5_k: 8 groups of 32 with u8 scales and mins ----
 
-template <DType kT>
+// The whole-byte copy of a panel (kUnpacked): each superblock's header as
+// packed, then per group of 32 the 8 operands, 64 bytes each (kUnpackedGroup).
+template <class Packed, class Unpacked, size_t kHeader>
+void unpack_superblocks(const uint8_t* pan, int64_t K, uint8_t* out) {
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* src = pan + sb * Packed::kPBB;
+    uint8_t* dst = out + sb * Unpacked::kPBB;
+    std::memcpy(dst, src, kHeader);
+    for (int g = 0; g < 8; ++g) {
+      __m512i ops[8];
+      Packed::unpack(src + kHeader + g * Packed::kGroup, ops);
+      for (int o = 0; o < 8; ++o) _mm512_storeu_si512(dst + kHeader + g * kUnpackedGroup + 64 * o, ops[o]);
+    }
+  }
+}
+
+template <DType kT, bool kUnpacked = false>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kTokensOuter = true;
-  static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
+  static constexpr size_t kPackedGroup = kFive ? 320 : 256;
+  static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kPackedGroup;
+  static constexpr size_t kPBB = 320 + 8 * kGroup;
+  static_assert(kUnpacked || kPBB == (kFive ? 2880 : 2368));
+  using Unpacked = Q45KImpl<kT, true>;
+  static void unpack(const uint8_t* gp, __m512i (&ops)[8]) {
+    if constexpr (kUnpacked) {
+      for (int o = 0; o < 8; ++o) ops[o] = load512(gp + 64 * o);
+    } else {
+      unpack_nibbles(gp, ops);
+      if constexpr (kFive) add_bit4(gp + 256, ops);
+    }
+  }
+  static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
+  static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
+    unpack_superblocks<Q45KImpl<kT, false>, Q45KImpl, 320>(pan, K, out);
+  }
   template <int P, int C>
   static void run(const TileArgs& ta) {
     MemAcc<P, C> acc;
@@ -232,16 +264,15 @@ struct Q45KImpl {
         for (int c = 0; c < C; ++c) isc[p][c] = _mm512_setzero_si512();
       for (int g = 0; g < 8; ++g) {
         for (int p = 0; p < P; ++p) {
-          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
-          if constexpr (C == 1) {
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+          if constexpr (C == 1 && !kUnpacked) {
             if (g == 0) prefetch_ahead<320>(pb);
             prefetch_ahead<kGroup>(pb + 320 + g * kGroup);
           }
           const __m512i sc =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 64 + 16 * g)));
           __m512i ops[8];
-          unpack_nibbles(pb + 320 + g * kGroup, ops);
-          if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, ops);
+          unpack(pb + 320 + g * kGroup, ops);
           const int8_t* xq[C];
           __m512i dots[C];
           for (int c = 0; c < C; ++c) {
@@ -254,7 +285,7 @@ struct Q45KImpl {
         }
       }
       for (int p = 0; p < P; ++p) {
-        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
         const __m512 dw = load_f16x16(pb), dm = load_f16x16(pb + 32);
         __m512i mins[4];
         for (int q = 0; q < 4; ++q)
@@ -304,17 +335,28 @@ inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
 // Per 256: I = sum_j sc_j * (sum_{16} u x + offset_j) with u = q (q2_k), q + 4
 // (q3_k, offset -4 * xsum_j) or the 6-bit value (q6_k, offset -32 * xsum_j);
 // acc = fma(float(I), d * d_x, acc); q2_k then acc -= float(sum_j m_j xsum_j) * dmin * d_x.
-template <DType kKind>
+// kUnpacked: the panel's whole-byte copy (unpack_superblocks; the header is the
+// kGroups bytes before the quants).
+template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
-  static constexpr size_t kPBB = kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600;
   static constexpr size_t kScales = kMin ? 64 : 32;
   static constexpr size_t kGroups = kMin ? 576 : 288;
-  static constexpr size_t kGroup = kKind == DType::q6_k ? 384 : kKind == DType::q3_k ? 192 : 128;
+  static constexpr size_t kPackedGroup = kKind == DType::q6_k ? 384 : kKind == DType::q3_k ? 192 : 128;
+  static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kPackedGroup;
+  static constexpr size_t kPBB = kGroups + 8 * kGroup;
+  static_assert(kUnpacked || kPBB == (kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600));
+  using Unpacked = K16Impl<kKind, true>;
+  static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
+  static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
+    unpack_superblocks<K16Impl<kKind, false>, K16Impl, kGroups>(pan, K, out);
+  }
   static void unpack(const uint8_t* gp, __m512i (&ops)[8]) {
-    if constexpr (kKind == DType::q6_k) {
+    if constexpr (kUnpacked) {
+      for (int o = 0; o < 8; ++o) ops[o] = load512(gp + 64 * o);
+    } else if constexpr (kKind == DType::q6_k) {
       unpack_nibbles(gp, ops);
       add_bits45(gp + 256, ops);
     } else {
@@ -338,7 +380,7 @@ struct K16Impl {
       for (int g = 0; g < 8; ++g) {
         for (int p = 0; p < P; ++p) {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
-          if constexpr (C == 1) {
+          if constexpr (C == 1 && !kUnpacked) {
             if (g == 0) prefetch_ahead<kGroups>(pb);
             prefetch_ahead<kGroup>(pb + kGroups + g * kGroup);
           }
@@ -496,6 +538,23 @@ struct FloatImpl {
 };
 
 }  // namespace
+
+size_t unpacked_panel_bytes_avx512(DType type, int64_t K) {
+  switch (type) {
+    case DType::q4_k:
+      return Q45KImpl<DType::q4_k, true>::panel_bytes(K);
+    case DType::q5_k:
+      return Q45KImpl<DType::q5_k, true>::panel_bytes(K);
+    case DType::q6_k:
+      return K16Impl<DType::q6_k, true>::panel_bytes(K);
+    case DType::q3_k:
+      return K16Impl<DType::q3_k, true>::panel_bytes(K);
+    case DType::q2_k:
+      return K16Impl<DType::q2_k, true>::panel_bytes(K);
+    default:
+      return 0;
+  }
+}
 
 void panel_kernel_avx512(DType type, const KernelArgs& a) {
   if (type == DType::nf4) return nf4_panel_kernel_avx512(a);
