@@ -4,14 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
-#include "kernels/cpu/panel.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/panel.h"
 #include "matmul_test_util.h"
 
 namespace loom {
@@ -185,15 +186,16 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
   }
 }
 
-// The k-quant batch kernels unpack each group of panels into scratch once and run
-// the token tiles on the copy (AVX-512: q2_k .. q6_k; AVX2: q2_k, q3_k, q6_k):
-// with scratch for the default group, for exactly one panel (a group per panel)
-// and for none (the packed kernel), both instruction sets give the scalar
-// model's bits. T = 19: the AVX-512 kernels'
-// two full 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
+// The k-quant and f16 batch kernels unpack each group of panels into scratch once and run
+// the token tiles on the copy (AVX-512: q2_k .. q6_k and f16 widened to f32;
+// AVX2: q2_k, q3_k, q6_k) with scratch for the default group, for two
+// panels (the float tiles' two; several groups) and for none (the packed
+// kernel), both instruction sets give the scalar model's bits. T = 19: the
+// AVX-512 kernels' two full 8-token tiles and a partial one (AVX2: 4 full, 1
+// partial).
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
-  for (DType type : {DType::q4_k, DType::q5_k, DType::q6_k, DType::q3_k, DType::q2_k}) {
+  for (DType type : {DType::q4_k, DType::q5_k, DType::q6_k, DType::q3_k, DType::q2_k, DType::f16}) {
     const int64_t K = test_k(type, 1);
     Problem pr(type, 16 * 5 + 3, K, 19, seed++);
     const auto want = pr.model();
@@ -203,7 +205,7 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       const bool avx2 = isa == cpu::Isa::avx2;
       const size_t panel =
           avx2 ? cpu::unpacked_panel_bytes_avx2(type, K) : cpu::unpacked_panel_bytes_avx512(type, K);
-      const bool has_unpacked = !(avx2 && (type == DType::q4_k || type == DType::q5_k));
+      const bool has_unpacked = !(avx2 && (type == DType::q4_k || type == DType::q5_k || type == DType::f16));
       ASSERT_EQ(panel > 0, has_unpacked) << dtype_name(type) << " " << isa_name(isa);
       if (!has_unpacked) continue;
       const size_t group = cpu::unpack_scratch_bytes(panel);
@@ -212,8 +214,11 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       const size_t arb = cpu::act_row_bytes(kind, K);
       std::vector<uint8_t> act(arb * static_cast<size_t>(pr.T));
       for (int64_t t = 0; t < pr.T; ++t)
-        cpu::quantize_act_row(kind, type, pr.x.data() + t * K, K, &act[arb * t]);
-      for (size_t tmp_bytes : {size_t{0}, group, panel}) {
+        if (kind == cpu::ActKind::f32)
+          std::memcpy(&act[arb * t], pr.x.data() + t * K, arb);
+        else
+          cpu::quantize_act_row(kind, type, pr.x.data() + t * K, K, &act[arb * t]);
+      for (size_t tmp_bytes : {size_t{0}, group, 2 * panel}) {
         std::vector<uint8_t> tmp(tmp_bytes);
         std::vector<float> y(static_cast<size_t>(pr.N * pr.T), -7.0f);
         cpu::KernelArgs a;

@@ -148,16 +148,17 @@ void panel_kernel_avx512(DType type, const KernelArgs& a);
 // group stays in L2 (1-2 MiB per core on the x86 classes targeted) while every
 // token tile passes over it.
 constexpr int64_t kTileGroupBytes = int64_t{256} << 10;
-// The k-quant kernels unpack the panels of a batch (T > 1) into a.tmp once per
-// call, instead of once per token tile, when a.tmp_bytes holds at least one
-// unpacked panel of these bytes (0: the type's kernel reads packed panels only).
+// The k-quant and f16 kernels unpack (widen) the panels of a batch (T > 1) into
+// a.tmp once per call, instead of once per token tile, when a.tmp_bytes holds a
+// tile's worth of unpacked panels of these bytes (0: the type's kernel reads
+// packed panels only).
 size_t unpacked_panel_bytes_avx2(DType type, int64_t K);
 size_t unpacked_panel_bytes_avx512(DType type, int64_t K);
 // Scratch for a group of unpacked panels of `panel` bytes: about
-// kTileGroupBytes, at least one panel.
+// kTileGroupBytes, at least two panels (the float tiles take two at a time).
 inline size_t unpack_scratch_bytes(size_t panel) {
-  const size_t group = static_cast<size_t>(kTileGroupBytes);
-  return panel >= group ? panel : group / panel * panel;
+  const size_t group = static_cast<size_t>(kTileGroupBytes) / panel * panel;
+  return group >= 2 * panel ? group : 2 * panel;
 }
 
 // matmul with an explicit kernel set (tests and benchmarks run both paths on one

@@ -124,17 +124,17 @@ void walk_tiles(const KernelArgs& a, int64_t group) {
 // unpacked copy, where the packed kernel unpacks each panel once per tile of
 // kCB tokens (the shifts and masks of the low bits and high bits). The copy holds
 // the same integers, so no result changes. Within a group, tiles go in the
-// Impl's order (kTokensOuter or not).
+// Impl's order (kTokensOuter or not). Scratch for fewer than one tile's kPB
+// panels leaves the batch on the packed panels.
 template <class Impl>
 constexpr bool has_unpacked() {
-  return requires { typename Impl::Unpacked; };
+  return requires { Impl::Unpacked::panel_bytes(int64_t{}); };
 }
 
 template <class Impl>
 void drive_unpacked(const KernelArgs& a, size_t panel_bytes) {
   using U = typename Impl::Unpacked;
-  const int64_t group =
-      std::max<int64_t>(1, static_cast<int64_t>(a.tmp_bytes / panel_bytes)) / U::kPB * U::kPB;
+  const int64_t group = static_cast<int64_t>(a.tmp_bytes / panel_bytes) / U::kPB * U::kPB;  // >= kPB
   auto* buf = static_cast<uint8_t*>(a.tmp);
   for (int64_t p0 = 0; p0 < a.n_panels; p0 += group) {
     const int64_t pn = min_i64(group, a.n_panels - p0);
@@ -158,7 +158,8 @@ template <class Impl>
 void drive_tiles(const KernelArgs& a) {
   if constexpr (has_unpacked<Impl>()) {
     const size_t ub = Impl::Unpacked::panel_bytes(a.K);
-    if (a.T > 1 && a.tmp != nullptr && a.tmp_bytes >= ub) return drive_unpacked<Impl>(a, ub);
+    if (a.T > 1 && a.tmp != nullptr && a.tmp_bytes >= ub * Impl::Unpacked::kPB)
+      return drive_unpacked<Impl>(a, ub);
   }
   int64_t group = a.T == 1 ? Impl::kP1 : Impl::kPB;  // one tile's worth walks panels outermost
   if (tokens_outer<Impl>())
