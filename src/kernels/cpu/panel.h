@@ -155,10 +155,10 @@ constexpr int64_t kTileGroupBytes = int64_t{256} << 10;
 size_t unpacked_panel_bytes_avx2(DType type, int64_t K);
 size_t unpacked_panel_bytes_avx512(DType type, int64_t K);
 // Scratch for a group of unpacked panels of `panel` bytes: about
-// kTileGroupBytes, at least two panels (the float tiles take two at a time).
+// kTileGroupBytes, at least the 4 panels a batch tile may take at a time.
 inline size_t unpack_scratch_bytes(size_t panel) {
   const size_t group = static_cast<size_t>(kTileGroupBytes) / panel * panel;
-  return group >= 2 * panel ? group : 2 * panel;
+  return group >= 4 * panel ? group : 4 * panel;
 }
 
 // matmul with an explicit kernel set (tests and benchmarks run both paths on one
