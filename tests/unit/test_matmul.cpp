@@ -186,16 +186,16 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
   }
 }
 
-// The k-quant and f16 batch kernels unpack each group of panels into scratch
-// once and run the token tiles on the copy (AVX-512: q2_k .. q6_k and f16
-// widened to f32; AVX2: q2_k, q3_k, q6_k). With scratch for the default group,
-// for three panels (the float tiles' three: several groups, the last one
-// partial) and for none (the packed kernel), both instruction sets give the
-// scalar model's bits. T = 19: the AVX-512 kernels' two full 8-token tiles and
-// a partial one (AVX2: 4 full, 1 partial).
+// The batch kernels of most quantized types and f16 unpack each group of panels
+// into scratch once and run the token tiles on the copy (AVX-512: q5_0, q5_1,
+// q2_k .. q6_k and f16 widened to f32; AVX2: q4_0 .. q5_1, q2_k, q3_k, q6_k). With scratch for the default
+// group, for three panels (the float tiles' three: several groups, the last one partial) and for none (the
+// packed kernel), both instruction sets give the scalar model's bits. T = 19: the AVX-512 kernels' two full
+// 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
-  for (DType type : {DType::q4_k, DType::q5_k, DType::q6_k, DType::q3_k, DType::q2_k, DType::f16}) {
+  for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q4_k, DType::q5_k,
+                     DType::q6_k, DType::q3_k, DType::q2_k, DType::f16}) {
     const int64_t K = test_k(type, 1);
     Problem pr(type, 16 * 6 + 3, K, 19, seed++);  // 7 panels: groups of 3, 3 and 1
     const auto want = pr.model();
@@ -205,7 +205,9 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       const bool avx2 = isa == cpu::Isa::avx2;
       const size_t panel =
           avx2 ? cpu::unpacked_panel_bytes_avx2(type, K) : cpu::unpacked_panel_bytes_avx512(type, K);
-      const bool has_unpacked = !(avx2 && (type == DType::q4_k || type == DType::q5_k || type == DType::f16));
+      const bool q4 = type == DType::q4_0 || type == DType::q4_1;
+      const bool has_unpacked =
+          avx2 ? !(type == DType::q4_k || type == DType::q5_k || type == DType::f16) : !q4;
       ASSERT_EQ(panel > 0, has_unpacked) << dtype_name(type) << " " << isa_name(isa);
       if (!has_unpacked) continue;
       const size_t group = cpu::unpack_scratch_bytes(panel);
