@@ -17,8 +17,9 @@ using cpu::kPanelRows;
 
 constexpr int64_t kFlyGroup = 4;  // panels packed at a time by matmul(Tensor)
 constexpr int64_t kAmxMinT = 8;   // AMX tiles pay off from about this many tokens
-// Unpacking a batch's panels once per call (AVX-512 k-quants) pays off from about
-// two token tiles per worker; below that each panel is unpacked about once anyway.
+// Unpacking a batch's panels once per call (the types with an unpacked kernel,
+// panel.h) pays off from about two token tiles per worker; below that the tiles
+// unpack each panel about once anyway.
 constexpr int64_t kUnpackMinT = 16;
 
 inline size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }

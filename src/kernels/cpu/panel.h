@@ -136,8 +136,8 @@ struct KernelArgs {
   float* y = nullptr;  // y[t*ldy + 16*p + r] for panel p, token t, row r
   int64_t ldy = 0;
   int64_t n_valid = 0;  // rows beyond this (counted from panel 0) are not stored
-  void* tmp = nullptr;  // per-thread scratch (AMX: K*16 bytes; AVX-512 k-quants: unpacked panels)
-  size_t tmp_bytes = 0;
+  void* tmp = nullptr;  // per-thread scratch (AMX: K*16 bytes; else a batch's unpacked panels)
+  size_t tmp_bytes = 0;     // its size
   bool bf16_pairs = false;  // bf16 weights: act rows are ActKind::bf16pairs (else bf16f32)
 };
 
@@ -148,10 +148,10 @@ void panel_kernel_avx512(DType type, const KernelArgs& a);
 // group stays in L2 (1-2 MiB per core on the x86 classes targeted) while every
 // token tile passes over it.
 constexpr int64_t kTileGroupBytes = int64_t{256} << 10;
-// The k-quant and f16 kernels unpack (widen) the panels of a batch (T > 1) into
-// a.tmp once per call, instead of once per token tile, when a.tmp_bytes holds a
-// tile's worth of unpacked panels of these bytes (0: the type's kernel reads
-// packed panels only).
+// The kernels of most quantized types (and AVX-512 f16) unpack or widen the
+// panels of a batch (T > 1) into a.tmp once per call, instead of once per token
+// tile, when a.tmp_bytes holds a tile's worth of unpacked panels of these bytes
+// (0: the type's kernel reads packed panels only).
 size_t unpacked_panel_bytes_avx2(DType type, int64_t K);
 size_t unpacked_panel_bytes_avx512(DType type, int64_t K);
 // Scratch for a group of unpacked panels of `panel` bytes: about

@@ -73,9 +73,9 @@ inline void prefetch_ahead(const uint8_t* p) {
 }
 
 // Batch tiles of the AVX-512 integer kernels walk tokens outside panels within a
-// group of panels of about kTileGroupBytes (panel.h): a tile's act rows (C tokens, 3-24 KiB)
-// stay in L1 for every panel of the group, and the group stays in L2 for every
-// token. The panel-outer order re-read each token's act row from L2 once per
+// group of panels of about kTileGroupBytes (panel.h): a tile's act rows (C
+// tokens, 3-24 KiB) stay in L1 for every panel of the group, and the group stays
+// in L2 for every token. The panel-outer order re-read each token's act row from L2 once per
 // panel, 4 bytes per vpdpbusd; on an AMD Zen 4 the token order ran T = 512
 // tiles 5-29% faster (q4_0 .. q8_0, q4_k, q5_k, q6_k; Matmul/<type>/T512_*,
 // same-moment pairs). The AVX2 kernels (maddubs, 4 tokens per tile) measured
@@ -122,8 +122,8 @@ void walk_tiles(const KernelArgs& a, int64_t group) {
 // with panel_bytes(K) and unpack_panel(packed, K, out): a batch with a.tmp then
 // unpacks each group of panels into it once and runs every token tile on the
 // unpacked copy, where the packed kernel unpacks each panel once per tile of
-// kCB tokens (the shifts and masks of the low bits and high bits). The copy holds
-// the same integers, so no result changes. Within a group, tiles go in the
+// kCB tokens (the shifts and masks of the low and high bits; f16's conversion to
+// f32). The copy holds the same values, so no result changes. Within a group, tiles go in the
 // Impl's order (kTokensOuter or not). Scratch for fewer than one tile's kPB
 // panels leaves the batch on the packed panels.
 template <class Impl>
