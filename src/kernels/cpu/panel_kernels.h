@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cpu/panel.h"
 
@@ -169,26 +170,66 @@ void drive_tiles(const KernelArgs& a) {
 
 // The dtype switch of every ISA file, given its kernel families (templates over
 // the weight type): Q32 (q4_0 .. q8_0), Q45K (q4_k, q5_k), K16 (q6_k, q3_k,
-// q2_k) and Flt (f32, f16); bf16 has its own kernels in each file.
+// q2_k) and Flt (f32, f16); bf16 has its own kernels in each file. Returns
+// fn.template operator()<Impl>() for the type's Impl (Impl = void for a type of
+// none of the families).
+template <template <DType> class Q32, template <DType> class Q45K, template <DType> class K16,
+          template <DType> class Flt, class Fn>
+decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
+  switch (type) {
+    case DType::q4_0:
+      return fn.template operator()<Q32<DType::q4_0>>();
+    case DType::q4_1:
+      return fn.template operator()<Q32<DType::q4_1>>();
+    case DType::q5_0:
+      return fn.template operator()<Q32<DType::q5_0>>();
+    case DType::q5_1:
+      return fn.template operator()<Q32<DType::q5_1>>();
+    case DType::q8_0:
+      return fn.template operator()<Q32<DType::q8_0>>();
+    case DType::q4_k:
+      return fn.template operator()<Q45K<DType::q4_k>>();
+    case DType::q5_k:
+      return fn.template operator()<Q45K<DType::q5_k>>();
+    case DType::q6_k:
+      return fn.template operator()<K16<DType::q6_k>>();
+    case DType::q3_k:
+      return fn.template operator()<K16<DType::q3_k>>();
+    case DType::q2_k:
+      return fn.template operator()<K16<DType::q2_k>>();
+    case DType::f32:
+      return fn.template operator()<Flt<DType::f32>>();
+    case DType::f16:
+      return fn.template operator()<Flt<DType::f16>>();
+    default:
+      return fn.template operator()<void>();
+  }
+}
+
 template <template <DType> class Q32, template <DType> class Q45K, template <DType> class K16,
           template <DType> class Flt>
 void run_panel_kernel(DType type, const KernelArgs& a) {
-  switch (type) {
-    case DType::q4_0: return drive_tiles<Q32<DType::q4_0>>(a);
-    case DType::q4_1: return drive_tiles<Q32<DType::q4_1>>(a);
-    case DType::q5_0: return drive_tiles<Q32<DType::q5_0>>(a);
-    case DType::q5_1: return drive_tiles<Q32<DType::q5_1>>(a);
-    case DType::q8_0: return drive_tiles<Q32<DType::q8_0>>(a);
-    case DType::q4_k: return drive_tiles<Q45K<DType::q4_k>>(a);
-    case DType::q5_k: return drive_tiles<Q45K<DType::q5_k>>(a);
-    case DType::q6_k: return drive_tiles<K16<DType::q6_k>>(a);
-    case DType::q3_k: return drive_tiles<K16<DType::q3_k>>(a);
-    case DType::q2_k: return drive_tiles<K16<DType::q2_k>>(a);
-    case DType::f32: return drive_tiles<Flt<DType::f32>>(a);
-    case DType::f16: return drive_tiles<Flt<DType::f16>>(a);
-    default: break;
-  }
-  __builtin_trap();  // the matmul driver only passes supported types
+  visit_kernel_family<Q32, Q45K, K16, Flt>(type, [&]<class Impl>() {
+    if constexpr (std::is_void_v<Impl>)
+      __builtin_trap();  // the matmul driver only passes supported types
+    else
+      drive_tiles<Impl>(a);
+  });
+}
+
+// Bytes of one panel of `type` unpacked for batches (0: its kernel has no
+// unpacked form), as drive_tiles will ask of KernelArgs::tmp.
+template <template <DType> class Q32, template <DType> class Q45K, template <DType> class K16,
+          template <DType> class Flt>
+size_t unpacked_panel_bytes_of(DType type, int64_t K) {
+  return visit_kernel_family<Q32, Q45K, K16, Flt>(type, [&]<class Impl>() -> size_t {
+    if constexpr (std::is_void_v<Impl>)
+      return 0;
+    else if constexpr (has_unpacked<Impl>())
+      return Impl::Unpacked::panel_bytes(K);
+    else
+      return 0;
+  });
 }
 
 // Byte layout of a 32-element type's panel block (panel.h): f16 d @0, f16 m @32
@@ -200,6 +241,9 @@ struct Block32Layout {
   static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word
   static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words
   static constexpr size_t kPB = kQuants + (kBits == 8 ? 512 : 256);
+  // Unpacked (drive_unpacked): the scales as packed, then 8 whole-byte operands.
+  static constexpr size_t kScaleBytes = kMin ? 64 : 32;
+  static constexpr size_t kUnpackedPB = kScaleBytes + 8 * 64;
 };
 static_assert(Block32Layout<DType::q4_0>::kPB == 288 && Block32Layout<DType::q4_1>::kPB == 320 &&
               Block32Layout<DType::q5_0>::kPB == 352 && Block32Layout<DType::q5_1>::kPB == 384 &&

@@ -128,8 +128,8 @@ template <DType kT, bool kUnpacked = false>
 struct Q32Impl {
   using Q = Block32<kT>;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
-  static constexpr size_t kHeader = Q::kMin ? 64 : 32;
-  static constexpr size_t kBlock = kUnpacked ? kHeader + 512 : Q::kPB;
+  static constexpr size_t kHeader = Q::kScaleBytes;
+  static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
   using Unpacked = std::conditional_t<kUnpacked || Q::kBits == 8, void, Q32Impl<kT, true>>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 32) * kBlock; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
@@ -496,24 +496,7 @@ struct FloatImpl {
 }  // namespace
 
 size_t unpacked_panel_bytes_avx2(DType type, int64_t K) {
-  switch (type) {
-    case DType::q4_0:
-      return Q32Impl<DType::q4_0, true>::panel_bytes(K);
-    case DType::q4_1:
-      return Q32Impl<DType::q4_1, true>::panel_bytes(K);
-    case DType::q5_0:
-      return Q32Impl<DType::q5_0, true>::panel_bytes(K);
-    case DType::q5_1:
-      return Q32Impl<DType::q5_1, true>::panel_bytes(K);
-    case DType::q6_k:
-      return K16Impl<DType::q6_k, true>::panel_bytes(K);
-    case DType::q3_k:
-      return K16Impl<DType::q3_k, true>::panel_bytes(K);
-    case DType::q2_k:
-      return K16Impl<DType::q2_k, true>::panel_bytes(K);
-    default:
-      return 0;
-  }
+  return unpacked_panel_bytes_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
 }
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {

@@ -180,8 +180,8 @@ struct Q32Impl {
   using Q = Block32<kT>;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kTokensOuter = true;
-  static constexpr size_t kHeader = Q::kMin ? 64 : 32;
-  static constexpr size_t kBlock = kUnpacked ? kHeader + 512 : Q::kPB;
+  static constexpr size_t kHeader = Q::kScaleBytes;
+  static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
   using Unpacked = std::conditional_t<kUnpacked || Q::kBits != 5, void, Q32Impl<kT, true>>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 32) * kBlock; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
@@ -580,26 +580,7 @@ struct F16WidenedImpl : FloatImpl<DType::f32> {
 }  // namespace
 
 size_t unpacked_panel_bytes_avx512(DType type, int64_t K) {
-  switch (type) {
-    case DType::q5_0:
-      return Q32Impl<DType::q5_0, true>::panel_bytes(K);
-    case DType::q5_1:
-      return Q32Impl<DType::q5_1, true>::panel_bytes(K);
-    case DType::q4_k:
-      return Q45KImpl<DType::q4_k, true>::panel_bytes(K);
-    case DType::q5_k:
-      return Q45KImpl<DType::q5_k, true>::panel_bytes(K);
-    case DType::q6_k:
-      return K16Impl<DType::q6_k, true>::panel_bytes(K);
-    case DType::q3_k:
-      return K16Impl<DType::q3_k, true>::panel_bytes(K);
-    case DType::q2_k:
-      return K16Impl<DType::q2_k, true>::panel_bytes(K);
-    case DType::f16:
-      return F16WidenedImpl::panel_bytes(K);
-    default:
-      return 0;
-  }
+  return unpacked_panel_bytes_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
 }
 
 void panel_kernel_avx512(DType type, const KernelArgs& a) {
