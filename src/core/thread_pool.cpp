@@ -104,11 +104,13 @@ void ThreadPool::run_impl(Trampoline tramp, void* ctx) {
   ctx_ = ctx;
   done_.store(0, std::memory_order_relaxed);
   next_.store(0, std::memory_order_release);  // claims acquire this (and the two lines above)
+  // The run's span starts before any worker can see it: a caller preempted after
+  // the wake would otherwise count less time than the workers already busy.
+  const int64_t start = accounting() ? now_ns() : 0;
   // Dekker-style with worker_loop (seq_cst both sides): either a worker going to
   // sleep sees the new generation, or we see it in sleepers_ and wake it.
   generation_.fetch_add(1, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) != 0) futex_wake(generation_, INT_MAX);
-  const int64_t start = accounting() ? now_ns() : 0;
   run_claimed();
   wait_all_done();
   if (start) in_run_ns_.store(in_run_ns_.load(std::memory_order_relaxed) + now_ns() - start, std::memory_order_relaxed);
