@@ -203,14 +203,16 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
     for (cpu::Isa isa : isas()) {
       if (isa == cpu::Isa::amx) continue;  // k-quants run the AVX-512 kernels there
       const bool avx2 = isa == cpu::Isa::avx2;
-      const size_t panel =
-          avx2 ? cpu::unpacked_panel_bytes_avx2(type, K) : cpu::unpacked_panel_bytes_avx512(type, K);
+      const cpu::UnpackedPanels u =
+          avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
+      const size_t panel = u.panel_bytes;
       const bool q4 = type == DType::q4_0 || type == DType::q4_1;
       const bool has_unpacked =
           avx2 ? !(type == DType::q4_k || type == DType::q5_k || type == DType::f16) : !q4;
       ASSERT_EQ(panel > 0, has_unpacked) << dtype_name(type) << " " << isa_name(isa);
       if (!has_unpacked) continue;
-      const size_t group = cpu::unpack_scratch_bytes(panel);
+      ASSERT_EQ(u.tile_panels, type == DType::f16 ? 3 : 1) << dtype_name(type) << " " << isa_name(isa);
+      const size_t group = cpu::unpack_scratch_bytes(u);
       ASSERT_GT(group, 3 * panel);
       const cpu::ActKind kind = cpu::act_kind(type, cpu::bf16_native(isa));
       const size_t arb = cpu::act_row_bytes(kind, K);

@@ -96,9 +96,10 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   if (use_amx)
     tmp_bytes = static_cast<size_t>(K) * kPanelRows;  // AMX: unpacked 8-bit panel
   else if (worker_tokens >= kUnpackMinT)
-    if (const size_t panel = isa == cpu::Isa::avx2 ? cpu::unpacked_panel_bytes_avx2(type, K)
-                                                   : cpu::unpacked_panel_bytes_avx512(type, K))
-      tmp_bytes = cpu::unpack_scratch_bytes(panel);
+    if (const cpu::UnpackedPanels u =
+            isa == cpu::Isa::avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
+        u.panel_bytes > 0)
+      tmp_bytes = cpu::unpack_scratch_bytes(u);
   if (fly_bytes + tmp_bytes > 0)
     for (int i = 0; i < nt; ++i) scratch.get(1 + static_cast<size_t>(i), fly_bytes + tmp_bytes);
 

@@ -150,15 +150,19 @@ void panel_kernel_avx512(DType type, const KernelArgs& a);
 constexpr int64_t kTileGroupBytes = int64_t{256} << 10;
 // The kernels of most quantized types (and AVX-512 f16) unpack or widen the
 // panels of a batch (T > 1) into a.tmp once per call, instead of once per token
-// tile, when a.tmp_bytes holds a tile's worth of unpacked panels of these bytes
-// (0: the type's kernel reads packed panels only).
-size_t unpacked_panel_bytes_avx2(DType type, int64_t K);
-size_t unpacked_panel_bytes_avx512(DType type, int64_t K);
-// Scratch for a group of unpacked panels of `panel` bytes: about
-// kTileGroupBytes, at least the 4 panels a batch tile may take at a time.
-inline size_t unpack_scratch_bytes(size_t panel) {
-  const size_t group = static_cast<size_t>(kTileGroupBytes) / panel * panel;
-  return group >= 4 * panel ? group : 4 * panel;
+// tile, when a.tmp_bytes holds a tile's panels unpacked: their bytes each (0: the
+// type's kernel reads packed panels only) and how many a batch tile takes.
+struct UnpackedPanels {
+  size_t panel_bytes = 0;
+  int tile_panels = 0;
+};
+UnpackedPanels unpacked_panels_avx2(DType type, int64_t K);
+UnpackedPanels unpacked_panels_avx512(DType type, int64_t K);
+// Scratch for a group of unpacked panels: about kTileGroupBytes, at least a tile's.
+inline size_t unpack_scratch_bytes(const UnpackedPanels& u) {
+  const size_t group = static_cast<size_t>(kTileGroupBytes) / u.panel_bytes * u.panel_bytes;
+  const size_t tile = static_cast<size_t>(u.tile_panels) * u.panel_bytes;
+  return group >= tile ? group : tile;
 }
 
 // matmul with an explicit kernel set (tests and benchmarks run both paths on one

@@ -217,18 +217,18 @@ void run_panel_kernel(DType type, const KernelArgs& a) {
   });
 }
 
-// Bytes of one panel of `type` unpacked for batches (0: its kernel has no
-// unpacked form), as drive_tiles will ask of KernelArgs::tmp.
+// The unpacked panels of `type` for batches (none: its kernel has no unpacked
+// form), as drive_tiles will ask of KernelArgs::tmp.
 template <template <DType> class Q32, template <DType> class Q45K, template <DType> class K16,
           template <DType> class Flt>
-size_t unpacked_panel_bytes_of(DType type, int64_t K) {
-  return visit_kernel_family<Q32, Q45K, K16, Flt>(type, [&]<class Impl>() -> size_t {
+UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
+  return visit_kernel_family<Q32, Q45K, K16, Flt>(type, [&]<class Impl>() -> UnpackedPanels {
     if constexpr (std::is_void_v<Impl>)
-      return 0;
+      return {};
     else if constexpr (has_unpacked<Impl>())
-      return Impl::Unpacked::panel_bytes(K);
+      return {Impl::Unpacked::panel_bytes(K), Impl::Unpacked::kPB};
     else
-      return 0;
+      return {};
   });
 }
 

@@ -495,8 +495,8 @@ struct FloatImpl {
 
 }  // namespace
 
-size_t unpacked_panel_bytes_avx2(DType type, int64_t K) {
-  return unpacked_panel_bytes_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
+UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
+  return unpacked_panels_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
 }
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {

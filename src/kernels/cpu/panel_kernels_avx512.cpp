@@ -579,8 +579,8 @@ struct F16WidenedImpl : FloatImpl<DType::f32> {
 
 }  // namespace
 
-size_t unpacked_panel_bytes_avx512(DType type, int64_t K) {
-  return unpacked_panel_bytes_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
+UnpackedPanels unpacked_panels_avx512(DType type, int64_t K) {
+  return unpacked_panels_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
 }
 
 void panel_kernel_avx512(DType type, const KernelArgs& a) {
