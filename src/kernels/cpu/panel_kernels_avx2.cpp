@@ -493,10 +493,18 @@ struct FloatImpl {
   }
 };
 
+// The packed families under one template parameter each, as panel_kernels.h's
+// dispatch takes them: clang (no P0522 by default) does not match a template
+// with a defaulted second parameter to `template <DType> class`.
+template <DType kT>
+using Q32Packed = Q32Impl<kT>;
+template <DType kKind>
+using K16Packed = K16Impl<kKind>;
+
 }  // namespace
 
 UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
-  return unpacked_panels_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
+  return unpacked_panels_of<Q32Packed, Q45KImpl, K16Packed, FloatImpl>(type, K);
 }
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
@@ -506,7 +514,7 @@ void panel_kernel_avx2(DType type, const KernelArgs& a) {
     const DenormalsAreZero daz;
     return drive_tiles<Bf16EmuImpl>(a);
   }
-  run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a);
+  run_panel_kernel<Q32Packed, Q45KImpl, K16Packed, FloatImpl>(type, a);
 }
 
 }  // namespace loom::cpu

@@ -580,10 +580,20 @@ struct F16WidenedImpl : FloatImpl<DType::f32> {
   }
 };
 
+// The packed families under one template parameter each, as panel_kernels.h's
+// dispatch takes them: clang (no P0522 by default) does not match a template
+// with a defaulted second parameter to `template <DType> class`.
+template <DType kT>
+using Q32Packed = Q32Impl<kT>;
+template <DType kT>
+using Q45KPacked = Q45KImpl<kT>;
+template <DType kKind>
+using K16Packed = K16Impl<kKind>;
+
 }  // namespace
 
 UnpackedPanels unpacked_panels_avx512(DType type, int64_t K) {
-  return unpacked_panels_of<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, K);
+  return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
 
 void panel_kernel_avx512(DType type, const KernelArgs& a) {
@@ -594,7 +604,7 @@ void panel_kernel_avx512(DType type, const KernelArgs& a) {
     const DenormalsAreZero daz;
     return drive_tiles<Bf16EmuImpl>(a);
   }
-  run_panel_kernel<Q32Impl, Q45KImpl, K16Impl, FloatImpl>(type, a);
+  run_panel_kernel<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, a);
 }
 
 }  // namespace loom::cpu
