@@ -17,6 +17,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -26,6 +27,7 @@
 #include "kernels/cpu/linear_backward.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_backward.h"
 #include "kernels/cpu/paged_attention.h"
 #include "kernels/ref/dequant_ref.h"
@@ -342,8 +344,44 @@ void register_paged_attention() {
   }
 }
 
+// Inference prefill attention (ops.h attention): T causal rows of one sequence
+// at SmolLM2-135M's shape (9 heads, 3 kv heads) and Llama-3.2-1B's (32 heads,
+// 8 kv heads), head_dim 64. GFLOP/s counts the causal scores and weighted sums
+// (4 d flops per head and key).
+void run_prefill_attention(benchmark::State& state, AttentionShape s, int64_t T, int threads) {
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(T * s.n_heads * s.head_dim)), out(q.size());
+  std::vector<float> k(static_cast<size_t>(T * s.kv_stride)), v(k.size());
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = dist(rng);
+  std::vector<int32_t> pos(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+  ThreadPool pool(threads);
+  for (auto _ : state) {
+    attention(pool, s, q.data(), k.data(), v.data(), out.data(), T, pos.data(), nullptr);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double pairs = static_cast<double>(T) * static_cast<double>(T + 1) / 2.0;
+  const double flops = 4.0 * pairs * static_cast<double>(s.n_heads * s.head_dim);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_prefill_attention() {
+  const std::pair<const char*, AttentionShape> shapes[] = {{"smollm2", {9, 3, 64, 3 * 64}},
+                                                           {"llama1b", {32, 8, 64, 8 * 64}}};
+  for (const auto& [name, s] : shapes)
+    for (int threads : {1, 2}) {
+      const std::string n = fmt::format("PrefillAttention/{}/T512/t{}", name, threads);
+      auto* b = benchmark::RegisterBenchmark(n.c_str(), run_prefill_attention, s, int64_t{512}, threads);
+      b->Unit(benchmark::kMillisecond);
+      if (threads > 1) b->UseRealTime();
+    }
+}
+
 void register_all() {
   register_paged_attention();
+  register_prefill_attention();
   register_dequant();
   benchmark::RegisterBenchmark("Loss/eval/T128_V49152_q8_0/t1", run_loss, false)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("Loss/eval_count/T128_V49152_q8_0/t1", run_loss, true)->Unit(benchmark::kMillisecond);

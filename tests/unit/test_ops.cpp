@@ -85,17 +85,17 @@ TEST(Ops, AttentionMatchesReferenceWithGqaAndPacking) {
 // its reference: every head_dim path (64, 128, 32 in registers; 48 and 20 by
 // axpy), key counts not a multiple of 4, 1 and 3 threads.
 void plain_attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out, int64_t T,
-                     const int32_t* pos) {
+                     const int32_t* pos, const int32_t* start) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   std::vector<float> w(static_cast<size_t>(pos[T - 1]) + 9);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < s.n_heads; ++h) {
       const float* qv = q + (t * s.n_heads + h) * d;
-      const int64_t n = pos[t] + 1, g = h / group;
+      const int64_t first = start[t], n = pos[t] - first + 1, g = h / group;
       float mx = -INFINITY;
       for (int64_t p = 0; p < n; ++p) {
-        w[static_cast<size_t>(p)] = simd::dot(qv, k + p * s.kv_stride + g * d, d) * scale;
+        w[static_cast<size_t>(p)] = simd::dot(qv, k + (first + p) * s.kv_stride + g * d, d) * scale;
         mx = std::max(mx, w[static_cast<size_t>(p)]);
       }
       const __m256 vmx = _mm256_set1_ps(mx);
@@ -114,32 +114,43 @@ void plain_attention(const AttentionShape& s, const float* q, const float* k, co
       float* o = out + (t * s.n_heads + h) * d;
       std::fill(o, o + d, 0.0f);
       const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < n; ++j) simd::axpy(o, w[static_cast<size_t>(j)] * inv, v + j * s.kv_stride + g * d, d);
+      for (int64_t j = 0; j < n; ++j)
+        simd::axpy(o, w[static_cast<size_t>(j)] * inv, v + (first + j) * s.kv_stride + g * d, d);
     }
 }
 
 // On AVX-512 machines the heads of a GQA group run in one pass
-// (kernels/cpu/attention_rows.h): groups of 3 and of 6 (a pass of 4 rows, then
-// 2), one head per pass when the batch is small (T = 1: decode), head_dim 16
-// to 256, and every result still equal to the plain loop's bits.
+// (kernels/cpu/attention_rows.h): groups of 1, 2, 3 and 6 (a pass of 4 rows,
+// then 2), one head per pass when the batch is small (T = 1: decode; T = 16 on
+// 5 threads), head_dim 16 to 256, batches of 16+ rows on K^T (head_dim 32, 64,
+// 96, 128), two packed samples, and every result still equal to the plain
+// loop's bits.
 TEST(Ops, BlockedAttentionEqualsThePlainLoopBitForBit) {
-  for (int64_t d : {64, 128, 32, 48, 20, 16, 256}) {
-    for (int64_t kv_heads : {2, 1}) {
-      for (int64_t T : {23, 1}) {
-        for (int threads : {1, 3}) {
-          ThreadPool pool(threads);
-          AttentionShape s{6, kv_heads, d, kv_heads * d + 5};
-          const int64_t ctx = 61;
-          auto q = random_vec(static_cast<size_t>(T * 6 * d), 16, 3.0f);
-          auto k = random_vec(static_cast<size_t>(ctx * s.kv_stride), 17, 3.0f);
-          auto v = random_vec(static_cast<size_t>(ctx * s.kv_stride), 18);
-          std::vector<int32_t> pos(T);
-          for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(60 - T + 1 + t);
-          std::vector<float> a(q.size()), b(q.size());
-          attention(pool, s, q.data(), k.data(), v.data(), a.data(), T, pos.data(), nullptr);
-          plain_attention(s, q.data(), k.data(), v.data(), b.data(), T, pos.data());
-          ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-              << "head_dim " << d << ", kv heads " << kv_heads << ", T " << T << ", " << threads << " threads";
+  const std::pair<int64_t, int64_t> heads[] = {{6, 2}, {6, 1}, {4, 4}, {4, 2}};
+  for (int64_t d : {64, 128, 32, 96, 48, 20, 16, 256}) {
+    for (const auto& [n_heads, kv_heads] : heads) {
+      for (int64_t T : {23, 1, 16}) {
+        for (bool packed : {false, true}) {
+          for (int threads : {1, 3, 5}) {
+            ThreadPool pool(threads);
+            AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 5};
+            const int64_t ctx = 61;
+            auto q = random_vec(static_cast<size_t>(T * n_heads * d), 16, 3.0f);
+            auto k = random_vec(static_cast<size_t>(ctx * s.kv_stride), 17, 3.0f);
+            auto v = random_vec(static_cast<size_t>(ctx * s.kv_stride), 18);
+            std::vector<int32_t> pos(T), start(T);
+            for (int64_t t = 0; t < T; ++t) {
+              pos[static_cast<size_t>(t)] = static_cast<int32_t>(60 - T + 1 + t);
+              // packed: rows past the middle begin a sample at key 41 (not a multiple of 16)
+              start[static_cast<size_t>(t)] = packed && 2 * t >= T ? std::min(41, pos[static_cast<size_t>(t)]) : 0;
+            }
+            std::vector<float> a(q.size()), b(q.size());
+            attention(pool, s, q.data(), k.data(), v.data(), a.data(), T, pos.data(), packed ? start.data() : nullptr);
+            plain_attention(s, q.data(), k.data(), v.data(), b.data(), T, pos.data(), start.data());
+            ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", T " << T << ", packed " << packed
+                << ", " << threads << " threads";
+          }
         }
       }
     }

@@ -111,10 +111,11 @@ inline float softmax_weights(float* w, int64_t n) {
   return 1.0f / sum;
 }
 
-// o[r][c0 .. c0 + 16 C) = sum_j (w[r][j] * inv[r]) v_j, one FMA chain per lane in j order.
+// o[r][c0 .. c0 + 16 C) = sum_j a[r][j] v_j, one FMA chain per lane in j order;
+// a[r][j] = w[r][j] * inv[r], already in w (normalize).
 template <int R, int C>
-inline void weighted_sum(const float* w, int64_t ws, const float* inv, const float* v, int64_t stride, int64_t n,
-                         float* o, int64_t d, int64_t c0) {
+inline void weighted_sum(const float* a, int64_t ws, const float* v, int64_t stride, int64_t n, float* o, int64_t d,
+                         int64_t c0) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -123,12 +124,33 @@ inline void weighted_sum(const float* w, int64_t ws, const float* inv, const flo
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
     for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(w[r * ws + j] * inv[r]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, vv[c], acc[r][c]);
+      const __m512 aj = _mm512_set1_ps(a[r * ws + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(aj, vv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * d + c0 + 16 * c, acc[r][c]);
+}
+
+// w[0 .. n) *= inv (the products the AVX2 loop forms per key), 16 lanes at a
+// time into the padding.
+inline void normalize(float* w, int64_t n, float inv) {
+  const __m512 m = _mm512_set1_ps(inv);
+  for (int64_t p = 0; p < n; p += 16) _mm512_storeu_ps(w + p, _mm512_mul_ps(_mm512_loadu_ps(w + p), m));
+}
+
+// Scores in w (R rows of n) to outputs: softmax, then the weighted sums of V.
+template <int R>
+void softmax_and_sum(float* w, int64_t ws, const float* vb, int64_t stride, int64_t d, int64_t n, float* o) {
+  for (int r = 0; r < R; ++r) normalize(w + r * ws, n, softmax_weights(w + r * ws, n));
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    switch ((d - c0) / 16) {
+      case 1: weighted_sum<R, 1>(w, ws, vb, stride, n, o, d, c0); break;
+      case 2: weighted_sum<R, 2>(w, ws, vb, stride, n, o, d, c0); break;
+      case 3: weighted_sum<R, 3>(w, ws, vb, stride, n, o, d, c0); break;
+      default: weighted_sum<R, 4>(w, ws, vb, stride, n, o, d, c0); break;
+    }
+  }
 }
 
 template <int R>
@@ -137,14 +159,95 @@ void attend_chunk(const float* q, const float* kb, const float* vb, int64_t stri
   int64_t p = 0;
   for (; p + 4 <= n; p += 4) scores4<R>(q, d, kb, stride, scale, w, ws, p);
   for (; p < n; ++p) scores1<R>(q, d, kb, stride, scale, w, ws, p);
-  float inv[R];
-  for (int r = 0; r < R; ++r) inv[r] = softmax_weights(w + r * ws, n);
-  for (int64_t c0 = 0; c0 < d; c0 += 64) {
-    switch ((d - c0) / 16) {
-      case 1: weighted_sum<R, 1>(w, ws, inv, vb, stride, n, o, d, c0); break;
-      case 2: weighted_sum<R, 2>(w, ws, inv, vb, stride, n, o, d, c0); break;
-      case 3: weighted_sum<R, 3>(w, ws, inv, vb, stride, n, o, d, c0); break;
-      default: weighted_sum<R, 4>(w, ws, inv, vb, stride, n, o, d, c0); break;
+  softmax_and_sum<R>(w, ws, vb, stride, d, n, o);
+}
+
+// The lane pair (l, l + 8) of scores4's zmm chains for R rows and B blocks of
+// 16 keys, the keys across the lanes (head_dim 16 M, unrolled so that every
+// chain stays in a register): v[r][b] = A_l + A_{l+8}, where A_j chains
+// q[i + j] * k[i + j] over i = 0, 16, .. in order. That is lane l of fold().
+template <int R, int B, int M>
+inline void lane_pair(const float* q, const float* kt, int64_t ldk, int l, __m512 (&v)[R][B]) {
+  constexpr int d = 16 * M;
+  __m512 a[R][B], b[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j) a[r][j] = b[r][j] = _mm512_setzero_ps();
+  for (int i = 0; i < d; i += 16) {
+    const float* ka = kt + (i + l) * ldk;
+    const float* kb = kt + (i + 8 + l) * ldk;
+    __m512 kva[B], kvb[B];
+    for (int j = 0; j < B; ++j) {
+      kva[j] = _mm512_loadu_ps(ka + 16 * j);
+      kvb[j] = _mm512_loadu_ps(kb + 16 * j);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 qa = _mm512_set1_ps(q[r * d + i + l]), qb = _mm512_set1_ps(q[r * d + i + 8 + l]);
+      for (int j = 0; j < B; ++j) {
+        a[r][j] = _mm512_fmadd_ps(qa, kva[j], a[r][j]);
+        b[r][j] = _mm512_fmadd_ps(qb, kvb[j], b[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j) v[r][j] = _mm512_add_ps(a[r][j], b[r][j]);
+}
+
+template <int R, int B>
+inline void add_into(__m512 (&x)[R][B], const __m512 (&y)[R][B]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j) x[r][j] = _mm512_add_ps(x[r][j], y[r][j]);
+}
+
+// Scores of keys p .. p + 16 B for R rows from K^T: the same products, chains
+// and hsum tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) as scores4,
+// with no horizontal sum per key. kt points at key p's column.
+template <int R, int B, int M>
+inline void scores_kt(const float* q, const float* kt, int64_t ldk, float scale, float* w, int64_t ws,
+                      int64_t p) {
+  __m512 x[R][B], y[R][B], t0[R][B], t1[R][B];
+  lane_pair<R, B, M>(q, kt, ldk, 0, x);
+  lane_pair<R, B, M>(q, kt, ldk, 4, t0);
+  add_into(x, t0);
+  lane_pair<R, B, M>(q, kt, ldk, 2, t0);
+  lane_pair<R, B, M>(q, kt, ldk, 6, t1);
+  add_into(t0, t1);
+  add_into(x, t0);
+  lane_pair<R, B, M>(q, kt, ldk, 1, y);
+  lane_pair<R, B, M>(q, kt, ldk, 5, t0);
+  add_into(y, t0);
+  lane_pair<R, B, M>(q, kt, ldk, 3, t0);
+  lane_pair<R, B, M>(q, kt, ldk, 7, t1);
+  add_into(t0, t1);
+  add_into(y, t0);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j)
+      _mm512_storeu_ps(w + r * ws + p + 16 * j, _mm512_mul_ps(_mm512_add_ps(x[r][j], y[r][j]), sc));
+}
+
+// Two blocks of keys a pass where the rows are few (more independent chains).
+template <int R, int M>
+void attend_chunk_kt(const float* q, const float* kt, int64_t ldk, const float* vb, int64_t stride, int64_t n,
+                     float scale, float* w, int64_t ws, float* o) {
+  int64_t p = 0;
+  if constexpr (R <= 2)
+    for (; p + 32 <= n; p += 32) scores_kt<R, 2, M>(q, kt + p, ldk, scale, w, ws, p);
+  for (; p < n; p += 16) scores_kt<R, 1, M>(q, kt + p, ldk, scale, w, ws, p);
+  softmax_and_sum<R>(w, ws, vb, stride, 16 * M, n, o);
+}
+
+template <int M>
+void attend_rows_kt(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride, int64_t n,
+                    float scale, float* w, int64_t wstride, float* o) {
+  constexpr int d = 16 * M;
+  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const float* qr = q + r0 * d;
+    float* orow = o + r0 * d;
+    switch (rows - r0 < kMaxRows ? rows - r0 : kMaxRows) {
+      case 1: attend_chunk_kt<1, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
+      case 2: attend_chunk_kt<2, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
+      case 3: attend_chunk_kt<3, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
+      default: attend_chunk_kt<4, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
     }
   }
 }
@@ -162,6 +265,23 @@ void attend_rows_avx512(const float* q, int rows, const float* kb, const float* 
       case 3: attend_chunk<3>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
       default: attend_chunk<4>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
     }
+  }
+}
+
+void transpose_keys_avx512(const float* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt,
+                           int64_t ldk) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = k[p * stride + e];
+}
+
+void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
+                           int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o) {
+  switch (d) {
+    case 32: return attend_rows_kt<2>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
+    case 64: return attend_rows_kt<4>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
+    case 96: return attend_rows_kt<6>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
+    case 128: return attend_rows_kt<8>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
+    default: __builtin_trap();  // attend_rows_kt_avx512_supports
   }
 }
 

@@ -144,6 +144,50 @@ void attend_row(const float* qv, const float* kb, const float* vb, int64_t strid
 
 }  // namespace
 
+namespace {
+
+// Batches of at least this many rows read K transposed (attention_rows.h): the
+// transpose costs about what one row's scores do.
+constexpr int64_t kKeysTransposedMinT = 16;
+
+// The AVX-512 batch path: per KV head, K^T of the keys any row reads, then the
+// (row, heads) units on it.
+void attention_keys_transposed(ThreadPool& pool, const AttentionShape& s, const float* q, const float* v, float* out,
+                               int64_t T, const int32_t* pos, const int32_t* seq_start, const float* k,
+                               int64_t max_span) {
+  const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  int64_t k0 = pos[0], k1 = 0;  // keys read: [k0, k1)
+  for (int64_t t = 0; t < T; ++t) {
+    k0 = std::min<int64_t>(k0, seq_start ? seq_start[t] : 0);
+    k1 = std::max<int64_t>(k1, pos[t] + 1);
+  }
+  const int64_t ldk = (k1 + 15) / 16 * 16 + 16;  // columns up to round_up(n, 16) past any first key
+  std::vector<float> kt(static_cast<size_t>(d * ldk));
+  const int64_t rows = T * s.n_kv_heads >= 4 * pool.size() ? group : 1, per_g = group / rows;
+  const int64_t wstride = max_span + 16;
+  std::vector<std::vector<float>> w(static_cast<size_t>(pool.size()));
+  for (int64_t g = 0; g < s.n_kv_heads; ++g) {
+    pool.run([&](int ti, int tn) {
+      const int64_t n = k1 - k0, a = k0 + n * ti / tn, b = k0 + n * (ti + 1) / tn;
+      cpu::transpose_keys_avx512(k + g * d, s.kv_stride, d, a, b, kt.data(), ldk);
+    });
+    pool.run([&](int ti, int tn) {
+      auto& wt = w[static_cast<size_t>(ti)];
+      wt.resize(static_cast<size_t>(rows * wstride));
+      for (int64_t u = ti; u < T * per_g; u += tn) {
+        const int64_t t = u / per_g, h = g * group + (u % per_g) * rows;
+        const int64_t first = seq_start ? seq_start[t] : 0, n = pos[t] - first + 1;
+        cpu::attend_rows_kt_avx512(q + (t * s.n_heads + h) * d, static_cast<int>(rows), kt.data() + first, ldk,
+                                   v + first * s.kv_stride + g * d, s.kv_stride, d, n, scale, wt.data(), wstride,
+                                   out + (t * s.n_heads + h) * d);
+      }
+    });
+  }
+}
+
+}  // namespace
+
 // Each (query row, head) is one unit with a fixed order of operations, so the
 // result does not depend on the thread count or on the other rows. Units are
 // dealt to threads round-robin: causal rows grow with the position, and
@@ -156,6 +200,8 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   int32_t max_span = 0;
   for (int64_t t = 0; t < T; ++t) max_span = std::max(max_span, pos[t] - (seq_start ? seq_start[t] : 0) + 1);
   if (default_attention_isa() == AttnIsa::avx512 && cpu::attend_rows_avx512_supports(d)) {
+    if (T >= kKeysTransposedMinT && cpu::attend_rows_kt_avx512_supports(d))
+      return attention_keys_transposed(pool, s, q, v, out, T, pos, seq_start, k, max_span);
     // The heads of a GQA group in one pass (K and V read once for all); with
     // too few (row, group) units to keep the threads busy, one head per unit.
     const int64_t rows = T * s.n_kv_heads >= 4 * pool.size() ? group : 1, per_t = s.n_heads / rows;
