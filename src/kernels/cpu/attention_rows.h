@@ -19,15 +19,13 @@ inline bool attend_rows_avx512_supports(int64_t head_dim) { return head_dim > 0 
 void attend_rows_avx512(const float* q, int rows, const float* kb, const float* vb, int64_t stride, int64_t d,
                         int64_t n, float scale, float* w, int64_t wstride, float* o);
 
-// Batches (prefill) read the keys of one KV head transposed, 16 keys across the
-// lanes of each FMA, which leaves one reduction tree per 16 keys instead of a
-// horizontal sum per key; the products, chains and tree are attend_rows_avx512's,
-// so the bits are too. kt[e * ldk + p] = k[p * stride + e] for p in [p0, p1).
-void transpose_keys_avx512(const float* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt,
-                           int64_t ldk);
-
-// The head dims attend_rows_kt_avx512 is built for (unrolled per size).
-inline bool attend_rows_kt_avx512_supports(int64_t head_dim) {
+// Batches (prefill) read the keys of one KV head transposed, K^T[e * ldk + p] =
+// k[p * stride + e], 16 keys across the lanes of each FMA, which leaves one
+// reduction tree per 16 keys instead of a horizontal sum per key; the products,
+// chains and tree are attend_rows_avx512's, so the bits are too. These are the
+// head dims the K^T kernels are built for (unrolled per size; ops.cpp has the
+// AVX2 kernel, 8 keys a vector).
+inline bool attend_rows_kt_supports(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
 }
 

@@ -268,12 +268,6 @@ void attend_rows_avx512(const float* q, int rows, const float* kb, const float* 
   }
 }
 
-void transpose_keys_avx512(const float* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt,
-                           int64_t ldk) {
-  for (int64_t p = p0; p < p1; ++p)
-    for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = k[p * stride + e];
-}
-
 void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
                            int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o) {
   switch (d) {
@@ -281,7 +275,7 @@ void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ld
     case 64: return attend_rows_kt<4>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
     case 96: return attend_rows_kt<6>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
     case 128: return attend_rows_kt<8>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
-    default: __builtin_trap();  // attend_rows_kt_avx512_supports
+    default: __builtin_trap();  // attend_rows_kt_supports
   }
 }
 

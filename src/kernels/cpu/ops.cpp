@@ -109,16 +109,19 @@ void weighted_sum(float* o, const float* w, float inv, const float* v, int64_t s
   for (int c = 0; c < N; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
 }
 
-// One query row of one head: softmax(q K^T * scale) V over keys [0, n).
-void attend_row(const float* qv, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n, float scale,
-                float* w, float* o) {
-  float mx = -INFINITY;
+// Replaces scores w[0, n) by exp(w - max) and returns 1 / their sum.
+float softmax_weights(float* w, int64_t n) {
+  // The maximum 8 lanes at a time (a scalar max chain cost ~3 cycles a key); any
+  // order gives the same value, so the bits stay the AVX-512 path's.
+  __m256 vmx = _mm256_set1_ps(-INFINITY);
   int64_t p = 0;
-  if (d % 16 == 0)
-    for (; p + 4 <= n; p += 4) dot4(qv, kb + p * stride, stride, d, scale, w + p);
-  for (; p < n; ++p) w[p] = simd::dot(qv, kb + p * stride, d) * scale;
-  for (p = 0; p < n; ++p) mx = std::max(mx, w[p]);
-  const __m256 vmx = _mm256_set1_ps(mx);
+  for (; p + 8 <= n; p += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(w + p));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmx);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  for (; p < n; ++p) mx = std::max(mx, w[p]);
+  vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
   p = 0;
   for (; p + 8 <= n; p += 8) {
@@ -131,7 +134,12 @@ void attend_row(const float* qv, const float* kb, const float* vb, int64_t strid
     w[p] = std::exp(w[p] - mx);
     sum += w[p];
   }
-  const float inv = 1.0f / sum;
+  return 1.0f / sum;
+}
+
+// Scores in w[0, n) to o: softmax, then the weighted sum of V.
+void softmax_and_sum(float* w, const float* vb, int64_t stride, int64_t d, int64_t n, float* o) {
+  const float inv = softmax_weights(w, n);
   switch (d) {
     case 64: return weighted_sum<8>(o, w, inv, vb, stride, n);
     case 128: return weighted_sum<16>(o, w, inv, vb, stride, n);
@@ -142,6 +150,140 @@ void attend_row(const float* qv, const float* kb, const float* vb, int64_t strid
   for (int64_t j = 0; j < n; ++j) simd::axpy(o, w[j] * inv, vb + j * stride, d);
 }
 
+// One query row of one head: softmax(q K^T * scale) V over keys [0, n).
+void attend_row(const float* qv, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n, float scale,
+                float* w, float* o) {
+  int64_t p = 0;
+  if (d % 16 == 0)
+    for (; p + 4 <= n; p += 4) dot4(qv, kb + p * stride, stride, d, scale, w + p);
+  for (; p < n; ++p) w[p] = simd::dot(qv, kb + p * stride, d) * scale;
+  softmax_and_sum(w, vb, stride, d, n, o);
+}
+
+// The lane pair (l, l + 8) of dot4's two chains for R rows and 8 keys across
+// the lanes (head_dim 16 M): v[r] = A_l + A_{l+8}, A_j chaining q[i + j] * k[i + j]
+// over i = 0, 16, .. in order -- lane l of dot4's a0 + a1.
+template <int R, int M>
+inline void lane_pair8(const float* q, const float* kt, int64_t ldk, int l, __m256 (&v)[R]) {
+  constexpr int d = 16 * M;
+  __m256 a[R], b[R];
+  for (int r = 0; r < R; ++r) a[r] = b[r] = _mm256_setzero_ps();
+  for (int i = 0; i < d; i += 16) {
+    const __m256 ka = _mm256_loadu_ps(kt + (i + l) * ldk), kb = _mm256_loadu_ps(kt + (i + 8 + l) * ldk);
+    for (int r = 0; r < R; ++r) {
+      a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * d + i + l), ka, a[r]);
+      b[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * d + i + 8 + l), kb, b[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) v[r] = _mm256_add_ps(a[r], b[r]);
+}
+
+template <int R>
+inline void add_into(__m256 (&x)[R], const __m256 (&y)[R]) {
+  for (int r = 0; r < R; ++r) x[r] = _mm256_add_ps(x[r], y[r]);
+}
+
+// Scores of 8 keys for R rows from K^T (kt at the first key's column): dot4's
+// products and chains, then simd::hsum's tree ((l0 + l4) + (l2 + l6)) +
+// ((l1 + l5) + (l3 + l7)) across registers instead of within one. Not
+// inlined: inside the key loop GCC hoists the 16 M broadcast addresses and
+// spills them (a stack load per broadcast, ~1.5x slower).
+template <int R, int M>
+[[gnu::noinline]] void scores_kt8(const float* q, const float* kt, int64_t ldk, float scale, float* w, int64_t ws) {
+  __m256 x[R], y[R], t0[R], t1[R];
+  lane_pair8<R, M>(q, kt, ldk, 0, x);
+  lane_pair8<R, M>(q, kt, ldk, 4, t0);
+  add_into(x, t0);
+  lane_pair8<R, M>(q, kt, ldk, 2, t0);
+  lane_pair8<R, M>(q, kt, ldk, 6, t1);
+  add_into(t0, t1);
+  add_into(x, t0);
+  lane_pair8<R, M>(q, kt, ldk, 1, y);
+  lane_pair8<R, M>(q, kt, ldk, 5, t0);
+  add_into(y, t0);
+  lane_pair8<R, M>(q, kt, ldk, 3, t0);
+  lane_pair8<R, M>(q, kt, ldk, 7, t1);
+  add_into(t0, t1);
+  add_into(y, t0);
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + r * ws, _mm256_mul_ps(_mm256_add_ps(x[r], y[r]), sc));
+}
+
+// o[r][c0 .. c0 + 8 C) = sum_j a[r][j] v_j, for R rows of a group: one FMA
+// chain per lane in j order, as weighted_sum and simd::axpy form them, with
+// a[r][j] = w[r][j] * inv[r] already in a. Each V line is read once for the R
+// rows: per row from L2 it cost more than the FMAs did.
+template <int R, int C>
+void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o, int64_t d,
+                       int64_t c0) {
+  if (n <= 0) __builtin_unreachable();  // rows see their own key; lets GCC keep acc in registers
+  __m256 acc[R * C];
+  for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = vb + j * stride + c0;
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(vj + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 aj = _mm256_broadcast_ss(a + r * ws + j);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(aj, v[c], acc[r * C + c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + r * d + c0 + 8 * c, acc[r * C + c]);
+}
+
+// Up to 4 rows: 8 C accumulators per row in sixteen registers, wider columns
+// for fewer rows (independent chains).
+template <int R>
+void weighted_sums(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o, int64_t d) {
+  constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
+  int64_t c0 = 0;
+  for (; c0 + 8 * C <= d; c0 += 8 * C) weighted_sum_rows<R, C>(a, ws, vb, stride, n, o, d, c0);
+  for (; c0 < d; c0 += 16) weighted_sum_rows<R, 2>(a, ws, vb, stride, n, o, d, c0);
+}
+
+template <int M>
+void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
+                     int64_t n, float scale, float* w, int64_t ws, float* o) {
+  constexpr int d = 16 * M;
+  int r = 0;
+  for (; r + 2 <= rows; r += 2)
+    for (int64_t p = 0; p < n; p += 8) scores_kt8<2, M>(q + r * d, kt + p, ldk, scale, w + r * ws + p, ws);
+  if (r < rows)
+    for (int64_t p = 0; p < n; p += 8) scores_kt8<1, M>(q + r * d, kt + p, ldk, scale, w + r * ws + p, ws);
+  for (r = 0; r < rows; ++r) {
+    float* wr = w + r * ws;
+    const __m256 inv = _mm256_set1_ps(softmax_weights(wr, n));
+    for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(wr + p, _mm256_mul_ps(_mm256_loadu_ps(wr + p), inv));
+  }
+  for (r = 0; r < rows; r += 4) {
+    switch (rows - r < 4 ? rows - r : 4) {
+      case 1: weighted_sums<1>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
+      case 2: weighted_sums<2>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
+      case 3: weighted_sums<3>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
+      default: weighted_sums<4>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
+    }
+  }
+}
+
+// The AVX2 counterpart of cpu::attend_rows_kt_avx512 (same arguments and bits).
+void attend_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
+                         int64_t d, int64_t n, float scale, float* w, int64_t ws, float* o) {
+  switch (d) {
+    case 32: return attend_rows_kt8<2>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
+    case 64: return attend_rows_kt8<4>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
+    case 96: return attend_rows_kt8<6>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
+    case 128: return attend_rows_kt8<8>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
+    default: __builtin_trap();  // cpu::attend_rows_kt_avx512_supports
+  }
+}
+
+// kt[e * ldk + p] = k[p * stride + e] for p in [p0, p1).
+void transpose_keys(const float* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt, int64_t ldk) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = k[p * stride + e];
+}
+
 }  // namespace
 
 namespace {
@@ -150,11 +292,12 @@ namespace {
 // transpose costs about what one row's scores do.
 constexpr int64_t kKeysTransposedMinT = 16;
 
-// The AVX-512 batch path: per KV head, K^T of the keys any row reads, then the
-// (row, heads) units on it.
-void attention_keys_transposed(ThreadPool& pool, const AttentionShape& s, const float* q, const float* v, float* out,
-                               int64_t T, const int32_t* pos, const int32_t* seq_start, const float* k,
+// The batch path: per KV head, K^T of the keys any row reads, then the (row,
+// heads) units on it, by the AVX-512 or the AVX2 kernel.
+void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionShape& s, const float* q, const float* v,
+                               float* out, int64_t T, const int32_t* pos, const int32_t* seq_start, const float* k,
                                int64_t max_span) {
+  const auto attend_rows_kt = avx512 ? cpu::attend_rows_kt_avx512 : attend_rows_kt_avx2;
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   int64_t k0 = pos[0], k1 = 0;  // keys read: [k0, k1)
@@ -163,14 +306,15 @@ void attention_keys_transposed(ThreadPool& pool, const AttentionShape& s, const 
     k1 = std::max<int64_t>(k1, pos[t] + 1);
   }
   const int64_t ldk = (k1 + 15) / 16 * 16 + 16;  // columns up to round_up(n, 16) past any first key
-  std::vector<float> kt(static_cast<size_t>(d * ldk));
+  std::vector<float> kt(static_cast<size_t>(d * ldk)), vg(static_cast<size_t>(k1 * d));
   const int64_t rows = T * s.n_kv_heads >= 4 * pool.size() ? group : 1, per_g = group / rows;
   const int64_t wstride = max_span + 16;
   std::vector<std::vector<float>> w(static_cast<size_t>(pool.size()));
   for (int64_t g = 0; g < s.n_kv_heads; ++g) {
     pool.run([&](int ti, int tn) {
       const int64_t n = k1 - k0, a = k0 + n * ti / tn, b = k0 + n * (ti + 1) / tn;
-      cpu::transpose_keys_avx512(k + g * d, s.kv_stride, d, a, b, kt.data(), ldk);
+      transpose_keys(k + g * d, s.kv_stride, d, a, b, kt.data(), ldk);
+      for (int64_t p = a; p < b; ++p) std::copy_n(v + p * s.kv_stride + g * d, d, vg.data() + p * d);
     });
     pool.run([&](int ti, int tn) {
       auto& wt = w[static_cast<size_t>(ti)];
@@ -178,9 +322,9 @@ void attention_keys_transposed(ThreadPool& pool, const AttentionShape& s, const 
       for (int64_t u = ti; u < T * per_g; u += tn) {
         const int64_t t = u / per_g, h = g * group + (u % per_g) * rows;
         const int64_t first = seq_start ? seq_start[t] : 0, n = pos[t] - first + 1;
-        cpu::attend_rows_kt_avx512(q + (t * s.n_heads + h) * d, static_cast<int>(rows), kt.data() + first, ldk,
-                                   v + first * s.kv_stride + g * d, s.kv_stride, d, n, scale, wt.data(), wstride,
-                                   out + (t * s.n_heads + h) * d);
+        attend_rows_kt(q + (t * s.n_heads + h) * d, static_cast<int>(rows), kt.data() + first, ldk,
+                       vg.data() + first * d, d, d, n, scale, wt.data(), wstride,
+                       out + (t * s.n_heads + h) * d);
       }
     });
   }
@@ -199,9 +343,10 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   int32_t max_span = 0;
   for (int64_t t = 0; t < T; ++t) max_span = std::max(max_span, pos[t] - (seq_start ? seq_start[t] : 0) + 1);
-  if (default_attention_isa() == AttnIsa::avx512 && cpu::attend_rows_avx512_supports(d)) {
-    if (T >= kKeysTransposedMinT && cpu::attend_rows_kt_avx512_supports(d))
-      return attention_keys_transposed(pool, s, q, v, out, T, pos, seq_start, k, max_span);
+  const bool avx512 = default_attention_isa() == AttnIsa::avx512;
+  if (T >= kKeysTransposedMinT && cpu::attend_rows_kt_supports(d))
+    return attention_keys_transposed(pool, avx512, s, q, v, out, T, pos, seq_start, k, max_span);
+  if (avx512 && cpu::attend_rows_avx512_supports(d)) {
     // The heads of a GQA group in one pass (K and V read once for all); with
     // too few (row, group) units to keep the threads busy, one head per unit.
     const int64_t rows = T * s.n_kv_heads >= 4 * pool.size() ? group : 1, per_t = s.n_heads / rows;
