@@ -84,8 +84,8 @@ TEST(Ops, AttentionMatchesReferenceWithGqaAndPacking) {
 // replaced (simd::dot per key, simd::axpy per key), which this test keeps as
 // its reference: every head_dim path (64, 128, 32 in registers; 48 and 20 by
 // axpy), key counts not a multiple of 4, 1 and 3 threads.
-void plain_attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out, int64_t T,
-                     const int32_t* pos, const int32_t* start) {
+void plain_attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out,
+                     int64_t T, const int32_t* pos, const int32_t* start) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   std::vector<float> w(static_cast<size_t>(pos[T - 1]) + 9);
@@ -142,14 +142,16 @@ TEST(Ops, BlockedAttentionEqualsThePlainLoopBitForBit) {
             for (int64_t t = 0; t < T; ++t) {
               pos[static_cast<size_t>(t)] = static_cast<int32_t>(60 - T + 1 + t);
               // packed: rows past the middle begin a sample at key 41 (not a multiple of 16)
-              start[static_cast<size_t>(t)] = packed && 2 * t >= T ? std::min(41, pos[static_cast<size_t>(t)]) : 0;
+              start[static_cast<size_t>(t)] =
+                  packed && 2 * t >= T ? std::min(41, pos[static_cast<size_t>(t)]) : 0;
             }
             std::vector<float> a(q.size()), b(q.size());
-            attention(pool, s, q.data(), k.data(), v.data(), a.data(), T, pos.data(), packed ? start.data() : nullptr);
+            attention(pool, s, q.data(), k.data(), v.data(), a.data(), T, pos.data(),
+                      packed ? start.data() : nullptr);
             plain_attention(s, q.data(), k.data(), v.data(), b.data(), T, pos.data(), start.data());
             ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", T " << T << ", packed " << packed
-                << ", " << threads << " threads";
+                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", T " << T << ", packed "
+                << packed << ", " << threads << " threads";
           }
         }
       }

@@ -29,9 +29,28 @@ inline bool attend_rows_kt_supports(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
 }
 
+// fn.template operator()<M>() with M = head_dim / 16, for a supported head_dim:
+// both ISA files' kernels are unrolled per M.
+template <class Fn>
+inline void visit_head_blocks(int64_t head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 32:
+      return fn.template operator()<2>();
+    case 64:
+      return fn.template operator()<4>();
+    case 96:
+      return fn.template operator()<6>();
+    case 128:
+      return fn.template operator()<8>();
+    default:
+      __builtin_trap();  // attend_rows_kt_supports
+  }
+}
+
 // attend_rows_avx512 with the keys from K^T: kt points at the first key's
 // column and may be read up to column round_up(n, 16) (ldk leaves room).
-void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
-                           int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o);
+void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
+                           int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
+                           float* o);
 
 }  // namespace loom::cpu

@@ -114,8 +114,8 @@ inline float softmax_weights(float* w, int64_t n) {
 // o[r][c0 .. c0 + 16 C) = sum_j a[r][j] v_j, one FMA chain per lane in j order;
 // a[r][j] = w[r][j] * inv[r], already in w (normalize).
 template <int R, int C>
-inline void weighted_sum(const float* a, int64_t ws, const float* v, int64_t stride, int64_t n, float* o, int64_t d,
-                         int64_t c0) {
+inline void weighted_sum(const float* a, int64_t ws, const float* v, int64_t stride, int64_t n, float* o,
+                         int64_t d, int64_t c0) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -145,10 +145,18 @@ void softmax_and_sum(float* w, int64_t ws, const float* vb, int64_t stride, int6
   for (int r = 0; r < R; ++r) normalize(w + r * ws, n, softmax_weights(w + r * ws, n));
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     switch ((d - c0) / 16) {
-      case 1: weighted_sum<R, 1>(w, ws, vb, stride, n, o, d, c0); break;
-      case 2: weighted_sum<R, 2>(w, ws, vb, stride, n, o, d, c0); break;
-      case 3: weighted_sum<R, 3>(w, ws, vb, stride, n, o, d, c0); break;
-      default: weighted_sum<R, 4>(w, ws, vb, stride, n, o, d, c0); break;
+      case 1:
+        weighted_sum<R, 1>(w, ws, vb, stride, n, o, d, c0);
+        break;
+      case 2:
+        weighted_sum<R, 2>(w, ws, vb, stride, n, o, d, c0);
+        break;
+      case 3:
+        weighted_sum<R, 3>(w, ws, vb, stride, n, o, d, c0);
+        break;
+      default:
+        weighted_sum<R, 4>(w, ws, vb, stride, n, o, d, c0);
+        break;
     }
   }
 }
@@ -198,27 +206,28 @@ inline void add_into(__m512 (&x)[R][B], const __m512 (&y)[R][B]) {
     for (int j = 0; j < B; ++j) x[r][j] = _mm512_add_ps(x[r][j], y[r][j]);
 }
 
+// v = lane pair la + lane pair lb, the first level of the hsum tree.
+template <int R, int B, int M>
+inline void lane_pairs(const float* q, const float* kt, int64_t ldk, int la, int lb, __m512 (&v)[R][B]) {
+  __m512 u[R][B];
+  lane_pair<R, B, M>(q, kt, ldk, la, v);
+  lane_pair<R, B, M>(q, kt, ldk, lb, u);
+  add_into(v, u);
+}
+
 // Scores of keys p .. p + 16 B for R rows from K^T: the same products, chains
 // and hsum tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) as scores4,
 // with no horizontal sum per key. kt points at key p's column.
 template <int R, int B, int M>
 inline void scores_kt(const float* q, const float* kt, int64_t ldk, float scale, float* w, int64_t ws,
                       int64_t p) {
-  __m512 x[R][B], y[R][B], t0[R][B], t1[R][B];
-  lane_pair<R, B, M>(q, kt, ldk, 0, x);
-  lane_pair<R, B, M>(q, kt, ldk, 4, t0);
-  add_into(x, t0);
-  lane_pair<R, B, M>(q, kt, ldk, 2, t0);
-  lane_pair<R, B, M>(q, kt, ldk, 6, t1);
-  add_into(t0, t1);
-  add_into(x, t0);
-  lane_pair<R, B, M>(q, kt, ldk, 1, y);
-  lane_pair<R, B, M>(q, kt, ldk, 5, t0);
-  add_into(y, t0);
-  lane_pair<R, B, M>(q, kt, ldk, 3, t0);
-  lane_pair<R, B, M>(q, kt, ldk, 7, t1);
-  add_into(t0, t1);
-  add_into(y, t0);
+  __m512 x[R][B], y[R][B], t[R][B];
+  lane_pairs<R, B, M>(q, kt, ldk, 0, 4, x);  // (l0 + l4) + (l2 + l6)
+  lane_pairs<R, B, M>(q, kt, ldk, 2, 6, t);
+  add_into(x, t);
+  lane_pairs<R, B, M>(q, kt, ldk, 1, 5, y);  // (l1 + l5) + (l3 + l7)
+  lane_pairs<R, B, M>(q, kt, ldk, 3, 7, t);
+  add_into(y, t);
   const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < B; ++j)
@@ -237,17 +246,25 @@ void attend_chunk_kt(const float* q, const float* kt, int64_t ldk, const float* 
 }
 
 template <int M>
-void attend_rows_kt(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride, int64_t n,
-                    float scale, float* w, int64_t wstride, float* o) {
+void attend_rows_kt(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
+                    int64_t n, float scale, float* w, int64_t wstride, float* o) {
   constexpr int d = 16 * M;
   for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
     const float* qr = q + r0 * d;
     float* orow = o + r0 * d;
     switch (rows - r0 < kMaxRows ? rows - r0 : kMaxRows) {
-      case 1: attend_chunk_kt<1, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
-      case 2: attend_chunk_kt<2, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
-      case 3: attend_chunk_kt<3, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
-      default: attend_chunk_kt<4, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow); break;
+      case 1:
+        attend_chunk_kt<1, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
+        break;
+      case 2:
+        attend_chunk_kt<2, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
+        break;
+      case 3:
+        attend_chunk_kt<3, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
+        break;
+      default:
+        attend_chunk_kt<4, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
+        break;
     }
   }
 }
@@ -268,15 +285,11 @@ void attend_rows_avx512(const float* q, int rows, const float* kb, const float* 
   }
 }
 
-void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
-                           int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o) {
-  switch (d) {
-    case 32: return attend_rows_kt<2>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
-    case 64: return attend_rows_kt<4>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
-    case 96: return attend_rows_kt<6>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
-    case 128: return attend_rows_kt<8>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o);
-    default: __builtin_trap();  // attend_rows_kt_supports
-  }
+void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
+                           int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
+                           float* o) {
+  visit_head_blocks(
+      d, [&]<int M>() { attend_rows_kt<M>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o); });
 }
 
 }  // namespace loom::cpu

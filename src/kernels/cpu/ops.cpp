@@ -151,8 +151,8 @@ void softmax_and_sum(float* w, const float* vb, int64_t stride, int64_t d, int64
 }
 
 // One query row of one head: softmax(q K^T * scale) V over keys [0, n).
-void attend_row(const float* qv, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n, float scale,
-                float* w, float* o) {
+void attend_row(const float* qv, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n,
+                float scale, float* w, float* o) {
   int64_t p = 0;
   if (d % 16 == 0)
     for (; p + 4 <= n; p += 4) dot4(qv, kb + p * stride, stride, d, scale, w + p);
@@ -183,28 +183,30 @@ inline void add_into(__m256 (&x)[R], const __m256 (&y)[R]) {
   for (int r = 0; r < R; ++r) x[r] = _mm256_add_ps(x[r], y[r]);
 }
 
+// v = lane pair la + lane pair lb, the first level of the hsum tree.
+template <int R, int M>
+inline void lane_pairs8(const float* q, const float* kt, int64_t ldk, int la, int lb, __m256 (&v)[R]) {
+  __m256 u[R];
+  lane_pair8<R, M>(q, kt, ldk, la, v);
+  lane_pair8<R, M>(q, kt, ldk, lb, u);
+  add_into(v, u);
+}
+
 // Scores of 8 keys for R rows from K^T (kt at the first key's column): dot4's
 // products and chains, then simd::hsum's tree ((l0 + l4) + (l2 + l6)) +
 // ((l1 + l5) + (l3 + l7)) across registers instead of within one. Not
 // inlined: inside the key loop GCC hoists the 16 M broadcast addresses and
 // spills them (a stack load per broadcast, ~1.5x slower).
 template <int R, int M>
-[[gnu::noinline]] void scores_kt8(const float* q, const float* kt, int64_t ldk, float scale, float* w, int64_t ws) {
-  __m256 x[R], y[R], t0[R], t1[R];
-  lane_pair8<R, M>(q, kt, ldk, 0, x);
-  lane_pair8<R, M>(q, kt, ldk, 4, t0);
-  add_into(x, t0);
-  lane_pair8<R, M>(q, kt, ldk, 2, t0);
-  lane_pair8<R, M>(q, kt, ldk, 6, t1);
-  add_into(t0, t1);
-  add_into(x, t0);
-  lane_pair8<R, M>(q, kt, ldk, 1, y);
-  lane_pair8<R, M>(q, kt, ldk, 5, t0);
-  add_into(y, t0);
-  lane_pair8<R, M>(q, kt, ldk, 3, t0);
-  lane_pair8<R, M>(q, kt, ldk, 7, t1);
-  add_into(t0, t1);
-  add_into(y, t0);
+[[gnu::noinline]] void scores_kt8(const float* q, const float* kt, int64_t ldk, float scale, float* w,
+                                  int64_t ws) {
+  __m256 x[R], y[R], t[R];
+  lane_pairs8<R, M>(q, kt, ldk, 0, 4, x);  // (l0 + l4) + (l2 + l6)
+  lane_pairs8<R, M>(q, kt, ldk, 2, 6, t);
+  add_into(x, t);
+  lane_pairs8<R, M>(q, kt, ldk, 1, 5, y);  // (l1 + l5) + (l3 + l7)
+  lane_pairs8<R, M>(q, kt, ldk, 3, 7, t);
+  add_into(y, t);
   const __m256 sc = _mm256_set1_ps(scale);
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + r * ws, _mm256_mul_ps(_mm256_add_ps(x[r], y[r]), sc));
 }
@@ -214,8 +216,8 @@ template <int R, int M>
 // a[r][j] = w[r][j] * inv[r] already in a. Each V line is read once for the R
 // rows: per row from L2 it cost more than the FMAs did.
 template <int R, int C>
-void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o, int64_t d,
-                       int64_t c0) {
+void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o,
+                       int64_t d, int64_t c0) {
   if (n <= 0) __builtin_unreachable();  // rows see their own key; lets GCC keep acc in registers
   __m256 acc[R * C];
   for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
@@ -235,7 +237,8 @@ void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stri
 // Up to 4 rows: 8 C accumulators per row in sixteen registers, wider columns
 // for fewer rows (independent chains).
 template <int R>
-void weighted_sums(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o, int64_t d) {
+void weighted_sums(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o,
+                   int64_t d) {
   constexpr int C = R == 1 ? 8 : R == 2 ? 4 : 2;
   int64_t c0 = 0;
   for (; c0 + 8 * C <= d; c0 += 8 * C) weighted_sum_rows<R, C>(a, ws, vb, stride, n, o, d, c0);
@@ -258,28 +261,32 @@ void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, con
   }
   for (r = 0; r < rows; r += 4) {
     switch (rows - r < 4 ? rows - r : 4) {
-      case 1: weighted_sums<1>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
-      case 2: weighted_sums<2>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
-      case 3: weighted_sums<3>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
-      default: weighted_sums<4>(w + r * ws, ws, vb, stride, n, o + r * d, d); break;
+      case 1:
+        weighted_sums<1>(w + r * ws, ws, vb, stride, n, o + r * d, d);
+        break;
+      case 2:
+        weighted_sums<2>(w + r * ws, ws, vb, stride, n, o + r * d, d);
+        break;
+      case 3:
+        weighted_sums<3>(w + r * ws, ws, vb, stride, n, o + r * d, d);
+        break;
+      default:
+        weighted_sums<4>(w + r * ws, ws, vb, stride, n, o + r * d, d);
+        break;
     }
   }
 }
 
 // The AVX2 counterpart of cpu::attend_rows_kt_avx512 (same arguments and bits).
-void attend_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
-                         int64_t d, int64_t n, float scale, float* w, int64_t ws, float* o) {
-  switch (d) {
-    case 32: return attend_rows_kt8<2>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
-    case 64: return attend_rows_kt8<4>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
-    case 96: return attend_rows_kt8<6>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
-    case 128: return attend_rows_kt8<8>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o);
-    default: __builtin_trap();  // cpu::attend_rows_kt_avx512_supports
-  }
+void attend_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
+                         int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t ws, float* o) {
+  cpu::visit_head_blocks(
+      d, [&]<int M>() { attend_rows_kt8<M>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o); });
 }
 
 // kt[e * ldk + p] = k[p * stride + e] for p in [p0, p1).
-void transpose_keys(const float* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt, int64_t ldk) {
+void transpose_keys(const float* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt,
+                    int64_t ldk) {
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = k[p * stride + e];
 }
@@ -294,9 +301,9 @@ constexpr int64_t kKeysTransposedMinT = 16;
 
 // The batch path: per KV head, K^T of the keys any row reads, then the (row,
 // heads) units on it, by the AVX-512 or the AVX2 kernel.
-void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionShape& s, const float* q, const float* v,
-                               float* out, int64_t T, const int32_t* pos, const int32_t* seq_start, const float* k,
-                               int64_t max_span) {
+void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionShape& s, const float* q,
+                               const float* v, float* out, int64_t T, const int32_t* pos,
+                               const int32_t* seq_start, const float* k, int64_t max_span) {
   const auto attend_rows_kt = avx512 ? cpu::attend_rows_kt_avx512 : attend_rows_kt_avx2;
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
