@@ -7,6 +7,7 @@
 // and the input gradients through frozen weights (BackwardInput/...: W^T packed
 // as f16 for the matmul kernels vs bf16 tiles for AMX / AVX512-BF16 / AVX2).
 // Dequant/<type>/{cpu,ref}: kernels/cpu/dequant.h against the scalar reference.
+// PrefillAttention/<shape>/T512: the inference attention of a 512-row prompt.
 // Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
 // projection, without and with evaluation's token-accuracy count.
 #include <benchmark/benchmark.h>
