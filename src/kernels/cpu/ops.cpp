@@ -291,10 +291,6 @@ void transpose_keys(const float* k, int64_t stride, int64_t d, int64_t p0, int64
     for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = k[p * stride + e];
 }
 
-}  // namespace
-
-namespace {
-
 // Batches of at least this many rows read K transposed (attention_rows.h): the
 // transpose costs about what one row's scores do.
 constexpr int64_t kKeysTransposedMinT = 16;
@@ -309,7 +305,9 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   int64_t k0 = pos[0], k1 = 0;  // keys read: [k0, k1)
   for (int64_t t = 0; t < T; ++t) {
-    k0 = std::min<int64_t>(k0, seq_start ? seq_start[t] : 0);
+    const int64_t first = seq_start ? seq_start[t] : 0;
+    LOOM_ASSERT(first <= pos[t]);  // every row sees at least its own key (the kernels rely on n >= 1)
+    k0 = std::min(k0, first);
     k1 = std::max<int64_t>(k1, pos[t] + 1);
   }
   const int64_t ldk = (k1 + 15) / 16 * 16 + 16;  // columns up to round_up(n, 16) past any first key
