@@ -29,6 +29,28 @@ inline bool attend_rows_kt_supports(int64_t head_dim) {
   return head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
 }
 
+// fn.template operator()<R>(r0) for the rows [r0, r0 + R) of each pass, passes of
+// 4 rows (the register budget of both ISA files' kernels) and a last shorter one.
+template <class Fn>
+inline void visit_row_passes(int rows, Fn&& fn) {
+  for (int r0 = 0; r0 < rows; r0 += 4) {
+    switch (rows - r0 < 4 ? rows - r0 : 4) {
+      case 1:
+        fn.template operator()<1>(r0);
+        break;
+      case 2:
+        fn.template operator()<2>(r0);
+        break;
+      case 3:
+        fn.template operator()<3>(r0);
+        break;
+      default:
+        fn.template operator()<4>(r0);
+        break;
+    }
+  }
+}
+
 // fn.template operator()<M>() with M = head_dim / 16, for a supported head_dim:
 // both ISA files' kernels are unrolled per M.
 template <class Fn>

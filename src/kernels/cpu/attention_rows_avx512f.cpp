@@ -18,8 +18,6 @@
 namespace loom::cpu {
 namespace {
 
-constexpr int kMaxRows = 4;  // query rows per pass (register budget)
-
 // lo + hi halves: the AVX2 loop's acc0 + acc1.
 inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
@@ -245,51 +243,23 @@ void attend_chunk_kt(const float* q, const float* kt, int64_t ldk, const float* 
   softmax_and_sum<R>(w, ws, vb, stride, 16 * M, n, o);
 }
 
-template <int M>
-void attend_rows_kt(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
-                    int64_t n, float scale, float* w, int64_t wstride, float* o) {
-  constexpr int d = 16 * M;
-  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const float* qr = q + r0 * d;
-    float* orow = o + r0 * d;
-    switch (rows - r0 < kMaxRows ? rows - r0 : kMaxRows) {
-      case 1:
-        attend_chunk_kt<1, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
-        break;
-      case 2:
-        attend_chunk_kt<2, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
-        break;
-      case 3:
-        attend_chunk_kt<3, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
-        break;
-      default:
-        attend_chunk_kt<4, M>(qr, kt, ldk, vb, stride, n, scale, w, wstride, orow);
-        break;
-    }
-  }
-}
-
 }  // namespace
 
 void attend_rows_avx512(const float* q, int rows, const float* kb, const float* vb, int64_t stride, int64_t d,
                         int64_t n, float scale, float* w, int64_t wstride, float* o) {
-  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const float* qr = q + r0 * d;
-    float* orow = o + r0 * d;
-    switch (rows - r0 < kMaxRows ? rows - r0 : kMaxRows) {
-      case 1: attend_chunk<1>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
-      case 2: attend_chunk<2>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
-      case 3: attend_chunk<3>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
-      default: attend_chunk<4>(qr, kb, vb, stride, d, n, scale, w, wstride, orow); break;
-    }
-  }
+  visit_row_passes(rows, [&]<int R>(int r0) {
+    attend_chunk<R>(q + r0 * d, kb, vb, stride, d, n, scale, w, wstride, o + r0 * d);
+  });
 }
 
 void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
                            int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
                            float* o) {
-  visit_head_blocks(
-      d, [&]<int M>() { attend_rows_kt<M>(q, rows, kt, ldk, vb, stride, n, scale, w, wstride, o); });
+  visit_head_blocks(d, [&]<int M>() {
+    visit_row_passes(rows, [&]<int R>(int r0) {
+      attend_chunk_kt<R, M>(q + r0 * d, kt, ldk, vb, stride, n, scale, w, wstride, o + r0 * d);
+    });
+  });
 }
 
 }  // namespace loom::cpu

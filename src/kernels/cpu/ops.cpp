@@ -259,22 +259,8 @@ void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, con
     const __m256 inv = _mm256_set1_ps(softmax_weights(wr, n));
     for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(wr + p, _mm256_mul_ps(_mm256_loadu_ps(wr + p), inv));
   }
-  for (r = 0; r < rows; r += 4) {
-    switch (rows - r < 4 ? rows - r : 4) {
-      case 1:
-        weighted_sums<1>(w + r * ws, ws, vb, stride, n, o + r * d, d);
-        break;
-      case 2:
-        weighted_sums<2>(w + r * ws, ws, vb, stride, n, o + r * d, d);
-        break;
-      case 3:
-        weighted_sums<3>(w + r * ws, ws, vb, stride, n, o + r * d, d);
-        break;
-      default:
-        weighted_sums<4>(w + r * ws, ws, vb, stride, n, o + r * d, d);
-        break;
-    }
-  }
+  cpu::visit_row_passes(
+      rows, [&]<int R>(int r0) { weighted_sums<R>(w + r0 * ws, ws, vb, stride, n, o + r0 * d, d); });
 }
 
 // The AVX2 counterpart of cpu::attend_rows_kt_avx512 (same arguments and bits).
@@ -289,6 +275,12 @@ void transpose_keys(const float* k, int64_t stride, int64_t d, int64_t p0, int64
                     int64_t ldk) {
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = k[p * stride + e];
+}
+
+// Query heads per unit: the whole GQA group (K and V read once for all), or
+// one head when too few (row, group) units would keep the threads busy.
+int64_t heads_per_unit(const AttentionShape& s, int64_t T, int threads) {
+  return T * s.n_kv_heads >= 4 * threads ? s.n_heads / s.n_kv_heads : 1;
 }
 
 // Batches of at least this many rows read K transposed (attention_rows.h): the
@@ -312,7 +304,7 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
   }
   const int64_t ldk = (k1 + 15) / 16 * 16 + 16;  // columns up to round_up(n, 16) past any first key
   std::vector<float> kt(static_cast<size_t>(d * ldk)), vg(static_cast<size_t>(k1 * d));
-  const int64_t rows = T * s.n_kv_heads >= 4 * pool.size() ? group : 1, per_g = group / rows;
+  const int64_t rows = heads_per_unit(s, T, pool.size()), per_g = group / rows;
   const int64_t wstride = max_span + 16;
   std::vector<std::vector<float>> w(static_cast<size_t>(pool.size()));
   for (int64_t g = 0; g < s.n_kv_heads; ++g) {
@@ -352,9 +344,7 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   if (T >= kKeysTransposedMinT && cpu::attend_rows_kt_supports(d))
     return attention_keys_transposed(pool, avx512, s, q, v, out, T, pos, seq_start, k, max_span);
   if (avx512 && cpu::attend_rows_avx512_supports(d)) {
-    // The heads of a GQA group in one pass (K and V read once for all); with
-    // too few (row, group) units to keep the threads busy, one head per unit.
-    const int64_t rows = T * s.n_kv_heads >= 4 * pool.size() ? group : 1, per_t = s.n_heads / rows;
+    const int64_t rows = heads_per_unit(s, T, pool.size()), per_t = s.n_heads / rows;
     const int64_t wstride = max_span + 16;
     pool.run([&](int ti, int tn) {
       std::vector<float> w(static_cast<size_t>(rows * wstride));
