@@ -78,6 +78,19 @@ inline void add_bits45(const uint8_t* p, int h, __m256i (&ops)[8]) {
   }
 }
 
+// An empty asm the value passes through: GCC otherwise reassociates a chain of
+// integer sums into a tree whose 32 partial products spill from 16 registers
+// (measured: the q8_0 tile 1.45x with it, AMD Zen 4 under LOOM_CPU=avx2).
+inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// 8 rows' int8 scales, each in both int16 halves of its row's lane: vpmaddwd of
+// a row's int16 pair sums by it is the row's scaled sum (exact in int32).
+inline __m256i scales_x2(const uint8_t* p) {
+  __m128i s;
+  std::memcpy(&s, p, 8);  // (the upper 8 bytes are not used)
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
+}
+
 inline __m256i madd1(__m256i v16) { return _mm256_madd_epi16(v16, _mm256_set1_epi16(1)); }
 
 // Sum over operands [O0, O1) of ops[o] . x[4o..], u8 values below 2^kBits. Partial
@@ -151,15 +164,94 @@ struct Q32Impl {
     else
       Q::unpack(pb, h, ops);
   }
+  // Block dots of one 8-row half for C tokens, operand-major: each operand is
+  // loaded once, then every token's product taken (int32 sums, exact in any order).
+  template <int C>
+  static void block_dots(const uint8_t* pb, int h, const ActQ8x32* const (&x)[C], __m256i (&tot)[C]) {
+    constexpr bool kWhole = kUnpacked || Q::kBits == 8;  // one load per operand
+    __m256i ops[8];
+    if constexpr (!kWhole) unpack(pb, h, ops);
+    constexpr int kRun = Q::kBits == 4 ? 8 : 4;  // int16 partials (see idot)
+    __m256i part[C];
+    for (int c = 0; c < C; ++c) tot[c] = part[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int o = 0; o < 8; ++o) {
+      __m256i w;
+      if constexpr (kWhole)
+        w = load256(pb + (kUnpacked ? kHeader : Q::kQuants) + 64 * o + 32 * h);
+      else
+        w = ops[o];
+      if constexpr (Q::kBits == 8) {
+        const __m256i aw = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const __m256i d = madd1(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast32(x[c]->qs + 4 * o), w)));
+          tot[c] = _mm256_add_epi32(tot[c], d);
+          keep_in_register(tot[c]);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const __m256i m = _mm256_maddubs_epi16(w, bcast32(x[c]->qs + 4 * o));
+          part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
+          keep_in_register(part[c]);
+          if (o % kRun == kRun - 1) tot[c] = _mm256_add_epi32(tot[c], madd1(part[c]));
+          keep_in_register(tot[c]);
+        }
+      }
+    }
+  }
+  // Batch tiles: one 8-row half at a time over the whole K, so C sums, C
+  // accumulators and one operand are live. The block-major order below kept 8
+  // operands (16 with q8_0's absolute values) and both halves' sums, and spilled
+  // from AVX2's 16 registers. The f32 sequence per lane is the same.
+  template <int P, int C>
+  static void run_batch(const TileArgs& ta) {
+    const int64_t nb = ta.K / 32;
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h) {
+        __m256 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
+          const ActQ8x32* x[C];
+          for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
+          __m256i tot[C];
+          block_dots<C>(pb, h, x, tot);
+          const __m256 dw = load_f16x8(pb + 16 * h);
+          for (int c = 0; c < C; ++c) {
+            __m256i i = tot[c];
+            if constexpr (!Q::kMin && Q::kBits != 8) i = _mm256_add_epi32(i, _mm256_set1_epi32(x[c]->aux));
+            acc[c] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dw, _mm256_set1_ps(x[c]->d)), acc[c]);
+            if constexpr (Q::kMin) {
+              float s;
+              std::memcpy(&s, &x[c]->aux, 4);
+              acc[c] = _mm256_fmadd_ps(load_f16x8(pb + 32 + 16 * h), _mm256_set1_ps(s), acc[c]);
+            }
+          }
+        }
+        for (int c = 0; c < C; ++c)
+          store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[c], ta.nv - p * 16 - h * 8);
+      }
+  }
   template <int P, int C>
   static void run(const TileArgs& ta) {
+    if constexpr (C > 1)
+      run_batch<P, C>(ta);
+    else
+      run_decode<P, C>(ta);
+  }
+  // Decode tiles (one token): block-major, both halves per block.
+  template <int P, int C>
+  static void run_decode(const TileArgs& ta) {
     __m256 acc[P][2][C];
     zero_tile(acc);
     const int64_t nb = ta.K / 32;
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
-        if constexpr (C == 1 && !kUnpacked) prefetch_ahead<Q::kPB>(pb);
+        if constexpr (!kUnpacked) prefetch_ahead<Q::kPB>(pb);
         for (int h = 0; h < 2; ++h) {
           const __m256 dw = load_f16x8(pb + 16 * h);
           __m256 mw = _mm256_setzero_ps();
@@ -203,54 +295,119 @@ inline void prefetch_group(const uint8_t* pb, int g, size_t header, size_t group
   for (size_t o = 0; o < group; o += 64) __builtin_prefetch(pb + header + g * group + kPrefetchBytes + o, 0, 3);
 }
 
-// 8-lane halves of a panel per pass over a superblock's groups: decode reads the
-// bytes once for both; a batch tile has registers for one half's sums only.
-template <int C>
-constexpr int kHalvesPerPass = C == 1 ? 2 : 1;
-
 // ---- q4_k / q5_k ----
 
 // Batches run on packed panels: unpacked ones (K16Impl) measured 0.95-1.07x on
-// q4_k and q5_k here (AMD Zen 4 under LOOM_CPU=avx2), the nibbles being cheap to
-// split next to vpmaddubsw's work.
+// q4_k and q5_k here (AMD Zen 4 under LOOM_CPU=avx2, block-major tiles), the
+// nibbles being cheap to split next to vpmaddubsw's work.
 template <DType kT>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
+  // Operand o of group gp's half h (unpack_nibbles, add_bit4), one at a time.
+  static __m256i operand(const uint8_t* gp, int h, int o) {
+    const __m256i m = _mm256_set1_epi8(0x0f), w = load256(gp + 64 * (o % 4) + 32 * h);
+    __m256i op = _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), m);
+    if constexpr (kFive)
+      op = _mm256_or_si256(
+          op, _mm256_and_si256(shift_bits(load256(gp + 256 + 32 * h), 4 - o), _mm256_set1_epi8(0x10)));
+    return op;
+  }
+  // Batch tiles, one half over the whole K, operand-major (see Q32Impl::run_batch);
+  // vpmaddwd by the group's scales (scales_x2) replaces vpmaddwd by ones and vpmulld.
+  template <int P, int C>
+  static void run_batch(const TileArgs& ta) {
+    constexpr int kRun = kFive ? 4 : 8;
+    const int64_t nsb = ta.K / 256;
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h) {
+        __m256 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+          const ActQ8K* x[C];
+          __m256i isc[C];
+          for (int c = 0; c < C; ++c) {
+            x[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            isc[c] = _mm256_setzero_si256();
+          }
+          for (int g = 0; g < 8; ++g) {
+            const __m256i sc = scales_x2(pb + 64 + 16 * g + 8 * h);
+            const uint8_t* gp = pb + 320 + g * kGroup;
+            __m256i part[C]{};  // (each run sets its part first)
+#pragma GCC unroll 8
+            for (int o = 0; o < 8; ++o) {
+              const __m256i w = operand(gp, h, o);
+#pragma GCC unroll 8
+              for (int c = 0; c < C; ++c) {
+                const __m256i m = _mm256_maddubs_epi16(w, bcast32(x[c]->qs + 32 * g + 4 * o));
+                part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
+                keep_in_register(part[c]);
+                keep_in_register(part[c]);
+                if (o % kRun == kRun - 1) {
+                  isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc));
+                  keep_in_register(isc[c]);
+                }
+              }
+            }
+          }
+          const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
+          for (int c = 0; c < C; ++c) {
+            __m256i im = _mm256_setzero_si256();
+            for (int q = 0; q < 4; ++q)
+              im = _mm256_add_epi32(
+                  im, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                            reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h))),
+                                        bcast32(x[c]->s32 + 2 * q)));
+            const __m256 xd = _mm256_set1_ps(x[c]->d);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[c]);
+            acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[c]);
+          }
+        }
+        for (int c = 0; c < C; ++c)
+          store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[c], ta.nv - p * 16 - h * 8);
+      }
+  }
   template <int P, int C>
   static void run(const TileArgs& ta) {
+    if constexpr (C > 1)
+      run_batch<P, C>(ta);
+    else
+      run_decode<P, C>(ta);
+  }
+  // Decode tiles (one token): block-major, both halves per block.
+  template <int P, int C>
+  static void run_decode(const TileArgs& ta) {
     __m256 acc[P][2][C];
     zero_tile(acc);
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
-        // Decode walks the groups once with both halves (one pass over the
-        // superblock's bytes); batches take one half at a time (registers).
-        for (int h0 = 0; h0 < 2; h0 += kHalvesPerPass<C>) {
-          __m256i isc[kHalvesPerPass<C>][C];
-          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh)
-            for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            if constexpr (C == 1) prefetch_group(pb, g, 320, kGroup);
-            for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
-              const int h = h0 + hh;
-              __m128i sc8;
-              std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
-              const __m256i sc = _mm256_cvtepu8_epi32(sc8);
-              __m256i ops[8];
-              unpack_nibbles(pb + 320 + g * kGroup, h, ops);
-              if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, h, ops);
-              for (int c = 0; c < C; ++c) {
-                const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-                const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
-                isc[hh][c] = _mm256_add_epi32(isc[hh][c], _mm256_mullo_epi32(d, sc));
-              }
+        // Both halves in one pass over the superblock's bytes.
+        __m256i isc[2][C];
+        for (int hh = 0; hh < 2; ++hh)
+          for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          if constexpr (C == 1) prefetch_group(pb, g, 320, kGroup);
+          for (int hh = 0; hh < 2; ++hh) {
+            const int h = hh;
+            __m128i sc8;
+            std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
+            const __m256i sc = _mm256_cvtepu8_epi32(sc8);
+            __m256i ops[8];
+            unpack_nibbles(pb + 320 + g * kGroup, h, ops);
+            if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, h, ops);
+            for (int c = 0; c < C; ++c) {
+              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+              const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
+              isc[hh][c] = _mm256_add_epi32(isc[hh][c], _mm256_mullo_epi32(d, sc));
             }
           }
-          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
-            const int h = h0 + hh;
+          }
+          for (int hh = 0; hh < 2; ++hh) {
+            const int h = hh;
             const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
             __m256i mins[4];
             for (int q = 0; q < 4; ++q)
@@ -267,7 +424,6 @@ struct Q45KImpl {
               acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
             }
           }
-        }
       }
     }
     store_tile<P, C>(ta, acc);
@@ -347,41 +503,122 @@ struct K16Impl {
     if constexpr (kKind == DType::q3_k) return x->b16[j] >> 3;  // -4 * xsum, exact
     return 0;
   }
+  // offset(x, j) = -(s16[j] << kOffsetShift): q6_k's -32 and q3_k's -4 per value.
+  static constexpr int kOffsetShift = kKind == DType::q6_k ? 5 : kKind == DType::q3_k ? 2 : -1;
+  // Batch tiles, one half over the whole K, operand-major (see Q32Impl::run_batch).
+  // vpmaddwd by each sub-block's scales (scales_x2) replaces vpmaddwd by ones and
+  // vpmulld, and one vpmaddwd per group gives both sub-blocks' offsets times their
+  // scales: the same int32 sums.
+  template <int P, int C>
+  static void run_batch(const TileArgs& ta) {
+    constexpr int kRun = kBits == 6 ? 2 : 4;
+    const int64_t nsb = ta.K / 256;
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h) {
+        __m256 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+          const ActQ8K* x[C];
+          __m256i isc[C];
+          for (int c = 0; c < C; ++c) {
+            x[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            isc[c] = _mm256_setzero_si256();
+          }
+          for (int g = 0; g < 8; ++g) {
+            const uint8_t* sp = pb + kScales + 32 * g + 8 * h;
+            const __m256i sc[2] = {scales_x2(sp), scales_x2(sp + 16)};
+            const uint8_t* gp = pb + kGroups + g * kGroup;
+            __m256i ops[8];
+            if constexpr (!kUnpacked) unpack(gp, h, ops);
+            __m256i part[C]{};  // (each run sets its part first)
+#pragma GCC unroll 8
+            for (int o = 0; o < 8; ++o) {
+              const __m256i w = kUnpacked ? load256(gp + 64 * o + 32 * h) : ops[o];
+#pragma GCC unroll 8
+              for (int c = 0; c < C; ++c) {
+                const __m256i m = _mm256_maddubs_epi16(w, bcast32(x[c]->qs + 32 * g + 4 * o));
+                part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
+                keep_in_register(part[c]);
+                if (o % kRun == kRun - 1)
+                  isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc[o / 4]));
+                keep_in_register(isc[c]);
+              }
+            }
+            if constexpr (kOffsetShift >= 0) {
+              __m128i s0, s1;
+              std::memcpy(&s0, sp, 8);
+              std::memcpy(&s1, sp + 16, 8);
+              const __m256i pair =
+                  _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));  // (sc 2g, sc 2g+1) per row
+              for (int c = 0; c < C; ++c)
+                isc[c] = _mm256_sub_epi32(
+                    isc[c],
+                    _mm256_slli_epi32(_mm256_madd_epi16(pair, bcast32(x[c]->s16 + 2 * g)), kOffsetShift));
+            }
+          }
+          const __m256 dw = load_f16x8(pb + 16 * h);
+          for (int c = 0; c < C; ++c) {
+            const __m256 xd = _mm256_set1_ps(x[c]->d);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[c]);
+            if constexpr (kMin) {
+              const __m256 dm = load_f16x8(pb + 32 + 16 * h);
+              __m256i im = _mm256_setzero_si256();
+              for (int q = 0; q < 8; ++q)
+                im = _mm256_add_epi32(
+                    im, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                              reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h))),
+                                          bcast32(x[c]->s16 + 2 * q)));
+              acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[c]);
+            }
+          }
+        }
+        for (int c = 0; c < C; ++c)
+          store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[c], ta.nv - p * 16 - h * 8);
+      }
+  }
   template <int P, int C>
   static void run(const TileArgs& ta) {
+    if constexpr (C > 1)
+      run_batch<P, C>(ta);
+    else
+      run_decode<P, C>(ta);
+  }
+  // Decode tiles (one token): block-major, both halves per block.
+  template <int P, int C>
+  static void run_decode(const TileArgs& ta) {
     __m256 acc[P][2][C];
     zero_tile(acc);
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
-        for (int h0 = 0; h0 < 2; h0 += kHalvesPerPass<C>) {
-          __m256i isc[kHalvesPerPass<C>][C];
-          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh)
-            for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            if constexpr (C == 1 && !kUnpacked) prefetch_group(pb, g, kGroups, kGroup);
-            for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
-              const int h = h0 + hh;
-              __m128i s0, s1;
-              std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
-              std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
-              const __m256i sc0 = _mm256_cvtepi8_epi32(s0), sc1 = _mm256_cvtepi8_epi32(s1);
-              __m256i ops[8];
-              unpack(pb + kGroups + g * kGroup, h, ops);
-              for (int c = 0; c < C; ++c) {
-                const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-                const __m256i d0 = _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g),
-                                                    _mm256_set1_epi32(offset(x, 2 * g)));
-                const __m256i d1 = _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g),
-                                                    _mm256_set1_epi32(offset(x, 2 * g + 1)));
-                isc[hh][c] = _mm256_add_epi32(
-                    isc[hh][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
-              }
+        __m256i isc[2][C];
+        for (int hh = 0; hh < 2; ++hh)
+          for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          if constexpr (C == 1 && !kUnpacked) prefetch_group(pb, g, kGroups, kGroup);
+          for (int hh = 0; hh < 2; ++hh) {
+            const int h = hh;
+            __m128i s0, s1;
+            std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
+            std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
+            const __m256i sc0 = _mm256_cvtepi8_epi32(s0), sc1 = _mm256_cvtepi8_epi32(s1);
+            __m256i ops[8];
+            unpack(pb + kGroups + g * kGroup, h, ops);
+            for (int c = 0; c < C; ++c) {
+              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+              const __m256i d0 = _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g),
+                                                  _mm256_set1_epi32(offset(x, 2 * g)));
+              const __m256i d1 = _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g),
+                                                  _mm256_set1_epi32(offset(x, 2 * g + 1)));
+              isc[hh][c] = _mm256_add_epi32(
+                  isc[hh][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
             }
           }
-          for (int hh = 0; hh < kHalvesPerPass<C>; ++hh) {
-            const int h = h0 + hh;
+          }
+          for (int hh = 0; hh < 2; ++hh) {
+            const int h = hh;
             const __m256 dw = load_f16x8(pb + 16 * h);
             __m256 dm = _mm256_setzero_ps();
             __m256i mins[8];
@@ -404,7 +641,6 @@ struct K16Impl {
               }
             }
           }
-        }
       }
     }
     store_tile<P, C>(ta, acc);
