@@ -295,18 +295,59 @@ inline void prefetch_group(const uint8_t* pb, int g, size_t header, size_t group
   for (size_t o = 0; o < group; o += 64) __builtin_prefetch(pb + header + g * group + kPrefetchBytes + o, 0, 3);
 }
 
+// Unpacked panels (panel_kernels.h) have the AVX-512 kernels' layout: each
+// superblock's header as packed, then per group of 32 the 8 operands, 64 bytes
+// each (16 rows x 4 values), half h at byte 32h.
+template <class Packed, class Unpacked, size_t kHeader>
+void unpack_superblocks(const uint8_t* pan, int64_t K, uint8_t* out) {
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* src = pan + sb * Packed::kPBB;
+    uint8_t* dst = out + sb * Unpacked::kPBB;
+    std::memcpy(dst, src, kHeader);
+    for (int g = 0; g < 8; ++g)
+      for (int h = 0; h < 2; ++h) {
+        __m256i ops[8];
+        Packed::unpack(src + kHeader + g * Packed::kGroup, h, ops);
+        for (int o = 0; o < 8; ++o)
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(dst + kHeader + g * kUnpackedGroup + 64 * o + 32 * h), ops[o]);
+      }
+  }
+}
+
+inline void load_unpacked(const uint8_t* gp, int h, __m256i (&ops)[8]) {
+  for (int o = 0; o < 8; ++o) ops[o] = load256(gp + 64 * o + 32 * h);
+}
+
 // ---- q4_k / q5_k ----
 
-// Batches run on packed panels: unpacked ones (K16Impl) measured 0.95-1.07x on
-// q4_k and q5_k here (AMD Zen 4 under LOOM_CPU=avx2, block-major tiles), the
-// nibbles being cheap to split next to vpmaddubsw's work.
-template <DType kT>
+// q5_k batches run on unpacked panels (whole bytes, panel_kernels.h): with the
+// operand-major tiles they ran 1.1-1.25x the packed ones (AMD Zen 4 under
+// LOOM_CPU=avx2, T = 512), where q4_k's nibbles, one shift and mask per operand
+// next to 4 tokens' vpmaddubsw, measured the same either way and stay packed.
+template <DType kT, bool kUnpacked = false>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
-  static constexpr size_t kPB_bytes = kFive ? 2880 : 2368, kGroup = kFive ? 320 : 256;
+  static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kFive ? 320 : 256;
+  static constexpr size_t kPBB = 320 + 8 * kGroup;
+  static_assert(kUnpacked || kPBB == (kFive ? 2880 : 2368));
+  using Unpacked = std::conditional_t<kUnpacked || !kFive, void, Q45KImpl<kT, true>>;
+  static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
+  static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
+    unpack_superblocks<Q45KImpl<kT, false>, Q45KImpl, 320>(pan, K, out);
+  }
+  static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
+    if constexpr (kUnpacked) {
+      load_unpacked(gp, h, ops);
+    } else {
+      unpack_nibbles(gp, h, ops);
+      if constexpr (kFive) add_bit4(gp + 256, h, ops);
+    }
+  }
   // Operand o of group gp's half h (unpack_nibbles, add_bit4), one at a time.
   static __m256i operand(const uint8_t* gp, int h, int o) {
+    if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
     const __m256i m = _mm256_set1_epi8(0x0f), w = load256(gp + 64 * (o % 4) + 32 * h);
     __m256i op = _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), m);
     if constexpr (kFive)
@@ -325,7 +366,7 @@ struct Q45KImpl {
         __m256 acc[C];
         for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nsb; ++sb) {
-          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
           const ActQ8K* x[C];
           __m256i isc[C];
           for (int c = 0; c < C; ++c) {
@@ -384,7 +425,7 @@ struct Q45KImpl {
     const int64_t nsb = ta.K / 256;
     for (int64_t sb = 0; sb < nsb; ++sb) {
       for (int p = 0; p < P; ++p) {
-        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPB_bytes;
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
         // Both halves in one pass over the superblock's bytes.
         __m256i isc[2][C];
         for (int hh = 0; hh < 2; ++hh)
@@ -397,8 +438,7 @@ struct Q45KImpl {
             std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
             const __m256i sc = _mm256_cvtepu8_epi32(sc8);
             __m256i ops[8];
-            unpack_nibbles(pb + 320 + g * kGroup, h, ops);
-            if constexpr (kFive) add_bit4(pb + 320 + g * kGroup + 256, h, ops);
+            unpack(pb + 320 + g * kGroup, h, ops);
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
               const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
@@ -443,30 +483,6 @@ inline void unpack_crumbs(const uint8_t* p, int h, __m256i (&ops)[8]) {
 inline void add_bit2(const uint8_t* p, int h, __m256i (&ops)[8]) {
   const __m256i w = load256(p + 32 * h), m = _mm256_set1_epi8(0x04);
   for (int o = 0; o < 8; ++o) ops[o] = _mm256_or_si256(ops[o], _mm256_and_si256(shift_bits(w, 2 - o), m));
-}
-
-// Unpacked panels (panel_kernels.h) have the AVX-512 kernels' layout: each
-// superblock's header as packed, then per group of 32 the 8 operands, 64 bytes
-// each (16 rows x 4 values), half h at byte 32h.
-template <class Packed, class Unpacked, size_t kHeader>
-void unpack_superblocks(const uint8_t* pan, int64_t K, uint8_t* out) {
-  for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* src = pan + sb * Packed::kPBB;
-    uint8_t* dst = out + sb * Unpacked::kPBB;
-    std::memcpy(dst, src, kHeader);
-    for (int g = 0; g < 8; ++g)
-      for (int h = 0; h < 2; ++h) {
-        __m256i ops[8];
-        Packed::unpack(src + kHeader + g * Packed::kGroup, h, ops);
-        for (int o = 0; o < 8; ++o)
-          _mm256_storeu_si256(
-              reinterpret_cast<__m256i*>(dst + kHeader + g * kUnpackedGroup + 64 * o + 32 * h), ops[o]);
-      }
-  }
-}
-
-inline void load_unpacked(const uint8_t* gp, int h, __m256i (&ops)[8]) {
-  for (int o = 0; o < 8; ++o) ops[o] = load256(gp + 64 * o + 32 * h);
 }
 
 template <DType kKind, bool kUnpacked = false>
@@ -734,13 +750,15 @@ struct FloatImpl {
 // with a defaulted second parameter to `template <DType> class`.
 template <DType kT>
 using Q32Packed = Q32Impl<kT>;
+template <DType kT>
+using Q45KPacked = Q45KImpl<kT>;
 template <DType kKind>
 using K16Packed = K16Impl<kKind>;
 
 }  // namespace
 
 UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
-  return unpacked_panels_of<Q32Packed, Q45KImpl, K16Packed, FloatImpl>(type, K);
+  return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
@@ -750,7 +768,7 @@ void panel_kernel_avx2(DType type, const KernelArgs& a) {
     const DenormalsAreZero daz;
     return drive_tiles<Bf16EmuImpl>(a);
   }
-  run_panel_kernel<Q32Packed, Q45KImpl, K16Packed, FloatImpl>(type, a);
+  run_panel_kernel<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, a);
 }
 
 }  // namespace loom::cpu
