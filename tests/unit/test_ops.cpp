@@ -159,5 +159,38 @@ TEST(Ops, BlockedAttentionEqualsThePlainLoopBitForBit) {
   }
 }
 
+// Rows whose keys span several chunks of the AVX2 scores (256 keys, kScoreChunk
+// in kernels/cpu/ops.cpp) and end off a block of 8 or 16: 531 keys, the second
+// packed sample from key 297.
+TEST(Ops, LongRowsOnKeysTransposedEqualThePlainLoopBitForBit) {
+  const std::pair<int64_t, int64_t> heads[] = {{6, 2}, {4, 4}};
+  for (int64_t d : {64, 128, 96}) {
+    for (const auto& [n_heads, kv_heads] : heads) {
+      for (bool packed : {false, true}) {
+        for (int threads : {1, 3}) {
+          ThreadPool pool(threads);
+          AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 3};
+          const int64_t ctx = 531, T = 20;
+          auto q = random_vec(static_cast<size_t>(T * n_heads * d), 26, 3.0f);
+          auto k = random_vec(static_cast<size_t>(ctx * s.kv_stride), 27, 3.0f);
+          auto v = random_vec(static_cast<size_t>(ctx * s.kv_stride), 28);
+          std::vector<int32_t> pos(T), start(T);
+          for (int64_t t = 0; t < T; ++t) {
+            pos[static_cast<size_t>(t)] = static_cast<int32_t>(ctx - T + t);
+            start[static_cast<size_t>(t)] = packed && 2 * t >= T ? 297 : 0;
+          }
+          std::vector<float> a(q.size()), b(q.size());
+          attention(pool, s, q.data(), k.data(), v.data(), a.data(), T, pos.data(),
+                    packed ? start.data() : nullptr);
+          plain_attention(s, q.data(), k.data(), v.data(), b.data(), T, pos.data(), start.data());
+          ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+              << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", packed " << packed << ", "
+              << threads << " threads";
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace loom

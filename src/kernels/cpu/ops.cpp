@@ -160,55 +160,66 @@ void attend_row(const float* qv, const float* kb, const float* vb, int64_t strid
   softmax_and_sum(w, vb, stride, d, n, o);
 }
 
-// The lane pair (l, l + 8) of dot4's two chains for R rows and 8 keys across
-// the lanes (head_dim 16 M): v[r] = A_l + A_{l+8}, A_j chaining q[i + j] * k[i + j]
-// over i = 0, 16, .. in order -- lane l of dot4's a0 + a1.
+// Keys per chunk of the AVX2 scores: the chunk's lane sums (8 per row and key,
+// 16 KiB for two rows) stay in L1 between their two passes.
+constexpr int64_t kScoreChunk = 256;
+
+// Lane l's sum of dot4's two chains, v_l = a_l + a_{l+8} (a_j chaining q[i + j] *
+// k[i + j] over i = 0, 16, .. in order), for R rows and the keys of nb blocks of
+// 8 across the lanes: s[r * ss + key]. Chain by chain, with the row's q elements in
+// registers for every block and each of the M rows of K^T read in order: the per
+// block kernel before it broadcast q once per FMA and walked all d rows of K^T at
+// once, and ran at ~40 GFLOP/s (AMD Zen 4).
 template <int R, int M>
-inline void lane_pair8(const float* q, const float* kt, int64_t ldk, int l, __m256 (&v)[R]) {
+void lane_pair_sums(const float* q, const float* kt, int64_t ldk, int l, int64_t nb, float* s, int64_t ss) {
   constexpr int d = 16 * M;
-  __m256 a[R], b[R];
-  for (int r = 0; r < R; ++r) a[r] = b[r] = _mm256_setzero_ps();
-  for (int i = 0; i < d; i += 16) {
-    const __m256 ka = _mm256_loadu_ps(kt + (i + l) * ldk), kb = _mm256_loadu_ps(kt + (i + 8 + l) * ldk);
-    for (int r = 0; r < R; ++r) {
-      a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * d + i + l), ka, a[r]);
-      b[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * d + i + 8 + l), kb, b[r]);
+  for (int half = 0; half < 2; ++half) {
+    __m256 qv[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) qv[r][m] = _mm256_set1_ps(q[r * d + 16 * m + 8 * half + l]);
+    const float* k0 = kt + (8 * half + l) * ldk;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int m = 0; m < M; ++m) {
+        const __m256 kv = _mm256_loadu_ps(k0 + 16 * m * ldk + 8 * b);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(qv[r][m], kv, acc[r]);
+      }
+      for (int r = 0; r < R; ++r) {
+        float* sr = s + r * ss + 8 * b;
+        _mm256_storeu_ps(sr, half == 0 ? acc[r] : _mm256_add_ps(_mm256_loadu_ps(sr), acc[r]));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) v[r] = _mm256_add_ps(a[r], b[r]);
 }
 
-template <int R>
-inline void add_into(__m256 (&x)[R], const __m256 (&y)[R]) {
-  for (int r = 0; r < R; ++r) x[r] = _mm256_add_ps(x[r], y[r]);
-}
-
-// v = lane pair la + lane pair lb, the first level of the hsum tree.
+// Scores of R rows for the keys [0, 8 nb) of a chunk from K^T (kt at the chunk's
+// first key): the lane sums, then simd::hsum's tree ((v0 + v4) + (v2 + v6)) +
+// ((v1 + v5) + (v3 + v7)) times the scale -- dot4's products, chains and tree.
 template <int R, int M>
-inline void lane_pairs8(const float* q, const float* kt, int64_t ldk, int la, int lb, __m256 (&v)[R]) {
-  __m256 u[R];
-  lane_pair8<R, M>(q, kt, ldk, la, v);
-  lane_pair8<R, M>(q, kt, ldk, lb, u);
-  add_into(v, u);
-}
-
-// Scores of 8 keys for R rows from K^T (kt at the first key's column): dot4's
-// products and chains, then simd::hsum's tree ((l0 + l4) + (l2 + l6)) +
-// ((l1 + l5) + (l3 + l7)) across registers instead of within one. Not
-// inlined: inside the key loop GCC hoists the 16 M broadcast addresses and
-// spills them (a stack load per broadcast, ~1.5x slower).
-template <int R, int M>
-[[gnu::noinline]] void scores_kt8(const float* q, const float* kt, int64_t ldk, float scale, float* w,
-                                  int64_t ws) {
-  __m256 x[R], y[R], t[R];
-  lane_pairs8<R, M>(q, kt, ldk, 0, 4, x);  // (l0 + l4) + (l2 + l6)
-  lane_pairs8<R, M>(q, kt, ldk, 2, 6, t);
-  add_into(x, t);
-  lane_pairs8<R, M>(q, kt, ldk, 1, 5, y);  // (l1 + l5) + (l3 + l7)
-  lane_pairs8<R, M>(q, kt, ldk, 3, 7, t);
-  add_into(y, t);
+void scores_kt8(const float* q, const float* kt, int64_t ldk, float scale, int64_t nb, float* w, int64_t ws) {
+  alignas(32) float lanes[8][R][kScoreChunk];
+  for (int l = 0; l < 8; ++l) lane_pair_sums<R, M>(q, kt, ldk, l, nb, &lanes[l][0][0], kScoreChunk);
   const __m256 sc = _mm256_set1_ps(scale);
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(w + r * ws, _mm256_mul_ps(_mm256_add_ps(x[r], y[r]), sc));
+  const auto v = [&](int l, int r, int64_t b) { return _mm256_load_ps(&lanes[l][r][8 * b]); };
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 x =
+          _mm256_add_ps(_mm256_add_ps(v(0, r, b), v(4, r, b)), _mm256_add_ps(v(2, r, b), v(6, r, b)));
+      const __m256 y =
+          _mm256_add_ps(_mm256_add_ps(v(1, r, b), v(5, r, b)), _mm256_add_ps(v(3, r, b), v(7, r, b)));
+      _mm256_storeu_ps(w + r * ws + 8 * b, _mm256_mul_ps(_mm256_add_ps(x, y), sc));
+    }
+}
+
+// All keys [0, n) of rows [r0, r0 + R), chunk by chunk.
+template <int R, int M>
+void scores_rows_kt8(const float* q, const float* kt, int64_t ldk, float scale, int64_t n, float* w,
+                     int64_t ws) {
+  for (int64_t c0 = 0; c0 < n; c0 += kScoreChunk) {
+    const int64_t nb = (std::min(kScoreChunk, n - c0) + 7) / 8;
+    scores_kt8<R, M>(q, kt + c0, ldk, scale, nb, w + c0, ws);
+  }
 }
 
 // o[r][c0 .. c0 + 8 C) = sum_j a[r][j] v_j, for R rows of a group: one FMA
@@ -249,11 +260,11 @@ template <int M>
 void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, const float* vb, int64_t stride,
                      int64_t n, float scale, float* w, int64_t ws, float* o) {
   constexpr int d = 16 * M;
+  constexpr int kRows = M <= 4 ? 2 : 1;  // rows per pass: R M q registers of sixteen
   int r = 0;
-  for (; r + 2 <= rows; r += 2)
-    for (int64_t p = 0; p < n; p += 8) scores_kt8<2, M>(q + r * d, kt + p, ldk, scale, w + r * ws + p, ws);
-  if (r < rows)
-    for (int64_t p = 0; p < n; p += 8) scores_kt8<1, M>(q + r * d, kt + p, ldk, scale, w + r * ws + p, ws);
+  for (; r + kRows <= rows; r += kRows)
+    scores_rows_kt8<kRows, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
+  if (r < rows) scores_rows_kt8<1, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
   for (r = 0; r < rows; ++r) {
     float* wr = w + r * ws;
     const __m256 inv = _mm256_set1_ps(softmax_weights(wr, n));
