@@ -319,6 +319,37 @@ inline void load_unpacked(const uint8_t* gp, int h, __m256i (&ops)[8]) {
   for (int o = 0; o < 8; ++o) ops[o] = load256(gp + 64 * o + 32 * h);
 }
 
+// isc[c] += the 8 operands of a group of 32 dotted with token c's 32 values (xq[c]),
+// operand-major (each operand loaded or unpacked once for the C tokens): runs of
+// kRun operands summed in int16 (the sums fit, see idot), then vpmaddwd by the
+// run's sub-block scales sc[o / 4] (scales_x2) into the int32 sums.
+template <int kRun, int C, class Operand>
+[[gnu::always_inline]] inline void group_dots(const Operand& operand, const int8_t* const (&xq)[C],
+                                              const __m256i (&sc)[2], __m256i (&isc)[C]) {
+  __m256i part[C]{};  // (each run sets its part first)
+#pragma GCC unroll 8
+  for (int o = 0; o < 8; ++o) {
+    const __m256i w = operand(o);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256i m = _mm256_maddubs_epi16(w, bcast32(xq[c] + 4 * o));
+      part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
+      keep_in_register(part[c]);
+      if (o % kRun == kRun - 1) isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc[o / 4]));
+      keep_in_register(isc[c]);
+    }
+  }
+}
+
+// The act rows of a batch tile's C tokens at superblock sb, and zeroed sums.
+template <int C>
+inline void start_superblock(const TileArgs& ta, int64_t sb, const ActQ8K* (&x)[C], __m256i (&isc)[C]) {
+  for (int c = 0; c < C; ++c) {
+    x[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+    isc[c] = _mm256_setzero_si256();
+  }
+}
+
 // ---- q4_k / q5_k ----
 
 // q5_k batches run on unpacked panels (whole bytes, panel_kernels.h): with the
@@ -369,29 +400,13 @@ struct Q45KImpl {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
           const ActQ8K* x[C];
           __m256i isc[C];
-          for (int c = 0; c < C; ++c) {
-            x[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            isc[c] = _mm256_setzero_si256();
-          }
+          start_superblock(ta, sb, x, isc);
           for (int g = 0; g < 8; ++g) {
             const __m256i sc = scales_x2(pb + 64 + 16 * g + 8 * h);
             const uint8_t* gp = pb + 320 + g * kGroup;
-            __m256i part[C]{};  // (each run sets its part first)
-#pragma GCC unroll 8
-            for (int o = 0; o < 8; ++o) {
-              const __m256i w = operand(gp, h, o);
-#pragma GCC unroll 8
-              for (int c = 0; c < C; ++c) {
-                const __m256i m = _mm256_maddubs_epi16(w, bcast32(x[c]->qs + 32 * g + 4 * o));
-                part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
-                keep_in_register(part[c]);
-                keep_in_register(part[c]);
-                if (o % kRun == kRun - 1) {
-                  isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc));
-                  keep_in_register(isc[c]);
-                }
-              }
-            }
+            const int8_t* xq[C];
+            for (int c = 0; c < C; ++c) xq[c] = x[c]->qs + 32 * g;
+            group_dots<kRun>([&](int o) { return operand(gp, h, o); }, xq, {sc, sc}, isc);
           }
           const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
           for (int c = 0; c < C; ++c) {
@@ -537,30 +552,17 @@ struct K16Impl {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
           const ActQ8K* x[C];
           __m256i isc[C];
-          for (int c = 0; c < C; ++c) {
-            x[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            isc[c] = _mm256_setzero_si256();
-          }
+          start_superblock(ta, sb, x, isc);
           for (int g = 0; g < 8; ++g) {
             const uint8_t* sp = pb + kScales + 32 * g + 8 * h;
             const __m256i sc[2] = {scales_x2(sp), scales_x2(sp + 16)};
             const uint8_t* gp = pb + kGroups + g * kGroup;
             __m256i ops[8];
             if constexpr (!kUnpacked) unpack(gp, h, ops);
-            __m256i part[C]{};  // (each run sets its part first)
-#pragma GCC unroll 8
-            for (int o = 0; o < 8; ++o) {
-              const __m256i w = kUnpacked ? load256(gp + 64 * o + 32 * h) : ops[o];
-#pragma GCC unroll 8
-              for (int c = 0; c < C; ++c) {
-                const __m256i m = _mm256_maddubs_epi16(w, bcast32(x[c]->qs + 32 * g + 4 * o));
-                part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
-                keep_in_register(part[c]);
-                if (o % kRun == kRun - 1)
-                  isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc[o / 4]));
-                keep_in_register(isc[c]);
-              }
-            }
+            const int8_t* xq[C];
+            for (int c = 0; c < C; ++c) xq[c] = x[c]->qs + 32 * g;
+            group_dots<kRun>([&](int o) { return kUnpacked ? load256(gp + 64 * o + 32 * h) : ops[o]; }, xq,
+                             sc, isc);
             if constexpr (kOffsetShift >= 0) {
               __m128i s0, s1;
               std::memcpy(&s0, sp, 8);
