@@ -188,10 +188,10 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
 
 // The batch kernels of most quantized types and f16 unpack each group of panels
 // into scratch once and run the token tiles on the copy (AVX-512: q5_0, q5_1,
-// q2_k .. q6_k and f16 widened to f32; AVX2: q4_0 .. q5_1, q2_k, q3_k, q5_k, q6_k). With scratch for the default
-// group, for three panels (the float tiles' three: several groups, the last one partial) and for none (the
-// packed kernel), both instruction sets give the scalar model's bits. T = 19: the AVX-512 kernels' two full
-// 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
+// q2_k .. q6_k and f16 widened to f32; AVX2: q4_0 .. q5_1, q2_k, q3_k, q5_k, q6_k). With scratch for the
+// default group, for three panels (the float tiles' three: several groups, the last one partial) and for none
+// (the packed kernel), both instruction sets give the scalar model's bits. T = 19: the AVX-512 kernels' two
+// full 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
   for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q4_k, DType::q5_k,
@@ -207,8 +207,7 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
           avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
       const size_t panel = u.panel_bytes;
       const bool q4 = type == DType::q4_0 || type == DType::q4_1;
-      const bool has_unpacked =
-          avx2 ? !(type == DType::q4_k || type == DType::f16) : !q4;
+      const bool has_unpacked = avx2 ? !(type == DType::q4_k || type == DType::f16) : !q4;
       ASSERT_EQ(panel > 0, has_unpacked) << dtype_name(type) << " " << isa_name(isa);
       if (!has_unpacked) continue;
       ASSERT_EQ(u.tile_panels, type == DType::f16 ? 3 : 1) << dtype_name(type) << " " << isa_name(isa);

@@ -443,12 +443,11 @@ struct Q45KImpl {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
         // Both halves in one pass over the superblock's bytes.
         __m256i isc[2][C];
-        for (int hh = 0; hh < 2; ++hh)
-          for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < C; ++c) isc[h][c] = _mm256_setzero_si256();
         for (int g = 0; g < 8; ++g) {
           if constexpr (C == 1) prefetch_group(pb, g, 320, kGroup);
-          for (int hh = 0; hh < 2; ++hh) {
-            const int h = hh;
+          for (int h = 0; h < 2; ++h) {
             __m128i sc8;
             std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
             const __m256i sc = _mm256_cvtepu8_epi32(sc8);
@@ -457,28 +456,27 @@ struct Q45KImpl {
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
               const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
-              isc[hh][c] = _mm256_add_epi32(isc[hh][c], _mm256_mullo_epi32(d, sc));
+              isc[h][c] = _mm256_add_epi32(isc[h][c], _mm256_mullo_epi32(d, sc));
             }
           }
-          }
-          for (int hh = 0; hh < 2; ++hh) {
-            const int h = hh;
-            const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
-            __m256i mins[4];
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
+          __m256i mins[4];
+          for (int q = 0; q < 4; ++q)
+            mins[q] = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            __m256i im = _mm256_setzero_si256();
             for (int q = 0; q < 4; ++q)
-              mins[q] = _mm256_cvtepu8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
-            for (int c = 0; c < C; ++c) {
-              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-              __m256i im = _mm256_setzero_si256();
-              for (int q = 0; q < 4; ++q)
-                im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
-              const __m256 xd = _mm256_set1_ps(x->d);
-              acc[p][h][c] =
-                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[hh][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
-              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
-            }
+              im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
+            const __m256 xd = _mm256_set1_ps(x->d);
+            acc[p][h][c] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
+            acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
           }
+        }
       }
     }
     store_tile<P, C>(ta, acc);
@@ -612,12 +610,11 @@ struct K16Impl {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
         __m256i isc[2][C];
-        for (int hh = 0; hh < 2; ++hh)
-          for (int c = 0; c < C; ++c) isc[hh][c] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < C; ++c) isc[h][c] = _mm256_setzero_si256();
         for (int g = 0; g < 8; ++g) {
           if constexpr (C == 1 && !kUnpacked) prefetch_group(pb, g, kGroups, kGroup);
-          for (int hh = 0; hh < 2; ++hh) {
-            const int h = hh;
+          for (int h = 0; h < 2; ++h) {
             __m128i s0, s1;
             std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
             std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
@@ -630,35 +627,34 @@ struct K16Impl {
                                                   _mm256_set1_epi32(offset(x, 2 * g)));
               const __m256i d1 = _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g),
                                                   _mm256_set1_epi32(offset(x, 2 * g + 1)));
-              isc[hh][c] = _mm256_add_epi32(
-                  isc[hh][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
+              isc[h][c] = _mm256_add_epi32(
+                  isc[h][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
             }
           }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256 dw = load_f16x8(pb + 16 * h);
+          __m256 dm = _mm256_setzero_ps();
+          __m256i mins[8];
+          if constexpr (kMin) {
+            dm = load_f16x8(pb + 32 + 16 * h);
+            for (int q = 0; q < 8; ++q)
+              mins[q] = _mm256_cvtepu8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
           }
-          for (int hh = 0; hh < 2; ++hh) {
-            const int h = hh;
-            const __m256 dw = load_f16x8(pb + 16 * h);
-            __m256 dm = _mm256_setzero_ps();
-            __m256i mins[8];
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            const __m256 xd = _mm256_set1_ps(x->d);
+            acc[p][h][c] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
             if constexpr (kMin) {
-              dm = load_f16x8(pb + 32 + 16 * h);
+              __m256i im = _mm256_setzero_si256();
               for (int q = 0; q < 8; ++q)
-                mins[q] = _mm256_cvtepu8_epi16(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
-            }
-            for (int c = 0; c < C; ++c) {
-              const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-              const __m256 xd = _mm256_set1_ps(x->d);
-              acc[p][h][c] =
-                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[hh][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
-              if constexpr (kMin) {
-                __m256i im = _mm256_setzero_si256();
-                for (int q = 0; q < 8; ++q)
-                  im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
-                acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
-              }
+                im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
+              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
             }
           }
+        }
       }
     }
     store_tile<P, C>(ta, acc);
