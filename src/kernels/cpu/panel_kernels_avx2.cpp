@@ -240,11 +240,12 @@ struct Q32Impl {
     if constexpr (C > 1)
       run_batch<P, C>(ta);
     else
-      run_decode<P, C>(ta);
+      run_decode<P>(ta);
   }
   // Decode tiles (one token): block-major, both halves per block.
-  template <int P, int C>
+  template <int P>
   static void run_decode(const TileArgs& ta) {
+    constexpr int C = 1;
     __m256 acc[P][2][C];
     zero_tile(acc);
     const int64_t nb = ta.K / 32;
@@ -430,11 +431,12 @@ struct Q45KImpl {
     if constexpr (C > 1)
       run_batch<P, C>(ta);
     else
-      run_decode<P, C>(ta);
+      run_decode<P>(ta);
   }
   // Decode tiles (one token): block-major, both halves per block.
-  template <int P, int C>
+  template <int P>
   static void run_decode(const TileArgs& ta) {
+    constexpr int C = 1;
     __m256 acc[P][2][C];
     zero_tile(acc);
     const int64_t nsb = ta.K / 256;
@@ -446,7 +448,7 @@ struct Q45KImpl {
         for (int h = 0; h < 2; ++h)
           for (int c = 0; c < C; ++c) isc[h][c] = _mm256_setzero_si256();
         for (int g = 0; g < 8; ++g) {
-          if constexpr (C == 1) prefetch_group(pb, g, 320, kGroup);
+          prefetch_group(pb, g, 320, kGroup);
           for (int h = 0; h < 2; ++h) {
             __m128i sc8;
             std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
@@ -598,11 +600,12 @@ struct K16Impl {
     if constexpr (C > 1)
       run_batch<P, C>(ta);
     else
-      run_decode<P, C>(ta);
+      run_decode<P>(ta);
   }
   // Decode tiles (one token): block-major, both halves per block.
-  template <int P, int C>
+  template <int P>
   static void run_decode(const TileArgs& ta) {
+    constexpr int C = 1;
     __m256 acc[P][2][C];
     zero_tile(acc);
     const int64_t nsb = ta.K / 256;
@@ -613,7 +616,7 @@ struct K16Impl {
         for (int h = 0; h < 2; ++h)
           for (int c = 0; c < C; ++c) isc[h][c] = _mm256_setzero_si256();
         for (int g = 0; g < 8; ++g) {
-          if constexpr (C == 1 && !kUnpacked) prefetch_group(pb, g, kGroups, kGroup);
+          if constexpr (!kUnpacked) prefetch_group(pb, g, kGroups, kGroup);
           for (int h = 0; h < 2; ++h) {
             __m128i s0, s1;
             std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
