@@ -118,6 +118,45 @@ inline __m256i idot_s8(const __m256i (&absw)[8], const __m256i (&w)[8], const in
   return total;
 }
 
+// A k-quant half's mins (u8, two sub-blocks per row in each int16 pair) at p:
+// Q row pairs of 16 bytes, half h at byte 16h of each 32.
+template <int Q>
+inline void load_mins(const uint8_t* p, int h, __m256i (&mins)[Q]) {
+  for (int q = 0; q < Q; ++q)
+    mins[q] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * q + 16 * h)));
+}
+
+// sum over the sub-blocks of min * (act sum), per row: the int16 act sums s in pairs.
+template <int Q>
+inline __m256i min_sums(const __m256i (&mins)[Q], const int16_t* s) {
+  __m256i im = _mm256_setzero_si256();
+  for (int q = 0; q < Q; ++q) im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(s + 2 * q)));
+  return im;
+}
+
+// isc[c] += the 8 operands of a group of 32 dotted with token c's 32 values (xq[c]),
+// operand-major (each operand loaded or unpacked once for the C tokens): runs of
+// kRun operands summed in int16 (the sums fit, see idot), then vpmaddwd by the
+// run's sub-block scales sc[o / 4] (scales_x2; ones for a plain sum) into the
+// int32 sums.
+template <int kRun, int C, class Operand>
+[[gnu::always_inline]] inline void group_dots(const Operand& operand, const int8_t* const (&xq)[C],
+                                              const __m256i (&sc)[2], __m256i (&isc)[C]) {
+  __m256i part[C]{};  // (each run sets its part first)
+#pragma GCC unroll 8
+  for (int o = 0; o < 8; ++o) {
+    const __m256i w = operand(o);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m256i m = _mm256_maddubs_epi16(w, bcast32(xq[c] + 4 * o));
+      part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
+      keep_in_register(part[c]);
+      if (o % kRun == kRun - 1) isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc[o / 4]));
+      keep_in_register(isc[c]);
+    }
+  }
+}
+
 // ---- 32-element block types ----
 
 template <DType kT>
@@ -168,37 +207,27 @@ struct Q32Impl {
   // loaded once, then every token's product taken (int32 sums, exact in any order).
   template <int C>
   static void block_dots(const uint8_t* pb, int h, const ActQ8x32* const (&x)[C], __m256i (&tot)[C]) {
-    constexpr bool kWhole = kUnpacked || Q::kBits == 8;  // one load per operand
-    __m256i ops[8];
-    if constexpr (!kWhole) unpack(pb, h, ops);
-    constexpr int kRun = Q::kBits == 4 ? 8 : 4;  // int16 partials (see idot)
-    __m256i part[C];
-    for (int c = 0; c < C; ++c) tot[c] = part[c] = _mm256_setzero_si256();
+    for (int c = 0; c < C; ++c) tot[c] = _mm256_setzero_si256();
+    if constexpr (Q::kBits == 8) {
 #pragma GCC unroll 8
-    for (int o = 0; o < 8; ++o) {
-      __m256i w;
-      if constexpr (kWhole)
-        w = load256(pb + (kUnpacked ? kHeader : Q::kQuants) + 64 * o + 32 * h);
-      else
-        w = ops[o];
-      if constexpr (Q::kBits == 8) {
-        const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int o = 0; o < 8; ++o) {
+        const __m256i w = load256(pb + Q::kQuants + 64 * o + 32 * h), aw = _mm256_sign_epi8(w, w);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
           const __m256i d = madd1(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast32(x[c]->qs + 4 * o), w)));
           tot[c] = _mm256_add_epi32(tot[c], d);
           keep_in_register(tot[c]);
         }
-      } else {
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) {
-          const __m256i m = _mm256_maddubs_epi16(w, bcast32(x[c]->qs + 4 * o));
-          part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
-          keep_in_register(part[c]);
-          if (o % kRun == kRun - 1) tot[c] = _mm256_add_epi32(tot[c], madd1(part[c]));
-          keep_in_register(tot[c]);
-        }
       }
+    } else {
+      __m256i ops[8];
+      if constexpr (!kUnpacked) unpack(pb, h, ops);
+      const int8_t* xq[C];
+      for (int c = 0; c < C; ++c) xq[c] = x[c]->qs;
+      const __m256i ones = _mm256_set1_epi16(1);
+      group_dots<Q::kBits == 4 ? 8 : 4>(  // int16 runs (see idot)
+          [&](int o) { return kUnpacked ? load256(pb + kHeader + 64 * o + 32 * h) : ops[o]; }, xq,
+          {ones, ones}, tot);
     }
   }
   // Batch tiles: one 8-row half at a time over the whole K, so C sums, C
@@ -320,28 +349,6 @@ inline void load_unpacked(const uint8_t* gp, int h, __m256i (&ops)[8]) {
   for (int o = 0; o < 8; ++o) ops[o] = load256(gp + 64 * o + 32 * h);
 }
 
-// isc[c] += the 8 operands of a group of 32 dotted with token c's 32 values (xq[c]),
-// operand-major (each operand loaded or unpacked once for the C tokens): runs of
-// kRun operands summed in int16 (the sums fit, see idot), then vpmaddwd by the
-// run's sub-block scales sc[o / 4] (scales_x2) into the int32 sums.
-template <int kRun, int C, class Operand>
-[[gnu::always_inline]] inline void group_dots(const Operand& operand, const int8_t* const (&xq)[C],
-                                              const __m256i (&sc)[2], __m256i (&isc)[C]) {
-  __m256i part[C]{};  // (each run sets its part first)
-#pragma GCC unroll 8
-  for (int o = 0; o < 8; ++o) {
-    const __m256i w = operand(o);
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const __m256i m = _mm256_maddubs_epi16(w, bcast32(xq[c] + 4 * o));
-      part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
-      keep_in_register(part[c]);
-      if (o % kRun == kRun - 1) isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc[o / 4]));
-      keep_in_register(isc[c]);
-    }
-  }
-}
-
 // The act rows of a batch tile's C tokens at superblock sb, and zeroed sums.
 template <int C>
 inline void start_superblock(const TileArgs& ta, int64_t sb, const ActQ8K* (&x)[C], __m256i (&isc)[C]) {
@@ -410,13 +417,10 @@ struct Q45KImpl {
             group_dots<kRun>([&](int o) { return operand(gp, h, o); }, xq, {sc, sc}, isc);
           }
           const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
+          __m256i mins[4];
+          load_mins(pb + 192, h, mins);
           for (int c = 0; c < C; ++c) {
-            __m256i im = _mm256_setzero_si256();
-            for (int q = 0; q < 4; ++q)
-              im = _mm256_add_epi32(
-                  im, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                            reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h))),
-                                        bcast32(x[c]->s32 + 2 * q)));
+            const __m256i im = min_sums(mins, x[c]->s32);
             const __m256 xd = _mm256_set1_ps(x[c]->d);
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[c]);
             acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[c]);
@@ -465,14 +469,10 @@ struct Q45KImpl {
         for (int h = 0; h < 2; ++h) {
           const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
           __m256i mins[4];
-          for (int q = 0; q < 4; ++q)
-            mins[q] = _mm256_cvtepu8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 192 + 32 * q + 16 * h)));
+          load_mins(pb + 192, h, mins);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            __m256i im = _mm256_setzero_si256();
-            for (int q = 0; q < 4; ++q)
-              im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s32 + 2 * q)));
+            const __m256i im = min_sums(mins, x->s32);
             const __m256 xd = _mm256_set1_ps(x->d);
             acc[p][h][c] =
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
@@ -576,19 +576,18 @@ struct K16Impl {
             }
           }
           const __m256 dw = load_f16x8(pb + 16 * h);
+          __m256 dm = _mm256_setzero_ps();
+          __m256i mins[8];
+          if constexpr (kMin) {
+            dm = load_f16x8(pb + 32 + 16 * h);
+            load_mins(pb + 320, h, mins);
+          }
           for (int c = 0; c < C; ++c) {
             const __m256 xd = _mm256_set1_ps(x[c]->d);
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[c]);
-            if constexpr (kMin) {
-              const __m256 dm = load_f16x8(pb + 32 + 16 * h);
-              __m256i im = _mm256_setzero_si256();
-              for (int q = 0; q < 8; ++q)
-                im = _mm256_add_epi32(
-                    im, _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
-                                              reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h))),
-                                          bcast32(x[c]->s16 + 2 * q)));
-              acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[c]);
-            }
+            if constexpr (kMin)
+              acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sums(mins, x[c]->s16)), _mm256_mul_ps(dm, xd),
+                                        acc[c]);
           }
         }
         for (int c = 0; c < C; ++c)
@@ -641,21 +640,16 @@ struct K16Impl {
           __m256i mins[8];
           if constexpr (kMin) {
             dm = load_f16x8(pb + 32 + 16 * h);
-            for (int q = 0; q < 8; ++q)
-              mins[q] = _mm256_cvtepu8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 320 + 32 * q + 16 * h)));
+            load_mins(pb + 320, h, mins);
           }
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
             const __m256 xd = _mm256_set1_ps(x->d);
             acc[p][h][c] =
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
-            if constexpr (kMin) {
-              __m256i im = _mm256_setzero_si256();
-              for (int q = 0; q < 8; ++q)
-                im = _mm256_add_epi32(im, _mm256_madd_epi16(mins[q], bcast32(x->s16 + 2 * q)));
-              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
-            }
+            if constexpr (kMin)
+              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sums(mins, x->s16)),
+                                              _mm256_mul_ps(dm, xd), acc[p][h][c]);
           }
         }
       }
