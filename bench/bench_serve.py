@@ -348,7 +348,7 @@ def loom_cmd(a, conc, adapters=(), lora_memory_mib=0):
             cmd += ["--max-lora-memory", f"{lora_memory_mib}M"]
         elif adapters:
             cmd += ["--max-loras", str(a.max_loras or len(adapters))]
-        if adapters and a.lora_bits != 32:
+        if adapters:
             cmd += ["--lora-bits", str(a.lora_bits)]
         return cmd + a.loom_arg
     return make
@@ -757,8 +757,8 @@ def main():
     ap.add_argument("--max-loras", type=int, default=0,
                     help="loom --max-loras in the adapters mode (default: the adapter count, all resident)")
     ap.add_argument("--adapter-rank", type=int, default=8, help="LoRA rank of the random adapters")
-    ap.add_argument("--lora-bits", type=int, default=32, choices=(32, 16, 4),
-                    help="loom --lora-bits in the adapters mode (32: f32, 16: bf16, 4: 4-bit)")
+    ap.add_argument("--lora-bits", type=int, default=16, choices=(32, 16, 4),
+                    help="loom --lora-bits in the adapters mode (16: bf16, the server's default; 32: f32, 4: 4-bit)")
     ap.add_argument("--registered", default="",
                     help="comma list of registered-adapter counts (e.g. 1000) served under an adapter memory "
                          "budget (LRU), requests round-robin over all of them ('': skip)")

@@ -76,10 +76,12 @@ run_cli() {
 }
 
 # start_server LOG -- serve flags...: sets $port once /health answers (60 s at most).
+# --lora-bits 32: the CLI paths keep the adapters' f32 values; serve's default bf16
+# factors are a rounding of their own (ServingEngineTest.Bf16AdaptersServeTheirRoundedValues).
 start_server() {
   local log=$1
   shift 2
-  "$loom" serve --host 127.0.0.1 --port 0 "$@" >"$log" 2>&1 &
+  "$loom" serve --host 127.0.0.1 --port 0 --lora-bits 32 "$@" >"$log" 2>&1 &
   server_pid=$!
   port=
   for _ in $(seq 600); do

@@ -108,6 +108,7 @@ TEST(AdapterSubsets, ServedPerRowMatchesMergedAtLoad) {
     o.threads = 2;
     o.max_batch_tokens = 64;
     o.kv_dtype = DType::f32;  // an f16 cache would round keys and values: PEFT's greedy has near ties
+    o.lora_bits = 32;         // the merge keeps the f32 factors; bf16 ones would be a rounding of their own
     o.adapter_dirs = {kDir};
     for (const auto& [name, a] : ref["adapters"].items()) o.adapters.push_back({name, kDir + name});
     ServingEngine e(o);
