@@ -97,10 +97,11 @@ int run_serve(int argc, char** argv) {
   app.add_option("--kv-cache-memory", kv_memory, "bytes for the paged KV cache, e.g. 2G (default: max-seqs full "
                  "contexts, at most 2G)");
   app.add_option("--kv-cache-dtype", kv_dtype, "f16 or f32")->capture_default_str()->check(CLI::IsMember({"f16", "f32"}));
-  app.add_option("--lora-bits", so.lora_bits,
-                 "adapter storage: 16 (bf16, the default, as vLLM serves LoRA in the model's 16-bit dtype: half "
-                 "the memory and the bytes each decode row reads of f32), 32 (f32 as the file holds them, "
-                 "memory-mapped) or 4 (4-bit, groups of 128; ~8x less memory per adapter)")
+  app.add_option(
+         "--lora-bits", so.lora_bits,
+         "adapter storage: 16 (bf16, the default, as vLLM serves LoRA in the model's 16-bit dtype: half "
+         "the memory and the bytes each decode row reads of f32), 32 (f32 as the file holds them, "
+         "memory-mapped) or 4 (4-bit, groups of 128; ~8x less memory per adapter)")
       ->check(CLI::IsMember({4, 16, 32}))
       ->capture_default_str();
   auto* max_loras_opt =
