@@ -104,7 +104,7 @@ post() { curl -s -o "$tmp/body" -w "%{http_code}" -X POST -d '' "$@"; }
 [ "$(post "${auth[@]}" "localhost:$port/profile/start")" = 200 ] && ok || bad "start: not 200"
 [ "$(post "${auth[@]}" "localhost:$port/profile/start")" = 409 ] && ok || bad "second start: not 409"
 curl -s "${auth[@]}" "localhost:$port/v1/completions" -H 'Content-Type: application/json' \
-  -d '{"prompt":"one two","max_tokens":3}' >"$tmp/completion.json"
+  -d '{"prompt":"one two","max_tokens":3,"ignore_eos":true}' >"$tmp/completion.json"
 grep -q '"choices"' "$tmp/completion.json" && ok || bad "completion during the recording"
 [ "$(post "${auth[@]}" "localhost:$port/profile/stop")" = 200 ] && ok || bad "stop: not 200"
 cp "$tmp/body" "$tmp/serve.json"
