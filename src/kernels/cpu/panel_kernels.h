@@ -79,8 +79,10 @@ inline void prefetch_ahead(const uint8_t* p) {
 // in L2 for every token. The panel-outer order re-read each token's act row from L2 once per
 // panel, 4 bytes per vpdpbusd; on an AMD Zen 4 the token order ran T = 512
 // tiles 5-29% faster (q4_0 .. q8_0, q4_k, q5_k, q6_k; Matmul/<type>/T512_*,
-// same-moment pairs). The AVX2 kernels (maddubs, 4 tokens per tile) measured
-// no better that way and keep one panel per group.
+// same-moment pairs). The AVX2 kernels (4 or 6 tokens per tile) walk the same
+// way: one core, LOOM_CPU=avx2, T = 512, 1.0-1.24x per kernel (q4_0 1.24x, q3_k
+// 1.2x, q6_k/q5_k at K = 768 1.1x; floats 1.0-1.05x; the same at K = 8192, where a
+// group is one unpacked panel).
 
 // Bytes of a group of 32 values in an unpacked panel (has_unpacked below): the
 // 8 operands of 16 rows x 4 values, each as one whole byte.

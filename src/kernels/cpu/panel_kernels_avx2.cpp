@@ -180,6 +180,7 @@ template <DType kT, bool kUnpacked = false>
 struct Q32Impl {
   using Q = Block32<kT>;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr bool kTokensOuter = true;
   static constexpr size_t kHeader = Q::kScaleBytes;
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
   using Unpacked = std::conditional_t<kUnpacked || Q::kBits == 8, void, Q32Impl<kT, true>>;
@@ -368,6 +369,7 @@ template <DType kT, bool kUnpacked = false>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr bool kTokensOuter = true;
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kFive ? 320 : 256;
   static constexpr size_t kPBB = 320 + 8 * kGroup;
   static_assert(kUnpacked || kPBB == (kFive ? 2880 : 2368));
@@ -503,6 +505,7 @@ inline void add_bit2(const uint8_t* p, int h, __m256i (&ops)[8]) {
 template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
   static constexpr int kBits = kKind == DType::q6_k ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
   static constexpr size_t kScales = kMin ? 64 : 32;
@@ -671,6 +674,7 @@ inline void start_float_tile(const TileArgs& ta, __m256 (&acc)[P][2][C], const f
 
 struct Bf16EmuImpl {
   static constexpr int kP1 = 2, kPB = 1, kCB = 4;  // 8 sums, 4 weight halves, 2 broadcasts
+  static constexpr bool kTokensOuter = true;
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
@@ -710,6 +714,7 @@ struct Bf16EmuImpl {
 template <DType kKind>
 struct FloatImpl {
   static constexpr int kP1 = 2, kPB = 1, kCB = 6;
+  static constexpr bool kTokensOuter = true;
   static constexpr size_t kStep = kKind == DType::f32 ? 64 : 32;
   static __m256 load(const uint8_t* p, int h) {
     if constexpr (kKind == DType::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
