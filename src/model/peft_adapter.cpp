@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/finite_scan.h"
 #include "core/half.h"
 #include "core/mapped_file.h"
 #include "io/file_write.h"
@@ -185,10 +186,8 @@ std::vector<float> to_f32(const safetensors::TensorInfo& info) {
 }
 
 void check_finite(const std::string& file, const std::string& tensor, const float* v, size_t n) {
-  for (size_t i = 0; i < n; ++i)
-    if (!std::isfinite(v[i]))
-      fail(ErrorKind::invalid_input, "{}: tensor '{}' has the non-finite value {} at element {}", file, tensor, v[i],
-           i);
+  if (const int64_t i = scan_finite(v, static_cast<int64_t>(n)).first_non_finite; i >= 0)
+    fail(ErrorKind::invalid_input, "{}: tensor '{}' has the non-finite value {} at element {}", file, tensor, v[i], i);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <limits>
 
+#include "core/finite_scan.h"
 #include "model/tensor_parallel.h"
 #include "serve/engine_api.h"
 
@@ -37,11 +38,9 @@ EngineError load_failed(const std::string& name, const std::string& message) {
 
 // The first non-finite value of n floats, as (index, value); nullopt when all are finite. Also the largest |v|.
 std::optional<std::pair<int64_t, float>> first_non_finite(const float* v, int64_t n, float& max_abs) {
-  max_abs = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(v[i])) return std::make_pair(i, v[i]);
-    max_abs = std::max(max_abs, std::fabs(v[i]));
-  }
+  const FiniteScan s = scan_finite(v, n);
+  max_abs = s.max_abs;
+  if (s.first_non_finite >= 0) return std::make_pair(s.first_non_finite, v[s.first_non_finite]);
   return std::nullopt;
 }
 
