@@ -7,7 +7,7 @@
 namespace loom {
 
 struct FiniteScan {
-  float max_abs = 0;             // the largest |v[i]| (meaningful when all are finite)
+  float max_abs = 0;              // the largest |v[i]| (meaningful when all are finite)
   int64_t first_non_finite = -1;  // index of the first NaN/Inf; -1: none
 };
 

@@ -8,9 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/error.h"
 #include "core/finite_scan.h"
@@ -187,7 +186,8 @@ std::vector<float> to_f32(const safetensors::TensorInfo& info) {
 
 void check_finite(const std::string& file, const std::string& tensor, const float* v, size_t n) {
   if (const int64_t i = scan_finite(v, static_cast<int64_t>(n)).first_non_finite; i >= 0)
-    fail(ErrorKind::invalid_input, "{}: tensor '{}' has the non-finite value {} at element {}", file, tensor, v[i], i);
+    fail(ErrorKind::invalid_input, "{}: tensor '{}' has the non-finite value {} at element {}", file, tensor,
+         v[i], i);
 }
 
 }  // namespace
