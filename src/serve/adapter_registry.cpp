@@ -36,14 +36,6 @@ EngineError load_failed(const std::string& name, const std::string& message) {
   return EngineError(EngineErrc::adapter_load_failed, fmt::format("adapter '{}': {}", name, message), "lora_path");
 }
 
-// The first non-finite value of n floats, as (index, value); nullopt when all are finite. Also the largest |v|.
-std::optional<std::pair<int64_t, float>> first_non_finite(const float* v, int64_t n, float& max_abs) {
-  const FiniteScan s = scan_finite(v, n);
-  max_abs = s.max_abs;
-  if (s.first_non_finite >= 0) return std::make_pair(s.first_non_finite, v[s.first_non_finite]);
-  return std::nullopt;
-}
-
 // NaN / Inf weights, or a scale that makes scale * B * A overflow float32, would turn every output of the
 // requests using the adapter into NaN: refuse the adapter instead, naming the tensor.
 void check_finite(const std::string& name, const std::string& path, const peft::AdapterTensors& t) {
@@ -63,10 +55,13 @@ void check_finite(const std::string& name, const std::string& path, const peft::
       int64_t n;
       float* max_abs;
     } tensors[] = {{false, pair.a_data(), r * pair.in, &max_a}, {true, pair.b_data(), pair.out * r, &max_b}};
-    for (const auto& x : tensors)
-      if (const auto bad = first_non_finite(x.data, x.n, *x.max_abs))
+    for (const auto& x : tensors) {
+      const FiniteScan scan = scan_finite(x.data, x.n);
+      if (const int64_t i = scan.first_non_finite; i >= 0)
         throw load_failed(name, fmt::format("{}: tensor '{}' has the non-finite value {} at element {}", file,
-                                            peft::tensor_name(layer, target, x.is_b), bad->second, bad->first));
+                                            peft::tensor_name(layer, target, x.is_b), x.data[i], i));
+      *x.max_abs = scan.max_abs;
+    }
     // Every element of scale * B * A is at most this in magnitude.
     const double bound = std::fabs(scale) * static_cast<double>(r) * max_a * max_b;
     if (!(bound <= std::numeric_limits<float>::max()))

@@ -134,6 +134,30 @@ inline __m256i min_sums(const __m256i (&mins)[Q], const int16_t* s) {
   return im;
 }
 
+// One 8-row half of a k-quant superblock, finished for a token: acc += float(isc)
+// * d * d_x, then with kQ pairs of mins (q4_k, q5_k, q2_k) acc -= float(sum of
+// min * act sum) * dmin * d_x. The batch and decode tiles of both families share it.
+template <int kQ>
+struct HalfScales {
+  __m256 dw, dm = _mm256_setzero_ps();
+  __m256i mins[kQ > 0 ? kQ : 1];
+  // pb: the superblock (d @0, dmin @32, the mins @mins_at when kQ > 0).
+  HalfScales(const uint8_t* pb, int h, size_t mins_at) : dw(load_f16x8(pb + 16 * h)) {
+    if constexpr (kQ > 0) {
+      dm = load_f16x8(pb + 32 + 16 * h);
+      load_mins(pb + mins_at, h, mins);
+    }
+  }
+  // sums: the token's int16 act sums per sub-block of a min (ActQ8K s32 or s16).
+  __m256 update(__m256 acc, __m256i isc, float d, const int16_t* sums) const {
+    const __m256 xd = _mm256_set1_ps(d);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc), _mm256_mul_ps(dw, xd), acc);
+    if constexpr (kQ > 0)
+      acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sums(mins, sums)), _mm256_mul_ps(dm, xd), acc);
+    return acc;
+  }
+};
+
 // isc[c] += the 8 operands of a group of 32 dotted with token c's 32 values (xq[c]),
 // operand-major (each operand loaded or unpacked once for the C tokens): runs of
 // kRun operands summed in int16 (the sums fit, see idot), then vpmaddwd by the
@@ -418,15 +442,8 @@ struct Q45KImpl {
             for (int c = 0; c < C; ++c) xq[c] = x[c]->qs + 32 * g;
             group_dots<kRun>([&](int o) { return operand(gp, h, o); }, xq, {sc, sc}, isc);
           }
-          const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
-          __m256i mins[4];
-          load_mins(pb + 192, h, mins);
-          for (int c = 0; c < C; ++c) {
-            const __m256i im = min_sums(mins, x[c]->s32);
-            const __m256 xd = _mm256_set1_ps(x[c]->d);
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[c]);
-            acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[c]);
-          }
+          const HalfScales<4> hs(pb, h, 192);
+          for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d, x[c]->s32);
         }
         for (int c = 0; c < C; ++c)
           store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[c], ta.nv - p * 16 - h * 8);
@@ -469,16 +486,10 @@ struct Q45KImpl {
           }
         }
         for (int h = 0; h < 2; ++h) {
-          const __m256 dw = load_f16x8(pb + 16 * h), dm = load_f16x8(pb + 32 + 16 * h);
-          __m256i mins[4];
-          load_mins(pb + 192, h, mins);
+          const HalfScales<4> hs(pb, h, 192);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m256i im = min_sums(mins, x->s32);
-            const __m256 xd = _mm256_set1_ps(x->d);
-            acc[p][h][c] =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
-            acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, xd), acc[p][h][c]);
+            acc[p][h][c] = hs.update(acc[p][h][c], isc[h][c], x->d, x->s32);
           }
         }
       }
@@ -507,6 +518,7 @@ struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
+  static constexpr int kMinPairs = kMin ? 8 : 0;              // HalfScales' mins
   static constexpr int kBits = kKind == DType::q6_k ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
   static constexpr size_t kScales = kMin ? 64 : 32;
   static constexpr size_t kGroups = kMin ? 576 : 288;
@@ -578,20 +590,8 @@ struct K16Impl {
                     _mm256_slli_epi32(_mm256_madd_epi16(pair, bcast32(x[c]->s16 + 2 * g)), kOffsetShift));
             }
           }
-          const __m256 dw = load_f16x8(pb + 16 * h);
-          __m256 dm = _mm256_setzero_ps();
-          __m256i mins[8];
-          if constexpr (kMin) {
-            dm = load_f16x8(pb + 32 + 16 * h);
-            load_mins(pb + 320, h, mins);
-          }
-          for (int c = 0; c < C; ++c) {
-            const __m256 xd = _mm256_set1_ps(x[c]->d);
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[c]), _mm256_mul_ps(dw, xd), acc[c]);
-            if constexpr (kMin)
-              acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sums(mins, x[c]->s16)), _mm256_mul_ps(dm, xd),
-                                        acc[c]);
-          }
+          const HalfScales<kMinPairs> hs(pb, h, 320);
+          for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d, x[c]->s16);
         }
         for (int c = 0; c < C; ++c)
           store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[c], ta.nv - p * 16 - h * 8);
@@ -638,21 +638,10 @@ struct K16Impl {
           }
         }
         for (int h = 0; h < 2; ++h) {
-          const __m256 dw = load_f16x8(pb + 16 * h);
-          __m256 dm = _mm256_setzero_ps();
-          __m256i mins[8];
-          if constexpr (kMin) {
-            dm = load_f16x8(pb + 32 + 16 * h);
-            load_mins(pb + 320, h, mins);
-          }
+          const HalfScales<kMinPairs> hs(pb, h, 320);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-            const __m256 xd = _mm256_set1_ps(x->d);
-            acc[p][h][c] =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc[h][c]), _mm256_mul_ps(dw, xd), acc[p][h][c]);
-            if constexpr (kMin)
-              acc[p][h][c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sums(mins, x->s16)),
-                                              _mm256_mul_ps(dm, xd), acc[p][h][c]);
+            acc[p][h][c] = hs.update(acc[p][h][c], isc[h][c], x->d, x->s16);
           }
         }
       }
