@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include "core/error.h"
@@ -60,6 +61,26 @@ void HugePageBuffer::release() {
   if (map_ != nullptr) ::munmap(map_, map_size_);
   map_ = data_ = nullptr;
   map_size_ = size_ = 0;
+}
+
+HugePageArena::HugePageArena(size_t chunk_bytes) : chunk_bytes_(round_up(chunk_bytes, HugePageBuffer::kHugePage)) {}
+
+HugePageArena::Piece HugePageArena::allocate(size_t bytes) {
+  constexpr size_t kAlign = 64;
+  const size_t need = round_up(bytes > 0 ? bytes : 1, kAlign);
+  if (need > chunk_bytes_ / 4) {
+    auto own = std::make_shared<HugePageBuffer>(need);
+    uint8_t* data = own->data();
+    return {std::move(own), data};
+  }
+  std::lock_guard lock(mu_);
+  if (!current_ || used_ + need > current_->size()) {
+    current_ = std::make_shared<HugePageBuffer>(chunk_bytes_);
+    used_ = 0;
+  }
+  uint8_t* data = current_->data() + used_;
+  used_ += need;
+  return {current_, data};
 }
 
 }  // namespace loom

@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 
 namespace loom {
 
@@ -39,6 +41,34 @@ class HugePageBuffer {
   size_t size_ = 0;
   uint8_t* map_ = nullptr;  // the mapping, from which data_ is carved
   size_t map_size_ = 0;
+};
+
+// Memory for many long-lived arrays carved from shared huge-page chunks, so
+// that arrays smaller than 2 MiB (most matrices of a small model) sit in huge
+// pages too. Why: decoding streams every packed weight once per token, and a
+// stream over 4 KiB pages pays a TLB miss per page (measured on AMD Zen 4: a
+// 256 MiB read 7-13% faster from huge pages, 1 and 2 threads; SmolLM2 Q8_0
+// decode ~8% faster). A piece keeps its chunk alive; a chunk is returned
+// to the system when its last piece is gone (freed pieces are not reused, so
+// give the arena data that is allocated once and kept: weights at load).
+// Thread-safe.
+class HugePageArena {
+ public:
+  // Chunks of `chunk_bytes` (a multiple of 2 MiB); a request larger than a
+  // quarter of a chunk gets a chunk of its own.
+  explicit HugePageArena(size_t chunk_bytes = size_t{32} << 20);
+
+  struct Piece {
+    std::shared_ptr<HugePageBuffer> chunk;  // owns the memory
+    uint8_t* data = nullptr;                // 64-byte aligned, uninitialised (zero when fresh)
+  };
+  Piece allocate(size_t bytes);
+
+ private:
+  size_t chunk_bytes_;
+  std::mutex mu_;
+  std::shared_ptr<HugePageBuffer> current_;
+  size_t used_ = 0;  // bytes of current_ handed out
 };
 
 }  // namespace loom

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <vector>
+#include <algorithm>
 
 #include "core/huge_page_buffer.h"
 
@@ -80,6 +82,50 @@ TEST(HugePageBuffer, WholePiecesAreAdvisedHugePages) {
   ASSERT_FALSE(flags.empty()) << "no mapping holds the buffer in /proc/self/smaps";
   EXPECT_NE((flags + " ").find(" hg "), std::string::npos) << "VmFlags:" << flags;
   std::printf("AnonHugePages of the buffer:%s\n", smaps_field_at(b.data(), "AnonHugePages:").c_str());
+}
+
+// Pieces are 64-byte aligned, disjoint, carved from shared chunks (small ones)
+// or their own (large ones), and keep their chunk alive after the arena is gone.
+TEST(HugePageArena, PiecesAreAlignedDisjointAndKeepTheirChunk) {
+  const size_t chunk = 2 * HugePageBuffer::kHugePage;
+  std::vector<HugePageArena::Piece> pieces;
+  std::vector<size_t> sizes = {1, 63, 64, 100000, 300000, chunk / 4, chunk / 4 + 1, 3 * chunk, 0, 777};
+  {
+    HugePageArena arena(chunk);
+    for (size_t n : sizes) pieces.push_back(arena.allocate(n));
+  }  // the arena is gone; the pieces still own their chunks
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto& p = pieces[i];
+    ASSERT_NE(p.data, nullptr);
+    ASSERT_NE(p.chunk, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p.data) % 64, 0u) << i;
+    EXPECT_GE(p.data, p.chunk->data());
+    EXPECT_LE(p.data + std::max<size_t>(sizes[i], 1), p.chunk->data() + p.chunk->size()) << i;
+    std::memset(p.data, static_cast<int>(i + 1), std::max<size_t>(sizes[i], 1));
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {  // no piece overwrote another
+    const size_t n = std::max<size_t>(sizes[i], 1);
+    for (size_t k = 0; k < n; k += std::max<size_t>(n / 16, 1))
+      ASSERT_EQ(pieces[i].data[k], static_cast<uint8_t>(i + 1)) << i << " " << k;
+    ASSERT_EQ(pieces[i].data[n - 1], static_cast<uint8_t>(i + 1)) << i;
+  }
+  EXPECT_EQ(pieces[0].chunk, pieces[1].chunk);  // small pieces share a chunk
+  EXPECT_NE(pieces[6].chunk, pieces[5].chunk);  // over a quarter of a chunk: its own
+  EXPECT_NE(pieces[7].chunk, pieces[6].chunk);
+  EXPECT_GE(pieces[7].chunk->size(), 3 * chunk);
+  EXPECT_EQ(pieces[8].chunk, pieces[9].chunk);  // back to the shared chunk after the large ones
+}
+
+// A chunk's whole 2 MiB pieces carry the huge-page advice (as HugePageBuffer).
+TEST(HugePageArena, ChunksAreAdvisedHugePages) {
+  const std::string mode = thp_mode();
+  if (mode != "madvise" && mode != "always") GTEST_SKIP() << "transparent huge pages are '" << mode << "'";
+  HugePageArena arena(4 * HugePageBuffer::kHugePage);
+  HugePageArena::Piece p = arena.allocate(100000);
+  std::memset(p.data, 1, 100000);
+  const std::string flags = smaps_field_at(p.data, "VmFlags:");
+  ASSERT_FALSE(flags.empty());
+  EXPECT_NE((flags + " ").find(" hg "), std::string::npos) << "VmFlags:" << flags;
 }
 
 }  // namespace

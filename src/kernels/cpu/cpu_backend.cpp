@@ -149,7 +149,7 @@ class CpuBackend final : public Backend {
 
   // A recycled handle is refilled in place (its panels' memory reused when the size matches).
   WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle) override {
-    if (!recycle) return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name));
+    if (!recycle) return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name, nullptr, &weight_arena_));
     PackedWeight& p = static_cast<CpuWeight&>(*recycle).packed;
     p = PackedWeight::pack(W, &pool_, name, &p);
     return recycle;
@@ -500,6 +500,9 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool& pool_;
+  // Weights packed at load, in huge pages: a decoded token streams all of them
+  // (repacks with a new size go to the heap: the arena does not reuse pieces).
+  HugePageArena weight_arena_;
   const PackedWeight read_w_directly_;  // an empty W^T: the loss's bf16 products read W itself
 };
 

@@ -245,12 +245,13 @@ bool matmul_supports(DType type) {
 
 size_t packed_panel_stride(DType type, int64_t K) { return panel_stride(type, K); }
 
-PackedWeight PackedWeight::pack(const Tensor& W, ThreadPool* pool, const char* name, PackedWeight* recycle) {
-  return pack_concat(std::span<const Tensor>(&W, 1), pool, name, recycle);
+PackedWeight PackedWeight::pack(const Tensor& W, ThreadPool* pool, const char* name, PackedWeight* recycle,
+                                HugePageArena* arena) {
+  return pack_concat(std::span<const Tensor>(&W, 1), pool, name, recycle, arena);
 }
 
 PackedWeight PackedWeight::allocate(PackedLayout layout, DType dtype, int64_t rows, int64_t cols,
-                                    size_t panel_bytes, PackedWeight* recycle) {
+                                    size_t panel_bytes, PackedWeight* recycle, HugePageArena* arena) {
   PackedWeight pw;
   pw.layout_ = layout;
   pw.dtype_ = dtype;
@@ -258,15 +259,20 @@ PackedWeight PackedWeight::allocate(PackedLayout layout, DType dtype, int64_t ro
   pw.k_ = cols;
   pw.panel_bytes_ = panel_bytes;
   pw.n_panels_ = static_cast<size_t>((rows + kPanelRows - 1) / kPanelRows);
-  if (recycle && recycle->data_ && recycle->nbytes() == pw.n_panels_ * pw.panel_bytes_)
+  const size_t bytes = pw.n_panels_ * pw.panel_bytes_;
+  if (recycle && recycle->data_ && recycle->nbytes() == bytes) {
     pw.data_ = std::move(recycle->data_);
-  else
-    pw.data_ = alloc_aligned(pw.n_panels_ * pw.panel_bytes_);
+  } else if (arena != nullptr) {
+    HugePageArena::Piece piece = arena->allocate(bytes);
+    pw.data_ = std::shared_ptr<uint8_t>(std::move(piece.chunk), piece.data);  // aliases the chunk
+  } else {
+    pw.data_ = std::shared_ptr<uint8_t>(alloc_aligned(bytes).release(), AlignedFree{});
+  }
   return pw;
 }
 
 PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool* pool, const char* name,
-                                       PackedWeight* recycle) {
+                                       PackedWeight* recycle, HugePageArena* arena) {
   if (parts.empty()) fail(ErrorKind::invalid_input, "matmul: no tensors to pack for '{}'", name);
   int64_t N = 0;
   for (const Tensor& W : parts) {
@@ -278,7 +284,7 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
     N += W.rows();
   }
   PackedWeight pw = allocate(PackedLayout::panels, parts[0].dtype, N, parts[0].cols(),
-                             panel_stride(parts[0].dtype, parts[0].cols()), recycle);
+                             panel_stride(parts[0].dtype, parts[0].cols()), recycle, arena);
   const size_t used = cpu::panel_bytes(pw.dtype_, pw.k_);
   auto row_ptr = [&](int64_t n) {
     for (const Tensor& W : parts) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/huge_page_buffer.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 
@@ -78,23 +79,30 @@ enum class PackedLayout : uint8_t { panels, bf16_pairs };
 class PackedWeight {
  public:
   PackedWeight() = default;
+  PackedWeight(PackedWeight&&) = default;
+  PackedWeight& operator=(PackedWeight&&) = default;
+  PackedWeight(const PackedWeight&) = delete;  // owns its panels (one writer)
+  PackedWeight& operator=(const PackedWeight&) = delete;
   // W: {N, K} (or any tensor viewed as rows() x cols()) of a supported dtype.
   // Throws loom::Error(unsupported / invalid_input) naming `name` for a bad tensor.
   // `recycle`: a PackedWeight no longer needed whose memory is reused when it has
   // the same size (repacking weights that training changed, without page faults).
+  // `arena`: where new panels are carved (huge pages: weights packed at load, read
+  // once per decoded token); null: the heap.
   static PackedWeight pack(const Tensor& W, ThreadPool* pool = nullptr, const char* name = "weight",
-                           PackedWeight* recycle = nullptr);
+                           PackedWeight* recycle = nullptr, HugePageArena* arena = nullptr);
   // Stacks the rows of several tensors of one dtype and width (e.g. Wq, Wk, Wv, or
   // Wgate, Wup) into one matrix, so one matmul call computes all of them: y row t
   // is then [x Wq^T | x Wk^T | x Wv^T]. Saves a thread dispatch and an activation
   // quantization per extra tensor.
   static PackedWeight pack_concat(std::span<const Tensor> parts, ThreadPool* pool = nullptr,
-                                  const char* name = "weight", PackedWeight* recycle = nullptr);
+                                  const char* name = "weight", PackedWeight* recycle = nullptr,
+                                  HugePageArena* arena = nullptr);
 
   // Uninitialised storage of n_panels(rows) panels of `panel_bytes` for a packer
-  // of another layout to fill (through mutable_panel); `recycle` as for pack.
+  // of another layout to fill (through mutable_panel); `recycle`, `arena` as for pack.
   static PackedWeight allocate(PackedLayout layout, DType dtype, int64_t rows, int64_t cols,
-                               size_t panel_bytes, PackedWeight* recycle = nullptr);
+                               size_t panel_bytes, PackedWeight* recycle = nullptr, HugePageArena* arena = nullptr);
 
   PackedLayout layout() const { return layout_; }
   DType dtype() const { return dtype_; }
@@ -110,7 +118,7 @@ class PackedWeight {
   uint8_t* mutable_panel(int64_t p) { return data_.get() + static_cast<size_t>(p) * panel_bytes_; }
 
  private:
-  AlignedBytes data_;
+  std::shared_ptr<uint8_t> data_;  // owns heap bytes, or points into an arena chunk it keeps alive
   PackedLayout layout_ = PackedLayout::panels;
   DType dtype_ = DType::f32;
   int64_t n_ = 0, k_ = 0;
