@@ -63,7 +63,8 @@ void HugePageBuffer::release() {
   map_size_ = size_ = 0;
 }
 
-HugePageArena::HugePageArena(size_t chunk_bytes) : chunk_bytes_(round_up(chunk_bytes, HugePageBuffer::kHugePage)) {}
+HugePageArena::HugePageArena(size_t chunk_bytes)
+    : chunk_bytes_(round_up(chunk_bytes, HugePageBuffer::kHugePage)) {}
 
 HugePageArena::Piece HugePageArena::allocate(size_t bytes) {
   constexpr size_t kAlign = 64;

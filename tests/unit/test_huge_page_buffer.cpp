@@ -3,13 +3,13 @@
 // advice ("madvise" or "always"), advised to huge pages.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
-#include <algorithm>
 
 #include "core/huge_page_buffer.h"
 

@@ -149,7 +149,8 @@ class CpuBackend final : public Backend {
 
   // A recycled handle is refilled in place (its panels' memory reused when the size matches).
   WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle) override {
-    if (!recycle) return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name, nullptr, &weight_arena_));
+    if (!recycle)
+      return std::make_unique<CpuWeight>(PackedWeight::pack(W, &pool_, name, nullptr, &weight_arena_));
     PackedWeight& p = static_cast<CpuWeight&>(*recycle).packed;
     p = PackedWeight::pack(W, &pool_, name, &p);
     return recycle;

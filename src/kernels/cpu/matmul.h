@@ -102,7 +102,8 @@ class PackedWeight {
   // Uninitialised storage of n_panels(rows) panels of `panel_bytes` for a packer
   // of another layout to fill (through mutable_panel); `recycle`, `arena` as for pack.
   static PackedWeight allocate(PackedLayout layout, DType dtype, int64_t rows, int64_t cols,
-                               size_t panel_bytes, PackedWeight* recycle = nullptr, HugePageArena* arena = nullptr);
+                               size_t panel_bytes, PackedWeight* recycle = nullptr,
+                               HugePageArena* arena = nullptr);
 
   PackedLayout layout() const { return layout_; }
   DType dtype() const { return dtype_; }
