@@ -14,6 +14,7 @@
 
 #include "core/cache_dir.h"
 #include "core/error.h"
+#include "core/huge_page_buffer.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "io/file_write.h"
@@ -103,12 +104,14 @@ uint64_t sum_words(const uint64_t* p, size_t n) {
 
 ReadBandwidth measure_read_bandwidth(ThreadPool& pool, size_t bytes, double min_seconds) {
   const size_t n = std::max<size_t>(bytes / sizeof(uint64_t), 1024);
-  std::vector<uint64_t> buf(n);
+  // In huge pages, as the CPU backend's packed weights are (HugePageArena): the
+  // floor is what the machine reads at best (4 KiB pages read 7-13% slower on a Zen 4).
+  HugePageBuffer mem(n * sizeof(uint64_t));
+  auto* buf = reinterpret_cast<uint64_t*>(mem.data());
   // Written by the threads that read it (first touch), and not zero: zero pages
   // could all map one physical page.
   pool.parallel_for(static_cast<int64_t>(n), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i)
-      buf[static_cast<size_t>(i)] = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
+    for (int64_t i = b; i < e; ++i) buf[i] = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
   });
   std::vector<uint64_t> sums(static_cast<size_t>(pool.size()) * 8);  // a cache line per thread
   std::vector<double> passes = pass_seconds(
@@ -116,7 +119,7 @@ ReadBandwidth measure_read_bandwidth(ThreadPool& pool, size_t bytes, double min_
         pool.run([&](int ti, int tn) {
           const size_t b = n * static_cast<size_t>(ti) / static_cast<size_t>(tn);
           const size_t e = n * static_cast<size_t>(ti + 1) / static_cast<size_t>(tn);
-          sums[static_cast<size_t>(ti) * 8] = sum_words(buf.data() + b, e - b);
+          sums[static_cast<size_t>(ti) * 8] = sum_words(buf + b, e - b);
         });
       },
       min_seconds);
