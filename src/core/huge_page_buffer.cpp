@@ -17,50 +17,49 @@ size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 }  // namespace
 
-HugePageBuffer::HugePageBuffer(size_t bytes) {
-  if (bytes == 0) return;
+uint8_t* map_huge_pages(size_t bytes) {
+  if (bytes == 0) return nullptr;
   // Mapped with a huge page of slack, then trimmed to a 2 MiB aligned start:
   // only aligned pieces can be huge pages.
-  const size_t want = round_up(bytes, kPage), span = want + kHugePage;
+  constexpr size_t kHuge = HugePageBuffer::kHugePage;
+  const size_t want = round_up(bytes, kPage), span = want + kHuge;
   void* m = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (m == MAP_FAILED) fail(ErrorKind::io, "out of memory mapping {} bytes: {}", bytes, std::strerror(errno));
   auto* base = static_cast<uint8_t*>(m);
-  auto* aligned = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uintptr_t>(base), kHugePage));
+  auto* aligned = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uintptr_t>(base), kHuge));
   if (aligned > base) ::munmap(base, static_cast<size_t>(aligned - base));
   const size_t after = static_cast<size_t>(base + span - (aligned + want));
   if (after > 0) ::munmap(aligned + want, after);
-  map_ = aligned;
-  map_size_ = want;
-  data_ = aligned;
-  size_ = bytes;
   // Advice only: a kernel without THP refuses it and the pages stay 4 KiB.
-  const size_t whole = want / kHugePage * kHugePage;
+  const size_t whole = want / kHuge * kHuge;
   if (whole > 0) ::madvise(aligned, whole, MADV_HUGEPAGE);
+  return aligned;
 }
+
+void unmap_huge_pages(uint8_t* p, size_t bytes) {
+  if (p != nullptr) ::munmap(p, round_up(bytes, kPage));
+}
+
+HugePageBuffer::HugePageBuffer(size_t bytes) : data_(map_huge_pages(bytes)), size_(bytes) {}
 
 HugePageBuffer::~HugePageBuffer() { release(); }
 
 HugePageBuffer::HugePageBuffer(HugePageBuffer&& o) noexcept
-    : data_(std::exchange(o.data_, nullptr)),
-      size_(std::exchange(o.size_, 0)),
-      map_(std::exchange(o.map_, nullptr)),
-      map_size_(std::exchange(o.map_size_, 0)) {}
+    : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
 
 HugePageBuffer& HugePageBuffer::operator=(HugePageBuffer&& o) noexcept {
   if (this != &o) {
     release();
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
-    map_ = std::exchange(o.map_, nullptr);
-    map_size_ = std::exchange(o.map_size_, 0);
   }
   return *this;
 }
 
 void HugePageBuffer::release() {
-  if (map_ != nullptr) ::munmap(map_, map_size_);
-  map_ = data_ = nullptr;
-  map_size_ = size_ = 0;
+  unmap_huge_pages(data_, size_);
+  data_ = nullptr;
+  size_ = 0;
 }
 
 HugePageArena::HugePageArena(size_t chunk_bytes)

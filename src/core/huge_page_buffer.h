@@ -18,6 +18,13 @@
 
 namespace loom {
 
+// The memory under HugePageBuffer, for owners of their own: `bytes` (rounded up
+// to 4 KiB) of zeroed anonymous memory at a 2 MiB aligned address, its whole
+// 2 MiB pieces advised to THP; null for 0 bytes; throws ErrorKind::io when the
+// memory cannot be had. unmap_huge_pages takes the same byte count back.
+uint8_t* map_huge_pages(size_t bytes);
+void unmap_huge_pages(uint8_t* p, size_t bytes);
+
 class HugePageBuffer {
  public:
   static constexpr size_t kHugePage = size_t{2} << 20;
@@ -37,10 +44,8 @@ class HugePageBuffer {
 
  private:
   void release();
-  uint8_t* data_ = nullptr;  // 2 MiB aligned
+  uint8_t* data_ = nullptr;  // 2 MiB aligned (map_huge_pages)
   size_t size_ = 0;
-  uint8_t* map_ = nullptr;  // the mapping, from which data_ is carved
-  size_t map_size_ = 0;
 };
 
 // Memory for many long-lived arrays carved from shared huge-page chunks, so

@@ -7,10 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include <sys/mman.h>
-
-
 #include "core/error.h"
+#include "core/huge_page_buffer.h"
 #include "core/rng.h"
 #include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/bf16_rows.h"
@@ -92,10 +90,12 @@ TransposedPrecision transposed_precision(BackwardPrecision p) {
 constexpr int64_t kSwigluCols = 256;
 
 void free_aligned(void* p, size_t) { std::free(p); }
-void free_mapped(void* p, size_t bytes) { munmap(p, bytes); }
+void free_mapped(void* p, size_t bytes) { unmap_huge_pages(static_cast<uint8_t*>(p), bytes); }
 
 // Large buffers (KV caches, activation arenas) come from mmap: zero pages the
-// kernel commits only when first touched, so a budget reserved is not yet memory used.
+// kernel commits only when first touched, so a budget reserved is not yet memory
+// used; in huge pages (THP advice), as a decode step reads a sequence's KV blocks
+// as short spans spread over each layer's part of the pool.
 constexpr size_t kMapThreshold = size_t{1} << 20;
 
 class CpuBackend final : public Backend {
@@ -134,9 +134,7 @@ class CpuBackend final : public Backend {
   DeviceBuffer alloc(size_t bytes) override {
     if (bytes == 0) return {};
     if (bytes >= kMapThreshold) {
-      void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (m == MAP_FAILED) fail(ErrorKind::io, "out of memory allocating {} bytes", bytes);
-      return DeviceBuffer(kCpu, m, bytes, &free_mapped);
+      return DeviceBuffer(kCpu, map_huge_pages(bytes), bytes, &free_mapped);
     }
     const size_t rounded = (bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded);
