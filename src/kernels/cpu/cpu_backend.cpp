@@ -12,14 +12,14 @@
 #include "core/rng.h"
 #include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/bf16_rows.h"
-#include "kernels/cpu/lora_rows.h"
+#include "kernels/cpu/dequant.h"
 #include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_backward.h"
 #include "kernels/cpu/optim8bit.h"
 #include "kernels/cpu/paged_attention.h"
-#include "kernels/cpu/dequant.h"
 #include "kernels/cpu/round_precision.h"
 
 namespace loom {
