@@ -10,6 +10,8 @@
 // PrefillAttention/<shape>/T512: the inference attention of a 512-row prompt.
 // Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
 // projection, without and with evaluation's token-accuracy count.
+// Matmul/<type>/matvec_dram_*[_huge]: decode over 256 MiB of weights packed on
+// the heap or in huge pages (the CPU backend's HugePageArena).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/huge_page_buffer.h"
 #include "core/half.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/dequant.h"
@@ -89,6 +92,7 @@ struct Case {
   int64_t N, K, T;
   int threads;
   bool packed;
+  bool huge_pages = false;  // packed into a HugePageArena, as the CPU backend packs a model's weights
 };
 
 void run_case(benchmark::State& state, Case c) {
@@ -96,7 +100,8 @@ void run_case(benchmark::State& state, Case c) {
   const Tensor W = make_tensor(w.data(), c.type, {c.N, c.K});
   ThreadPool pool(c.threads);
   PackedWeight pw;
-  if (c.packed) pw = PackedWeight::pack(W, &pool);
+  HugePageArena arena;
+  if (c.packed) pw = PackedWeight::pack(W, &pool, "bench", nullptr, c.huge_pages ? &arena : nullptr);
   std::vector<float> x(static_cast<size_t>(c.T * c.K)), y(static_cast<size_t>(c.T * c.N));
   std::mt19937 rng(kSeed);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -416,12 +421,16 @@ void register_all() {
             ->Unit(benchmark::kMillisecond);
       }
     // Decode from DRAM: 256 MiB of weights, more than any cache holds (the
-    // matvec cases above fit in L2/L3 and flatter the kernels that stream worst).
+    // matvec cases above fit in L2/L3 and flatter the kernels that stream worst);
+    // on the heap (4 KiB pages where THP is "madvise") and in huge pages.
     const int64_t dram_K = 2048, dram_N = (int64_t{256} << 20) / static_cast<int64_t>(dtype_row_bytes(t, dram_K));
-    const std::string dname = fmt::format("Matmul/{}/matvec_dram_{}x{}/t2", dtype_name(t), dram_N, dram_K);
-    benchmark::RegisterBenchmark(dname.c_str(), run_case, Case{t, dram_N, dram_K, 1, 2, true})
-        ->Unit(benchmark::kMicrosecond)
-        ->UseRealTime();
+    for (const bool huge : {false, true}) {
+      const std::string dname =
+          fmt::format("Matmul/{}/matvec_dram_{}x{}{}/t2", dtype_name(t), dram_N, dram_K, huge ? "_huge" : "");
+      benchmark::RegisterBenchmark(dname.c_str(), run_case, Case{t, dram_N, dram_K, 1, 2, true, huge})
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
     // Plain-Tensor weights (panels packed on the fly each call).
     const std::string uname = fmt::format("Matmul/{}/unpacked_matvec_1536x{}/t2", dtype_name(t), K);
     benchmark::RegisterBenchmark(uname.c_str(), run_case, Case{t, 1536, K, 1, 2, false})

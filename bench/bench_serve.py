@@ -625,6 +625,9 @@ LORA_TARGETS = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", 
                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")]
 
 
+ALL_TARGETS = [t for _, t in LORA_TARGETS]
+
+
 def model_dims(a):
     """(layers, hidden, q_out, kv_out, ffn) from `loom info` (SmolLM2-135M's values otherwise)."""
     dims = {"layers": 30, "hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "ffn": 1536}
@@ -658,7 +661,8 @@ def random_f32(rng, n, exp_byte):
     return data
 
 
-def write_adapter(path, seed, dims, r=8, alpha=16):
+def write_adapter(path, seed, dims, r=8, alpha=16, targets=None):
+    targets = targets or [t for _, t in LORA_TARGETS]
     layers, hidden, q_out, kv_out, ffn = dims
     shapes = {"q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
               "o_proj": (q_out, hidden), "gate_proj": (hidden, ffn), "up_proj": (hidden, ffn),
@@ -667,6 +671,8 @@ def write_adapter(path, seed, dims, r=8, alpha=16):
     header, blobs, off = {}, [], 0
     for i in range(layers):
         for block, t in LORA_TARGETS:
+            if t not in targets:
+                continue
             fan_in, fan_out = shapes[t]
             for which, shape, exp_byte in (("lora_A", [r, fan_in], 0x3D), ("lora_B", [fan_out, r], 0x3C)):
                 # A ~ +-[2^-5, 2^-3) (about 1/sqrt(in)); B small: the base model's output stays sane.
@@ -686,7 +692,7 @@ def write_adapter(path, seed, dims, r=8, alpha=16):
             f.write(b)
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-           "target_modules": [t for _, t in LORA_TARGETS],
+           "target_modules": [t for _, t in LORA_TARGETS if t in targets],
            "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "inference_mode": True}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -757,6 +763,9 @@ def main():
     ap.add_argument("--max-loras", type=int, default=0,
                     help="loom --max-loras in the adapters mode (default: the adapter count, all resident)")
     ap.add_argument("--adapter-rank", type=int, default=8, help="LoRA rank of the random adapters")
+    ap.add_argument("--adapter-targets", default=",".join(ALL_TARGETS),
+                    help="comma list of the projections the random adapters adapt (default: all seven; "
+                         "PEFT's default for Llama models is q_proj,v_proj)")
     ap.add_argument("--lora-bits", type=int, default=16, choices=(32, 16, 4),
                     help="loom --lora-bits in the adapters mode (16: bf16, the server's default; 32: f32, 4: 4-bit)")
     ap.add_argument("--registered", default="",
@@ -786,6 +795,11 @@ def main():
     concs = [int(c) for c in a.concurrency.split(",") if c.strip()]
     adapter_counts = [int(c) for c in a.adapters.split(",") if c.strip() and int(c) > 0]
     registered_counts = [int(c) for c in a.registered.split(",") if c.strip() and int(c) > 0]
+    a.adapter_targets = [t.strip() for t in a.adapter_targets.split(",") if t.strip()]
+    bad = [t for t in a.adapter_targets if t not in ALL_TARGETS]
+    if bad or not a.adapter_targets:
+        raise SystemExit(f"--adapter-targets: {','.join(bad) or '(none)'} not among {','.join(ALL_TARGETS)}")
+    a.adapter_targets = [t for t in ALL_TARGETS if t in a.adapter_targets]  # the canonical order
     if a.prompt_tokens <= NONCE_TOKENS:
         raise SystemExit(f"--prompt-tokens must be > {NONCE_TOKENS}")
     if not os.path.isfile(a.model):
@@ -801,6 +815,7 @@ def main():
     meta = {"date": stamp, "threads": a.threads, "duration_s": a.duration, "max_tokens": a.max_tokens,
             "prompt_tokens": a.prompt_tokens, "ctx_per_seq": ctx_per_seq(a), "seed": a.seed,
             "model": os.path.relpath(a.model, ROOT), "concurrency": concs, "adapters": adapter_counts,
+            "adapter_rank": a.adapter_rank, "adapter_targets": a.adapter_targets, "lora_bits": a.lora_bits,
             "loadavg_start": os.getloadavg(), "host": platform.node(), "nproc": os.cpu_count(),
             "python": sys.version.split()[0], "runs": [], "adapter_runs": []}
     try:
@@ -812,6 +827,8 @@ def main():
 
         if (adapter_counts or registered_counts) and not a.no_loom:
             adir = a.keep_adapters or os.path.join(workdir, "adapters")
+            if a.adapter_targets != ALL_TARGETS:  # another set of files than the default's
+                adir = os.path.join(adir, "targets-" + "-".join(a.adapter_targets))
             dims = model_dims(a)
             n_max = max(adapter_counts + ([64] if registered_counts else []))
             log(f"writing {n_max} random r={a.adapter_rank} adapters to {adir}")
@@ -819,7 +836,7 @@ def main():
             for k in range(n_max):
                 p = os.path.join(adir, f"lora{k:02d}")
                 if not os.path.isfile(os.path.join(p, "adapter_model.safetensors")):
-                    write_adapter(p, f"{a.seed}/adapter/{k}", dims, r=a.adapter_rank)
+                    write_adapter(p, f"{a.seed}/adapter/{k}", dims, r=a.adapter_rank, targets=a.adapter_targets)
                 paths.append((f"lora{k:02d}", p))
             reg_paths = registered_adapters(adir, paths, max(registered_counts)) if registered_counts else []
             weights = os.path.getsize(os.path.join(paths[0][1], "adapter_model.safetensors"))
@@ -877,7 +894,8 @@ def main():
                 name += f" #{r['repetition'] + 1}"
             rows.append([name, r["concurrency"]] + cells[:-1] + [fmt(r["vs_1_adapter"], 2), cells[-1]])
         bits = {32: "f32", 16: "bf16", 4: "4-bit"}[a.lora_bits]
-        out += [f"loom multi-LoRA (r={a.adapter_rank}, all 7 projections, {bits} factors, round-robin over "
+        where = ("all 7 projections" if a.adapter_targets == ALL_TARGETS else "+".join(a.adapter_targets))
+        out += [f"loom multi-LoRA (r={a.adapter_rank}, {where}, {bits} factors, round-robin over "
                 f"adapters):", "", md_table(["adapters", "conc"] + METRIC_HEAD[:-1] + ["vs 1 adapter", "note"], rows),
                 ""]
         if a.repeat > 1:
