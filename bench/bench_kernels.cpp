@@ -7,7 +7,8 @@
 // and the input gradients through frozen weights (BackwardInput/...: W^T packed
 // as f16 for the matmul kernels vs bf16 tiles for AMX / AVX512-BF16 / AVX2).
 // Dequant/<type>/{cpu,ref}: kernels/cpu/dequant.h against the scalar reference.
-// PrefillAttention/<shape>/T512: the inference attention of a 512-row prompt.
+// PrefillAttention/<shape>/T512: the inference attention of a 512-row prompt;
+// DecodeAttention/<shape>/ctx<n>: one decoded row over n keys.
 // Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
 // projection, without and with evaluation's token-accuracy count.
 // Matmul/<type>/matvec_dram_*[_huge]: decode over 256 MiB of weights packed on
@@ -373,6 +374,25 @@ void run_prefill_attention(benchmark::State& state, AttentionShape s, int64_t T,
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// Inference decode attention: one row at position ctx - 1 over a context of
+// ctx keys (the last of T rows above, alone), as a decoded token runs it.
+void run_decode_attention(benchmark::State& state, AttentionShape s, int64_t ctx, int threads) {
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> q(static_cast<size_t>(s.n_heads * s.head_dim)), out(q.size());
+  std::vector<float> k(static_cast<size_t>(ctx * s.kv_stride)), v(k.size());
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = dist(rng);
+  const int32_t pos = static_cast<int32_t>(ctx - 1);
+  ThreadPool pool(threads);
+  for (auto _ : state) {
+    attention(pool, s, q.data(), k.data(), v.data(), out.data(), 1, &pos, nullptr);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double flops = 4.0 * static_cast<double>(ctx * s.n_heads * s.head_dim);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void register_prefill_attention() {
   const std::pair<const char*, AttentionShape> shapes[] = {{"smollm2", {9, 3, 64, 3 * 64}},
                                                            {"llama1b", {32, 8, 64, 8 * 64}}};
@@ -382,6 +402,12 @@ void register_prefill_attention() {
       auto* b = benchmark::RegisterBenchmark(n.c_str(), run_prefill_attention, s, int64_t{512}, threads);
       b->Unit(benchmark::kMillisecond);
       if (threads > 1) b->UseRealTime();
+      for (const int64_t ctx : {int64_t{64}, int64_t{512}}) {
+        const std::string dn = fmt::format("DecodeAttention/{}/ctx{}/t{}", name, ctx, threads);
+        auto* db = benchmark::RegisterBenchmark(dn.c_str(), run_decode_attention, s, ctx, threads);
+        db->Unit(benchmark::kMicrosecond);
+        if (threads > 1) db->UseRealTime();
+      }
     }
 }
 
