@@ -4,7 +4,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <utility>
 
 #include "core/error.h"

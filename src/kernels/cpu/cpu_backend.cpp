@@ -94,8 +94,8 @@ void free_mapped(void* p, size_t bytes) { unmap_huge_pages(static_cast<uint8_t*>
 
 // Large buffers (KV caches, activation arenas) come from mmap: zero pages the
 // kernel commits only when first touched, so a budget reserved is not yet memory
-// used; in huge pages (THP advice), as a decode step reads a sequence's KV blocks
-// as short spans spread over each layer's part of the pool.
+// used. In huge pages (THP advice) like the packed weights: a decode step reads
+// each sequence's KV blocks as short spans spread over its layer's part of the pool.
 constexpr size_t kMapThreshold = size_t{1} << 20;
 
 class CpuBackend final : public Backend {
