@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "core/huge_page_buffer.h"
 #include "core/half.h"
+#include "core/huge_page_buffer.h"
 #include "core/thread_pool.h"
 #include "kernels/cpu/dequant.h"
 #include "kernels/cpu/linear_backward.h"
