@@ -662,7 +662,7 @@ def random_f32(rng, n, exp_byte):
 
 
 def write_adapter(path, seed, dims, r=8, alpha=16, targets=None):
-    targets = targets or [t for _, t in LORA_TARGETS]
+    targets = targets or ALL_TARGETS
     layers, hidden, q_out, kv_out, ffn = dims
     shapes = {"q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
               "o_proj": (q_out, hidden), "gate_proj": (hidden, ffn), "up_proj": (hidden, ffn),
@@ -692,7 +692,7 @@ def write_adapter(path, seed, dims, r=8, alpha=16, targets=None):
             f.write(b)
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-           "target_modules": [t for _, t in LORA_TARGETS if t in targets],
+           "target_modules": [t for t in ALL_TARGETS if t in targets],
            "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "inference_mode": True}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(cfg, f, indent=1)

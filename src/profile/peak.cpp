@@ -104,8 +104,8 @@ uint64_t sum_words(const uint64_t* p, size_t n) {
 
 ReadBandwidth measure_read_bandwidth(ThreadPool& pool, size_t bytes, double min_seconds) {
   const size_t n = std::max<size_t>(bytes / sizeof(uint64_t), 1024);
-  // In huge pages, as the CPU backend's packed weights are (HugePageArena): the
-  // floor is what the machine reads at best (4 KiB pages read 7-13% slower on a Zen 4).
+  // In huge pages, as the CPU backend's packed weights are (HugePageArena), so
+  // the floor and the decode it bounds read the same kind of memory.
   HugePageBuffer mem(n * sizeof(uint64_t));
   auto* buf = reinterpret_cast<uint64_t*>(mem.data());
   // Written by the threads that read it (first touch), and not zero: zero pages
