@@ -101,7 +101,7 @@ TEST(CpuFeatures, BackwardModeByClass) {
   EXPECT_EQ(backward_mode_for(CpuClass::amx), BackwardMode::bf16);
   EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16), BackwardMode::bf16);
   EXPECT_EQ(backward_mode_for(CpuClass::avx512), BackwardMode::f16);
-  EXPECT_EQ(backward_mode_for(CpuClass::avx2), BackwardMode::bf16);
+  EXPECT_EQ(backward_mode_for(CpuClass::avx2), BackwardMode::f16);
   for (CpuClass c : {CpuClass::amx, CpuClass::avx512_bf16, CpuClass::avx512, CpuClass::avx2})
     EXPECT_NE(backward_mode_for(c), BackwardMode::int8) << cpu_class_name(c);  // int8's error is 3x bf16's
 }
