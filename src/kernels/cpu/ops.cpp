@@ -266,6 +266,15 @@ void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, con
   constexpr int d = 16 * M;
   constexpr int kRows = M <= 4 ? 2 : 1;  // rows per pass: R M q registers of sixteen
   int r = 0;
+  // A GQA group of 3 (SmolLM2) in one pass: each K^T line then serves 3 rows,
+  // where the pass of 1 after one of 2 was bound by its loads. 12 q registers,
+  // 3 sums and K: GCC keeps one q on the stack, a reload per block. AMD Zen 2,
+  // one core: PrefillAttention/smollm2/T512 36 -> 43 GFLOP/s.
+  if constexpr (M <= 4)
+    if (rows == 3) {
+      scores_rows_kt8<3, M>(q, kt, ldk, scale, n, w, ws);
+      r = 3;
+    }
   for (; r + kRows <= rows; r += kRows)
     scores_rows_kt8<kRows, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
   if (r < rows) scores_rows_kt8<1, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
