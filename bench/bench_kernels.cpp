@@ -8,7 +8,8 @@
 // as f16 for the matmul kernels vs bf16 tiles for AMX / AVX512-BF16 / AVX2).
 // Dequant/<type>/{cpu,ref}: kernels/cpu/dequant.h against the scalar reference.
 // PrefillAttention/<shape>/T512: the inference attention of a 512-row prompt;
-// DecodeAttention/<shape>/ctx<n>: one decoded row over n keys.
+// DecodeAttention/<shape>/ctx<n>[_cold]: one decoded row over n keys (cold:
+// keys and values evicted from the caches before each call).
 // Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
 // projection, without and with evaluation's token-accuracy count.
 // Matmul/<type>/matvec_dram_*[_huge]: decode over 256 MiB of weights packed on
@@ -389,19 +390,35 @@ void run_prefill_attention(benchmark::State& state, AttentionShape s, int64_t T,
 
 // Inference decode attention: one row at position ctx - 1 over a context of
 // ctx keys (the last of T rows above, alone), as a decoded token runs it.
-void run_decode_attention(benchmark::State& state, AttentionShape s, int64_t ctx, int threads) {
+// cold: keys and values evicted before each call, as a decoded token finds a
+// layer's cache after the other layers' weights and caches streamed through.
+void run_decode_attention(benchmark::State& state, AttentionShape s, int64_t ctx, int threads, bool cold) {
   std::mt19937 rng(kSeed);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> q(static_cast<size_t>(s.n_heads * s.head_dim)), out(q.size());
-  std::vector<float> k(static_cast<size_t>(ctx * s.kv_stride)), v(k.size());
-  for (auto* x : {&q, &k, &v})
-    for (auto& e : *x) e = dist(rng);
+  for (auto& e : q) e = dist(rng);
+  // In huge pages, as the model's KV cache is (CpuBackend::alloc).
+  const size_t n = static_cast<size_t>(ctx * s.kv_stride);
+  HugePageBuffer kb(n * sizeof(float)), vb(n * sizeof(float));
+  float* k = reinterpret_cast<float*>(kb.data());
+  float* v = reinterpret_cast<float*>(vb.data());
+  for (size_t i = 0; i < n; ++i) k[i] = dist(rng), v[i] = dist(rng);
   const int32_t pos = static_cast<int32_t>(ctx - 1);
   ThreadPool pool(threads);
+  // Evicted by reading (not writing) 96 MiB, as weights stream: no dirty lines
+  // left to write back while the attention reads.
+  std::vector<uint8_t> flush(cold ? size_t{96} << 20 : 0, 1);
+  uint8_t sum = 0;
   for (auto _ : state) {
-    attention(pool, s, q.data(), k.data(), v.data(), out.data(), 1, &pos, nullptr);
+    if (cold) {
+      state.PauseTiming();
+      for (size_t i = 0; i < flush.size(); i += 64) sum = static_cast<uint8_t>(sum + flush[i]);
+      state.ResumeTiming();
+    }
+    attention(pool, s, q.data(), k, v, out.data(), 1, &pos, nullptr);
     benchmark::DoNotOptimize(out.data());
   }
+  benchmark::DoNotOptimize(sum);
   const double flops = 4.0 * static_cast<double>(ctx * s.n_heads * s.head_dim);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -415,9 +432,11 @@ void register_prefill_attention() {
       auto* b = benchmark::RegisterBenchmark(n.c_str(), run_prefill_attention, s, int64_t{512}, threads);
       b->Unit(benchmark::kMillisecond);
       if (threads > 1) b->UseRealTime();
-      for (const int64_t ctx : {int64_t{64}, int64_t{512}}) {
-        const std::string dn = fmt::format("DecodeAttention/{}/ctx{}/t{}", name, ctx, threads);
-        auto* db = benchmark::RegisterBenchmark(dn.c_str(), run_decode_attention, s, ctx, threads);
+      for (const auto& [ctx, cold] : {std::pair{int64_t{64}, false}, std::pair{int64_t{512}, false},
+                                      std::pair{int64_t{1024}, true}, std::pair{int64_t{4096}, true}}) {
+        const std::string dn =
+            fmt::format("DecodeAttention/{}/ctx{}{}/t{}", name, ctx, cold ? "_cold" : "", threads);
+        auto* db = benchmark::RegisterBenchmark(dn.c_str(), run_decode_attention, s, ctx, threads, cold);
         db->Unit(benchmark::kMicrosecond);
         if (threads > 1) db->UseRealTime();
       }

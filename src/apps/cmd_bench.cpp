@@ -1,6 +1,7 @@
 // `loom bench`: prompt-processing and generation speed measured the way
-// llama-bench does (pp: one batch of N random tokens from an empty context;
-// tg: N single-token steps from an empty context), averaged over repetitions.
+// llama-bench does (pp: one batch of N random tokens; tg: N single-token steps;
+// both from an empty context, or after -d tokens already in it), averaged over
+// repetitions.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -42,13 +43,18 @@ std::string json_list(const std::vector<double>& v) {
 int run_bench(int argc, char** argv) {
   CLI::App app("Measure prompt processing (pp) and generation (tg) speed in tokens/s.", "bench");
   std::string model_path;
-  int64_t n_prompt = 512, n_gen = 128, reps = 5, micro_batch = 512;
+  int64_t n_prompt = 512, n_gen = 128, reps = 5, micro_batch = 512, depth = 0;
   int threads = 1;
   bool json = false, bandwidth = true;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
   app.add_option("-p,--n-prompt", n_prompt, "prompt tokens (0 = skip pp)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
   app.add_option("-n,--n-gen", n_gen, "generated tokens (0 = skip tg)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
   app.add_option("-r,--repetitions", reps, "repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
+  app.add_option("-d,--n-depth", depth,
+                 "tokens already in the context before each test (llama-bench's -d): decode then "
+                 "attends over them")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
   app.add_option("-b,--batch", micro_batch, "prompt micro-batch size")->check(CLI::Range(1, 1 << 16))->capture_default_str();
   app.add_flag("--json", json, "print one JSON object instead of a table");
   app.add_flag("!--no-bandwidth", bandwidth,
@@ -67,7 +73,7 @@ int run_bench(int argc, char** argv) {
   if (!profile.empty()) backend = make_profiling_backend(std::move(backend), tracer, pool);
   auto model = Model::load(model_path, {.tokenizer = false, .pack = true, .backend = backend.get()});
   const ModelConfig& c = model->config();
-  const int64_t n_ctx = std::max<int64_t>(n_prompt, n_gen) + 1;
+  const int64_t n_ctx = depth + std::max<int64_t>(n_prompt, n_gen) + 1;
   CounterRng rng(42);
   auto random_tokens = [&](int64_t n) {
     std::vector<int32_t> t(static_cast<size_t>(n));
@@ -81,12 +87,14 @@ int run_bench(int argc, char** argv) {
   const bool measure_bw = bandwidth && n_gen > 0;
   ReadBandwidth bw = measure_bw ? measure_read_bandwidth(pool) : ReadBandwidth{};
   InferenceSession session(c, model->weights(), *backend, n_ctx, micro_batch);
+  // The context every test starts from: prefilled once (not timed), kept by truncate.
+  if (depth > 0) session.eval(random_tokens(depth));
   // One warm-up of each test (page in the weights, size the scratch buffers).
   for (int64_t r = -1; r < reps; ++r) {
     if (r == 0 && !profile.empty()) tracer.start();
     if (n_prompt > 0) {
       const auto toks = random_tokens(n_prompt);
-      session.truncate(0);
+      session.truncate(depth);
       const auto t0 = clock::now();
       session.eval(toks);
       const double s = std::chrono::duration<double>(clock::now() - t0).count();
@@ -94,7 +102,7 @@ int run_bench(int argc, char** argv) {
     }
     if (n_gen > 0) {
       const auto toks = random_tokens(n_gen);
-      session.truncate(0);
+      session.truncate(depth);
       const auto t0 = clock::now();
       for (int64_t i = 0; i < n_gen; ++i) session.eval(std::span<const int32_t>(&toks[static_cast<size_t>(i)], 1));
       const double s = std::chrono::duration<double>(clock::now() - t0).count();
@@ -103,11 +111,17 @@ int run_bench(int argc, char** argv) {
   }
   if (!profile.empty()) {
     tracer.stop();
-    write_profile(profile, tracer,
-                  profile_metadata("bench", threads,
-                                   {{"model", {{"path", model_path}, {"name", c.name}, {"layers", c.n_layers},
-                                               {"type", model_weight_type(*model)}}},
-                                    {"bench", {{"n_prompt", n_prompt}, {"n_gen", n_gen}, {"repetitions", reps}}}}));
+    write_profile(
+        profile, tracer,
+        profile_metadata(
+            "bench", threads,
+            {{"model",
+              {{"path", model_path},
+               {"name", c.name},
+               {"layers", c.n_layers},
+               {"type", model_weight_type(*model)}}},
+             {"bench",
+              {{"n_prompt", n_prompt}, {"n_gen", n_gen}, {"n_depth", depth}, {"repetitions", reps}}}}));
   }
   const Stat spp = pp.empty() ? Stat{} : stats(pp), stg = tg.empty() ? Stat{} : stats(tg);
   // The decode floor: every weight matrix is read once per generated token (an
@@ -124,22 +138,25 @@ int run_bench(int argc, char** argv) {
   const double median_fraction = bw.median_gbps > 0 ? tg_gbps / bw.median_gbps : 0;
   if (json) {
     std::printf(
-        "{\"model\": \"%s\", \"threads\": %d, \"n_prompt\": %lld, \"n_gen\": %lld, \"repetitions\": %lld, "
+        "{\"model\": \"%s\", \"threads\": %d, \"n_prompt\": %lld, \"n_gen\": %lld, \"n_depth\": %lld, "
+        "\"repetitions\": %lld, "
         "\"pp_tokens_per_s\": %.3f, \"pp_stddev\": %.3f, \"tg_tokens_per_s\": %.3f, \"tg_stddev\": %.3f, "
         "\"weight_bytes_per_token\": %.0f, \"read_gbps\": %.3f, \"tg_floor_fraction\": %.4f, "
         "\"read_gbps_median\": %.3f, \"tg_floor_fraction_median\": %.4f, "
         "\"pp_samples_tokens_per_s\": %s, \"tg_samples_tokens_per_s\": %s}\n",
         model_path.c_str(), threads, static_cast<long long>(n_prompt), static_cast<long long>(n_gen),
-        static_cast<long long>(reps), spp.mean, spp.stddev, stg.mean, stg.stddev, token_bytes, read_gbps,
-        floor_fraction, bw.median_gbps, median_fraction, json_list(pp).c_str(), json_list(tg).c_str());
+        static_cast<long long>(depth), static_cast<long long>(reps), spp.mean, spp.stddev, stg.mean,
+        stg.stddev, token_bytes, read_gbps, floor_fraction, bw.median_gbps, median_fraction,
+        json_list(pp).c_str(), json_list(tg).c_str());
   } else {
+    const std::string at_depth = depth > 0 ? " @ d" + std::to_string(depth) : "";  // llama-bench's label
     std::printf("| model | threads | test | t/s |\n|---|---|---|---|\n");
     if (n_prompt > 0)
-      std::printf("| %s | %d | pp%lld | %.2f ± %.2f |\n", model_path.c_str(), threads, static_cast<long long>(n_prompt),
-                  spp.mean, spp.stddev);
+      std::printf("| %s | %d | pp%lld%s | %.2f ± %.2f |\n", model_path.c_str(), threads,
+                  static_cast<long long>(n_prompt), at_depth.c_str(), spp.mean, spp.stddev);
     if (n_gen > 0)
-      std::printf("| %s | %d | tg%lld | %.2f ± %.2f |\n", model_path.c_str(), threads, static_cast<long long>(n_gen),
-                  stg.mean, stg.stddev);
+      std::printf("| %s | %d | tg%lld%s | %.2f ± %.2f |\n", model_path.c_str(), threads,
+                  static_cast<long long>(n_gen), at_depth.c_str(), stg.mean, stg.stddev);
     if (read_gbps > 0)
       std::printf(
           "tg reads %.1f MiB of weights per token: %.1f GB/s, %.0f%% of the %.1f GB/s this machine reads "

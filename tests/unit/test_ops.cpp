@@ -192,5 +192,37 @@ TEST(Ops, LongRowsOnKeysTransposedEqualThePlainLoopBitForBit) {
   }
 }
 
+// Decode rows over long contexts (keys and values of at least 512 KiB: the AVX2
+// path splits keys and value columns across the threads, kKeysSplitMinBytes in
+// kernels/cpu/ops.cpp): GQA groups of 3, 4 and 1, head dims 32, 64 and 128, key
+// counts that end off a block of 4, 2 and 3 threads, a packed sample starting
+// at key 301: the plain loop's bits.
+TEST(Ops, LongDecodeRowsEqualThePlainLoopBitForBit) {
+  const std::pair<int64_t, int64_t> heads[] = {{9, 3}, {8, 2}, {4, 4}};
+  for (int64_t d : {64, 32, 128}) {
+    for (const auto& [n_heads, kv_heads] : heads) {
+      for (int64_t ctx : {int64_t{1703}, int64_t{1090}}) {
+        for (bool packed : {false, true}) {
+          for (int threads : {2, 3}) {
+            ThreadPool pool(threads);
+            AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 8};
+            ASSERT_GE(ctx * s.kv_stride * 8, int64_t{512} << 10);
+            auto q = random_vec(static_cast<size_t>(n_heads * d), 36, 3.0f);
+            auto k = random_vec(static_cast<size_t>(ctx * s.kv_stride), 37, 3.0f);
+            auto v = random_vec(static_cast<size_t>(ctx * s.kv_stride), 38);
+            const int32_t pos = static_cast<int32_t>(ctx - 1), start = packed ? 301 : 0;
+            std::vector<float> a(q.size()), b(q.size());
+            attention(pool, s, q.data(), k.data(), v.data(), a.data(), 1, &pos, packed ? &start : nullptr);
+            plain_attention(s, q.data(), k.data(), v.data(), b.data(), 1, &pos, &start);
+            ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", " << ctx << " keys, packed "
+                << packed << ", " << threads << " threads";
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace loom

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "core/error.h"
 #include "kernels/cpu/attention_rows.h"
@@ -225,8 +226,9 @@ void scores_rows_kt8(const float* q, const float* kt, int64_t ldk, float scale, 
 // o[r][c0 .. c0 + 8 C) = sum_j a[r][j] v_j, for R rows of a group: one FMA
 // chain per lane in j order, as weighted_sum and simd::axpy form them, with
 // a[r][j] = w[r][j] * inv[r] already in a. Each V line is read once for the R
-// rows: per row from L2 it cost more than the FMAs did.
-template <int R, int C>
+// rows: per row from L2 it cost more than the FMAs did. kPrefetch: V comes from
+// memory (a long decode row), its lines are prefetched 16 rows ahead.
+template <int R, int C, bool kPrefetch = false>
 void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o,
                        int64_t d, int64_t c0) {
   if (n <= 0) __builtin_unreachable();  // rows see their own key; lets GCC keep acc in registers
@@ -234,6 +236,8 @@ void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stri
   for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = vb + j * stride + c0;
+    if constexpr (kPrefetch)
+      for (int c = 0; c < C; c += 2) __builtin_prefetch(vj + 16 * stride + 8 * c, 0, 3);
     __m256 v[C];
     for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(vj + 8 * c);
     for (int r = 0; r < R; ++r) {
@@ -249,15 +253,15 @@ void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stri
 // for fewer rows (independent chains: each is one FMA chain in j order, so the
 // chains' count bounds the rate by the FMA's latency). Three rows take 3
 // columns of 8 (9 chains; 2 columns left an AMD Zen 2's FMAs waiting on their
-// 5-cycle latency): SmolLM2's prefill attention 1.05x there.
-template <int R>
+// 5-cycle latency): SmolLM2's prefill attention 1.05x there. Columns [c0, c1).
+template <int R, bool kPrefetch = false>
 void weighted_sums(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o,
-                   int64_t d) {
+                   int64_t d, int64_t c0, int64_t c1) {
   constexpr int C = R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : 2;
-  int64_t c0 = 0;
-  for (; c0 + 8 * C <= d; c0 += 8 * C) weighted_sum_rows<R, C>(a, ws, vb, stride, n, o, d, c0);
-  for (; c0 + 16 <= d; c0 += 16) weighted_sum_rows<R, 2>(a, ws, vb, stride, n, o, d, c0);
-  for (; c0 < d; c0 += 8) weighted_sum_rows<R, 1>(a, ws, vb, stride, n, o, d, c0);  // d: a multiple of 8
+  for (; c0 + 8 * C <= c1; c0 += 8 * C) weighted_sum_rows<R, C, kPrefetch>(a, ws, vb, stride, n, o, d, c0);
+  for (; c0 + 16 <= c1; c0 += 16) weighted_sum_rows<R, 2, kPrefetch>(a, ws, vb, stride, n, o, d, c0);
+  for (; c0 < c1; c0 += 8)
+    weighted_sum_rows<R, 1, kPrefetch>(a, ws, vb, stride, n, o, d, c0);  // d: a multiple of 8
 }
 
 template <int M>
@@ -284,7 +288,7 @@ void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, con
     for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(wr + p, _mm256_mul_ps(_mm256_loadu_ps(wr + p), inv));
   }
   cpu::visit_row_passes(
-      rows, [&]<int R>(int r0) { weighted_sums<R>(w + r0 * ws, ws, vb, stride, n, o + r0 * d, d); });
+      rows, [&]<int R>(int r0) { weighted_sums<R>(w + r0 * ws, ws, vb, stride, n, o + r0 * d, d, 0, d); });
 }
 
 // The AVX2 counterpart of cpu::attend_rows_kt_avx512 (same arguments and bits).
@@ -306,6 +310,14 @@ void transpose_keys(const float* k, int64_t stride, int64_t d, int64_t p0, int64
 int64_t heads_per_unit(const AttentionShape& s, int64_t T, int threads) {
   return T * s.n_kv_heads >= 4 * threads ? s.n_heads / s.n_kv_heads : 1;
 }
+
+// A decode row whose keys and values take at least this many bytes splits keys
+// and value columns across the threads (decode_attention_keys_split) instead of
+// heads. AMD Zen 2, 2 threads, SmolLM2 Q4_1 (`loom bench -p 0 -d D`): at 256
+// keys (384 KiB a layer) the head split was as fast or faster (142-151 against
+// 128-145 t/s; its one pass costs fewer waits), from 512 keys (768 KiB) the key
+// split was faster: 95-113 -> 106-128 t/s, 1024 keys 93-96 -> 103-113.
+constexpr int64_t kKeysSplitMinBytes = int64_t{512} << 10;
 
 // Batches of at least this many rows read K transposed (attention_rows.h): the
 // transpose costs about what one row's scores do.
@@ -351,6 +363,58 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
   }
 }
 
+// One decode row's attention over a long context, parallel over keys and value
+// columns instead of heads: each K and V row then comes from memory once for
+// all the heads that read it (a GQA group's heads share its rows), in long
+// sequential runs, where one head per thread read each group's rows once per
+// head, in 256-byte pieces. Every score, softmax and weighted-sum lane takes the
+// same operations in the same order as attend_row, so the bits are the same.
+// Three passes: the scores (keys split across the threads, every head on each
+// K row while it is in L1), each head's softmax, then the weighted sums (value
+// columns split across the threads). Both streams are prefetched 16 rows ahead.
+void decode_attention_keys_split(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k,
+                                 const float* v, float* out, int64_t n) {
+  const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads, stride = s.kv_stride;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t ws = n + 8;  // softmax_weights and the scaling below run in steps of 8
+  const auto w = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(H * ws));
+  constexpr int64_t kAhead = 16;
+  pool.run([&](int ti, int tn) {
+    const int64_t quads = n / 4;
+    const int64_t p0 = 4 * (quads * ti / tn), p1 = ti + 1 == tn ? n : 4 * (quads * (ti + 1) / tn);
+    int64_t p = p0;
+    for (; p + 4 <= p1; p += 4) {
+      if (p + kAhead + 4 <= n) {
+        const auto* ahead = reinterpret_cast<const char*>(k + (p + kAhead) * stride);
+        for (size_t b = 0; b < 4 * static_cast<size_t>(stride) * sizeof(float); b += 64)
+          __builtin_prefetch(ahead + b, 0, 3);
+      }
+      for (int64_t h = 0; h < H; ++h)
+        dot4(q + h * d, k + p * stride + (h / group) * d, stride, d, scale, w.get() + h * ws + p);
+    }
+    for (; p < p1; ++p)
+      for (int64_t h = 0; h < H; ++h)
+        w[static_cast<size_t>(h * ws + p)] =
+            simd::dot(q + h * d, k + p * stride + (h / group) * d, d) * scale;
+  });
+  pool.run([&](int ti, int tn) {  // a[j] = w[j] * inv, as attend_rows_kt8 scales them
+    for (int64_t h = ti; h < H; h += tn) {
+      float* wh = w.get() + h * ws;
+      const __m256 inv = _mm256_set1_ps(softmax_weights(wh, n));
+      for (int64_t p = 0; p < n; p += 8)
+        _mm256_storeu_ps(wh + p, _mm256_mul_ps(_mm256_loadu_ps(wh + p), inv));
+    }
+  });
+  pool.run([&](int ti, int tn) {
+    const int64_t blocks = d / 8, c0 = 8 * (blocks * ti / tn), c1 = 8 * (blocks * (ti + 1) / tn);
+    for (int64_t g = 0; g < s.n_kv_heads; ++g)
+      cpu::visit_row_passes(static_cast<int>(group), [&]<int R>(int r0) {
+        const int64_t h = g * group + r0;
+        weighted_sums<R, true>(w.get() + h * ws, ws, v + g * d, stride, n, out + h * d, d, c0, c1);
+      });
+  });
+}
+
 }  // namespace
 
 // Each (query row, head) is one unit with a fixed order of operations, so the
@@ -381,6 +445,12 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
       }
     });
     return;
+  }
+  if (T == 1 && pool.size() > 1 && d % 16 == 0 &&
+      int64_t{max_span} * s.kv_stride * int64_t{2 * sizeof(float)} >= kKeysSplitMinBytes) {
+    const int64_t first = seq_start ? seq_start[0] : 0;
+    return decode_attention_keys_split(pool, s, q, k + first * s.kv_stride, v + first * s.kv_stride, out,
+                                       pos[0] - first + 1);
   }
   const int64_t units = T * s.n_heads;
   pool.run([&](int ti, int tn) {
