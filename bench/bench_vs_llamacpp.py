@@ -19,7 +19,8 @@ the last line, after other output) with at least:
 --stat best; "pp_stddev"/"tg_stddev").
 
 pp = processing a P-token prompt in one batch, tg = generating N tokens one at a time,
-both averaged over R repetitions - the same tests llama-bench calls ppP and tgN.
+both averaged over R repetitions - the same tests llama-bench calls ppP and tgN; with -d D
+both start after D tokens already in the context (llama-bench's "tgN @ dD").
 If loom fails or prints no such object, its column shows the reason and the run goes on.
 Raw results go to bench/results/ (gitignored).
 """
@@ -85,6 +86,8 @@ def derived_model(base, qtype, llama_bin, timeout):
 def llama_bench(llama_bin, model, a):
     cmd = [os.path.join(llama_bin, "llama-bench"), "-m", model, "-t", str(a.threads),
            "-p", str(a.prompt), "-n", str(a.gen), "-r", str(a.reps), "-o", "json"]
+    if a.depth:
+        cmd += ["-d", str(a.depth)]
     rc, so, se = run(cmd, a.timeout)
     res = {"cmd": cmd, "rc": rc, "stdout": so, "stderr_tail": se[-4000:], "pp": None, "tg": None}
     if rc != 0:
@@ -125,6 +128,8 @@ def parse_loom_json(stdout):
 def loom_bench(loom, model, a):
     cmd = [loom, "bench", "-m", model, "-t", str(a.threads), "-p", str(a.prompt),
            "-n", str(a.gen), "-r", str(a.reps), "--json"]
+    if a.depth:
+        cmd += ["-d", str(a.depth)]
     res = {"cmd": cmd, "pp": None, "tg": None}
     if not os.access(loom, os.X_OK):
         res["error"] = f"{os.path.relpath(loom, ROOT)} not built"
@@ -178,6 +183,9 @@ def main():
     ap.add_argument("-p", "--prompt", type=int, default=512, help="prompt tokens for pp test")
     ap.add_argument("-n", "--gen", type=int, default=128, help="generated tokens for tg test")
     ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("-d", "--depth", type=int, default=0,
+                    help="tokens already in the context before each test (llama-bench's -d): "
+                         "decode at depth attends over them")
     ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="base (Q4_1) GGUF")
     ap.add_argument("--types", default="Q4_1,Q4_K_M,Q6_K,Q8_0,F16",
                     help="comma list; Q4_1 = the base model, others are made from it")
@@ -232,7 +240,8 @@ def main():
     # Table.
     rows = []
     for e in results:
-        for test, label in (("pp", f"pp{a.prompt}"), ("tg", f"tg{a.gen}")):
+        at = f" @ d{a.depth}" if a.depth else ""
+        for test, label in (("pp", f"pp{a.prompt}{at}"), ("tg", f"tg{a.gen}{at}")):
             lr = median_result(e["rounds"], "llama", test, a.stat)
             mr = median_result(e["rounds"], "loom", test, a.stat)
             ratios = round_ratios(e["rounds"], test, a.stat)
