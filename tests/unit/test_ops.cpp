@@ -215,8 +215,8 @@ TEST(Ops, LongDecodeRowsEqualThePlainLoopBitForBit) {
             attention(pool, s, q.data(), k.data(), v.data(), a.data(), 1, &pos, packed ? &start : nullptr);
             plain_attention(s, q.data(), k.data(), v.data(), b.data(), 1, &pos, &start);
             ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", " << ctx << " keys, packed "
-                << packed << ", " << threads << " threads";
+                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", " << ctx
+                << " keys, packed " << packed << ", " << threads << " threads";
           }
         }
       }

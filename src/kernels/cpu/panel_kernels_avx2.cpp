@@ -678,7 +678,7 @@ struct Bf16EmuImpl {
     const float* x[C];
     start_float_tile(ta, acc, x);
     alignas(32) static constexpr uint32_t kHiMask[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
-                                                         0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+                                                        0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
     const int64_t pairs = bf16_pair_count(ta.K);
     for (int64_t j = 0; j < pairs; ++j) {
       if constexpr (C == 1)
@@ -691,7 +691,8 @@ struct Bf16EmuImpl {
         __m256 odd[2], even[2];
         for (int h = 0; h < 2; ++h) {
           const __m256i w = load256(ta.pan + p * ta.pstride + j * 64 + 32 * h);
-          odd[h] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_mask))));
+          odd[h] = _mm256_castsi256_ps(
+              _mm256_and_si256(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_mask))));
           even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
         }
         for (int c = 0; c < C; ++c) {
