@@ -74,6 +74,12 @@ int run_bench(int argc, char** argv) {
   auto model = Model::load(model_path, {.tokenizer = false, .pack = true, .backend = backend.get()});
   const ModelConfig& c = model->config();
   const int64_t n_ctx = depth + std::max<int64_t>(n_prompt, n_gen) + 1;
+  // Positions past the trained context would time a model nobody runs (and -d
+  // of a million would ask for gigabytes of cache): refused, as --ctx-size is.
+  if (c.max_context > 0 && n_ctx - 1 > c.max_context)
+    fail(ErrorKind::invalid_input,
+         "-d {} plus max(-p {}, -n {}) is {} positions, past the model's context length {}", depth,
+         n_prompt, n_gen, n_ctx - 1, c.max_context);
   CounterRng rng(42);
   auto random_tokens = [&](int64_t n) {
     std::vector<int32_t> t(static_cast<size_t>(n));

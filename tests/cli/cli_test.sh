@@ -82,6 +82,9 @@ expect "generate nan temperature" 2 "--temp: must be >= 0 \\(got nan\\)" -- "$lo
 expect "info negative ctx" 2 "--ctx-size: must be >= 0 \\(got -5\\)" -- "$loom" info -m "$tiny" -c -5
 expect "info ctx beyond model" 1 "--ctx-size 100000 exceeds the model's context length 256" -- "$loom" info -m "$tiny" -c 100000
 expect "bench zero reps" 2 "--repetitions" -- "$loom" bench -m "$tiny" -r 0
+expect "bench depth beyond model" 1 "-d 250 plus max\(-p 4, -n 8\) is 258 positions, past the model's context length 256" -- \
+  "$loom" bench -m "$tiny" -p 4 -n 8 -d 250 -r 1
+expect "bench at depth" 0 "tg8 @ d200" -- "$loom" bench -m "$tiny" -p 4 -n 8 -d 200 -r 1 --no-bandwidth
 expect "merge zero threads" 2 "thread count must be >= 1" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/m0" -t 0
 
 # Directories where files belong, and files where folders belong.
