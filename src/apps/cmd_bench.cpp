@@ -78,8 +78,8 @@ int run_bench(int argc, char** argv) {
   // of a million would ask for gigabytes of cache): refused, as --ctx-size is.
   if (c.max_context > 0 && n_ctx - 1 > c.max_context)
     fail(ErrorKind::invalid_input,
-         "-d {} plus max(-p {}, -n {}) is {} positions, past the model's context length {}", depth,
-         n_prompt, n_gen, n_ctx - 1, c.max_context);
+         "-d {} plus max(-p {}, -n {}) is {} positions, past the model's context length {}", depth, n_prompt,
+         n_gen, n_ctx - 1, c.max_context);
   CounterRng rng(42);
   auto random_tokens = [&](int64_t n) {
     std::vector<int32_t> t(static_cast<size_t>(n));
