@@ -138,6 +138,14 @@ float softmax_weights(float* w, int64_t n) {
   return 1.0f / sum;
 }
 
+// Replaces scores w[0, n) by their softmax probabilities, w[j] * (1 / sum), in
+// steps of 8 (w has room to a multiple of 8): the weights the multi-row
+// weighted sums (weighted_sum_rows) take.
+void softmax_in_place(float* w, int64_t n) {
+  const __m256 inv = _mm256_set1_ps(softmax_weights(w, n));
+  for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(w + p, _mm256_mul_ps(_mm256_loadu_ps(w + p), inv));
+}
+
 // Scores in w[0, n) to o: softmax, then the weighted sum of V.
 void softmax_and_sum(float* w, const float* vb, int64_t stride, int64_t d, int64_t n, float* o) {
   const float inv = softmax_weights(w, n);
@@ -223,11 +231,14 @@ void scores_rows_kt8(const float* q, const float* kt, int64_t ldk, float scale, 
   }
 }
 
+// K/V rows ahead that a long decode row prefetches (decode_attention_keys_split).
+constexpr int64_t kPrefetchRows = 16;
+
 // o[r][c0 .. c0 + 8 C) = sum_j a[r][j] v_j, for R rows of a group: one FMA
 // chain per lane in j order, as weighted_sum and simd::axpy form them, with
 // a[r][j] = w[r][j] * inv[r] already in a. Each V line is read once for the R
 // rows: per row from L2 it cost more than the FMAs did. kPrefetch: V comes from
-// memory (a long decode row), its lines are prefetched 16 rows ahead.
+// memory (a long decode row), its lines are prefetched kPrefetchRows ahead.
 template <int R, int C, bool kPrefetch = false>
 void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o,
                        int64_t d, int64_t c0) {
@@ -237,7 +248,7 @@ void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stri
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = vb + j * stride + c0;
     if constexpr (kPrefetch)
-      for (int c = 0; c < C; c += 2) __builtin_prefetch(vj + 16 * stride + 8 * c, 0, 3);
+      for (int c = 0; c < C; c += 2) __builtin_prefetch(vj + kPrefetchRows * stride + 8 * c, 0, 3);
     __m256 v[C];
     for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(vj + 8 * c);
     for (int r = 0; r < R; ++r) {
@@ -282,11 +293,7 @@ void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, con
   for (; r + kRows <= rows; r += kRows)
     scores_rows_kt8<kRows, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
   if (r < rows) scores_rows_kt8<1, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
-  for (r = 0; r < rows; ++r) {
-    float* wr = w + r * ws;
-    const __m256 inv = _mm256_set1_ps(softmax_weights(wr, n));
-    for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(wr + p, _mm256_mul_ps(_mm256_loadu_ps(wr + p), inv));
-  }
+  for (r = 0; r < rows; ++r) softmax_in_place(w + r * ws, n);
   cpu::visit_row_passes(
       rows, [&]<int R>(int r0) { weighted_sums<R>(w + r0 * ws, ws, vb, stride, n, o + r0 * d, d, 0, d); });
 }
@@ -371,21 +378,20 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
 // same operations in the same order as attend_row, so the bits are the same.
 // Three passes: the scores (keys split across the threads, every head on each
 // K row while it is in L1), each head's softmax, then the weighted sums (value
-// columns split across the threads). Both streams are prefetched 16 rows ahead.
+// columns split across the threads). Both streams are prefetched kPrefetchRows ahead.
 void decode_attention_keys_split(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k,
                                  const float* v, float* out, int64_t n) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads, stride = s.kv_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t ws = n + 8;  // softmax_weights and the scaling below run in steps of 8
   const auto w = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(H * ws));
-  constexpr int64_t kAhead = 16;
   pool.run([&](int ti, int tn) {
     const int64_t quads = n / 4;
     const int64_t p0 = 4 * (quads * ti / tn), p1 = ti + 1 == tn ? n : 4 * (quads * (ti + 1) / tn);
     int64_t p = p0;
     for (; p + 4 <= p1; p += 4) {
-      if (p + kAhead + 4 <= n) {
-        const auto* ahead = reinterpret_cast<const char*>(k + (p + kAhead) * stride);
+      if (p + kPrefetchRows + 4 <= n) {
+        const auto* ahead = reinterpret_cast<const char*>(k + (p + kPrefetchRows) * stride);
         for (size_t b = 0; b < 4 * static_cast<size_t>(stride) * sizeof(float); b += 64)
           __builtin_prefetch(ahead + b, 0, 3);
       }
@@ -397,13 +403,8 @@ void decode_attention_keys_split(ThreadPool& pool, const AttentionShape& s, cons
         w[static_cast<size_t>(h * ws + p)] =
             simd::dot(q + h * d, k + p * stride + (h / group) * d, d) * scale;
   });
-  pool.run([&](int ti, int tn) {  // a[j] = w[j] * inv, as attend_rows_kt8 scales them
-    for (int64_t h = ti; h < H; h += tn) {
-      float* wh = w.get() + h * ws;
-      const __m256 inv = _mm256_set1_ps(softmax_weights(wh, n));
-      for (int64_t p = 0; p < n; p += 8)
-        _mm256_storeu_ps(wh + p, _mm256_mul_ps(_mm256_loadu_ps(wh + p), inv));
-    }
+  pool.run([&](int ti, int tn) {
+    for (int64_t h = ti; h < H; h += tn) softmax_in_place(w.get() + h * ws, n);
   });
   pool.run([&](int ti, int tn) {
     const int64_t blocks = d / 8, c0 = 8 * (blocks * ti / tn), c1 = 8 * (blocks * (ti + 1) / tn);
