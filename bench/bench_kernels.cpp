@@ -22,6 +22,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -307,15 +308,22 @@ void run_loss(benchmark::State& state, bool count) {
 // FMAs need ~400. Leaving parts out (f32): the scores take ~45%, the weighted
 // sums ~37%, the online softmax ~15%. A zmm version of the same loop, and one
 // reading V once for all heads of the group, were no faster.
-void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx, bool cold) {
+// One long row (rows = 1) is split into segments of `segment` positions
+// (paged_attention.h); `unsplit` runs it as one unit per kv head, as before the split.
+void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx, bool cold, int64_t rows,
+                         int threads, int64_t segment) {
   const AttentionShape s{9, 3, 64, 3 * 64};
-  const int64_t rows = 16, bs = 16, per_seq = (ctx + bs - 1) / bs, n_blocks = rows * per_seq;
+  const int64_t bs = 16, per_seq = (ctx + bs - 1) / bs, n_blocks = rows * per_seq;
   const int64_t block_elems = bs * s.n_kv_heads * s.head_dim;
   std::mt19937 rng(kSeed);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   const size_t elem = kv_dtype == DType::f16 ? 2 : 4;
-  std::vector<uint8_t> k(static_cast<size_t>(n_blocks * block_elems) * elem), v(k.size());
-  for (size_t i = 0; i < k.size() / elem; ++i) {
+  // In huge pages, as the server's KV pool is (serve/kv_pool.h).
+  const size_t kv_bytes = static_cast<size_t>(n_blocks * block_elems) * elem;
+  HugePageBuffer kb(kv_bytes), vb(kv_bytes);
+  uint8_t* k = kb.data();
+  uint8_t* v = vb.data();
+  for (size_t i = 0; i < kv_bytes / elem; ++i) {
     const float a = dist(rng), b = dist(rng);
     if (elem == 2) {
       const uint16_t ha = fp32_to_fp16(a), hb = fp32_to_fp16(b);
@@ -334,19 +342,21 @@ void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx, b
   for (int64_t r = 0; r < rows; ++r) tables[static_cast<size_t>(r)] = ids.data() + r * per_seq;
   std::vector<float> q(static_cast<size_t>(rows * s.n_heads * s.head_dim)), out(q.size());
   for (auto& x : q) x = dist(rng);
-  const PagedKv kv{k.data(), v.data(), bs, kv_dtype};
-  ThreadPool pool(1);
+  const PagedKv kv{k, v, bs, kv_dtype};
+  ThreadPool pool(threads);
   // cold: keys and values evicted before each call, as a serving step's layer
   // finds them after the other layers' weights streamed through the caches.
-  std::vector<uint8_t> flush(cold ? size_t{96} << 20 : 0);
+  // Evicted by reading (not writing) 96 MiB, as weights stream: no dirty lines
+  // left to write back while the attention reads.
+  std::vector<uint8_t> flush(cold ? size_t{96} << 20 : 0, 1);
   uint8_t sum = 0;
   for (auto _ : state) {
     if (cold) {
       state.PauseTiming();
-      for (size_t i = 0; i < flush.size(); i += 64) sum = static_cast<uint8_t>(sum + ++flush[i]);
+      for (size_t i = 0; i < flush.size(); i += 64) sum = static_cast<uint8_t>(sum + flush[i]);
       state.ResumeTiming();
     }
-    paged_attention(pool, s, kv, q.data(), out.data(), rows, pos.data(), tables.data());
+    paged_attention(pool, s, kv, q.data(), out.data(), rows, pos.data(), tables.data(), segment);
     benchmark::DoNotOptimize(out.data());
   }
   benchmark::DoNotOptimize(sum);
@@ -357,12 +367,25 @@ void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx, b
 void register_paged_attention() {
   for (const DType kv : {DType::f16, DType::f32}) {
     const std::string name = fmt::format("PagedAttention/decode16_ctx288_{}/t1", dtype_name(kv));
-    benchmark::RegisterBenchmark(name.c_str(), run_paged_attention, kv, int64_t{288}, false)
+    benchmark::RegisterBenchmark(name.c_str(), run_paged_attention, kv, int64_t{288}, false, int64_t{16}, 1,
+                                 kPagedSegment)
         ->Unit(benchmark::kMicrosecond);
   }
   benchmark::RegisterBenchmark("PagedAttention/decode16_ctx512_f16_cold/t1", run_paged_attention, DType::f16,
-                               int64_t{512}, true)
+                               int64_t{512}, true, int64_t{16}, 1, kPagedSegment)
       ->Unit(benchmark::kMicrosecond);
+  // One sequence of 4,096 positions: in 8 segments x 3 kv heads (one and two
+  // threads), and unsplit (3 units, one per kv head) on two.
+  constexpr int64_t kUnsplit = int64_t{1} << 40;
+  const std::tuple<const char*, int64_t, int> long_row[] = {
+      {"", kPagedSegment, 1}, {"", kPagedSegment, 2}, {"_unsplit", kUnsplit, 2}};
+  for (const auto& [suffix, segment, threads] : long_row) {
+    const std::string name = fmt::format("PagedAttention/decode1_ctx4096_f16_cold{}/t{}", suffix, threads);
+    benchmark::RegisterBenchmark(name.c_str(), run_paged_attention, DType::f16, int64_t{4096}, true,
+                                 int64_t{1}, threads, segment)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+  }
 }
 
 // Inference prefill attention (ops.h attention): T causal rows of one sequence

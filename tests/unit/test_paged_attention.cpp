@@ -144,11 +144,16 @@ TEST_P(PagedAttentionTest, MatchesReferenceAndGatheredAttention) {
   const size_t n_out = r.q.size();
 
   ThreadPool pool(3);
-  std::vector<float> out(n_out, std::numeric_limits<float>::quiet_NaN()), want(n_out);
-  paged_attention(pool, s, st.view(), r.q.data(), out.data(), T, r.pos.data(), r.tables.data());
+  std::vector<float> want(n_out);
   ref::paged_attention(s, st.view(), r.q.data(), want.data(), T, r.pos.data(), r.tables.data());
-  for (float x : out) ASSERT_TRUE(std::isfinite(x)) << "read a NaN slot";
-  EXPECT_LT(max_rel_diff(out, want), 2e-6);
+  // The default segment (every row in one), and segments of 32 and 48 positions
+  // (rows of up to 5 merged segments).
+  for (const int64_t segment : {kPagedSegment, int64_t{32}, int64_t{48}}) {
+    std::vector<float> out(n_out, std::numeric_limits<float>::quiet_NaN());
+    paged_attention(pool, s, st.view(), r.q.data(), out.data(), T, r.pos.data(), r.tables.data(), segment);
+    for (float x : out) ASSERT_TRUE(std::isfinite(x)) << "read a NaN slot (segment " << segment << ")";
+    EXPECT_LT(max_rel_diff(out, want), 2e-6) << "segment " << segment;
+  }
 
   // The reference against plain attention over each row's sequence gathered into contiguous rows.
   const int64_t width = s.n_heads * s.head_dim;
@@ -170,8 +175,9 @@ TEST_P(PagedAttentionTest, MatchesReferenceAndGatheredAttention) {
   }
 }
 
-TEST_P(PagedAttentionTest, BitIdenticalAcrossBatchThreadsAndPlacement) {
-  const Case c = GetParam();
+// The batch, a row at a time, one thread, and the same data in other physical
+// blocks all give the same bits.
+void check_invariance(const Case& c, int64_t segment) {
   const AttentionShape s{c.n_kv_heads * c.group, c.n_kv_heads, c.head_dim, c.n_kv_heads * c.head_dim};
   std::mt19937 rng(static_cast<uint32_t>(2000 + c.head_dim + c.group + c.block_size));
   const Store st = make_store(s, c.block_size, c.dtype, {40, 9, 77, 2}, rng);
@@ -180,11 +186,11 @@ TEST_P(PagedAttentionTest, BitIdenticalAcrossBatchThreadsAndPlacement) {
 
   ThreadPool pool4(4), pool1(1);
   std::vector<float> batch(r.q.size()), single(r.q.size()), serial(r.q.size());
-  paged_attention(pool4, s, st.view(), r.q.data(), batch.data(), T, r.pos.data(), r.tables.data());
-  paged_attention(pool1, s, st.view(), r.q.data(), serial.data(), T, r.pos.data(), r.tables.data());
+  paged_attention(pool4, s, st.view(), r.q.data(), batch.data(), T, r.pos.data(), r.tables.data(), segment);
+  paged_attention(pool1, s, st.view(), r.q.data(), serial.data(), T, r.pos.data(), r.tables.data(), segment);
   for (int64_t t = 0; t < T; ++t)
     paged_attention(pool4, s, st.view(), r.q.data() + t * width, single.data() + t * width, 1,
-                    &r.pos[static_cast<size_t>(t)], &r.tables[static_cast<size_t>(t)]);
+                    &r.pos[static_cast<size_t>(t)], &r.tables[static_cast<size_t>(t)], segment);
   EXPECT_EQ(0, std::memcmp(batch.data(), single.data(), batch.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(batch.data(), serial.data(), batch.size() * sizeof(float)));
 
@@ -204,8 +210,40 @@ TEST_P(PagedAttentionTest, BitIdenticalAcrossBatchThreadsAndPlacement) {
   std::vector<const int32_t*> moved_tables;
   for (int64_t seq : r.seq) moved_tables.push_back(moved.tables[static_cast<size_t>(seq)].data());
   std::vector<float> relocated(r.q.size());
-  paged_attention(pool4, s, moved.view(), r.q.data(), relocated.data(), T, r.pos.data(), moved_tables.data());
+  paged_attention(pool4, s, moved.view(), r.q.data(), relocated.data(), T, r.pos.data(), moved_tables.data(),
+                  segment);
   EXPECT_EQ(0, std::memcmp(batch.data(), relocated.data(), batch.size() * sizeof(float)));
+}
+
+TEST_P(PagedAttentionTest, BitIdenticalAcrossBatchThreadsAndPlacement) {
+  check_invariance(GetParam(), kPagedSegment);
+}
+
+// Rows of up to 3 segments of 32 positions (lengths 40 and 77), merged by whichever thread finishes last.
+TEST_P(PagedAttentionTest, SplitRowsBitIdenticalAcrossBatchThreadsAndPlacement) {
+  check_invariance(GetParam(), 32);
+}
+
+// The segment split on a real length: 2,000 positions (4 segments of 512, the
+// last partial) against the double reference, as one row and beside short rows.
+TEST(PagedAttention, LongRowInDefaultSegmentsMatchesReference) {
+  for (const DType dtype : {DType::f32, DType::f16}) {
+    const AttentionShape s{9, 3, 64, 3 * 64};  // SmolLM2's heads
+    std::mt19937 rng(77);
+    const Store st = make_store(s, 16, dtype, {2000, 30}, rng);
+    const std::vector<int32_t> pos = {1999, 29, 1024, 511, 512};
+    const std::vector<const int32_t*> tables = {st.tables[0].data(), st.tables[1].data(), st.tables[0].data(),
+                                                st.tables[0].data(), st.tables[0].data()};
+    const auto T = static_cast<int64_t>(pos.size());
+    std::vector<float> q(static_cast<size_t>(T * s.n_heads * s.head_dim));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto& x : q) x = 2.0f * nd(rng);
+    ThreadPool pool(3);
+    std::vector<float> out(q.size()), want(q.size());
+    paged_attention(pool, s, st.view(), q.data(), out.data(), T, pos.data(), tables.data());
+    ref::paged_attention(s, st.view(), q.data(), want.data(), T, pos.data(), tables.data());
+    EXPECT_LT(max_rel_diff(out, want), 2e-6) << dtype_name(dtype);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedAttentionTest,

@@ -7,8 +7,10 @@
 #include <atomic>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/scratch.h"
 #include "kernels/cpu/simd_avx2.h"
 #include "kernels/cpu/simd_rows.h"
 
@@ -119,17 +121,29 @@ void attend_tile(const float* qg, float* og, HeadState* st, int64_t G, int64_t d
 
 constexpr int64_t kMaxConvertDim = 256;  // head_dim up to which f16 tiles are widened once
 
-// Query heads [g * group, (g + 1) * group) of row t; E is the storage type.
-template <typename E>
-void attend_unit(const Unit& u, const float* q, float* out, int64_t t, int64_t g, int32_t pos,
-                 const int32_t* table) {
-  const int64_t d = u.s.head_dim, G = u.group, bs = u.kv.block_size, n_kv = u.s.n_kv_heads;
-  const int64_t n = static_cast<int64_t>(pos) + 1;
-  const float* qg = q + (t * u.s.n_heads + g * G) * d;
-  float* og = out + (t * u.s.n_heads + g * G) * d;
-  std::fill(og, og + G * d, 0.0f);
-  HeadState st[kMaxGroup];
+// Walks the store rows (elements from the store's start) of kv head g for
+// consecutive positions of a sequence, from position p.
+struct RowCursor {
+  const int32_t* table;
+  int64_t g, n_kv, bs, d, block, slot;
+  RowCursor(const int32_t* t, int64_t g_, int64_t n_kv_, int64_t bs_, int64_t d_, int64_t p)
+      : table(t), g(g_), n_kv(n_kv_), bs(bs_), d(d_), block(p / bs_), slot(p % bs_) {}
+  int64_t offset() const { return ((static_cast<int64_t>(table[block]) * n_kv + g) * bs + slot) * d; }
+  void next() {
+    if (++slot == bs) {
+      slot = 0;
+      ++block;
+    }
+  }
+};
 
+// Positions [p_begin, p_end) of row t's sequence for the G query heads qg of kv
+// head g: og (G x d, zeroed by the caller) and st get the online softmax's
+// unnormalised sums and state. p_begin is a multiple of kTile.
+template <typename E>
+void attend_span(const Unit& u, const float* qg, float* og, HeadState* st, int64_t g, const int32_t* table,
+                 int64_t p_begin, int64_t p_end) {
+  const int64_t d = u.s.head_dim, G = u.group, bs = u.kv.block_size, n_kv = u.s.n_kv_heads;
   const E* kr[kTile];
   const E* vr[kTile];
   const E* kbase = static_cast<const E*>(u.kv.k);
@@ -141,17 +155,14 @@ void attend_unit(const Unit& u, const float* q, float* out, int64_t t, int64_t g
   alignas(32) float vf[widen ? kTile * kMaxConvertDim : 1];
   const float* kfr[kTile];
   const float* vfr[kTile];
-  int64_t block = 0, slot = 0;  // of position p0
-  for (int64_t p0 = 0; p0 < n; p0 += kTile) {
-    const int64_t nt = std::min(kTile, n - p0);
+  RowCursor at{table, g, n_kv, bs, d, p_begin};  // rows of the tile at p0
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += kTile) {
+    const int64_t nt = std::min(kTile, p_end - p0);
     for (int64_t j = 0; j < nt; ++j) {
-      const int64_t at = ((static_cast<int64_t>(table[block]) * n_kv + g) * bs + slot) * d;
-      kr[j] = kbase + at;
-      vr[j] = vbase + at;
-      if (++slot == bs) {
-        slot = 0;
-        ++block;
-      }
+      const int64_t off = at.offset();
+      kr[j] = kbase + off;
+      vr[j] = vbase + off;
+      at.next();
     }
     for (int64_t j = nt; j < kTile; ++j) kr[j] = kr[0];  // padding rows; their scores are dropped
     if constexpr (widen) {
@@ -169,35 +180,120 @@ void attend_unit(const Unit& u, const float* q, float* out, int64_t t, int64_t g
     }
     attend_tile(qg, og, st, G, d, u.scale, kr, vr, nt);
   }
+}
+
+// Partial results of one segment of a long row, for the G heads of a kv head:
+// the unnormalised sums (G x d), then each head's running max and sum.
+struct Partial {
+  float* o;
+  float* m;
+  float* l;
+};
+
+// Row t's output for kv head g from its segments' partials, merged in segment
+// order (so the result does not depend on which thread ran which segment):
+// M = max m_s, L = sum l_s exp(m_s - M), out = sum o_s exp(m_s - M) / L.
+template <class PartOf>
+void merge_segments(const Unit& u, const PartOf& part_of, int64_t n_seg, float* og) {
+  const int64_t d = u.s.head_dim, G = u.group;
   for (int64_t h = 0; h < G; ++h) {
-    const float inv = 1.0f / st[h].l;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n_seg; ++i) mx = std::max(mx, part_of(i).m[h]);
     float* o = og + h * d;
-    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+    std::fill(o, o + d, 0.0f);
+    float l = 0.0f;
+    for (int64_t i = 0; i < n_seg; ++i) {
+      const Partial p = part_of(i);
+      const float w = _mm256_cvtss_f32(simd::exp_ps(_mm256_set1_ps(p.m[h] - mx)));
+      l += p.l[h] * w;
+      const float* os = p.o + h * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = std::fma(os[c], w, o[c]);
+    }
+    const float inv = 1.0f / l;
+    for (int64_t c = 0; c < d; ++c) o[c] *= inv;
   }
 }
+
+// One piece of work: segment `seg` of row t's positions for kv head g.
+struct WorkItem {
+  int64_t t, g, seg;
+};
 
 }  // namespace
 
 void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& kv, const float* q, float* out,
-                     int64_t T, const int32_t* pos, const int32_t* const* tables) {
+                     int64_t T, const int32_t* pos, const int32_t* const* tables, int64_t segment) {
   LOOM_ASSERT(s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0 && kv.block_size > 0);
+  LOOM_ASSERT(segment > 0 && segment % kTile == 0);
   const Unit u{s, kv, s.n_heads / s.n_kv_heads, 1.0f / std::sqrt(static_cast<float>(s.head_dim))};
   LOOM_ASSERT(u.group <= kMaxGroup && (kv.dtype == DType::f32 || kv.dtype == DType::f16));
+  const int64_t n_kv = s.n_kv_heads, G = u.group, d = s.head_dim;
+  if (T <= 0) return;
+  // Rows longer than one segment are split into segments of `segment`
+  // positions (by the row's own length only), each a separate unit; the unit
+  // that finishes a row's kv head last merges its segments.
+  std::vector<int64_t> n_seg(static_cast<size_t>(T)), first_part(static_cast<size_t>(T), -1);
+  std::vector<WorkItem> items;
+  int64_t n_parts = 0;  // partial slots: one per (segment, kv head) of the split rows
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t ns = (static_cast<int64_t>(pos[t]) + segment) / segment;  // ceil((pos + 1) / segment)
+    n_seg[static_cast<size_t>(t)] = ns;
+    if (ns > 1) {
+      first_part[static_cast<size_t>(t)] = n_parts;
+      n_parts += ns * n_kv;
+    }
+    for (int64_t g = 0; g < n_kv; ++g)
+      for (int64_t i = 0; i < ns; ++i) items.push_back({t, g, i});
+  }
+  // Per partial: G x d sums, G maxima, G sums of exponentials, each partial on
+  // its own cache lines (threads write their units' sums every tile).
+  const int64_t part_floats = (G * (d + 2) + 15) / 16 * 16;
+  ScratchFloats part_buf;  // 64-byte aligned
+  float* part_store = n_parts > 0 ? part_buf.reserve(static_cast<size_t>(n_parts * part_floats)) : nullptr;
+  std::vector<std::atomic<int64_t>> done(n_parts > 0 ? static_cast<size_t>(T * n_kv) : 0);
+  auto partial = [&](int64_t t, int64_t g, int64_t i) {
+    float* base = part_store +
+                  (first_part[static_cast<size_t>(t)] + g * n_seg[static_cast<size_t>(t)] + i) * part_floats;
+    return Partial{base, base + G * d, base + G * d + G};
+  };
   const bool f16 = kv.dtype == DType::f16;
-  const int64_t units = T * s.n_kv_heads;
-  if (units <= 0) return;
+  auto run_item = [&](const WorkItem& w) {
+    const int64_t n = static_cast<int64_t>(pos[w.t]) + 1, ns = n_seg[static_cast<size_t>(w.t)];
+    const float* qg = q + (w.t * s.n_heads + w.g * G) * d;
+    float* og = out + (w.t * s.n_heads + w.g * G) * d;
+    HeadState st[kMaxGroup];
+    const int64_t p0 = w.seg * segment, p1 = std::min(n, p0 + segment);
+    float* sums = ns == 1 ? og : partial(w.t, w.g, w.seg).o;
+    std::fill(sums, sums + G * d, 0.0f);
+    if (f16)
+      attend_span<uint16_t>(u, qg, sums, st, w.g, tables[w.t], p0, p1);
+    else
+      attend_span<float>(u, qg, sums, st, w.g, tables[w.t], p0, p1);
+    if (ns == 1) {
+      for (int64_t h = 0; h < G; ++h) {
+        const float inv = 1.0f / st[h].l;
+        for (int64_t i = 0; i < d; ++i) og[h * d + i] *= inv;
+      }
+      return;
+    }
+    const Partial pt = partial(w.t, w.g, w.seg);
+    for (int64_t h = 0; h < G; ++h) {
+      pt.m[h] = st[h].m;
+      pt.l[h] = st[h].l;
+    }
+    // The last of the row's segments to finish merges them (acq_rel: it sees the others' partials).
+    if (done[static_cast<size_t>(w.t * n_kv + w.g)].fetch_add(1, std::memory_order_acq_rel) + 1 == ns)
+      merge_segments(
+          u, [&](int64_t i) { return partial(w.t, w.g, i); }, ns, og);
+  };
   // Units differ in cost (context lengths differ), so threads take them one by
   // one; which thread computes a unit does not change its result.
   std::atomic<int64_t> next{0};
+  const auto n_items = static_cast<int64_t>(items.size());
   pool.run([&](int, int) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < units;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t t = i / s.n_kv_heads, g = i % s.n_kv_heads;
-      if (f16)
-        attend_unit<uint16_t>(u, q, out, t, g, pos[t], tables[t]);
-      else
-        attend_unit<float>(u, q, out, t, g, pos[t], tables[t]);
-    }
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      run_item(items[static_cast<size_t>(i)]);
   });
 }
 
