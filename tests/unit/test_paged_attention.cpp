@@ -224,6 +224,36 @@ TEST_P(PagedAttentionTest, SplitRowsBitIdenticalAcrossBatchThreadsAndPlacement) 
   check_invariance(GetParam(), 32);
 }
 
+// A prefill chunk: consecutive positions of one sequence (runs of rows that
+// share each tile, more than one run of them, split rows among them) give each
+// row the bits it gets alone, f32 and f16.
+TEST(PagedAttention, ChunkRowsShareTilesBitIdenticalToEachRowAlone) {
+  for (const DType dtype : {DType::f32, DType::f16}) {
+    const AttentionShape s{8, 2, 64, 2 * 64};
+    std::mt19937 rng(91);
+    const Store st = make_store(s, 16, dtype, {150}, rng);
+    const int64_t T = 70, width = s.n_heads * s.head_dim;  // positions 80..149
+    std::vector<int32_t> pos(static_cast<size_t>(T));
+    std::vector<const int32_t*> tables(static_cast<size_t>(T), st.tables[0].data());
+    for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(80 + t);
+    std::vector<float> q(static_cast<size_t>(T * width));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (auto& x : q) x = 2.0f * nd(rng);
+    ThreadPool pool(3);
+    for (const int64_t segment : {kPagedSegment, int64_t{48}}) {
+      std::vector<float> chunk(q.size()), alone(q.size()), want(q.size());
+      paged_attention(pool, s, st.view(), q.data(), chunk.data(), T, pos.data(), tables.data(), segment);
+      for (int64_t t = 0; t < T; ++t)
+        paged_attention(pool, s, st.view(), q.data() + t * width, alone.data() + t * width, 1,
+                        &pos[static_cast<size_t>(t)], &tables[static_cast<size_t>(t)], segment);
+      EXPECT_EQ(0, std::memcmp(chunk.data(), alone.data(), chunk.size() * sizeof(float)))
+          << dtype_name(dtype) << ", segment " << segment;
+      ref::paged_attention(s, st.view(), q.data(), want.data(), T, pos.data(), tables.data());
+      EXPECT_LT(max_rel_diff(chunk, want), 2e-6) << dtype_name(dtype) << ", segment " << segment;
+    }
+  }
+}
+
 // The segment split on a real length: 2,000 positions (4 segments of 512, the
 // last partial) against the double reference, as one row and beside short rows.
 TEST(PagedAttention, LongRowInDefaultSegmentsMatchesReference) {

@@ -137,19 +137,31 @@ struct RowCursor {
   }
 };
 
-// Positions [p_begin, p_end) of row t's sequence for the G query heads qg of kv
-// head g: og (G x d, zeroed by the caller) and st get the online softmax's
-// unnormalised sums and state. p_begin is a multiple of kTile.
+// One row of a span: its G query heads, where its sums go (G x d, zeroed by the
+// caller), its softmax state, and the end of its positions in the span.
+struct SpanRow {
+  const float* qg;
+  float* sums;
+  HeadState* st;
+  int64_t end;
+};
+
+// Positions [p_begin, ...) of one sequence's kv head g for rows of that
+// sequence: row r takes the positions below rows[r].end. Each tile's rows are
+// located (and f16 ones widened) once for all the rows; each row then runs
+// attend_tile exactly as it would alone (lanes past its end are masked), so
+// how many rows share a span never changes a row's result. p_begin is a
+// multiple of kTile.
 template <typename E>
-void attend_span(const Unit& u, const float* qg, float* og, HeadState* st, int64_t g, const int32_t* table,
-                 int64_t p_begin, int64_t p_end) {
+void attend_span(const Unit& u, int64_t g, const int32_t* table, int64_t p_begin, const SpanRow* rows,
+                 int64_t n_rows) {
   const int64_t d = u.s.head_dim, G = u.group, bs = u.kv.block_size, n_kv = u.s.n_kv_heads;
+  int64_t p_end = p_begin;
+  for (int64_t r = 0; r < n_rows; ++r) p_end = std::max(p_end, rows[r].end);
   const E* kr[kTile];
   const E* vr[kTile];
   const E* kbase = static_cast<const E*>(u.kv.k);
   const E* vbase = static_cast<const E*>(u.kv.v);
-  // f16 rows are widened to f32 once per tile rather than once per query head
-  // (exact, so the result is the same either way).
   constexpr bool widen = std::is_same_v<E, uint16_t>;
   alignas(32) float kf[widen ? kTile * kMaxConvertDim : 1];
   alignas(32) float vf[widen ? kTile * kMaxConvertDim : 1];
@@ -165,8 +177,12 @@ void attend_span(const Unit& u, const float* qg, float* og, HeadState* st, int64
       at.next();
     }
     for (int64_t j = nt; j < kTile; ++j) kr[j] = kr[0];  // padding rows; their scores are dropped
+    const float* const* kt = nullptr;
+    const float* const* vt = nullptr;
     if constexpr (widen) {
       if (d <= kMaxConvertDim) {
+        // f16 rows are widened to f32 once per tile rather than once per query
+        // head and row (exact, so the result is the same either way).
         for (int64_t j = 0; j < nt; ++j) {
           widen_row(kf + j * d, kr[j], d);
           widen_row(vf + j * d, vr[j], d);
@@ -174,11 +190,19 @@ void attend_span(const Unit& u, const float* qg, float* og, HeadState* st, int64
           vfr[j] = vf + j * d;
         }
         for (int64_t j = nt; j < kTile; ++j) kfr[j] = kfr[0];
-        attend_tile(qg, og, st, G, d, u.scale, kfr, vfr, nt);
-        continue;
+        kt = kfr;
+        vt = vfr;
       }
     }
-    attend_tile(qg, og, st, G, d, u.scale, kr, vr, nt);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const SpanRow& row = rows[r];
+      const int64_t n = std::min(kTile, row.end - p0);
+      if (n <= 0) continue;
+      if (kt != nullptr)
+        attend_tile(row.qg, row.sums, row.st, G, d, u.scale, kt, vt, n);
+      else
+        attend_tile(row.qg, row.sums, row.st, G, d, u.scale, kr, vr, n);
+    }
   }
 }
 
@@ -214,10 +238,14 @@ void merge_segments(const Unit& u, const PartOf& part_of, int64_t n_seg, float* 
   }
 }
 
-// One piece of work: segment `seg` of row t's positions for kv head g.
+// One piece of work: segment `seg` of kv head g for rows [t0, t1), which read
+// one sequence (the rows of a prefill chunk; a decode row alone).
 struct WorkItem {
-  int64_t t, g, seg;
+  int64_t t0, t1, g, seg;
 };
+
+// Rows of one sequence per work item at most: their softmax states stay on the stack.
+constexpr int64_t kMaxRun = 32;
 
 }  // namespace
 
@@ -230,20 +258,26 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
   const int64_t n_kv = s.n_kv_heads, G = u.group, d = s.head_dim;
   if (T <= 0) return;
   // Rows longer than one segment are split into segments of `segment`
-  // positions (by the row's own length only), each a separate unit; the unit
-  // that finishes a row's kv head last merges its segments.
+  // positions (by the row's own length only); the unit that finishes a row's
+  // kv head last merges its segments. Adjacent rows of one sequence (up to
+  // kMaxRun) share their work items, each tile read once for all of them.
   std::vector<int64_t> n_seg(static_cast<size_t>(T)), first_part(static_cast<size_t>(T), -1);
   std::vector<WorkItem> items;
   int64_t n_parts = 0;  // partial slots: one per (segment, kv head) of the split rows
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t ns = (static_cast<int64_t>(pos[t]) + segment) / segment;  // ceil((pos + 1) / segment)
-    n_seg[static_cast<size_t>(t)] = ns;
-    if (ns > 1) {
-      first_part[static_cast<size_t>(t)] = n_parts;
-      n_parts += ns * n_kv;
+  for (int64_t t0 = 0; t0 < T;) {
+    int64_t t1 = t0, run_seg = 0;
+    for (; t1 < T && t1 - t0 < kMaxRun && tables[t1] == tables[t0]; ++t1) {
+      const int64_t ns = (static_cast<int64_t>(pos[t1]) + segment) / segment;  // ceil((pos + 1) / segment)
+      n_seg[static_cast<size_t>(t1)] = ns;
+      if (ns > 1) {
+        first_part[static_cast<size_t>(t1)] = n_parts;
+        n_parts += ns * n_kv;
+      }
+      run_seg = std::max(run_seg, ns);
     }
     for (int64_t g = 0; g < n_kv; ++g)
-      for (int64_t i = 0; i < ns; ++i) items.push_back({t, g, i});
+      for (int64_t i = 0; i < run_seg; ++i) items.push_back({t0, t1, g, i});
+    t0 = t1;
   }
   // Per partial: G x d sums, G maxima, G sums of exponentials, each partial on
   // its own cache lines (threads write their units' sums every tile).
@@ -258,33 +292,45 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
   };
   const bool f16 = kv.dtype == DType::f16;
   auto run_item = [&](const WorkItem& w) {
-    const int64_t n = static_cast<int64_t>(pos[w.t]) + 1, ns = n_seg[static_cast<size_t>(w.t)];
-    const float* qg = q + (w.t * s.n_heads + w.g * G) * d;
-    float* og = out + (w.t * s.n_heads + w.g * G) * d;
-    HeadState st[kMaxGroup];
-    const int64_t p0 = w.seg * segment, p1 = std::min(n, p0 + segment);
-    float* sums = ns == 1 ? og : partial(w.t, w.g, w.seg).o;
-    std::fill(sums, sums + G * d, 0.0f);
+    const int64_t p0 = w.seg * segment;
+    HeadState st[kMaxRun][kMaxGroup];
+    SpanRow rows[kMaxRun];
+    int64_t t_of[kMaxRun];
+    int64_t n_rows = 0;
+    for (int64_t t = w.t0; t < w.t1; ++t) {
+      if (n_seg[static_cast<size_t>(t)] <= w.seg) continue;  // ends in an earlier segment
+      const int64_t n = static_cast<int64_t>(pos[t]) + 1;
+      float* sums =
+          n_seg[static_cast<size_t>(t)] == 1 ? out + (t * s.n_heads + w.g * G) * d : partial(t, w.g, w.seg).o;
+      std::fill(sums, sums + G * d, 0.0f);
+      rows[n_rows] = {q + (t * s.n_heads + w.g * G) * d, sums, st[n_rows], std::min(n, p0 + segment)};
+      t_of[n_rows++] = t;
+    }
     if (f16)
-      attend_span<uint16_t>(u, qg, sums, st, w.g, tables[w.t], p0, p1);
+      attend_span<uint16_t>(u, w.g, tables[w.t0], p0, rows, n_rows);
     else
-      attend_span<float>(u, qg, sums, st, w.g, tables[w.t], p0, p1);
-    if (ns == 1) {
-      for (int64_t h = 0; h < G; ++h) {
-        const float inv = 1.0f / st[h].l;
-        for (int64_t i = 0; i < d; ++i) og[h * d + i] *= inv;
+      attend_span<float>(u, w.g, tables[w.t0], p0, rows, n_rows);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t t = t_of[r], ns = n_seg[static_cast<size_t>(t)];
+      const HeadState* hs = st[r];
+      float* og = out + (t * s.n_heads + w.g * G) * d;
+      if (ns == 1) {
+        for (int64_t h = 0; h < G; ++h) {
+          const float inv = 1.0f / hs[h].l;
+          for (int64_t i = 0; i < d; ++i) og[h * d + i] *= inv;
+        }
+        continue;
       }
-      return;
+      const Partial pt = partial(t, w.g, w.seg);
+      for (int64_t h = 0; h < G; ++h) {
+        pt.m[h] = hs[h].m;
+        pt.l[h] = hs[h].l;
+      }
+      // The last of the row's segments to finish merges them (acq_rel: it sees the others' partials).
+      if (done[static_cast<size_t>(t * n_kv + w.g)].fetch_add(1, std::memory_order_acq_rel) + 1 == ns)
+        merge_segments(
+            u, [&](int64_t i) { return partial(t, w.g, i); }, ns, og);
     }
-    const Partial pt = partial(w.t, w.g, w.seg);
-    for (int64_t h = 0; h < G; ++h) {
-      pt.m[h] = st[h].m;
-      pt.l[h] = st[h].l;
-    }
-    // The last of the row's segments to finish merges them (acq_rel: it sees the others' partials).
-    if (done[static_cast<size_t>(w.t * n_kv + w.g)].fetch_add(1, std::memory_order_acq_rel) + 1 == ns)
-      merge_segments(
-          u, [&](int64_t i) { return partial(w.t, w.g, i); }, ns, og);
   };
   // Units differ in cost (context lengths differ), so threads take them one by
   // one; which thread computes a unit does not change its result.
