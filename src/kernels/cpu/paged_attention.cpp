@@ -1,6 +1,7 @@
-// AVX2 paged attention: one (row, kv head) unit reads each key and value row
-// once for all query heads of its group, with an online softmax over tiles of
-// 16 positions, so no buffer grows with the context length.
+// AVX2 paged attention: a unit (adjacent rows of one sequence, a kv head, a
+// segment of positions) reads each key and value row once for all its rows and
+// the query heads of the group, with an online softmax over tiles of 16
+// positions, so no buffer grows with the context length.
 #include "kernels/cpu/paged_attention.h"
 
 #include <algorithm>

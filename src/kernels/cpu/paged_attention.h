@@ -25,9 +25,10 @@ namespace loom {
 // segments of that many, one unit each, whose partial softmax sums are then
 // merged in segment order (flash-decoding's split; vLLM's PagedAttention v2
 // partitions of 512): one long sequence then keeps every thread busy instead
-// of one per kv head. The split depends on the row's length alone, so out row
-// t is bit-identical whatever the thread count, the other rows of the batch,
-// or the physical blocks are.
+// of one per kv head. Adjacent rows with the same table (a prefill chunk)
+// share each tile's reads, each row computing it as it would alone. The split
+// depends on the row's length alone, so out row t is bit-identical whatever
+// the thread count, the other rows of the batch, or the physical blocks are.
 inline constexpr int64_t kPagedSegment = 512;
 void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& kv, const float* q, float* out,
                      int64_t T, const int32_t* pos, const int32_t* const* tables,
