@@ -160,7 +160,8 @@ def tokenize(text, loom, llama_tokenize, model):
 
 
 def build_prompt_pool(a, n_prompts=64):
-    """n_prompts token lists of a.prompt_tokens - NONCE_TOKENS tokens: passages in seeded orders."""
+    """n_prompts token lists of a.prompt_tokens - NONCE_TOKENS tokens: passages in seeded orders,
+    the list repeated (each pass in a new order) for prompts longer than all passages together."""
     llama_tokenize = os.path.join(os.path.dirname(a.llama_server), "llama-tokenize")
     loom = None if a.no_loom and not os.access(a.loom, os.X_OK) else a.loom
     toks = [tokenize(p, loom, llama_tokenize, a.model) for p in PASSAGES]
@@ -169,15 +170,14 @@ def build_prompt_pool(a, n_prompts=64):
     rng = random.Random(a.seed)
     pool = []
     for _ in range(n_prompts):
-        order = list(range(len(toks)))
-        rng.shuffle(order)
         ids = []
-        for i in order:
-            if len(ids) >= body_len:
-                break
-            ids += toks[i] + sep
-        if len(ids) < body_len:
-            raise SystemExit(f"--prompt-tokens {a.prompt_tokens} is longer than all passages together")
+        while len(ids) < body_len:
+            order = list(range(len(toks)))
+            rng.shuffle(order)
+            for i in order:
+                if len(ids) >= body_len:
+                    break
+                ids += toks[i] + sep
         pool.append(ids[:body_len])
     return pool
 
