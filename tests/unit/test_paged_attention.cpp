@@ -281,7 +281,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PagedAttentionTest,
                                            Case{1, 3, 80, 5}, Case{2, 4, 64, 7}, Case{2, 2, 16, 16},
                                            Case{1, 1, 20, 3}, Case{1, 8, 128, 32}, Case{4, 3, 36, 16},
                                            Case{3, 3, 64, 16, DType::f16}, Case{2, 4, 80, 7, DType::f16},
-                                           Case{1, 1, 20, 3, DType::f16}),
+                                           Case{1, 1, 20, 3, DType::f16},
+                                           // past kMaxConvertDim: f16 rows read without widening
+                                           Case{1, 2, 264, 16, DType::f16}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            const Case& c = i.param;
                            return "kv" + std::to_string(c.n_kv_heads) + "_g" + std::to_string(c.group) +
