@@ -139,12 +139,13 @@ struct RowCursor {
 };
 
 // One row of a span: its G query heads, where its sums go (G x d, zeroed by the
-// caller), its softmax state, and the end of its positions in the span.
+// caller), its softmax state, the end of its positions in the span, and its
+// index in the batch.
 struct SpanRow {
   const float* qg;
   float* sums;
   HeadState* st;
-  int64_t end;
+  int64_t end, t;
 };
 
 // Positions [p_begin, ...) of one sequence's kv head g for rows of that
@@ -296,7 +297,6 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
     const int64_t p0 = w.seg * segment;
     HeadState st[kMaxRun][kMaxGroup];
     SpanRow rows[kMaxRun];
-    int64_t t_of[kMaxRun];
     int64_t n_rows = 0;
     for (int64_t t = w.t0; t < w.t1; ++t) {
       if (n_seg[static_cast<size_t>(t)] <= w.seg) continue;  // ends in an earlier segment
@@ -304,16 +304,16 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
       float* sums =
           n_seg[static_cast<size_t>(t)] == 1 ? out + (t * s.n_heads + w.g * G) * d : partial(t, w.g, w.seg).o;
       std::fill(sums, sums + G * d, 0.0f);
-      rows[n_rows] = {q + (t * s.n_heads + w.g * G) * d, sums, st[n_rows], std::min(n, p0 + segment)};
-      t_of[n_rows++] = t;
+      rows[n_rows] = {q + (t * s.n_heads + w.g * G) * d, sums, st[n_rows], std::min(n, p0 + segment), t};
+      ++n_rows;
     }
     if (f16)
       attend_span<uint16_t>(u, w.g, tables[w.t0], p0, rows, n_rows);
     else
       attend_span<float>(u, w.g, tables[w.t0], p0, rows, n_rows);
     for (int64_t r = 0; r < n_rows; ++r) {
-      const int64_t t = t_of[r], ns = n_seg[static_cast<size_t>(t)];
-      const HeadState* hs = st[r];
+      const int64_t t = rows[r].t, ns = n_seg[static_cast<size_t>(t)];
+      const HeadState* hs = rows[r].st;
       float* og = out + (t * s.n_heads + w.g * G) * d;
       if (ns == 1) {
         for (int64_t h = 0; h < G; ++h) {
