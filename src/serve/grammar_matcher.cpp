@@ -2,6 +2,8 @@
 // (grammar_matcher.h).
 #include "serve/grammar_matcher.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -58,6 +60,7 @@ void GrammarAutomaton::expand(int32_t pos, int32_t parent, std::vector<int32_t>&
         work_.emplace_back(below.pos, below.parent);
       }
     } else if (e.op == Op::bytes) {
+      spend(1);
       out.push_back(node(p, par));
     } else {
       // Tail call: a rule that ends its alternative returns straight to `par`, so repetitions
@@ -82,9 +85,20 @@ int32_t GrammarAutomaton::intern_state(std::vector<int32_t>& stacks) {
   return it->second;
 }
 
+void GrammarAutomaton::spend(size_t steps) {
+  if (steps > work_left_)
+    throw GrammarError(
+        fmt::format("the grammar is too ambiguous to enforce: one token needed more than {} parser "
+                    "steps (too many of its alternatives stay open together, e.g. optional delimiters "
+                    "around a recursive rule); make its alternatives exclusive",
+                    work_limit_));
+  work_left_ -= steps;
+}
+
 int32_t GrammarAutomaton::compute(int32_t state, size_t at, uint8_t byte) {
   std::vector<int32_t> out;
   const auto s = static_cast<size_t>(state);
+  spend(state_begin_[s + 1] - state_begin_[s]);
   for (uint32_t k = state_begin_[s]; k < state_begin_[s + 1]; ++k) {
     const int32_t id = stack_ids_[k];
     if (id == 0) continue;
@@ -182,14 +196,20 @@ TokenTrie::TokenTrie(const std::vector<std::string>& pieces, const std::vector<b
 // --- GrammarMatcher --------------------------------------------------------------------------------------
 
 namespace {
-// Past this many cached states (a few MB of transitions), the automaton starts again from the current state.
+// Past this many cached states (a few MB of transitions) or stack nodes (~15 MB with their index), the
+// automaton starts again from the current state.
 constexpr size_t kMaxStates = 1 << 15;
+constexpr size_t kMaxNodes = 1 << 18;
 constexpr size_t kMaxCachedMasks = 16;
 }  // namespace
 
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar, const TokenTrie& vocab,
-                               std::vector<int32_t> end_ids)
-    : auto_(std::move(grammar)), vocab_(vocab), end_ids_(std::move(end_ids)), state_(auto_.start()) {
+                               std::vector<int32_t> end_ids, size_t token_work)
+    : auto_(std::move(grammar)),
+      vocab_(vocab),
+      end_ids_(std::move(end_ids)),
+      token_work_(token_work),
+      state_(auto_.start()) {
   std::erase_if(end_ids_, [&](int32_t id) { return id < 0 || id >= vocab_.vocab_size(); });
   depth_state_.resize(static_cast<size_t>(vocab_.max_depth()) + 1);
 }
@@ -230,7 +250,8 @@ void GrammarMatcher::compute_mask(std::vector<uint64_t>& mask) {
 
 const std::vector<uint64_t>& GrammarMatcher::allowed() {
   if (mask_state_ == state_) return mask_;
-  if (auto_.n_states() > kMaxStates) {
+  auto_.limit_work(token_work_);
+  if (auto_.n_states() > kMaxStates || auto_.n_nodes() > kMaxNodes) {
     state_ = auto_.reset_keeping(state_);
     mask_cache_.clear();
   }
@@ -268,6 +289,7 @@ const float* GrammarMatcher::masked_logits(const float* logits, int64_t n_logits
 bool GrammarMatcher::accept(int32_t token) {
   if (is_end(token)) return complete();
   if (token < 0 || token >= vocab_.vocab_size() || !vocab_.included(token)) return false;
+  auto_.limit_work(token_work_);
   const int32_t s = auto_.walk(state_, vocab_.piece(token));
   if (s == GrammarAutomaton::kDead) return false;
   state_ = s;

@@ -502,6 +502,20 @@ void ServingEngine::admit() {
   }
 }
 
+namespace {
+// A step of a choice's grammar; a grammar too ambiguous to enforce (GrammarAutomaton::limit_work) fails
+// its request as a bad request, not as the server's fault.
+template <typename Step>
+auto grammar_step(int64_t choice, Step step) {
+  try {
+    return step();
+  } catch (const GrammarError& e) {
+    throw EngineError(EngineErrc::invalid_request,
+                      fmt::format("structured output of choice {}: {}", choice, e.what()));
+  }
+}
+}  // namespace
+
 int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t draft) {
   Request* r = s->req;
   const Tokenizer& tok = model_->tokenizer();
@@ -510,7 +524,8 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t
   d.index = r->g.first_choice_index + s->choice;
   // Structured output: tokens the grammar does not allow get -inf before penalties and filters. When none
   // is allowed the choice ends: "stop" if its text is a whole match, else "length" (cut short).
-  const float* sample_from = s->grammar ? s->grammar->masked_logits(logits, V) : logits;
+  const float* sample_from =
+      s->grammar ? grammar_step(d.index, [&] { return s->grammar->masked_logits(logits, V); }) : logits;
   if (sample_from == nullptr) {
     d.text = s->stop.push(s->decoder.finish());
     if (!s->stop.stopped()) d.text += s->stop.flush();
@@ -520,7 +535,7 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t
     return -1;
   }
   const int32_t id = s->sampler.sample(sample_from, s->generated, draft);
-  if (s->grammar && !s->grammar->accept(id))
+  if (s->grammar && !grammar_step(d.index, [&] { return s->grammar->accept(id); }))
     throw EngineError(EngineErrc::internal, fmt::format("the sampled token {} is not allowed by the grammar", id));
   d.token_ids.push_back(id);
   if (r->g.logprobs) {

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -472,6 +474,56 @@ TEST(StructuredOutputRequest, FieldsAndErrors) {
   EXPECT_EQ(request_error(R"({"grammar":"root ::= \"a\"","guided_json":{}})").first, 400);
 }
 
+// --- Ambiguity: bounded work per token -------------------------------------------------------------------
+
+// Every pending "e1" / "e2" is its own return position, so after n x's the recognizer holds 2^(n-1)
+// stacks: the exponential case of ambiguous grammars.
+const char* kDoubling = "root ::= s\ns ::= \"x\" s e1 | \"x\" s e2 | \"x\"\ne1 ::= \"\"\ne2 ::= \"\"";
+// The shape a fuzzer found (an expression grammar with optional parentheses and optional blanks at every
+// level): each " +" may close any number of levels, and the next term nests again from there.
+const char* kOptionalDelimiters =
+    "root ::= e\ne ::= t (w \"+\" w t)*\nt ::= [a-z] f\nf ::= [0-9] | \"(\"? w e w \")\"?\nw ::= \" \"?";
+
+// Single bytes as a vocabulary: every text can be fed one byte per token.
+const TokenTrie& byte_vocabulary() {
+  static const TokenTrie trie = [] {
+    std::vector<std::string> pieces;
+    for (int b = 0; b < 256; ++b) pieces.emplace_back(1, static_cast<char>(b));
+    return TokenTrie(pieces, std::vector<bool>(pieces.size(), false));
+  }();
+  return trie;
+}
+
+// Feeds `text` a byte per token, computing each mask as generation does; the error of the first token that
+// throws (empty: all accepted).
+std::string feed_bytes(const std::string& gbnf, const std::string& text) {
+  GrammarMatcher m(compile_gbnf(gbnf), byte_vocabulary(), {});
+  try {
+    for (const char c : text) {
+      (void)m.allowed();
+      if (!m.accept(static_cast<uint8_t>(c))) return "rejected";
+    }
+  } catch (const GrammarError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(GrammarAmbiguity, ExponentialStacksFailTheChoiceInsteadOfStallingIt) {
+  // Within the bound the matcher follows the grammar as the unbounded recognizer does.
+  EXPECT_EQ(feed_bytes(kDoubling, std::string(12, 'x')), "");
+  EXPECT_TRUE(grammar_matches(compile_gbnf(kDoubling), std::string(12, 'x')));
+  // 2^20 stacks are past it: a GrammarError that says why, not minutes of work.
+  const std::string e = feed_bytes(kDoubling, std::string(24, 'x'));
+  EXPECT_NE(e.find("too ambiguous to enforce"), std::string::npos) << e;
+  EXPECT_NE(e.find("parser steps"), std::string::npos) << e;
+
+  std::string sums;
+  for (int i = 0; i < 12; ++i) sums += "aaaaa1 +";
+  EXPECT_EQ(feed_bytes(kOptionalDelimiters, "aaaaa1 +a1"), "");
+  EXPECT_NE(feed_bytes(kOptionalDelimiters, sums + "a1").find("too ambiguous"), std::string::npos);
+}
+
 // --- The token mask on a real vocabulary ------------------------------------------------------------------
 
 std::string smollm2_path() { return std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
@@ -548,6 +600,22 @@ TEST_F(MaskTest, PatternMaskEqualsBruteForce) {
 TEST_F(MaskTest, GbnfMaskEqualsBruteForce) {
   expect_mask_matches_reference(*tok_, *trie_, kArithmetic, {"", "(a", "12+x", "1=2\n"});
   expect_mask_matches_reference(*tok_, *trie_, R"(root ::= [α-ω]{1,3} "日本")", {"", "α", "αβγ", "αβγ日"});
+}
+
+// The work bound leaves room for large real grammars: a choice among 1,000 words sharing prefixes (the
+// most work measured for a first mask, ~25,000 parser steps of the 524,288 allowed) gets its exact masks.
+TEST_F(MaskTest, ThousandWordChoiceStaysWithinTheWorkBound) {
+  std::mt19937 rng(3);
+  std::set<std::string> words;
+  while (words.size() < 1000) {
+    std::string w;
+    for (size_t n = 3 + rng() % 10; w.size() < n;) w += static_cast<char>('a' + rng() % 10);
+    words.insert(w);
+  }
+  std::string gbnf = "root ::= ";
+  for (const std::string& w : words) gbnf += (w == *words.begin() ? "" : " | ") + gbnf_literal(w);
+  const std::string first = *words.begin(), last = *words.rbegin();
+  expect_mask_matches_reference(*tok_, *trie_, gbnf, {"", first.substr(0, 2), last.substr(0, 3)});
 }
 
 TEST_F(MaskTest, MatcherEndsAndRejects) {

@@ -3,7 +3,6 @@
 // preemption under a small KV cache, cancellation freeing the cache, adapters
 // loaded and unloaded while requests run, n > 1 with seeds, and the errors.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <filesystem>
@@ -13,13 +12,14 @@
 #include <stdexcept>
 #include <thread>
 
-#include "serve/scheduler.h"
-#include "io/gguf.h"
 #include "core/half.h"
+#include "io/gguf.h"
 #include "kernels/int_quant.h"
 #include "model/config_load.h"
 #include "model/peft_adapter.h"
 #include "model_test_util.h"
+#include "serve/grammar.h"
+#include "serve/scheduler.h"
 
 namespace loom {
 namespace {
@@ -630,6 +630,32 @@ TEST_F(ServingEngineTest, FailedSamplingMidStreamFailsThatRequest) {
   EXPECT_EQ(g.ids[0].size(), 20u);
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(e.stats().kv_cache_usage, 0.0);
+}
+
+// A grammar too ambiguous to enforce (2^(n-1) parse stacks after n x's; GrammarAutomaton::limit_work) ends
+// its own request with an invalid_request error once a token needs too much work, instead of holding the
+// scheduler; the request beside it is served in full.
+TEST_F(ServingEngineTest, TooAmbiguousGrammarFailsOnlyItsRequest) {
+  ServingEngine e(options());
+  GenerationRequest doubling =
+      greedy_request("base", random_prompt(21, 8), 40);  // ignore_eos: only x's follow
+  doubling.grammar =
+      compile_gbnf("root ::= s\ns ::= \"x\" s e1 | \"x\" s e2 | \"x\"\ne1 ::= \"\"\ne2 ::= \"\"");
+  auto bad = std::make_shared<RequestStream>();
+  auto good = std::make_shared<RequestStream>();
+  e.submit(doubling, bad);
+  e.submit(greedy_request("a1", random_prompt(22, 10), 30), good);
+  const Output b = collect(*bad);
+  ASSERT_TRUE(b.error) << "text: " << b.text[0];
+  EXPECT_EQ(b.error->code(), EngineErrc::invalid_request);
+  EXPECT_NE(std::string(b.error->what()).find("too ambiguous to enforce"), std::string::npos)
+      << b.error->what();
+  EXPECT_GE(b.ids[0].size(), 8u) << "the x's before the bound were streamed";
+  const Output g = collect(*good);
+  ASSERT_FALSE(g.error);
+  EXPECT_EQ(g.ids[0].size(), 30u);
+  EXPECT_FALSE(run_alone(e, greedy_request("base", random_prompt(23, 6), 5)).error)
+      << "the engine keeps serving";
 }
 
 // A failure outside any one request's rows (here: admission) ends the requests in flight with errors and
