@@ -101,7 +101,7 @@ MetricsRun read_metrics_jsonl(const std::string& path, std::vector<std::string>*
     json o;
     try {
       o = json::parse(line);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
       if (!terminated) {  // the line a running trainer is writing
         if (warnings) warnings->push_back(fmt::format("{}: skipped an incomplete last line", where));
         continue;

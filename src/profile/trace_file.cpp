@@ -170,7 +170,7 @@ Trace parse_trace(std::string_view text, const std::string& path) {
   json root;
   try {
     root = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     fail(ErrorKind::invalid_input, "{}: not JSON: {}", path, parse_message(e));
   }
   if (root.is_array())

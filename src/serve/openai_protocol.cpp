@@ -83,7 +83,7 @@ json parse_body(std::string_view body) {
   json j;
   try {
     j = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     throw invalid_request("", fmt::format("request body is not valid JSON: {}", e.what()));
   }
   if (!j.is_object()) throw invalid_request("", "request body must be a JSON object");

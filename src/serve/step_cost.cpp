@@ -289,7 +289,7 @@ StepCost step_cost_from_json(std::string_view text_in, const std::string& path) 
   json o;
   try {
     o = json::parse(text_in);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     fail(ErrorKind::invalid_input, "{}: not JSON ({})", path, e.what());
   }
   if (!o.is_object() || !o.contains("loom_step_cost") || o["loom_step_cost"] != kFormat)

@@ -118,7 +118,7 @@ std::shared_ptr<const Grammar> parse_structured_output(const nlohmann::json& bod
     ojson schema;
     try {
       schema = ojson::parse(v.get<std::string>());
-    } catch (const ojson::parse_error& e) {
+    } catch (const ojson::exception& e) {
       throw invalid_request(k, fmt::format("'{}' is a string that is not valid JSON: {}", k, e.what()));
     }
     return from_schema(schema, k);

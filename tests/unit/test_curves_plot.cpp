@@ -67,6 +67,7 @@ TEST(CurvesData, BadLinesNameFileAndLine) {
                             {p + ":" + std::to_string(line) + ":", why});
   };
   expect_bad(good + "{\"step\":2,\"loss\":\n" + good, 2, "not JSON");
+  expect_bad(good + "{\"step\":2,\"loss\":1e999}\n" + good, 2, "not JSON");  // overflows double
   expect_bad(good + good + "[1,2]\n", 3, "array where a JSON object was expected");
   expect_bad(good + "{\"loss\":2}\n", 2, "no \"step\"");
   expect_bad("{\"step\":\"3\",\"loss\":2}\n", 1, "\"step\" must be an integer >= 0, got \"3\"");

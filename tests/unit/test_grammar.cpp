@@ -469,6 +469,8 @@ TEST(StructuredOutputRequest, FieldsAndErrors) {
   EXPECT_EQ(request_error(R"({"grammar":"root ::= foo"})"), std::make_pair(400, std::string("grammar")));
   EXPECT_EQ(request_error(R"({"grammar":5})"), std::make_pair(400, std::string("grammar")));
   EXPECT_EQ(request_error(R"({"guided_json":"{"})"), std::make_pair(400, std::string("guided_json")));
+  EXPECT_EQ(request_error(R"({"guided_json":"{\"const\": 1e400}"})"),
+            std::make_pair(400, std::string("guided_json")));
   EXPECT_EQ(request_error(R"({"guided_regex":"(a+"})"), std::make_pair(400, std::string("guided_regex")));
   EXPECT_EQ(request_error(R"({"guided_regex":7})"), std::make_pair(400, std::string("guided_regex")));
   EXPECT_EQ(request_error(R"({"grammar":"root ::= \"a\"","guided_json":{}})").first, 400);

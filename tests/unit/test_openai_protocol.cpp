@@ -92,8 +92,9 @@ const ProtocolLimits kLimits = [] {
 TEST(OpenAIProtocol, CompletionRejectsEveryBadInputWithStatusAndParam) {
   auto cases = common_bad(R"("prompt": "hi")");
   const std::vector<BadCase> specific = {
-      {R"({"prompt": "hi")", 400, ""},  // malformed JSON
-      {R"([1, 2])", 400, ""},           // not an object
+      {R"({"prompt": "hi")", 400, ""},                        // malformed JSON
+      {R"({"prompt": "hi", "max_tokens": 1e400})", 400, ""},  // a number past double (was a 500)
+      {R"([1, 2])", 400, ""},                                 // not an object
       {R"("prompt")", 400, ""},
       {R"({})", 400, "prompt"},
       {R"({"prompt": null})", 400, "prompt"},

@@ -229,6 +229,8 @@ TEST(ProfilePeak, JsonRoundTrip) {
 TEST(ProfilePeak, BadFilesAreRefusedNamingTheField) {
   test_util::expect_error([] { peak_from_json("{oops", "p.json"); }, ErrorKind::invalid_input,
                           {"p.json", "not JSON"});
+  test_util::expect_error([] { peak_from_json(R"({"loom_peak": -1e999})", "p.json"); },
+                          ErrorKind::invalid_input, {"p.json", "not JSON", "overflow"});
   test_util::expect_error([] { peak_from_json("{}", "p.json"); }, ErrorKind::invalid_input,
                           {"p.json", "format"});
   PeakTable t;

@@ -91,6 +91,9 @@ TEST(ProfileTrace, BadInputIsNamedByFileAndEvent) {
   };
   const std::string bad = write("bad.json", "{\"traceEvents\": [");
   test_util::expect_error([&] { read_trace(bad); }, ErrorKind::invalid_input, {bad, "not JSON"});
+  const std::string huge = write("huge.json", "{\"traceEvents\": [], \"ts\": 1e999}");  // overflows double
+  test_util::expect_error([&] { read_trace(huge); }, ErrorKind::invalid_input,
+                          {huge, "not JSON", "overflow"});
   const std::string none = write("none.json", "{\"otherData\": {}}");
   test_util::expect_error([&] { read_trace(none); }, ErrorKind::invalid_input, {none, "no \"traceEvents\""});
   const std::string array = write("array.json", "[]");

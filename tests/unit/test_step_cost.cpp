@@ -123,6 +123,8 @@ TEST(StepCost, JsonRoundTripAndErrors) {
   EXPECT_DOUBLE_EQ(back.attend_ms_per_kpos, 1);
 
   test_util::expect_error([&] { step_cost_from_json("{", "f.json"); }, ErrorKind::invalid_input, {"f.json: not JSON"});
+  test_util::expect_error([&] { step_cost_from_json(R"({"loom_step_cost": 1e999})", "f.json"); },
+                          ErrorKind::invalid_input, {"f.json: not JSON", "overflow"});
   auto j = nlohmann::json::parse(text);
   j["loom_step_cost"] = 99;
   test_util::expect_error([&] { step_cost_from_json(j.dump(), "f.json"); }, ErrorKind::invalid_input, {"not a loom step-cost file"});
