@@ -141,8 +141,11 @@ void TrainMetrics::on_memory(const MemoryFigures& m) {
   {
     // The arena series are made on the first report and looked up by name after that.
     std::lock_guard lock(mu_);
-    for (const auto& [arena, bytes] : m.arenas) {
-      auto it = std::find_if(arena_gauges_.begin(), arena_gauges_.end(), [&](const auto& g) { return g.first == arena; });
+    for (const auto& entry : m.arenas) {
+      const auto& [arena, bytes] = entry;
+      // Compared through `entry`: clang before 16 refuses to capture a structured binding.
+      auto it = std::find_if(arena_gauges_.begin(), arena_gauges_.end(),
+                             [&](const auto& g) { return g.first == entry.first; });
       if (it == arena_gauges_.end()) {
         arena_gauges_.emplace_back(
             arena, &registry_.gauge("loom_train_memory_bytes", "Bytes held, by arena.", {{"arena", arena}}));
