@@ -15,8 +15,9 @@ using Op = Grammar::Op;
 
 // --- GrammarAutomaton ------------------------------------------------------------------------------------
 
-GrammarAutomaton::GrammarAutomaton(std::shared_ptr<const Grammar> grammar)
+GrammarAutomaton::GrammarAutomaton(std::shared_ptr<const Grammar> grammar, size_t start_work)
     : g_(std::move(grammar)), nc_(static_cast<size_t>(g_->n_classes())) {
+  limit_work(start_work);
   clear();
 }
 
@@ -49,6 +50,7 @@ void GrammarAutomaton::expand(int32_t pos, int32_t parent, std::vector<int32_t>&
   while (!work_.empty()) {
     const auto [p, par] = work_.back();
     work_.pop_back();
+    spend(1);
     const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(p)) << 32) | static_cast<uint32_t>(par);
     if (!seen_.insert(key).second) continue;
     const Grammar::Elem e = g_->elems[static_cast<size_t>(p)];
@@ -60,7 +62,6 @@ void GrammarAutomaton::expand(int32_t pos, int32_t parent, std::vector<int32_t>&
         work_.emplace_back(below.pos, below.parent);
       }
     } else if (e.op == Op::bytes) {
-      spend(1);
       out.push_back(node(p, par));
     } else {
       // Tail call: a rule that ends its alternative returns straight to `par`, so repetitions
@@ -205,7 +206,7 @@ constexpr size_t kMaxCachedMasks = 16;
 
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar, const TokenTrie& vocab,
                                std::vector<int32_t> end_ids, size_t token_work)
-    : auto_(std::move(grammar)),
+    : auto_(std::move(grammar), token_work),
       vocab_(vocab),
       end_ids_(std::move(end_ids)),
       token_work_(token_work),

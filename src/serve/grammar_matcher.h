@@ -28,7 +28,9 @@ class GrammarAutomaton {
  public:
   static constexpr int32_t kDead = 0;  // no stack left: the bytes so far are no prefix of the grammar
 
-  explicit GrammarAutomaton(std::shared_ptr<const Grammar> grammar);
+  // `start_work`: the bound (limit_work) on expanding the start state, whose open parses can already be
+  // exponentially many (`a0 ::= a1 "x" | a1 "y"`, `a1 ::= a2 "x" | a2 "y"`, ...: 2^n before any byte).
+  explicit GrammarAutomaton(std::shared_ptr<const Grammar> grammar, size_t start_work = SIZE_MAX);
 
   int32_t start() const { return start_; }
   int32_t next(int32_t state, uint8_t byte) {
@@ -45,7 +47,7 @@ class GrammarAutomaton {
   // Drops every cached state but `keep`, whose new id is returned (bounds memory over long generations).
   int32_t reset_keeping(int32_t keep);
   size_t n_nodes() const { return nodes_.size(); }
-  // Bounds the work of the transitions computed from here on (stacks read and stacks produced): past
+  // Bounds the work of the transitions computed from here on (stacks read, expansion steps): past
   // `steps`, next() throws GrammarError. An ambiguous grammar can keep exponentially many stacks open
   // (optional delimiters around a recursive rule: a fuzzed grammar reached 71,000 in one state), and the
   // token mask computes a transition per trie node; without a bound one request would hold the scheduler
@@ -117,13 +119,14 @@ class TokenTrie {
 class GrammarMatcher {
  public:
   // The parser steps (GrammarAutomaton::limit_work) one token's mask, and its acceptance, may take by
-  // default: ~20x the most measured on real grammars (25,000 for the first mask of a 1,000-string
-  // guided_choice on SmolLM2's 49,152 tokens; JSON schemas and llama.cpp's example grammars at most
-  // ~10,000), tens of milliseconds.
-  static constexpr size_t kTokenWork = size_t{1} << 19;
+  // default: 8x the most measured on real grammars over SmolLM2's 49,152 tokens (random 200-token walks:
+  // a 1,000-string guided_choice within 2^15, JSON schemas 2^14, llama.cpp's example grammars 2^10-2^11);
+  // reaching it costs ~0.1 s and ~25 MB.
+  static constexpr size_t kTokenWork = size_t{1} << 18;
 
   // `end_ids`: the tokens that end generation; allowed exactly where the grammar is complete. Past
-  // `token_work` parser steps for one token, allowed() / masked_logits() / accept() throw GrammarError.
+  // `token_work` parser steps for one token (or for the start state), allowed() / masked_logits() /
+  // accept() (or the constructor) throw GrammarError.
   GrammarMatcher(std::shared_ptr<const Grammar> grammar, const TokenTrie& vocab, std::vector<int32_t> end_ids,
                  size_t token_work = kTokenWork);
 

@@ -99,6 +99,17 @@ std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend,
   return m;
 }
 
+// A step of a choice's grammar; a grammar too ambiguous to enforce (GrammarAutomaton::limit_work) fails
+// its request as a bad request, not as the server's fault.
+template <typename Step>
+auto grammar_step(int64_t choice, Step step) {
+  try {
+    return step();
+  } catch (const GrammarError& e) {
+    throw EngineError(EngineErrc::invalid_request,
+                      fmt::format("structured output of choice {}: {}", choice, e.what()));
+  }
+}
 }  // namespace
 
 ServingEngine::ServingEngine(ServeOptions options)
@@ -293,7 +304,9 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
     auto s = std::make_unique<Sequence>(r.get(), i, sp, model_->config().vocab_size, tok, g.stop);
     s->tokens = r->prompt;
     if (g.grammar)
-      s->grammar = std::make_unique<GrammarMatcher>(g.grammar, *vocab_trie_, grammar_end_ids(tok, eos_ids_, g));
+      s->grammar = grammar_step(g.first_choice_index + i, [&] {
+        return std::make_unique<GrammarMatcher>(g.grammar, *vocab_trie_, grammar_end_ids(tok, eos_ids_, g));
+      });
     r->seqs.push_back(std::move(s));
   }
   r->open = g.n;
@@ -501,20 +514,6 @@ void ServingEngine::admit() {
     it = waiting_.erase(it);
   }
 }
-
-namespace {
-// A step of a choice's grammar; a grammar too ambiguous to enforce (GrammarAutomaton::limit_work) fails
-// its request as a bad request, not as the server's fault.
-template <typename Step>
-auto grammar_step(int64_t choice, Step step) {
-  try {
-    return step();
-  } catch (const GrammarError& e) {
-    throw EngineError(EngineErrc::invalid_request,
-                      fmt::format("structured output of choice {}: {}", choice, e.what()));
-  }
-}
-}  // namespace
 
 int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t draft) {
   Request* r = s->req;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "serve/grammar_matcher.h"
 #include "serve/json_schema_grammar.h"
 #include "serve/openai_protocol.h"
 #include "serve/regex_grammar.h"
@@ -23,7 +24,11 @@ const ojson* present(const ojson& o, const char* key) {
 
 std::shared_ptr<const Grammar> compile(const std::string& gbnf, const std::string& param) {
   try {
-    return compile_gbnf(gbnf);
+    std::shared_ptr<const Grammar> g = compile_gbnf(gbnf);
+    // The parses open before the first byte must fit the per-token bound (GrammarAutomaton::limit_work):
+    // a 400 now rather than a choice failing once admitted.
+    (void)GrammarAutomaton(g, GrammarMatcher::kTokenWork);
+    return g;
   } catch (const GrammarError& e) {
     throw invalid_request(param, fmt::format("'{}': {}", param, e.what()));
   }

@@ -1,6 +1,7 @@
 // Structured outputs: GBNF parsing and its errors, the recognizer on accepted / rejected strings
 // (llama.cpp's test-grammar-integration style), JSON Schema -> grammar on valid and invalid instances, and
 // the token mask against a brute-force reference on SmolLM2's vocabulary.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -486,6 +487,14 @@ const char* kDoubling = "root ::= s\ns ::= \"x\" s e1 | \"x\" s e2 | \"x\"\ne1 :
 const char* kOptionalDelimiters =
     "root ::= e\ne ::= t (w \"+\" w t)*\nt ::= [a-z] f\nf ::= [0-9] | \"(\"? w e w \")\"?\nw ::= \" \"?";
 
+// Before any byte: each a_i reaches a_(i+1) from two alternatives with different continuations, so the
+// start state holds 2^n parses.
+std::string doubling_chain(int n) {
+  std::string g = "root ::= a0\n";
+  for (int i = 0; i < n; ++i) g += fmt::format("a{} ::= a{} \"x\" | a{} \"y\"\n", i, i + 1, i + 1);
+  return g + fmt::format("a{} ::= \"z\"\n", n);
+}
+
 // Single bytes as a vocabulary: every text can be fed one byte per token.
 const TokenTrie& byte_vocabulary() {
   static const TokenTrie trie = [] {
@@ -515,10 +524,24 @@ TEST(GrammarAmbiguity, ExponentialStacksFailTheChoiceInsteadOfStallingIt) {
   // Within the bound the matcher follows the grammar as the unbounded recognizer does.
   EXPECT_EQ(feed_bytes(kDoubling, std::string(12, 'x')), "");
   EXPECT_TRUE(grammar_matches(compile_gbnf(kDoubling), std::string(12, 'x')));
-  // 2^20 stacks are past it: a GrammarError that says why, not minutes of work.
+  // 2^23 stacks are past it: a GrammarError that says why, not minutes of work.
   const std::string e = feed_bytes(kDoubling, std::string(24, 'x'));
   EXPECT_NE(e.find("too ambiguous to enforce"), std::string::npos) << e;
   EXPECT_NE(e.find("parser steps"), std::string::npos) << e;
+
+  // The start state alone: a matcher (or the request, a 400 naming the field) is refused at once
+  // instead of expanding 2^24 parses (the server's memory) before the first token.
+  EXPECT_EQ(feed_bytes(doubling_chain(8), "z" + std::string(8, 'y')), "");
+  EXPECT_THROW(GrammarMatcher(compile_gbnf(doubling_chain(24)), byte_vocabulary(), {}), GrammarError);
+  try {
+    const nlohmann::json body = {{"grammar", doubling_chain(24)}};
+    parse_structured_output(body, body.dump());
+    ADD_FAILURE() << "accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status(), 400);
+    EXPECT_EQ(e.param(), "grammar");
+    EXPECT_NE(std::string(e.what()).find("too ambiguous"), std::string::npos) << e.what();
+  }
 
   std::string sums;
   for (int i = 0; i < 12; ++i) sums += "aaaaa1 +";
@@ -605,7 +628,7 @@ TEST_F(MaskTest, GbnfMaskEqualsBruteForce) {
 }
 
 // The work bound leaves room for large real grammars: a choice among 1,000 words sharing prefixes (the
-// most work measured for a first mask, ~25,000 parser steps of the 524,288 allowed) gets its exact masks.
+// most work measured per token, within 2^15 parser steps of the 2^18 allowed) gets its exact masks.
 TEST_F(MaskTest, ThousandWordChoiceStaysWithinTheWorkBound) {
   std::mt19937 rng(3);
   std::set<std::string> words;
