@@ -615,6 +615,9 @@ class StructuredOutputTest(unittest.TestCase):
             ({"grammar": 'root ::= root "a" | "a"'}, "grammar", "left recursion"),
             ({"grammar": 'root ::= [a-z' + "x" * 200000}, "grammar", "at most"),
             ({"guided_grammar": 'root ::= ("a"?)*'}, "guided_grammar", "left recursion"),
+            # 2^30 parses open before the first byte: refused at once, not expanded (docs/serving.md).
+            ({"grammar": "root ::= a0\n" + "".join(f'a{i} ::= a{i + 1} "x" | a{i + 1} "y"\n' for i in range(30))
+              + 'a30 ::= "z"'}, "grammar", "too ambiguous to enforce"),
         ]
         for body, param, words in bad:
             with self.subTest(body=str(body)[:80]):
