@@ -89,9 +89,9 @@ int32_t GrammarAutomaton::intern_state(std::vector<int32_t>& stacks) {
 void GrammarAutomaton::spend(size_t steps) {
   if (steps > work_left_)
     throw GrammarError(
-        fmt::format("the grammar is too ambiguous to enforce: one token needed more than {} parser "
-                    "steps (too many of its alternatives stay open together, e.g. optional delimiters "
-                    "around a recursive rule); make its alternatives exclusive",
+        fmt::format("the grammar is too ambiguous to enforce: more than {} parser steps for one token "
+                    "(or before the first): too many of its alternatives stay open together (e.g. optional "
+                    "delimiters around a recursive rule); make its alternatives exclusive",
                     work_limit_));
   work_left_ -= steps;
 }
