@@ -20,7 +20,8 @@ namespace {
 
 const std::filesystem::path& folder() {
   static const std::filesystem::path dir = [] {
-    const auto d = std::filesystem::temp_directory_path() / ("loom_fuzz_adapter_" + std::to_string(::getpid()));
+    const auto d =
+        std::filesystem::temp_directory_path() / ("loom_fuzz_adapter_" + std::to_string(::getpid()));
     std::filesystem::create_directories(d);
     std::atexit([] { std::filesystem::remove_all(folder()); });
     return d;
