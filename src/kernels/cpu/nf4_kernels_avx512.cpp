@@ -11,6 +11,9 @@
 namespace loom::cpu {
 namespace {
 
+// Decode prefetch distance of this kernel family (panel_kernels.h).
+constexpr size_t kAhead = kPrefetchBytesAvx512;
+
 inline void store_rows(float* y, __m512 v, int64_t nv) {
   if (nv >= 16)
     _mm512_storeu_ps(y, v);
@@ -32,7 +35,7 @@ struct Nf4Impl {
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kNf4PanelBlockBytes;
-        if constexpr (C == 1) prefetch_ahead<kNf4PanelBlockBytes>(pb);
+        if constexpr (C == 1) prefetch_ahead<kAhead, kNf4PanelBlockBytes>(pb);
         __m512 s[C];
         for (int c = 0; c < C; ++c) s[c] = _mm512_setzero_ps();
         for (int j = 0; j < 32; ++j) {

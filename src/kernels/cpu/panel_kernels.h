@@ -54,9 +54,20 @@ inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 // prefetchers alone leave the core waiting on it: measured on an AMD Zen 5 with
 // 256 MiB of q4_0 weights, 30 GB/s without and 40 GB/s with these hints, as fast
 // as f32 streams (bench: Matmul/<type>/matvec_dram). Each decode kernel touches
-// the cache lines kPrefetchBytes ahead of the `kBytes` it is about to read in a
+// the cache lines kAhead bytes ahead of the `kBytes` it is about to read in a
 // panel. Batches reuse each panel for many tokens and need no hints.
-constexpr size_t kPrefetchBytes = 1536;
+//
+// The distance is per kernel family. AVX-512 kernels: 1536 bytes (24 lines),
+// measured on the Zen 5. AVX2 kernels: 768 (12 lines). On an AMD Zen 2 (AVX2
+// only, 2 threads) 1536 left the decode matmuls reading 18-20 GB/s where 768
+// read 22-25 (SmolLM2 Q8_0 tg128 133 -> 153 t/s; Q4_0, Q4_K_M, Q4_1, Q3_K_M,
+// Q6_K, BF16 and a 1B-shape Q4_K_M / Q6_K 1.05-1.2x; F16 unchanged; 512, 1024
+// and 3072 were slower than 768): hints past what the core's miss buffers track
+// hold up the loads they were meant to serve. The AVX2-only class is also where
+// the cores with the fewest of them are (10-12 fill buffers on Intel's Haswell
+// to Skylake clients), so the shorter distance is the one for that class.
+constexpr size_t kPrefetchBytesAvx512 = 1536;
+constexpr size_t kPrefetchBytesAvx2 = 768;
 
 // Panels per decode tile of the integer-dot (quantized) kernels: one, so each
 // thread reads its weights as one sequential stream. With 4 panels per tile (4
@@ -68,9 +79,9 @@ constexpr size_t kPrefetchBytes = 1536;
 // FMA chain per output would bound a single panel (f16 from L2: 52 -> 29 GB/s)
 // and their DRAM speed did not move with the panel count.
 constexpr int kDecodePanelsQuant = 1;
-template <size_t kBytes>
+template <size_t kAhead, size_t kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
-  for (size_t o = 0; o < kBytes; o += 64) __builtin_prefetch(p + kPrefetchBytes + o, 0, 3);
+  for (size_t o = 0; o < kBytes; o += 64) __builtin_prefetch(p + kAhead + o, 0, 3);
 }
 
 // Batch tiles of the AVX-512 integer kernels walk tokens outside panels within a

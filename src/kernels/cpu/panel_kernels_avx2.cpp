@@ -16,6 +16,9 @@
 namespace loom::cpu {
 namespace {
 
+// Decode prefetch distance of this kernel family (panel_kernels.h).
+constexpr size_t kAhead = kPrefetchBytesAvx2;
+
 inline __m256i bcast32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -306,7 +309,7 @@ struct Q32Impl {
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
-        if constexpr (!kUnpacked) prefetch_ahead<Q::kPB>(pb);
+        if constexpr (!kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
         for (int h = 0; h < 2; ++h) {
           const __m256 dw = load_f16x8(pb + 16 * h);
           __m256 mw = _mm256_setzero_ps();
@@ -346,8 +349,8 @@ struct Q32Impl {
 // per-block hints).
 inline void prefetch_group(const uint8_t* pb, int g, size_t header, size_t group) {
   if (g == 0)
-    for (size_t o = 0; o < header; o += 64) __builtin_prefetch(pb + kPrefetchBytes + o, 0, 3);
-  for (size_t o = 0; o < group; o += 64) __builtin_prefetch(pb + header + g * group + kPrefetchBytes + o, 0, 3);
+    for (size_t o = 0; o < header; o += 64) __builtin_prefetch(pb + kAhead + o, 0, 3);
+  for (size_t o = 0; o < group; o += 64) __builtin_prefetch(pb + header + g * group + kAhead + o, 0, 3);
 }
 
 // Unpacked panels (panel_kernels.h) have the AVX-512 kernels' layout: each
@@ -682,7 +685,7 @@ struct Bf16EmuImpl {
     const int64_t pairs = bf16_pair_count(ta.K);
     for (int64_t j = 0; j < pairs; ++j) {
       if constexpr (C == 1)
-        for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + j * 64);
+        for (int p = 0; p < P; ++p) prefetch_ahead<kAhead, 64>(ta.pan + p * ta.pstride + j * 64);
       const uint32_t* hi_mask = kHiMask;
       asm("" : "+r"(hi_mask));  // reloaded per pair: see above
       // Both halves unpacked first, then each of a token's two broadcasts serves
@@ -732,7 +735,7 @@ struct FloatImpl {
     for (int64_t k = 0; k < ta.K; ++k) {
       if constexpr (C == 1)
         if ((k * kStep) % 64 == 0)
-          for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + k * kStep);
+          for (int p = 0; p < P; ++p) prefetch_ahead<kAhead, 64>(ta.pan + p * ta.pstride + k * kStep);
       // Both halves' weights first, then one broadcast per token for both: the
       // broadcasts are loads, and the load ports (not the FMAs) bound this loop.
       for (int p = 0; p < P; ++p) {

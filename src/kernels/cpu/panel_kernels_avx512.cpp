@@ -18,6 +18,9 @@
 namespace loom::cpu {
 namespace {
 
+// Decode prefetch distance of this kernel family (panel_kernels.h).
+constexpr size_t kAhead = kPrefetchBytesAvx512;
+
 inline __m512i bcast32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -208,7 +211,7 @@ struct Q32Impl {
     for (int64_t b = 0; b < nb; ++b) {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
-        if constexpr (C == 1 && !kUnpacked) prefetch_ahead<Q::kPB>(pb);
+        if constexpr (C == 1 && !kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
         const __m512 dw = load_f16x16(pb);
         __m512 mw = _mm512_setzero_ps();
         if constexpr (Q::kMin) mw = load_f16x16(pb + 32);
@@ -291,8 +294,8 @@ struct Q45KImpl {
         for (int p = 0; p < P; ++p) {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
           if constexpr (C == 1 && !kUnpacked) {
-            if (g == 0) prefetch_ahead<320>(pb);
-            prefetch_ahead<kGroup>(pb + 320 + g * kGroup);
+            if (g == 0) prefetch_ahead<kAhead, 320>(pb);
+            prefetch_ahead<kAhead, kGroup>(pb + 320 + g * kGroup);
           }
           const __m512i sc =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pb + 64 + 16 * g)));
@@ -406,8 +409,8 @@ struct K16Impl {
         for (int p = 0; p < P; ++p) {
           const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
           if constexpr (C == 1 && !kUnpacked) {
-            if (g == 0) prefetch_ahead<kGroups>(pb);
-            prefetch_ahead<kGroup>(pb + kGroups + g * kGroup);
+            if (g == 0) prefetch_ahead<kAhead, kGroups>(pb);
+            prefetch_ahead<kAhead, kGroup>(pb + kGroups + g * kGroup);
           }
           const uint8_t* sp = pb + kScales + 32 * g;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
@@ -486,7 +489,7 @@ struct Bf16DotImpl {
     const int64_t pairs = bf16_pair_count(ta.K);
     for (int64_t j = 0; j < pairs; ++j) {
       if constexpr (C == 1)
-        for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + j * 64);
+        for (int p = 0; p < P; ++p) prefetch_ahead<kAhead, 64>(ta.pan + p * ta.pstride + j * 64);
       __m512i w[P];
       for (int p = 0; p < P; ++p) w[p] = load512(ta.pan + p * ta.pstride + j * 64);
       for (int c = 0; c < C; ++c) {
@@ -513,7 +516,7 @@ struct Bf16EmuImpl {
     const int64_t pairs = bf16_pair_count(ta.K);
     for (int64_t j = 0; j < pairs; ++j) {
       if constexpr (C == 1)
-        for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + j * 64);
+        for (int p = 0; p < P; ++p) prefetch_ahead<kAhead, 64>(ta.pan + p * ta.pstride + j * 64);
       __m512 odd[P], even[P];
       for (int p = 0; p < P; ++p) {
         const __m512i w = load512(ta.pan + p * ta.pstride + j * 64);
@@ -555,7 +558,7 @@ struct FloatImpl {
     for (int64_t k = 0; k < ta.K; ++k) {
       if constexpr (C == 1)
         if ((k * kStep) % 64 == 0)
-          for (int p = 0; p < P; ++p) prefetch_ahead<64>(ta.pan + p * ta.pstride + k * kStep);
+          for (int p = 0; p < P; ++p) prefetch_ahead<kAhead, 64>(ta.pan + p * ta.pstride + k * kStep);
       // All panels' weights first, then one broadcast per token for all of them:
       // the broadcasts are loads, and the load ports bound this loop.
       __m512 w[P];
