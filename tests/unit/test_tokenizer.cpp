@@ -94,6 +94,31 @@ TEST(Tokenizer, StreamingHoldsBackSplitCharacters) {
   EXPECT_EQ(out, "\xF0\x9F\x98\x80!");
 }
 
+// Found by fuzz/fuzz_tokenize.cpp: text holding real U+FFFD characters (as
+// scraped data and lossy conversions do) made the stream decoder take each
+// U+FFFD for a character still being spelled, hold tokens back, and, at its
+// pending limit, cut one in the middle: extra U+FFFD in the streamed text.
+TEST(Tokenizer, StreamingPassesRealReplacementCharacters) {
+  for (const char* name : {"llama3_style", "qwen2_style", "spm_style"}) {
+    const Tokenizer tok = json_variant(name);
+    std::string text = "Hello, worl";
+    for (int i = 0; i < 70; ++i) text += "\xEF\xBF\xBD";
+    text += "d! 123 \xEF\xBF\xBD\xE4\xB8\xAD";
+    const auto ids = tok.encode(text, false, false);
+    for (bool skip : {true, false}) {
+      StreamDecoder sd(tok, skip);
+      std::string streamed;
+      for (int32_t id : ids) {
+        const std::string piece = sd.push(id);
+        EXPECT_EQ(tok::utf8_complete_prefix(piece), piece.size()) << name;
+        streamed += piece;
+      }
+      streamed += sd.finish();
+      EXPECT_EQ(streamed, tok.decode(ids, skip)) << name << " skip_special=" << skip;
+    }
+  }
+}
+
 TEST(Tokenizer, ByteLevelRoundTripAndPieces) {
   const json& corpus = references()["corpus"];
   for (const char* name : {"llama3_style", "qwen2_style", "llama3_style.gguf"}) {
