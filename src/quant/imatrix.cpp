@@ -181,7 +181,11 @@ void save_imatrix(const Imatrix& m, const std::string& path) {
   w.set_string_array("imatrix.datasets", m.datasets);
   w.set_u32("imatrix.chunk_count", static_cast<uint32_t>(m.chunk_count));
   w.set_u32("imatrix.chunk_size", static_cast<uint32_t>(m.chunk_size));
-  for (const auto& [name, e] : m.entries) {  // std::map: sorted names, as llama-imatrix writes them
+  for (const auto& entry : m.entries) {  // std::map: sorted names, as llama-imatrix writes them
+    // Named references, not a structured binding: clang before 16 (Debian 12's
+    // 14) cannot capture a binding in the lambdas below.
+    const std::string& name = entry.first;
+    const auto& e = entry.second;
     const auto nmat = static_cast<int64_t>(e.counts.size());
     const auto per = static_cast<int64_t>(e.sums.size()) / nmat;
     w.add_tensor(name + ".in_sum2", DType::f32, {nmat, per},
