@@ -5,25 +5,9 @@
 
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/unicode.h"
 
 namespace loom {
-
-size_t utf8_complete_prefix(const std::string& s) {
-  size_t n = s.size();
-  // Walk back over at most 3 continuation bytes to the last lead byte.
-  size_t i = n;
-  int cont = 0;
-  while (i > 0 && cont < 4) {
-    const auto c = static_cast<unsigned char>(s[i - 1]);
-    if ((c & 0xC0) != 0x80) {
-      const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
-      return (n - (i - 1) >= need) ? n : i - 1;
-    }
-    --i;
-    ++cont;
-  }
-  return n;  // not valid UTF-8 anyway: emit as is
-}
 
 std::string StopStreamer::push(const std::string& piece) {
   if (stopped_) return {};
@@ -43,7 +27,7 @@ std::string StopStreamer::push(const std::string& piece) {
     for (size_t k = std::min(stop.size() - (stop.empty() ? 0 : 1), pending_.size()); k > hold; --k)
       if (pending_.compare(pending_.size() - k, k, stop, 0, k) == 0) { hold = k; break; }
   size_t emit = pending_.size() - hold;
-  emit = utf8_complete_prefix(pending_.substr(0, emit));
+  emit = tok::utf8_complete_prefix(std::string_view(pending_).substr(0, emit));
   std::string out = pending_.substr(0, emit);
   pending_.erase(0, emit);
   return out;

@@ -34,9 +34,6 @@ class StopStreamer {
   bool stopped_ = false;
 };
 
-// Length of the longest prefix of `s` that ends on a whole UTF-8 sequence.
-size_t utf8_complete_prefix(const std::string& s);
-
 struct GenerateOptions {
   int64_t max_tokens = 128;  // -1: until end of generation or a full context
   SamplingParams sampling;

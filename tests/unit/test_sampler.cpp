@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "model/generate.h"
 #include "model/sampler.h"
+#include "tokenizer/unicode.h"
 
 namespace loom {
 namespace {
@@ -190,8 +191,8 @@ TEST(StopStreamer, NeverSplitsUtf8) {
   EXPECT_EQ(s.push(euro.substr(0, 1)), "");
   EXPECT_EQ(s.push(euro.substr(1, 1)), "");
   EXPECT_EQ(s.push(euro.substr(2) + "a"), euro + "a");
-  EXPECT_EQ(utf8_complete_prefix("ab\xf0\x9f\x98"), 2u);
-  EXPECT_EQ(utf8_complete_prefix("ab\xf0\x9f\x98\x80"), 6u);
+  EXPECT_EQ(tok::utf8_complete_prefix("ab\xf0\x9f\x98"), 2u);
+  EXPECT_EQ(tok::utf8_complete_prefix("ab\xf0\x9f\x98\x80"), 6u);
 }
 
 }  // namespace
