@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
-
 #include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
+
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
 
