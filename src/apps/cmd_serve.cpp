@@ -200,6 +200,11 @@ int run_serve(int argc, char** argv) {
     if (comm->size() != tp)
       fail(ErrorKind::invalid_input, "--tp {}: mpirun started {} ranks", tp, comm->size());
     so.tp = comm.get();
+    so.report_startup_error = [](const Error& e) {
+      // As main() would write it, but before the followers end.
+      std::fprintf(stderr, "loom serve: error: %s\n", e.what());
+      std::fflush(stderr);
+    };
     if (comm->rank() != 0) {
       ServingEngine follower(so);
       follower.follow_until_stopped();

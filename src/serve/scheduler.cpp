@@ -185,6 +185,15 @@ void ServingEngine::load_startup_adapters() {
       if (name == name_) fail(ErrorKind::invalid_input, "--adapter {}: the name is the base model's", name);
       adapters_.add(name, dir, /*runtime=*/false);
     }
+  } catch (Error& e) {
+    if (tensor_parallel()) {
+      if (opt_.report_startup_error && !e.reported()) {
+        opt_.report_startup_error(e);
+        e.set_reported();
+      }
+      tp_agree_started(*opt_.tp, false);
+    }
+    throw;
   } catch (...) {
     if (tensor_parallel()) tp_agree_started(*opt_.tp, false);
     throw;

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "core/trace.h"
 #include "dist/communicator.h"
@@ -76,6 +77,11 @@ struct ServeOptions {
   // tp->rank()'s shard of the heads and MLP channels (model/tensor_parallel.h);
   // rank 0 schedules and samples, the others follow its forward steps. Null: the whole model.
   Communicator* tp = nullptr;
+  // Rank 0 of a tensor-parallel server whose start fails (a bad --adapter): called with the
+  // error before the followers are told, so the error is written while they still wait (a
+  // follower that exits first makes mpirun end rank 0, which then may never write it). The
+  // caller reports it (loom serve: to stderr) and the error is then marked reported.
+  std::function<void(const Error&)> report_startup_error;
   // Profiling (core/trace.h): the backend's ops and each scheduler step
   // ("serve_step") are recorded while it records. Null: nothing is recorded.
   Tracer* tracer = nullptr;
