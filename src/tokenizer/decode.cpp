@@ -214,9 +214,6 @@ std::string StreamDecoder::emit(bool force) {
   constexpr size_t kMaxPending = 16;  // give up waiting for a UTF-8 character to complete
   if (pending_.empty()) return {};
   const bool anchored = started_ && anchor_ >= 0;
-  std::vector<int32_t> window;
-  if (anchored) window.push_back(anchor_);
-  window.insert(window.end(), pending_.begin(), pending_.end());
   // Unfinished: the pending tokens' bytes end inside a UTF-8 character that more
   // bytes could complete. Judged on the bytes, not on a decoded text ending in
   // U+FFFD: a real U+FFFD in the text (scraped data has them) then held tokens
@@ -226,6 +223,9 @@ std::string StreamDecoder::emit(bool force) {
     if (!(skip_special_ && tok_.is_special(id))) bytes += tok_.token_to_piece(id);
   const bool unfinished = tok::utf8_complete_prefix(bytes) < bytes.size();
   if (unfinished && !force && pending_.size() < kMaxPending) return {};
+  std::vector<int32_t> window;
+  if (anchored) window.push_back(anchor_);
+  window.insert(window.end(), pending_.begin(), pending_.end());
   const std::string text = tok_.decode(window, skip_special_);
   std::string out = anchored && text.compare(0, anchor_text_.size(), anchor_text_) == 0
                         ? text.substr(anchor_text_.size())
