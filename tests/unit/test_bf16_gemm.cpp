@@ -256,6 +256,14 @@ TEST(Bf16Gemm, RoundingMatchesTheScalarModel) {
     EXPECT_EQ(got[i], bf16_bits(x[i])) << "x[" << i << "] = " << x[i] << " bits " << float_to_bits(x[i]);
     EXPECT_EQ(cpu::round_to_bf16(x[i]), bf16_bits(x[i])) << "x[" << i << "] = " << x[i];
   }
+  // As floats (the AVX2 bf16 activations), at every length's tail.
+  for (const size_t n : {x.size(), x.size() - 3, size_t{7}}) {
+    std::vector<float> as_f32(n);
+    cpu::round_to_bf16_as_f32(x.data(), as_f32.data(), static_cast<int64_t>(n));
+    for (size_t i = 0; i < n; ++i)
+      EXPECT_EQ(float_to_bits(as_f32[i]), uint32_t{bf16_bits(x[i])} << 16)
+          << "n " << n << " x[" << i << "] = " << x[i];
+  }
 
   // The AVX2 and AVX-512 dy packers agree byte for byte (padding included), at
   // N and T that are not multiples of the tile.

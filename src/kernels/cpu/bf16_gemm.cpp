@@ -123,6 +123,15 @@ void round_to_bf16(const float* x, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = round_to_bf16(x[i]);
 }
 
+void round_to_bf16_as_f32(const float* x, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i h = round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_slli_epi32(h, 16));
+  }
+  for (; i < n; ++i) dst[i] = bf16_to_fp32(round_to_bf16(x[i]));
+}
+
 void pack_dy_tiles_avx2(const float* dy, int64_t ldy, int64_t N, int64_t T, int64_t tt0, int64_t tt1,
                         int64_t n_steps, uint8_t* dst) {
   for (int64_t tt = tt0; tt < tt1; ++tt)

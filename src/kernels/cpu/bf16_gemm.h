@@ -102,6 +102,9 @@ void store_bf16_pairs(PackedWeight& Wt, int64_t k0, int64_t rows, const float* w
 // kernels see the same operands).
 uint16_t round_to_bf16(float x);
 void round_to_bf16(const float* x, uint16_t* dst, int64_t n);
+// The same rounding, each value kept as the float it rounds to (bf16 bits << 16):
+// the activations of the kernels that emulate vdpbf16ps with f32 FMAs.
+void round_to_bf16_as_f32(const float* x, float* dst, int64_t n);
 
 // Loop nest shared by the kernels (each Impl in its own file's anonymous
 // namespace). Impl::block(w, tt0, tt1, p0, p1, s0, s1, first, last) computes a

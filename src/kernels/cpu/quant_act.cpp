@@ -263,7 +263,7 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
     }
     case ActKind::bf16f32: {
       auto* f = reinterpret_cast<float*>(dst);
-      for (int64_t k = 0; k < K; ++k) f[k] = bf16_to_fp32(round_to_bf16(x[k]));
+      round_to_bf16_as_f32(x, f, K);
       if (K % 2 != 0) f[K] = 0.0f;
       return;
     }
