@@ -213,35 +213,50 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       ASSERT_EQ(u.tile_panels, type == DType::f16 ? 3 : 1) << dtype_name(type) << " " << isa_name(isa);
       const size_t group = cpu::unpack_scratch_bytes(u);
       ASSERT_GT(group, 3 * panel);
-      const cpu::ActKind kind = cpu::act_kind(type, cpu::bf16_native(isa));
-      const size_t arb = cpu::act_row_bytes(kind, K);
-      std::vector<uint8_t> act(arb * static_cast<size_t>(pr.T));
-      for (int64_t t = 0; t < pr.T; ++t)
-        if (kind == cpu::ActKind::f32)
-          std::memcpy(&act[arb * t], pr.x.data() + t * K, arb);
-        else
-          cpu::quantize_act_row(kind, type, pr.x.data() + t * K, K, &act[arb * t]);
-      for (size_t tmp_bytes : {size_t{0}, group, 3 * panel}) {
-        std::vector<uint8_t> tmp(tmp_bytes);
-        std::vector<float> y(static_cast<size_t>(pr.N * pr.T), -7.0f);
-        cpu::KernelArgs a;
-        a.panels = pw.panel(0);
-        a.panel_stride = pw.panel_bytes();
-        a.n_panels = pw.n_panels();
-        a.K = K;
-        a.act = act.data();
-        a.act_stride = arb;
-        a.T = pr.T;
-        a.y = y.data();
-        a.ldy = pr.N;
-        a.n_valid = pr.N;
-        a.tmp = tmp_bytes > 0 ? tmp.data() : nullptr;
-        a.tmp_bytes = tmp_bytes;
-        (avx2 ? cpu::panel_kernel_avx2 : cpu::panel_kernel_avx512)(type, a);
-        expect_bits_equal(
-            want, y,
-            std::string(dtype_name(type)) + " " + isa_name(isa) + " scratch=" + std::to_string(tmp_bytes));
-      }
+      auto act_rows = [&](cpu::ActKind kind) {
+        const size_t arb = cpu::act_row_bytes(kind, K);
+        std::vector<uint8_t> act(arb * static_cast<size_t>(pr.T));
+        for (int64_t t = 0; t < pr.T; ++t)
+          if (kind == cpu::ActKind::f32)
+            std::memcpy(&act[arb * t], pr.x.data() + t * K, arb);
+          else
+            cpu::quantize_act_row(kind, type, pr.x.data() + t * K, K, &act[arb * t]);
+        return act;
+      };
+      const cpu::ActKind plain_kind = cpu::act_kind(type, cpu::bf16_native(isa));
+      const std::vector<uint8_t> plain = act_rows(plain_kind);
+      // AVX2 q6_k: the unpacked kernel reads q8k_u8 rows; with plain q8k rows
+      // (q8k_u8 unset) the packed kernel runs whatever the scratch.
+      const bool u8_case = avx2 && type == DType::q6_k;
+      const std::vector<uint8_t> u8 = u8_case ? act_rows(cpu::ActKind::q8k_u8) : std::vector<uint8_t>{};
+      for (size_t tmp_bytes : {size_t{0}, group, 3 * panel})
+        for (bool use_u8 : {false, true}) {
+          if (use_u8 && !(u8_case && tmp_bytes > 0)) continue;
+          EXPECT_EQ(u8_case && tmp_bytes > 0, avx2 && cpu::avx2_q6k_u8_acts(type, K, pr.T, tmp_bytes));
+          const cpu::ActKind kind = use_u8 ? cpu::ActKind::q8k_u8 : plain_kind;
+          const std::vector<uint8_t>& act = use_u8 ? u8 : plain;
+          const size_t arb = cpu::act_row_bytes(kind, K);
+          std::vector<uint8_t> tmp(tmp_bytes);
+          std::vector<float> y(static_cast<size_t>(pr.N * pr.T), -7.0f);
+          cpu::KernelArgs a;
+          a.panels = pw.panel(0);
+          a.panel_stride = pw.panel_bytes();
+          a.n_panels = pw.n_panels();
+          a.K = K;
+          a.act = act.data();
+          a.act_stride = arb;
+          a.T = pr.T;
+          a.y = y.data();
+          a.ldy = pr.N;
+          a.n_valid = pr.N;
+          a.tmp = tmp_bytes > 0 ? tmp.data() : nullptr;
+          a.tmp_bytes = tmp_bytes;
+          a.q8k_u8 = use_u8;
+          (avx2 ? cpu::panel_kernel_avx2 : cpu::panel_kernel_avx512)(type, a);
+          expect_bits_equal(want, y,
+                            std::string(dtype_name(type)) + " " + isa_name(isa) +
+                                " scratch=" + std::to_string(tmp_bytes) + (use_u8 ? " q8k_u8" : ""));
+        }
     }
   }
 }

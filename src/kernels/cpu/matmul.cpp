@@ -82,8 +82,6 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   const bool fly = segs[0].packed == nullptr;
   LOOM_ASSERT(!fly || segs.size() == 1);
   const bool bf16_pairs = cpu::bf16_native(isa);
-  const cpu::ActKind kind = cpu::act_kind(type, bf16_pairs);
-  const size_t arb = cpu::act_row_bytes(kind, K);
   // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
   const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) &&
                        cpu::amx_available();
@@ -102,6 +100,9 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
       tmp_bytes = cpu::unpack_scratch_bytes(u);
   if (fly_bytes + tmp_bytes > 0)
     for (int i = 0; i < nt; ++i) scratch.get(1 + static_cast<size_t>(i), fly_bytes + tmp_bytes);
+  const bool q8k_u8 = isa == cpu::Isa::avx2 && cpu::avx2_q6k_u8_acts(type, K, worker_tokens, tmp_bytes);
+  const cpu::ActKind kind = q8k_u8 ? cpu::ActKind::q8k_u8 : cpu::act_kind(type, bf16_pairs);
+  const size_t arb = cpu::act_row_bytes(kind, K);
 
   const uint8_t* act = reinterpret_cast<const uint8_t*>(x);
   size_t astride = static_cast<size_t>(ldx) * sizeof(float);
@@ -149,6 +150,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     a.tmp = tmp_bytes > 0 ? wb + fly_bytes : nullptr;
     a.tmp_bytes = tmp_bytes;
     a.bf16_pairs = bf16_pairs;
+    a.q8k_u8 = q8k_u8;
     int64_t base = 0;  // global index of the segment's first panel
     for (const Segment& g : segs) {
       const int64_t gnp = (g.N + kPanelRows - 1) / kPanelRows;

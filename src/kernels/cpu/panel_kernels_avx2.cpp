@@ -7,6 +7,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "core/error.h"
 #include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/mxcsr.h"
 #include "kernels/cpu/nf4.h"
@@ -165,8 +166,9 @@ struct HalfScales {
 // operand-major (each operand loaded or unpacked once for the C tokens): runs of
 // kRun operands summed in int16 (the sums fit, see idot), then vpmaddwd by the
 // run's sub-block scales sc[o / 4] (scales_x2; ones for a plain sum) into the
-// int32 sums.
-template <int kRun, int C, class Operand>
+// int32 sums. kUnsignedActs: the act values are the unsigned operand of
+// vpmaddubsw and the weights the signed one (ActKind::q8k_u8).
+template <int kRun, int C, bool kUnsignedActs = false, class Operand>
 [[gnu::always_inline]] inline void group_dots(const Operand& operand, const int8_t* const (&xq)[C],
                                               const __m256i (&sc)[2], __m256i (&isc)[C]) {
   __m256i part[C]{};  // (each run sets its part first)
@@ -175,7 +177,8 @@ template <int kRun, int C, class Operand>
     const __m256i w = operand(o);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256i m = _mm256_maddubs_epi16(w, bcast32(xq[c] + 4 * o));
+      const __m256i xb = bcast32(xq[c] + 4 * o);
+      const __m256i m = kUnsignedActs ? _mm256_maddubs_epi16(xb, w) : _mm256_maddubs_epi16(w, xb);
       part[c] = o % kRun == 0 ? m : _mm256_add_epi16(part[c], m);
       keep_in_register(part[c]);
       if (o % kRun == kRun - 1) isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(part[c], sc[o / 4]));
@@ -356,6 +359,15 @@ inline void prefetch_group(const uint8_t* pb, int g, size_t header, size_t group
 // Unpacked panels (panel_kernels.h) have the AVX-512 kernels' layout: each
 // superblock's header as packed, then per group of 32 the 8 operands, 64 bytes
 // each (16 rows x 4 values), half h at byte 32h.
+template <class Unpacked>
+constexpr int operand_bias() {
+  if constexpr (requires { Unpacked::kOperandBias; })
+    return Unpacked::kOperandBias;
+  else
+    return 0;
+}
+
+// (An Unpacked with kOperandBias stores each operand byte less that bias.)
 template <class Packed, class Unpacked, size_t kHeader>
 void unpack_superblocks(const uint8_t* pan, int64_t K, uint8_t* out) {
   for (int64_t sb = 0; sb < K / 256; ++sb) {
@@ -366,6 +378,9 @@ void unpack_superblocks(const uint8_t* pan, int64_t K, uint8_t* out) {
       for (int h = 0; h < 2; ++h) {
         __m256i ops[8];
         Packed::unpack(src + kHeader + g * Packed::kGroup, h, ops);
+        if constexpr (operand_bias<Unpacked>() != 0)
+          for (int o = 0; o < 8; ++o)
+            ops[o] = _mm256_sub_epi8(ops[o], _mm256_set1_epi8(operand_bias<Unpacked>()));
         for (int o = 0; o < 8; ++o)
           _mm256_storeu_si256(
               reinterpret_cast<__m256i*>(dst + kHeader + g * kUnpackedGroup + 64 * o + 32 * h), ops[o]);
@@ -529,12 +544,45 @@ struct K16Impl {
                                    : kKind == DType::q6_k ? 384
                                    : kKind == DType::q3_k ? 192
                                                           : 128;
-  static constexpr size_t kPBB = kGroups + 8 * kGroup;
+  // Unpacked q6_k panels hold the signed values (-32..31) and read act rows
+  // offset by +128 (ActKind::q8k_u8; vpmaddubsw(x + 128, w), pair sums within
+  // 2 * 255 * 32, so runs of 2 still fit int16). What the offset adds, 128 x the
+  // sum over sub-blocks of scale x (sum of the sub-block's values), depends on
+  // the weights alone: each superblock keeps it per row (kWeightSums, 16 int32
+  // after the groups) and a token subtracts it once per superblock, where the
+  // unsigned values 0..63 needed a vpmaddwd per group and token for their -32.
+  // vpmaddubsw and vpmaddwd share one pipe on an AMD Zen 2: 12 of them per group
+  // and token instead of 13.
+  static constexpr bool kU8Acts = kUnpacked && kKind == DType::q6_k;
+  static constexpr int kOperandBias = kU8Acts ? 32 : 0;
+  static constexpr size_t kWeightSums = kGroups + 8 * kGroup;
+  static constexpr size_t kPBB = kWeightSums + (kU8Acts ? 64 : 0);
   static_assert(kUnpacked || kPBB == (kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600));
   using Unpacked = K16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
     unpack_superblocks<K16Impl<kKind, false>, K16Impl, kGroups>(pan, K, out);
+    if constexpr (kU8Acts)
+      for (int64_t sb = 0; sb < K / 256; ++sb) store_weight_sums(out + sb * kPBB);
+  }
+  // kWeightSums of an unpacked superblock, per 8-row half: 128 x sum over the 16
+  // sub-blocks of scale x the sum of its 16 signed values (|.| < 2^28).
+  static void store_weight_sums(uint8_t* pb) {
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int h = 0; h < 2; ++h) {
+      __m256i sums = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < 2; ++j) {  // sub-block 2g + j: operands 4j .. 4j + 3
+          __m256i v = _mm256_setzero_si256();
+          for (int o = 4 * j; o < 4 * j + 4; ++o)
+            v = _mm256_add_epi32(
+                v, madd1(_mm256_maddubs_epi16(ones, load256(pb + kGroups + g * kGroup + 64 * o + 32 * h))));
+          __m128i s;
+          std::memcpy(&s, pb + kScales + 32 * g + 16 * j + 8 * h, 8);
+          sums = _mm256_add_epi32(sums, _mm256_mullo_epi32(v, _mm256_cvtepi8_epi32(s)));
+        }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + kWeightSums + 32 * h), _mm256_slli_epi32(sums, 7));
+    }
   }
   static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
     if constexpr (kUnpacked) {
@@ -560,7 +608,7 @@ struct K16Impl {
   // scales: the same int32 sums.
   template <int P, int C>
   static void run_batch(const TileArgs& ta) {
-    constexpr int kRun = kBits == 6 ? 2 : 4;
+    constexpr int kRun = kBits == 6 ? 2 : 4;  // (q8k_u8: see kU8Acts)
     const int64_t nsb = ta.K / 256;
     for (int p = 0; p < P; ++p)
       for (int h = 0; h < 2; ++h) {
@@ -579,9 +627,9 @@ struct K16Impl {
             if constexpr (!kUnpacked) unpack(gp, h, ops);
             const int8_t* xq[C];
             for (int c = 0; c < C; ++c) xq[c] = x[c]->qs + 32 * g;
-            group_dots<kRun>([&](int o) { return kUnpacked ? load256(gp + 64 * o + 32 * h) : ops[o]; }, xq,
-                             sc, isc);
-            if constexpr (kOffsetShift >= 0) {
+            group_dots<kRun, C, kU8Acts>(
+                [&](int o) { return kUnpacked ? load256(gp + 64 * o + 32 * h) : ops[o]; }, xq, sc, isc);
+            if constexpr (kOffsetShift >= 0 && !kU8Acts) {
               __m128i s0, s1;
               std::memcpy(&s0, sp, 8);
               std::memcpy(&s1, sp + 16, 8);
@@ -593,6 +641,10 @@ struct K16Impl {
                     _mm256_slli_epi32(_mm256_madd_epi16(pair, bcast32(x[c]->s16 + 2 * g)), kOffsetShift));
             }
           }
+          if constexpr (kU8Acts) {
+            const __m256i ws = load256(pb + kWeightSums + 32 * h);
+            for (int c = 0; c < C; ++c) isc[c] = _mm256_sub_epi32(isc[c], ws);
+          }
           const HalfScales<kMinPairs> hs(pb, h, 320);
           for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d, x[c]->s16);
         }
@@ -602,7 +654,7 @@ struct K16Impl {
   }
   template <int P, int C>
   static void run(const TileArgs& ta) {
-    if constexpr (C > 1)
+    if constexpr (C > 1 || kU8Acts)  // (a batch's last tile may have one token)
       run_batch<P, C>(ta);
     else
       run_decode<P>(ta);
@@ -768,7 +820,22 @@ UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
   return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
 
+bool avx2_q6k_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
+  using U = K16Impl<DType::q6_k, true>;
+  return type == DType::q6_k && T > 1 && tmp_bytes >= U::panel_bytes(K) * U::kPB;
+}
+
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
+  if (type == DType::q6_k) {
+    // The unpacked kernel takes q8k_u8 rows (K16Impl::kU8Acts), the packed one q8k.
+    const bool unpacked = a.tmp != nullptr && avx2_q6k_u8_acts(type, a.K, a.T, a.tmp_bytes);
+    LOOM_ASSERT(!a.q8k_u8 || unpacked);  // (matmul decides as avx2_q6k_u8_acts)
+    if (a.q8k_u8 || !unpacked) return drive_tiles<K16Impl<DType::q6_k>>(a);
+    KernelArgs packed = a;
+    packed.tmp = nullptr;
+    packed.tmp_bytes = 0;
+    return drive_tiles<K16Impl<DType::q6_k>>(packed);
+  }
   if (type == DType::nf4) return nf4_panel_kernel_avx2(a);
   if (type == DType::i8_ch) return i8ch_panel_kernel_avx2(a);
   if (type == DType::bf16) {

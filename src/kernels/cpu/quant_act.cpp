@@ -206,6 +206,7 @@ size_t act_row_bytes(ActKind kind, int64_t K) {
     case ActKind::q8x32:
       return static_cast<size_t>(K / 32) * sizeof(ActQ8x32);
     case ActKind::q8k:
+    case ActKind::q8k_u8:
       return static_cast<size_t>(K / QK_K) * sizeof(ActQ8K);
     case ActKind::i8row:
       return i8ch_act_row_bytes(K);
@@ -238,7 +239,8 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
       }
       return;
     }
-    case ActKind::q8k: {
+    case ActKind::q8k:
+    case ActKind::q8k_u8: {
       auto* a = reinterpret_cast<ActQ8K*>(dst);
       for (int64_t b = 0; b < K / QK_K; ++b, x += QK_K, ++a) {
         int16_t bs[16];
@@ -249,6 +251,12 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
         }
         for (int g = 0; g < 8; ++g) a->s32[g] = static_cast<int16_t>(bs[2 * g] + bs[2 * g + 1]);
         a->pad[0] = a->pad[1] = a->pad[2] = 0;
+        if (kind == ActKind::q8k_u8)
+          for (int i = 0; i < QK_K; i += 32) {
+            auto* q = reinterpret_cast<__m256i*>(a->qs + i);
+            _mm256_storeu_si256(
+                q, _mm256_xor_si256(_mm256_loadu_si256(q), _mm256_set1_epi8(static_cast<char>(0x80))));
+          }
       }
       return;
     }
