@@ -356,9 +356,7 @@ inline void prefetch_group(const uint8_t* pb, int g, size_t header, size_t group
   for (size_t o = 0; o < group; o += 64) __builtin_prefetch(pb + header + g * group + kAhead + o, 0, 3);
 }
 
-// Unpacked panels (panel_kernels.h) have the AVX-512 kernels' layout: each
-// superblock's header as packed, then per group of 32 the 8 operands, 64 bytes
-// each (16 rows x 4 values), half h at byte 32h.
+// What an Unpacked subtracts from each operand byte (kOperandBias; 0 if none).
 template <class Unpacked>
 constexpr int operand_bias() {
   if constexpr (requires { Unpacked::kOperandBias; })
@@ -367,7 +365,9 @@ constexpr int operand_bias() {
     return 0;
 }
 
-// (An Unpacked with kOperandBias stores each operand byte less that bias.)
+// Unpacked panels (panel_kernels.h) have the AVX-512 kernels' layout: each
+// superblock's header as packed, then per group of 32 the 8 operands, 64 bytes
+// each (16 rows x 4 values), half h at byte 32h, less operand_bias<Unpacked>().
 template <class Packed, class Unpacked, size_t kHeader>
 void unpack_superblocks(const uint8_t* pan, int64_t K, uint8_t* out) {
   for (int64_t sb = 0; sb < K / 256; ++sb) {
