@@ -225,14 +225,14 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       };
       const cpu::ActKind plain_kind = cpu::act_kind(type, cpu::bf16_native(isa));
       const std::vector<uint8_t> plain = act_rows(plain_kind);
-      // AVX2 q6_k: the unpacked kernel reads q8k_u8 rows; with plain q8k rows
+      // AVX2 q6_k and q3_k: the unpacked kernel reads q8k_u8 rows; with plain q8k rows
       // (q8k_u8 unset) the packed kernel runs whatever the scratch.
-      const bool u8_case = avx2 && type == DType::q6_k;
+      const bool u8_case = avx2 && (type == DType::q6_k || type == DType::q3_k);
       const std::vector<uint8_t> u8 = u8_case ? act_rows(cpu::ActKind::q8k_u8) : std::vector<uint8_t>{};
       for (size_t tmp_bytes : {size_t{0}, group, 3 * panel})
         for (bool use_u8 : {false, true}) {
           if (use_u8 && !(u8_case && tmp_bytes > 0)) continue;
-          EXPECT_EQ(u8_case && tmp_bytes > 0, avx2 && cpu::avx2_q6k_u8_acts(type, K, pr.T, tmp_bytes));
+          EXPECT_EQ(u8_case && tmp_bytes > 0, avx2 && cpu::avx2_u8_acts(type, K, pr.T, tmp_bytes));
           const cpu::ActKind kind = use_u8 ? cpu::ActKind::q8k_u8 : plain_kind;
           const std::vector<uint8_t>& act = use_u8 ? u8 : plain;
           const size_t arb = cpu::act_row_bytes(kind, K);

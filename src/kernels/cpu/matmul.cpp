@@ -100,7 +100,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
       tmp_bytes = cpu::unpack_scratch_bytes(u);
   if (fly_bytes + tmp_bytes > 0)
     for (int i = 0; i < nt; ++i) scratch.get(1 + static_cast<size_t>(i), fly_bytes + tmp_bytes);
-  const bool q8k_u8 = isa == cpu::Isa::avx2 && cpu::avx2_q6k_u8_acts(type, K, worker_tokens, tmp_bytes);
+  const bool q8k_u8 = isa == cpu::Isa::avx2 && cpu::avx2_u8_acts(type, K, worker_tokens, tmp_bytes);
   const cpu::ActKind kind = q8k_u8 ? cpu::ActKind::q8k_u8 : cpu::act_kind(type, bf16_pairs);
   const size_t arb = cpu::act_row_bytes(kind, K);
 

@@ -109,7 +109,7 @@ static_assert(sizeof(ActQ8K) == 384);
 // vdpbf16ps operand: pair j = 32-bit word j) or bf16f32 (the rounded values as
 // floats, for the kernels that emulate vdpbf16ps with f32 FMAs).
 // q8k_u8: q8k with every qs byte offset by +128 (read as uint8), for the AVX2
-// q6_k batch kernel (vpmaddubsw takes the activations as its unsigned operand).
+// q6_k and q3_k batch kernels (vpmaddubsw takes the activations as its unsigned operand).
 enum class ActKind { q8x32, q8k, q8k_u8, i8row, bf16pairs, bf16f32, f32 };
 // `bf16_pairs`: whether the kernel that will read the rows multiplies bf16 pairs
 // natively (bf16_native(isa)); only bf16 weights care.
@@ -141,7 +141,7 @@ struct KernelArgs {
   void* tmp = nullptr;  // per-thread scratch (AMX: K*16 bytes; else a batch's unpacked panels)
   size_t tmp_bytes = 0;     // its size
   bool bf16_pairs = false;  // bf16 weights: act rows are ActKind::bf16pairs (else bf16f32)
-  bool q8k_u8 = false;      // act rows are ActKind::q8k_u8 (AVX2 q6_k batches: avx2_q6k_u8_acts)
+  bool q8k_u8 = false;      // act rows are ActKind::q8k_u8 (AVX2 q6_k/q3_k batches: avx2_u8_acts)
 };
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
@@ -163,8 +163,8 @@ UnpackedPanels unpacked_panels_avx2(DType type, int64_t K);
 UnpackedPanels unpacked_panels_avx512(DType type, int64_t K);
 // Whether the AVX2 kernel's batch of `type` with unpacked panels (tmp_bytes of
 // scratch for T > 1 tokens) reads ActKind::q8k_u8 act rows (then KernelArgs::q8k_u8):
-// q6_k's unpacked kernel does, and without them runs on the packed panels.
-bool avx2_q6k_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes);
+// the unpacked q6_k and q3_k kernels do, and without them run on the packed panels.
+bool avx2_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes);
 // Scratch for a group of unpacked panels: about kTileGroupBytes, at least a tile's.
 inline size_t unpack_scratch_bytes(const UnpackedPanels& u) {
   const size_t group = static_cast<size_t>(kTileGroupBytes) / u.panel_bytes * u.panel_bytes;

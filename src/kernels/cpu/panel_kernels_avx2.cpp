@@ -547,17 +547,18 @@ struct K16Impl {
                                    : kKind == DType::q6_k ? 384
                                    : kKind == DType::q3_k ? 192
                                                           : 128;
-  // Unpacked q6_k panels hold the signed values (-32..31) and read act rows
-  // offset by +128 (ActKind::q8k_u8; vpmaddubsw(x + 128, w), pair sums within
-  // 2 * 255 * 32, so runs of 2 still fit int16). What the offset adds, 128 x the
-  // sum over sub-blocks of scale x (sum of the sub-block's values), depends on
-  // the weights alone: each superblock keeps it per row (kWeightSums, 16 int32
-  // after the groups) and a token subtracts it once per superblock, where the
-  // unsigned values 0..63 needed a vpmaddwd per group and token for their -32.
-  // vpmaddubsw and vpmaddwd share one pipe on an AMD Zen 2: 12 of them per group
-  // and token instead of 13.
-  static constexpr bool kU8Acts = kUnpacked && kKind == DType::q6_k;
-  static constexpr int kOperandBias = kU8Acts ? 32 : 0;
+  // Unpacked q6_k and q3_k panels hold the signed values (-32..31, -4..3) and
+  // read act rows offset by +128 (ActKind::q8k_u8; vpmaddubsw(x + 128, w): pair
+  // sums within 2 * 255 * 32, so q6_k's runs of 2 still fit int16, q3_k's of 4).
+  // What the +128 adds, 128 x the sum over sub-blocks of scale x (sum of the
+  // sub-block's values), depends on the weights alone: each superblock keeps it
+  // per row (kWeightSums, 16 int32 after the groups) and a token subtracts it
+  // once per superblock, where the unsigned values (0..63, 0..7) needed a
+  // vpmaddwd per group and token for their offset (-32, -4). vpmaddubsw and
+  // vpmaddwd share one pipe on an AMD Zen 2: per group and token q6_k takes 12
+  // of them instead of 13, q3_k 10 instead of 11.
+  static constexpr bool kU8Acts = kUnpacked && (kKind == DType::q6_k || kKind == DType::q3_k);
+  static constexpr int kOperandBias = !kU8Acts ? 0 : kKind == DType::q6_k ? 32 : 4;
   static constexpr size_t kWeightSums = kGroups + 8 * kGroup;
   static constexpr size_t kPBB = kWeightSums + (kU8Acts ? 64 : 0);
   static_assert(kUnpacked || kPBB == (kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600));
@@ -817,6 +818,24 @@ using Q45KPacked = Q45KImpl<kT>;
 template <DType kKind>
 using K16Packed = K16Impl<kKind>;
 
+template <DType kT>
+bool u8_batch(int64_t K, int64_t T, size_t tmp_bytes) {
+  using U = K16Impl<kT, true>;
+  return T > 1 && tmp_bytes >= U::panel_bytes(K) * U::kPB;
+}
+
+// q6_k and q3_k: the unpacked kernel takes q8k_u8 rows (K16Impl::kU8Acts), the packed one q8k.
+template <DType kT>
+[[gnu::noinline]] void u8_family_kernel(const KernelArgs& a) {
+  const bool unpacked = a.tmp != nullptr && u8_batch<kT>(a.K, a.T, a.tmp_bytes);
+  LOOM_ASSERT(!a.q8k_u8 || unpacked);  // (matmul decides as avx2_u8_acts)
+  if (a.q8k_u8 || !unpacked) return drive_tiles<K16Impl<kT>>(a);
+  KernelArgs packed = a;
+  packed.tmp = nullptr;
+  packed.tmp_bytes = 0;
+  drive_tiles<K16Impl<kT>>(packed);
+}
+
 // Out of line: inlined into panel_kernel_avx2 beside the other families, the bf16
 // tile had GCC keep 6 of its 10 sums on the stack (Zen 2, T = 512: 89 -> 63-69
 // GFLOP/s; see Bf16EmuImpl).
@@ -831,22 +850,15 @@ UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
   return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
 
-bool avx2_q6k_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
-  using U = K16Impl<DType::q6_k, true>;
-  return type == DType::q6_k && T > 1 && tmp_bytes >= U::panel_bytes(K) * U::kPB;
+bool avx2_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
+  if (type == DType::q6_k) return u8_batch<DType::q6_k>(K, T, tmp_bytes);
+  if (type == DType::q3_k) return u8_batch<DType::q3_k>(K, T, tmp_bytes);
+  return false;
 }
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
-  if (type == DType::q6_k) {
-    // The unpacked kernel takes q8k_u8 rows (K16Impl::kU8Acts), the packed one q8k.
-    const bool unpacked = a.tmp != nullptr && avx2_q6k_u8_acts(type, a.K, a.T, a.tmp_bytes);
-    LOOM_ASSERT(!a.q8k_u8 || unpacked);  // (matmul decides as avx2_q6k_u8_acts)
-    if (a.q8k_u8 || !unpacked) return drive_tiles<K16Impl<DType::q6_k>>(a);
-    KernelArgs packed = a;
-    packed.tmp = nullptr;
-    packed.tmp_bytes = 0;
-    return drive_tiles<K16Impl<DType::q6_k>>(packed);
-  }
+  if (type == DType::q6_k) return u8_family_kernel<DType::q6_k>(a);
+  if (type == DType::q3_k) return u8_family_kernel<DType::q3_k>(a);
   if (type == DType::nf4) return nf4_panel_kernel_avx2(a);
   if (type == DType::i8_ch) return i8ch_panel_kernel_avx2(a);
   if (type == DType::bf16) return bf16_emu_kernel(a);
