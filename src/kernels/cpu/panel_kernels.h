@@ -168,13 +168,21 @@ void drive_unpacked(const KernelArgs& a, size_t panel_bytes) {
 // when T == 1), kPB and kCB (panels and tokens per tile when T > 1), and
 // optionally kTokensOuter and Unpacked (above). Each tile covers the whole K,
 // so the order of tiles changes no result.
+// Whether drive_tiles runs a batch of T tokens with tmp_bytes of scratch (tmp
+// given) on the unpacked panels.
+template <class Impl>
+bool runs_unpacked(int64_t K, int64_t T, size_t tmp_bytes) {
+  if constexpr (has_unpacked<Impl>())
+    return T > 1 && tmp_bytes >= Impl::Unpacked::panel_bytes(K) * Impl::Unpacked::kPB;
+  else
+    return false;
+}
+
 template <class Impl>
 void drive_tiles(const KernelArgs& a) {
-  if constexpr (has_unpacked<Impl>()) {
-    const size_t ub = Impl::Unpacked::panel_bytes(a.K);
-    if (a.T > 1 && a.tmp != nullptr && a.tmp_bytes >= ub * Impl::Unpacked::kPB)
-      return drive_unpacked<Impl>(a, ub);
-  }
+  if constexpr (has_unpacked<Impl>())
+    if (a.tmp != nullptr && runs_unpacked<Impl>(a.K, a.T, a.tmp_bytes))
+      return drive_unpacked<Impl>(a, Impl::Unpacked::panel_bytes(a.K));
   int64_t group = a.T == 1 ? Impl::kP1 : Impl::kPB;  // one tile's worth walks panels outermost
   if (tokens_outer<Impl>())
     group = std::max<int64_t>(group, kTileGroupBytes / static_cast<int64_t>(a.panel_stride) / group * group);

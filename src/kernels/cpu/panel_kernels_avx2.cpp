@@ -818,16 +818,10 @@ using Q45KPacked = Q45KImpl<kT>;
 template <DType kKind>
 using K16Packed = K16Impl<kKind>;
 
-template <DType kT>
-bool u8_batch(int64_t K, int64_t T, size_t tmp_bytes) {
-  using U = K16Impl<kT, true>;
-  return T > 1 && tmp_bytes >= U::panel_bytes(K) * U::kPB;
-}
-
 // q6_k and q3_k: the unpacked kernel takes q8k_u8 rows (K16Impl::kU8Acts), the packed one q8k.
 template <DType kT>
 [[gnu::noinline]] void u8_family_kernel(const KernelArgs& a) {
-  const bool unpacked = a.tmp != nullptr && u8_batch<kT>(a.K, a.T, a.tmp_bytes);
+  const bool unpacked = a.tmp != nullptr && runs_unpacked<K16Impl<kT>>(a.K, a.T, a.tmp_bytes);
   LOOM_ASSERT(!a.q8k_u8 || unpacked);  // (matmul decides as avx2_u8_acts)
   if (a.q8k_u8 || !unpacked) return drive_tiles<K16Impl<kT>>(a);
   KernelArgs packed = a;
@@ -851,8 +845,8 @@ UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
 }
 
 bool avx2_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
-  if (type == DType::q6_k) return u8_batch<DType::q6_k>(K, T, tmp_bytes);
-  if (type == DType::q3_k) return u8_batch<DType::q3_k>(K, T, tmp_bytes);
+  if (type == DType::q6_k) return runs_unpacked<K16Impl<DType::q6_k>>(K, T, tmp_bytes);
+  if (type == DType::q3_k) return runs_unpacked<K16Impl<DType::q3_k>>(K, T, tmp_bytes);
   return false;
 }
 
