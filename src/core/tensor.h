@@ -30,7 +30,13 @@ struct Tensor {
     return n;
   }
   int64_t cols() const { return ndim == 0 ? 1 : shape[static_cast<size_t>(ndim - 1)]; }
-  int64_t rows() const { return ndim == 0 ? 1 : numel() / cols(); }
+  // The product of the leading dims, not numel() / cols(): a zero-length last dim (legal in
+  // safetensors) still has rows.
+  int64_t rows() const {
+    int64_t n = 1;
+    for (int i = 0; i + 1 < ndim; ++i) n *= shape[static_cast<size_t>(i)];
+    return n;
+  }
   size_t row_bytes() const { return dtype_row_bytes(dtype, cols()); }
   size_t nbytes() const { return row_bytes() * static_cast<size_t>(rows()); }
 

@@ -31,7 +31,7 @@ const char* gguf_weight_name(LoraTarget t) {
 // sums its squares per column, in float and row order as llama-imatrix does.
 class SquareCollector final : public LayerAdapters {
  public:
-  SquareCollector(const ModelConfig& c, Imatrix& out) : c_(c), out_(out) {
+  SquareCollector(const ModelConfig& c, Imatrix& out) : out_(out) {
     slots_.resize(static_cast<size_t>(c.n_layers) * kLoraTargetCount);
     for (int64_t l = 0; l < c.n_layers; ++l)
       for (LoraTarget t : kAllLoraTargets) {
@@ -64,7 +64,6 @@ class SquareCollector final : public LayerAdapters {
   size_t slot(int64_t l, LoraTarget t) const {
     return static_cast<size_t>(l) * kLoraTargetCount + static_cast<size_t>(t);
   }
-  const ModelConfig& c_;
   Imatrix& out_;
   std::vector<Imatrix::Entry*> slots_;
 };

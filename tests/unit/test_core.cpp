@@ -9,6 +9,7 @@
 
 #include "core/dtype.h"
 #include "core/half.h"
+#include "core/tensor.h"
 #include "core/thread_pool.h"
 
 #include <immintrin.h>
@@ -42,6 +43,22 @@ TEST(DType, RowBytesAndNames) {
   EXPECT_EQ(dtype_row_bytes(DType::q6_k, 512), 2u * 210u);
   EXPECT_EQ(dtype_from_name("Q4_K"), DType::q4_k);
   EXPECT_FALSE(dtype_traits_of_id(16).has_value());  // IQ2_XXS: unsupported
+}
+
+// Zero-length dims are legal in safetensors files; a zero last dim once divided by zero
+// (found by fuzz_safetensors).
+TEST(Tensor, ZeroLengthDimsHaveRowsAndNoBytes) {
+  const Tensor empty_rows = make_tensor(nullptr, DType::f32, {3, 0});
+  EXPECT_EQ(empty_rows.rows(), 3);
+  EXPECT_EQ(empty_rows.cols(), 0);
+  EXPECT_EQ(empty_rows.nbytes(), 0u);
+  const Tensor no_rows = make_tensor(nullptr, DType::bf16, {0, 4});
+  EXPECT_EQ(no_rows.rows(), 0);
+  EXPECT_EQ(no_rows.nbytes(), 0u);
+  const Tensor cube = make_tensor(nullptr, DType::f16, {2, 3, 5});
+  EXPECT_EQ(cube.rows(), 6);
+  EXPECT_EQ(cube.nbytes(), 60u);
+  EXPECT_EQ(make_tensor(nullptr, DType::f32, {}).rows(), 1);
 }
 
 TEST(ThreadPool, ParallelForCoversRangeExactlyOnce) {
