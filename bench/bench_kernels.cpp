@@ -455,8 +455,10 @@ void register_prefill_attention() {
       auto* b = benchmark::RegisterBenchmark(n.c_str(), run_prefill_attention, s, int64_t{512}, threads);
       b->Unit(benchmark::kMillisecond);
       if (threads > 1) b->UseRealTime();
-      for (const auto& [ctx, cold] : {std::pair{int64_t{64}, false}, std::pair{int64_t{512}, false},
-                                      std::pair{int64_t{1024}, true}, std::pair{int64_t{4096}, true}}) {
+      for (const auto& [ctx, cold] :
+           {std::pair{int64_t{16}, false}, std::pair{int64_t{64}, false}, std::pair{int64_t{128}, false},
+            std::pair{int64_t{256}, true}, std::pair{int64_t{512}, false}, std::pair{int64_t{1024}, true},
+            std::pair{int64_t{4096}, true}}) {
         const std::string dn =
             fmt::format("DecodeAttention/{}/ctx{}{}/t{}", name, ctx, cold ? "_cold" : "", threads);
         auto* db = benchmark::RegisterBenchmark(dn.c_str(), run_decode_attention, s, ctx, threads, cold);

@@ -88,6 +88,11 @@ TransposedPrecision transposed_precision(BackwardPrecision p) {
 // Columns per unit of SwiGLU: each element's arithmetic (vector body or scalar
 // tail of swiglu) then depends on its column only, whatever the row count.
 constexpr int64_t kSwigluCols = 256;
+// Units a thread takes at least (8192 elements, a few microseconds): a decode
+// row's 1536 (SmolLM2) split over two threads took 2.3 us where one took 1.0
+// (`loom profile report`, Zen 2), the run's wake-up and wait costing more than
+// the half it saved.
+constexpr int64_t kSwigluMinUnits = 32;
 
 void free_aligned(void* p, size_t) { std::free(p); }
 void free_mapped(void* p, size_t bytes) { unmap_huge_pages(static_cast<uint8_t*>(p), bytes); }
@@ -240,12 +245,15 @@ class CpuBackend final : public Backend {
 
   void swiglu(float* h, const float* gate, const float* up, int64_t T, int64_t F) override {
     const int64_t nb = (F + kSwigluCols - 1) / kSwigluCols;
-    pool_.parallel_for(T * nb, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t t = i / nb, c0 = (i % nb) * kSwigluCols, n = std::min(kSwigluCols, F - c0);
-        loom::swiglu(h + t * F + c0, gate + t * F + c0, up + t * F + c0, n);
-      }
-    });
+    pool_.parallel_for(
+        T * nb,
+        [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) {
+            const int64_t t = i / nb, c0 = (i % nb) * kSwigluCols, n = std::min(kSwigluCols, F - c0);
+            loom::swiglu(h + t * F + c0, gate + t * F + c0, up + t * F + c0, n);
+          }
+        },
+        kSwigluMinUnits);
   }
 
   void add(float* out, const float* a, const float* b, int64_t n) override {
