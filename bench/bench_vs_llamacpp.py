@@ -242,6 +242,8 @@ def main():
     for e in results:
         at = f" @ d{a.depth}" if a.depth else ""
         for test, label in (("pp", f"pp{a.prompt}{at}"), ("tg", f"tg{a.gen}{at}")):
+            if (a.prompt if test == "pp" else a.gen) == 0:
+                continue  # a test that was not run (-p 0 or -n 0)
             lr = median_result(e["rounds"], "llama", test, a.stat)
             mr = median_result(e["rounds"], "loom", test, a.stat)
             ratios = round_ratios(e["rounds"], test, a.stat)
