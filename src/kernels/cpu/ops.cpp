@@ -457,11 +457,12 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   // heads then read its keys and values on one thread, the second and third from
   // cache, where dealing heads round-robin had every thread fetch every group.
   const int64_t units = T * s.n_heads;
+  const bool one_row = T == 1;
   pool.run([&](int ti, int tn) {
     std::vector<float> w(static_cast<size_t>(max_span) + 8);
-    const bool one_row = T == 1;
     const int64_t u0 = one_row ? units * ti / tn : ti, u1 = one_row ? units * (ti + 1) / tn : units;
-    for (int64_t u = u0; u < u1; u += one_row ? 1 : tn) {
+    const int64_t step = one_row ? 1 : tn;
+    for (int64_t u = u0; u < u1; u += step) {
       const int64_t t = u / s.n_heads, h = u % s.n_heads, g = h / group;
       const int64_t first = seq_start ? seq_start[t] : 0, n = pos[t] - first + 1;
       attend_row(q + (t * s.n_heads + h) * d, k + first * s.kv_stride + g * d, v + first * s.kv_stride + g * d,

@@ -164,10 +164,6 @@ void drive_unpacked(const KernelArgs& a, size_t panel_bytes) {
   }
 }
 
-// Impl provides run<P, C>(const TileArgs&), the tile sizes kP1 (panels per tile
-// when T == 1), kPB and kCB (panels and tokens per tile when T > 1), and
-// optionally kTokensOuter and Unpacked (above). Each tile covers the whole K,
-// so the order of tiles changes no result.
 // Whether drive_tiles runs a batch of T tokens with tmp_bytes of scratch (tmp
 // given) on the unpacked panels.
 template <class Impl>
@@ -178,6 +174,10 @@ bool runs_unpacked(int64_t K, int64_t T, size_t tmp_bytes) {
     return false;
 }
 
+// Impl provides run<P, C>(const TileArgs&), the tile sizes kP1 (panels per tile
+// when T == 1), kPB and kCB (panels and tokens per tile when T > 1), and
+// optionally kTokensOuter and Unpacked (above). Each tile covers the whole K,
+// so the order of tiles changes no result.
 template <class Impl>
 void drive_tiles(const KernelArgs& a) {
   if constexpr (has_unpacked<Impl>())
