@@ -244,6 +244,23 @@ TEST(ProfileReport, TextAndJsonCarryTheSameNumbers) {
   const auto no_peak = report_json(t, a, nullptr);
   EXPECT_TRUE(no_peak["peak"].is_null());
   EXPECT_TRUE(no_peak["matmuls"][0]["peak"].is_null());
+  EXPECT_EQ(text.find("above 115% of the peak"), std::string::npos) << text;
+}
+
+// A class well above its peak (a stale or slow peak, or cached weights) gets a
+// note that says so and how to measure again; at the peak, none.
+TEST(ProfileReport, ClassesAboveThePeakGetANote) {
+  const Trace t = hand_trace().trace();
+  const Analysis a = analyze(t);
+  PeakTable peak = test_peak();
+  const double decode_gbps = a.matmuls[2].gbps();
+  peak.gemm[1].gbps = decode_gbps / 1.2;  // the decode class at 120%
+  std::string text = format_report(t, a, &peak, 2);
+  EXPECT_NE(text.find("(1 above 115% of the peak"), std::string::npos) << text;
+  EXPECT_NE(text.find("--remeasure"), std::string::npos) << text;
+  peak.gemm[1].gbps = decode_gbps / 1.1;  // 110%: within what a noisy peak gives
+  text = format_report(t, a, &peak, 2);
+  EXPECT_EQ(text.find("above 115% of the peak"), std::string::npos) << text;
 }
 
 }  // namespace
