@@ -194,11 +194,11 @@ TEST(Ops, LongRowsOnKeysTransposedEqualThePlainLoopBitForBit) {
 
 // Decode rows over long contexts (keys and values of at least 512 KiB: the AVX2
 // path splits keys and value columns across the threads, kKeysSplitMinBytes in
-// kernels/cpu/ops.cpp): GQA groups of 3, 4 and 1, head dims 32, 64 and 128, key
-// counts that end off a block of 4, 2 and 3 threads, a packed sample starting
-// at key 301: the plain loop's bits.
+// kernels/cpu/ops.cpp): GQA groups of 3, 6 (the scores three heads at a time),
+// 4 and 1, head dims 32, 64 and 128, key counts that end off a block of 4, 2
+// and 3 threads, a packed sample starting at key 301: the plain loop's bits.
 TEST(Ops, LongDecodeRowsEqualThePlainLoopBitForBit) {
-  const std::pair<int64_t, int64_t> heads[] = {{9, 3}, {8, 2}, {4, 4}};
+  const std::pair<int64_t, int64_t> heads[] = {{9, 3}, {12, 2}, {8, 2}, {4, 4}};
   for (int64_t d : {64, 32, 128}) {
     for (const auto& [n_heads, kv_heads] : heads) {
       for (int64_t ctx : {int64_t{1703}, int64_t{1090}}) {
