@@ -95,31 +95,33 @@ inline void dot4(const float* q, const float* k, int64_t stride, int64_t d, floa
   for (int j = 0; j < 4; ++j) scores[j] = sums[j] * scale;
 }
 
-// dot4 for 3 heads of a GQA group at once (q: 3 consecutive heads' rows, d
-// apart; scores[r * ss + j]): each K line is loaded once for the 3 heads, where
-// three dot4 calls loaded it three times and the loop was bound by its loads
-// (10 loads per 8 FMAs; here 10 per 12). Keys two at a time (12 chains in
-// registers), each (head, key) the same chains and tree as dot4.
-inline void dot4_heads3(const float* q, const float* k, int64_t stride, int64_t d, float scale, float* scores,
-                        int64_t ss) {
-  __m256 v[3][4];
+// dot4 for R (2 or 3) heads of a GQA group at once (q: R consecutive heads'
+// rows, d apart; scores[r * ss + j]): each K line is loaded once for the R
+// heads, where R dot4 calls loaded it R times and the loop was bound by its
+// loads (10 loads per 8 FMAs; here 10 per 12 with R = 3, 8 per 8 with R = 2).
+// Keys two at a time (4 R chains in registers), each (head, key) the same
+// chains and tree as dot4.
+template <int R>
+inline void dot4_heads(const float* q, const float* k, int64_t stride, int64_t d, float scale, float* scores,
+                       int64_t ss) {
+  __m256 v[R][4];
   for (int j0 = 0; j0 < 4; j0 += 2) {
-    __m256 a0[3][2], a1[3][2];
-    for (int r = 0; r < 3; ++r)
+    __m256 a0[R][2], a1[R][2];
+    for (int r = 0; r < R; ++r)
       for (int j = 0; j < 2; ++j) a0[r][j] = a1[r][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 16)
       for (int j = 0; j < 2; ++j) {
         const __m256 k0 = _mm256_loadu_ps(k + (j0 + j) * stride + i);
         const __m256 k1 = _mm256_loadu_ps(k + (j0 + j) * stride + i + 8);
-        for (int r = 0; r < 3; ++r) {
+        for (int r = 0; r < R; ++r) {
           a0[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i), k0, a0[r][j]);
           a1[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i + 8), k1, a1[r][j]);
         }
       }
-    for (int r = 0; r < 3; ++r)
+    for (int r = 0; r < R; ++r)
       for (int j = 0; j < 2; ++j) v[r][j0 + j] = _mm256_add_ps(a0[r][j], a1[r][j]);
   }
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < R; ++r) {
     float sums[4];
     cpu::hsum4(v[r], sums);
     for (int j = 0; j < 4; ++j) scores[r * ss + j] = sums[j] * scale;
@@ -424,22 +426,26 @@ void decode_attention_keys_split(ThreadPool& pool, const AttentionShape& s, cons
     // between the dot products: in one burst per 4 rows (48 lines for SmolLM2)
     // they overflowed the core's miss buffers. AMD Zen 2, 2 threads:
     // DecodeAttention/smollm2/ctx4096_cold/t2 516-580 -> 407-487 us, and with
-    // dot4_heads3 as well 527-543 -> 396-432 (the previous binary alongside).
+    // dot4_heads<3> as well 527-543 -> 396-432 (the previous binary alongside).
     const size_t lines = 4 * static_cast<size_t>(stride) * sizeof(float) / 64;
     for (; p + 4 <= p1; p += 4) {
       const bool ahead_ok = p + kPrefetchRows + 4 <= n;
       const auto* ahead =
           ahead_ok ? reinterpret_cast<const char*>(k + (p + kPrefetchRows) * stride) : nullptr;
-      for (int64_t h = 0; h < H;) {
-        const int64_t h1 = group % 3 == 0 ? h + 3 : h + 1;  // a GQA group in threes, else head by head
+      // A GQA group's heads in threes (SmolLM2) or twos (Llama 3's groups of 4), else one by one.
+      const int64_t run = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+      for (int64_t h = 0; h < H; h += run) {
         if (ahead_ok)
-          for (size_t b = lines * h / H; b < lines * h1 / H; ++b) __builtin_prefetch(ahead + 64 * b, 0, 3);
-        if (h1 == h + 3)
-          dot4_heads3(q + h * d, k + p * stride + (h / group) * d, stride, d, scale, w.get() + h * ws + p,
-                      ws);
+          for (size_t b = lines * h / H; b < lines * (h + run) / H; ++b)
+            __builtin_prefetch(ahead + 64 * b, 0, 3);
+        const float* kp = k + p * stride + (h / group) * d;
+        float* sp = w.get() + h * ws + p;
+        if (run == 3)
+          dot4_heads<3>(q + h * d, kp, stride, d, scale, sp, ws);
+        else if (run == 2)
+          dot4_heads<2>(q + h * d, kp, stride, d, scale, sp, ws);
         else
-          dot4(q + h * d, k + p * stride + (h / group) * d, stride, d, scale, w.get() + h * ws + p);
-        h = h1;
+          dot4(q + h * d, kp, stride, d, scale, sp);
       }
     }
     for (; p < p1; ++p)
