@@ -428,12 +428,12 @@ void decode_attention_keys_split(ThreadPool& pool, const AttentionShape& s, cons
     // DecodeAttention/smollm2/ctx4096_cold/t2 516-580 -> 407-487 us, and with
     // dot4_heads<3> as well 527-543 -> 396-432 (the previous binary alongside).
     const size_t lines = 4 * static_cast<size_t>(stride) * sizeof(float) / 64;
+    // A GQA group's heads in threes (SmolLM2) or twos (Llama 3's groups of 4), else one by one.
+    const int64_t run = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
     for (; p + 4 <= p1; p += 4) {
       const bool ahead_ok = p + kPrefetchRows + 4 <= n;
       const auto* ahead =
           ahead_ok ? reinterpret_cast<const char*>(k + (p + kPrefetchRows) * stride) : nullptr;
-      // A GQA group's heads in threes (SmolLM2) or twos (Llama 3's groups of 4), else one by one.
-      const int64_t run = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
       for (int64_t h = 0; h < H; h += run) {
         if (ahead_ok)
           for (size_t b = lines * h / H; b < lines * (h + run) / H; ++b)
