@@ -192,10 +192,12 @@ TEST(Ops, LongRowsOnKeysTransposedEqualThePlainLoopBitForBit) {
   }
 }
 
-// Decode rows over long contexts (keys and values of at least 512 KiB: the AVX2
-// path splits keys and value columns across the threads, kKeysSplitMinBytes in
-// kernels/cpu/ops.cpp): GQA groups of 3, 6 (the scores three heads at a time),
-// 4 and 1, head dims 32, 64 and 128, key counts that end off a block of 4, 2
+// Decode rows over long contexts (keys and values of at least 512 KiB: both
+// ISAs split keys and value columns across the threads, kKeysSplitMinBytes in
+// kernels/cpu/ops.cpp; the AVX2 kernels under the unit_cpu_avx2 ctest entry):
+// GQA groups of 3, 6 (AVX2 scores three heads at a time, AVX-512 a pass of 4
+// then 2), 4 and 1, value columns split unevenly (head dim 32 on 3 threads
+// leaves one without), head dims 32, 64 and 128, key counts that end off a block of 4, 2
 // and 3 threads, a packed sample starting at key 301: the plain loop's bits.
 TEST(Ops, LongDecodeRowsEqualThePlainLoopBitForBit) {
   const std::pair<int64_t, int64_t> heads[] = {{9, 3}, {12, 2}, {8, 2}, {4, 4}};

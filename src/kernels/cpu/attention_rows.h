@@ -75,4 +75,21 @@ void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ld
                            int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
                            float* o);
 
+// A long decode row split across threads by keys and value columns (ops.cpp's
+// decode_attention_keys_split), in three passes, each lane's arithmetic that of
+// attend_rows_avx512 (so attend_row's bits).
+// 1. Scores of keys [p0, p1) for all n_heads heads (GQA groups of `group` heads
+//    sharing a KV head, K head g at k + g * d): w[h * ws + p], the groups' heads
+//    4 at a time on each 4 keys. Keys past p0 + 4 rows ahead are prefetched when
+//    below n (the whole row's key count).
+void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const float* k, int64_t stride,
+                          int64_t d, float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n);
+// 2. One head's scores to softmax weights divided by their sum, in place;
+//    w has room for n + 16 floats.
+void decode_softmax_avx512(float* w, int64_t n);
+// 3. o[r * d + c] = sum_j a[r * ws + j] v_j[c] for r < rows, c in [c0, c1)
+//    (multiples of 16), V rows prefetched ahead.
+void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const float* v, int64_t stride,
+                                 int64_t n, float* o, int64_t d, int64_t c0, int64_t c1);
+
 }  // namespace loom::cpu

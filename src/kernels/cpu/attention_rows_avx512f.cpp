@@ -18,6 +18,9 @@
 namespace loom::cpu {
 namespace {
 
+// K/V rows ahead that a long decode row prefetches (ops.cpp's kPrefetchRows).
+constexpr int64_t kPrefetchRows = 16;
+
 // lo + hi halves: the AVX2 loop's acc0 + acc1.
 inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
@@ -111,7 +114,7 @@ inline float softmax_weights(float* w, int64_t n) {
 
 // o[r][c0 .. c0 + 16 C) = sum_j a[r][j] v_j, one FMA chain per lane in j order;
 // a[r][j] = w[r][j] * inv[r], already in w (normalize).
-template <int R, int C>
+template <int R, int C, bool kPrefetch = false>
 inline void weighted_sum(const float* a, int64_t ws, const float* v, int64_t stride, int64_t n, float* o,
                          int64_t d, int64_t c0) {
   __m512 acc[R][C];
@@ -119,6 +122,9 @@ inline void weighted_sum(const float* a, int64_t ws, const float* v, int64_t str
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + j * stride + c0;
+    if constexpr (kPrefetch)
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(vj + kPrefetchRows * stride + 16 * c), _MM_HINT_T0);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
     for (int r = 0; r < R; ++r) {
@@ -259,6 +265,51 @@ void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ld
     visit_row_passes(rows, [&]<int R>(int r0) {
       attend_chunk_kt<R, M>(q + r0 * d, kt, ldk, vb, stride, n, scale, w, wstride, o + r0 * d);
     });
+  });
+}
+
+void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const float* k, int64_t stride,
+                          int64_t d, float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n) {
+  // The next 4 rows' lines are requested a share per pass between the products,
+  // not in one burst per 4 keys (which overflowed the miss buffers on AVX2).
+  const int64_t lines = 4 * stride * static_cast<int64_t>(sizeof(float)) / 64;
+  const int64_t passes = n_heads / group * ((group + 3) / 4);
+  int64_t p = p0;
+  for (; p + 4 <= p1; p += 4) {
+    const char* ahead = p + kPrefetchRows + 4 <= n
+                            ? reinterpret_cast<const char*>(k + (p + kPrefetchRows) * stride)
+                            : nullptr;
+    int64_t pass = 0;
+    for (int64_t g = 0; g < n_heads / group; ++g)
+      visit_row_passes(static_cast<int>(group), [&]<int R>(int r0) {
+        if (ahead)
+          for (int64_t b = lines * pass / passes; b < lines * (pass + 1) / passes; ++b)
+            _mm_prefetch(ahead + 64 * b, _MM_HINT_T0);
+        ++pass;
+        const int64_t h = g * group + r0;
+        scores4<R>(q + h * d, d, k + g * d, stride, scale, w + h * ws, ws, p);
+      });
+  }
+  for (; p < p1; ++p)
+    for (int64_t g = 0; g < n_heads / group; ++g)
+      visit_row_passes(static_cast<int>(group), [&]<int R>(int r0) {
+        const int64_t h = g * group + r0;
+        scores1<R>(q + h * d, d, k + g * d, stride, scale, w + h * ws, ws, p);
+      });
+}
+
+void decode_softmax_avx512(float* w, int64_t n) { normalize(w, n, softmax_weights(w, n)); }
+
+void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const float* v, int64_t stride,
+                                 int64_t n, float* o, int64_t d, int64_t c0, int64_t c1) {
+  visit_row_passes(rows, [&]<int R>(int r0) {
+    const float* ar = a + r0 * ws;
+    float* orow = o + r0 * d;
+    int64_t c = c0;
+    // Each V line is read once for the R rows; up to 4 x 4 sums and 4 V lines in 32 registers.
+    for (; c + 64 <= c1; c += 64) weighted_sum<R, 4, true>(ar, ws, v, stride, n, orow, d, c);
+    if (c + 32 <= c1) weighted_sum<R, 2, true>(ar, ws, v, stride, n, orow, d, c), c += 32;
+    if (c + 16 <= c1) weighted_sum<R, 1, true>(ar, ws, v, stride, n, orow, d, c);
   });
 }
 

@@ -403,6 +403,30 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
   }
 }
 
+// decode_attention_keys_split's three passes on the AVX-512 kernels
+// (attention_rows.h): the same split, zmm products with 32 registers for a
+// group's heads 4 at a time.
+void decode_keys_split_avx512(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k,
+                              const float* v, float* out, int64_t n, float* w, int64_t ws) {
+  const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  pool.run([&](int ti, int tn) {
+    const int64_t quads = n / 4;
+    const int64_t p0 = 4 * (quads * ti / tn), p1 = ti + 1 == tn ? n : 4 * (quads * (ti + 1) / tn);
+    cpu::decode_scores_avx512(q, H, group, k, s.kv_stride, d, scale, w, ws, p0, p1, n);
+  });
+  pool.run([&](int ti, int tn) {
+    for (int64_t h = ti; h < H; h += tn) cpu::decode_softmax_avx512(w + h * ws, n);
+  });
+  pool.run([&](int ti, int tn) {
+    const int64_t blocks = d / 16, c0 = 16 * (blocks * ti / tn), c1 = 16 * (blocks * (ti + 1) / tn);
+    if (c0 == c1) return;
+    for (int64_t g = 0; g < s.n_kv_heads; ++g)
+      cpu::decode_weighted_sums_avx512(w + g * group * ws, static_cast<int>(group), ws, v + g * d,
+                                       s.kv_stride, n, out + g * group * d, d, c0, c1);
+  });
+}
+
 // One decode row's attention over a long context, parallel over keys and value
 // columns instead of heads: each K and V row then comes from memory once for
 // all the heads that read it (a GQA group's heads share its rows), in long
@@ -412,12 +436,13 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
 // Three passes: the scores (keys split across the threads, every head on each
 // K row while it is in L1), each head's softmax, then the weighted sums (value
 // columns split across the threads). Both streams are prefetched kPrefetchRows ahead.
-void decode_attention_keys_split(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k,
-                                 const float* v, float* out, int64_t n) {
+void decode_attention_keys_split(ThreadPool& pool, bool avx512, const AttentionShape& s, const float* q,
+                                 const float* k, const float* v, float* out, int64_t n) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads, stride = s.kv_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const int64_t ws = n + 8;  // softmax_weights and the scaling below run in steps of 8
+  const int64_t ws = n + 16;  // the softmaxes run in steps of 8 (AVX2) or 16 (AVX-512) into the padding
   const auto w = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(H * ws));
+  if (avx512) return decode_keys_split_avx512(pool, s, q, k, v, out, n, w.get(), ws);
   pool.run([&](int ti, int tn) {
     const int64_t quads = n / 4;
     const int64_t p0 = 4 * (quads * ti / tn), p1 = ti + 1 == tn ? n : 4 * (quads * (ti + 1) / tn);
@@ -482,6 +507,15 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   const bool avx512 = default_attention_isa() == AttnIsa::avx512;
   if (T >= kKeysTransposedMinT && cpu::attend_rows_kt_supports(d))
     return attention_keys_transposed(pool, avx512, s, q, v, out, T, pos, seq_start, k, max_span);
+  // One decode row, both ISAs: its bits are attend_row's whichever path runs
+  // (attention_rows.h), so the choice is speed alone.
+  if (T == 1 && pool.size() > 1 && d % 16 == 0 &&
+      int64_t{max_span} * s.kv_stride * int64_t{2 * sizeof(float)} >= kKeysSplitMinBytes) {
+    const int64_t first = seq_start ? seq_start[0] : 0;
+    return decode_attention_keys_split(pool, avx512 && cpu::attend_rows_avx512_supports(d), s, q,
+                                       k + first * s.kv_stride, v + first * s.kv_stride, out,
+                                       pos[0] - first + 1);
+  }
   if (avx512 && cpu::attend_rows_avx512_supports(d)) {
     const int64_t rows = heads_per_unit(s, T, pool.size()), per_t = s.n_heads / rows;
     const int64_t wstride = max_span + 16;
@@ -496,12 +530,6 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
       }
     });
     return;
-  }
-  if (T == 1 && pool.size() > 1 && d % 16 == 0 &&
-      int64_t{max_span} * s.kv_stride * int64_t{2 * sizeof(float)} >= kKeysSplitMinBytes) {
-    const int64_t first = seq_start ? seq_start[0] : 0;
-    return decode_attention_keys_split(pool, s, q, k + first * s.kv_stride, v + first * s.kv_stride, out,
-                                       pos[0] - first + 1);
   }
   // A single row's heads go to the threads in contiguous ranges: a GQA group's
   // heads then read its keys and values on one thread, the second and third from
