@@ -405,7 +405,11 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
 
 // decode_attention_keys_split's three passes on the AVX-512 kernels
 // (attention_rows.h): the same split, zmm products with 32 registers for a
-// group's heads 4 at a time.
+// group's heads 4 at a time. Such rows had taken the group-per-unit path below,
+// each thread reading whole K/V heads: AMD Zen 4, 2 threads,
+// DecodeAttention/llama1b/ctx4096_cold/t2 1576-1588 -> 1034-1057 us, smollm2
+// 536-610 -> 337-342 (the previous binary alongside). A 256 KiB threshold
+// instead of 512 measured within the noise (SmolLM2 tg64 @ d192, d320).
 void decode_keys_split_avx512(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k,
                               const float* v, float* out, int64_t n, float* w, int64_t ws) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads;
