@@ -75,6 +75,9 @@ void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ld
                            int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
                            float* o);
 
+// K/V rows ahead that a long decode row's passes prefetch (both ISAs).
+constexpr int64_t kDecodePrefetchRows = 16;
+
 // A long decode row split across threads by keys and value columns (ops.cpp's
 // decode_attention_keys_split), in three passes, each lane's arithmetic that of
 // attend_rows_avx512 (so attend_row's bits).

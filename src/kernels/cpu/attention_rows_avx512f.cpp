@@ -18,9 +18,6 @@
 namespace loom::cpu {
 namespace {
 
-// K/V rows ahead that a long decode row prefetches (ops.cpp's kPrefetchRows).
-constexpr int64_t kPrefetchRows = 16;
-
 // lo + hi halves: the AVX2 loop's acc0 + acc1.
 inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
@@ -124,7 +121,7 @@ inline void weighted_sum(const float* a, int64_t ws, const float* v, int64_t str
     const float* vj = v + j * stride + c0;
     if constexpr (kPrefetch)
       for (int c = 0; c < C; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(vj + kPrefetchRows * stride + 16 * c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vj + kDecodePrefetchRows * stride + 16 * c), _MM_HINT_T0);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
     for (int r = 0; r < R; ++r) {
@@ -276,8 +273,8 @@ void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const 
   const int64_t passes = n_heads / group * ((group + 3) / 4);
   int64_t p = p0;
   for (; p + 4 <= p1; p += 4) {
-    const char* ahead = p + kPrefetchRows + 4 <= n
-                            ? reinterpret_cast<const char*>(k + (p + kPrefetchRows) * stride)
+    const char* ahead = p + kDecodePrefetchRows + 4 <= n
+                            ? reinterpret_cast<const char*>(k + (p + kDecodePrefetchRows) * stride)
                             : nullptr;
     int64_t pass = 0;
     for (int64_t g = 0; g < n_heads / group; ++g)

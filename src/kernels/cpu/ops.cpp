@@ -265,7 +265,7 @@ void scores_rows_kt8(const float* q, const float* kt, int64_t ldk, float scale, 
 }
 
 // K/V rows ahead that a long decode row prefetches (decode_attention_keys_split).
-constexpr int64_t kPrefetchRows = 16;
+constexpr int64_t kPrefetchRows = cpu::kDecodePrefetchRows;
 
 // o[r][c0 .. c0 + 8 C) = sum_j a[r][j] v_j, for R rows of a group: one FMA
 // chain per lane in j order, as weighted_sum and simd::axpy form them, with
