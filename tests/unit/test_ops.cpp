@@ -196,12 +196,13 @@ TEST(Ops, LongRowsOnKeysTransposedEqualThePlainLoopBitForBit) {
 // ISAs split keys and value columns across the threads, kKeysSplitMinBytes in
 // kernels/cpu/ops.cpp; the AVX2 kernels under the unit_cpu_avx2 ctest entry):
 // GQA groups of 3, 6 (AVX2 scores three heads at a time, AVX-512 a pass of 4
-// then 2), 4 and 1, value columns split unevenly (head dim 32 on 3 threads
-// leaves one without), head dims 32, 64 and 128, key counts that end off a block of 4, 2
-// and 3 threads, a packed sample starting at key 301: the plain loop's bits.
+// then 2), 4 and 1; head dims 32, 64, 128 and 96, so the value columns split
+// unevenly (32 on 3 threads leaves one without, 96 on 2 gives each 3 blocks of
+// 16); key counts that end off a block of 4, 2 and 3 threads, a packed sample
+// starting at key 301: the plain loop's bits.
 TEST(Ops, LongDecodeRowsEqualThePlainLoopBitForBit) {
   const std::pair<int64_t, int64_t> heads[] = {{9, 3}, {12, 2}, {8, 2}, {4, 4}};
-  for (int64_t d : {64, 32, 128}) {
+  for (int64_t d : {64, 32, 128, 96}) {
     for (const auto& [n_heads, kv_heads] : heads) {
       for (int64_t ctx : {int64_t{1703}, int64_t{1090}}) {
         for (bool packed : {false, true}) {
