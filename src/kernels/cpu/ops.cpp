@@ -403,32 +403,40 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
   }
 }
 
-// decode_attention_keys_split's three passes on the AVX-512 kernels
-// (attention_rows.h): the same split, zmm products with 32 registers for a
-// group's heads 4 at a time. Such rows had taken the group-per-unit path below,
-// each thread reading whole K/V heads: AMD Zen 4, 2 threads,
-// DecodeAttention/llama1b/ctx4096_cold/t2 1576-1588 -> 1034-1057 us, smollm2
-// 536-610 -> 337-342 (the previous binary alongside). A 256 KiB threshold
-// instead of 512 measured within the noise (SmolLM2 tg64 @ d192, d320).
-void decode_keys_split_avx512(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k,
-                              const float* v, float* out, int64_t n, float* w, int64_t ws) {
-  const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  pool.run([&](int ti, int tn) {
-    const int64_t quads = n / 4;
-    const int64_t p0 = 4 * (quads * ti / tn), p1 = ti + 1 == tn ? n : 4 * (quads * (ti + 1) / tn);
-    cpu::decode_scores_avx512(q, H, group, k, s.kv_stride, d, scale, w, ws, p0, p1, n);
-  });
-  pool.run([&](int ti, int tn) {
-    for (int64_t h = ti; h < H; h += tn) cpu::decode_softmax_avx512(w + h * ws, n);
-  });
-  pool.run([&](int ti, int tn) {
-    const int64_t blocks = d / 16, c0 = 16 * (blocks * ti / tn), c1 = 16 * (blocks * (ti + 1) / tn);
-    if (c0 == c1) return;
-    for (int64_t g = 0; g < s.n_kv_heads; ++g)
-      cpu::decode_weighted_sums_avx512(w + g * group * ws, static_cast<int>(group), ws, v + g * d,
-                                       s.kv_stride, n, out + g * group * d, d, c0, c1);
-  });
+// The AVX2 score pass of decode_attention_keys_split over keys [p0, p1): a GQA
+// group's heads in threes (SmolLM2) or twos (Llama 3's groups of 4), else one
+// by one, each K line loaded once for them. The 4 rows kPrefetchRows ahead are
+// prefetched a share per head (or three), between the dot products: in one
+// burst per 4 rows (48 lines for SmolLM2) they overflowed the core's miss
+// buffers. AMD Zen 2, 2 threads: DecodeAttention/smollm2/ctx4096_cold/t2
+// 516-580 -> 407-487 us, and with dot4_heads<3> as well 527-543 -> 396-432
+// (the previous binary alongside).
+void decode_scores_avx2(const AttentionShape& s, const float* q, const float* k, float scale, float* w,
+                        int64_t ws, int64_t p0, int64_t p1, int64_t n) {
+  const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads, stride = s.kv_stride;
+  const size_t lines = 4 * static_cast<size_t>(stride) * sizeof(float) / 64;
+  const int64_t run = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+  int64_t p = p0;
+  for (; p + 4 <= p1; p += 4) {
+    const bool ahead_ok = p + kPrefetchRows + 4 <= n;
+    const auto* ahead = ahead_ok ? reinterpret_cast<const char*>(k + (p + kPrefetchRows) * stride) : nullptr;
+    for (int64_t h = 0; h < H; h += run) {
+      if (ahead_ok)
+        for (size_t b = lines * h / H; b < lines * (h + run) / H; ++b)
+          __builtin_prefetch(ahead + 64 * b, 0, 3);
+      const float* kp = k + p * stride + (h / group) * d;
+      float* sp = w + h * ws + p;
+      if (run == 3)
+        dot4_heads<3>(q + h * d, kp, stride, d, scale, sp, ws);
+      else if (run == 2)
+        dot4_heads<2>(q + h * d, kp, stride, d, scale, sp, ws);
+      else
+        dot4(q + h * d, kp, stride, d, scale, sp);
+    }
+  }
+  for (; p < p1; ++p)
+    for (int64_t h = 0; h < H; ++h)
+      w[h * ws + p] = simd::dot(q + h * d, k + p * stride + (h / group) * d, d) * scale;
 }
 
 // One decode row's attention over a long context, parallel over keys and value
@@ -440,58 +448,46 @@ void decode_keys_split_avx512(ThreadPool& pool, const AttentionShape& s, const f
 // Three passes: the scores (keys split across the threads, every head on each
 // K row while it is in L1), each head's softmax, then the weighted sums (value
 // columns split across the threads). Both streams are prefetched kPrefetchRows ahead.
+// Each pass runs the AVX2 kernels or the AVX-512 ones (attention_rows.h: a
+// group's heads 4 at a time in 32 zmm registers, value columns 16 at a time).
+// On AVX-512 such rows had taken the group-per-unit path, each thread reading
+// whole K/V heads: AMD Zen 4, 2 threads, DecodeAttention/llama1b/ctx4096_cold/t2
+// 1576-1588 -> 1034-1057 us, smollm2 536-610 -> 337-342 (the previous binary
+// alongside); a 256 KiB threshold instead of 512 measured within the noise
+// there (SmolLM2 tg64 @ d192, d320).
 void decode_attention_keys_split(ThreadPool& pool, bool avx512, const AttentionShape& s, const float* q,
                                  const float* k, const float* v, float* out, int64_t n) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads, stride = s.kv_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t ws = n + 16;  // the softmaxes run in steps of 8 (AVX2) or 16 (AVX-512) into the padding
   const auto w = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(H * ws));
-  if (avx512) return decode_keys_split_avx512(pool, s, q, k, v, out, n, w.get(), ws);
   pool.run([&](int ti, int tn) {
     const int64_t quads = n / 4;
     const int64_t p0 = 4 * (quads * ti / tn), p1 = ti + 1 == tn ? n : 4 * (quads * (ti + 1) / tn);
-    int64_t p = p0;
-    // The 4 rows kPrefetchRows ahead are prefetched a share per head (or three),
-    // between the dot products: in one burst per 4 rows (48 lines for SmolLM2)
-    // they overflowed the core's miss buffers. AMD Zen 2, 2 threads:
-    // DecodeAttention/smollm2/ctx4096_cold/t2 516-580 -> 407-487 us, and with
-    // dot4_heads<3> as well 527-543 -> 396-432 (the previous binary alongside).
-    const size_t lines = 4 * static_cast<size_t>(stride) * sizeof(float) / 64;
-    // A GQA group's heads in threes (SmolLM2) or twos (Llama 3's groups of 4), else one by one.
-    const int64_t run = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
-    for (; p + 4 <= p1; p += 4) {
-      const bool ahead_ok = p + kPrefetchRows + 4 <= n;
-      const auto* ahead =
-          ahead_ok ? reinterpret_cast<const char*>(k + (p + kPrefetchRows) * stride) : nullptr;
-      for (int64_t h = 0; h < H; h += run) {
-        if (ahead_ok)
-          for (size_t b = lines * h / H; b < lines * (h + run) / H; ++b)
-            __builtin_prefetch(ahead + 64 * b, 0, 3);
-        const float* kp = k + p * stride + (h / group) * d;
-        float* sp = w.get() + h * ws + p;
-        if (run == 3)
-          dot4_heads<3>(q + h * d, kp, stride, d, scale, sp, ws);
-        else if (run == 2)
-          dot4_heads<2>(q + h * d, kp, stride, d, scale, sp, ws);
-        else
-          dot4(q + h * d, kp, stride, d, scale, sp);
+    if (avx512)
+      cpu::decode_scores_avx512(q, H, group, k, stride, d, scale, w.get(), ws, p0, p1, n);
+    else
+      decode_scores_avx2(s, q, k, scale, w.get(), ws, p0, p1, n);
+  });
+  pool.run([&](int ti, int tn) {
+    for (int64_t h = ti; h < H; h += tn)
+      avx512 ? cpu::decode_softmax_avx512(w.get() + h * ws, n) : softmax_in_place(w.get() + h * ws, n);
+  });
+  pool.run([&](int ti, int tn) {
+    const int64_t lanes = avx512 ? 16 : 8, blocks = d / lanes;
+    const int64_t c0 = lanes * (blocks * ti / tn), c1 = lanes * (blocks * (ti + 1) / tn);
+    if (c0 == c1) return;
+    for (int64_t g = 0; g < s.n_kv_heads; ++g) {
+      float* wg = w.get() + g * group * ws;
+      if (avx512) {
+        cpu::decode_weighted_sums_avx512(wg, static_cast<int>(group), ws, v + g * d, stride, n,
+                                         out + g * group * d, d, c0, c1);
+        continue;
       }
-    }
-    for (; p < p1; ++p)
-      for (int64_t h = 0; h < H; ++h)
-        w[static_cast<size_t>(h * ws + p)] =
-            simd::dot(q + h * d, k + p * stride + (h / group) * d, d) * scale;
-  });
-  pool.run([&](int ti, int tn) {
-    for (int64_t h = ti; h < H; h += tn) softmax_in_place(w.get() + h * ws, n);
-  });
-  pool.run([&](int ti, int tn) {
-    const int64_t blocks = d / 8, c0 = 8 * (blocks * ti / tn), c1 = 8 * (blocks * (ti + 1) / tn);
-    for (int64_t g = 0; g < s.n_kv_heads; ++g)
       cpu::visit_row_passes(static_cast<int>(group), [&]<int R>(int r0) {
-        const int64_t h = g * group + r0;
-        weighted_sums<R, true>(w.get() + h * ws, ws, v + g * d, stride, n, out + h * d, d, c0, c1);
+        weighted_sums<R, true>(wg + r0 * ws, ws, v + g * d, stride, n, out + (g * group + r0) * d, d, c0, c1);
       });
+    }
   });
 }
 
