@@ -415,17 +415,26 @@ void run_prefill_attention(benchmark::State& state, AttentionShape s, int64_t T,
 // ctx keys (the last of T rows above, alone), as a decoded token runs it.
 // cold: keys and values evicted before each call, as a decoded token finds a
 // layer's cache after the other layers' weights and caches streamed through.
-void run_decode_attention(benchmark::State& state, AttentionShape s, int64_t ctx, int threads, bool cold) {
+// dtype: the cache's elements, f32 or f16 (InferenceSession's default).
+void run_decode_attention(benchmark::State& state, AttentionShape s, int64_t ctx, int threads, bool cold,
+                          DType dtype) {
   std::mt19937 rng(kSeed);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> q(static_cast<size_t>(s.n_heads * s.head_dim)), out(q.size());
   for (auto& e : q) e = dist(rng);
   // In huge pages, as the model's KV cache is (CpuBackend::alloc).
   const size_t n = static_cast<size_t>(ctx * s.kv_stride);
-  HugePageBuffer kb(n * sizeof(float)), vb(n * sizeof(float));
-  float* k = reinterpret_cast<float*>(kb.data());
-  float* v = reinterpret_cast<float*>(vb.data());
-  for (size_t i = 0; i < n; ++i) k[i] = dist(rng), v[i] = dist(rng);
+  const bool f16 = dtype == DType::f16;
+  const size_t bytes = n * (f16 ? sizeof(uint16_t) : sizeof(float));
+  HugePageBuffer kb(bytes), vb(bytes);
+  for (size_t i = 0; i < n; ++i)
+    for (HugePageBuffer* b : {&kb, &vb}) {
+      if (f16)
+        reinterpret_cast<uint16_t*>(b->data())[i] = fp32_to_fp16(dist(rng));
+      else
+        reinterpret_cast<float*>(b->data())[i] = dist(rng);
+    }
+  const KvRows kv{kb.data(), vb.data(), dtype};
   const int32_t pos = static_cast<int32_t>(ctx - 1);
   ThreadPool pool(threads);
   // Evicted by reading (not writing) 96 MiB, as weights stream: no dirty lines
@@ -438,7 +447,7 @@ void run_decode_attention(benchmark::State& state, AttentionShape s, int64_t ctx
       for (size_t i = 0; i < flush.size(); i += 64) sum = static_cast<uint8_t>(sum + flush[i]);
       state.ResumeTiming();
     }
-    attention(pool, s, q.data(), k, v, out.data(), 1, &pos, nullptr);
+    attention(pool, s, q.data(), kv, out.data(), 1, &pos, nullptr);
     benchmark::DoNotOptimize(out.data());
   }
   benchmark::DoNotOptimize(sum);
@@ -459,11 +468,14 @@ void register_prefill_attention() {
            {std::pair{int64_t{16}, false}, std::pair{int64_t{64}, false}, std::pair{int64_t{128}, false},
             std::pair{int64_t{256}, true}, std::pair{int64_t{512}, false}, std::pair{int64_t{1024}, true},
             std::pair{int64_t{4096}, true}}) {
-        const std::string dn =
-            fmt::format("DecodeAttention/{}/ctx{}{}/t{}", name, ctx, cold ? "_cold" : "", threads);
-        auto* db = benchmark::RegisterBenchmark(dn.c_str(), run_decode_attention, s, ctx, threads, cold);
-        db->Unit(benchmark::kMicrosecond);
-        if (threads > 1) db->UseRealTime();
+        for (DType dtype : {DType::f32, DType::f16}) {
+          const std::string dn = fmt::format("DecodeAttention/{}/ctx{}{}/t{}{}", name, ctx,
+                                             cold ? "_cold" : "", threads, dtype == DType::f16 ? "/f16" : "");
+          auto* db =
+              benchmark::RegisterBenchmark(dn.c_str(), run_decode_attention, s, ctx, threads, cold, dtype);
+          db->Unit(benchmark::kMicrosecond);
+          if (threads > 1) db->UseRealTime();
+        }
       }
     }
 }

@@ -135,6 +135,15 @@ void add_ctx_flag(CLI::App& app, int64_t& ctx, const char* help) {
       ->capture_default_str();
 }
 
+void add_kv_cache_dtype_flag(CLI::App& app, DType& dtype) {
+  app.add_option_function<std::string>(
+         "--kv-cache-dtype",
+         [&dtype](const std::string& name) { dtype = name == "f32" ? DType::f32 : DType::f16; },
+         "KV cache elements: f16 or f32")
+      ->check(CLI::IsMember({"f16", "f32"}))
+      ->default_str("f16");
+}
+
 uint64_t resolve_seed(int64_t seed) {
   if (seed >= 0) return static_cast<uint64_t>(seed);
   return (static_cast<uint64_t>(std::random_device{}()) << 32) | std::random_device{}();

@@ -70,6 +70,9 @@ void add_spec_flags(CLI::App& app, NgramSpecParams& p, const char* k_help);
 void add_length_flags(CLI::App& app, int64_t& n_predict, int64_t& ctx, const char* n_help);
 // "-c,--ctx-size" (>= 0) with `help`.
 void add_ctx_flag(CLI::App& app, int64_t& ctx, const char* help);
+// "--kv-cache-dtype f16|f32": the element type of the KV cache (default f16,
+// as llama.cpp's --cache-type-k/-v; f32 keeps keys and values unrounded).
+void add_kv_cache_dtype_flag(CLI::App& app, DType& dtype);
 // -1 draws a random seed.
 uint64_t resolve_seed(int64_t seed);
 // Finishes generate's and chat's options from their flags: max_tokens, the seed

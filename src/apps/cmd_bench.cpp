@@ -46,6 +46,7 @@ int run_bench(int argc, char** argv) {
   int64_t n_prompt = 512, n_gen = 128, reps = 5, micro_batch = 512, depth = 0;
   int threads = 1;
   bool json = false, bandwidth = true;
+  DType kv_dtype = DType::f16;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
   app.add_option("-p,--n-prompt", n_prompt, "prompt tokens (0 = skip pp)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
   app.add_option("-n,--n-gen", n_gen, "generated tokens (0 = skip tg)")->check(CLI::Range(0, 1 << 20))->capture_default_str();
@@ -59,6 +60,7 @@ int run_bench(int argc, char** argv) {
   app.add_flag("--json", json, "print one JSON object instead of a table");
   app.add_flag("!--no-bandwidth", bandwidth,
                "skip measuring the memory read bandwidth (the decode floor reported with tg)");
+  add_kv_cache_dtype_flag(app, kv_dtype);
   add_threads_flag(app, threads);
   std::string device = "cpu";
   add_device_flag(app, device);
@@ -92,7 +94,7 @@ int run_bench(int argc, char** argv) {
   // shared machine it moves with the neighbours' load.
   const bool measure_bw = bandwidth && n_gen > 0;
   ReadBandwidth bw = measure_bw ? measure_read_bandwidth(pool) : ReadBandwidth{};
-  InferenceSession session(c, model->weights(), *backend, n_ctx, micro_batch);
+  InferenceSession session(c, model->weights(), *backend, n_ctx, kv_dtype, micro_batch);
   // The context every test starts from: prefilled once (not timed), kept by truncate.
   if (depth > 0) session.eval(random_tokens(depth));
   // One warm-up of each test (page in the weights, size the scratch buffers).
@@ -117,17 +119,19 @@ int run_bench(int argc, char** argv) {
   }
   if (!profile.empty()) {
     tracer.stop();
-    write_profile(
-        profile, tracer,
-        profile_metadata(
-            "bench", threads,
-            {{"model",
-              {{"path", model_path},
-               {"name", c.name},
-               {"layers", c.n_layers},
-               {"type", model_weight_type(*model)}}},
-             {"bench",
-              {{"n_prompt", n_prompt}, {"n_gen", n_gen}, {"n_depth", depth}, {"repetitions", reps}}}}));
+    write_profile(profile, tracer,
+                  profile_metadata("bench", threads,
+                                   {{"model",
+                                     {{"path", model_path},
+                                      {"name", c.name},
+                                      {"layers", c.n_layers},
+                                      {"type", model_weight_type(*model)}}},
+                                    {"bench",
+                                     {{"n_prompt", n_prompt},
+                                      {"n_gen", n_gen},
+                                      {"n_depth", depth},
+                                      {"kv_cache_dtype", dtype_name(kv_dtype)},
+                                      {"repetitions", reps}}}}));
   }
   const Stat spp = pp.empty() ? Stat{} : stats(pp), stg = tg.empty() ? Stat{} : stats(tg);
   // The decode floor: every weight matrix is read once per generated token (an
@@ -145,15 +149,15 @@ int run_bench(int argc, char** argv) {
   if (json) {
     std::printf(
         "{\"model\": \"%s\", \"threads\": %d, \"n_prompt\": %lld, \"n_gen\": %lld, \"n_depth\": %lld, "
-        "\"repetitions\": %lld, "
+        "\"kv_cache_dtype\": \"%s\", \"repetitions\": %lld, "
         "\"pp_tokens_per_s\": %.3f, \"pp_stddev\": %.3f, \"tg_tokens_per_s\": %.3f, \"tg_stddev\": %.3f, "
         "\"weight_bytes_per_token\": %.0f, \"read_gbps\": %.3f, \"tg_floor_fraction\": %.4f, "
         "\"read_gbps_median\": %.3f, \"tg_floor_fraction_median\": %.4f, "
         "\"pp_samples_tokens_per_s\": %s, \"tg_samples_tokens_per_s\": %s}\n",
         model_path.c_str(), threads, static_cast<long long>(n_prompt), static_cast<long long>(n_gen),
-        static_cast<long long>(depth), static_cast<long long>(reps), spp.mean, spp.stddev, stg.mean,
-        stg.stddev, token_bytes, read_gbps, floor_fraction, bw.median_gbps, median_fraction,
-        json_list(pp).c_str(), json_list(tg).c_str());
+        static_cast<long long>(depth), dtype_name(kv_dtype), static_cast<long long>(reps), spp.mean,
+        spp.stddev, stg.mean, stg.stddev, token_bytes, read_gbps, floor_fraction, bw.median_gbps,
+        median_fraction, json_list(pp).c_str(), json_list(tg).c_str());
   } else {
     const std::string at_depth = depth > 0 ? " @ d" + std::to_string(depth) : "";  // llama-bench's label
     std::printf("| model | threads | test | t/s |\n|---|---|---|---|\n");

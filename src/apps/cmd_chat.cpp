@@ -19,6 +19,7 @@ int run_chat(int argc, char** argv) {
   std::string system_prompt, template_name, one_prompt;
   int64_t n_predict = 512, ctx = 0, seed = -1;
   GenerateOptions opts;
+  DType kv_dtype = DType::f16;
   ModelFlags model_flags;
   add_model_flags(app, model_flags);
   app.add_option("--system", system_prompt, "system message for the conversation");
@@ -27,6 +28,7 @@ int run_chat(int argc, char** argv) {
   app.add_option("-p,--prompt", one_prompt, "ask one question, print the answer and exit");
   add_length_flags(app, n_predict, ctx, "most tokens per answer; -1 = until end of turn");
   add_sampling_flags(app, opts.sampling, seed);
+  add_kv_cache_dtype_flag(app, kv_dtype);
   add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
@@ -42,7 +44,7 @@ int run_chat(int argc, char** argv) {
          "--chat-template chatml|llama3|llama2|mistral", model_flags.model_path);
   const ChatTemplate& tmpl = *found;
   const int64_t n_ctx = resolve_context(model->config(), ctx);
-  InferenceSession session(model->config(), model->weights(), *loaded.backend, n_ctx);
+  InferenceSession session(model->config(), model->weights(), *loaded.backend, n_ctx, kv_dtype);
 
   std::vector<ChatMessage> messages;
   if (!system_prompt.empty()) messages.push_back({"system", system_prompt});

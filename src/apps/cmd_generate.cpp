@@ -21,6 +21,7 @@ int run_generate(int argc, char** argv) {
   int64_t n_predict = 128, ctx = 0, seed = -1;
   bool no_special = false;
   GenerateOptions opts;
+  DType kv_dtype = DType::f16;
   ModelFlags model_flags;
   add_model_flags(app, model_flags);
   auto* p_opt = app.add_option("-p,--prompt", prompt, "the prompt text");
@@ -32,6 +33,7 @@ int run_generate(int argc, char** argv) {
   add_sampling_flags(app, opts.sampling, seed);
   add_spec_flags(app, opts.spec,
                  "prompt-lookup speculative decoding: up to K drafted tokens per step (0: off)");
+  add_kv_cache_dtype_flag(app, kv_dtype);
   add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
@@ -49,7 +51,7 @@ int run_generate(int argc, char** argv) {
   if (static_cast<int64_t>(ids.size()) >= n_ctx)
     fail(ErrorKind::invalid_input, "the prompt is {} tokens, longer than the context size {} (see --ctx-size)",
          ids.size(), n_ctx);
-  InferenceSession session(model->config(), model->weights(), *loaded.backend, n_ctx);
+  InferenceSession session(model->config(), model->weights(), *loaded.backend, n_ctx, kv_dtype);
   const auto r = generate(session, tok, ids, opts, [](const std::string& text) {
     std::fwrite(text.data(), 1, text.size(), stdout);
     std::fflush(stdout);

@@ -22,8 +22,10 @@ int run_info(int argc, char** argv) {
   CLI::App app("Show a model's architecture, parameters, tensor types and memory.", "info");
   std::string model_path;
   int64_t ctx = 0;
+  DType kv_dtype = DType::f16;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
   add_ctx_flag(app, ctx, "context size used for the KV-cache estimate (0 = model's)");
+  add_kv_cache_dtype_flag(app, kv_dtype);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
@@ -39,7 +41,8 @@ int run_info(int argc, char** argv) {
   if (c.max_context > 0 && ctx > c.max_context)
     fail(ErrorKind::invalid_input, "--ctx-size {} exceeds the model's context length {}", ctx, c.max_context);
   const int64_t n_ctx = ctx > 0 ? ctx : c.max_context;
-  const double kv_per_token = 2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * sizeof(float);
+  const double kv_per_token =
+      2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * (kv_dtype == DType::f16 ? 2 : 4);
   std::printf("model:           %s\n", model_path.c_str());
   std::printf("format:          %s\n", model->is_gguf() ? "GGUF" : "Hugging Face folder");
   if (!c.name.empty()) std::printf("name:            %s\n", c.name.c_str());
@@ -79,7 +82,7 @@ int run_info(int argc, char** argv) {
                 static_cast<double>(e.second) / (1 << 20));
   std::printf("memory:\n");
   std::printf("  weights        %9.2f MiB\n", static_cast<double>(model->weight_bytes()) / (1 << 20));
-  std::printf("  KV cache (f32) %9.2f MiB for %lld tokens (%.1f KiB per token)\n",
+  std::printf("  KV cache (%s) %9.2f MiB for %lld tokens (%.1f KiB per token)\n", dtype_name(kv_dtype),
               kv_per_token * static_cast<double>(n_ctx) / (1 << 20), static_cast<long long>(n_ctx),
               kv_per_token / 1024);
   return 0;

@@ -101,6 +101,7 @@ int run_perplexity(int argc, char** argv) {
   std::string text_file, base_file, json_file;
   int64_t n_ctx = 512, chunks = -1;
   bool kl = false;
+  DType kv_dtype = DType::f16;
   add_model_flags(app, model_flags);
   app.add_option("-f,--file", text_file, "the text to score (plain text, UTF-8)");
   app.add_option("-c,--ctx-size", n_ctx, "tokens per chunk; the second half of each is scored")
@@ -114,6 +115,7 @@ int run_perplexity(int argc, char** argv) {
                  "read the base model's log-probs from here");
   app.add_flag("--kl-divergence", kl, "compare with --kl-divergence-base (tokens come from that file; -f unused)");
   app.add_option("--json", json_file, "also write the results as JSON to this file");
+  add_kv_cache_dtype_flag(app, kv_dtype);
   add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
@@ -134,7 +136,7 @@ int run_perplexity(int argc, char** argv) {
   opt.n_ctx = chunk_len;
   opt.max_chunks = chunks;
   opt.bos = tok.add_bos() ? tok.bos() : -1;
-  InferenceSession session(model.config(), model.weights(), *loaded.backend, chunk_len);
+  InferenceSession session(model.config(), model.weights(), *loaded.backend, chunk_len, kv_dtype);
 
   PerplexityResult r;
   KlStatistics k;

@@ -75,7 +75,7 @@ int run_serve(int argc, char** argv) {
   ServeOptions so;
   HttpServerOptions ho;
   std::vector<std::string> adapter_specs;
-  std::string api_key_file, kv_memory, kv_dtype = "f16", log_path;
+  std::string api_key_file, kv_memory, log_path;
   int grace_s = 30;
   app.add_option("-m,--model", so.model_path, "GGUF file or Hugging Face model folder")->required();
   app.add_option("--served-model-name", so.model_name, "the model id clients use (default: the file name)");
@@ -96,7 +96,7 @@ int run_serve(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--kv-cache-memory", kv_memory, "bytes for the paged KV cache, e.g. 2G (default: max-seqs full "
                  "contexts, at most 2G)");
-  app.add_option("--kv-cache-dtype", kv_dtype, "f16 or f32")->capture_default_str()->check(CLI::IsMember({"f16", "f32"}));
+  add_kv_cache_dtype_flag(app, so.kv_dtype);
   app.add_option(
          "--lora-bits", so.lora_bits,
          "adapter storage: 16 (bf16, the default, as vLLM serves LoRA in the model's 16-bit dtype: half "
@@ -183,7 +183,6 @@ int run_serve(int argc, char** argv) {
     ho.api_key = read_api_key_file(api_key_file, "--api-key-file");
   }
   if (!kv_memory.empty()) so.kv_cache_memory = parse_bytes(kv_memory);
-  so.kv_dtype = kv_dtype == "f32" ? DType::f32 : DType::f16;
   so.device = *parse_device(device);  // checked by add_device_flag
   std::FILE* log = stderr;
   if (!log_path.empty()) {

@@ -293,8 +293,10 @@ class Backend {
   // ---- attention
   // Causal GQA over a contiguous K/V store (row p = position p); query t at
   // pos[t] attends to [seq_start[t] or 0, pos[t]].
-  virtual void attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out,
-                         int64_t T, const int32_t* pos, const int32_t* seq_start) = 0;
+  virtual void attention(const AttentionShape& s, const float* q, const KvRows& kv, float* out, int64_t T,
+                         const int32_t* pos, const int32_t* seq_start) = 0;
+  // dst [n] = src rounded to IEEE half (nearest even): rows into an f16 KV store.
+  virtual void to_f16(uint16_t* dst, const float* src, int64_t n) = 0;
   // The same over a paged store, each row through its sequence's block table.
   virtual void paged_attention(const AttentionShape& s, const PagedKvView& kv, const float* q, float* out,
                                int64_t T, const int32_t* pos, const int32_t* const* tables) = 0;

@@ -123,12 +123,15 @@ class ProfilingBackend final : public Backend {
   void from_bf16(float* dst, const uint16_t* src, int64_t n) override {
     run("from_bf16", elements(n, 1.5), [&] { in_->from_bf16(dst, src, n); });
   }
+  void to_f16(uint16_t* dst, const float* src, int64_t n) override {
+    run("to_f16", elements(n, 1.5), [&] { in_->to_f16(dst, src, n); });
+  }
 
-  void attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out, int64_t T,
+  void attention(const AttentionShape& s, const float* q, const KvRows& kv, float* out, int64_t T,
                  const int32_t* pos, const int32_t* seq_start) override {
     double ctx = 0;
     for (int64_t t = 0; t < T; ++t) ctx += pos[t] + 1 - (seq_start ? seq_start[t] : 0);
-    run("attention", attention_info(s, T, ctx, 4), [&] { in_->attention(s, q, k, v, out, T, pos, seq_start); });
+    run("attention", attention_info(s, T, ctx, 4), [&] { in_->attention(s, q, kv, out, T, pos, seq_start); });
   }
   void paged_attention(const AttentionShape& s, const PagedKvView& kv, const float* q, float* out, int64_t T,
                        const int32_t* pos, const int32_t* const* tables) override {

@@ -25,6 +25,16 @@ struct AttentionShape {
   int64_t kv_stride = 0;
 };
 
+// A contiguous K/V store (Backend::attention): the key and value of position p
+// at row p, AttentionShape::kv_stride elements apart, as f32 or IEEE half (f16
+// elements are widened exactly, so the arithmetic is the f32 store's on the
+// widened values).
+struct KvRows {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType dtype = DType::f32;
+};
+
 // The cross-entropy of a batch (Backend::cross_entropy).
 struct LossResult {
   double loss_sum = 0;  // sum over unmasked rows of -log softmax(logits)[label]

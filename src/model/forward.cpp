@@ -9,22 +9,36 @@ namespace loom {
 
 namespace {
 
-// K/V rows go straight into the contiguous cache at positions [n_past, n_past + T);
-// attention reads the cache up to each row's position.
+// K/V rows of positions [n_past, n_past + T) go into the contiguous cache: an
+// f32 cache takes them straight from the projections, an f16 one from the
+// step's rows (kv_rows), rounded once they are final (after RoPE). Attention
+// then reads the cache up to each row's position, its own row included.
 class CacheAttention final : public AttentionStep {
  public:
-  CacheAttention(const Decoder& dec, KvCache& cache, int64_t n_past, int64_t T, const int32_t* pos)
-      : dec_(dec), cache_(cache), n_past_(n_past), T_(T), pos_(pos) {}
-  float* keys(int64_t layer) override { return cache_.keys(layer) + n_past_ * cache_.row_stride(); }
-  float* values(int64_t layer) override { return cache_.values(layer) + n_past_ * cache_.row_stride(); }
-  void attend(int64_t layer, const float* q, const float*, const float*, float* att) override {
-    dec_.backend().attention(dec_.attention_shape(), q, cache_.keys(layer), cache_.values(layer), att, T_, pos_,
-                             nullptr);
+  CacheAttention(const Decoder& dec, KvCache& cache, const StepActivations& acts, int64_t n_past, int64_t T,
+                 const int32_t* pos)
+      : dec_(dec), cache_(cache), acts_(acts), n_past_(n_past), T_(T), pos_(pos) {}
+  float* keys(int64_t layer) override { return direct() ? f32_at(cache_.keys_at(layer, n_past_)) : acts_.k; }
+  float* values(int64_t layer) override {
+    return direct() ? f32_at(cache_.values_at(layer, n_past_)) : acts_.v;
+  }
+  void attend(int64_t layer, const float* q, const float* k, const float* v, float* att) override {
+    Backend& be = dec_.backend();
+    if (!direct()) {
+      const int64_t n = T_ * dec_.attention_shape().kv_stride;
+      be.to_f16(static_cast<uint16_t*>(cache_.keys_at(layer, n_past_)), k, n);
+      be.to_f16(static_cast<uint16_t*>(cache_.values_at(layer, n_past_)), v, n);
+    }
+    be.attention(dec_.attention_shape(), q, cache_.rows(layer), att, T_, pos_, nullptr);
   }
 
  private:
+  bool direct() const { return cache_.dtype() == DType::f32; }
+  static float* f32_at(void* p) { return static_cast<float*>(p); }
+
   const Decoder& dec_;
   KvCache& cache_;
+  const StepActivations& acts_;
   int64_t n_past_, T_;
   const int32_t* pos_;
 };
@@ -32,14 +46,14 @@ class CacheAttention final : public AttentionStep {
 }  // namespace
 
 InferenceSession::InferenceSession(const ModelConfig& config, const ModelWeights& weights, Backend& backend,
-                                   int64_t n_ctx, int64_t micro_batch)
+                                   int64_t n_ctx, DType kv_dtype, int64_t micro_batch)
     : c_(config),
       dec_(config, weights, backend),
-      cache_(config, n_ctx, backend),
+      cache_(config, n_ctx, kv_dtype, backend),
       ws_(backend.make_workspace()),
       tracer_(backend.tracer()),
       micro_batch_(micro_batch),
-      acts_(config, backend, micro_batch, /*kv_rows=*/false) {
+      acts_(config, backend, micro_batch, /*kv_rows=*/kv_dtype != DType::f32) {
   LOOM_ASSERT(n_ctx > 0 && micro_batch > 0);
   pos_.resize(static_cast<size_t>(micro_batch));
 }
@@ -74,7 +88,7 @@ void InferenceSession::forward_batch(const int32_t* tokens, int64_t T, bool all_
   dec_.embed(tokens, T, acts_.x);
   dec_.rope_table(pos_.data(), T, acts_.rope_cs);
   const LayerBuffers b = acts_.layer();
-  CacheAttention attn(dec_, cache_, n_past_, T, pos_.data());
+  CacheAttention attn(dec_, cache_, acts_, n_past_, T, pos_.data());
   for (int64_t l = 0; l < c_.n_layers; ++l) {
     if (hook_ != nullptr) hook_->residual(l, acts_.x, T);
     dec_.layer(*ws_, l, T, b, acts_.rope_cs, attn, hook_);

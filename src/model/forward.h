@@ -18,9 +18,10 @@ namespace loom {
 class InferenceSession {
  public:
   // n_ctx: positions this session can hold (<= the model's context length).
-  // `weights` must be prepared for `backend`.
+  // `weights` must be prepared for `backend`. kv_dtype: the cache's element
+  // type, f16 (as llama.cpp's and loom's server cache) or f32.
   InferenceSession(const ModelConfig& config, const ModelWeights& weights, Backend& backend, int64_t n_ctx,
-                   int64_t micro_batch = 256);
+                   DType kv_dtype = DType::f16, int64_t micro_batch = 256);
 
   // Appends `tokens` at positions [n_past, n_past + size) and returns the
   // logits of the last one ([vocab]). With all_logits, logits() holds
@@ -34,6 +35,7 @@ class InferenceSession {
   // Forgets positions >= n (n <= n_past), e.g. to restart a conversation.
   void truncate(int64_t n);
   size_t kv_bytes() const { return cache_.bytes(); }
+  DType kv_dtype() const { return cache_.dtype(); }
   // Adapters every layer calls after its projections (null: none, the default).
   // Calibration (quant/: importance matrices, activation statistics) observes
   // the inputs of every linear layer through it.

@@ -85,6 +85,11 @@ expect "bench zero reps" 2 "--repetitions" -- "$loom" bench -m "$tiny" -r 0
 expect "bench depth beyond model" 1 "-d 250 plus max\(-p 4, -n 8\) is 258 positions, past the model's context length 256" -- \
   "$loom" bench -m "$tiny" -p 4 -n 8 -d 250 -r 1
 expect "bench at depth" 0 "tg8 @ d200" -- "$loom" bench -m "$tiny" -p 4 -n 8 -d 200 -r 1 --no-bandwidth
+expect "bench kv f32" 0 '"kv_cache_dtype": "f32"' -- "$loom" bench -m "$tiny" -p 4 -n 4 -r 1 --no-bandwidth --json --kv-cache-dtype f32
+expect "bench kv default f16" 0 '"kv_cache_dtype": "f16"' -- "$loom" bench -m "$tiny" -p 4 -n 4 -r 1 --no-bandwidth --json
+expect "generate bad kv dtype" 2 "--kv-cache-dtype: q8_0 not in \\{f16,f32\\}" -- "$loom" generate -m "$tiny" -p hi --kv-cache-dtype q8_0
+expect "info kv f32" 0 "KV cache \\(f32\\) +0.12 MiB" -- "$loom" info -m "$tiny" --kv-cache-dtype f32
+expect "info kv f16" 0 "KV cache \\(f16\\) +0.06 MiB" -- "$loom" info -m "$tiny"
 expect "merge zero threads" 2 "thread count must be >= 1" -- "$loom" merge -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/m0" -t 0
 
 # Directories where files belong, and files where folders belong.
@@ -157,6 +162,7 @@ if [ -f "$model" ]; then
   expect "info smollm2" 0 "architecture: +llama" -- "$loom" info -m "$model"
   expect "tokenize ids" 0 '^\[504, 3575, 282, 4649, 314\]$' -- "$loom" tokenize -m "$model" --text "The capital of France is" --ids
   expect "greedy generate" 0 "Paris" -- "$loom" generate -m "$model" -p "The capital of France is" -n 8 --temp 0 -t 2
+  expect "greedy generate, f32 KV" 0 "Paris" -- "$loom" generate -m "$model" -p "The capital of France is" -n 8 --temp 0 -t 2 --kv-cache-dtype f32
   expect "generation speed on stderr" 0 "generation: 8 tokens.*tokens/s" -- "$loom" generate -m "$model" -p "Hello" -n 8 --temp 0 --seed 1 -t 2
   python_prompt=$(printf 'word %.0s' $(seq 1 300))
   expect "prompt longer than context" 1 "longer than the context size 64" -- "$loom" generate -m "$model" -p "$python_prompt" -c 64

@@ -119,14 +119,15 @@ void check_model(const nlohmann::json& m, const nlohmann::json& model, bool dequ
       const auto want = read_f32(kFixtures + prompt["logits"]["file"].get<std::string>());
       const auto V = static_cast<size_t>(loaded->config().vocab_size);
       ASSERT_EQ(want.size(), ids.size() * V);
-      InferenceSession s(loaded->config(), loaded->weights(), backend, 256, /*micro_batch=*/5);
+      // f32 KV cache: transformers keeps keys and values in f32 (the f16 cache: test_kv_cache_f16.cpp).
+      InferenceSession s(loaded->config(), loaded->weights(), backend, 256, DType::f32, /*micro_batch=*/5);
       s.eval(ids, /*all_logits=*/true);
       for (size_t t = 0; t < ids.size(); ++t) {
         const double err = relative_error(s.logits().data() + t * V, want.data() + t * V, V);
         EXPECT_LT(err, tol) << "position " << t;
       }
       // Same prompt evaluated token by token (decode path) then greedy.
-      InferenceSession d(loaded->config(), loaded->weights(), backend, 256);
+      InferenceSession d(loaded->config(), loaded->weights(), backend, 256, DType::f32);
       const float* last = nullptr;
       for (int32_t tok : ids) last = d.eval(std::span<const int32_t>(&tok, 1));
       EXPECT_LT(relative_error(last, want.data() + (ids.size() - 1) * V, V), tol);

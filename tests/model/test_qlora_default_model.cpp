@@ -34,7 +34,7 @@ std::vector<float> logits(const std::string& path, std::optional<DType> q, bool 
       w.output = out;
     };
   const auto m = Model::load(path, o);
-  InferenceSession s(m->config(), m->weights(), backend, 64, 16);
+  InferenceSession s(m->config(), m->weights(), backend, 64, DType::f32, 16);
   s.eval(tokens, /*all_logits=*/true);
   return s.logits();
 }

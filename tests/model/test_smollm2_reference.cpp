@@ -47,7 +47,7 @@ TEST(SmolLM2Reference, F32LogitsTokensAndGreedyMatchTransformers) {
     SCOPED_TRACE(p["name"].get<std::string>());
     const auto ids = p["ids"].get<std::vector<int32_t>>();
     EXPECT_EQ(model->tokenizer().encode(p["text"].get<std::string>(), true, true), ids);
-    InferenceSession s(model->config(), model->weights(), backend, 512);
+    InferenceSession s(model->config(), model->weights(), backend, 512);  // the f16 KV cache users run
     s.eval(ids, /*all_logits=*/true);
     for (const auto& l : p["logits"]) {
       const auto want = read_f32(kFixtures + l["file"].get<std::string>());

@@ -52,7 +52,7 @@ Reference load_reference() {
 
 std::vector<float> all_logits(const Model& m, Backend& backend, const std::vector<int32_t>& tokens) {
   // micro_batch 4: several prefill batches over 11 tokens
-  InferenceSession s(m.config(), m.weights(), backend, 64, 4);
+  InferenceSession s(m.config(), m.weights(), backend, 64, DType::f32, 4);
   s.eval(tokens, /*all_logits=*/true);
   return s.logits();
 }

@@ -83,7 +83,7 @@ TEST(AdapterSubsets, MergedAtLoadMatchesPeft) {
       Model::LoadOptions o{.tokenizer = false, .backend = &backend};
       o.before_pack = adapter_merge_hook(kDir + name);
       auto m = Model::load(kFx + base, o);
-      InferenceSession s(m->config(), m->weights(), backend, 64, /*micro_batch=*/4);
+      InferenceSession s(m->config(), m->weights(), backend, 64, DType::f32, /*micro_batch=*/4);
       s.eval(prompt, /*all_logits=*/true);
       for (size_t t = 0; t < prompt.size(); ++t)
         EXPECT_LT(test::relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;
@@ -118,7 +118,7 @@ TEST(AdapterSubsets, ServedPerRowMatchesMergedAtLoad) {
       Model::LoadOptions lo{.tokenizer = false, .backend = &backend};
       lo.before_pack = adapter_merge_hook(kDir + name);
       auto m = Model::load(kFx + base, lo);
-      InferenceSession s(m->config(), m->weights(), backend, 64);
+      InferenceSession s(m->config(), m->weights(), backend, 64, DType::f32);
       const auto merged = test::greedy_ids(s, s.eval(prompt), a["greedy"].size());
       if (base.find("f32") != std::string::npos) {
         // f32 base: both paths are f32 arithmetic, only the summation order differs.
@@ -155,7 +155,7 @@ TEST(AdapterSubsets, MergedFolderMatchesPeft) {
     auto m = Model::load(out.string(), {.tokenizer = false, .backend = &backend});
     const auto want = read_f32(kDir + a["logits"].get<std::string>());
     const auto V = a["vocab"].get<size_t>();
-    InferenceSession s(m->config(), m->weights(), backend, 64);
+    InferenceSession s(m->config(), m->weights(), backend, 64, DType::f32);
     s.eval(prompt, /*all_logits=*/true);
     for (size_t t = 0; t < prompt.size(); ++t)
       EXPECT_LT(test::relative_error(s.logits().data() + t * V, want.data() + t * V, V), 1e-4) << "position " << t;

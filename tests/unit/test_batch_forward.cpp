@@ -211,7 +211,7 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 // Logits at every position a run recorded against InferenceSession's.
 void expect_matches_session(const Model& m, Backend& backend, const std::vector<int32_t>& tokens,
                             const SeqResult& r, const std::string& what, double tol = 1e-4) {
-  InferenceSession s(m.config(), m.weights(), backend, static_cast<int64_t>(tokens.size()), 8);
+  InferenceSession s(m.config(), m.weights(), backend, static_cast<int64_t>(tokens.size()), DType::f32, 8);
   s.eval(tokens, /*all_logits=*/true);
   const int64_t V = m.config().vocab_size;
   ASSERT_FALSE(r.logits.empty());
@@ -320,7 +320,7 @@ TEST(BatchForward, LoraMatchesMergedWeights) {
     expect_matches_session(*base, backend, t1, r[1], std::string(name) + " base");
     expect_matches_session(*merged2, backend, t2, r[2], std::string(name) + " adapter 2");
     // The adapters really change the model (so the comparison above can fail).
-    InferenceSession s(c, base->weights(), backend, 64);
+    InferenceSession s(c, base->weights(), backend, 64, DType::f32);
     const float* lg = s.eval(t0);
     EXPECT_GT(rel_err(r[0].logits.at(28).data(), lg, c.vocab_size), 1e-2);
   }

@@ -30,7 +30,7 @@ class PlainAttention final : public AttentionStep {
   float* keys(int64_t) override { return a_.k; }
   float* values(int64_t) override { return a_.v; }
   void attend(int64_t, const float* q, const float* k, const float* v, float* att) override {
-    d_.backend().attention(d_.attention_shape(), q, k, v, att, T_, pos_, nullptr);
+    d_.backend().attention(d_.attention_shape(), q, KvRows{k, v, DType::f32}, att, T_, pos_, nullptr);
   }
 
  private:

@@ -202,7 +202,7 @@ class LastResidual final : public LayerAdapters {
 std::vector<double> reference_embedding(const Model& m, Backend& backend,
                                         const std::vector<int32_t>& tokens) {
   const ModelConfig& c = m.config();
-  InferenceSession s(c, m.weights(), backend, 256, /*micro_batch=*/32);
+  InferenceSession s(c, m.weights(), backend, 256, DType::f32, /*micro_batch=*/32);
   LastResidual hook(c.n_layers, c.hidden);
   s.set_layer_hook(&hook);
   s.eval(tokens);

@@ -90,8 +90,8 @@ TEST(GgufBattery, EveryFileLoadsAndMatchesItsDequantizedWeights) {
     EXPECT_EQ(std::string(dtype_name(L0.wq.dtype)), type_of("blk.0.attn_q.weight"));
 
     const auto V = static_cast<size_t>(q->config().vocab_size);
-    InferenceSession sq(q->config(), q->weights(), backend, 64, /*micro_batch=*/4);
-    InferenceSession sd(d->config(), d->weights(), backend, 64);
+    InferenceSession sq(q->config(), q->weights(), backend, 64, DType::f32, /*micro_batch=*/4);
+    InferenceSession sd(d->config(), d->weights(), backend, 64, DType::f32);
     sq.eval(kPrompt, /*all_logits=*/true);
     sd.eval(kPrompt, /*all_logits=*/true);
     // f16 uses f32 activations: only f32 rounding differs; bf16 rounds them to
@@ -144,7 +144,7 @@ TEST(GgufBattery, EveryFileServesARequest) {
     ServingEngine e(o);
     const auto served = test::serve_greedy_ids(e, "base", kPrompt, 6);
     auto m = Model::load(path, {.tokenizer = false, .backend = &backend});
-    InferenceSession s(m->config(), m->weights(), backend, 64);
+    InferenceSession s(m->config(), m->weights(), backend, 64, DType::f32);
     const auto want = test::greedy_ids(s, s.eval(kPrompt), 6);
     EXPECT_EQ(served, want);
   }

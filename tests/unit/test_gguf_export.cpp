@@ -62,7 +62,7 @@ std::vector<float> logits_of(const std::string& path, std::span<const int32_t> t
   ThreadPool pool(1);
   auto backend = make_backend(kCpu, pool);
   auto m = Model::load(path, {.backend = backend.get()});
-  InferenceSession s(m->config(), m->weights(), *backend, 64);
+  InferenceSession s(m->config(), m->weights(), *backend, 64, DType::f32);
   s.eval(tokens, true);
   return s.logits();
 }

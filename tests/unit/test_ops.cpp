@@ -1,12 +1,12 @@
 // Fast row-wise operators against their scalar double-precision references.
 #include <gtest/gtest.h>
 
-#include <cstring>
-
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
+#include "core/half.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/simd_avx2.h"
 #include "kernels/ref/ops_ref.h"
@@ -119,77 +119,101 @@ void plain_attention(const AttentionShape& s, const float* q, const float* k, co
     }
 }
 
+// A case's keys and values as the kernel reads them: f32 as drawn, or rounded
+// to IEEE half (an f16 store; the kernel reads the bits, the plain loop the
+// widened values, and the two must agree bit for bit).
+struct KvCase {
+  std::vector<float> k, v;         // what the plain loop reads
+  std::vector<uint16_t> k16, v16;  // the f16 store
+  DType dtype;
+
+  KvCase(std::vector<float> k_, std::vector<float> v_, DType dt)
+      : k(std::move(k_)), v(std::move(v_)), dtype(dt) {
+    if (dt != DType::f16) return;
+    for (auto [x, h] : {std::pair{&k, &k16}, std::pair{&v, &v16}})
+      for (float& e : *x) {
+        h->push_back(fp32_to_fp16(e));
+        e = fp16_to_fp32(h->back());
+      }
+  }
+  KvRows rows() const {
+    if (dtype == DType::f16) return {k16.data(), v16.data(), DType::f16};
+    return {k.data(), v.data(), DType::f32};
+  }
+};
+
 // On AVX-512 machines the heads of a GQA group run in one pass
 // (kernels/cpu/attention_rows.h): groups of 1, 2, 3 and 6 (a pass of 4 rows,
 // then 2), one head per pass when the batch is small (T = 1: decode; T = 16 on
 // 5 threads), head_dim 16 to 256, batches of 16+ rows on K^T (head_dim 32, 64,
-// 96, 128), two packed samples, and every result still equal to the plain
-// loop's bits.
+// 96, 128), two packed samples, f32 and f16 stores, and every result still
+// equal to the plain loop's bits.
 TEST(Ops, BlockedAttentionEqualsThePlainLoopBitForBit) {
   const std::pair<int64_t, int64_t> heads[] = {{6, 2}, {6, 1}, {4, 4}, {4, 2}};
-  for (int64_t d : {64, 128, 32, 96, 48, 20, 16, 256}) {
-    for (const auto& [n_heads, kv_heads] : heads) {
-      for (int64_t T : {23, 1, 16}) {
-        for (bool packed : {false, true}) {
-          for (int threads : {1, 3, 5}) {
-            ThreadPool pool(threads);
-            AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 5};
-            const int64_t ctx = 61;
-            auto q = random_vec(static_cast<size_t>(T * n_heads * d), 16, 3.0f);
-            auto k = random_vec(static_cast<size_t>(ctx * s.kv_stride), 17, 3.0f);
-            auto v = random_vec(static_cast<size_t>(ctx * s.kv_stride), 18);
-            std::vector<int32_t> pos(T), start(T);
-            for (int64_t t = 0; t < T; ++t) {
-              pos[static_cast<size_t>(t)] = static_cast<int32_t>(60 - T + 1 + t);
-              // packed: rows past the middle begin a sample at key 41 (not a multiple of 16)
-              start[static_cast<size_t>(t)] =
-                  packed && 2 * t >= T ? std::min(41, pos[static_cast<size_t>(t)]) : 0;
+  for (DType dt : {DType::f32, DType::f16})
+    for (int64_t d : {64, 128, 32, 96, 48, 20, 16, 256}) {
+      for (const auto& [n_heads, kv_heads] : heads) {
+        for (int64_t T : {23, 1, 16}) {
+          for (bool packed : {false, true}) {
+            for (int threads : {1, 3, 5}) {
+              ThreadPool pool(threads);
+              AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 5};
+              const int64_t ctx = 61;
+              auto q = random_vec(static_cast<size_t>(T * n_heads * d), 16, 3.0f);
+              const KvCase kv(random_vec(static_cast<size_t>(ctx * s.kv_stride), 17, 3.0f),
+                              random_vec(static_cast<size_t>(ctx * s.kv_stride), 18), dt);
+              std::vector<int32_t> pos(T), start(T);
+              for (int64_t t = 0; t < T; ++t) {
+                pos[static_cast<size_t>(t)] = static_cast<int32_t>(60 - T + 1 + t);
+                // packed: rows past the middle begin a sample at key 41 (not a multiple of 16)
+                start[static_cast<size_t>(t)] =
+                    packed && 2 * t >= T ? std::min(41, pos[static_cast<size_t>(t)]) : 0;
+              }
+              std::vector<float> a(q.size()), b(q.size());
+              attention(pool, s, q.data(), kv.rows(), a.data(), T, pos.data(),
+                        packed ? start.data() : nullptr);
+              plain_attention(s, q.data(), kv.k.data(), kv.v.data(), b.data(), T, pos.data(), start.data());
+              ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                  << dtype_name(dt) << ", head_dim " << d << ", heads " << n_heads << "/" << kv_heads
+                  << ", T " << T << ", packed " << packed << ", " << threads << " threads";
             }
-            std::vector<float> a(q.size()), b(q.size());
-            attention(pool, s, q.data(), k.data(), v.data(), a.data(), T, pos.data(),
-                      packed ? start.data() : nullptr);
-            plain_attention(s, q.data(), k.data(), v.data(), b.data(), T, pos.data(), start.data());
-            ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", T " << T << ", packed "
-                << packed << ", " << threads << " threads";
           }
         }
       }
     }
-  }
 }
 
 // Rows whose keys span several chunks of the AVX2 scores (256 keys, kScoreChunk
 // in kernels/cpu/ops.cpp) and end off a block of 8 or 16: 531 keys, the second
-// packed sample from key 297.
+// packed sample from key 297; f32 and f16 stores.
 TEST(Ops, LongRowsOnKeysTransposedEqualThePlainLoopBitForBit) {
   const std::pair<int64_t, int64_t> heads[] = {{6, 2}, {4, 4}};
-  for (int64_t d : {64, 128, 96}) {
-    for (const auto& [n_heads, kv_heads] : heads) {
-      for (bool packed : {false, true}) {
-        for (int threads : {1, 3}) {
-          ThreadPool pool(threads);
-          AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 3};
-          const int64_t ctx = 531, T = 20;
-          auto q = random_vec(static_cast<size_t>(T * n_heads * d), 26, 3.0f);
-          auto k = random_vec(static_cast<size_t>(ctx * s.kv_stride), 27, 3.0f);
-          auto v = random_vec(static_cast<size_t>(ctx * s.kv_stride), 28);
-          std::vector<int32_t> pos(T), start(T);
-          for (int64_t t = 0; t < T; ++t) {
-            pos[static_cast<size_t>(t)] = static_cast<int32_t>(ctx - T + t);
-            start[static_cast<size_t>(t)] = packed && 2 * t >= T ? 297 : 0;
+  for (DType dt : {DType::f32, DType::f16})
+    for (int64_t d : {64, 128, 96}) {
+      for (const auto& [n_heads, kv_heads] : heads) {
+        for (bool packed : {false, true}) {
+          for (int threads : {1, 3}) {
+            ThreadPool pool(threads);
+            AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 3};
+            const int64_t ctx = 531, T = 20;
+            auto q = random_vec(static_cast<size_t>(T * n_heads * d), 26, 3.0f);
+            const KvCase kv(random_vec(static_cast<size_t>(ctx * s.kv_stride), 27, 3.0f),
+                            random_vec(static_cast<size_t>(ctx * s.kv_stride), 28), dt);
+            std::vector<int32_t> pos(T), start(T);
+            for (int64_t t = 0; t < T; ++t) {
+              pos[static_cast<size_t>(t)] = static_cast<int32_t>(ctx - T + t);
+              start[static_cast<size_t>(t)] = packed && 2 * t >= T ? 297 : 0;
+            }
+            std::vector<float> a(q.size()), b(q.size());
+            attention(pool, s, q.data(), kv.rows(), a.data(), T, pos.data(), packed ? start.data() : nullptr);
+            plain_attention(s, q.data(), kv.k.data(), kv.v.data(), b.data(), T, pos.data(), start.data());
+            ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                << dtype_name(dt) << ", head_dim " << d << ", heads " << n_heads << "/" << kv_heads
+                << ", packed " << packed << ", " << threads << " threads";
           }
-          std::vector<float> a(q.size()), b(q.size());
-          attention(pool, s, q.data(), k.data(), v.data(), a.data(), T, pos.data(),
-                    packed ? start.data() : nullptr);
-          plain_attention(s, q.data(), k.data(), v.data(), b.data(), T, pos.data(), start.data());
-          ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-              << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", packed " << packed << ", "
-              << threads << " threads";
         }
       }
     }
-  }
 }
 
 // Decode rows over long contexts (keys and values of at least 512 KiB: both
@@ -199,32 +223,35 @@ TEST(Ops, LongRowsOnKeysTransposedEqualThePlainLoopBitForBit) {
 // then 2), 4 and 1; head dims 32, 64, 128 and 96, so the value columns split
 // unevenly (32 on 3 threads leaves one without, 96 on 2 gives each 3 blocks of
 // 16); key counts that end off a block of 4, 2 and 3 threads, a packed sample
-// starting at key 301: the plain loop's bits.
+// starting at key 301; f32 stores, and f16 ones of twice the keys (the split
+// goes by bytes): the plain loop's bits.
 TEST(Ops, LongDecodeRowsEqualThePlainLoopBitForBit) {
   const std::pair<int64_t, int64_t> heads[] = {{9, 3}, {12, 2}, {8, 2}, {4, 4}};
-  for (int64_t d : {64, 32, 128, 96}) {
-    for (const auto& [n_heads, kv_heads] : heads) {
-      for (int64_t ctx : {int64_t{1703}, int64_t{1090}}) {
-        for (bool packed : {false, true}) {
-          for (int threads : {2, 3}) {
-            ThreadPool pool(threads);
-            AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 8};
-            ASSERT_GE(ctx * s.kv_stride * 8, int64_t{512} << 10);
-            auto q = random_vec(static_cast<size_t>(n_heads * d), 36, 3.0f);
-            auto k = random_vec(static_cast<size_t>(ctx * s.kv_stride), 37, 3.0f);
-            auto v = random_vec(static_cast<size_t>(ctx * s.kv_stride), 38);
-            const int32_t pos = static_cast<int32_t>(ctx - 1), start = packed ? 301 : 0;
-            std::vector<float> a(q.size()), b(q.size());
-            attention(pool, s, q.data(), k.data(), v.data(), a.data(), 1, &pos, packed ? &start : nullptr);
-            plain_attention(s, q.data(), k.data(), v.data(), b.data(), 1, &pos, &start);
-            ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
-                << "head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", " << ctx
-                << " keys, packed " << packed << ", " << threads << " threads";
+  for (DType dt : {DType::f32, DType::f16})
+    for (int64_t d : {64, 32, 128, 96}) {
+      for (const auto& [n_heads, kv_heads] : heads) {
+        for (int64_t keys : {int64_t{1703}, int64_t{1090}}) {
+          const int64_t ctx = dt == DType::f16 ? 2 * keys : keys;
+          for (bool packed : {false, true}) {
+            for (int threads : {2, 3}) {
+              ThreadPool pool(threads);
+              AttentionShape s{n_heads, kv_heads, d, kv_heads * d + 8};
+              const KvCase kv(random_vec(static_cast<size_t>(ctx * s.kv_stride), 37, 3.0f),
+                              random_vec(static_cast<size_t>(ctx * s.kv_stride), 38), dt);
+              ASSERT_GE(ctx * s.kv_stride * 2 * (dt == DType::f16 ? 2 : 4), int64_t{512} << 10);
+              auto q = random_vec(static_cast<size_t>(n_heads * d), 36, 3.0f);
+              const int32_t pos = static_cast<int32_t>(ctx - 1), start = packed ? 301 : 0;
+              std::vector<float> a(q.size()), b(q.size());
+              attention(pool, s, q.data(), kv.rows(), a.data(), 1, &pos, packed ? &start : nullptr);
+              plain_attention(s, q.data(), kv.k.data(), kv.v.data(), b.data(), 1, &pos, &start);
+              ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+                  << dtype_name(dt) << ", head_dim " << d << ", heads " << n_heads << "/" << kv_heads << ", "
+                  << ctx << " keys, packed " << packed << ", " << threads << " threads";
+            }
           }
         }
       }
     }
-  }
 }
 
 }  // namespace

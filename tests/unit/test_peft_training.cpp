@@ -268,7 +268,7 @@ TEST(PeftTraining, LoomTrainedAdapterInPeftGivesLoomLogits) {
   for (const auto& b : run.meta["batches"])
     for (const auto& row : b["input_ids"]) {
       const auto ids = row.get<std::vector<int32_t>>();
-      InferenceSession s(model->config(), model->weights(), backend, 64);
+      InferenceSession s(model->config(), model->weights(), backend, 64, DType::f32);
       s.eval(ids, /*all_logits=*/true);
       got.insert(got.end(), s.logits().begin(), s.logits().begin() + static_cast<int64_t>(ids.size()) * V);
     }

@@ -188,7 +188,7 @@ TEST(PruneWeights, CalibrationSumsOfSquaresMatchTransformers) {
   ThreadPool pool(2);
   auto be = make_backend(kCpu, pool);
   auto m = Model::load(fixture("model/tiny-llama"), {.tokenizer = false, .pack = true, .backend = be.get()});
-  InferenceSession session(m->config(), m->weights(), *be, fx.n_ctx);
+  InferenceSession session(m->config(), m->weights(), *be, fx.n_ctx, DType::f32);
   CalibrationOptions opt;
   opt.n_ctx = fx.n_ctx;
   opt.bos = -1;
@@ -271,7 +271,7 @@ TEST(PruneStructured, HeadPlansKeepTheGroupsEqual) {
 // Logits of the last position of each prompt, f32 weights prepared for `be`.
 std::vector<float> logits_of(const ModelConfig& c, ModelWeights& w, Backend& be, const std::vector<int32_t>& tokens) {
   prepare_weights(w, be);
-  InferenceSession s(c, w, be, static_cast<int64_t>(tokens.size()));
+  InferenceSession s(c, w, be, static_cast<int64_t>(tokens.size()), DType::f32);
   const float* l = s.eval(tokens);
   return std::vector<float>(l, l + c.vocab_size);
 }
@@ -285,7 +285,7 @@ TEST(PruneStructured, EqualsTheModelWithTheRemovedUnitsZeroed) {
   auto be = make_backend(kCpu, pool);
   const CalibrationStats stats = [&] {
     auto m = Model::load(fixture("model/tiny-llama"), {.tokenizer = false, .pack = true, .backend = be.get()});
-    InferenceSession session(m->config(), m->weights(), *be, fx.n_ctx);
+    InferenceSession session(m->config(), m->weights(), *be, fx.n_ctx, DType::f32);
     CalibrationOptions opt;
     opt.n_ctx = fx.n_ctx;
     opt.bos = -1;

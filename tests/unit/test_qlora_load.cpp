@@ -125,7 +125,7 @@ TEST(QuantizeBase, RefusesQuantizedSources) {
 }
 
 std::vector<float> all_logits(const Model& m, Backend& backend, const std::vector<int32_t>& tokens) {
-  InferenceSession s(m.config(), m.weights(), backend, 64, 4);
+  InferenceSession s(m.config(), m.weights(), backend, 64, DType::f32, 4);
   s.eval(tokens, /*all_logits=*/true);
   return s.logits();
 }

@@ -16,8 +16,12 @@ inline bool attend_rows_avx512_supports(int64_t head_dim) { return head_dim > 0 
 // For r < rows: o[r * d ..] = softmax(q[r * d ..] . K^T * scale) V over keys
 // [0, n); key/value p at kb / vb + p * stride. w: scratch of rows * wstride
 // floats, wstride >= n + 16 (its padding may hold anything). Needs AVX-512 F/DQ.
+// The uint16_t overloads here and below read keys and values as IEEE half,
+// widened exactly: the bits of the f32 kernel on the widened values.
 void attend_rows_avx512(const float* q, int rows, const float* kb, const float* vb, int64_t stride, int64_t d,
                         int64_t n, float scale, float* w, int64_t wstride, float* o);
+void attend_rows_avx512(const float* q, int rows, const uint16_t* kb, const uint16_t* vb, int64_t stride,
+                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o);
 
 // Batches (prefill) read the keys of one KV head transposed, K^T[e * ldk + p] =
 // k[p * stride + e], 16 keys across the lanes of each FMA, which leaves one
@@ -87,12 +91,16 @@ constexpr int64_t kDecodePrefetchRows = 16;
 //    below n (the whole row's key count).
 void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const float* k, int64_t stride,
                           int64_t d, float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n);
+void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const uint16_t* k, int64_t stride,
+                          int64_t d, float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n);
 // 2. One head's scores to softmax weights divided by their sum, in place;
 //    w has room for n + 16 floats.
 void decode_softmax_avx512(float* w, int64_t n);
 // 3. o[r * d + c] = sum_j a[r * ws + j] v_j[c] for r < rows, c in [c0, c1)
 //    (multiples of 16), V rows prefetched ahead.
 void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const float* v, int64_t stride,
+                                 int64_t n, float* o, int64_t d, int64_t c0, int64_t c1);
+void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const uint16_t* v, int64_t stride,
                                  int64_t n, float* o, int64_t d, int64_t c0, int64_t c1);
 
 }  // namespace loom::cpu

@@ -18,6 +18,12 @@
 namespace loom::cpu {
 namespace {
 
+// 16 keys or values as f32: f32, or IEEE half bits widened exactly.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // lo + hi halves: the AVX2 loop's acc0 + acc1.
 inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
@@ -37,16 +43,16 @@ inline __m512 exp16(__m512 x) {
 }
 
 // Scores of keys p .. p + 3 for R rows: w[r][p + j] = dot(q_r, k_{p+j}) * scale.
-template <int R>
-inline void scores4(const float* q, int64_t d, const float* k, int64_t stride, float scale, float* w, int64_t ws,
+template <int R, typename E>
+inline void scores4(const float* q, int64_t d, const E* k, int64_t stride, float scale, float* w, int64_t ws,
                     int64_t p) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  const float* kp = k + p * stride;
+  const E* kp = k + p * stride;
   for (int64_t i = 0; i < d; i += 16) {
     __m512 kk[4];
-    for (int j = 0; j < 4; ++j) kk[j] = _mm512_loadu_ps(kp + j * stride + i);
+    for (int j = 0; j < 4; ++j) kk[j] = load16(kp + j * stride + i);
     for (int r = 0; r < R; ++r) {
       const __m512 qv = _mm512_loadu_ps(q + r * d + i);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(qv, kk[j], acc[r][j]);
@@ -62,14 +68,14 @@ inline void scores4(const float* q, int64_t d, const float* k, int64_t stride, f
 }
 
 // One key (the n % 4 tail): simd::dot's arithmetic.
-template <int R>
-inline void scores1(const float* q, int64_t d, const float* k, int64_t stride, float scale, float* w, int64_t ws,
+template <int R, typename E>
+inline void scores1(const float* q, int64_t d, const E* k, int64_t stride, float scale, float* w, int64_t ws,
                     int64_t p) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const float* kp = k + p * stride;
+  const E* kp = k + p * stride;
   for (int64_t i = 0; i < d; i += 16) {
-    const __m512 kk = _mm512_loadu_ps(kp + i);
+    const __m512 kk = load16(kp + i);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * d + i), kk, acc[r]);
   }
   for (int r = 0; r < R; ++r) w[r * ws + p] = hsum(fold(acc[r])) * scale;
@@ -111,19 +117,19 @@ inline float softmax_weights(float* w, int64_t n) {
 
 // o[r][c0 .. c0 + 16 C) = sum_j a[r][j] v_j, one FMA chain per lane in j order;
 // a[r][j] = w[r][j] * inv[r], already in w (normalize).
-template <int R, int C, bool kPrefetch = false>
-inline void weighted_sum(const float* a, int64_t ws, const float* v, int64_t stride, int64_t n, float* o,
+template <int R, int C, bool kPrefetch = false, typename E>
+inline void weighted_sum(const float* a, int64_t ws, const E* v, int64_t stride, int64_t n, float* o,
                          int64_t d, int64_t c0) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + j * stride + c0;
-    if constexpr (kPrefetch)
-      for (int c = 0; c < C; ++c)
+    const E* vj = v + j * stride + c0;
+    if constexpr (kPrefetch)  // one request per 64 bytes of the row's columns
+      for (int c = 0; c < C; c += 4 / static_cast<int>(sizeof(E)))
         _mm_prefetch(reinterpret_cast<const char*>(vj + kDecodePrefetchRows * stride + 16 * c), _MM_HINT_T0);
     __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vj + 16 * c);
+    for (int c = 0; c < C; ++c) vv[c] = load16(vj + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 aj = _mm512_set1_ps(a[r * ws + j]);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(aj, vv[c], acc[r][c]);
@@ -141,8 +147,8 @@ inline void normalize(float* w, int64_t n, float inv) {
 }
 
 // Scores in w (R rows of n) to outputs: softmax, then the weighted sums of V.
-template <int R>
-void softmax_and_sum(float* w, int64_t ws, const float* vb, int64_t stride, int64_t d, int64_t n, float* o) {
+template <int R, typename E>
+void softmax_and_sum(float* w, int64_t ws, const E* vb, int64_t stride, int64_t d, int64_t n, float* o) {
   for (int r = 0; r < R; ++r) normalize(w + r * ws, n, softmax_weights(w + r * ws, n));
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     switch ((d - c0) / 16) {
@@ -162,8 +168,8 @@ void softmax_and_sum(float* w, int64_t ws, const float* vb, int64_t stride, int6
   }
 }
 
-template <int R>
-void attend_chunk(const float* q, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n, float scale,
+template <int R, typename E>
+void attend_chunk(const float* q, const E* kb, const E* vb, int64_t stride, int64_t d, int64_t n, float scale,
                   float* w, int64_t ws, float* o) {
   int64_t p = 0;
   for (; p + 4 <= n; p += 4) scores4<R>(q, d, kb, stride, scale, w, ws, p);
@@ -246,30 +252,20 @@ void attend_chunk_kt(const float* q, const float* kt, int64_t ldk, const float* 
   softmax_and_sum<R>(w, ws, vb, stride, 16 * M, n, o);
 }
 
-}  // namespace
-
-void attend_rows_avx512(const float* q, int rows, const float* kb, const float* vb, int64_t stride, int64_t d,
-                        int64_t n, float scale, float* w, int64_t wstride, float* o) {
+template <typename E>
+void attend_rows(const float* q, int rows, const E* kb, const E* vb, int64_t stride, int64_t d, int64_t n,
+                 float scale, float* w, int64_t wstride, float* o) {
   visit_row_passes(rows, [&]<int R>(int r0) {
     attend_chunk<R>(q + r0 * d, kb, vb, stride, d, n, scale, w, wstride, o + r0 * d);
   });
 }
 
-void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
-                           int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
-                           float* o) {
-  visit_head_blocks(d, [&]<int M>() {
-    visit_row_passes(rows, [&]<int R>(int r0) {
-      attend_chunk_kt<R, M>(q + r0 * d, kt, ldk, vb, stride, n, scale, w, wstride, o + r0 * d);
-    });
-  });
-}
-
-void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const float* k, int64_t stride,
-                          int64_t d, float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n) {
+template <typename E>
+void decode_scores(const float* q, int64_t n_heads, int64_t group, const E* k, int64_t stride, int64_t d,
+                   float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n) {
   // The next 4 rows' lines are requested a share per pass between the products,
   // not in one burst per 4 keys (which overflowed the miss buffers on AVX2).
-  const int64_t lines = 4 * stride * static_cast<int64_t>(sizeof(float)) / 64;
+  const int64_t lines = 4 * stride * static_cast<int64_t>(sizeof(E)) / 64;
   const int64_t passes = n_heads / group * ((group + 3) / 4);
   int64_t p = p0;
   for (; p + 4 <= p1; p += 4) {
@@ -295,10 +291,9 @@ void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const 
       });
 }
 
-void decode_softmax_avx512(float* w, int64_t n) { normalize(w, n, softmax_weights(w, n)); }
-
-void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const float* v, int64_t stride,
-                                 int64_t n, float* o, int64_t d, int64_t c0, int64_t c1) {
+template <typename E>
+void decode_weighted_sums(const float* a, int rows, int64_t ws, const E* v, int64_t stride, int64_t n,
+                          float* o, int64_t d, int64_t c0, int64_t c1) {
   visit_row_passes(rows, [&]<int R>(int r0) {
     const float* ar = a + r0 * ws;
     float* orow = o + r0 * d;
@@ -308,6 +303,47 @@ void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const flo
     if (c + 32 <= c1) weighted_sum<R, 2, true>(ar, ws, v, stride, n, orow, d, c), c += 32;
     if (c + 16 <= c1) weighted_sum<R, 1, true>(ar, ws, v, stride, n, orow, d, c);
   });
+}
+
+}  // namespace
+
+void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
+                           int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
+                           float* o) {
+  visit_head_blocks(d, [&]<int M>() {
+    visit_row_passes(rows, [&]<int R>(int r0) {
+      attend_chunk_kt<R, M>(q + r0 * d, kt, ldk, vb, stride, n, scale, w, wstride, o + r0 * d);
+    });
+  });
+}
+
+void attend_rows_avx512(const float* q, int rows, const float* kb, const float* vb, int64_t stride, int64_t d,
+                        int64_t n, float scale, float* w, int64_t wstride, float* o) {
+  attend_rows(q, rows, kb, vb, stride, d, n, scale, w, wstride, o);
+}
+void attend_rows_avx512(const float* q, int rows, const uint16_t* kb, const uint16_t* vb, int64_t stride,
+                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o) {
+  attend_rows(q, rows, kb, vb, stride, d, n, scale, w, wstride, o);
+}
+
+void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const float* k, int64_t stride,
+                          int64_t d, float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n) {
+  decode_scores(q, n_heads, group, k, stride, d, scale, w, ws, p0, p1, n);
+}
+void decode_scores_avx512(const float* q, int64_t n_heads, int64_t group, const uint16_t* k, int64_t stride,
+                          int64_t d, float scale, float* w, int64_t ws, int64_t p0, int64_t p1, int64_t n) {
+  decode_scores(q, n_heads, group, k, stride, d, scale, w, ws, p0, p1, n);
+}
+
+void decode_softmax_avx512(float* w, int64_t n) { normalize(w, n, softmax_weights(w, n)); }
+
+void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const float* v, int64_t stride,
+                                 int64_t n, float* o, int64_t d, int64_t c0, int64_t c1) {
+  decode_weighted_sums(a, rows, ws, v, stride, n, o, d, c0, c1);
+}
+void decode_weighted_sums_avx512(const float* a, int rows, int64_t ws, const uint16_t* v, int64_t stride,
+                                 int64_t n, float* o, int64_t d, int64_t c0, int64_t c1) {
+  decode_weighted_sums(a, rows, ws, v, stride, n, o, d, c0, c1);
 }
 
 }  // namespace loom::cpu

@@ -329,10 +329,12 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void attention(const AttentionShape& s, const float* q, const float* k, const float* v, float* out, int64_t T,
+  void attention(const AttentionShape& s, const float* q, const KvRows& kv, float* out, int64_t T,
                  const int32_t* pos, const int32_t* seq_start) override {
-    loom::attention(pool_, s, q, k, v, out, T, pos, seq_start);
+    loom::attention(pool_, s, q, kv, out, T, pos, seq_start);
   }
+
+  void to_f16(uint16_t* dst, const float* src, int64_t n) override { store_f16(dst, src, n); }
 
   void paged_attention(const AttentionShape& s, const PagedKvView& kv, const float* q, float* out, int64_t T,
                        const int32_t* pos, const int32_t* const* tables) override {

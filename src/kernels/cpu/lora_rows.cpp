@@ -12,6 +12,7 @@
 #include "core/half.h"
 #include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/int4_dequant.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/prefetch_stream.h"
 #include "kernels/cpu/simd_rows.h"
 
@@ -520,12 +521,7 @@ void store_row(void* base, int64_t at, const float* x, int64_t n, bool f16) {
     std::memcpy(static_cast<float*>(base) + at, x, static_cast<size_t>(n) * sizeof(float));
     return;
   }
-  uint16_t* d = static_cast<uint16_t*>(base) + at;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; i < n; ++i) d[i] = fp32_to_fp16(x[i]);
+  store_f16(static_cast<uint16_t*>(base) + at, x, n);
 }
 
 }  // namespace

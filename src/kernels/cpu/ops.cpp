@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/half.h"
 #include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/lane_sums.h"
@@ -78,14 +79,16 @@ namespace {
 // scores[p] = dot(q, k_p) * scale for 4 keys a stride apart, each exactly as
 // simd::dot computes it (two accumulators over 16-wide steps of d, then hsum):
 // one pass over q for four keys instead of four. d must be a multiple of 16.
-inline void dot4(const float* q, const float* k, int64_t stride, int64_t d, float scale, float* scores) {
+// Keys (here and below, E) are f32 or f16 bits, widened exactly as loaded.
+template <typename E>
+inline void dot4(const float* q, const E* k, int64_t stride, int64_t d, float scale, float* scores) {
   __m256 a0[4], a1[4];
   for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) {
     const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
     for (int j = 0; j < 4; ++j) {
-      a0[j] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + j * stride + i), a0[j]);
-      a1[j] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + j * stride + i + 8), a1[j]);
+      a0[j] = _mm256_fmadd_ps(q0, simd::load8(k + j * stride + i), a0[j]);
+      a1[j] = _mm256_fmadd_ps(q1, simd::load8(k + j * stride + i + 8), a1[j]);
     }
   }
   __m256 v[4];
@@ -101,8 +104,8 @@ inline void dot4(const float* q, const float* k, int64_t stride, int64_t d, floa
 // loads (10 loads per 8 FMAs; here 10 per 12 with R = 3, 8 per 8 with R = 2).
 // Keys two at a time (4 R chains in registers), each (head, key) the same
 // chains and tree as dot4.
-template <int R>
-inline void dot4_heads(const float* q, const float* k, int64_t stride, int64_t d, float scale, float* scores,
+template <int R, typename E>
+inline void dot4_heads(const float* q, const E* k, int64_t stride, int64_t d, float scale, float* scores,
                        int64_t ss) {
   __m256 v[R][4];
   for (int j0 = 0; j0 < 4; j0 += 2) {
@@ -111,8 +114,8 @@ inline void dot4_heads(const float* q, const float* k, int64_t stride, int64_t d
       for (int j = 0; j < 2; ++j) a0[r][j] = a1[r][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 16)
       for (int j = 0; j < 2; ++j) {
-        const __m256 k0 = _mm256_loadu_ps(k + (j0 + j) * stride + i);
-        const __m256 k1 = _mm256_loadu_ps(k + (j0 + j) * stride + i + 8);
+        const __m256 k0 = simd::load8(k + (j0 + j) * stride + i);
+        const __m256 k1 = simd::load8(k + (j0 + j) * stride + i + 8);
         for (int r = 0; r < R; ++r) {
           a0[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i), k0, a0[r][j]);
           a1[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i + 8), k1, a1[r][j]);
@@ -131,14 +134,14 @@ inline void dot4_heads(const float* q, const float* k, int64_t stride, int64_t d
 // o = sum_j (w_j * inv) v_j for d = 8 * N, the running sum kept in registers:
 // per element the same fused multiply-adds, in the same order, as zeroing o
 // and calling simd::axpy for every j.
-template <int N>
-void weighted_sum(float* o, const float* w, float inv, const float* v, int64_t stride, int64_t n) {
+template <int N, typename E>
+void weighted_sum(float* o, const float* w, float inv, const E* v, int64_t stride, int64_t n) {
   __m256 acc[N];
   for (int c = 0; c < N; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 a = _mm256_set1_ps(w[j] * inv);
-    const float* vj = v + j * stride;
-    for (int c = 0; c < N; ++c) acc[c] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+    const E* vj = v + j * stride;
+    for (int c = 0; c < N; ++c) acc[c] = _mm256_fmadd_ps(a, simd::load8(vj + 8 * c), acc[c]);
   }
   for (int c = 0; c < N; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
 }
@@ -180,7 +183,8 @@ void softmax_in_place(float* w, int64_t n) {
 }
 
 // Scores in w[0, n) to o: softmax, then the weighted sum of V.
-void softmax_and_sum(float* w, const float* vb, int64_t stride, int64_t d, int64_t n, float* o) {
+template <typename E>
+void softmax_and_sum(float* w, const E* vb, int64_t stride, int64_t d, int64_t n, float* o) {
   const float inv = softmax_weights(w, n);
   switch (d) {
     case 64: return weighted_sum<8>(o, w, inv, vb, stride, n);
@@ -193,8 +197,9 @@ void softmax_and_sum(float* w, const float* vb, int64_t stride, int64_t d, int64
 }
 
 // One query row of one head: softmax(q K^T * scale) V over keys [0, n).
-void attend_row(const float* qv, const float* kb, const float* vb, int64_t stride, int64_t d, int64_t n,
-                float scale, float* w, float* o) {
+template <typename E>
+void attend_row(const float* qv, const E* kb, const E* vb, int64_t stride, int64_t d, int64_t n, float scale,
+                float* w, float* o) {
   int64_t p = 0;
   if (d % 16 == 0)
     for (; p + 4 <= n; p += 4) dot4(qv, kb + p * stride, stride, d, scale, w + p);
@@ -272,18 +277,19 @@ constexpr int64_t kPrefetchRows = cpu::kDecodePrefetchRows;
 // a[r][j] = w[r][j] * inv[r] already in a. Each V line is read once for the R
 // rows: per row from L2 it cost more than the FMAs did. kPrefetch: V comes from
 // memory (a long decode row), its lines are prefetched kPrefetchRows ahead.
-template <int R, int C, bool kPrefetch = false>
-void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o,
+template <int R, int C, bool kPrefetch = false, typename E>
+void weighted_sum_rows(const float* a, int64_t ws, const E* vb, int64_t stride, int64_t n, float* o,
                        int64_t d, int64_t c0) {
   if (n <= 0) __builtin_unreachable();  // rows see their own key; lets GCC keep acc in registers
   __m256 acc[R * C];
   for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = vb + j * stride + c0;
-    if constexpr (kPrefetch)
-      for (int c = 0; c < C; c += 2) __builtin_prefetch(vj + kPrefetchRows * stride + 8 * c, 0, 3);
+    const E* vj = vb + j * stride + c0;
+    if constexpr (kPrefetch)  // one request per 64 bytes of the row's columns
+      for (int c = 0; c < C; c += 8 / static_cast<int>(sizeof(E)))
+        __builtin_prefetch(vj + kPrefetchRows * stride + 8 * c, 0, 3);
     __m256 v[C];
-    for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(vj + 8 * c);
+    for (int c = 0; c < C; ++c) v[c] = simd::load8(vj + 8 * c);
     for (int r = 0; r < R; ++r) {
       const __m256 aj = _mm256_broadcast_ss(a + r * ws + j);
       for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(aj, v[c], acc[r * C + c]);
@@ -298,9 +304,9 @@ void weighted_sum_rows(const float* a, int64_t ws, const float* vb, int64_t stri
 // chains' count bounds the rate by the FMA's latency). Three rows take 3
 // columns of 8 (9 chains; 2 columns left an AMD Zen 2's FMAs waiting on their
 // 5-cycle latency): SmolLM2's prefill attention 1.05x there. Columns [c0, c1).
-template <int R, bool kPrefetch = false>
-void weighted_sums(const float* a, int64_t ws, const float* vb, int64_t stride, int64_t n, float* o,
-                   int64_t d, int64_t c0, int64_t c1) {
+template <int R, bool kPrefetch = false, typename E>
+void weighted_sums(const float* a, int64_t ws, const E* vb, int64_t stride, int64_t n, float* o, int64_t d,
+                   int64_t c0, int64_t c1) {
   constexpr int C = R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : 2;
   for (; c0 + 8 * C <= c1; c0 += 8 * C) weighted_sum_rows<R, C, kPrefetch>(a, ws, vb, stride, n, o, d, c0);
   for (; c0 + 16 <= c1; c0 += 16) weighted_sum_rows<R, 2, kPrefetch>(a, ws, vb, stride, n, o, d, c0);
@@ -338,11 +344,19 @@ void attend_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk,
       d, [&]<int M>() { attend_rows_kt8<M>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o); });
 }
 
-// kt[e * ldk + p] = k[p * stride + e] for p in [p0, p1).
-void transpose_keys(const float* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt,
-                    int64_t ldk) {
+// kt[e * ldk + p] = k[p * stride + e] for p in [p0, p1), widened to f32.
+template <typename E>
+void transpose_keys(const E* k, int64_t stride, int64_t d, int64_t p0, int64_t p1, float* kt, int64_t ldk) {
   for (int64_t p = p0; p < p1; ++p)
-    for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = k[p * stride + e];
+    for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = simd::load1(k + p * stride + e);
+}
+
+// dst[0, n) = src[0, n) widened to f32.
+template <typename E>
+void widen(float* dst, const E* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, simd::load8(src + i));
+  for (; i < n; ++i) dst[i] = simd::load1(src + i);
 }
 
 // Query heads per unit: the whole GQA group (K and V read once for all), or
@@ -364,10 +378,12 @@ constexpr int64_t kKeysSplitMinBytes = int64_t{512} << 10;
 constexpr int64_t kKeysTransposedMinT = 16;
 
 // The batch path: per KV head, K^T of the keys any row reads, then the (row,
-// heads) units on it, by the AVX-512 or the AVX2 kernel.
+// heads) units on it, by the AVX-512 or the AVX2 kernel. f16 keys and values
+// are widened into K^T and the group's V copy, so the kernels read f32 alone.
+template <typename E>
 void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionShape& s, const float* q,
-                               const float* v, float* out, int64_t T, const int32_t* pos,
-                               const int32_t* seq_start, const float* k, int64_t max_span) {
+                               const E* v, float* out, int64_t T, const int32_t* pos,
+                               const int32_t* seq_start, const E* k, int64_t max_span) {
   const auto attend_rows_kt = avx512 ? cpu::attend_rows_kt_avx512 : attend_rows_kt_avx2;
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -387,7 +403,7 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
     pool.run([&](int ti, int tn) {
       const int64_t n = k1 - k0, a = k0 + n * ti / tn, b = k0 + n * (ti + 1) / tn;
       transpose_keys(k + g * d, s.kv_stride, d, a, b, kt.data(), ldk);
-      for (int64_t p = a; p < b; ++p) std::copy_n(v + p * s.kv_stride + g * d, d, vg.data() + p * d);
+      for (int64_t p = a; p < b; ++p) widen(vg.data() + p * d, v + p * s.kv_stride + g * d, d);
     });
     pool.run([&](int ti, int tn) {
       auto& wt = w[static_cast<size_t>(ti)];
@@ -411,10 +427,11 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
 // buffers. AMD Zen 2, 2 threads: DecodeAttention/smollm2/ctx4096_cold/t2
 // 516-580 -> 407-487 us, and with dot4_heads<3> as well 527-543 -> 396-432
 // (the previous binary alongside).
-void decode_scores_avx2(const AttentionShape& s, const float* q, const float* k, float scale, float* w,
+template <typename E>
+void decode_scores_avx2(const AttentionShape& s, const float* q, const E* k, float scale, float* w,
                         int64_t ws, int64_t p0, int64_t p1, int64_t n) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads, stride = s.kv_stride;
-  const size_t lines = 4 * static_cast<size_t>(stride) * sizeof(float) / 64;
+  const size_t lines = 4 * static_cast<size_t>(stride) * sizeof(E) / 64;
   const int64_t run = group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
   int64_t p = p0;
   for (; p + 4 <= p1; p += 4) {
@@ -424,7 +441,7 @@ void decode_scores_avx2(const AttentionShape& s, const float* q, const float* k,
       if (ahead_ok)
         for (size_t b = lines * h / H; b < lines * (h + run) / H; ++b)
           __builtin_prefetch(ahead + 64 * b, 0, 3);
-      const float* kp = k + p * stride + (h / group) * d;
+      const E* kp = k + p * stride + (h / group) * d;
       float* sp = w + h * ws + p;
       if (run == 3)
         dot4_heads<3>(q + h * d, kp, stride, d, scale, sp, ws);
@@ -455,8 +472,9 @@ void decode_scores_avx2(const AttentionShape& s, const float* q, const float* k,
 // 1576-1588 -> 1034-1057 us, smollm2 536-610 -> 337-342 (the previous binary
 // alongside); a 256 KiB threshold instead of 512 measured within the noise
 // there (SmolLM2 tg64 @ d192, d320).
+template <typename E>
 void decode_attention_keys_split(ThreadPool& pool, bool avx512, const AttentionShape& s, const float* q,
-                                 const float* k, const float* v, float* out, int64_t n) {
+                                 const E* k, const E* v, float* out, int64_t n) {
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads, H = s.n_heads, stride = s.kv_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t ws = n + 16;  // the softmaxes run in steps of 8 (AVX2) or 16 (AVX-512) into the padding
@@ -491,14 +509,13 @@ void decode_attention_keys_split(ThreadPool& pool, bool avx512, const AttentionS
   });
 }
 
-}  // namespace
-
 // Each (query row, head) is one unit with a fixed order of operations, so the
 // result does not depend on the thread count or on the other rows. Units are
 // dealt to threads round-robin: causal rows grow with the position, and
 // contiguous ranges would leave the last thread the most work.
-void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k, const float* v,
-               float* out, int64_t T, const int32_t* pos, const int32_t* seq_start) {
+template <typename E>
+void attention_rows(ThreadPool& pool, const AttentionShape& s, const float* q, const E* k, const E* v,
+                    float* out, int64_t T, const int32_t* pos, const int32_t* seq_start) {
   LOOM_ASSERT(s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0);
   const int64_t d = s.head_dim, group = s.n_heads / s.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -510,7 +527,7 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   // One decode row, both ISAs: its bits are attend_row's whichever path runs
   // (attention_rows.h), so the choice is speed alone.
   if (T == 1 && pool.size() > 1 && d % 16 == 0 &&
-      int64_t{max_span} * s.kv_stride * int64_t{2 * sizeof(float)} >= kKeysSplitMinBytes) {
+      int64_t{max_span} * s.kv_stride * int64_t{2 * sizeof(E)} >= kKeysSplitMinBytes) {
     const int64_t first = seq_start ? seq_start[0] : 0;
     return decode_attention_keys_split(pool, avx512 && cpu::attend_rows_avx512_supports(d), s, q,
                                        k + first * s.kv_stride, v + first * s.kv_stride, out,
@@ -547,6 +564,27 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
                  s.kv_stride, d, n, scale, w.data(), out + (t * s.n_heads + h) * d);
     }
   });
+}
+
+}  // namespace
+
+void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const KvRows& kv, float* out,
+               int64_t T, const int32_t* pos, const int32_t* seq_start) {
+  LOOM_ASSERT(kv.dtype == DType::f32 || kv.dtype == DType::f16);
+  if (kv.dtype == DType::f16)
+    return attention_rows(pool, s, q, static_cast<const uint16_t*>(kv.k), static_cast<const uint16_t*>(kv.v),
+                          out, T, pos, seq_start);
+  attention_rows(pool, s, q, static_cast<const float*>(kv.k), static_cast<const float*>(kv.v), out, T, pos,
+                 seq_start);
+}
+
+void store_f16(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(dst + i),
+        _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);  // the F16C rounding: nearest even
 }
 
 }  // namespace loom

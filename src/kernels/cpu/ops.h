@@ -29,10 +29,19 @@ void rope_rotate(const RopeTable& rope, float* x, int64_t T, int64_t n_heads, co
 
 // Causal GQA attention of T query rows against a KV store.
 //   q:   [T, n_heads * head_dim], query row t sits at position pos[t]
-//   k,v: [n_kv_rows, kv_stride] with key/value for position p at row p (head g at offset g*head_dim)
+//   kv:  [n_kv_rows, kv_stride] keys and values (f32 or f16), position p at row p
+//        (head g at offset g*head_dim)
 //   out: [T, n_heads * head_dim]
 // Query t attends to positions [seq_start[t], pos[t]] (seq_start lets packed rows restart).
-void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k, const float* v,
-               float* out, int64_t T, const int32_t* pos, const int32_t* seq_start);
+// An f16 store gives the bits of an f32 store holding the widened values.
+void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const KvRows& kv, float* out,
+               int64_t T, const int32_t* pos, const int32_t* seq_start);
+inline void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const float* k,
+                      const float* v, float* out, int64_t T, const int32_t* pos, const int32_t* seq_start) {
+  attention(pool, s, q, KvRows{k, v, DType::f32}, out, T, pos, seq_start);
+}
+
+// dst[i] = src[i] rounded to IEEE half (nearest even) for i < n: rows into an f16 KV store.
+void store_f16(uint16_t* dst, const float* src, int64_t n);
 
 }  // namespace loom

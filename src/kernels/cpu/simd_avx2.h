@@ -3,10 +3,12 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 
 #include "kernels/cpu/exp_poly.h"
+#include "kernels/cpu/simd_rows.h"
 
 namespace loom::simd {
 
@@ -34,26 +36,29 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// b may be f16 (uint16_t bits): its elements widen exactly, the arithmetic is the same.
+template <typename E>
+inline float dot(const float* a, const E* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s = std::fma(a[i], load1(b + i), s);  // fused whatever E is (GCC contracts case by case)
   return s;
 }
 
-// y += a * x
-inline void axpy(float* y, float a, const float* x, int64_t n) {
+// y += a * x (x f32 or f16)
+template <typename E>
+inline void axpy(float* y, float a, const E* x, int64_t n) {
   const __m256 va = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(a, load1(x + i), y[i]);
 }
 
 }  // namespace loom::simd
