@@ -24,21 +24,15 @@
 #include "model/forward.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
+#include "../unit/model_test_util.h"  // relative_error
 
 namespace loom {
 namespace {
 
+using test::relative_error;
+
 constexpr double kTolerance = 3e-3;
 const std::string kModel = std::string(LOOM_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-double relative_error(const float* a, const float* b, int64_t n) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    num = std::max(num, std::fabs(static_cast<double>(a[i]) - b[i]));
-    den = std::max(den, std::fabs(static_cast<double>(b[i])));
-  }
-  return num / den;
-}
 
 std::string long_prompt() {
   std::string text = "<|im_start|>user\nSummarise these notes.\n";
@@ -66,7 +60,7 @@ TEST(KvCacheF16, MatchesTheF32CacheOnTheDefaultModel) {
   EXPECT_EQ(s16.kv_bytes() * 2, s32.kv_bytes());
   s32.eval(ids, /*all_logits=*/true);
   s16.eval(ids, /*all_logits=*/true);
-  const int64_t V = c.vocab_size;
+  const auto V = static_cast<size_t>(c.vocab_size);
   double worst = 0;
   for (size_t t = 0; t < ids.size(); ++t) {
     const double e = relative_error(s16.logits().data() + t * V, s32.logits().data() + t * V, V);
