@@ -18,13 +18,13 @@
 #include <string>
 #include <vector>
 
+#include "../unit/model_test_util.h"  // relative_error
 #include "core/thread_pool.h"
 #include "greedy_agreement.h"
 #include "kernels/backend.h"
 #include "model/forward.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
-#include "../unit/model_test_util.h"  // relative_error
 
 namespace loom {
 namespace {
