@@ -7,11 +7,12 @@
 #
 # Part 1, exact: the tiny f32 llama GGUF with the PEFT-made subset adapters of
 #   tests/fixtures/adapter_subsets (PEFT's default [q_proj, v_proj], q only, v+up,
-#   k+o+down, layers_to_transform [1] and 0); serve with its default f16 K/V.
+#   k+o+down, layers_to_transform [1] and 0); every path with its default f16 K/V.
 # Part 2, exact: the default model as an f32 Hugging Face folder (the Q4_1 GGUF
 #   merged with an all-zero adapter) with adapters `loom train` made here on
-#   [q, v] and [k, o, down]; serve with f32 K/V (f16 rounding is a numeric change of
-#   its own, not an adapter matter).
+#   [q, v] and [k, o, down]; every path with f32 K/V (the CLI's and serve's f16
+#   attention kernels differ in float order, a numeric change of its own, not an
+#   adapter matter).
 # Part 3, the quantized base itself (Q4_1 beside f32 adapted matrices): generate
 #   and chat merge the adapter into f32 copies and run the rest on Q4_1, serve
 #   adds B(Ax) per row to Q4_1 products; their attention kernels also differ in
@@ -250,16 +251,19 @@ for name in names:
 sys.exit(1 if failed else 0)
 PY
 
-# check_model LABEL MODEL N GEN_PROMPT CHAT_PROMPT "CHAT_FLAGS" "SERVE_FLAGS" MODE NAME=DIR...
+# check_model LABEL MODEL N GEN_PROMPT CHAT_PROMPT "CHAT_FLAGS" "KV_FLAGS" MODE NAME=DIR...
+# KV_FLAGS (the KV cache's element type) go to generate, chat and serve alike.
 # MODE exact: every path, merged folders kept as $tmp/LABEL/NAME-merged. MODE MERGED_LABEL:
 # near ties allowed (CLI vs serve), and `loom merge` must write $tmp/MERGED_LABEL/NAME-merged's files.
 check_model() {
-  local label=$1 model=$2 n=$3 gen_prompt=$4 chat_prompt=$5 chat_flags=$6 serve_flags=$7 mode=$8
+  local label=$1 model=$2 n=$3 gen_prompt=$4 chat_prompt=$5 chat_flags=$6 kv_flags=$7 mode=$8
   shift 8
   local out=$tmp/$label names=(base) serve_adapters=() spec name dir f
   mkdir -p "$out"
   local common=(-n "$n" --temp 0 -t 2)
-  # shellcheck disable=SC2086  # chat_flags and serve_flags are flag lists
+  # shellcheck disable=SC2206  # kv_flags is a flag list
+  common+=($kv_flags)
+  # shellcheck disable=SC2086  # chat_flags and kv_flags are flag lists
   run_cli "$out/base.generate" -- "$loom" generate -m "$model" -p "$gen_prompt" "${common[@]}"
   run_cli "$out/base.chat" -- "$loom" chat -m "$model" $chat_flags -p "$chat_prompt" "${common[@]}"
   for spec in "$@"; do
@@ -281,7 +285,7 @@ check_model() {
       rm -rf "$out/$name-merged"
     fi
   done
-  start_server "$out/serve.log" -- -m "$model" $chat_flags $serve_flags -t 2 "${serve_adapters[@]}"
+  start_server "$out/serve.log" -- -m "$model" $chat_flags $kv_flags -t 2 "${serve_adapters[@]}"
   echo "== $label: serve on port $port"
   local how=exact
   [ "$mode" = exact ] || how=$near_tie
