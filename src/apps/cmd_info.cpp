@@ -41,8 +41,7 @@ int run_info(int argc, char** argv) {
   if (c.max_context > 0 && ctx > c.max_context)
     fail(ErrorKind::invalid_input, "--ctx-size {} exceeds the model's context length {}", ctx, c.max_context);
   const int64_t n_ctx = ctx > 0 ? ctx : c.max_context;
-  const double kv_per_token =
-      2.0 * static_cast<double>(c.n_layers * c.kv_dim()) * (kv_dtype == DType::f16 ? 2 : 4);
+  const auto kv_per_token = static_cast<double>(dtype_row_bytes(kv_dtype, 2 * c.n_layers * c.kv_dim()));
   std::printf("model:           %s\n", model_path.c_str());
   std::printf("format:          %s\n", model->is_gguf() ? "GGUF" : "Hugging Face folder");
   if (!c.name.empty()) std::printf("name:            %s\n", c.name.c_str());

@@ -351,14 +351,6 @@ void transpose_keys(const E* k, int64_t stride, int64_t d, int64_t p0, int64_t p
     for (int64_t e = 0; e < d; ++e) kt[e * ldk + p] = simd::load1(k + p * stride + e);
 }
 
-// dst[0, n) = src[0, n) widened to f32.
-template <typename E>
-void widen(float* dst, const E* src, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, simd::load8(src + i));
-  for (; i < n; ++i) dst[i] = simd::load1(src + i);
-}
-
 // Query heads per unit: the whole GQA group (K and V read once for all), or
 // one head when too few (row, group) units would keep the threads busy.
 int64_t heads_per_unit(const AttentionShape& s, int64_t T, int threads) {
@@ -403,7 +395,7 @@ void attention_keys_transposed(ThreadPool& pool, bool avx512, const AttentionSha
     pool.run([&](int ti, int tn) {
       const int64_t n = k1 - k0, a = k0 + n * ti / tn, b = k0 + n * (ti + 1) / tn;
       transpose_keys(k + g * d, s.kv_stride, d, a, b, kt.data(), ldk);
-      for (int64_t p = a; p < b; ++p) widen(vg.data() + p * d, v + p * s.kv_stride + g * d, d);
+      for (int64_t p = a; p < b; ++p) simd::widen(vg.data() + p * d, v + p * s.kv_stride + g * d, d);
     });
     pool.run([&](int ti, int tn) {
       auto& wt = w[static_cast<size_t>(ti)];

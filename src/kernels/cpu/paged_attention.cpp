@@ -66,13 +66,6 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// dst[i] = float(src[i]) for IEEE half bits.
-inline void widen_row(float* dst, const uint16_t* src, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, simd::load8(src + i));
-  for (; i < n; ++i) dst[i] = simd::load1(src + i);
-}
-
 struct Unit {
   const AttentionShape& s;
   const PagedKv& kv;
@@ -186,8 +179,8 @@ void attend_span(const Unit& u, int64_t g, const int32_t* table, int64_t p_begin
         // f16 rows are widened to f32 once per tile rather than once per query
         // head and row (exact, so the result is the same either way).
         for (int64_t j = 0; j < nt; ++j) {
-          widen_row(kf + j * d, kr[j], d);
-          widen_row(vf + j * d, vr[j], d);
+          simd::widen(kf + j * d, kr[j], d);
+          simd::widen(vf + j * d, vr[j], d);
           kfr[j] = kf + j * d;
           vfr[j] = vf + j * d;
         }

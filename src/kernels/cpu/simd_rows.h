@@ -35,6 +35,14 @@ inline float load1(const Bf16* p) {
   return f;
 }
 
+// dst[0, n) = src[0, n) as f32 (exact).
+template <typename E>
+inline void widen(float* dst, const E* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < n; ++i) dst[i] = load1(src + i);
+}
+
 // s[j] = dot(x, r[j]) for j < 4, over n floats.
 template <typename R>
 inline void dot4(const float* x, const R* const* r, int64_t n, float* s) {
