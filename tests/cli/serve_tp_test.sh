@@ -187,13 +187,16 @@ round() {  # BITS TOL [MODELS]
   if kill -0 "$tp_pid" 2>/dev/null; then bad "--tp server still running 10 s after SIGTERM"; else ok; fi
 }
 
-round 32 1e-5
-round 16 1e-5
+# The tolerance is float reordering on this model: its logprobs move by up to 6e-6 when only the
+# attention's arithmetic changes (one process, online softmax over 16-key tiles against the AVX-512
+# two-pass softmax: 2026-12-05), and one process against --tp 2 measured 0.6-1.4e-5.
+round 32 3e-5
+round 16 3e-5
 # In 4 bits a rank's part of an o/down A (32 of one process's group of 64 columns on this model)
 # is quantized in groups of its own, so kod (k+o+down, then the layer-0 MLP) computes with other
 # values than one process's and may pick other tokens; qg and vu (A whole, B cut by rows, each
 # row its own group) must still agree. (Parts on group bounds are exact: AdapterShard unit tests.)
-round 4 1e-5 kod
+round 4 3e-5 kod
 
 if ! "$loom" serve -m "$tiny" --port 0 --tp 2 >"$tmp/nompi.log" 2>&1 && grep -q "mpirun -np 2" "$tmp/nompi.log"; then
   ok

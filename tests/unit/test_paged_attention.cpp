@@ -1,7 +1,8 @@
-// Paged attention (kernels/cpu/paged_attention.h): the AVX2 kernel against the
-// double reference and against plain attention over the gathered sequence,
-// with random block tables, NaN in every slot that must not be read, and
-// batch / thread-count / block-placement invariance (bit-exact).
+// Paged attention (kernels/cpu/paged_attention.h): the AVX2 and AVX-512 kernels
+// against the double reference and against plain attention over the gathered
+// sequence, with random block tables, NaN in every slot that must not be read,
+// and batch / thread-count / block-placement invariance (bit-exact); on
+// AVX-512, rows of one segment bit-identical to the contiguous cache's attention.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "core/half.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/paged_attention.h"
 #include "kernels/ref/ops_ref.h"
 #include "kernels/ref/paged_attention_ref.h"
@@ -112,6 +114,15 @@ Rows make_rows(const Store& st, int64_t T, std::mt19937& rng) {
   return r;
 }
 
+// The ISAs this CPU runs: each test runs every one of them.
+std::vector<AttnIsa> isas() {
+  std::vector<AttnIsa> out = {AttnIsa::avx2};
+  if (attention_isa_supported(AttnIsa::avx512)) out.push_back(AttnIsa::avx512);
+  return out;
+}
+
+const char* isa_name(AttnIsa isa) { return isa == AttnIsa::avx512 ? "avx512" : "avx2"; }
+
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -148,12 +159,16 @@ TEST_P(PagedAttentionTest, MatchesReferenceAndGatheredAttention) {
   ref::paged_attention(s, st.view(), r.q.data(), want.data(), T, r.pos.data(), r.tables.data());
   // The default segment (every row in one), and segments of 32 and 48 positions
   // (rows of up to 5 merged segments).
-  for (const int64_t segment : {kPagedSegment, int64_t{32}, int64_t{48}}) {
-    std::vector<float> out(n_out, std::numeric_limits<float>::quiet_NaN());
-    paged_attention(pool, s, st.view(), r.q.data(), out.data(), T, r.pos.data(), r.tables.data(), segment);
-    for (float x : out) ASSERT_TRUE(std::isfinite(x)) << "read a NaN slot (segment " << segment << ")";
-    EXPECT_LT(max_rel_diff(out, want), 2e-6) << "segment " << segment;
-  }
+  for (const AttnIsa isa : isas())
+    for (const int64_t segment : {kPagedSegment, int64_t{32}, int64_t{48}}) {
+      std::vector<float> out(n_out, std::numeric_limits<float>::quiet_NaN());
+      paged_attention(pool, s, st.view(), r.q.data(), out.data(), T, r.pos.data(), r.tables.data(), segment,
+                      isa);
+      for (float x : out)
+        ASSERT_TRUE(std::isfinite(x))
+            << "read a NaN slot (segment " << segment << ", " << isa_name(isa) << ")";
+      EXPECT_LT(max_rel_diff(out, want), 2e-6) << "segment " << segment << ", " << isa_name(isa);
+    }
 
   // The reference against plain attention over each row's sequence gathered into contiguous rows.
   const int64_t width = s.n_heads * s.head_dim;
@@ -177,7 +192,8 @@ TEST_P(PagedAttentionTest, MatchesReferenceAndGatheredAttention) {
 
 // The batch, a row at a time, one thread, and the same data in other physical
 // blocks all give the same bits.
-void check_invariance(const Case& c, int64_t segment) {
+void check_invariance(const Case& c, int64_t segment, AttnIsa isa) {
+  SCOPED_TRACE(isa_name(isa));
   const AttentionShape s{c.n_kv_heads * c.group, c.n_kv_heads, c.head_dim, c.n_kv_heads * c.head_dim};
   std::mt19937 rng(static_cast<uint32_t>(2000 + c.head_dim + c.group + c.block_size));
   const Store st = make_store(s, c.block_size, c.dtype, {40, 9, 77, 2}, rng);
@@ -186,11 +202,13 @@ void check_invariance(const Case& c, int64_t segment) {
 
   ThreadPool pool4(4), pool1(1);
   std::vector<float> batch(r.q.size()), single(r.q.size()), serial(r.q.size());
-  paged_attention(pool4, s, st.view(), r.q.data(), batch.data(), T, r.pos.data(), r.tables.data(), segment);
-  paged_attention(pool1, s, st.view(), r.q.data(), serial.data(), T, r.pos.data(), r.tables.data(), segment);
+  paged_attention(pool4, s, st.view(), r.q.data(), batch.data(), T, r.pos.data(), r.tables.data(), segment,
+                  isa);
+  paged_attention(pool1, s, st.view(), r.q.data(), serial.data(), T, r.pos.data(), r.tables.data(), segment,
+                  isa);
   for (int64_t t = 0; t < T; ++t)
     paged_attention(pool4, s, st.view(), r.q.data() + t * width, single.data() + t * width, 1,
-                    &r.pos[static_cast<size_t>(t)], &r.tables[static_cast<size_t>(t)], segment);
+                    &r.pos[static_cast<size_t>(t)], &r.tables[static_cast<size_t>(t)], segment, isa);
   EXPECT_EQ(0, std::memcmp(batch.data(), single.data(), batch.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(batch.data(), serial.data(), batch.size() * sizeof(float)));
 
@@ -211,17 +229,17 @@ void check_invariance(const Case& c, int64_t segment) {
   for (int64_t seq : r.seq) moved_tables.push_back(moved.tables[static_cast<size_t>(seq)].data());
   std::vector<float> relocated(r.q.size());
   paged_attention(pool4, s, moved.view(), r.q.data(), relocated.data(), T, r.pos.data(), moved_tables.data(),
-                  segment);
+                  segment, isa);
   EXPECT_EQ(0, std::memcmp(batch.data(), relocated.data(), batch.size() * sizeof(float)));
 }
 
 TEST_P(PagedAttentionTest, BitIdenticalAcrossBatchThreadsAndPlacement) {
-  check_invariance(GetParam(), kPagedSegment);
+  for (const AttnIsa isa : isas()) check_invariance(GetParam(), kPagedSegment, isa);
 }
 
 // Rows of up to 3 segments of 32 positions (lengths 40 and 77), merged by whichever thread finishes last.
 TEST_P(PagedAttentionTest, SplitRowsBitIdenticalAcrossBatchThreadsAndPlacement) {
-  check_invariance(GetParam(), 32);
+  for (const AttnIsa isa : isas()) check_invariance(GetParam(), 32, isa);
 }
 
 // A prefill chunk: consecutive positions of one sequence (runs of rows that
@@ -240,17 +258,20 @@ TEST(PagedAttention, ChunkRowsShareTilesBitIdenticalToEachRowAlone) {
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (auto& x : q) x = 2.0f * nd(rng);
     ThreadPool pool(3);
-    for (const int64_t segment : {kPagedSegment, int64_t{48}}) {
-      std::vector<float> chunk(q.size()), alone(q.size()), want(q.size());
-      paged_attention(pool, s, st.view(), q.data(), chunk.data(), T, pos.data(), tables.data(), segment);
-      for (int64_t t = 0; t < T; ++t)
-        paged_attention(pool, s, st.view(), q.data() + t * width, alone.data() + t * width, 1,
-                        &pos[static_cast<size_t>(t)], &tables[static_cast<size_t>(t)], segment);
-      EXPECT_EQ(0, std::memcmp(chunk.data(), alone.data(), chunk.size() * sizeof(float)))
-          << dtype_name(dtype) << ", segment " << segment;
-      ref::paged_attention(s, st.view(), q.data(), want.data(), T, pos.data(), tables.data());
-      EXPECT_LT(max_rel_diff(chunk, want), 2e-6) << dtype_name(dtype) << ", segment " << segment;
-    }
+    for (const AttnIsa isa : isas())
+      for (const int64_t segment : {kPagedSegment, int64_t{48}}) {
+        std::vector<float> chunk(q.size()), alone(q.size()), want(q.size());
+        paged_attention(pool, s, st.view(), q.data(), chunk.data(), T, pos.data(), tables.data(), segment,
+                        isa);
+        for (int64_t t = 0; t < T; ++t)
+          paged_attention(pool, s, st.view(), q.data() + t * width, alone.data() + t * width, 1,
+                          &pos[static_cast<size_t>(t)], &tables[static_cast<size_t>(t)], segment, isa);
+        EXPECT_EQ(0, std::memcmp(chunk.data(), alone.data(), chunk.size() * sizeof(float)))
+            << dtype_name(dtype) << ", segment " << segment << ", " << isa_name(isa);
+        ref::paged_attention(s, st.view(), q.data(), want.data(), T, pos.data(), tables.data());
+        EXPECT_LT(max_rel_diff(chunk, want), 2e-6)
+            << dtype_name(dtype) << ", segment " << segment << ", " << isa_name(isa);
+      }
   }
 }
 
@@ -269,11 +290,73 @@ TEST(PagedAttention, LongRowInDefaultSegmentsMatchesReference) {
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (auto& x : q) x = 2.0f * nd(rng);
     ThreadPool pool(3);
-    std::vector<float> out(q.size()), want(q.size());
-    paged_attention(pool, s, st.view(), q.data(), out.data(), T, pos.data(), tables.data());
+    std::vector<float> want(q.size());
     ref::paged_attention(s, st.view(), q.data(), want.data(), T, pos.data(), tables.data());
-    EXPECT_LT(max_rel_diff(out, want), 2e-6) << dtype_name(dtype);
+    for (const AttnIsa isa : isas()) {
+      std::vector<float> out(q.size());
+      paged_attention(pool, s, st.view(), q.data(), out.data(), T, pos.data(), tables.data(), kPagedSegment,
+                      isa);
+      EXPECT_LT(max_rel_diff(out, want), 2e-6) << dtype_name(dtype) << ", " << isa_name(isa);
+    }
   }
+}
+
+// On AVX-512 a row of one segment gets the contiguous cache's attention bits
+// (ops.h, which every path computes as attend_row does) on the same keys and
+// values: decode rows, a prefill chunk, f32 and f16, head_dim 64 and 128.
+TEST(PagedAttention, OneSegmentRowsEqualContiguousAttentionBitForBitOnAvx512) {
+  if (!attention_isa_supported(AttnIsa::avx512)) GTEST_SKIP() << "no AVX-512 F on this CPU";
+  for (const DType dtype : {DType::f32, DType::f16})
+    for (const int64_t head_dim : {int64_t{64}, int64_t{128}}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + ", head_dim " + std::to_string(head_dim));
+      const AttentionShape s{12, 3, head_dim, 3 * head_dim};
+      std::mt19937 rng(static_cast<uint32_t>(5 + head_dim));
+      const int64_t len = 300;
+      const Store st = make_store(s, 16, dtype, {len}, rng);
+      // The sequence gathered into a contiguous cache of the same elements.
+      std::vector<float> k(static_cast<size_t>(len * s.kv_stride)), v(k.size());
+      for (int64_t p = 0; p < len; ++p)
+        for (int64_t g = 0; g < s.n_kv_heads; ++g)
+          for (int64_t i = 0; i < head_dim; ++i) {
+            const auto from = static_cast<size_t>(at(st, st.tables[0].data(), p, g) + i);
+            const auto to = static_cast<size_t>(p * s.kv_stride + g * head_dim + i);
+            k[to] = st.k[from];
+            v[to] = st.v[from];
+          }
+      std::vector<uint16_t> k16(k.size()), v16(v.size());
+      for (size_t i = 0; i < k.size(); ++i) {
+        k16[i] = fp32_to_fp16(k[i]);
+        v16[i] = fp32_to_fp16(v[i]);
+      }
+      const KvRows rows =
+          dtype == DType::f16 ? KvRows{k16.data(), v16.data(), dtype} : KvRows{k.data(), v.data(), dtype};
+      const int64_t width = s.n_heads * head_dim;
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      ThreadPool pool(2);
+      // Decode rows at several lengths (one at a time, as generate runs them),
+      // and a chunk of 40 rows (positions 260..299).
+      for (const int64_t p : {int64_t{0}, int64_t{1}, int64_t{16}, int64_t{37}, int64_t{299}}) {
+        std::vector<float> q(static_cast<size_t>(width)), paged(q.size()), contiguous(q.size());
+        for (auto& x : q) x = 2.0f * nd(rng);
+        const auto pos = static_cast<int32_t>(p);
+        const int32_t* table = st.tables[0].data();
+        paged_attention(pool, s, st.view(), q.data(), paged.data(), 1, &pos, &table, kPagedSegment,
+                        AttnIsa::avx512);
+        attention(pool, s, q.data(), rows, contiguous.data(), 1, &pos, nullptr);
+        EXPECT_EQ(0, std::memcmp(paged.data(), contiguous.data(), paged.size() * sizeof(float)))
+            << "position " << p;
+      }
+      const int64_t T = 40;
+      std::vector<int32_t> pos(static_cast<size_t>(T));
+      std::vector<const int32_t*> tables(static_cast<size_t>(T), st.tables[0].data());
+      for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(len - T + t);
+      std::vector<float> q(static_cast<size_t>(T * width)), paged(q.size()), contiguous(q.size());
+      for (auto& x : q) x = 2.0f * nd(rng);
+      paged_attention(pool, s, st.view(), q.data(), paged.data(), T, pos.data(), tables.data(), kPagedSegment,
+                      AttnIsa::avx512);
+      attention(pool, s, q.data(), rows, contiguous.data(), T, pos.data(), nullptr);
+      EXPECT_EQ(0, std::memcmp(paged.data(), contiguous.data(), paged.size() * sizeof(float))) << "chunk";
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedAttentionTest,

@@ -23,6 +23,23 @@ void attend_rows_avx512(const float* q, int rows, const float* kb, const float* 
 void attend_rows_avx512(const float* q, int rows, const uint16_t* kb, const uint16_t* vb, int64_t stride,
                         int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o);
 
+// Rows past the current key a paged row's score pass prefetches.
+constexpr int64_t kPagedPrefetchRows = 32;
+
+// attend_rows_avx512 on rows located one by one (a paged store's positions,
+// kernels/cpu/paged_attention.cpp): key / value p at kr[p] / vr[p], p < n;
+// kr and vr hold n + kPagedPrefetchRows readable pointers (the ones past n are
+// only prefetched).
+// With m == nullptr, o gets attend_rows_avx512's bits for the same rows
+// gathered. Otherwise (a segment of a longer row) o[r] gets the unnormalized
+// sums sum_p exp(s_p - m[r]) v_p, m[r] the largest score, l[r] the sum of the
+// exponentials, for the caller to merge segments.
+void paged_rows_avx512(const float* q, int rows, const float* const* kr, const float* const* vr, int64_t d,
+                       int64_t n, float scale, float* w, int64_t wstride, float* o, float* m, float* l);
+void paged_rows_avx512(const float* q, int rows, const uint16_t* const* kr, const uint16_t* const* vr,
+                       int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                       float* l);
+
 // Batches (prefill) read the keys of one KV head transposed, K^T[e * ldk + p] =
 // k[p * stride + e], 16 keys across the lanes of each FMA, which leaves one
 // reduction tree per 16 keys instead of a horizontal sum per key; the products,

@@ -42,17 +42,33 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// Where key or value row p is: rows at a fixed stride (a contiguous cache), or
+// one pointer per row (positions gathered from the blocks of a paged store).
+template <typename E>
+struct Strided {
+  using Elem = E;
+  const E* base;
+  int64_t stride;
+  const E* operator()(int64_t p) const { return base + p * stride; }
+};
+template <typename E>
+struct Gathered {
+  using Elem = E;
+  const E* const* rows;
+  const E* operator()(int64_t p) const { return rows[p]; }
+};
+
 // Scores of keys p .. p + 3 for R rows: w[r][p + j] = dot(q_r, k_{p+j}) * scale.
-template <int R, typename E>
-inline void scores4(const float* q, int64_t d, const E* k, int64_t stride, float scale, float* w, int64_t ws,
-                    int64_t p) {
+template <int R, class Rows>
+inline void scores4(const float* q, int64_t d, const Rows& k, float scale, float* w, int64_t ws, int64_t p) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  const E* kp = k + p * stride;
+  const typename Rows::Elem* kr[4];
+  for (int j = 0; j < 4; ++j) kr[j] = k(p + j);
   for (int64_t i = 0; i < d; i += 16) {
     __m512 kk[4];
-    for (int j = 0; j < 4; ++j) kk[j] = load16(kp + j * stride + i);
+    for (int j = 0; j < 4; ++j) kk[j] = load16(kr[j] + i);
     for (int r = 0; r < R; ++r) {
       const __m512 qv = _mm512_loadu_ps(q + r * d + i);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(qv, kk[j], acc[r][j]);
@@ -68,12 +84,11 @@ inline void scores4(const float* q, int64_t d, const E* k, int64_t stride, float
 }
 
 // One key (the n % 4 tail): simd::dot's arithmetic.
-template <int R, typename E>
-inline void scores1(const float* q, int64_t d, const E* k, int64_t stride, float scale, float* w, int64_t ws,
-                    int64_t p) {
+template <int R, class Rows>
+inline void scores1(const float* q, int64_t d, const Rows& k, float scale, float* w, int64_t ws, int64_t p) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const E* kp = k + p * stride;
+  const typename Rows::Elem* kp = k(p);
   for (int64_t i = 0; i < d; i += 16) {
     const __m512 kk = load16(kp + i);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * d + i), kk, acc[r]);
@@ -81,9 +96,10 @@ inline void scores1(const float* q, int64_t d, const E* k, int64_t stride, float
   for (int r = 0; r < R; ++r) w[r * ws + p] = hsum(fold(acc[r])) * scale;
 }
 
-// Replaces scores by exp(score - max) in place and returns 1 / their sum, the
-// sum taken in 8-lane steps then hsum then the scalar tail, as the AVX2 loop does.
-inline float softmax_weights(float* w, int64_t n) {
+// Replaces scores by exp(score - max) in place and returns their sum, taken in
+// 8-lane steps then hsum then the scalar tail, as the AVX2 loop does; the max
+// goes to *max_out.
+inline float softmax_exp(float* w, int64_t n, float* max_out) {
   __m512 vmx = _mm512_set1_ps(-INFINITY);
   int64_t p = 0;
   for (; p + 16 <= n; p += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(w + p));
@@ -112,22 +128,32 @@ inline float softmax_weights(float* w, int64_t n) {
     w[p] = std::exp(w[p] - mx);
     sum += w[p];
   }
-  return 1.0f / sum;
+  *max_out = mx;
+  return sum;
+}
+
+// softmax_exp, returning 1 / the sum (the AVX2 loop's factor).
+inline float softmax_weights(float* w, int64_t n) {
+  float mx;
+  return 1.0f / softmax_exp(w, n, &mx);
 }
 
 // o[r][c0 .. c0 + 16 C) = sum_j a[r][j] v_j, one FMA chain per lane in j order;
 // a[r][j] = w[r][j] * inv[r], already in w (normalize).
-template <int R, int C, bool kPrefetch = false, typename E>
-inline void weighted_sum(const float* a, int64_t ws, const E* v, int64_t stride, int64_t n, float* o,
-                         int64_t d, int64_t c0) {
+// kPrefetch (strided rows only): rows kDecodePrefetchRows ahead are requested.
+template <int R, int C, bool kPrefetch = false, class Rows>
+inline void weighted_sum(const float* a, int64_t ws, const Rows& v, int64_t n, float* o, int64_t d,
+                         int64_t c0) {
+  using E = typename Rows::Elem;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const E* vj = v + j * stride + c0;
+    const E* vj = v(j) + c0;
     if constexpr (kPrefetch)  // one request per 64 bytes of the row's columns
       for (int c = 0; c < C; c += 4 / static_cast<int>(sizeof(E)))
-        _mm_prefetch(reinterpret_cast<const char*>(vj + kDecodePrefetchRows * stride + 16 * c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vj + kDecodePrefetchRows * v.stride + 16 * c),
+                     _MM_HINT_T0);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vj + 16 * c);
     for (int r = 0; r < R; ++r) {
@@ -146,35 +172,46 @@ inline void normalize(float* w, int64_t n, float inv) {
   for (int64_t p = 0; p < n; p += 16) _mm512_storeu_ps(w + p, _mm512_mul_ps(_mm512_loadu_ps(w + p), m));
 }
 
-// Scores in w (R rows of n) to outputs: softmax, then the weighted sums of V.
-template <int R, typename E>
-void softmax_and_sum(float* w, int64_t ws, const E* vb, int64_t stride, int64_t d, int64_t n, float* o) {
-  for (int r = 0; r < R; ++r) normalize(w + r * ws, n, softmax_weights(w + r * ws, n));
+// o[r] = sum_j w[r][j] v_j for R rows of weights, 64 columns a pass.
+template <int R, class Rows>
+void weighted_sums(const float* w, int64_t ws, const Rows& v, int64_t d, int64_t n, float* o) {
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     switch ((d - c0) / 16) {
       case 1:
-        weighted_sum<R, 1>(w, ws, vb, stride, n, o, d, c0);
+        weighted_sum<R, 1>(w, ws, v, n, o, d, c0);
         break;
       case 2:
-        weighted_sum<R, 2>(w, ws, vb, stride, n, o, d, c0);
+        weighted_sum<R, 2>(w, ws, v, n, o, d, c0);
         break;
       case 3:
-        weighted_sum<R, 3>(w, ws, vb, stride, n, o, d, c0);
+        weighted_sum<R, 3>(w, ws, v, n, o, d, c0);
         break;
       default:
-        weighted_sum<R, 4>(w, ws, vb, stride, n, o, d, c0);
+        weighted_sum<R, 4>(w, ws, v, n, o, d, c0);
         break;
     }
   }
 }
 
-template <int R, typename E>
-void attend_chunk(const float* q, const E* kb, const E* vb, int64_t stride, int64_t d, int64_t n, float scale,
-                  float* w, int64_t ws, float* o) {
+// Scores in w (R rows of n) to outputs: softmax, then the weighted sums of V.
+template <int R, class Rows>
+void softmax_and_sum(float* w, int64_t ws, const Rows& v, int64_t d, int64_t n, float* o) {
+  for (int r = 0; r < R; ++r) normalize(w + r * ws, n, softmax_weights(w + r * ws, n));
+  weighted_sums<R>(w, ws, v, d, n, o);
+}
+
+template <int R, class Rows>
+void scores(const float* q, int64_t d, const Rows& k, int64_t n, float scale, float* w, int64_t ws) {
   int64_t p = 0;
-  for (; p + 4 <= n; p += 4) scores4<R>(q, d, kb, stride, scale, w, ws, p);
-  for (; p < n; ++p) scores1<R>(q, d, kb, stride, scale, w, ws, p);
-  softmax_and_sum<R>(w, ws, vb, stride, d, n, o);
+  for (; p + 4 <= n; p += 4) scores4<R>(q, d, k, scale, w, ws, p);
+  for (; p < n; ++p) scores1<R>(q, d, k, scale, w, ws, p);
+}
+
+template <int R, class Rows>
+void attend_chunk(const float* q, const Rows& k, const Rows& v, int64_t d, int64_t n, float scale, float* w,
+                  int64_t ws, float* o) {
+  scores<R>(q, d, k, n, scale, w, ws);
+  softmax_and_sum<R>(w, ws, v, d, n, o);
 }
 
 // The lane pair (l, l + 8) of scores4's zmm chains for R rows and B blocks of
@@ -249,14 +286,15 @@ void attend_chunk_kt(const float* q, const float* kt, int64_t ldk, const float* 
   if constexpr (R <= 2)
     for (; p + 32 <= n; p += 32) scores_kt<R, 2, M>(q, kt + p, ldk, scale, w, ws, p);
   for (; p < n; p += 16) scores_kt<R, 1, M>(q, kt + p, ldk, scale, w, ws, p);
-  softmax_and_sum<R>(w, ws, vb, stride, 16 * M, n, o);
+  softmax_and_sum<R>(w, ws, Strided<float>{vb, stride}, 16 * M, n, o);
 }
 
 template <typename E>
 void attend_rows(const float* q, int rows, const E* kb, const E* vb, int64_t stride, int64_t d, int64_t n,
                  float scale, float* w, int64_t wstride, float* o) {
   visit_row_passes(rows, [&]<int R>(int r0) {
-    attend_chunk<R>(q + r0 * d, kb, vb, stride, d, n, scale, w, wstride, o + r0 * d);
+    attend_chunk<R>(q + r0 * d, Strided<E>{kb, stride}, Strided<E>{vb, stride}, d, n, scale, w, wstride,
+                    o + r0 * d);
   });
 }
 
@@ -280,14 +318,14 @@ void decode_scores(const float* q, int64_t n_heads, int64_t group, const E* k, i
             _mm_prefetch(ahead + 64 * b, _MM_HINT_T0);
         ++pass;
         const int64_t h = g * group + r0;
-        scores4<R>(q + h * d, d, k + g * d, stride, scale, w + h * ws, ws, p);
+        scores4<R>(q + h * d, d, Strided<E>{k + g * d, stride}, scale, w + h * ws, ws, p);
       });
   }
   for (; p < p1; ++p)
     for (int64_t g = 0; g < n_heads / group; ++g)
       visit_row_passes(static_cast<int>(group), [&]<int R>(int r0) {
         const int64_t h = g * group + r0;
-        scores1<R>(q + h * d, d, k + g * d, stride, scale, w + h * ws, ws, p);
+        scores1<R>(q + h * d, d, Strided<E>{k + g * d, stride}, scale, w + h * ws, ws, p);
       });
 }
 
@@ -299,13 +337,58 @@ void decode_weighted_sums(const float* a, int rows, int64_t ws, const E* v, int6
     float* orow = o + r0 * d;
     int64_t c = c0;
     // Each V line is read once for the R rows; up to 4 x 4 sums and 4 V lines in 32 registers.
-    for (; c + 64 <= c1; c += 64) weighted_sum<R, 4, true>(ar, ws, v, stride, n, orow, d, c);
-    if (c + 32 <= c1) weighted_sum<R, 2, true>(ar, ws, v, stride, n, orow, d, c), c += 32;
-    if (c + 16 <= c1) weighted_sum<R, 1, true>(ar, ws, v, stride, n, orow, d, c);
+    const Strided<E> vr{v, stride};
+    for (; c + 64 <= c1; c += 64) weighted_sum<R, 4, true>(ar, ws, vr, n, orow, d, c);
+    if (c + 32 <= c1) weighted_sum<R, 2, true>(ar, ws, vr, n, orow, d, c), c += 32;
+    if (c + 16 <= c1) weighted_sum<R, 1, true>(ar, ws, vr, n, orow, d, c);
+  });
+}
+
+// The scores of a paged row's first pass of heads, requesting the key and value
+// rows kPagedPrefetchRows ahead: a paged store's blocks lie anywhere, so the
+// hardware's stream prefetchers stop at each block's end.
+template <int R, typename E>
+void paged_scores(const float* q, int64_t d, const Gathered<E>& k, const Gathered<E>& v, int64_t n,
+                  float scale, float* w, int64_t ws) {
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(E));
+  int64_t p = 0;
+  for (; p + 4 <= n; p += 4) {
+    for (int64_t j = p + kPagedPrefetchRows; j < p + kPagedPrefetchRows + 4; ++j)
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k(j)) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v(j)) + b, _MM_HINT_T0);
+      }
+    scores4<R>(q, d, k, scale, w, ws, p);
+  }
+  for (; p < n; ++p) scores1<R>(q, d, k, scale, w, ws, p);
+}
+
+template <typename E>
+void paged_rows(const float* q, int rows, const E* const* kr, const E* const* vr, int64_t d, int64_t n,
+                float scale, float* w, int64_t wstride, float* o, float* m, float* l) {
+  const Gathered<E> k{kr}, v{vr};
+  visit_row_passes(rows, [&]<int R>(int r0) {
+    if (r0 == 0)
+      paged_scores<R>(q, d, k, v, n, scale, w, wstride);
+    else
+      scores<R>(q + r0 * d, d, k, n, scale, w, wstride);
+    if (m == nullptr) return softmax_and_sum<R>(w, wstride, v, d, n, o + r0 * d);
+    for (int r = 0; r < R; ++r) l[r0 + r] = softmax_exp(w + r * wstride, n, &m[r0 + r]);
+    weighted_sums<R>(w, wstride, v, d, n, o + r0 * d);
   });
 }
 
 }  // namespace
+
+void paged_rows_avx512(const float* q, int rows, const float* const* kr, const float* const* vr, int64_t d,
+                       int64_t n, float scale, float* w, int64_t wstride, float* o, float* m, float* l) {
+  paged_rows(q, rows, kr, vr, d, n, scale, w, wstride, o, m, l);
+}
+void paged_rows_avx512(const float* q, int rows, const uint16_t* const* kr, const uint16_t* const* vr,
+                       int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                       float* l) {
+  paged_rows(q, rows, kr, vr, d, n, scale, w, wstride, o, m, l);
+}
 
 void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
                            int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,

@@ -382,14 +382,6 @@ void attention_train_reserve(AttnTrainScratch& sc, const AttnTrainScratchSize& z
   sc.floats.reserve(z.floats);
 }
 
-bool attention_isa_supported(AttnIsa isa) {
-  return isa == AttnIsa::avx2 || cpu_features().has_avx512_f32();
-}
-
-AttnIsa default_attention_isa() {
-  return usable_cpu_features().has_avx512_f32() ? AttnIsa::avx512 : AttnIsa::avx2;
-}
-
 void attention_forward_train(ThreadPool& pool, const AttnTrainOptions& opt, float* out, float* lse, const float* q,
                              const float* k, const float* v, const AttentionShape& s, int64_t T,
                              const int32_t* seq_start, AttnTrainScratch& sc) {

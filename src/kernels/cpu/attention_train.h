@@ -15,18 +15,12 @@
 #include <vector>
 
 #include "core/thread_pool.h"
+#include "kernels/cpu/attention_isa.h"
 #include "kernels/cpu/attention_train_tiles.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/scratch.h"
 
 namespace loom {
-
-enum class AttnIsa { avx2, avx512 };
-
-// The ISA the plain entry points use: AVX-512 where the CPU has AVX-512 F (the
-// f32 kernels need nothing else), unless LOOM_CPU=avx2.
-AttnIsa default_attention_isa();
-bool attention_isa_supported(AttnIsa isa);
 
 struct AttnTrainOptions {
   AttnIsa isa = default_attention_isa();  // throws Error(unsupported) if the CPU lacks it

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/scratch.h"
 #include "kernels/cpu/simd_avx2.h"
 #include "kernels/cpu/simd_rows.h"
@@ -242,10 +243,23 @@ struct WorkItem {
 // Rows of one sequence per work item at most: their softmax states stay on the stack.
 constexpr int64_t kMaxRun = 32;
 
+// A thread's buffers on the AVX-512 path: an item's key and value rows, located
+// once for all its rows, and the scores of a pass of query heads.
+template <typename E>
+struct PagedScratch {
+  std::vector<const E*> k, v;
+  std::vector<float> w;
+  PagedScratch(int64_t span, int64_t scores)
+      : k(static_cast<size_t>(span + cpu::kPagedPrefetchRows)),
+        v(static_cast<size_t>(span + cpu::kPagedPrefetchRows)),
+        w(static_cast<size_t>(scores)) {}
+};
+
 }  // namespace
 
 void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& kv, const float* q, float* out,
-                     int64_t T, const int32_t* pos, const int32_t* const* tables, int64_t segment) {
+                     int64_t T, const int32_t* pos, const int32_t* const* tables, int64_t segment,
+                     AttnIsa isa) {
   LOOM_ASSERT(s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0 && kv.block_size > 0);
   LOOM_ASSERT(segment > 0 && segment % kTile == 0);
   const Unit u{s, kv, s.n_heads / s.n_kv_heads, 1.0f / std::sqrt(static_cast<float>(s.head_dim))};
@@ -286,6 +300,45 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
     return Partial{base, base + G * d, base + G * d + G};
   };
   const bool f16 = kv.dtype == DType::f16;
+  const bool avx512 = isa == AttnIsa::avx512 && cpu::attend_rows_avx512_supports(d);
+  LOOM_ASSERT(attention_isa_supported(isa));
+  // A row's merge, by the last of its segments to finish (acq_rel: it sees the others' partials).
+  auto segment_done = [&](int64_t t, int64_t g) {
+    const int64_t ns = n_seg[static_cast<size_t>(t)];
+    if (done[static_cast<size_t>(t * n_kv + g)].fetch_add(1, std::memory_order_acq_rel) + 1 == ns)
+      merge_segments(
+          u, [&](int64_t i) { return partial(t, g, i); }, ns, out + (t * s.n_heads + g * G) * d);
+  };
+  // AVX-512: each row of the item over the item's positions, located once for all rows.
+  int64_t max_span = 0;
+  for (int64_t t = 0; t < T; ++t) max_span = std::max(max_span, std::min(int64_t{pos[t]} + 1, segment));
+  const int64_t wstride = max_span + 16;
+  auto run_item_avx512 = [&]<typename E>(const WorkItem& w, PagedScratch<E>& sc) {
+    const int64_t p0 = w.seg * segment;
+    int64_t p_end = p0;
+    for (int64_t t = w.t0; t < w.t1; ++t)
+      p_end = std::max(p_end, std::min(int64_t{pos[t]} + 1, p0 + segment));
+    RowCursor at{tables[w.t0], w.g, n_kv, kv.block_size, d, p0};
+    for (int64_t p = p0; p < p_end; ++p, at.next()) {
+      sc.k[static_cast<size_t>(p - p0)] = static_cast<const E*>(kv.k) + at.offset();
+      sc.v[static_cast<size_t>(p - p0)] = static_cast<const E*>(kv.v) + at.offset();
+    }
+    // The prefetch distance past the last row: the last row again (already read).
+    std::fill_n(sc.k.begin() + (p_end - p0), cpu::kPagedPrefetchRows,
+                sc.k[static_cast<size_t>(p_end - p0 - 1)]);
+    std::fill_n(sc.v.begin() + (p_end - p0), cpu::kPagedPrefetchRows,
+                sc.v[static_cast<size_t>(p_end - p0 - 1)]);
+    for (int64_t t = w.t0; t < w.t1; ++t) {
+      const int64_t ns = n_seg[static_cast<size_t>(t)];
+      if (ns <= w.seg) continue;  // ends in an earlier segment
+      const int64_t n = std::min(int64_t{pos[t]} + 1, p0 + segment) - p0;
+      const Partial pt =
+          ns == 1 ? Partial{out + (t * s.n_heads + w.g * G) * d, nullptr, nullptr} : partial(t, w.g, w.seg);
+      cpu::paged_rows_avx512(q + (t * s.n_heads + w.g * G) * d, static_cast<int>(G), sc.k.data(), sc.v.data(),
+                             d, n, u.scale, sc.w.data(), wstride, pt.o, pt.m, pt.l);
+      if (ns > 1) segment_done(t, w.g);
+    }
+  };
   auto run_item = [&](const WorkItem& w) {
     const int64_t p0 = w.seg * segment;
     HeadState st[kMaxRun][kMaxGroup];
@@ -320,20 +373,27 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
         pt.m[h] = hs[h].m;
         pt.l[h] = hs[h].l;
       }
-      // The last of the row's segments to finish merges them (acq_rel: it sees the others' partials).
-      if (done[static_cast<size_t>(t * n_kv + w.g)].fetch_add(1, std::memory_order_acq_rel) + 1 == ns)
-        merge_segments(
-            u, [&](int64_t i) { return partial(t, w.g, i); }, ns, og);
+      segment_done(t, w.g);
     }
   };
   // Units differ in cost (context lengths differ), so threads take them one by
   // one; which thread computes a unit does not change its result.
   std::atomic<int64_t> next{0};
   const auto n_items = static_cast<int64_t>(items.size());
-  pool.run([&](int, int) {
+  auto run_items = [&](auto&& run) {
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n_items;
          i = next.fetch_add(1, std::memory_order_relaxed))
-      run_item(items[static_cast<size_t>(i)]);
+      run(items[static_cast<size_t>(i)]);
+  };
+  const int64_t w_floats = std::min(G, int64_t{4}) * wstride;  // paged_rows_avx512 takes heads 4 at a time
+  pool.run([&](int, int) {
+    if (!avx512) return run_items(run_item);
+    if (f16) {
+      PagedScratch<uint16_t> sc(max_span, w_floats);
+      return run_items([&](const WorkItem& w) { run_item_avx512(w, sc); });
+    }
+    PagedScratch<float> sc(max_span, w_floats);
+    run_items([&](const WorkItem& w) { run_item_avx512(w, sc); });
   });
 }
 

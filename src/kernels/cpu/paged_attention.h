@@ -7,6 +7,7 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
+#include "kernels/cpu/attention_isa.h"
 #include "kernels/shapes.h"
 
 namespace loom {
@@ -20,8 +21,7 @@ namespace loom {
 // store is read (other slots may hold anything, NaN included).
 //
 // Each (row, kv head) is one unit of work, computed by one thread in a fixed
-// order (an online softmax over tiles of 16 positions counted from position
-// 0). A row longer than `segment` positions (a multiple of 16) is split into
+// order. A row longer than `segment` positions (a multiple of 16) is split into
 // segments of that many, one unit each, whose partial softmax sums are then
 // merged in segment order (flash-decoding's split; vLLM's PagedAttention v2
 // partitions of 512): one long sequence then keeps every thread busy instead
@@ -29,9 +29,16 @@ namespace loom {
 // share each tile's reads, each row computing it as it would alone. The split
 // depends on the row's length alone, so out row t is bit-identical whatever
 // the thread count, the other rows of the batch, or the physical blocks are.
+//
+// On AVX-512 (head_dim a multiple of 16) each unit scores its positions, takes
+// their softmax, then the weighted sums of V (attention_rows.h's kernels on rows
+// located through the block table): a row in one segment gets the bits of the
+// contiguous cache's attention (ops.h) on the same keys and values. The AVX2
+// kernel keeps an online softmax over tiles of 16 positions. The two ISAs may
+// differ in the last bits; each is deterministic as above.
 inline constexpr int64_t kPagedSegment = 512;
 void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& kv, const float* q, float* out,
                      int64_t T, const int32_t* pos, const int32_t* const* tables,
-                     int64_t segment = kPagedSegment);
+                     int64_t segment = kPagedSegment, AttnIsa isa = default_attention_isa());
 
 }  // namespace loom
