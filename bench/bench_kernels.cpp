@@ -310,10 +310,13 @@ void run_loss(benchmark::State& state, bool count) {
 // reading V once for all heads of the group, were no faster.
 // One long row (rows = 1) is split into segments of `segment` positions
 // (paged_attention.h); `unsplit` runs it as one unit per kv head, as before the split.
+// chunk: the rows are one sequence's last `rows` positions of `ctx` (a prefill
+// chunk), not `rows` sequences.
 void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx, bool cold, int64_t rows,
-                         int threads, int64_t segment) {
+                         int threads, int64_t segment, bool chunk) {
   const AttentionShape s{9, 3, 64, 3 * 64};
-  const int64_t bs = 16, per_seq = (ctx + bs - 1) / bs, n_blocks = rows * per_seq;
+  const int64_t n_seqs = chunk ? 1 : rows;
+  const int64_t bs = 16, per_seq = (ctx + bs - 1) / bs, n_blocks = n_seqs * per_seq;
   const int64_t block_elems = bs * s.n_kv_heads * s.head_dim;
   std::mt19937 rng(kSeed);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -339,7 +342,12 @@ void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx, b
   std::shuffle(ids.begin(), ids.end(), rng);
   std::vector<const int32_t*> tables(static_cast<size_t>(rows));
   std::vector<int32_t> pos(static_cast<size_t>(rows), static_cast<int32_t>(ctx - 1));
-  for (int64_t r = 0; r < rows; ++r) tables[static_cast<size_t>(r)] = ids.data() + r * per_seq;
+  double keys = 0;  // summed over the rows
+  for (int64_t r = 0; r < rows; ++r) {
+    tables[static_cast<size_t>(r)] = ids.data() + (chunk ? 0 : r) * per_seq;
+    if (chunk) pos[static_cast<size_t>(r)] = static_cast<int32_t>(ctx - rows + r);
+    keys += pos[static_cast<size_t>(r)] + 1;
+  }
   std::vector<float> q(static_cast<size_t>(rows * s.n_heads * s.head_dim)), out(q.size());
   for (auto& x : q) x = dist(rng);
   const PagedKv kv{k, v, bs, kv_dtype};
@@ -360,7 +368,7 @@ void run_paged_attention(benchmark::State& state, DType kv_dtype, int64_t ctx, b
     benchmark::DoNotOptimize(out.data());
   }
   benchmark::DoNotOptimize(sum);
-  const double flops = 4.0 * static_cast<double>(rows * s.n_heads * s.head_dim * ctx);
+  const double flops = 4.0 * static_cast<double>(s.n_heads * s.head_dim) * keys;
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -368,11 +376,16 @@ void register_paged_attention() {
   for (const DType kv : {DType::f16, DType::f32}) {
     const std::string name = fmt::format("PagedAttention/decode16_ctx288_{}/t1", dtype_name(kv));
     benchmark::RegisterBenchmark(name.c_str(), run_paged_attention, kv, int64_t{288}, false, int64_t{16}, 1,
-                                 kPagedSegment)
+                                 kPagedSegment, false)
         ->Unit(benchmark::kMicrosecond);
   }
   benchmark::RegisterBenchmark("PagedAttention/decode16_ctx512_f16_cold/t1", run_paged_attention, DType::f16,
-                               int64_t{512}, true, int64_t{16}, 1, kPagedSegment)
+                               int64_t{512}, true, int64_t{16}, 1, kPagedSegment, false)
+      ->Unit(benchmark::kMicrosecond);
+  // A prefill chunk: positions 256..511 of one sequence (the second chunk of a
+  // 512-token prompt at the default --max-batch-tokens), in cache.
+  benchmark::RegisterBenchmark("PagedAttention/chunk256_ctx512_f16/t1", run_paged_attention, DType::f16,
+                               int64_t{512}, false, int64_t{256}, 1, kPagedSegment, true)
       ->Unit(benchmark::kMicrosecond);
   // One sequence of 4,096 positions: in 8 segments x 3 kv heads (one and two
   // threads), and unsplit (3 units, one per kv head) on two.
@@ -382,7 +395,7 @@ void register_paged_attention() {
   for (const auto& [suffix, segment, threads] : long_row) {
     const std::string name = fmt::format("PagedAttention/decode1_ctx4096_f16_cold{}/t{}", suffix, threads);
     benchmark::RegisterBenchmark(name.c_str(), run_paged_attention, DType::f16, int64_t{4096}, true,
-                                 int64_t{1}, threads, segment)
+                                 int64_t{1}, threads, segment, false)
         ->Unit(benchmark::kMicrosecond)
         ->UseRealTime();
   }

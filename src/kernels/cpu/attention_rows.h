@@ -40,6 +40,20 @@ void paged_rows_avx512(const float* q, int rows, const uint16_t* const* kr, cons
                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
                        float* l);
 
+// Rows of a prefill chunk in a paged store (many rows over the same positions):
+// keys from K^T as attend_rows_kt_avx512 reads them, values at vr[p], and the
+// output as paged_rows_avx512's (the same bits, m == nullptr or not).
+void paged_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* const* vr,
+                          int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                          float* l);
+void paged_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const uint16_t* const* vr,
+                          int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                          float* l);
+// kt[e * ldk + p] = rows[p][e] widened to f32, for e < d (a multiple of 16) and
+// p < round_up(n, 16): rows holds that many readable pointers.
+void transpose_rows_avx512(const float* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk);
+void transpose_rows_avx512(const uint16_t* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk);
+
 // Batches (prefill) read the keys of one KV head transposed, K^T[e * ldk + p] =
 // k[p * stride + e], 16 keys across the lanes of each FMA, which leaves one
 // reduction tree per 16 keys instead of a horizontal sum per key; the products,

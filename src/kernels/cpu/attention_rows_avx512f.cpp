@@ -278,15 +278,31 @@ inline void scores_kt(const float* q, const float* kt, int64_t ldk, float scale,
       _mm512_storeu_ps(w + r * ws + p + 16 * j, _mm512_mul_ps(_mm512_add_ps(x[r][j], y[r][j]), sc));
 }
 
-// Two blocks of keys a pass where the rows are few (more independent chains).
+// Scores of keys [0, n) from K^T: two blocks of keys a pass where the rows are
+// few (more independent chains).
 template <int R, int M>
-void attend_chunk_kt(const float* q, const float* kt, int64_t ldk, const float* vb, int64_t stride, int64_t n,
-                     float scale, float* w, int64_t ws, float* o) {
+void scores_from_kt(const float* q, const float* kt, int64_t ldk, int64_t n, float scale, float* w,
+                    int64_t ws) {
   int64_t p = 0;
   if constexpr (R <= 2)
     for (; p + 32 <= n; p += 32) scores_kt<R, 2, M>(q, kt + p, ldk, scale, w, ws, p);
   for (; p < n; p += 16) scores_kt<R, 1, M>(q, kt + p, ldk, scale, w, ws, p);
+}
+
+template <int R, int M>
+void attend_chunk_kt(const float* q, const float* kt, int64_t ldk, const float* vb, int64_t stride, int64_t n,
+                     float scale, float* w, int64_t ws, float* o) {
+  scores_from_kt<R, M>(q, kt, ldk, n, scale, w, ws);
   softmax_and_sum<R>(w, ws, Strided<float>{vb, stride}, 16 * M, n, o);
+}
+
+// Scores in w to a paged row's outputs: normalized (m == nullptr), or a
+// segment's unnormalized sums with each row's max and sum of exponentials.
+template <int R, class Rows>
+void finish_paged(float* w, int64_t ws, const Rows& v, int64_t d, int64_t n, float* o, float* m, float* l) {
+  if (m == nullptr) return softmax_and_sum<R>(w, ws, v, d, n, o);
+  for (int r = 0; r < R; ++r) l[r] = softmax_exp(w + r * ws, n, &m[r]);
+  weighted_sums<R>(w, ws, v, d, n, o);
 }
 
 template <typename E>
@@ -372,10 +388,57 @@ void paged_rows(const float* q, int rows, const E* const* kr, const E* const* vr
       paged_scores<R>(q, d, k, v, n, scale, w, wstride);
     else
       scores<R>(q + r0 * d, d, k, n, scale, w, wstride);
-    if (m == nullptr) return softmax_and_sum<R>(w, wstride, v, d, n, o + r0 * d);
-    for (int r = 0; r < R; ++r) l[r0 + r] = softmax_exp(w + r * wstride, n, &m[r0 + r]);
-    weighted_sums<R>(w, wstride, v, d, n, o + r0 * d);
+    finish_paged<R>(w, wstride, v, d, n, o + r0 * d, m ? m + r0 : nullptr, m ? l + r0 : nullptr);
   });
+}
+
+template <typename E>
+void paged_rows_kt(const float* q, int rows, const float* kt, int64_t ldk, const E* const* vr, int64_t d,
+                   int64_t n, float scale, float* w, int64_t wstride, float* o, float* m, float* l) {
+  const Gathered<E> v{vr};
+  visit_head_blocks(d, [&]<int M>() {
+    visit_row_passes(rows, [&]<int R>(int r0) {
+      scores_from_kt<R, M>(q + r0 * d, kt, ldk, n, scale, w, wstride);
+      finish_paged<R>(w, wstride, v, d, n, o + r0 * d, m ? m + r0 : nullptr, m ? l + r0 : nullptr);
+    });
+  });
+}
+
+// 16 x 16 floats transposed in registers: x[i] lane j -> x[j] lane i.
+inline void transpose16(__m512 (&x)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  // Lanes of 4 now hold 4 x 4 blocks transposed; gather the blocks.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    x[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+  }
+}
+
+template <typename E>
+void transpose_rows(const E* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk) {
+  for (int64_t p = 0; p < n; p += 16)
+    for (int64_t e = 0; e < d; e += 16) {
+      __m512 x[16];
+      for (int j = 0; j < 16; ++j) x[j] = load16(rows[p + j] + e);
+      transpose16(x);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (e + i) * ldk + p, x[i]);
+    }
 }
 
 }  // namespace
@@ -388,6 +451,24 @@ void paged_rows_avx512(const float* q, int rows, const uint16_t* const* kr, cons
                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
                        float* l) {
   paged_rows(q, rows, kr, vr, d, n, scale, w, wstride, o, m, l);
+}
+
+void paged_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* const* vr,
+                          int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                          float* l) {
+  paged_rows_kt(q, rows, kt, ldk, vr, d, n, scale, w, wstride, o, m, l);
+}
+void paged_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const uint16_t* const* vr,
+                          int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                          float* l) {
+  paged_rows_kt(q, rows, kt, ldk, vr, d, n, scale, w, wstride, o, m, l);
+}
+
+void transpose_rows_avx512(const float* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk) {
+  transpose_rows(rows, n, d, kt, ldk);
+}
+void transpose_rows_avx512(const uint16_t* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk) {
+  transpose_rows(rows, n, d, kt, ldk);
 }
 
 void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,

@@ -248,12 +248,17 @@ constexpr int64_t kMaxRun = 32;
 template <typename E>
 struct PagedScratch {
   std::vector<const E*> k, v;
-  std::vector<float> w;
-  PagedScratch(int64_t span, int64_t scores)
+  std::vector<float> w, kt;  // kt: K^T of an item's keys, when its rows are many
+  PagedScratch(int64_t span, int64_t scores, int64_t kt_floats)
       : k(static_cast<size_t>(span + cpu::kPagedPrefetchRows)),
         v(static_cast<size_t>(span + cpu::kPagedPrefetchRows)),
-        w(static_cast<size_t>(scores)) {}
+        w(static_cast<size_t>(scores)),
+        kt(static_cast<size_t>(kt_floats)) {}
 };
+
+// Rows of one item from which its keys are read transposed: the transpose
+// costs about what one row's scores do (ops.cpp's kKeysTransposedMinT).
+constexpr int64_t kPagedKeysTransposedMinRows = 16;
 
 }  // namespace
 
@@ -313,6 +318,9 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
   int64_t max_span = 0;
   for (int64_t t = 0; t < T; ++t) max_span = std::max(max_span, std::min(int64_t{pos[t]} + 1, segment));
   const int64_t wstride = max_span + 16;
+  const int64_t ldk = (max_span + 15) / 16 * 16 + 16;  // K^T columns: round_up(n, 16) are read
+  bool any_chunk = false;
+  for (const WorkItem& w : items) any_chunk |= w.t1 - w.t0 >= kPagedKeysTransposedMinRows;
   auto run_item_avx512 = [&]<typename E>(const WorkItem& w, PagedScratch<E>& sc) {
     const int64_t p0 = w.seg * segment;
     int64_t p_end = p0;
@@ -328,14 +336,25 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
                 sc.k[static_cast<size_t>(p_end - p0 - 1)]);
     std::fill_n(sc.v.begin() + (p_end - p0), cpu::kPagedPrefetchRows,
                 sc.v[static_cast<size_t>(p_end - p0 - 1)]);
+    int64_t n_rows = 0;
+    for (int64_t t = w.t0; t < w.t1; ++t) n_rows += n_seg[static_cast<size_t>(t)] > w.seg;
+    // Many rows over the same keys (a prefill chunk) read them transposed, as
+    // ops.h's batches do: one reduction tree per 16 keys, not a sum per key.
+    const bool kt = n_rows >= kPagedKeysTransposedMinRows && cpu::attend_rows_kt_supports(d);
+    if (kt) cpu::transpose_rows_avx512(sc.k.data(), p_end - p0, d, sc.kt.data(), ldk);
     for (int64_t t = w.t0; t < w.t1; ++t) {
       const int64_t ns = n_seg[static_cast<size_t>(t)];
       if (ns <= w.seg) continue;  // ends in an earlier segment
       const int64_t n = std::min(int64_t{pos[t]} + 1, p0 + segment) - p0;
       const Partial pt =
           ns == 1 ? Partial{out + (t * s.n_heads + w.g * G) * d, nullptr, nullptr} : partial(t, w.g, w.seg);
-      cpu::paged_rows_avx512(q + (t * s.n_heads + w.g * G) * d, static_cast<int>(G), sc.k.data(), sc.v.data(),
-                             d, n, u.scale, sc.w.data(), wstride, pt.o, pt.m, pt.l);
+      const float* qg = q + (t * s.n_heads + w.g * G) * d;
+      if (kt)
+        cpu::paged_rows_kt_avx512(qg, static_cast<int>(G), sc.kt.data(), ldk, sc.v.data(), d, n, u.scale,
+                                  sc.w.data(), wstride, pt.o, pt.m, pt.l);
+      else
+        cpu::paged_rows_avx512(qg, static_cast<int>(G), sc.k.data(), sc.v.data(), d, n, u.scale, sc.w.data(),
+                               wstride, pt.o, pt.m, pt.l);
       if (ns > 1) segment_done(t, w.g);
     }
   };
@@ -386,13 +405,14 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
       run(items[static_cast<size_t>(i)]);
   };
   const int64_t w_floats = std::min(G, int64_t{4}) * wstride;  // paged_rows_avx512 takes heads 4 at a time
+  const int64_t kt_floats = any_chunk ? d * ldk : 0;
   pool.run([&](int, int) {
     if (!avx512) return run_items(run_item);
     if (f16) {
-      PagedScratch<uint16_t> sc(max_span, w_floats);
+      PagedScratch<uint16_t> sc(max_span, w_floats, kt_floats);
       return run_items([&](const WorkItem& w) { run_item_avx512(w, sc); });
     }
-    PagedScratch<float> sc(max_span, w_floats);
+    PagedScratch<float> sc(max_span, w_floats, kt_floats);
     run_items([&](const WorkItem& w) { run_item_avx512(w, sc); });
   });
 }
