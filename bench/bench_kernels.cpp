@@ -303,11 +303,11 @@ void run_loss(benchmark::State& state, bool count) {
 // Serving decode attention at SmolLM2-135M's shape (9 heads, 3 kv heads,
 // head_dim 64): 16 rows, each its own sequence of `ctx` positions in blocks of
 // 16, the block ids shuffled as a busy pool leaves them. GFLOP/s counts the
-// scores and the weighted sum (4 d flops per head and position). On a Zen 4,
-// ~300-370 us: ~1,400 cycles per tile of 16 positions (3 heads), where the
-// FMAs need ~400. Leaving parts out (f32): the scores take ~45%, the weighted
-// sums ~37%, the online softmax ~15%. A zmm version of the same loop, and one
-// reading V once for all heads of the group, were no faster.
+// scores and the weighted sum (4 d flops per head and position). On a Zen 4
+// the AVX2 online-softmax kernel took ~300-400 us at ctx288_f16 (~1,400 cycles
+// per tile of 16 positions and 3 heads, where the FMAs need ~400; a zmm version
+// of the same loop was no faster); the AVX-512 two-pass kernel (scores, softmax,
+// weighted sums, as the contiguous cache's) ~205 us (bench/README.md).
 // One long row (rows = 1) is split into segments of `segment` positions
 // (paged_attention.h); `unsplit` runs it as one unit per kv head, as before the split.
 // chunk: the rows are one sequence's last `rows` positions of `ctx` (a prefill
