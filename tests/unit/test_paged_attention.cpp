@@ -301,61 +301,72 @@ TEST(PagedAttention, LongRowInDefaultSegmentsMatchesReference) {
   }
 }
 
-// On AVX-512 a row of one segment gets the contiguous cache's attention bits
-// (ops.h, which every path computes as attend_row does) on the same keys and
-// values: decode rows, a prefill chunk, f32 and f16, head_dim 64 and 128.
-TEST(PagedAttention, OneSegmentRowsEqualContiguousAttentionBitForBitOnAvx512) {
-  if (!attention_isa_supported(AttnIsa::avx512)) GTEST_SKIP() << "no AVX-512 F on this CPU";
+// One sequence of a store gathered into a contiguous cache of the same elements.
+struct Contiguous {
+  std::vector<float> k, v;
+  std::vector<uint16_t> k16, v16;
+  DType dtype;
+  Contiguous(const Store& st, size_t seq) : dtype(st.dtype) {
+    const AttentionShape& s = st.s;
+    const int64_t len = st.lens[seq];
+    const int32_t* table = st.tables[seq].data();
+    k.resize(static_cast<size_t>(len * s.kv_stride));
+    v.resize(k.size());
+    for (int64_t p = 0; p < len; ++p)
+      for (int64_t g = 0; g < s.n_kv_heads; ++g) {
+        const auto from = static_cast<size_t>(at(st, table, p, g));
+        const auto to = static_cast<size_t>(p * s.kv_stride + g * s.head_dim);
+        std::copy_n(st.k.begin() + from, s.head_dim, k.begin() + to);
+        std::copy_n(st.v.begin() + from, s.head_dim, v.begin() + to);
+      }
+    for (size_t i = 0; i < k.size(); ++i) {
+      k16.push_back(fp32_to_fp16(k[i]));
+      v16.push_back(fp32_to_fp16(v[i]));
+    }
+  }
+  KvRows rows() const {
+    return dtype == DType::f16 ? KvRows{k16.data(), v16.data(), dtype} : KvRows{k.data(), v.data(), dtype};
+  }
+};
+
+// Rows at `pos` of sequence 0, paged on `isa` against the contiguous cache's attention: the same bits.
+void expect_contiguous_bits(const Store& st, const Contiguous& c, const std::vector<int32_t>& pos,
+                            AttnIsa isa, std::mt19937& rng) {
+  const AttentionShape& s = st.s;
+  const auto T = static_cast<int64_t>(pos.size());
+  const std::vector<const int32_t*> tables(pos.size(), st.tables[0].data());
+  std::vector<float> q(static_cast<size_t>(T * s.n_heads * s.head_dim)), paged(q.size()),
+      contiguous(q.size());
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& x : q) x = 2.0f * nd(rng);
+  ThreadPool pool(2);
+  paged_attention(pool, s, st.view(), q.data(), paged.data(), T, pos.data(), tables.data(), kPagedSegment,
+                  isa);
+  attention(pool, s, q.data(), c.rows(), contiguous.data(), T, pos.data(), nullptr);
+  EXPECT_EQ(0, std::memcmp(paged.data(), contiguous.data(), paged.size() * sizeof(float)))
+      << T << " rows from position " << pos[0];
+}
+
+// Where head_dim is a multiple of 16 a row of one segment gets the contiguous
+// cache's attention bits (ops.h, which every path and ISA computes as
+// attend_row does) on the same keys and values, on both ISAs: decode rows one
+// at a time (as generate runs them), a prefill chunk of 40 rows (keys read
+// transposed), f32 and f16, head_dim 64 and 128.
+TEST(PagedAttention, OneSegmentRowsEqualContiguousAttentionBitForBit) {
   for (const DType dtype : {DType::f32, DType::f16})
     for (const int64_t head_dim : {int64_t{64}, int64_t{128}}) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + ", head_dim " + std::to_string(head_dim));
       const AttentionShape s{12, 3, head_dim, 3 * head_dim};
       std::mt19937 rng(static_cast<uint32_t>(5 + head_dim));
-      const int64_t len = 300;
-      const Store st = make_store(s, 16, dtype, {len}, rng);
-      // The sequence gathered into a contiguous cache of the same elements.
-      std::vector<float> k(static_cast<size_t>(len * s.kv_stride)), v(k.size());
-      for (int64_t p = 0; p < len; ++p)
-        for (int64_t g = 0; g < s.n_kv_heads; ++g)
-          for (int64_t i = 0; i < head_dim; ++i) {
-            const auto from = static_cast<size_t>(at(st, st.tables[0].data(), p, g) + i);
-            const auto to = static_cast<size_t>(p * s.kv_stride + g * head_dim + i);
-            k[to] = st.k[from];
-            v[to] = st.v[from];
-          }
-      std::vector<uint16_t> k16(k.size()), v16(v.size());
-      for (size_t i = 0; i < k.size(); ++i) {
-        k16[i] = fp32_to_fp16(k[i]);
-        v16[i] = fp32_to_fp16(v[i]);
+      const Store st = make_store(s, 16, dtype, {300}, rng);
+      const Contiguous c(st, 0);
+      std::vector<int32_t> chunk(40);
+      std::iota(chunk.begin(), chunk.end(), 260);
+      for (const AttnIsa isa : isas()) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + ", head_dim " + std::to_string(head_dim) + ", " +
+                     isa_name(isa));
+        for (const int32_t p : {0, 1, 16, 37, 299}) expect_contiguous_bits(st, c, {p}, isa, rng);
+        expect_contiguous_bits(st, c, chunk, isa, rng);
       }
-      const KvRows rows =
-          dtype == DType::f16 ? KvRows{k16.data(), v16.data(), dtype} : KvRows{k.data(), v.data(), dtype};
-      const int64_t width = s.n_heads * head_dim;
-      std::normal_distribution<float> nd(0.0f, 1.0f);
-      ThreadPool pool(2);
-      // Decode rows at several lengths (one at a time, as generate runs them),
-      // and a chunk of 40 rows (positions 260..299).
-      for (const int64_t p : {int64_t{0}, int64_t{1}, int64_t{16}, int64_t{37}, int64_t{299}}) {
-        std::vector<float> q(static_cast<size_t>(width)), paged(q.size()), contiguous(q.size());
-        for (auto& x : q) x = 2.0f * nd(rng);
-        const auto pos = static_cast<int32_t>(p);
-        const int32_t* table = st.tables[0].data();
-        paged_attention(pool, s, st.view(), q.data(), paged.data(), 1, &pos, &table, kPagedSegment,
-                        AttnIsa::avx512);
-        attention(pool, s, q.data(), rows, contiguous.data(), 1, &pos, nullptr);
-        EXPECT_EQ(0, std::memcmp(paged.data(), contiguous.data(), paged.size() * sizeof(float)))
-            << "position " << p;
-      }
-      const int64_t T = 40;
-      std::vector<int32_t> pos(static_cast<size_t>(T));
-      std::vector<const int32_t*> tables(static_cast<size_t>(T), st.tables[0].data());
-      for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(len - T + t);
-      std::vector<float> q(static_cast<size_t>(T * width)), paged(q.size()), contiguous(q.size());
-      for (auto& x : q) x = 2.0f * nd(rng);
-      paged_attention(pool, s, st.view(), q.data(), paged.data(), T, pos.data(), tables.data(), kPagedSegment,
-                      AttnIsa::avx512);
-      attention(pool, s, q.data(), rows, contiguous.data(), T, pos.data(), nullptr);
-      EXPECT_EQ(0, std::memcmp(paged.data(), contiguous.data(), paged.size() * sizeof(float))) << "chunk";
     }
 }
 

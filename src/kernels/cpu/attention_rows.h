@@ -10,6 +10,23 @@
 
 namespace loom::cpu {
 
+// Where key or value row p is, for the kernels of both ISA files: rows at a
+// fixed stride (a contiguous cache), or one pointer per row (positions gathered
+// from the blocks of a paged store).
+template <typename E>
+struct Strided {
+  using Elem = E;
+  const E* base;
+  int64_t stride;
+  const E* operator()(int64_t p) const { return base + p * stride; }
+};
+template <typename E>
+struct Gathered {
+  using Elem = E;
+  const E* const* rows;
+  const E* operator()(int64_t p) const { return rows[p]; }
+};
+
 // Whether attend_rows_avx512 takes this head_dim (a positive multiple of 16).
 inline bool attend_rows_avx512_supports(int64_t head_dim) { return head_dim > 0 && head_dim % 16 == 0; }
 
@@ -22,9 +39,6 @@ void attend_rows_avx512(const float* q, int rows, const float* kb, const float* 
                         int64_t n, float scale, float* w, int64_t wstride, float* o);
 void attend_rows_avx512(const float* q, int rows, const uint16_t* kb, const uint16_t* vb, int64_t stride,
                         int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o);
-
-// Rows past the current key a paged row's score pass prefetches.
-constexpr int64_t kPagedPrefetchRows = 32;
 
 // attend_rows_avx512 on rows located one by one (a paged store's positions,
 // kernels/cpu/paged_attention.cpp): key / value p at kr[p] / vr[p], p < n;
@@ -39,6 +53,26 @@ void paged_rows_avx512(const float* q, int rows, const float* const* kr, const f
 void paged_rows_avx512(const float* q, int rows, const uint16_t* const* kr, const uint16_t* const* vr,
                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
                        float* l);
+
+// The AVX2 counterpart (kernels/cpu/ops.cpp; head_dim a multiple of 16): ops.h's
+// AVX2 attention arithmetic (the same bits as attend_rows_avx512) on the
+// located rows; w holds min(rows, 3) rows of wstride floats.
+void paged_rows_avx2(const float* q, int rows, const float* const* kr, const float* const* vr, int64_t d,
+                     int64_t n, float scale, float* w, int64_t wstride, float* o, float* m, float* l);
+void paged_rows_avx2(const float* q, int rows, const uint16_t* const* kr, const uint16_t* const* vr,
+                     int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                     float* l);
+
+// And on K^T (kernels/cpu/ops.cpp; as paged_rows_kt_avx512 below, reading K^T
+// to round_up(n, 8)); w holds min(rows, 3) rows of wstride floats.
+void paged_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk, const float* const* vr,
+                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                        float* l);
+void paged_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk, const uint16_t* const* vr,
+                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                        float* l);
+void transpose_rows_avx2(const float* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk);
+void transpose_rows_avx2(const uint16_t* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk);
 
 // Rows of a prefill chunk in a paged store (many rows over the same positions):
 // keys from K^T as attend_rows_kt_avx512 reads them, values at vr[p], and the
@@ -109,6 +143,9 @@ inline void visit_head_blocks(int64_t head_dim, Fn&& fn) {
 void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ldk, const float* vb,
                            int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t wstride,
                            float* o);
+
+// Rows past the current key a paged row's score pass prefetches (both ISAs).
+constexpr int64_t kPagedPrefetchRows = 32;
 
 // K/V rows ahead that a long decode row's passes prefetch (both ISAs).
 constexpr int64_t kDecodePrefetchRows = 16;

@@ -42,22 +42,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// Where key or value row p is: rows at a fixed stride (a contiguous cache), or
-// one pointer per row (positions gathered from the blocks of a paged store).
-template <typename E>
-struct Strided {
-  using Elem = E;
-  const E* base;
-  int64_t stride;
-  const E* operator()(int64_t p) const { return base + p * stride; }
-};
-template <typename E>
-struct Gathered {
-  using Elem = E;
-  const E* const* rows;
-  const E* operator()(int64_t p) const { return rows[p]; }
-};
-
 // Scores of keys p .. p + 3 for R rows: w[r][p + j] = dot(q_r, k_{p+j}) * scale.
 template <int R, class Rows>
 inline void scores4(const float* q, int64_t d, const Rows& k, float scale, float* w, int64_t ws, int64_t p) {

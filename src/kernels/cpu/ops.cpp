@@ -80,15 +80,16 @@ namespace {
 // simd::dot computes it (two accumulators over 16-wide steps of d, then hsum):
 // one pass over q for four keys instead of four. d must be a multiple of 16.
 // Keys (here and below, E) are f32 or f16 bits, widened exactly as loaded.
-template <typename E>
-inline void dot4(const float* q, const E* k, int64_t stride, int64_t d, float scale, float* scores) {
+// The keys are rows p .. p + 3 of k (cpu::Strided or cpu::Gathered).
+template <class Rows>
+inline void dot4(const float* q, const Rows& k, int64_t p, int64_t d, float scale, float* scores) {
   __m256 a0[4], a1[4];
   for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) {
     const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
     for (int j = 0; j < 4; ++j) {
-      a0[j] = _mm256_fmadd_ps(q0, simd::load8(k + j * stride + i), a0[j]);
-      a1[j] = _mm256_fmadd_ps(q1, simd::load8(k + j * stride + i + 8), a1[j]);
+      a0[j] = _mm256_fmadd_ps(q0, simd::load8(k(p + j) + i), a0[j]);
+      a1[j] = _mm256_fmadd_ps(q1, simd::load8(k(p + j) + i + 8), a1[j]);
     }
   }
   __m256 v[4];
@@ -104,8 +105,8 @@ inline void dot4(const float* q, const E* k, int64_t stride, int64_t d, float sc
 // loads (10 loads per 8 FMAs; here 10 per 12 with R = 3, 8 per 8 with R = 2).
 // Keys two at a time (4 R chains in registers), each (head, key) the same
 // chains and tree as dot4.
-template <int R, typename E>
-inline void dot4_heads(const float* q, const E* k, int64_t stride, int64_t d, float scale, float* scores,
+template <int R, class Rows>
+inline void dot4_heads(const float* q, const Rows& k, int64_t p, int64_t d, float scale, float* scores,
                        int64_t ss) {
   __m256 v[R][4];
   for (int j0 = 0; j0 < 4; j0 += 2) {
@@ -114,8 +115,8 @@ inline void dot4_heads(const float* q, const E* k, int64_t stride, int64_t d, fl
       for (int j = 0; j < 2; ++j) a0[r][j] = a1[r][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 16)
       for (int j = 0; j < 2; ++j) {
-        const __m256 k0 = simd::load8(k + (j0 + j) * stride + i);
-        const __m256 k1 = simd::load8(k + (j0 + j) * stride + i + 8);
+        const __m256 k0 = simd::load8(k(p + j0 + j) + i);
+        const __m256 k1 = simd::load8(k(p + j0 + j) + i + 8);
         for (int r = 0; r < R; ++r) {
           a0[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i), k0, a0[r][j]);
           a1[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + i + 8), k1, a1[r][j]);
@@ -134,20 +135,21 @@ inline void dot4_heads(const float* q, const E* k, int64_t stride, int64_t d, fl
 // o = sum_j (w_j * inv) v_j for d = 8 * N, the running sum kept in registers:
 // per element the same fused multiply-adds, in the same order, as zeroing o
 // and calling simd::axpy for every j.
-template <int N, typename E>
-void weighted_sum(float* o, const float* w, float inv, const E* v, int64_t stride, int64_t n) {
+template <int N, class Rows>
+void weighted_sum(float* o, const float* w, float inv, const Rows& v, int64_t n) {
   __m256 acc[N];
   for (int c = 0; c < N; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 a = _mm256_set1_ps(w[j] * inv);
-    const E* vj = v + j * stride;
+    const auto* vj = v(j);
     for (int c = 0; c < N; ++c) acc[c] = _mm256_fmadd_ps(a, simd::load8(vj + 8 * c), acc[c]);
   }
   for (int c = 0; c < N; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
 }
 
-// Replaces scores w[0, n) by exp(w - max) and returns 1 / their sum.
-float softmax_weights(float* w, int64_t n) {
+// Replaces scores w[0, n) by exp(w - max) and returns their sum; the max goes
+// to *max_out.
+float softmax_exp(float* w, int64_t n, float* max_out) {
   // The maximum 8 lanes at a time (a scalar max chain cost ~3 cycles a key); any
   // order gives the same value, so the bits stay the AVX-512 path's.
   __m256 vmx = _mm256_set1_ps(-INFINITY);
@@ -171,7 +173,14 @@ float softmax_weights(float* w, int64_t n) {
     w[p] = std::exp(w[p] - mx);
     sum += w[p];
   }
-  return 1.0f / sum;
+  *max_out = mx;
+  return sum;
+}
+
+// softmax_exp, returning 1 / the sum.
+float softmax_weights(float* w, int64_t n) {
+  float mx;
+  return 1.0f / softmax_exp(w, n, &mx);
 }
 
 // Replaces scores w[0, n) by their softmax probabilities, w[j] * (1 / sum), in
@@ -182,18 +191,26 @@ void softmax_in_place(float* w, int64_t n) {
   for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(w + p, _mm256_mul_ps(_mm256_loadu_ps(w + p), inv));
 }
 
-// Scores in w[0, n) to o: softmax, then the weighted sum of V.
-template <typename E>
-void softmax_and_sum(float* w, const E* vb, int64_t stride, int64_t d, int64_t n, float* o) {
-  const float inv = softmax_weights(w, n);
+// o = sum_j (w_j * inv) v_j over j < n.
+template <class Rows>
+void weighted_sums(float* o, const float* w, float inv, const Rows& v, int64_t d, int64_t n) {
   switch (d) {
-    case 64: return weighted_sum<8>(o, w, inv, vb, stride, n);
-    case 128: return weighted_sum<16>(o, w, inv, vb, stride, n);
-    case 32: return weighted_sum<4>(o, w, inv, vb, stride, n);
+    case 64:
+      return weighted_sum<8>(o, w, inv, v, n);
+    case 128:
+      return weighted_sum<16>(o, w, inv, v, n);
+    case 32:
+      return weighted_sum<4>(o, w, inv, v, n);
     default: break;
   }
   std::fill(o, o + d, 0.0f);
-  for (int64_t j = 0; j < n; ++j) simd::axpy(o, w[j] * inv, vb + j * stride, d);
+  for (int64_t j = 0; j < n; ++j) simd::axpy(o, w[j] * inv, v(j), d);
+}
+
+// Scores in w[0, n) to o: softmax, then the weighted sum of V.
+template <class Rows>
+void softmax_and_sum(float* w, const Rows& v, int64_t d, int64_t n, float* o) {
+  weighted_sums(o, w, softmax_weights(w, n), v, d, n);
 }
 
 // One query row of one head: softmax(q K^T * scale) V over keys [0, n).
@@ -202,9 +219,9 @@ void attend_row(const float* qv, const E* kb, const E* vb, int64_t stride, int64
                 float* w, float* o) {
   int64_t p = 0;
   if (d % 16 == 0)
-    for (; p + 4 <= n; p += 4) dot4(qv, kb + p * stride, stride, d, scale, w + p);
+    for (; p + 4 <= n; p += 4) dot4(qv, cpu::Strided<E>{kb, stride}, p, d, scale, w + p);
   for (; p < n; ++p) w[p] = simd::dot(qv, kb + p * stride, d) * scale;
-  softmax_and_sum(w, vb, stride, d, n, o);
+  softmax_and_sum(w, cpu::Strided<E>{vb, stride}, d, n, o);
 }
 
 // Keys per chunk of the AVX2 scores: the chunk's lane sums (8 per row and key,
@@ -277,22 +294,23 @@ constexpr int64_t kPrefetchRows = cpu::kDecodePrefetchRows;
 // a[r][j] = w[r][j] * inv[r] already in a. Each V line is read once for the R
 // rows: per row from L2 it cost more than the FMAs did. kPrefetch: V comes from
 // memory (a long decode row), its lines are prefetched kPrefetchRows ahead.
-template <int R, int C, bool kPrefetch = false, typename E>
-void weighted_sum_rows(const float* a, int64_t ws, const E* vb, int64_t stride, int64_t n, float* o,
-                       int64_t d, int64_t c0) {
+template <int R, int C, bool kPrefetch = false, class Rows>
+void weighted_sum_rows(const float* a, int64_t ws, const Rows& v, int64_t n, float* o, int64_t d,
+                       int64_t c0) {
+  using E = typename Rows::Elem;
   if (n <= 0) __builtin_unreachable();  // rows see their own key; lets GCC keep acc in registers
   __m256 acc[R * C];
   for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const E* vj = vb + j * stride + c0;
-    if constexpr (kPrefetch)  // one request per 64 bytes of the row's columns
+    const E* vj = v(j) + c0;
+    if constexpr (kPrefetch)  // one request per 64 bytes of the row's columns (strided rows)
       for (int c = 0; c < C; c += 8 / static_cast<int>(sizeof(E)))
-        __builtin_prefetch(vj + kPrefetchRows * stride + 8 * c, 0, 3);
-    __m256 v[C];
-    for (int c = 0; c < C; ++c) v[c] = simd::load8(vj + 8 * c);
+        __builtin_prefetch(v(j + kPrefetchRows) + c0 + 8 * c, 0, 3);
+    __m256 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = simd::load8(vj + 8 * c);
     for (int r = 0; r < R; ++r) {
       const __m256 aj = _mm256_broadcast_ss(a + r * ws + j);
-      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(aj, v[c], acc[r * C + c]);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(aj, vv[c], acc[r * C + c]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -304,14 +322,27 @@ void weighted_sum_rows(const float* a, int64_t ws, const E* vb, int64_t stride, 
 // chains' count bounds the rate by the FMA's latency). Three rows take 3
 // columns of 8 (9 chains; 2 columns left an AMD Zen 2's FMAs waiting on their
 // 5-cycle latency): SmolLM2's prefill attention 1.05x there. Columns [c0, c1).
-template <int R, bool kPrefetch = false, typename E>
-void weighted_sums(const float* a, int64_t ws, const E* vb, int64_t stride, int64_t n, float* o, int64_t d,
-                   int64_t c0, int64_t c1) {
+template <int R, bool kPrefetch = false, class Rows>
+void weighted_sums(const float* a, int64_t ws, const Rows& v, int64_t n, float* o, int64_t d, int64_t c0,
+                   int64_t c1) {
   constexpr int C = R == 1 ? 8 : R == 2 ? 4 : R == 3 ? 3 : 2;
-  for (; c0 + 8 * C <= c1; c0 += 8 * C) weighted_sum_rows<R, C, kPrefetch>(a, ws, vb, stride, n, o, d, c0);
-  for (; c0 + 16 <= c1; c0 += 16) weighted_sum_rows<R, 2, kPrefetch>(a, ws, vb, stride, n, o, d, c0);
-  for (; c0 < c1; c0 += 8)
-    weighted_sum_rows<R, 1, kPrefetch>(a, ws, vb, stride, n, o, d, c0);  // d: a multiple of 8
+  for (; c0 + 8 * C <= c1; c0 += 8 * C) weighted_sum_rows<R, C, kPrefetch>(a, ws, v, n, o, d, c0);
+  for (; c0 + 16 <= c1; c0 += 16) weighted_sum_rows<R, 2, kPrefetch>(a, ws, v, n, o, d, c0);
+  for (; c0 < c1; c0 += 8) weighted_sum_rows<R, 1, kPrefetch>(a, ws, v, n, o, d, c0);  // d: a multiple of 8
+}
+
+// Scores of R heads in w (rows ws apart) to a paged row's outputs: normalized
+// (m == nullptr), or a segment's unnormalized sums with each head's max and sum
+// of exponentials; V read once for the R heads.
+template <int R, class Rows>
+void finish_paged(float* w, int64_t ws, const Rows& v, int64_t d, int64_t n, float* o, float* m, float* l) {
+  for (int r = 0; r < R; ++r) {
+    if (m == nullptr)
+      softmax_in_place(w + r * ws, n);
+    else
+      l[r] = softmax_exp(w + r * ws, n, &m[r]);
+  }
+  weighted_sums<R>(w, ws, v, n, o, d, 0, d);
 }
 
 template <int M>
@@ -333,8 +364,9 @@ void attend_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, con
     scores_rows_kt8<kRows, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
   if (r < rows) scores_rows_kt8<1, M>(q + r * d, kt, ldk, scale, n, w + r * ws, ws);
   for (r = 0; r < rows; ++r) softmax_in_place(w + r * ws, n);
-  cpu::visit_row_passes(
-      rows, [&]<int R>(int r0) { weighted_sums<R>(w + r0 * ws, ws, vb, stride, n, o + r0 * d, d, 0, d); });
+  cpu::visit_row_passes(rows, [&]<int R>(int r0) {
+    weighted_sums<R>(w + r0 * ws, ws, cpu::Strided<float>{vb, stride}, n, o + r0 * d, d, 0, d);
+  });
 }
 
 // The AVX2 counterpart of cpu::attend_rows_kt_avx512 (same arguments and bits).
@@ -342,6 +374,98 @@ void attend_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk,
                          int64_t stride, int64_t d, int64_t n, float scale, float* w, int64_t ws, float* o) {
   cpu::visit_head_blocks(
       d, [&]<int M>() { attend_rows_kt8<M>(q, rows, kt, ldk, vb, stride, n, scale, w, ws, o); });
+}
+
+// paged_rows_avx512's AVX2 counterpart (attention_rows.h): attend_row's
+// arithmetic on rows located one by one, the group's heads two or three at a
+// time on each K line (dot4_heads, the same bits as dot4) and each V line
+// (weighted_sum_rows); the first pass prefetches key and value rows
+// cpu::kPagedPrefetchRows ahead.
+template <int R, typename E>
+void paged_run(const float* q, const E* const* kr, const E* const* vr, int64_t d, int64_t n, float scale,
+               float* w, int64_t ws, float* o, float* m, float* l, bool prefetch) {
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(E));
+  int64_t p = 0;
+  for (; p + 4 <= n; p += 4) {
+    if (prefetch)
+      for (int64_t j = p + cpu::kPagedPrefetchRows; j < p + cpu::kPagedPrefetchRows + 4; ++j)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kr[j]) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vr[j]) + b, _MM_HINT_T0);
+        }
+    const cpu::Gathered<E> k{kr};
+    if constexpr (R == 1)
+      dot4(q, k, p, d, scale, w + p);
+    else
+      dot4_heads<R>(q, k, p, d, scale, w + p, ws);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = p; j < n; ++j) w[r * ws + j] = simd::dot(q + r * d, kr[j], d) * scale;
+  finish_paged<R>(w, ws, cpu::Gathered<E>{vr}, d, n, o, m, l);
+}
+
+template <typename E>
+void paged_rows(const float* q, int rows, const E* const* kr, const E* const* vr, int64_t d, int64_t n,
+                float scale, float* w, int64_t ws, float* o, float* m, float* l) {
+  LOOM_ASSERT(d % 16 == 0);
+  const int run = rows % 3 == 0 ? 3 : rows % 2 == 0 ? 2 : 1;
+  for (int r0 = 0; r0 < rows; r0 += run) {
+    float* mr = m ? m + r0 : nullptr;
+    float* lr = m ? l + r0 : nullptr;
+    const bool first = r0 == 0;
+    if (run == 3)
+      paged_run<3>(q + r0 * d, kr, vr, d, n, scale, w, ws, o + r0 * d, mr, lr, first);
+    else if (run == 2)
+      paged_run<2>(q + r0 * d, kr, vr, d, n, scale, w, ws, o + r0 * d, mr, lr, first);
+    else
+      paged_run<1>(q + r0 * d, kr, vr, d, n, scale, w, ws, o + r0 * d, mr, lr, first);
+  }
+}
+
+// paged_rows on K^T (a prefill chunk's rows over the same keys): attend_rows_kt8's
+// scores, the group's heads three (SmolLM2) or two at a time, then finished as
+// paged_rows finishes them (the same bits: the K^T scores are dot4's).
+template <int M, typename E>
+void paged_rows_kt8(const float* q, int rows, const float* kt, int64_t ldk, const E* const* vr, int64_t n,
+                    float scale, float* w, int64_t ws, float* o, float* m, float* l) {
+  constexpr int d = 16 * M;
+  const cpu::Gathered<E> v{vr};
+  const auto pass = [&]<int R>(int r) {
+    scores_rows_kt8<R, M>(q + r * d, kt, ldk, scale, n, w, ws);
+    finish_paged<R>(w, ws, v, d, n, o + r * d, m ? m + r : nullptr, m ? l + r : nullptr);
+  };
+  constexpr int kRows = M <= 4 ? 2 : 1;  // as attend_rows_kt8
+  int r = 0;
+  if constexpr (M <= 4)
+    for (; rows % 3 == 0 && r < rows; r += 3) pass.template operator()<3>(r);
+  for (; r + kRows <= rows; r += kRows) pass.template operator()<kRows>(r);
+  if (r < rows) pass.template operator()<1>(r);
+}
+
+// kt[e * ldk + p] = rows[p][e] widened to f32, for p < round_up(n, 8) and e < d
+// (a multiple of 8): 8 x 8 blocks transposed in registers.
+template <typename E>
+void transpose_rows8(const E* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk) {
+  for (int64_t p = 0; p < n; p += 8)
+    for (int64_t e = 0; e < d; e += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = simd::load8(rows[p + i] + e);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      float* out = kt + e * ldk + p;
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(out + i * ldk, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(out + (i + 4) * ldk, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+      }
+    }
 }
 
 // kt[e * ldk + p] = k[p * stride + e] for p in [p0, p1), widened to f32.
@@ -433,14 +557,14 @@ void decode_scores_avx2(const AttentionShape& s, const float* q, const E* k, flo
       if (ahead_ok)
         for (size_t b = lines * h / H; b < lines * (h + run) / H; ++b)
           __builtin_prefetch(ahead + 64 * b, 0, 3);
-      const E* kp = k + p * stride + (h / group) * d;
+      const cpu::Strided<E> kh{k + (h / group) * d, stride};
       float* sp = w + h * ws + p;
       if (run == 3)
-        dot4_heads<3>(q + h * d, kp, stride, d, scale, sp, ws);
+        dot4_heads<3>(q + h * d, kh, p, d, scale, sp, ws);
       else if (run == 2)
-        dot4_heads<2>(q + h * d, kp, stride, d, scale, sp, ws);
+        dot4_heads<2>(q + h * d, kh, p, d, scale, sp, ws);
       else
-        dot4(q + h * d, kp, stride, d, scale, sp);
+        dot4(q + h * d, kh, p, d, scale, sp);
     }
   }
   for (; p < p1; ++p)
@@ -495,7 +619,8 @@ void decode_attention_keys_split(ThreadPool& pool, bool avx512, const AttentionS
         continue;
       }
       cpu::visit_row_passes(static_cast<int>(group), [&]<int R>(int r0) {
-        weighted_sums<R, true>(wg + r0 * ws, ws, v + g * d, stride, n, out + (g * group + r0) * d, d, c0, c1);
+        weighted_sums<R, true>(wg + r0 * ws, ws, cpu::Strided<E>{v + g * d, stride}, n,
+                               out + (g * group + r0) * d, d, c0, c1);
       });
     }
   });
@@ -573,6 +698,36 @@ void attention(ThreadPool& pool, const AttentionShape& s, const float* q, const 
   attention_rows(pool, s, q, static_cast<const float*>(kv.k), static_cast<const float*>(kv.v), out, T, pos,
                  seq_start);
 }
+
+namespace cpu {
+void paged_rows_avx2(const float* q, int rows, const float* const* kr, const float* const* vr, int64_t d,
+                     int64_t n, float scale, float* w, int64_t wstride, float* o, float* m, float* l) {
+  paged_rows(q, rows, kr, vr, d, n, scale, w, wstride, o, m, l);
+}
+void paged_rows_avx2(const float* q, int rows, const uint16_t* const* kr, const uint16_t* const* vr,
+                     int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                     float* l) {
+  paged_rows(q, rows, kr, vr, d, n, scale, w, wstride, o, m, l);
+}
+void paged_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk, const float* const* vr,
+                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                        float* l) {
+  visit_head_blocks(d,
+                    [&]<int M>() { paged_rows_kt8<M>(q, rows, kt, ldk, vr, n, scale, w, wstride, o, m, l); });
+}
+void paged_rows_kt_avx2(const float* q, int rows, const float* kt, int64_t ldk, const uint16_t* const* vr,
+                        int64_t d, int64_t n, float scale, float* w, int64_t wstride, float* o, float* m,
+                        float* l) {
+  visit_head_blocks(d,
+                    [&]<int M>() { paged_rows_kt8<M>(q, rows, kt, ldk, vr, n, scale, w, wstride, o, m, l); });
+}
+void transpose_rows_avx2(const float* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk) {
+  transpose_rows8(rows, n, d, kt, ldk);
+}
+void transpose_rows_avx2(const uint16_t* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk) {
+  transpose_rows8(rows, n, d, kt, ldk);
+}
+}  // namespace cpu
 
 void store_f16(uint16_t* dst, const float* src, int64_t n) {
   int64_t i = 0;

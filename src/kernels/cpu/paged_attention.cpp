@@ -305,7 +305,10 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
     return Partial{base, base + G * d, base + G * d + G};
   };
   const bool f16 = kv.dtype == DType::f16;
+  // Two passes (scores, then softmax and sums) where the kernels take the
+  // head_dim; the AVX2 online softmax over tiles otherwise.
   const bool avx512 = isa == AttnIsa::avx512 && cpu::attend_rows_avx512_supports(d);
+  const bool two_pass = d % 16 == 0;
   LOOM_ASSERT(attention_isa_supported(isa));
   // A row's merge, by the last of its segments to finish (acq_rel: it sees the others' partials).
   auto segment_done = [&](int64_t t, int64_t g) {
@@ -314,14 +317,14 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
       merge_segments(
           u, [&](int64_t i) { return partial(t, g, i); }, ns, out + (t * s.n_heads + g * G) * d);
   };
-  // AVX-512: each row of the item over the item's positions, located once for all rows.
+  // Two passes: each row of the item over the item's positions, located once for all rows.
   int64_t max_span = 0;
   for (int64_t t = 0; t < T; ++t) max_span = std::max(max_span, std::min(int64_t{pos[t]} + 1, segment));
   const int64_t wstride = max_span + 16;
   const int64_t ldk = (max_span + 15) / 16 * 16 + 16;  // K^T columns: round_up(n, 16) are read
   bool any_chunk = false;
   for (const WorkItem& w : items) any_chunk |= w.t1 - w.t0 >= kPagedKeysTransposedMinRows;
-  auto run_item_avx512 = [&]<typename E>(const WorkItem& w, PagedScratch<E>& sc) {
+  auto run_item_two_pass = [&]<typename E>(const WorkItem& w, PagedScratch<E>& sc) {
     const int64_t p0 = w.seg * segment;
     int64_t p_end = p0;
     for (int64_t t = w.t0; t < w.t1; ++t)
@@ -341,7 +344,8 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
     // Many rows over the same keys (a prefill chunk) read them transposed, as
     // ops.h's batches do: one reduction tree per 16 keys, not a sum per key.
     const bool kt = n_rows >= kPagedKeysTransposedMinRows && cpu::attend_rows_kt_supports(d);
-    if (kt) cpu::transpose_rows_avx512(sc.k.data(), p_end - p0, d, sc.kt.data(), ldk);
+    if (kt && avx512) cpu::transpose_rows_avx512(sc.k.data(), p_end - p0, d, sc.kt.data(), ldk);
+    if (kt && !avx512) cpu::transpose_rows_avx2(sc.k.data(), p_end - p0, d, sc.kt.data(), ldk);
     for (int64_t t = w.t0; t < w.t1; ++t) {
       const int64_t ns = n_seg[static_cast<size_t>(t)];
       if (ns <= w.seg) continue;  // ends in an earlier segment
@@ -349,12 +353,18 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
       const Partial pt =
           ns == 1 ? Partial{out + (t * s.n_heads + w.g * G) * d, nullptr, nullptr} : partial(t, w.g, w.seg);
       const float* qg = q + (t * s.n_heads + w.g * G) * d;
-      if (kt)
+      if (kt && !avx512)
+        cpu::paged_rows_kt_avx2(qg, static_cast<int>(G), sc.kt.data(), ldk, sc.v.data(), d, n, u.scale,
+                                sc.w.data(), wstride, pt.o, pt.m, pt.l);
+      else if (kt)
         cpu::paged_rows_kt_avx512(qg, static_cast<int>(G), sc.kt.data(), ldk, sc.v.data(), d, n, u.scale,
                                   sc.w.data(), wstride, pt.o, pt.m, pt.l);
-      else
+      else if (avx512)
         cpu::paged_rows_avx512(qg, static_cast<int>(G), sc.k.data(), sc.v.data(), d, n, u.scale, sc.w.data(),
                                wstride, pt.o, pt.m, pt.l);
+      else
+        cpu::paged_rows_avx2(qg, static_cast<int>(G), sc.k.data(), sc.v.data(), d, n, u.scale, sc.w.data(),
+                             wstride, pt.o, pt.m, pt.l);
       if (ns > 1) segment_done(t, w.g);
     }
   };
@@ -407,13 +417,13 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
   const int64_t w_floats = std::min(G, int64_t{4}) * wstride;  // paged_rows_avx512 takes heads 4 at a time
   const int64_t kt_floats = any_chunk ? d * ldk : 0;
   pool.run([&](int, int) {
-    if (!avx512) return run_items(run_item);
+    if (!two_pass) return run_items(run_item);
     if (f16) {
       PagedScratch<uint16_t> sc(max_span, w_floats, kt_floats);
-      return run_items([&](const WorkItem& w) { run_item_avx512(w, sc); });
+      return run_items([&](const WorkItem& w) { run_item_two_pass(w, sc); });
     }
     PagedScratch<float> sc(max_span, w_floats, kt_floats);
-    run_items([&](const WorkItem& w) { run_item_avx512(w, sc); });
+    run_items([&](const WorkItem& w) { run_item_two_pass(w, sc); });
   });
 }
 

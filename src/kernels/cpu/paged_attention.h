@@ -30,12 +30,13 @@ namespace loom {
 // depends on the row's length alone, so out row t is bit-identical whatever
 // the thread count, the other rows of the batch, or the physical blocks are.
 //
-// On AVX-512 (head_dim a multiple of 16) each unit scores its positions, takes
-// their softmax, then the weighted sums of V (attention_rows.h's kernels on rows
-// located through the block table): a row in one segment gets the bits of the
-// contiguous cache's attention (ops.h) on the same keys and values. The AVX2
-// kernel keeps an online softmax over tiles of 16 positions. The two ISAs may
-// differ in the last bits; each is deterministic as above.
+// Where head_dim is a multiple of 16, each unit scores its positions, takes
+// their softmax, then the weighted sums of V: the contiguous cache's kernels
+// (attention_rows.h, ops.cpp) on rows located through the block table, on
+// AVX-512 or AVX2, with the keys read transposed for units of 16 or more rows
+// (a prefill chunk). A row in one segment then gets the bits of the contiguous
+// cache's attention (ops.h) on the same keys and values, on either ISA. Other
+// head dims keep an AVX2 online softmax over tiles of 16 positions.
 inline constexpr int64_t kPagedSegment = 512;
 void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& kv, const float* q, float* out,
                      int64_t T, const int32_t* pos, const int32_t* const* tables,
