@@ -70,22 +70,10 @@ int64_t max_ldt(int64_t T, int64_t W) { return round_up(T + T / W * (2 * W - 2) 
 
 // out[j * ldo + i] = in[i * ldi + j] for an 8 x 8 block.
 void transpose8x8(const float* in, int64_t ldi, float* out, int64_t ldo) {
-  __m256 r[8], t[8];
+  __m256 r[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ldi);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(out + i * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-    _mm256_storeu_ps(out + (i + 4) * ldo, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-  }
+  simd::transpose8(r);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + i * ldo, r[i]);
 }
 
 // Blocks of W rows of each sample; the last one of a sample also covers (and

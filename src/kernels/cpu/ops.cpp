@@ -448,23 +448,10 @@ template <typename E>
 void transpose_rows8(const E* const* rows, int64_t n, int64_t d, float* kt, int64_t ldk) {
   for (int64_t p = 0; p < n; p += 8)
     for (int64_t e = 0; e < d; e += 8) {
-      __m256 r[8], t[8];
+      __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = simd::load8(rows[p + i] + e);
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      float* out = kt + e * ldk + p;
-      for (int i = 0; i < 4; ++i) {
-        _mm256_storeu_ps(out + i * ldk, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(out + (i + 4) * ldk, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-      }
+      simd::transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (e + i) * ldk + p, r[i]);
     }
 }
 

@@ -20,6 +20,26 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// An 8 x 8 block in registers transposed: r[i] lane j becomes r[j] lane i.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
 // exp(x) for x <= 0 range used by softmax (accurate to a few ulp on [-87, 88]);
 // Cody-Waite range reduction and a degree-6 polynomial. Hand-written because
 // no Debian-packaged library gives an inlinable vector exp.
