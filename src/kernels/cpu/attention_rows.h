@@ -147,6 +147,18 @@ void attend_rows_kt_avx512(const float* q, int rows, const float* kt, int64_t ld
 // Rows past the current key a paged row's score pass prefetches (both ISAs).
 constexpr int64_t kPagedPrefetchRows = 32;
 
+// Requests key and value rows p + kPagedPrefetchRows .. + 3 (row_bytes each)
+// into L1: a paged store's blocks lie anywhere, so the hardware's stream
+// prefetchers stop at each block's end.
+template <typename E>
+inline void prefetch_paged_rows4(const E* const* kr, const E* const* vr, int64_t p, int64_t row_bytes) {
+  for (int64_t j = p + kPagedPrefetchRows; j < p + kPagedPrefetchRows + 4; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kr[j]) + b, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(vr[j]) + b, 0, 3);
+    }
+}
+
 // K/V rows ahead that a long decode row's passes prefetch (both ISAs).
 constexpr int64_t kDecodePrefetchRows = 16;
 

@@ -345,19 +345,14 @@ void decode_weighted_sums(const float* a, int rows, int64_t ws, const E* v, int6
 }
 
 // The scores of a paged row's first pass of heads, requesting the key and value
-// rows kPagedPrefetchRows ahead: a paged store's blocks lie anywhere, so the
-// hardware's stream prefetchers stop at each block's end.
+// rows kPagedPrefetchRows ahead.
 template <int R, typename E>
 void paged_scores(const float* q, int64_t d, const Gathered<E>& k, const Gathered<E>& v, int64_t n,
                   float scale, float* w, int64_t ws) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(E));
   int64_t p = 0;
   for (; p + 4 <= n; p += 4) {
-    for (int64_t j = p + kPagedPrefetchRows; j < p + kPagedPrefetchRows + 4; ++j)
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k(j)) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(v(j)) + b, _MM_HINT_T0);
-      }
+    prefetch_paged_rows4(k.rows, v.rows, p, row_bytes);
     scores4<R>(q, d, k, scale, w, ws, p);
   }
   for (; p < n; ++p) scores1<R>(q, d, k, scale, w, ws, p);

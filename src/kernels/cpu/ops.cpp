@@ -191,9 +191,9 @@ void softmax_in_place(float* w, int64_t n) {
   for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(w + p, _mm256_mul_ps(_mm256_loadu_ps(w + p), inv));
 }
 
-// o = sum_j (w_j * inv) v_j over j < n.
+// o = sum_j (w_j * inv) v_j over j < n, one row of any head_dim.
 template <class Rows>
-void weighted_sums(float* o, const float* w, float inv, const Rows& v, int64_t d, int64_t n) {
+void weighted_sum_row(float* o, const float* w, float inv, const Rows& v, int64_t d, int64_t n) {
   switch (d) {
     case 64:
       return weighted_sum<8>(o, w, inv, v, n);
@@ -210,7 +210,7 @@ void weighted_sums(float* o, const float* w, float inv, const Rows& v, int64_t d
 // Scores in w[0, n) to o: softmax, then the weighted sum of V.
 template <class Rows>
 void softmax_and_sum(float* w, const Rows& v, int64_t d, int64_t n, float* o) {
-  weighted_sums(o, w, softmax_weights(w, n), v, d, n);
+  weighted_sum_row(o, w, softmax_weights(w, n), v, d, n);
 }
 
 // One query row of one head: softmax(q K^T * scale) V over keys [0, n).
@@ -387,12 +387,7 @@ void paged_run(const float* q, const E* const* kr, const E* const* vr, int64_t d
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(E));
   int64_t p = 0;
   for (; p + 4 <= n; p += 4) {
-    if (prefetch)
-      for (int64_t j = p + cpu::kPagedPrefetchRows; j < p + cpu::kPagedPrefetchRows + 4; ++j)
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(kr[j]) + b, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vr[j]) + b, _MM_HINT_T0);
-        }
+    if (prefetch) cpu::prefetch_paged_rows4(kr, vr, p, row_bytes);
     const cpu::Gathered<E> k{kr};
     if constexpr (R == 1)
       dot4(q, k, p, d, scale, w + p);

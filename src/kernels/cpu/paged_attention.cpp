@@ -243,7 +243,7 @@ struct WorkItem {
 // Rows of one sequence per work item at most: their softmax states stay on the stack.
 constexpr int64_t kMaxRun = 32;
 
-// A thread's buffers on the AVX-512 path: an item's key and value rows, located
+// A thread's buffers on the two-pass path: an item's key and value rows, located
 // once for all its rows, and the scores of a pass of query heads.
 template <typename E>
 struct PagedScratch {
@@ -254,6 +254,27 @@ struct PagedScratch {
         v(static_cast<size_t>(span + cpu::kPagedPrefetchRows)),
         w(static_cast<size_t>(scores)),
         kt(static_cast<size_t>(kt_floats)) {}
+};
+
+// The two-pass kernels of one ISA for E elements (kernels/cpu/attention_rows.h).
+template <typename E>
+struct TwoPassKernels {
+  void (*transpose)(const E* const*, int64_t, int64_t, float*, int64_t);
+  void (*rows)(const float*, int, const E* const*, const E* const*, int64_t, int64_t, float, float*, int64_t,
+               float*, float*, float*);
+  void (*rows_kt)(const float*, int, const float*, int64_t, const E* const*, int64_t, int64_t, float, float*,
+                  int64_t, float*, float*, float*);
+  explicit TwoPassKernels(AttnIsa isa) {
+    if (isa == AttnIsa::avx512) {
+      transpose = cpu::transpose_rows_avx512;
+      rows = cpu::paged_rows_avx512;
+      rows_kt = cpu::paged_rows_kt_avx512;
+    } else {
+      transpose = cpu::transpose_rows_avx2;
+      rows = cpu::paged_rows_avx2;
+      rows_kt = cpu::paged_rows_kt_avx2;
+    }
+  }
 };
 
 // Rows of one item from which its keys are read transposed: the transpose
@@ -307,8 +328,7 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
   const bool f16 = kv.dtype == DType::f16;
   // Two passes (scores, then softmax and sums) where the kernels take the
   // head_dim; the AVX2 online softmax over tiles otherwise.
-  const bool avx512 = isa == AttnIsa::avx512 && cpu::attend_rows_avx512_supports(d);
-  const bool two_pass = d % 16 == 0;
+  const bool two_pass = d % 16 == 0;  // the head dims both ISAs' two-pass kernels take
   LOOM_ASSERT(attention_isa_supported(isa));
   // A row's merge, by the last of its segments to finish (acq_rel: it sees the others' partials).
   auto segment_done = [&](int64_t t, int64_t g) {
@@ -324,7 +344,8 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
   const int64_t ldk = (max_span + 15) / 16 * 16 + 16;  // K^T columns: round_up(n, 16) are read
   bool any_chunk = false;
   for (const WorkItem& w : items) any_chunk |= w.t1 - w.t0 >= kPagedKeysTransposedMinRows;
-  auto run_item_two_pass = [&]<typename E>(const WorkItem& w, PagedScratch<E>& sc) {
+  auto run_item_two_pass = [&]<typename E>(const WorkItem& w, const TwoPassKernels<E>& kern,
+                                           PagedScratch<E>& sc) {
     const int64_t p0 = w.seg * segment;
     int64_t p_end = p0;
     for (int64_t t = w.t0; t < w.t1; ++t)
@@ -344,8 +365,7 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
     // Many rows over the same keys (a prefill chunk) read them transposed, as
     // ops.h's batches do: one reduction tree per 16 keys, not a sum per key.
     const bool kt = n_rows >= kPagedKeysTransposedMinRows && cpu::attend_rows_kt_supports(d);
-    if (kt && avx512) cpu::transpose_rows_avx512(sc.k.data(), p_end - p0, d, sc.kt.data(), ldk);
-    if (kt && !avx512) cpu::transpose_rows_avx2(sc.k.data(), p_end - p0, d, sc.kt.data(), ldk);
+    if (kt) kern.transpose(sc.k.data(), p_end - p0, d, sc.kt.data(), ldk);
     for (int64_t t = w.t0; t < w.t1; ++t) {
       const int64_t ns = n_seg[static_cast<size_t>(t)];
       if (ns <= w.seg) continue;  // ends in an earlier segment
@@ -353,18 +373,12 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
       const Partial pt =
           ns == 1 ? Partial{out + (t * s.n_heads + w.g * G) * d, nullptr, nullptr} : partial(t, w.g, w.seg);
       const float* qg = q + (t * s.n_heads + w.g * G) * d;
-      if (kt && !avx512)
-        cpu::paged_rows_kt_avx2(qg, static_cast<int>(G), sc.kt.data(), ldk, sc.v.data(), d, n, u.scale,
-                                sc.w.data(), wstride, pt.o, pt.m, pt.l);
-      else if (kt)
-        cpu::paged_rows_kt_avx512(qg, static_cast<int>(G), sc.kt.data(), ldk, sc.v.data(), d, n, u.scale,
-                                  sc.w.data(), wstride, pt.o, pt.m, pt.l);
-      else if (avx512)
-        cpu::paged_rows_avx512(qg, static_cast<int>(G), sc.k.data(), sc.v.data(), d, n, u.scale, sc.w.data(),
-                               wstride, pt.o, pt.m, pt.l);
+      if (kt)
+        kern.rows_kt(qg, static_cast<int>(G), sc.kt.data(), ldk, sc.v.data(), d, n, u.scale, sc.w.data(),
+                     wstride, pt.o, pt.m, pt.l);
       else
-        cpu::paged_rows_avx2(qg, static_cast<int>(G), sc.k.data(), sc.v.data(), d, n, u.scale, sc.w.data(),
-                             wstride, pt.o, pt.m, pt.l);
+        kern.rows(qg, static_cast<int>(G), sc.k.data(), sc.v.data(), d, n, u.scale, sc.w.data(), wstride,
+                  pt.o, pt.m, pt.l);
       if (ns > 1) segment_done(t, w.g);
     }
   };
@@ -419,11 +433,13 @@ void paged_attention(ThreadPool& pool, const AttentionShape& s, const PagedKv& k
   pool.run([&](int, int) {
     if (!two_pass) return run_items(run_item);
     if (f16) {
+      const TwoPassKernels<uint16_t> kern(isa);
       PagedScratch<uint16_t> sc(max_span, w_floats, kt_floats);
-      return run_items([&](const WorkItem& w) { run_item_two_pass(w, sc); });
+      return run_items([&](const WorkItem& w) { run_item_two_pass(w, kern, sc); });
     }
+    const TwoPassKernels<float> kern(isa);
     PagedScratch<float> sc(max_span, w_floats, kt_floats);
-    run_items([&](const WorkItem& w) { run_item_two_pass(w, sc); });
+    run_items([&](const WorkItem& w) { run_item_two_pass(w, kern, sc); });
   });
 }
 
