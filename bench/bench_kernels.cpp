@@ -83,6 +83,10 @@ std::vector<uint8_t> make_weights(DType type, int64_t N, int64_t K) {
       case DType::q6_k:
         put(208);
         break;
+      case DType::iq4_nl:
+      case DType::iq4_xs:
+        put(0);
+        break;
       default:
         break;
     }
@@ -501,9 +505,9 @@ void register_all() {
   benchmark::RegisterBenchmark("Loss/eval_count/T128_V49152_q8_0/t1", run_loss, true)->Unit(benchmark::kMillisecond);
   register_backward_input();
   register_attention();
-  const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k, DType::q6_k,
-                         DType::q4_0, DType::q5_k, DType::bf16, DType::f32,  DType::q5_0,
-                         DType::q5_1, DType::q2_k, DType::q3_k};
+  const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k,   DType::q6_k,
+                         DType::q4_0, DType::q5_k, DType::bf16, DType::f32,    DType::q5_0,
+                         DType::q5_1, DType::q2_k, DType::q3_k, DType::iq4_nl, DType::iq4_xs};
   for (DType t : types) {
     // k-quants need K % 256 == 0: they run with K = 768 instead of 576.
     const int64_t K = dtype_block_size(t) == 256 ? 768 : 576;
@@ -522,7 +526,7 @@ void register_all() {
     // Prompt tiles at Llama-3.2-1B's widths: K = 2048 (q/o/gate/up) and 8192
     // (down), where one panel plus a tile's activations no longer fit in L1.
     if (t == DType::q4_k || t == DType::q5_k || t == DType::q6_k || t == DType::q8_0 || t == DType::f16 ||
-        t == DType::bf16)
+        t == DType::bf16 || t == DType::iq4_xs)
       for (const int64_t k1b : {int64_t{2048}, int64_t{8192}}) {
         const std::string pname = fmt::format("Matmul/{}/T512_2048x{}/t1", dtype_name(t), k1b);
         benchmark::RegisterBenchmark(pname.c_str(), run_case, Case{t, 2048, k1b, 512, 1, true})

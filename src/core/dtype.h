@@ -24,6 +24,8 @@ enum class DType : uint32_t {
   q5_k = 13,
   q6_k = 14,
   q8_k = 15,
+  iq4_nl = 20,
+  iq4_xs = 23,
   i8 = 24,
   i16 = 25,
   i32 = 26,

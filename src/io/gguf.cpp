@@ -64,10 +64,8 @@ const char* ggml_type_name(uint32_t id) {
     case 17: return "iq2_xs";
     case 18: return "iq3_xxs";
     case 19: return "iq1_s";
-    case 20: return "iq4_nl";
     case 21: return "iq3_s";
     case 22: return "iq2_s";
-    case 23: return "iq4_xs";
     case 29: return "iq1_m";
     case 31: return "q4_0_4_4 (removed from ggml)";
     case 32: return "q4_0_4_8 (removed from ggml)";

@@ -36,6 +36,25 @@ struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_
 // Activation format for k-quant dot products; bsums are sums of 16 qs each.
 struct BlockQ8_K { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; };
 
+// IQ4_NL: x = d * kIq4Values[q], 4-bit indices into a fixed non-linear codebook,
+// nibbles ordered as q4_0's (low nibble of qs[j] = element j, high = j + 16).
+struct BlockIQ4_NL {
+  uint16_t d;
+  uint8_t qs[16];
+};
+// IQ4_XS: 8 sub-blocks of 32, sub-block j x = d * (ls_j - 32) * kIq4Values[q],
+// ls_j 6 bits (low 4 in nibble j % 2 of scales_l[j / 2], high 2 in bits 2j..2j+1
+// of scales_h); qs[16j .. 16j + 15] hold sub-block j as an IQ4_NL block's qs.
+struct BlockIQ4_XS {
+  uint16_t d;
+  uint16_t scales_h;
+  uint8_t scales_l[QK_K / 64];
+  uint8_t qs[QK_K / 2];
+};
+// ggml's kvalues_iq4nl.
+inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                          1,    13,   25,  38,  53,  69,  89,  113};
+
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);
 static_assert(sizeof(BlockQ5_0) == 22);
@@ -48,6 +67,8 @@ static_assert(sizeof(BlockQ4_K) == 144);
 static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ8_K) == 292);
+static_assert(sizeof(BlockIQ4_NL) == 18);
+static_assert(sizeof(BlockIQ4_XS) == 136);
 
 // Format helpers for scalar code in cpu/ and ref/. Internal linkage: files built
 // with AVX-512 flags include this header too, and must not share code with others.
@@ -80,6 +101,13 @@ inline void k4_scale_min(const uint8_t* q, int g, int& sc, int& m) {
     sc = (q[g + 4] & 0x0f) | ((q[g - 4] >> 6) << 4);
     m = (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
   }
+}
+
+// IQ4_XS: the signed scale ls_j - 32 (-32..31) of sub-block j (32 elements).
+inline int iq4_xs_scale(const BlockIQ4_XS& b, int j) {
+  const int lo = (b.scales_l[j / 2] >> (4 * (j % 2))) & 0x0f;
+  const int hi = (b.scales_h >> (2 * j)) & 3;
+  return (lo | (hi << 4)) - 32;
 }
 
 }  // namespace

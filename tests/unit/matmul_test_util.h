@@ -67,6 +67,10 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
       case DType::q6_k:
         put_f16(blk + 208, scale(rng));
         break;
+      case DType::iq4_nl:
+      case DType::iq4_xs:
+        put_f16(blk, scale(rng) * (type == DType::iq4_nl ? 0.1f : 0.01f));  // values up to 127 (x 32)
+        break;
       default:
         break;
     }
@@ -101,7 +105,8 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
     case DType::q4_1:
     case DType::q5_0:
     case DType::q5_1:
-    case DType::q8_0: {
+    case DType::q8_0:
+    case DType::iq4_nl: {
       const bool q81 = type == DType::q4_1 || type == DType::q5_1;
       std::vector<uint8_t> xq(static_cast<size_t>(K / 32) * (q81 ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0)));
       if (q81)
@@ -132,6 +137,11 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
             v[j + 16] = ((qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1) << 4)) - off;
           }
           if (type == DType::q5_1) mw = f16(wb + 2);
+        } else if (type == DType::iq4_nl) {
+          for (int j = 0; j < 16; ++j) {
+            v[j] = kIq4Values[wb[2 + j] & 15];
+            v[j + 16] = kIq4Values[wb[2 + j] >> 4];
+          }
         } else {
           for (int j = 0; j < 32; ++j) v[j] = static_cast<int8_t>(wb[2 + j]);
         }
@@ -150,7 +160,8 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
     case DType::q3_k:
     case DType::q4_k:
     case DType::q5_k:
-    case DType::q6_k: {
+    case DType::q6_k:
+    case DType::iq4_xs: {
       std::vector<BlockQ8_K> xq(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, xq.data(), K);
       const size_t bb = dtype_traits(type).block_bytes;
@@ -189,6 +200,19 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
               s += static_cast<int64_t>(v) * a.qs[e];
             }
             I += s * sc;
+          }
+          acc = std::fma(static_cast<float>(I), fp16_to_fp32(b.d) * a.d, acc);
+        } else if (type == DType::iq4_xs) {
+          BlockIQ4_XS b;
+          std::memcpy(&b, wb, sizeof b);
+          int64_t I = 0;
+          for (int j = 0; j < 8; ++j) {
+            int64_t s = 0;
+            for (int l = 0; l < 16; ++l) {
+              s += static_cast<int64_t>(kIq4Values[b.qs[16 * j + l] & 15]) * a.qs[32 * j + l];
+              s += static_cast<int64_t>(kIq4Values[b.qs[16 * j + l] >> 4]) * a.qs[32 * j + 16 + l];
+            }
+            I += s * iq4_xs_scale(b, j);
           }
           acc = std::fma(static_cast<float>(I), fp16_to_fp32(b.d) * a.d, acc);
         } else if (type == DType::q6_k) {
@@ -267,7 +291,8 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
   switch (type) {
     case DType::q4_0:
     case DType::q5_0:
-    case DType::q8_0: {
+    case DType::q8_0:
+    case DType::iq4_nl: {
       std::vector<BlockQ8_0> b(static_cast<size_t>(K / 32));
       quantize_row_q8_0_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_0, b.data(), xq.data(), K);
@@ -291,7 +316,8 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
     case DType::q3_k:
     case DType::q4_k:
     case DType::q5_k:
-    case DType::q6_k: {
+    case DType::q6_k:
+    case DType::iq4_xs: {
       std::vector<BlockQ8_K> b(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_k, b.data(), xq.data(), K);

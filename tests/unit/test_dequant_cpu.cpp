@@ -23,10 +23,10 @@ bool same_float(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || float_to_bits(a) == float_to_bits(b);
 }
 
-const DType kAllTypes[] = {DType::f32,  DType::f16,  DType::bf16, DType::f64,  DType::i8,   DType::i16,
-                           DType::i32,  DType::i64,  DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1,
-                           DType::q8_0, DType::q8_1, DType::q2_k, DType::q3_k, DType::q4_k, DType::q5_k,
-                           DType::q6_k, DType::q8_k};
+const DType kAllTypes[] = {DType::f32,  DType::f16,  DType::bf16,   DType::f64,   DType::i8,   DType::i16,
+                           DType::i32,  DType::i64,  DType::q4_0,   DType::q4_1,  DType::q5_0, DType::q5_1,
+                           DType::q8_0, DType::q8_1, DType::q2_k,   DType::q3_k,  DType::q4_k, DType::q5_k,
+                           DType::q6_k, DType::q8_k, DType::iq4_nl, DType::iq4_xs};
 
 // Random bytes; with `sane`, f16 scales small and finite (so the products are
 // ordinary numbers, where a wrong order of operations would show).
@@ -41,7 +41,13 @@ std::vector<uint8_t> random_row(DType type, int64_t n, uint32_t seed, bool sane)
   // Positions of the f16 scales in each block.
   std::vector<size_t> at;
   switch (type) {
-    case DType::q4_0: case DType::q5_0: case DType::q8_0: at = {0}; break;
+    case DType::q4_0:
+    case DType::q5_0:
+    case DType::q8_0:
+    case DType::iq4_nl:
+    case DType::iq4_xs:
+      at = {0};
+      break;
     case DType::q4_1: case DType::q5_1: case DType::q8_1: at = {0, 2}; break;
     case DType::q2_k: at = {80, 82}; break;
     case DType::q3_k: at = {108}; break;

@@ -120,7 +120,33 @@ void dequant_q8_32(const void* src, float* y, int64_t nb) {
     emit32<Op::mul>(y, load32(LOOM_FIELD(Block, p, qs)), d, d);
   }
 }
+
+// IQ4_NL / IQ4_XS: the 32 nibbles of qs looked up in the codebook (vpshufb).
+inline __m256i iq4_values32(const uint8_t* qs) {
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+  return _mm256_shuffle_epi8(table, nibbles32(qs));
+}
+
+void dequant_iq4_nl(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const uint8_t* p = block_at<BlockIQ4_NL>(src, i);
+    const __m256 d = scale_of<BlockIQ4_NL>(p);
+    emit32<Op::mul>(y, iq4_values32(LOOM_FIELD(BlockIQ4_NL, p, qs)), d, d);
+  }
+}
 #undef LOOM_FIELD
+
+void dequant_iq4_xs(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto b = load_unaligned<BlockIQ4_XS>(src, i);
+    const float d = _cvtsh_ss(b.d);
+    for (int j = 0; j < QK_K / 32; ++j, y += 32) {
+      const __m256 dl = _mm256_set1_ps(d * static_cast<float>(iq4_xs_scale(b, j)));
+      emit32<Op::mul>(y, iq4_values32(b.qs + 16 * j), dl, dl);
+    }
+  }
+}
 
 void dequant_q8_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
@@ -243,6 +269,12 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
     case DType::q5_k: dequant_q45_k<BlockQ5_K, true>(src, dst, nb); return;
     case DType::q6_k: dequant_q6_k(src, dst, nb); return;
     case DType::q8_k: dequant_q8_k(src, dst, nb); return;
+    case DType::iq4_nl:
+      dequant_iq4_nl(src, dst, nb);
+      return;
+    case DType::iq4_xs:
+      dequant_iq4_xs(src, dst, nb);
+      return;
     case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;
     case DType::i8_ch: cpu::dequantize_row_i8ch(src, dst, n); return;
   }

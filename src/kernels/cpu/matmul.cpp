@@ -239,6 +239,8 @@ bool matmul_supports(DType type) {
     case DType::q4_k:
     case DType::q5_k:
     case DType::q6_k:
+    case DType::iq4_nl:
+    case DType::iq4_xs:
       return true;
     default:
       return false;

@@ -96,6 +96,25 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       for (int o = 0; o < 4; ++o) store_u32(pb + 32 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
       return;
     }
+    case DType::iq4_nl: {  // as q4_0: the nibbles are codebook indices
+      BlockIQ4_NL b;
+      std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      for (int o = 0; o < 4; ++o) store_u32(pb + 32 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
+      return;
+    }
+    case DType::iq4_xs: {
+      BlockIQ4_XS b;
+      std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, b.d);
+      for (int g = 0; g < 8; ++g) {
+        pb[32 + g * 16 + r] = static_cast<uint8_t>(static_cast<int8_t>(iq4_xs_scale(b, g)));
+        // Sub-block g's qs are an iq4_nl block's: byte j = elements j, j + 16.
+        uint8_t* gp = pb + 160 + g * 256;
+        for (int o = 0; o < 4; ++o) store_u32(gp + o * 64 + r * 4, load_u32(b.qs + 16 * g + 4 * o));
+      }
+      return;
+    }
     case DType::q4_1: {
       BlockQ4_1 b;
       std::memcpy(&b, blk, sizeof b);
@@ -251,6 +270,10 @@ size_t panel_block_bytes(DType type) {
       return 384;
     case DType::q8_0:
       return 544;
+    case DType::iq4_nl:
+      return 288;
+    case DType::iq4_xs:
+      return 2208;
     case DType::q4_k:
       return 2368;
     case DType::q5_k:

@@ -42,6 +42,7 @@ constexpr int kPanelRows = 16;
 //  q5_0 (352):  d @0, 5th-bit word @32, nibbles @96
 //  q5_1 (384):  d @0, m @32, 5th-bit word @64, nibbles @128
 //  q8_0 (544):  d @0, words @32
+//  iq4_nl (288): d @0, nibbles @32 (codebook indices, kIq4Values)
 //  q4_k (2368): d @0, dmin @32, scale u8[8][16] @64, min pairs u8[4][16][2] @192,
 //               8 nibble groups @320 (256 bytes each)
 //  q5_k (2880): as q4_k, groups @320 of 320 bytes: nibbles then 5th-bit word
@@ -51,6 +52,8 @@ constexpr int kPanelRows = 16;
 //               8 groups @576 of 128 bytes: the two 2-bit words of q (0..3)
 //  q3_k (1824): d @0, scale i8[16][16] @32, 8 groups @288 of 192 bytes: the two
 //               2-bit words, then the bit-2 word, of u = q + 4 (0..7)
+//  iq4_xs (2208): d @0, scale i8[8][16] @32 (ls - 32 of each group of 32),
+//               8 nibble groups @160 (256 bytes each) of codebook indices
 //  f32 / f16: element k of rows 0..15 contiguous (64 / 32 bytes)
 //  bf16 (64 per pair of columns): pair row j = rows 0..15 as 32-bit words, word r
 //               = element 2j (low half) and 2j + 1 (high half) of row r: the
@@ -78,8 +81,8 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
 
 // ---- Activations (one "act row" per token, built once per matmul call) ----
 
-// For q4_0, q4_1, q5_0, q5_1, q8_0 weights: q8_0 / q8_1 blocks with float scale.
-// aux: q4_0 -8*sum(qs), q5_0 -16*sum(qs), q8_0 -128*sum(qs) (integer offset terms,
+// For q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl weights: q8_0 / q8_1 blocks with float
+// scale. aux: q4_0 -8*sum(qs), q5_0 -16*sum(qs), q8_0 / iq4_nl -128*sum(qs) (integer offset terms,
 // int32), q4_1/q5_1 the q8_1 's' field (fp16-rounded d*sum) as float bits.
 struct ActQ8x32 {
   int8_t qs[32];
@@ -88,7 +91,7 @@ struct ActQ8x32 {
 };
 static_assert(sizeof(ActQ8x32) == 40);
 
-// For k-quant weights: a q8_K block plus per-group sums. s16[j] = sum of the 16
+// For k-quant and iq4_xs weights: a q8_K block plus per-group sums. s16[j] = sum of the 16
 // qs of sub-block j (q8_K's bsums), b16[j] = -32 * s16[j] (q6_k's offset; q3_k
 // uses b16 / 8), s32[g] = sum of the 32 qs of group g (q4_k/q5_k).
 struct ActQ8K {

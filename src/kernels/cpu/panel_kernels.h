@@ -208,6 +208,8 @@ decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
       return fn.template operator()<Q32<DType::q5_1>>();
     case DType::q8_0:
       return fn.template operator()<Q32<DType::q8_0>>();
+    case DType::iq4_nl:
+      return fn.template operator()<Q32<DType::iq4_nl>>();
     case DType::q4_k:
       return fn.template operator()<Q45K<DType::q4_k>>();
     case DType::q5_k:
@@ -218,6 +220,8 @@ decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
       return fn.template operator()<K16<DType::q3_k>>();
     case DType::q2_k:
       return fn.template operator()<K16<DType::q2_k>>();
+    case DType::iq4_xs:
+      return fn.template operator()<K16<DType::iq4_xs>>();
     case DType::f32:
       return fn.template operator()<Flt<DType::f32>>();
     case DType::f16:
@@ -255,9 +259,14 @@ UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
 
 // Byte layout of a 32-element type's panel block (panel.h): f16 d @0, f16 m @32
 // for the types with a min, q5's 5th-bit word, then the nibbles (q8_0: words @32).
+// iq4_nl is laid out as q4_0, its nibbles indices into kIq4Values (kCodebook);
+// its values, like q8_0's, are signed bytes (kSigned), and both take the q8_0
+// act rows' aux (-128 * sum x) where a kernel multiplies them offset by +128.
 template <DType kT>
 struct Block32Layout {
   static constexpr bool kMin = kT == DType::q4_1 || kT == DType::q5_1;
+  static constexpr bool kCodebook = kT == DType::iq4_nl;
+  static constexpr bool kSigned = kT == DType::q8_0 || kCodebook;
   static constexpr int kBits = kT == DType::q8_0 ? 8 : kT == DType::q5_0 || kT == DType::q5_1 ? 5 : 4;
   static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word
   static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words
@@ -268,7 +277,7 @@ struct Block32Layout {
 };
 static_assert(Block32Layout<DType::q4_0>::kPB == 288 && Block32Layout<DType::q4_1>::kPB == 320 &&
               Block32Layout<DType::q5_0>::kPB == 352 && Block32Layout<DType::q5_1>::kPB == 384 &&
-              Block32Layout<DType::q8_0>::kPB == 544);
+              Block32Layout<DType::q8_0>::kPB == 544 && Block32Layout<DType::iq4_nl>::kPB == 288);
 
 }  // namespace
 }  // namespace loom::cpu

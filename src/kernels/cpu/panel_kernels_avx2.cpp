@@ -13,6 +13,7 @@
 #include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/panel_kernels.h"
+#include "kernels/quant_blocks.h"
 
 namespace loom::cpu {
 namespace {
@@ -62,6 +63,11 @@ inline void unpack_nibbles(const uint8_t* p, int h, __m256i (&ops)[8]) {
     ops[o] = _mm256_and_si256(w, m);
     ops[o + 4] = _mm256_and_si256(_mm256_srli_epi32(w, 4), m);
   }
+}
+
+// The codebook of iq4_nl / iq4_xs as signed bytes in both lanes (for vpshufb).
+inline __m256i iq4_table() {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
 }
 
 inline __m256i shift_bits(__m256i w, int left) {
@@ -198,6 +204,8 @@ struct Block32 : Block32Layout<kT> {
     } else {
       unpack_nibbles(pb + L::kQuants, h, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, h, ops);
+      if constexpr (L::kCodebook)
+        for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(), ops[o]);
     }
   }
 };
@@ -206,17 +214,31 @@ struct Block32 : Block32Layout<kT> {
 // call (panel_kernels.h) to the block's scales (32 bytes; 64 with mins) and the 8
 // operands of 16 rows x 4 values, 64 bytes each, half h at byte 32h. Batches ran
 // q5_0/q5_1 26-27% and q4_0/q4_1 3-5% faster so (AMD Zen 4, LOOM_CPU=avx2).
+// iq4_nl unpacks to its signed codebook values: a q8_0 panel block's layout, run
+// as q8_0's (the sign trick).
 template <DType kT, bool kUnpacked = false>
 struct Q32Impl {
   using Q = Block32<kT>;
   // q8_0 tiles take 5 tokens (its operand load and |w| then serve one token
   // more; 15 ymm registers, no spill): AMD Zen 2, SmolLM2 Q8_0 pp512 615-627 ->
   // 627-641 t/s. The 4- and 5-bit tiles keep 4.
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = Block32<kT>::kBits == 8 ? 5 : 4;
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = Q::kSigned ? 5 : 4;
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kHeader = Q::kScaleBytes;
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
   using Unpacked = std::conditional_t<kUnpacked || Q::kBits == 8, void, Q32Impl<kT, true>>;
+  static_assert(!Q::kSigned || kHeader == Q::kQuants);  // signed operands at the same offset either way
+  // Operand o of a signed type's half h: q8_0's words, iq4_nl's unpacked values,
+  // or iq4_nl's packed nibbles looked up one operand at a time.
+  static __m256i signed_operand(const uint8_t* pb, int h, int o) {
+    if constexpr (Q::kCodebook && !kUnpacked) {
+      const __m256i w = load256(pb + Q::kQuants + 64 * (o % 4) + 32 * h);
+      return _mm256_shuffle_epi8(
+          iq4_table(), _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0f)));
+    } else {
+      return load256(pb + Q::kQuants + 64 * o + 32 * h);
+    }
+  }
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 32) * kBlock; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -242,10 +264,10 @@ struct Q32Impl {
   template <int C>
   static void block_dots(const uint8_t* pb, int h, const ActQ8x32* const (&x)[C], __m256i (&tot)[C]) {
     for (int c = 0; c < C; ++c) tot[c] = _mm256_setzero_si256();
-    if constexpr (Q::kBits == 8) {
+    if constexpr (Q::kSigned) {
 #pragma GCC unroll 8
       for (int o = 0; o < 8; ++o) {
-        const __m256i w = load256(pb + Q::kQuants + 64 * o + 32 * h), aw = _mm256_sign_epi8(w, w);
+        const __m256i w = signed_operand(pb, h, o), aw = _mm256_sign_epi8(w, w);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
           const __m256i d = madd1(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast32(x[c]->qs + 4 * o), w)));
@@ -284,7 +306,7 @@ struct Q32Impl {
           const __m256 dw = load_f16x8(pb + 16 * h);
           for (int c = 0; c < C; ++c) {
             __m256i i = tot[c];
-            if constexpr (!Q::kMin && Q::kBits != 8) i = _mm256_add_epi32(i, _mm256_set1_epi32(x[c]->aux));
+            if constexpr (!Q::kMin && !Q::kSigned) i = _mm256_add_epi32(i, _mm256_set1_epi32(x[c]->aux));
             acc[c] =
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dw, _mm256_set1_ps(x[c]->d)), acc[c]);
             if constexpr (Q::kMin) {
@@ -323,16 +345,16 @@ struct Q32Impl {
           __m256i ops[8];
           unpack(pb, h, ops);
           __m256i absw[8];
-          if constexpr (Q::kBits == 8)
+          if constexpr (Q::kSigned)
             for (int o = 0; o < 8; ++o) absw[o] = _mm256_sign_epi8(ops[o], ops[o]);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
             __m256i i;
-            if constexpr (Q::kBits == 8)
+            if constexpr (Q::kSigned)
               i = idot_s8(absw, ops, x->qs);
             else
               i = idot<Q::kBits, 0, 8>(ops, x->qs);
-            if constexpr (!Q::kMin && Q::kBits != 8) i = _mm256_add_epi32(i, _mm256_set1_epi32(x->aux));
+            if constexpr (!Q::kMin && !Q::kSigned) i = _mm256_add_epi32(i, _mm256_set1_epi32(x->aux));
             const __m256 f = _mm256_cvtepi32_ps(i);
             acc[p][h][c] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(x->d)), acc[p][h][c]);
             if constexpr (Q::kMin) {
@@ -708,6 +730,117 @@ struct K16Impl {
     store_tile<P, C>(ta, acc);
   }
 };
+
+// ---- iq4_xs: 8 groups of 32 with signed 6-bit scales over codebook values ----
+
+// Operands are the signed codebook values (|v| <= 127; unpacked panels hold them
+// as they are), dotted with the signed act values by the sign trick: a
+// vpmaddubsw pair sum reaches 2 * 127 * 127, so each goes to vpmaddwd by its
+// group's scales (scales_x2) alone. Per lane the f32 sequence is K16Impl's of
+// the AVX-512 kernels: acc = fma(float(I), d * d_x, acc).
+template <bool kUnpacked = false>
+struct Iq4XsImpl {
+  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr bool kTokensOuter = true;
+  static constexpr size_t kScales = 32, kHeader = 160;  // d @0, scale i8[8][16] @32
+  static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : 256;
+  static constexpr size_t kPBB = kHeader + 8 * kGroup;
+  static_assert(kUnpacked || kPBB == 2208);
+  using Unpacked = Iq4XsImpl<true>;
+  static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
+  static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
+    unpack_superblocks<Iq4XsImpl<false>, Iq4XsImpl, kHeader>(pan, K, out);
+  }
+  static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
+    if constexpr (kUnpacked) {
+      load_unpacked(gp, h, ops);
+    } else {
+      unpack_nibbles(gp, h, ops);
+      for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(), ops[o]);
+    }
+  }
+  static __m256i operand(const uint8_t* gp, int h, int o) {
+    if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
+    const __m256i w = load256(gp + 64 * (o % 4) + 32 * h);
+    return _mm256_shuffle_epi8(iq4_table(),
+                               _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0f)));
+  }
+  // Batch tiles, one half over the whole K, operand-major (see Q32Impl::run_batch).
+  template <int P, int C>
+  static void run_batch(const TileArgs& ta) {
+    const int64_t nsb = ta.K / 256;
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h) {
+        __m256 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+          const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+          const ActQ8K* x[C];
+          __m256i isc[C];
+          start_superblock(ta, sb, x, isc);
+          for (int g = 0; g < 8; ++g) {
+            const __m256i sc = scales_x2(pb + kScales + 16 * g + 8 * h);
+            const uint8_t* gp = pb + kHeader + g * kGroup;
+#pragma GCC unroll 8
+            for (int o = 0; o < 8; ++o) {
+              const __m256i w = operand(gp, h, o), aw = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 8
+              for (int c = 0; c < C; ++c) {
+                const __m256i xs = _mm256_sign_epi8(bcast32(x[c]->qs + 32 * g + 4 * o), w);
+                isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), sc));
+                keep_in_register(isc[c]);
+              }
+            }
+          }
+          const HalfScales<0> hs(pb, h, 0);
+          for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d, nullptr);
+        }
+        for (int c = 0; c < C; ++c)
+          store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[c], ta.nv - p * 16 - h * 8);
+      }
+  }
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    if constexpr (C > 1)
+      run_batch<P, C>(ta);
+    else
+      run_decode<P>(ta);
+  }
+  // Decode tiles (one token): block-major, both halves per block.
+  template <int P>
+  static void run_decode(const TileArgs& ta) {
+    constexpr int C = 1;
+    __m256 acc[P][2][C];
+    zero_tile(acc);
+    const int64_t nsb = ta.K / 256;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+        const auto* x = reinterpret_cast<const ActQ8K*>(ta.act) + sb;
+        __m256i isc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int g = 0; g < 8; ++g) {
+          if constexpr (!kUnpacked) prefetch_group(pb, g, kHeader, kGroup);
+          for (int h = 0; h < 2; ++h) {
+            __m128i s;
+            std::memcpy(&s, pb + kScales + 16 * g + 8 * h, 8);
+            __m256i ops[8], absw[8];
+            unpack(pb + kHeader + g * kGroup, h, ops);
+            for (int o = 0; o < 8; ++o) absw[o] = _mm256_sign_epi8(ops[o], ops[o]);
+            isc[h] = _mm256_add_epi32(
+                isc[h], _mm256_mullo_epi32(idot_s8(absw, ops, x->qs + 32 * g), _mm256_cvtepi8_epi32(s)));
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const HalfScales<0> hs(pb, h, 0);
+          acc[p][h][0] = hs.update(acc[p][h][0], isc[h], x->d, nullptr);
+        }
+      }
+    }
+    store_tile<P, C>(ta, acc);
+  }
+};
+template <bool kUnpacked>
+struct K16Impl<DType::iq4_xs, kUnpacked> : Iq4XsImpl<kUnpacked> {};
 
 // Zeroed sums and the f32 act rows of a float-activation tile.
 template <int P, int C>

@@ -14,6 +14,7 @@
 #include "kernels/cpu/nf4.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/panel_kernels.h"
+#include "kernels/quant_blocks.h"
 
 namespace loom::cpu {
 namespace {
@@ -79,6 +80,14 @@ inline void unpack_nibbles(const uint8_t* p, __m512i (&ops)[8]) {
     ops[o] = _mm512_and_si512(w, m);
     ops[o + 4] = _mm512_and_si512(_mm512_srli_epi32(w, 4), m);
   }
+}
+
+// iq4_nl / iq4_xs: the nibbles of ops (codebook indices) become their values +
+// 128 as u8 (vpshufb on the codebook; the offset leaves the act rows' sums).
+inline void lookup_iq4_u8(__m512i (&ops)[8]) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)), _mm_set1_epi8(static_cast<char>(0x80))));
+  for (int o = 0; o < 8; ++o) ops[o] = _mm512_shuffle_epi8(table, ops[o]);
 }
 
 // Adds bit 4 from a 5th-bit word (bit o of byte i belongs to operand o).
@@ -170,11 +179,12 @@ struct Block32 : Block32Layout<kT> {
     } else {
       unpack_nibbles(pb + L::kQuants, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, ops);
+      if constexpr (L::kCodebook) lookup_iq4_u8(ops);
     }
   }
 };
 
-// kUnpacked (q5_0, q5_1): panels whose blocks were unpacked once per call
+// kUnpacked (q5_0, q5_1, iq4_nl): panels whose blocks were unpacked once per call
 // (panel_kernels.h) to the block's scales (32 bytes; 64 with mins) and the 8
 // operands, 64 bytes each: their batches ran 5-8% faster on an AMD Zen 4, q4_0
 // and q4_1 (cheap nibbles) 1-2%, within the noise, so those stay packed.
@@ -185,7 +195,7 @@ struct Q32Impl {
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kHeader = Q::kScaleBytes;
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
-  using Unpacked = std::conditional_t<kUnpacked || Q::kBits != 5, void, Q32Impl<kT, true>>;
+  using Unpacked = std::conditional_t<kUnpacked || !(Q::kBits == 5 || Q::kCodebook), void, Q32Impl<kT, true>>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 32) * kBlock; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -361,7 +371,8 @@ inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
 }
 
 // Per 256: I = sum_j sc_j * (sum_{16} u x + offset_j) with u = q (q2_k), q + 4
-// (q3_k, offset -4 * xsum_j) or the 6-bit value (q6_k, offset -32 * xsum_j);
+// (q3_k, offset -4 * xsum_j), the 6-bit value (q6_k, offset -32 * xsum_j) or
+// the codebook value + 128 (iq4_xs, offset -128 * xsum_j; one scale per 32);
 // acc = fma(float(I), d * d_x, acc); q2_k then acc -= float(sum_j m_j xsum_j) * dmin * d_x.
 // kUnpacked: the panel's whole-byte copy (unpack_superblocks; the header is the
 // kGroups bytes before the quants).
@@ -370,12 +381,20 @@ struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
+  static constexpr bool kIq4 = kKind == DType::iq4_xs;  // scales per 32: i8[8][16]
   static constexpr size_t kScales = kMin ? 64 : 32;
-  static constexpr size_t kGroups = kMin ? 576 : 288;
-  static constexpr size_t kPackedGroup = kKind == DType::q6_k ? 384 : kKind == DType::q3_k ? 192 : 128;
+  static constexpr size_t kScaleGroup = kIq4 ? 16 : 32;  // scale bytes per group of 32
+  static constexpr size_t kGroups = kMin ? 576 : kIq4 ? 160 : 288;
+  static constexpr size_t kPackedGroup = kKind == DType::q6_k   ? 384
+                                         : kKind == DType::q3_k ? 192
+                                         : kIq4                 ? 256
+                                                                : 128;
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kPackedGroup;
   static constexpr size_t kPBB = kGroups + 8 * kGroup;
-  static_assert(kUnpacked || kPBB == (kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600));
+  static_assert(kUnpacked || kPBB == (kKind == DType::q6_k   ? 3360
+                                      : kKind == DType::q3_k ? 1824
+                                      : kIq4                 ? 2208
+                                                             : 1600));
   using Unpacked = K16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
@@ -387,6 +406,9 @@ struct K16Impl {
     } else if constexpr (kKind == DType::q6_k) {
       unpack_nibbles(gp, ops);
       add_bits45(gp + 256, ops);
+    } else if constexpr (kIq4) {
+      unpack_nibbles(gp, ops);
+      lookup_iq4_u8(ops);
     } else {
       unpack_crumbs(gp, ops);
       if constexpr (kKind == DType::q3_k) add_bit2(gp + 128, ops);
@@ -395,6 +417,7 @@ struct K16Impl {
   static __m512i offset(const ActQ8K* x, int j) {
     if constexpr (kKind == DType::q6_k) return _mm512_set1_epi32(x->b16[j]);
     if constexpr (kKind == DType::q3_k) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
+    if constexpr (kIq4) return _mm512_set1_epi32(x->b16[j] * 4);                   // -128 * xsum
     return _mm512_setzero_si512();
   }
   template <int P, int C>
@@ -412,10 +435,10 @@ struct K16Impl {
             if (g == 0) prefetch_ahead<kAhead, kGroups>(pb);
             prefetch_ahead<kAhead, kGroup>(pb + kGroups + g * kGroup);
           }
-          const uint8_t* sp = pb + kScales + 32 * g;
+          const uint8_t* sp = pb + kScales + kScaleGroup * g;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
           const __m512i sc1 =
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+              kIq4 ? sc0 : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
           __m512i ops[8];
           unpack(pb + kGroups + g * kGroup, ops);
           const ActQ8K* xs[C];

@@ -185,7 +185,9 @@ ActKind act_kind(DType type, bool bf16_pairs) {
     case DType::q5_0:
     case DType::q5_1:
     case DType::q8_0:
+    case DType::iq4_nl:
       return ActKind::q8x32;
+    case DType::iq4_xs:
     case DType::q2_k:
     case DType::q3_k:
     case DType::q4_k:

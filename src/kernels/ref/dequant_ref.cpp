@@ -103,6 +103,34 @@ void dequant_q8_1(const void* src, float* y, int64_t nb) {
   }
 }
 
+// IQ4_NL / IQ4_XS: codebook values times the block's (sub-block's) scale; IQ4_XS
+// forms d * (ls - 32) first (exact in f32), as ggml and gguf-py do.
+void dequant_iq4_nl(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto b = load_unaligned<BlockIQ4_NL>(src, i);
+    const float d = fp16_to_fp32(b.d);
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>(kIq4Values[b.qs[j] & 0x0f]);
+      y[j + 16] = d * static_cast<float>(kIq4Values[b.qs[j] >> 4]);
+    }
+  }
+}
+
+void dequant_iq4_xs(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto b = load_unaligned<BlockIQ4_XS>(src, i);
+    const float d = fp16_to_fp32(b.d);
+    for (int sb = 0; sb < QK_K / 32; ++sb, y += 32) {
+      const float dl = d * static_cast<float>(iq4_xs_scale(b, sb));
+      const uint8_t* qs = b.qs + 16 * sb;
+      for (int j = 0; j < 16; ++j) {
+        y[j] = dl * static_cast<float>(kIq4Values[qs[j] & 0x0f]);
+        y[j + 16] = dl * static_cast<float>(kIq4Values[qs[j] >> 4]);
+      }
+    }
+  }
+}
+
 void dequant_q8_k(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
     const auto b = load_unaligned<BlockQ8_K>(src, i);
@@ -314,6 +342,12 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::q5_k: dequant_q45_k<BlockQ5_K, true>(src, dst, nb); return;
     case DType::q6_k: dequant_q6_k(src, dst, nb); return;
     case DType::q8_k: dequant_q8_k(src, dst, nb); return;
+    case DType::iq4_nl:
+      dequant_iq4_nl(src, dst, nb);
+      return;
+    case DType::iq4_xs:
+      dequant_iq4_xs(src, dst, nb);
+      return;
     case DType::nf4: dequantize_row_nf4_ref(src, dst, n); return;
     case DType::i8_ch: dequantize_row_i8ch_ref(src, dst, n); return;  // src: the row's start (header)
   }
