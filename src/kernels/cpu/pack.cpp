@@ -89,15 +89,10 @@ void q5_values(const uint8_t* qs, const uint8_t* qh_bytes, uint8_t* v) {
 void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
   uint8_t v[32];
   switch (type) {
-    case DType::q4_0: {
+    case DType::q4_0:
+    case DType::iq4_nl: {  // the same bytes: f16 d, then 16 bytes of nibbles (iq4_nl's codebook indices)
+      static_assert(sizeof(BlockQ4_0) == sizeof(BlockIQ4_NL));
       BlockQ4_0 b;
-      std::memcpy(&b, blk, sizeof b);
-      store_u16(pb + 2 * r, b.d);
-      for (int o = 0; o < 4; ++o) store_u32(pb + 32 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
-      return;
-    }
-    case DType::iq4_nl: {  // as q4_0: the nibbles are codebook indices
-      BlockIQ4_NL b;
       std::memcpy(&b, blk, sizeof b);
       store_u16(pb + 2 * r, b.d);
       for (int o = 0; o < 4; ++o) store_u32(pb + 32 + o * 64 + r * 4, load_u32(b.qs + 4 * o));

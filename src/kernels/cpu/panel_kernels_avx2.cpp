@@ -70,6 +70,13 @@ inline __m256i iq4_table() {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
 }
 
+// Operand o of half h of a nibble group at p (unpack_nibbles' ops[o]) looked up in the codebook.
+inline __m256i iq4_operand(const uint8_t* p, int h, int o) {
+  const __m256i w = load256(p + 64 * (o % 4) + 32 * h);
+  return _mm256_shuffle_epi8(iq4_table(),
+                             _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0f)));
+}
+
 inline __m256i shift_bits(__m256i w, int left) {
   return left >= 0 ? _mm256_slli_epi32(w, left) : _mm256_srli_epi32(w, -left);
 }
@@ -232,9 +239,7 @@ struct Q32Impl {
   // or iq4_nl's packed nibbles looked up one operand at a time.
   static __m256i signed_operand(const uint8_t* pb, int h, int o) {
     if constexpr (Q::kCodebook && !kUnpacked) {
-      const __m256i w = load256(pb + Q::kQuants + 64 * (o % 4) + 32 * h);
-      return _mm256_shuffle_epi8(
-          iq4_table(), _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0f)));
+      return iq4_operand(pb + Q::kQuants, h, o);
     } else {
       return load256(pb + Q::kQuants + 64 * o + 32 * h);
     }
@@ -761,9 +766,7 @@ struct Iq4XsImpl {
   }
   static __m256i operand(const uint8_t* gp, int h, int o) {
     if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
-    const __m256i w = load256(gp + 64 * (o % 4) + 32 * h);
-    return _mm256_shuffle_epi8(iq4_table(),
-                               _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0f)));
+    return iq4_operand(gp, h, o);
   }
   // Batch tiles, one half over the whole K, operand-major (see Q32Impl::run_batch).
   template <int P, int C>
