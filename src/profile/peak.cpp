@@ -354,9 +354,9 @@ const GemmPeak* PeakTable::find_class(std::string_view op, std::string_view dtyp
 }
 
 std::vector<DType> PeakOptions::peak_dtypes_default() {
-  return {DType::f32,  DType::f16,  DType::bf16, DType::q8_0, DType::q4_0,
-          DType::q4_1, DType::q5_0, DType::q5_1, DType::q2_k, DType::q3_k,
-          DType::q4_k, DType::q5_k, DType::q6_k, DType::nf4,  DType::i8_ch};
+  return {DType::f32,  DType::f16,    DType::bf16,   DType::q8_0, DType::q4_0, DType::q4_1,
+          DType::q5_0, DType::q5_1,   DType::q2_k,   DType::q3_k, DType::q4_k, DType::q5_k,
+          DType::q6_k, DType::iq4_nl, DType::iq4_xs, DType::nf4,  DType::i8_ch};
 }
 
 // The output projections of GGUF files: q8_0 (small models, tied to the
