@@ -417,7 +417,6 @@ struct K16Impl {
   static __m512i offset(const ActQ8K* x, int j) {
     if constexpr (kKind == DType::q6_k) return _mm512_set1_epi32(x->b16[j]);
     if constexpr (kKind == DType::q3_k) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
-    if constexpr (kIq4) return _mm512_set1_epi32(x->b16[j] * 4);                   // -128 * xsum
     return _mm512_setzero_si512();
   }
   template <int P, int C>
@@ -447,8 +446,16 @@ struct K16Impl {
             xs[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
             xq[c] = xs[c]->qs + 32 * g;
           }
-          // The two sub-blocks' scaled sums in turn (wrapping int32 adds: any order gives the same sums).
+          // The two sub-blocks' scaled sums in turn (wrapping int32 adds: any order gives the same sums);
+          // iq4_xs, one scale for both, in one chain from both offsets (-128 * the group's act sum).
           __m512i dots[C];
+          if constexpr (kIq4) {
+            for (int c = 0; c < C; ++c) dots[c] = _mm512_set1_epi32(-128 * xs[c]->s32[g]);
+            idot_tile<0, 8, P>(dots, ops, xq);
+            for (int c = 0; c < C; ++c)
+              isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
+            continue;
+          }
           for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g);
           idot_tile<0, 4, P>(dots, ops, xq);
           for (int c = 0; c < C; ++c)
