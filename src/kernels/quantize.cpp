@@ -88,6 +88,8 @@ void quantize_row_affine_weighted(const float* x, void* dst, int64_t n, const fl
 
 // One row as ggml_quantize_chunk quantizes it.
 void quantize_row(DType type, const float* x, void* dst, int64_t n, const float* importance) {
+  if (type == DType::iq4_nl) return quant::quantize_row_iq4_nl(x, dst, n, importance);
+  if (type == DType::iq4_xs) return quant::quantize_row_iq4_xs(x, dst, n, importance);
   if (importance) {
     switch (type) {
       case DType::q4_0:
@@ -160,6 +162,8 @@ bool quantize_supported(DType type) {
     case DType::q4_k:
     case DType::q5_k:
     case DType::q6_k:
+    case DType::iq4_nl:
+    case DType::iq4_xs:
       return true;
     default:
       return false;
@@ -172,7 +176,7 @@ void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, in
     fail(
         ErrorKind::unsupported,
         "quantize: no quantizer for tensor type {} (supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, "
-        "q2_k, q3_k, q4_k, q5_k, q6_k)",
+        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs)",
         dtype_name(type));
   const int64_t block = dtype_block_size(type);
   if (n_per_row <= 0 || n_per_row % block != 0)

@@ -84,5 +84,8 @@ void quantize_row_q3_k_weighted(const float* x, void* dst, int64_t n, const floa
 void quantize_row_q4_k_weighted(const float* x, void* dst, int64_t n, const float* importance);
 void quantize_row_q5_k_weighted(const float* x, void* dst, int64_t n, const float* importance);
 void quantize_row_q6_k_weighted(const float* x, void* dst, int64_t n, const float* importance);
+// IQ4_NL / IQ4_XS (quantize_iq4.cpp): importance null or the row's weights.
+void quantize_row_iq4_nl(const float* x, void* dst, int64_t n, const float* importance);
+void quantize_row_iq4_xs(const float* x, void* dst, int64_t n, const float* importance);
 
 }  // namespace loom::quant

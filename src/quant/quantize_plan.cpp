@@ -17,15 +17,16 @@ struct FileTypeInfo {
 };
 
 constexpr FileTypeInfo kFileTypes[] = {
-    {FileType::all_f32, "F32", DType::f32},     {FileType::f16, "F16", DType::f16},
-    {FileType::bf16, "BF16", DType::bf16},      {FileType::q4_0, "Q4_0", DType::q4_0},
-    {FileType::q4_1, "Q4_1", DType::q4_1},      {FileType::q5_0, "Q5_0", DType::q5_0},
-    {FileType::q5_1, "Q5_1", DType::q5_1},      {FileType::q8_0, "Q8_0", DType::q8_0},
-    {FileType::q2_k, "Q2_K", DType::q2_k},      {FileType::q2_k_s, "Q2_K_S", DType::q2_k},
-    {FileType::q3_k_s, "Q3_K_S", DType::q3_k},  {FileType::q3_k_m, "Q3_K_M", DType::q3_k},
-    {FileType::q3_k_l, "Q3_K_L", DType::q3_k},  {FileType::q4_k_s, "Q4_K_S", DType::q4_k},
-    {FileType::q4_k_m, "Q4_K_M", DType::q4_k},  {FileType::q5_k_s, "Q5_K_S", DType::q5_k},
-    {FileType::q5_k_m, "Q5_K_M", DType::q5_k},  {FileType::q6_k, "Q6_K", DType::q6_k},
+    {FileType::all_f32, "F32", DType::f32},      {FileType::f16, "F16", DType::f16},
+    {FileType::bf16, "BF16", DType::bf16},       {FileType::q4_0, "Q4_0", DType::q4_0},
+    {FileType::q4_1, "Q4_1", DType::q4_1},       {FileType::q5_0, "Q5_0", DType::q5_0},
+    {FileType::q5_1, "Q5_1", DType::q5_1},       {FileType::q8_0, "Q8_0", DType::q8_0},
+    {FileType::q2_k, "Q2_K", DType::q2_k},       {FileType::q2_k_s, "Q2_K_S", DType::q2_k},
+    {FileType::q3_k_s, "Q3_K_S", DType::q3_k},   {FileType::q3_k_m, "Q3_K_M", DType::q3_k},
+    {FileType::q3_k_l, "Q3_K_L", DType::q3_k},   {FileType::q4_k_s, "Q4_K_S", DType::q4_k},
+    {FileType::q4_k_m, "Q4_K_M", DType::q4_k},   {FileType::q5_k_s, "Q5_K_S", DType::q5_k},
+    {FileType::q5_k_m, "Q5_K_M", DType::q5_k},   {FileType::q6_k, "Q6_K", DType::q6_k},
+    {FileType::iq4_nl, "IQ4_NL", DType::iq4_nl}, {FileType::iq4_xs, "IQ4_XS", DType::iq4_xs},
 };
 
 const FileTypeInfo& info(FileType t) {
@@ -85,7 +86,9 @@ struct MixState {
   bool tied_embeddings = true;
 };
 
-// llama_tensor_get_type_impl for the file types loom writes.
+// llama_tensor_get_type_impl for the file types loom writes (one rule a line, as
+// llama.cpp's chains read).
+// clang-format off
 DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt, DType t, const TensorInput& tensor,
                Category cat) {
   const FileType f = opt.file_type;
@@ -102,6 +105,7 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
     else if (f == FileType::q2_k_s && n_gqa >= 4) t = DType::q4_k;
     else if (f == FileType::q3_k_m) t = i < 2 ? DType::q5_k : DType::q4_k;
     else if (f == FileType::q3_k_l) t = DType::q5_k;
+    else if ((f == FileType::iq4_nl || f == FileType::iq4_xs) && n_gqa >= 4) t = DType::q5_k;
     else if ((f == FileType::q4_k_m || f == FileType::q5_k_m) && use_more_bits(i, n)) t = DType::q6_k;
     else if (f == FileType::q4_k_s && i < 4) t = DType::q5_k;
     if (m.is_70b && (t == DType::q3_k || t == DType::q4_k)) t = DType::q5_k;
@@ -115,6 +119,7 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
     else if (f == FileType::q3_k_m) t = i < n / 16 ? DType::q5_k : DType::q4_k;
     else if (f == FileType::q3_k_l) t = DType::q5_k;
     else if (f == FileType::q4_k_m) { if (use_more_bits(i, n)) t = DType::q6_k; }
+    else if (i < n / 8 && (f == FileType::iq4_nl || f == FileType::iq4_xs) && !opt.has_imatrix) t = DType::q5_k;
     else if (f == FileType::q5_k_m && use_more_bits(i, n)) t = DType::q6_k;
     else if (f == FileType::q4_k_s && i < n / 8) t = DType::q5_k;
     else if ((f == FileType::q4_0 || f == FileType::q5_0) && opt.has_imatrix && i < n / 8)
@@ -146,10 +151,12 @@ DType fit_to_width(DType t, int64_t cols, bool& fell_back) {
     case DType::q4_k: t = DType::q5_0; break;
     case DType::q5_k: t = DType::q5_1; break;
     case DType::q6_k: t = DType::q8_0; break;
+    case DType::iq4_xs: t = DType::iq4_nl; break;
     default: break;
   }
   return cols % dtype_block_size(t) == 0 ? t : DType::f16;
 }
+// clang-format on
 
 }  // namespace
 

@@ -36,6 +36,8 @@ enum class FileType : uint32_t {
   q5_k_m = 17,
   q6_k = 18,
   q2_k_s = 21,
+  iq4_nl = 25,
+  iq4_xs = 30,
   bf16 = 32,
 };
 

@@ -110,12 +110,14 @@ TEST_P(QuantizeVariantsImatrix, EqualsLlamaQuantizeWithTheSameImportanceMatrix) 
 }
 
 INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsImatrix,
-                         ::testing::Values("Q4_0", "Q5_1", "Q2_K", "Q3_K_S", "Q4_K_M", "Q6_K"),
+                         ::testing::Values("Q4_0", "Q5_1", "Q2_K", "Q3_K_S", "Q4_K_M", "Q6_K", "IQ4_NL",
+                                           "IQ4_XS"),
                          [](const auto& info) { return std::string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariants,
                          ::testing::Values("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M",
-                                           "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "F16", "BF16"),
+                                           "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL",
+                                           "IQ4_XS", "F16", "BF16"),
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
