@@ -42,7 +42,7 @@ static_assert(same_codebook());
 // neighbours is ggml's float comparison.
 int nearest_code(float v) {
   if (v <= kValues[0]) return 0;
-  if (v >= kValues[15]) return 15;
+  if (!(v < kValues[15])) return 15;  // also NaN (0 x inf of a denormal scale), where ggml's bisection ends
   int hi = 1;  // the first value above v: kValues[hi - 1] <= v < kValues[hi]
   for (int k = 1; k < 15; ++k) hi += v >= kValues[k] ? 1 : 0;
   return v - kValues[hi - 1] < kValues[hi] - v ? hi - 1 : hi;

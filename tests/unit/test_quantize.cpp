@@ -25,8 +25,8 @@
 namespace loom {
 namespace {
 
-const char* const kTypes[] = {"f32",  "f16",  "bf16", "q4_0", "q4_1", "q5_0", "q5_1",
-                              "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"};
+const char* const kTypes[] = {"f32",  "f16",  "bf16", "q4_0", "q4_1", "q5_0",   "q5_1",  "q8_0",
+                              "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"};
 const char* const kModes[] = {"plain", "imatrix", "imatrix_zeros"};
 
 std::string fixture_dir() {
@@ -224,16 +224,16 @@ double relative_rms_error(DType type, const std::vector<uint8_t>& q, const Rando
 }
 
 // A sanity bound per type (about 1.4x what the formats give on these Gaussian
-// rows: q4_k 0.072, q2_k 0.30, q6_k 0.018), and the importance-weighted search
+// rows: q4_k 0.072, q2_k 0.30, q6_k 0.018, iq4_nl 0.076, iq4_xs 0.078), and the importance-weighted search
 // must lower the importance-weighted error (q4_k: 0.072 -> 0.058).
 TEST(QuantizeRows, DequantizedErrorIsSmall) {
   const struct {
     const char* type;
     double max_rel_rms;
   } bounds[] = {
-      {"f32", 0.0},   {"f16", 4e-4},   {"bf16", 2.5e-3}, {"q4_0", 0.12}, {"q4_1", 0.11},
-      {"q5_0", 0.06}, {"q5_1", 0.055}, {"q8_0", 0.008},  {"q2_k", 0.40}, {"q3_k", 0.21},
-      {"q4_k", 0.10}, {"q5_k", 0.05},  {"q6_k", 0.026},
+      {"f32", 0.0},   {"f16", 4e-4},   {"bf16", 2.5e-3}, {"q4_0", 0.12},   {"q4_1", 0.11},
+      {"q5_0", 0.06}, {"q5_1", 0.055}, {"q8_0", 0.008},  {"q2_k", 0.40},   {"q3_k", 0.21},
+      {"q4_k", 0.10}, {"q5_k", 0.05},  {"q6_k", 0.026},  {"iq4_nl", 0.11}, {"iq4_xs", 0.11},
   };
   const RandomMatrix m(40, 1024, 11);
   ThreadPool pool(2);
