@@ -259,8 +259,14 @@ class Parser {
     // Validate only after the whole record is read so truncation is reported first.
     if (!tensor_index_.emplace(ti.name, index).second) invalid("duplicate tensor name");
     const auto traits = dtype_traits_of_id(type_id);
-    if (!traits)
-      raise(ErrorKind::unsupported, "tensor type {} ({}) is not supported", type_id, ggml_type_name(type_id));
+    if (!traits) {
+      const std::string name = ggml_type_name(type_id);
+      raise(ErrorKind::unsupported, "tensor type {} ({}) is not supported{}", type_id, name,
+            name.rfind("iq", 0) == 0
+                ? " (of the IQ types loom reads IQ4_NL and IQ4_XS: use the model in one of "
+                  "those or a Q/K type such as Q4_K_M)"
+                : "");
+    }
     ti.dtype = traits->type;
     ti.ndim = static_cast<int>(n_dims);
     int64_t numel = 1;
