@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -15,7 +14,6 @@
 
 #include "core/cache_dir.h"
 #include "core/error.h"
-#include "core/half.h"
 #include "core/huge_page_buffer.h"
 #include "core/rng.h"
 #include "core/tensor.h"
@@ -158,15 +156,6 @@ std::vector<uint8_t> make_weight(ThreadPool& pool, DType type, const std::vector
   } else if (type == DType::i8_ch) {
     std::vector<float> scales(static_cast<size_t>(rows), 1.0f / 127);
     quantize_rows_i8_ch(src.data(), rows, cols, scales.data(), nullptr, out.data());
-  } else if (type == DType::iq4_nl || type == DType::iq4_xs) {
-    // loom reads these types but has no quantizer for them: well-formed blocks
-    // from src's values (any codebook indices and scale bits, one finite f16 d
-    // per block) time the same as quantized ones.
-    for (size_t i = 0; i < out.size(); ++i)
-      out[i] = static_cast<uint8_t>(src[i % src.size()] * 127.0f + 128.0f);
-    const uint16_t d = fp32_to_fp16(0.01f);
-    for (size_t off = 0; off < out.size(); off += dtype_traits(type).block_bytes)
-      std::memcpy(out.data() + off, &d, 2);
   } else {
     quantize_rows(pool, type, src.data(), out.data(), rows, cols, nullptr);
   }
