@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/error.h"
 #include "core/half.h"
 #include "kernels/quant_blocks.h"
 #include "kernels/quantize_impl.h"
@@ -48,25 +47,23 @@ int nearest_code(float v) {
   return v - kValues[hi - 1] < kValues[hi] - v ? hi - 1 : hi;
 }
 
-// The weighted sums of one trial: codes for x * inv_scale, sum w q x and sum w q^2.
+// The weighted sums of one trial, the codes of x * inv_scale: sum w q x and sum w q^2.
 struct Fit {
   float sum_qx = 0, sum_q2 = 0;
 };
-Fit fit_codes(const float* x, const float* w, float inv_scale, uint8_t* codes) {
+Fit fit_codes(const float* x, const float* w, float inv_scale) {
   Fit f;
   for (int j = 0; j < kGroup; ++j) {
-    const int l = nearest_code(inv_scale * x[j]);
-    if (codes) codes[j] = static_cast<uint8_t>(l);
-    const float q = kValues[l];
+    const float q = kValues[nearest_code(inv_scale * x[j])];
     f.sum_qx += w[j] * q * x[j];
     f.sum_q2 += w[j] * q * q;
   }
   return f;
 }
 
-// The scale of one group of 32 (0 for a group of zeros); its codes in `codes`
-// are those of the first trial (ggml keeps them; callers re-pick them).
-float fit_group(const float* x, const float* w, uint8_t* codes) {
+// The scale of one group of 32 (0 for a group of zeros). ggml also keeps the
+// first trial's codes, which every caller then re-picks for the final scale.
+float fit_group(const float* x, const float* w) {
   float amax = 0, max = 0;
   for (int j = 0; j < kGroup; ++j)
     if (std::fabs(x[j]) > amax) {
@@ -75,11 +72,11 @@ float fit_group(const float* x, const float* w, uint8_t* codes) {
     }
   if (amax < kGroupMaxEps) return 0;
   const float first = -max / kValues[0];
-  Fit f = fit_codes(x, w, 1 / first, codes);
+  Fit f = fit_codes(x, w, 1 / first);
   float d = f.sum_q2 > 0 ? f.sum_qx / f.sum_q2 : 0.f;
   float best = d * f.sum_qx;
   for (int t = -kTrials; t <= kTrials; ++t) {
-    f = fit_codes(x, w, as_float(t + kIq4Values[0]) / max, nullptr);
+    f = fit_codes(x, w, as_float(t + kIq4Values[0]) / max);
     if (f.sum_q2 > 0 && f.sum_qx * f.sum_qx > best * f.sum_q2) {
       d = f.sum_qx / f.sum_q2;
       best = d * f.sum_qx;
@@ -101,14 +98,11 @@ float spread(const float* x, int n) {
   return s * (2.f / as_float(n));
 }
 
-// Codes of a group for the final scale: x * inv_scale to the nearest value.
-void pick_codes(const float* x, float inv_scale, uint8_t* codes) {
-  for (int j = 0; j < kGroup; ++j) codes[j] = static_cast<uint8_t>(nearest_code(inv_scale * x[j]));
-}
-
-// qs of a group: byte j = code j | code j + 16 << 4.
-void pack_group(const uint8_t* codes, uint8_t* qs) {
-  for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>(codes[j] | (codes[j + 16] << 4));
+// The qs of a group for its final scale: the codes of x * inv_scale, byte j =
+// code j | code j + 16 << 4.
+void pack_codes(const float* x, float inv_scale, uint8_t* qs) {
+  for (int j = 0; j < 16; ++j)
+    qs[j] = static_cast<uint8_t>(nearest_code(inv_scale * x[j]) | (nearest_code(inv_scale * x[j + 16]) << 4));
 }
 
 }  // namespace
@@ -117,13 +111,11 @@ void quantize_row_iq4_nl(const float* x, void* dst, int64_t n, const float* impo
   for (int64_t ib = 0; ib < n / kGroup; ++ib, x += kGroup) {
     const float* qw = importance ? importance + kGroup * ib : nullptr;
     float w[kGroup];
-    uint8_t codes[kGroup];
     group_weights(x, qw, spread(x, kGroup), w);
-    const float d = fit_group(x, w, codes);
+    const float d = fit_group(x, w);
     BlockIQ4_NL b;
     b.d = fp32_to_fp16(d);
-    pick_codes(x, d ? 1 / d : 0, codes);
-    pack_group(codes, b.qs);
+    pack_codes(x, d ? 1 / d : 0, b.qs);
     store_block(dst, ib, b);
   }
 }
@@ -137,9 +129,8 @@ void quantize_row_iq4_xs(const float* x, void* dst, int64_t n, const float* impo
     float max_scale = 0, amax_scale = 0;
     for (int g = 0; g < kGroups; ++g) {
       float w[kGroup];
-      uint8_t codes[kGroup];
       group_weights(x + kGroup * g, qw ? qw + kGroup * g : nullptr, sigma2, w);
-      scales[g] = fit_group(x + kGroup * g, w, codes);
+      scales[g] = fit_group(x + kGroup * g, w);
       if (std::fabs(scales[g]) > amax_scale) {
         amax_scale = std::fabs(scales[g]);
         max_scale = scales[g];
@@ -152,9 +143,7 @@ void quantize_row_iq4_xs(const float* x, void* dst, int64_t n, const float* impo
     for (int g = 0; g < kGroups; ++g) {
       const int l = std::clamp(nearest_int(inv_d * scales[g]), -32, 31);
       const float dl = d * as_float(l);
-      uint8_t codes[kGroup];
-      pick_codes(x + kGroup * g, dl ? 1 / dl : 0.f, codes);
-      pack_group(codes, b.qs + 16 * g);
+      pack_codes(x + kGroup * g, dl ? 1 / dl : 0.f, b.qs + 16 * g);
       const int u = l + 32;
       b.scales_l[g / 2] = static_cast<uint8_t>(b.scales_l[g / 2] | ((u & 0x0f) << (4 * (g % 2))));
       b.scales_h = static_cast<uint16_t>(b.scales_h | ((u >> 4) << (2 * g)));

@@ -70,7 +70,13 @@ inline __m256i iq4_table() {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
 }
 
-// Operand o of half h of a nibble group at p (unpack_nibbles' ops[o]) looked up in the codebook.
+// unpack_nibbles' operands looked up in the codebook.
+inline void unpack_iq4(const uint8_t* p, int h, __m256i (&ops)[8]) {
+  unpack_nibbles(p, h, ops);
+  for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(), ops[o]);
+}
+
+// Operand o of half h of a nibble group at p (unpack_iq4's ops[o]) alone.
 inline __m256i iq4_operand(const uint8_t* p, int h, int o) {
   const __m256i w = load256(p + 64 * (o % 4) + 32 * h);
   return _mm256_shuffle_epi8(iq4_table(),
@@ -209,10 +215,9 @@ struct Block32 : Block32Layout<kT> {
     if constexpr (L::kBits == 8) {
       for (int o = 0; o < 8; ++o) ops[o] = load256(pb + L::kQuants + 64 * o + 32 * h);
     } else {
+      if constexpr (L::kCodebook) return unpack_iq4(pb + L::kQuants, h, ops);
       unpack_nibbles(pb + L::kQuants, h, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, h, ops);
-      if constexpr (L::kCodebook)
-        for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(), ops[o]);
     }
   }
 };
@@ -757,12 +762,10 @@ struct Iq4XsImpl {
     unpack_superblocks<Iq4XsImpl<false>, Iq4XsImpl, kHeader>(pan, K, out);
   }
   static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
-    if constexpr (kUnpacked) {
+    if constexpr (kUnpacked)
       load_unpacked(gp, h, ops);
-    } else {
-      unpack_nibbles(gp, h, ops);
-      for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(), ops[o]);
-    }
+    else
+      unpack_iq4(gp, h, ops);
   }
   static __m256i operand(const uint8_t* gp, int h, int o) {
     if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);

@@ -187,7 +187,9 @@ struct Block32 : Block32Layout<kT> {
 // kUnpacked (q5_0, q5_1, iq4_nl): panels whose blocks were unpacked once per call
 // (panel_kernels.h) to the block's scales (32 bytes; 64 with mins) and the 8
 // operands, 64 bytes each: their batches ran 5-8% faster on an AMD Zen 4, q4_0
-// and q4_1 (cheap nibbles) 1-2%, within the noise, so those stay packed.
+// and q4_1 (cheap nibbles) 1-2%, within the noise, so those stay packed; iq4_nl
+// (a vpshufb per operand) 1.4% in 3 of 3 rounds (Matmul/iq4_nl/T512_1536x576/t1
+// 2735-2744 against 2770-2788 us packed).
 template <DType kT, bool kUnpacked = false>
 struct Q32Impl {
   using Q = Block32<kT>;
@@ -436,8 +438,6 @@ struct K16Impl {
           }
           const uint8_t* sp = pb + kScales + kScaleGroup * g;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-          const __m512i sc1 =
-              kIq4 ? sc0 : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
           __m512i ops[8];
           unpack(pb + kGroups + g * kGroup, ops);
           const ActQ8K* xs[C];
@@ -460,6 +460,8 @@ struct K16Impl {
           idot_tile<0, 4, P>(dots, ops, xq);
           for (int c = 0; c < C; ++c)
             isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
+          const __m512i sc1 =
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
           for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g + 1);
           idot_tile<4, 8, P>(dots, ops, xq);
           for (int c = 0; c < C; ++c)
