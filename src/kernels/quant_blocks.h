@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/dtype.h"
+#include "core/half.h"
+#include "kernels/iq_grids.h"
+
 namespace loom {
 
 constexpr int QK4_0 = 32;
@@ -51,6 +55,47 @@ struct BlockIQ4_XS {
   uint8_t scales_l[QK_K / 64];
   uint8_t qs[QK_K / 2];
 };
+// The grid types (IQ2_XXS .. IQ3_S): 256 weights in entries of 8 (IQ2) or 4
+// (IQ3) consecutive weights whose magnitudes come from a grid codebook
+// (kernels/iq_grids.h), each weight with its own sign, each sub-block of 32
+// (IQ2_XS, IQ2_S: 16) with a 4-bit scale s. ggml's x = d * (0.5 + s) * 0.25 * v
+// (IQ3_XXS: * 0.5; IQ3_S: d * (1 + 2s) * v) is d * f * (2s + 1) * v with f =
+// 1/8, 1/4, 1 (decode_iq_grid below). Signs: IQ2_XXS, IQ2_XS and IQ3_XXS keep 7
+// per 8 weights, the 8th making the count of negatives even (iq_ksigns).
+// IQ2_XXS: per 32, u32 aux0 = 4 grid indices, u32 aux1 = 4 x 7 sign bits | s << 28.
+struct BlockIQ2_XXS {
+  uint16_t d;
+  uint16_t qs[QK_K / 8];
+};
+// IQ2_XS: per 8 weights u16 = 9-bit grid index | 7 sign bits << 9; scale nibbles per 16.
+struct BlockIQ2_XS {
+  uint16_t d;
+  uint16_t qs[QK_K / 8];
+  uint8_t scales[QK_K / 32];
+};
+// IQ2_S: per 8 weights the low 8 index bits (qs[0..31]) and 8 sign bits (qs[32..63]);
+// qh[j] bits 2l..2l+1 = index bits 8..9 of entry l of sub-block j; scale nibbles per 16.
+struct BlockIQ2_S {
+  uint16_t d;
+  uint8_t qs[QK_K / 4];
+  uint8_t qh[QK_K / 32];
+  uint8_t scales[QK_K / 32];
+};
+// IQ3_XXS: a grid index per 4 weights, then per 32 a u32 of 4 x 7 sign bits | s << 28.
+struct BlockIQ3_XXS {
+  uint16_t d;
+  uint8_t qs[3 * QK_K / 8];
+};
+// IQ3_S: 8-bit grid index per 4 weights, bit 8 in qh (bit l of qh[j]: entry 8j + l),
+// a sign bit per weight, scale nibbles per 32 (sub-block j: nibble j % 2 of scales[j / 2]).
+struct BlockIQ3_S {
+  uint16_t d;
+  uint8_t qs[QK_K / 4];
+  uint8_t qh[QK_K / 32];
+  uint8_t signs[QK_K / 8];
+  uint8_t scales[QK_K / 64];
+};
+
 // ggml's kvalues_iq4nl.
 inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                           1,    13,   25,  38,  53,  69,  89,  113};
@@ -69,6 +114,11 @@ static_assert(sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ8_K) == 292);
 static_assert(sizeof(BlockIQ4_NL) == 18);
 static_assert(sizeof(BlockIQ4_XS) == 136);
+static_assert(sizeof(BlockIQ2_XXS) == 66);
+static_assert(sizeof(BlockIQ2_XS) == 74);
+static_assert(sizeof(BlockIQ2_S) == 82);
+static_assert(sizeof(BlockIQ3_XXS) == 98);
+static_assert(sizeof(BlockIQ3_S) == 110);
 
 // Format helpers for scalar code in cpu/ and ref/. Internal linkage: files built
 // with AVX-512 flags include this header too, and must not share code with others.
@@ -110,6 +160,138 @@ inline int iq4_xs_scale(const BlockIQ4_XS& b, int j) {
   return (lo | (hi << 4)) - 32;
 }
 
+
+// The grid types' constants: weights per grid entry, weights per scale, f.
+struct IqGridTraits {
+  int per_entry;
+  int scale_group;
+  float factor;
+};
+constexpr bool is_iq_grid(DType t) {
+  return t == DType::iq2_xxs || t == DType::iq2_xs || t == DType::iq2_s || t == DType::iq3_xxs ||
+         t == DType::iq3_s;
+}
+constexpr IqGridTraits iq_grid_traits(DType t) {
+  switch (t) {
+    case DType::iq2_xxs:
+      return {8, 32, 0.125f};
+    case DType::iq2_xs:
+    case DType::iq2_s:
+      return {8, 16, 0.125f};
+    case DType::iq3_xxs:
+      return {4, 32, 0.25f};
+    default:  // iq3_s
+      return {4, 32, 1.0f};
+  }
+}
+
+// A grid superblock decoded: x_i = d * factor * scale[i / 16] * (sign bit i ? -1 : 1)
+// * byte (i % per_entry) of the grid entry index[i / per_entry].
+struct IqGridSuperblock {
+  uint16_t d;           // f16
+  uint16_t index[64];   // (IQ2: the first 32)
+  uint8_t sign[32];     // bit j of byte i: weight 8i + j
+  uint8_t scale[16];    // 2s + 1 of weights 16j .. 16j + 15
+};
+
+// The 8 signs of 7 stored sign bits: the 8th makes the number of negatives even.
+inline uint8_t iq_ksigns(uint32_t bits7) {
+  const uint32_t b = bits7 & 0x7f;
+  return static_cast<uint8_t>(b | ((__builtin_popcount(b) & 1) << 7));
+}
+
+// Magnitude of weight j of grid entry `index`.
+inline int iq_grid_value(DType t, uint32_t index, int j) {
+  switch (t) {
+    case DType::iq2_xxs:
+      return static_cast<int>((kIq2xxsGrid[index] >> (8 * j)) & 0xff);
+    case DType::iq2_xs:
+      return static_cast<int>((kIq2xsGrid[index] >> (8 * j)) & 0xff);
+    case DType::iq2_s:
+      return static_cast<int>((kIq2sGrid[index] >> (8 * j)) & 0xff);
+    case DType::iq3_xxs:
+      return static_cast<int>((kIq3xxsGrid[index] >> (8 * j)) & 0xff);
+    default:  // iq3_s
+      return static_cast<int>((kIq3sGrid[index] >> (8 * j)) & 0xff);
+  }
+}
+
+inline uint32_t load_u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Decodes one superblock of a grid type (blk at any alignment).
+inline IqGridSuperblock decode_iq_grid(DType t, const uint8_t* blk) {
+  IqGridSuperblock o{};
+  std::memcpy(&o.d, blk, 2);
+  const uint8_t* q = blk + 2;
+  switch (t) {
+    case DType::iq2_xxs:
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t idx = load_u32_at(q + 8 * j), aux = load_u32_at(q + 8 * j + 4);
+        for (int l = 0; l < 4; ++l) {
+          o.index[4 * j + l] = static_cast<uint16_t>((idx >> (8 * l)) & 0xff);
+          o.sign[4 * j + l] = iq_ksigns(aux >> (7 * l));
+        }
+        o.scale[2 * j] = o.scale[2 * j + 1] = static_cast<uint8_t>(2 * (aux >> 28) + 1);
+      }
+      break;
+    case DType::iq2_xs:
+      for (int e = 0; e < 32; ++e) {
+        const uint32_t v = q[2 * e] | (static_cast<uint32_t>(q[2 * e + 1]) << 8);
+        o.index[e] = static_cast<uint16_t>(v & 511);
+        o.sign[e] = iq_ksigns(v >> 9);
+      }
+      for (int j = 0; j < 16; ++j) o.scale[j] = static_cast<uint8_t>(2 * ((q[64 + j / 2] >> (4 * (j % 2))) & 15) + 1);
+      break;
+    case DType::iq2_s:
+      for (int e = 0; e < 32; ++e) {
+        o.index[e] = static_cast<uint16_t>(q[e] | (((q[64 + e / 4] >> (2 * (e % 4))) & 3) << 8));
+        o.sign[e] = q[32 + e];
+      }
+      for (int j = 0; j < 16; ++j) o.scale[j] = static_cast<uint8_t>(2 * ((q[72 + j / 2] >> (4 * (j % 2))) & 15) + 1);
+      break;
+    case DType::iq3_xxs:
+      for (int e = 0; e < 64; ++e) o.index[e] = q[e];
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t aux = load_u32_at(q + 64 + 4 * j);
+        for (int l = 0; l < 4; ++l) o.sign[4 * j + l] = iq_ksigns(aux >> (7 * l));
+        o.scale[2 * j] = o.scale[2 * j + 1] = static_cast<uint8_t>(2 * (aux >> 28) + 1);
+      }
+      break;
+    default:  // iq3_s
+      for (int e = 0; e < 64; ++e) o.index[e] = static_cast<uint16_t>(q[e] | (((q[64 + e / 8] >> (e % 8)) & 1) << 8));
+      std::memcpy(o.sign, q + 72, 32);
+      for (int j = 0; j < 8; ++j)
+        o.scale[2 * j] = o.scale[2 * j + 1] = static_cast<uint8_t>(2 * ((q[104 + j / 2] >> (4 * (j % 2))) & 15) + 1);
+      break;
+  }
+  return o;
+}
+
+// Signed integer value (sign * magnitude) of weight i of a decoded superblock.
+inline int iq_grid_weight(DType t, const IqGridSuperblock& b, int i) {
+  const int per = iq_grid_traits(t).per_entry;
+  const int v = iq_grid_value(t, b.index[i / per], i % per);
+  return ((b.sign[i / 8] >> (i % 8)) & 1) ? -v : v;
+}
+
+// Dequantizes nb superblocks of a grid type: d * factor * scale * signed value,
+// every product exact in f32 (at most 11 + 5 + 6 significant bits), so in any
+// order the floats of ggml and gguf-py. Scalar: these types are read by the
+// matmul kernels from their panels; this serves embeddings and checks.
+inline void dequantize_iq_grid(DType t, const void* src, float* y, int64_t nb) {
+  const size_t bb = dtype_traits(t).block_bytes;
+  const float f = iq_grid_traits(t).factor;
+  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+    const IqGridSuperblock b = decode_iq_grid(t, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * bb);
+    const float d = fp16_to_fp32(b.d) * f;
+    for (int w = 0; w < QK_K; ++w)
+      y[w] = d * static_cast<float>(b.scale[w / 16]) * static_cast<float>(iq_grid_weight(t, b, w));
+  }
+}
 }  // namespace
 
 }  // namespace loom

@@ -42,7 +42,9 @@ TEST(DType, RowBytesAndNames) {
   EXPECT_EQ(dtype_row_bytes(DType::q4_1, 576), 18u * 20u);
   EXPECT_EQ(dtype_row_bytes(DType::q6_k, 512), 2u * 210u);
   EXPECT_EQ(dtype_from_name("Q4_K"), DType::q4_k);
-  EXPECT_FALSE(dtype_traits_of_id(16).has_value());  // IQ2_XXS: unsupported
+  EXPECT_FALSE(dtype_traits_of_id(19).has_value());  // IQ1_S: unsupported
+  EXPECT_EQ(dtype_traits_of_id(21)->type, DType::iq3_s);
+  EXPECT_EQ(dtype_row_bytes(DType::iq2_xxs, 512), 2u * 66u);
 }
 
 // Zero-length dims are legal in safetensors files; a zero last dim once divided by zero

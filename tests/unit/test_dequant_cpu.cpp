@@ -26,7 +26,8 @@ bool same_float(float a, float b) {
 const DType kAllTypes[] = {DType::f32,  DType::f16,  DType::bf16,   DType::f64,   DType::i8,   DType::i16,
                            DType::i32,  DType::i64,  DType::q4_0,   DType::q4_1,  DType::q5_0, DType::q5_1,
                            DType::q8_0, DType::q8_1, DType::q2_k,   DType::q3_k,  DType::q4_k, DType::q5_k,
-                           DType::q6_k, DType::q8_k, DType::iq4_nl, DType::iq4_xs};
+                           DType::q6_k, DType::q8_k, DType::iq4_nl, DType::iq4_xs, DType::iq2_xxs,
+                           DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
 
 // Random bytes; with `sane`, f16 scales small and finite (so the products are
 // ordinary numbers, where a wrong order of operations would show).
@@ -46,6 +47,11 @@ std::vector<uint8_t> random_row(DType type, int64_t n, uint32_t seed, bool sane)
     case DType::q8_0:
     case DType::iq4_nl:
     case DType::iq4_xs:
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s:
       at = {0};
       break;
     case DType::q4_1: case DType::q5_1: case DType::q8_1: at = {0, 2}; break;

@@ -275,6 +275,13 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
     case DType::iq4_xs:
       dequant_iq4_xs(src, dst, nb);
       return;
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s:
+      dequantize_iq_grid(type, src, dst, nb);
+      return;
     case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;
     case DType::i8_ch: cpu::dequantize_row_i8ch(src, dst, n); return;
   }

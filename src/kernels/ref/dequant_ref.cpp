@@ -348,6 +348,13 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::iq4_xs:
       dequant_iq4_xs(src, dst, nb);
       return;
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s:
+      dequantize_iq_grid(type, src, dst, nb);
+      return;
     case DType::nf4: dequantize_row_nf4_ref(src, dst, n); return;
     case DType::i8_ch: dequantize_row_i8ch_ref(src, dst, n); return;  // src: the row's start (header)
   }
