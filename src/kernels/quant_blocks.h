@@ -200,6 +200,22 @@ inline uint8_t iq_ksigns(uint32_t bits7) {
   return static_cast<uint8_t>(b | ((__builtin_popcount(b) & 1) << 7));
 }
 
+// The grid of a grid type (for gathers: entries of 8 bytes for IQ2, 4 for IQ3).
+constexpr const void* iq_grid_table(DType t) {
+  switch (t) {
+    case DType::iq2_xxs:
+      return kIq2xxsGrid;
+    case DType::iq2_xs:
+      return kIq2xsGrid;
+    case DType::iq2_s:
+      return kIq2sGrid;
+    case DType::iq3_xxs:
+      return kIq3xxsGrid;
+    default:  // iq3_s
+      return kIq3sGrid;
+  }
+}
+
 // Magnitude of weight j of grid entry `index`.
 inline int iq_grid_value(DType t, uint32_t index, int j) {
   switch (t) {

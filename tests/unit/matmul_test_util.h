@@ -71,6 +71,13 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
       case DType::iq4_xs:
         put_f16(blk, scale(rng) * (type == DType::iq4_nl ? 0.1f : 0.01f));  // values up to 127 (x 32)
         break;
+      case DType::iq2_xxs:
+      case DType::iq2_xs:
+      case DType::iq2_s:
+      case DType::iq3_xxs:
+      case DType::iq3_s:
+        put_f16(blk, scale(rng));  // values up to 62 x scale 31 x f
+        break;
       default:
         break;
     }
@@ -161,13 +168,31 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
     case DType::q4_k:
     case DType::q5_k:
     case DType::q6_k:
-    case DType::iq4_xs: {
+    case DType::iq4_xs:
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s: {
       std::vector<BlockQ8_K> xq(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, xq.data(), K);
       const size_t bb = dtype_traits(type).block_bytes;
       for (int64_t sb = 0; sb < K / QK_K; ++sb) {
         const uint8_t* wb = w + sb * bb;
         const BlockQ8_K& a = xq[static_cast<size_t>(sb)];
+        if (is_iq_grid(type)) {
+          // Written from the format (quant_blocks.h): I = sum over sub-blocks of
+          // (2s + 1) x the dot of the signed grid values, scaled by d * (d_x * f).
+          const IqGridSuperblock b = decode_iq_grid(type, wb);
+          int64_t I = 0;
+          for (int j = 0; j < 16; ++j) {
+            int64_t s = 0;
+            for (int e = 16 * j; e < 16 * j + 16; ++e) s += static_cast<int64_t>(iq_grid_weight(type, b, e)) * a.qs[e];
+            I += s * b.scale[j];
+          }
+          acc = std::fma(static_cast<float>(I), fp16_to_fp32(b.d) * (a.d * iq_grid_traits(type).factor), acc);
+          continue;
+        }
         if (type == DType::q2_k) {
           BlockQ2_K b;
           std::memcpy(&b, wb, sizeof b);
@@ -317,7 +342,12 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
     case DType::q4_k:
     case DType::q5_k:
     case DType::q6_k:
-    case DType::iq4_xs: {
+    case DType::iq4_xs:
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s: {
       std::vector<BlockQ8_K> b(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_k, b.data(), xq.data(), K);

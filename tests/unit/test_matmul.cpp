@@ -25,7 +25,8 @@ using testing::random_weights;
 
 const DType kAllTypes[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k,   DType::q6_k,
                            DType::q4_0, DType::q5_k, DType::bf16, DType::f32,    DType::q5_0,
-                           DType::q5_1, DType::q2_k, DType::q3_k, DType::iq4_nl, DType::iq4_xs};
+                           DType::q5_1, DType::q2_k, DType::q3_k, DType::iq4_nl, DType::iq4_xs,
+                           DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
 
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
@@ -170,7 +171,7 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
   MatmulScratch scratch;
   uint32_t seed = 900;
   for (DType type : {DType::q4_0, DType::q8_0, DType::q4_k, DType::q5_k, DType::q6_k, DType::q2_k,
-                     DType::iq4_nl, DType::iq4_xs}) {
+                     DType::iq4_nl, DType::iq4_xs, DType::iq2_s, DType::iq3_xxs}) {
     const int64_t K = test_k(type, 1);
     const int64_t group_rows = kGroupBytes / static_cast<int64_t>(dtype_row_bytes(type, K)) / 16 * 16;
     Problem pr(type, 2 * group_rows + 37, K, 19, seed++);
@@ -189,15 +190,16 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
 
 // The batch kernels of most quantized types and f16 unpack each group of panels
 // into scratch once and run the token tiles on the copy (AVX-512: q5_0, q5_1,
-// iq4_nl, q2_k .. q6_k, iq4_xs and f16 widened to f32; AVX2: q4_0 .. q5_1, iq4_nl,
-// q2_k, q3_k, q5_k, q6_k, iq4_xs). With scratch for the
+// iq4_nl, q2_k .. q6_k, iq4_xs, the iq2 / iq3 grid types and f16 widened to f32;
+// AVX2: q4_0 .. q5_1, iq4_nl, q2_k, q3_k, q5_k, q6_k, iq4_xs, the grid types). With scratch for the
 // default group, for three panels (the float tiles' three: several groups, the last one partial) and for none
 // (the packed kernel), both instruction sets give the scalar model's bits. T = 19: the AVX-512 kernels' two
 // full 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
   for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q4_k, DType::q5_k,
-                     DType::q6_k, DType::q3_k, DType::q2_k, DType::f16, DType::iq4_nl, DType::iq4_xs}) {
+                     DType::q6_k, DType::q3_k, DType::q2_k, DType::f16, DType::iq4_nl, DType::iq4_xs,
+                     DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s}) {
     const int64_t K = test_k(type, 1);
     Problem pr(type, 16 * 6 + 3, K, 19, seed++);  // 7 panels: groups of 3, 3 and 1
     const auto want = pr.model();

@@ -241,6 +241,11 @@ bool matmul_supports(DType type) {
     case DType::q6_k:
     case DType::iq4_nl:
     case DType::iq4_xs:
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s:
       return true;
     default:
       return false;

@@ -11,6 +11,11 @@
 #include "kernels/quant_blocks.h"
 
 namespace loom::cpu {
+static_assert(iq_grid_panel(DType::iq2_xxs).header + 8 * iq_grid_panel(DType::iq2_xxs).group == 1184);
+static_assert(iq_grid_panel(DType::iq2_xs).header + 8 * iq_grid_panel(DType::iq2_xs).group == 1376);
+static_assert(iq_grid_panel(DType::iq2_s).header + 8 * iq_grid_panel(DType::iq2_s).group == 1440);
+static_assert(iq_grid_panel(DType::iq3_xxs).header + 8 * iq_grid_panel(DType::iq3_xxs).group == 1696);
+static_assert(iq_grid_panel(DType::iq3_s).header + 8 * iq_grid_panel(DType::iq3_s).group == 1824);
 namespace {
 
 constexpr int R = kPanelRows;
@@ -86,8 +91,44 @@ void q5_values(const uint8_t* qs, const uint8_t* qh_bytes, uint8_t* v) {
   }
 }
 
+inline void put_bit16(uint8_t* p, int bit, bool on) {
+  uint16_t w = load_u16(p);
+  w = static_cast<uint16_t>((w & ~(1u << bit)) | (static_cast<unsigned>(on) << bit));
+  store_u16(p, w);
+}
+inline void put_bit64(uint8_t* p, int bit, bool on) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);
+  w = (w & ~(uint64_t{1} << bit)) | (static_cast<uint64_t>(on) << bit);
+  std::memcpy(p, &w, 8);
+}
+
+// Row r of a grid type's superblock (panel.h: IqGridPanel). Bits are set and
+// cleared one row at a time: a full panel's bytes are not zeroed first.
+void pack_iq_grid(DType type, const uint8_t* blk, int r, uint8_t* pb) {
+  const IqGridSuperblock b = decode_iq_grid(type, blk);
+  const IqGridPanel L = iq_grid_panel(type);
+  const bool per16 = iq_grid_traits(type).scale_group == 16;
+  store_u16(pb + 2 * r, b.d);
+  for (int j = 0; j < (per16 ? 16 : 8); ++j) pb[32 + 16 * j + r] = b.scale[per16 ? j : 2 * j];
+  for (int g = 0; g < 8; ++g) {
+    uint8_t* gp = pb + L.header + g * L.group;
+    for (int e = 0; e < L.entries; ++e) {
+      const unsigned idx = b.index[L.entries * g + e];
+      gp[16 * e + r] = static_cast<uint8_t>(idx & 0xff);
+      for (int h = 0; h < L.hi_planes; ++h) put_bit16(gp + L.hi + 2 * (h * L.entries + e), r, (idx >> (8 + h)) & 1);
+    }
+    for (int o = 0; o < 8; ++o)
+      for (int i = 0; i < 4; ++i) {
+        const int w = 32 * g + 4 * o + i;
+        put_bit64(gp + L.signs + 8 * o, 4 * r + i, (b.sign[w / 8] >> (w % 8)) & 1);
+      }
+  }
+}
+
 void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
   uint8_t v[32];
+  if (is_iq_grid(type)) return pack_iq_grid(type, blk, r, pb);
   switch (type) {
     case DType::q4_0:
     case DType::iq4_nl: {  // the same bytes: f16 d, then 16 bytes of nibbles (iq4_nl's codebook indices)
@@ -269,6 +310,12 @@ size_t panel_block_bytes(DType type) {
       return 288;
     case DType::iq4_xs:
       return 2208;
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s:
+      return iq_grid_panel(type).header + 8 * iq_grid_panel(type).group;
     case DType::q4_k:
       return 2368;
     case DType::q5_k:

@@ -54,6 +54,13 @@ constexpr int kPanelRows = 16;
 //               2-bit words, then the bit-2 word, of u = q + 4 (0..7)
 //  iq4_xs (2208): d @0, scale i8[8][16] @32 (ls - 32 of each group of 32),
 //               8 nibble groups @160 (256 bytes each) of codebook indices
+//  iq2_xxs (1184), iq2_xs (1376), iq2_s (1440), iq3_xxs (1696), iq3_s (1824):
+//               d @0, scale i8 @32 (2s + 1: [8][16] per 32, or iq2_xs / iq2_s
+//               [16][16] per 16), then 8 groups of 32 (IqGridPanel below): per
+//               grid entry of the group (8 for iq3, 4 for iq2) the 16 rows' low
+//               index bytes, then the high index bits as u16 row masks (iq3_s
+//               and iq2_xs bit 8, iq2_s bits 8 and 9, plane-major), then per
+//               operand o a u64 of signs (bit 4r + i: weight 4o + i of row r)
 //  f32 / f16: element k of rows 0..15 contiguous (64 / 32 bytes)
 //  bf16 (64 per pair of columns): pair row j = rows 0..15 as 32-bit words, word r
 //               = element 2j (low half) and 2j + 1 (high half) of row r: the
@@ -65,6 +72,23 @@ constexpr int kPanelRows = 16;
 //               (kernels/cpu/i8ch.h)
 // (2-bit words: word h, bits 2s..2s+1 of byte i = bits 0..1 of element 4(4h+s)+i;
 //  bit-2 word: bit o of byte i = bit 2 of element 4o+i.)
+// Byte layout of a grid type's superblock in a panel (see above).
+struct IqGridPanel {
+  int entries;    // grid entries per group of 32 weights
+  int hi_planes;  // index bits above 8
+  size_t header;  // d and scales
+  size_t hi;      // in a group: the high-bit planes
+  size_t signs;   // in a group: the sign masks
+  size_t group;   // bytes per group
+};
+constexpr IqGridPanel iq_grid_panel(DType t) {
+  const bool iq3 = t == DType::iq3_xxs || t == DType::iq3_s;
+  const int entries = iq3 ? 8 : 4;
+  const int planes = t == DType::iq2_s ? 2 : (t == DType::iq2_xs || t == DType::iq3_s) ? 1 : 0;
+  const size_t header = (t == DType::iq2_xs || t == DType::iq2_s) ? 288 : 160;
+  const size_t hi = static_cast<size_t>(16 * entries), signs = hi + static_cast<size_t>(2 * entries * planes);
+  return {entries, planes, header, hi, signs, signs + 64};
+}
 size_t panel_block_bytes(DType type);
 int64_t panel_block_elems(DType type);  // 32, 256, 2 (bf16 column pairs) or 1
 

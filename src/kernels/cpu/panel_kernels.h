@@ -222,6 +222,16 @@ decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
       return fn.template operator()<K16<DType::q2_k>>();
     case DType::iq4_xs:
       return fn.template operator()<K16<DType::iq4_xs>>();
+    case DType::iq2_xxs:
+      return fn.template operator()<K16<DType::iq2_xxs>>();
+    case DType::iq2_xs:
+      return fn.template operator()<K16<DType::iq2_xs>>();
+    case DType::iq2_s:
+      return fn.template operator()<K16<DType::iq2_s>>();
+    case DType::iq3_xxs:
+      return fn.template operator()<K16<DType::iq3_xxs>>();
+    case DType::iq3_s:
+      return fn.template operator()<K16<DType::iq3_s>>();
     case DType::f32:
       return fn.template operator()<Flt<DType::f32>>();
     case DType::f16:

@@ -133,12 +133,15 @@ inline __m256i idot(const __m256i (&ops)[8], const int8_t* x) {
 }
 
 // s8 x s8 with the sign trick; each product pair fits int16 (|w| <= 128, |x| <= 127).
-inline __m256i idot_s8(const __m256i (&absw)[8], const __m256i (&w)[8], const int8_t* x) {
+inline __m256i idot_s8_range(const __m256i (&absw)[8], const __m256i (&w)[8], const int8_t* x, int o0, int o1) {
   __m256i total = _mm256_setzero_si256();
-  for (int o = 0; o < 8; ++o)
+  for (int o = o0; o < o1; ++o)
     total = _mm256_add_epi32(
         total, madd1(_mm256_maddubs_epi16(absw[o], _mm256_sign_epi8(bcast32(x + 4 * o), w[o]))));
   return total;
+}
+inline __m256i idot_s8(const __m256i (&absw)[8], const __m256i (&w)[8], const int8_t* x) {
+  return idot_s8_range(absw, w, x, 0, 8);
 }
 
 // A k-quant half's mins (u8, two sub-blocks per row in each int16 pair) at p:
@@ -741,35 +744,78 @@ struct K16Impl {
   }
 };
 
-// ---- iq4_xs: 8 groups of 32 with signed 6-bit scales over codebook values ----
+// ---- iq4_xs and the grid types: signed values, 8 groups of 32 with i8 scales ----
 
-// Operands are the signed codebook values (|v| <= 127; unpacked panels hold them
-// as they are), dotted with the signed act values by the sign trick: a
-// vpmaddubsw pair sum reaches 2 * 127 * 127, so each goes to vpmaddwd by its
-// group's scales (scales_x2) alone. Per lane the f32 sequence is K16Impl's of
-// the AVX-512 kernels: acc = fma(float(I), d * d_x, acc).
-template <bool kUnpacked = false>
-struct Iq4XsImpl {
+// Grid types (iq2_xxs .. iq3_s, panel.h IqGridPanel): operand o of half h of a
+// group, the 8 rows' signed grid values: entries by vpgatherdd from the index
+// bytes (and high-bit row masks), negated where the sign mask has a bit.
+template <DType kT>
+inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
+  constexpr IqGridPanel L = iq_grid_panel(kT);
+  const auto* grid = static_cast<const uint8_t*>(iq_grid_table(kT));
+  const int e = L.entries == 8 ? o : o / 2;
+  __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gp + 16 * e + 8 * h)));
+  const __m256i row_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int p = 0; p < L.hi_planes; ++p) {
+    const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(gp[L.hi + 2 * (p * L.entries + e) + h]), row_bit);
+    idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_cmpeq_epi32(bits, row_bit), _mm256_set1_epi32(256 << p)));
+  }
+  __m256i mag;
+  if constexpr (L.entries == 8)
+    mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid), idx, 4);
+  else
+    mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid + 4 * (o % 2)), idx, 8);
+  // Sign bit b of the half's 32 (row b / 4, weight b % 4) to byte b as 0 or -1.
+  uint32_t sign;
+  std::memcpy(&sign, gp + L.signs + 8 * o + 4 * h, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(sign)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i byte_bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, byte_bit), byte_bit);
+  return _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
+
+}
+
+// Operands are the signed values (iq4_xs: codebook values, |v| <= 127; the grid
+// types: grid values with their signs, |v| <= 62; unpacked panels hold them as
+// they are), dotted with the signed act values by the sign trick: a vpmaddubsw
+// pair sum reaches 2 * 127 * 127, so each goes to vpmaddwd by its group's (or
+// sub-block's) scales (scales_x2) alone. Per lane the f32 sequence is K16Impl's
+// of the AVX-512 kernels: acc = fma(float(I), d * (d_x * f), acc).
+template <DType kKind, bool kUnpacked = false>
+struct SignedK16Impl {
+  static constexpr bool kGrid = is_iq_grid(kKind);
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   static constexpr bool kTokensOuter = true;
-  static constexpr size_t kScales = 32, kHeader = 160;  // d @0, scale i8[8][16] @32
-  static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : 256;
+  // Scales per 32 (i8[8][16]) or, iq2_xs / iq2_s, per 16 (i8[16][16]).
+  static constexpr bool kPer16 = kGrid && iq_grid_traits(kKind).scale_group == 16;
+  static constexpr float kDFactor = kGrid ? iq_grid_traits(kKind).factor : 1.0f;
+  static constexpr size_t kScales = 32, kHeader = kGrid ? iq_grid_panel(kKind).header : 160;
+  static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kGrid ? iq_grid_panel(kKind).group : 256;
   static constexpr size_t kPBB = kHeader + 8 * kGroup;
-  static_assert(kUnpacked || kPBB == 2208);
-  using Unpacked = Iq4XsImpl<true>;
+  static_assert(kUnpacked || kGrid || kPBB == 2208);
+  using Unpacked = SignedK16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
-    unpack_superblocks<Iq4XsImpl<false>, Iq4XsImpl, kHeader>(pan, K, out);
+    unpack_superblocks<SignedK16Impl<kKind, false>, SignedK16Impl, kHeader>(pan, K, out);
+  }
+  static __m256i operand(const uint8_t* gp, int h, int o) {
+    if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
+    if constexpr (kGrid) return iq_grid_operand<kKind>(gp, h, o);
+    return iq4_operand(gp, h, o);
   }
   static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
     if constexpr (kUnpacked)
       load_unpacked(gp, h, ops);
+    else if constexpr (kGrid)
+      for (int o = 0; o < 8; ++o) ops[o] = iq_grid_operand<kKind>(gp, h, o);
     else
       unpack_iq4(gp, h, ops);
   }
-  static __m256i operand(const uint8_t* gp, int h, int o) {
-    if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
-    return iq4_operand(gp, h, o);
+  // Half h's scales of group g (per 16: sub-block 2g + s) at pb.
+  static const uint8_t* scales(const uint8_t* pb, int g, int s, int h) {
+    return pb + kScales + (kPer16 ? 32 * g + 16 * s : 16 * g) + 8 * h;
   }
   // Batch tiles, one half over the whole K, operand-major (see Q32Impl::run_batch).
   template <int P, int C>
@@ -785,7 +831,7 @@ struct Iq4XsImpl {
           __m256i isc[C];
           start_superblock(ta, sb, x, isc);
           for (int g = 0; g < 8; ++g) {
-            const __m256i sc = scales_x2(pb + kScales + 16 * g + 8 * h);
+            const __m256i sc[2] = {scales_x2(scales(pb, g, 0, h)), scales_x2(scales(pb, g, 1, h))};
             const uint8_t* gp = pb + kHeader + g * kGroup;
 #pragma GCC unroll 8
             for (int o = 0; o < 8; ++o) {
@@ -793,13 +839,13 @@ struct Iq4XsImpl {
 #pragma GCC unroll 8
               for (int c = 0; c < C; ++c) {
                 const __m256i xs = _mm256_sign_epi8(bcast32(x[c]->qs + 32 * g + 4 * o), w);
-                isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), sc));
+                isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), sc[o / 4]));
                 keep_in_register(isc[c]);
               }
             }
           }
           const HalfScales<0> hs(pb, h, 0);
-          for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d, nullptr);
+          for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d * kDFactor, nullptr);
         }
         for (int c = 0; c < C; ++c)
           store_rows(ta.y + c * ta.ldy + p * 16 + h * 8, acc[c], ta.nv - p * 16 - h * 8);
@@ -827,18 +873,21 @@ struct Iq4XsImpl {
         for (int g = 0; g < 8; ++g) {
           if constexpr (!kUnpacked) prefetch_group(pb, g, kHeader, kGroup);
           for (int h = 0; h < 2; ++h) {
-            __m128i s;
-            std::memcpy(&s, pb + kScales + 16 * g + 8 * h, 8);
             __m256i ops[8], absw[8];
             unpack(pb + kHeader + g * kGroup, h, ops);
             for (int o = 0; o < 8; ++o) absw[o] = _mm256_sign_epi8(ops[o], ops[o]);
-            isc[h] = _mm256_add_epi32(
-                isc[h], _mm256_mullo_epi32(idot_s8(absw, ops, x->qs + 32 * g), _mm256_cvtepi8_epi32(s)));
+            for (int s = 0; s < (kPer16 ? 2 : 1); ++s) {
+              __m128i sv;
+              std::memcpy(&sv, scales(pb, g, s, h), 8);
+              const int8_t* xq = x->qs + 32 * g;
+              const __m256i dot = kPer16 ? idot_s8_range(absw, ops, xq, 4 * s, 4 * s + 4) : idot_s8(absw, ops, xq);
+              isc[h] = _mm256_add_epi32(isc[h], _mm256_mullo_epi32(dot, _mm256_cvtepi8_epi32(sv)));
+            }
           }
         }
         for (int h = 0; h < 2; ++h) {
           const HalfScales<0> hs(pb, h, 0);
-          acc[p][h][0] = hs.update(acc[p][h][0], isc[h], x->d, nullptr);
+          acc[p][h][0] = hs.update(acc[p][h][0], isc[h], x->d * kDFactor, nullptr);
         }
       }
     }
@@ -846,7 +895,17 @@ struct Iq4XsImpl {
   }
 };
 template <bool kUnpacked>
-struct K16Impl<DType::iq4_xs, kUnpacked> : Iq4XsImpl<kUnpacked> {};
+struct K16Impl<DType::iq4_xs, kUnpacked> : SignedK16Impl<DType::iq4_xs, kUnpacked> {};
+template <bool kUnpacked>
+struct K16Impl<DType::iq2_xxs, kUnpacked> : SignedK16Impl<DType::iq2_xxs, kUnpacked> {};
+template <bool kUnpacked>
+struct K16Impl<DType::iq2_xs, kUnpacked> : SignedK16Impl<DType::iq2_xs, kUnpacked> {};
+template <bool kUnpacked>
+struct K16Impl<DType::iq2_s, kUnpacked> : SignedK16Impl<DType::iq2_s, kUnpacked> {};
+template <bool kUnpacked>
+struct K16Impl<DType::iq3_xxs, kUnpacked> : SignedK16Impl<DType::iq3_xxs, kUnpacked> {};
+template <bool kUnpacked>
+struct K16Impl<DType::iq3_s, kUnpacked> : SignedK16Impl<DType::iq3_s, kUnpacked> {};
 
 // Zeroed sums and the f32 act rows of a float-activation tile.
 template <int P, int C>

@@ -90,6 +90,41 @@ inline void lookup_iq4_u8(__m512i (&ops)[8]) {
   for (int o = 0; o < 8; ++o) ops[o] = _mm512_shuffle_epi8(table, ops[o]);
 }
 
+// Grid types (iq2_xxs .. iq3_s, panel.h IqGridPanel): ops[o] = 128 + the signed
+// grid values of a group of 32, the 16 rows' entries fetched by vpgatherdd from
+// their index bytes (and high-bit row masks), negated where the operand's sign
+// mask has a bit (128 - v under a byte mask).
+template <DType kT>
+inline void unpack_iq_grid(const uint8_t* gp, __m512i (&ops)[8]) {
+  constexpr IqGridPanel L = iq_grid_panel(kT);
+  const auto* grid = static_cast<const uint8_t*>(iq_grid_table(kT));
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  auto index = [&](int e) {
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 16 * e)));
+    for (int h = 0; h < L.hi_planes; ++h) {
+      uint16_t bits;
+      std::memcpy(&bits, gp + L.hi + 2 * (h * L.entries + e), 2);
+      idx = _mm512_mask_or_epi32(idx, static_cast<__mmask16>(bits), idx, _mm512_set1_epi32(256 << h));
+    }
+    return idx;
+  };
+  __m512i mag[8];
+  if constexpr (L.entries == 8) {  // iq3: an entry (4 weights) per operand
+    for (int o = 0; o < 8; ++o) mag[o] = _mm512_i32gather_epi32(index(o), grid, 4);
+  } else {  // iq2: an entry (8 weights) per operand pair
+    for (int e = 0; e < 4; ++e) {
+      const __m512i idx = index(e);
+      mag[2 * e] = _mm512_i32gather_epi32(idx, grid, 8);
+      mag[2 * e + 1] = _mm512_i32gather_epi32(idx, grid + 4, 8);
+    }
+  }
+  for (int o = 0; o < 8; ++o) {
+    uint64_t sign;
+    std::memcpy(&sign, gp + L.signs + 8 * o, 8);
+    ops[o] = _mm512_mask_sub_epi8(_mm512_or_si512(mag[o], bias), _cvtu64_mask64(sign), bias, mag[o]);
+  }
+}
+
 // Adds bit 4 from a 5th-bit word (bit o of byte i belongs to operand o).
 inline void add_bit4(const uint8_t* p, __m512i (&ops)[8]) {
   const __m512i h = load512(p), m = _mm512_set1_epi8(0x10);
@@ -383,17 +418,27 @@ struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
-  static constexpr bool kIq4 = kKind == DType::iq4_xs;  // scales per 32: i8[8][16]
+  static constexpr bool kIq4 = kKind == DType::iq4_xs;
+  static constexpr bool kGrid = is_iq_grid(kKind);  // iq2_xxs .. iq3_s
+  // One scale per 32 (i8[8][16]) for iq4_xs and the grid types but iq2_xs / iq2_s,
+  // whose values are signed and offset by +128 like iq4_xs's.
+  static constexpr bool kPer32 = kIq4 || (kGrid && iq_grid_traits(kKind).scale_group == 32);
   static constexpr size_t kScales = kMin ? 64 : 32;
-  static constexpr size_t kScaleGroup = kIq4 ? 16 : 32;  // scale bytes per group of 32
-  static constexpr size_t kGroups = kMin ? 576 : kIq4 ? 160 : 288;
+  static constexpr size_t kScaleGroup = kPer32 ? 16 : 32;  // scale bytes per group of 32
+  static constexpr size_t kGroups = kMin    ? 576
+                                    : kIq4  ? 160
+                                    : kGrid ? iq_grid_panel(kKind).header
+                                            : 288;
   static constexpr size_t kPackedGroup = kKind == DType::q6_k   ? 384
                                          : kKind == DType::q3_k ? 192
                                          : kIq4                 ? 256
+                                         : kGrid                ? iq_grid_panel(kKind).group
                                                                 : 128;
+  // The grid types' power of two f (quant_blocks.h), applied to the act scale (exact).
+  static constexpr float kDFactor = kGrid ? iq_grid_traits(kKind).factor : 1.0f;
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kPackedGroup;
   static constexpr size_t kPBB = kGroups + 8 * kGroup;
-  static_assert(kUnpacked || kPBB == (kKind == DType::q6_k   ? 3360
+  static_assert(kUnpacked || kGrid || kPBB == (kKind == DType::q6_k   ? 3360
                                       : kKind == DType::q3_k ? 1824
                                       : kIq4                 ? 2208
                                                              : 1600));
@@ -411,6 +456,8 @@ struct K16Impl {
     } else if constexpr (kIq4) {
       unpack_nibbles(gp, ops);
       lookup_iq4_u8(ops);
+    } else if constexpr (kGrid) {
+      unpack_iq_grid<kKind>(gp, ops);
     } else {
       unpack_crumbs(gp, ops);
       if constexpr (kKind == DType::q3_k) add_bit2(gp + 128, ops);
@@ -419,6 +466,7 @@ struct K16Impl {
   static __m512i offset(const ActQ8K* x, int j) {
     if constexpr (kKind == DType::q6_k) return _mm512_set1_epi32(x->b16[j]);
     if constexpr (kKind == DType::q3_k) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
+    if constexpr (kGrid) return _mm512_set1_epi32(-128 * x->s16[j]);                // iq2_xs, iq2_s
     return _mm512_setzero_si512();
   }
   template <int P, int C>
@@ -447,9 +495,9 @@ struct K16Impl {
             xq[c] = xs[c]->qs + 32 * g;
           }
           // The two sub-blocks' scaled sums in turn (wrapping int32 adds: any order gives the same sums);
-          // iq4_xs, one scale for both, in one chain from both offsets (-128 * the group's act sum).
+          // one scale for both (kPer32), in one chain from both offsets (-128 * the group's act sum).
           __m512i dots[C];
-          if constexpr (kIq4) {
+          if constexpr (kPer32) {
             for (int c = 0; c < C; ++c) dots[c] = _mm512_set1_epi32(-128 * xs[c]->s32[g]);
             idot_tile<0, 8, P>(dots, ops, xq);
             for (int c = 0; c < C; ++c)
@@ -481,7 +529,7 @@ struct K16Impl {
         }
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
-          const __m512 xd = _mm512_set1_ps(x->d);
+          const __m512 xd = _mm512_set1_ps(x->d * kDFactor);
           __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc.get(p, c));
           if constexpr (kMin) {
             __m512i im = _mm512_setzero_si512();

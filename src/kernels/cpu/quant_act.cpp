@@ -188,6 +188,11 @@ ActKind act_kind(DType type, bool bf16_pairs) {
     case DType::iq4_nl:
       return ActKind::q8x32;
     case DType::iq4_xs:
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
+    case DType::iq3_xxs:
+    case DType::iq3_s:
     case DType::q2_k:
     case DType::q3_k:
     case DType::q4_k:
