@@ -91,17 +91,17 @@ inline void lookup_iq4_u8(__m512i (&ops)[8]) {
 }
 
 // Grid types (iq2_xxs .. iq3_s, panel.h IqGridPanel). Each grid entry's values
-// take 3 (iq2) or 8 (iq3) levels, so an entry is a 16-bit code of 2-bit (iq2: 8
-// values) or 3-bit (iq3: 4 values) level numbers. The codes of 32 entries are
-// looked up at once from registers (vpermt2w: 64 codes per table pair, then a
-// blend per index bit above 6), spread to one level number per byte, and mapped
-// to the levels by vpshufb. vpgatherdd on the grid itself took ~20 cycles per 16
-// lanes on an AMD Zen 4 (decode 2.5-6 GB/s); gathers are slow on Intel cores
-// too since the GDS microcode fix.
+// take 3 (iq2) or 8 (iq3) levels, so an entry is a 16-bit code of level numbers:
+// iq3 one per nibble (4 values), iq2 one per 2 bits (8 values, two per nibble).
+// The codes of 32 entries are looked up at once from registers (vpermt2w: 64
+// codes per table pair, then a blend per index bit above 6), their nibbles
+// spread to bytes and mapped to levels by vpshufb. vpgatherdd on the grid itself
+// took ~20 cycles per 16 lanes on an AMD Zen 4 (decode 2.5-6 GB/s, 2.1x slower
+// than this); gathers are slow on Intel cores too since the GDS microcode fix.
 template <DType kT>
 struct GridCodes {
   static constexpr bool kIq3 = kT == DType::iq3_xxs || kT == DType::iq3_s;
-  static constexpr int kBits = kIq3 ? 3 : 2, kValues = kIq3 ? 4 : 8;
+  static constexpr int kBits = kIq3 ? 4 : 2, kValues = kIq3 ? 4 : 8;
   static constexpr int kSize = kT == DType::iq2_s ? 1024 : (kT == DType::iq2_xs || kT == DType::iq3_s) ? 512 : 256;
   static constexpr uint8_t kLevels[8] = {kT == DType::iq3_s ? 1 : kIq3 ? 4 : 8, kT == DType::iq3_s ? 3 : kIq3 ? 12 : 25,
                                          kT == DType::iq3_s ? 5 : kIq3 ? 20 : 43, kT == DType::iq3_s ? 7 : 28,
@@ -129,6 +129,22 @@ struct GridCodes {
     return t;
   }
   static constexpr Table kTable = make();
+  // vpshufb tables: a nibble's level (iq3), or the level of its low / high 2 bits (iq2).
+  struct Shuffle {
+    alignas(16) uint8_t t[16];
+  };
+  static constexpr Shuffle make_shuffle(int which) {
+    Shuffle s{};
+    for (int n = 0; n < 16; ++n) {
+      const int level = kIq3 ? n : which == 0 ? (n & 3) : (n >> 2);
+      s.t[n] = level < (kIq3 ? 8 : 3) ? kLevels[level] : 0;
+    }
+    return s;
+  }
+  static constexpr Shuffle kShuffle[2] = {make_shuffle(0), make_shuffle(1)};
+  static __m512i table(int which) {
+    return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kShuffle[which].t)));
+  }
 };
 
 // Codes of the 32 entries whose indices are the words of idx.
@@ -148,29 +164,13 @@ inline __m512i lookup_codes(__m512i idx) {
   return r[0];
 }
 
-// 16 entries' codes (one per dword, level numbers from bit `first`) to the
-// levels of their next 4 values, one per byte.
-template <DType kT>
-inline __m512i code_values(__m512i c, int first) {
-  using G = GridCodes<kT>;
-  constexpr int B = G::kBits;
-  if (first != 0) c = _mm512_srli_epi32(c, first);
-  const __m512i m = _mm512_set1_epi32((1 << B) - 1);
-  __m512i v = _mm512_and_si512(c, m);
-  v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(c, 8 - B), _mm512_slli_epi32(m, 8), kOrAnd);
-  v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(c, 16 - 2 * B), _mm512_slli_epi32(m, 16), kOrAnd);
-  v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(c, 24 - 3 * B), _mm512_slli_epi32(m, 24), kOrAnd);
-  uint8_t levels[16] = {};
-  std::memcpy(levels, G::kLevels, 8);
-  return _mm512_shuffle_epi8(
-      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels))), v);
-}
-
 // ops[o] = 128 + the signed grid values of a group of 32 (16 rows), negated where
 // the operand's sign mask has a bit (128 - v under a byte mask).
 template <DType kT>
 inline void unpack_iq_grid(const uint8_t* gp, __m512i (&ops)[8]) {
+  using G = GridCodes<kT>;
   constexpr IqGridPanel L = iq_grid_panel(kT);
+  const __m512i nib = _mm512_set1_epi16(0x0f0f);
   for (int e = 0; e < L.entries; e += 2) {  // entries e and e + 1: 32 words
     __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 16 * e)));
     for (int h = 0; h < L.hi_planes; ++h) {
@@ -179,17 +179,29 @@ inline void unpack_iq_grid(const uint8_t* gp, __m512i (&ops)[8]) {
       // (bit 8 + h is clear: the add sets it)
       idx = _mm512_mask_add_epi16(idx, _cvtu32_mask32(bits), idx, _mm512_set1_epi16(static_cast<short>(256 << h)));
     }
+    // Rows 4q..4q+3 of entry e, then of entry e + 1, per 128-bit lane: the
+    // in-lane byte unpacks below then give whole operands in row order.
+    idx = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), idx);
     const __m512i codes = lookup_codes<kT>(idx);
-    const __m512i c0 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes));
-    const __m512i c1 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, 1));
-    if constexpr (L.entries == 8) {  // iq3: an entry (4 values) per operand
-      ops[e] = code_values<kT>(c0, 0);
-      ops[e + 1] = code_values<kT>(c1, 0);
-    } else {  // iq2: an entry (8 values) per operand pair
-      ops[2 * e] = code_values<kT>(c0, 0);
-      ops[2 * e + 1] = code_values<kT>(c0, 8);
-      ops[2 * e + 2] = code_values<kT>(c1, 0);
-      ops[2 * e + 3] = code_values<kT>(c1, 8);
+    const __m512i lo = _mm512_and_si512(codes, nib), hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nib);
+    // dword r of a: entry e, row r, its 4 nibbles in order (b: entry e + 1).
+    const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+    if constexpr (G::kIq3) {  // an entry (4 values, a nibble each) per operand
+      const __m512i levels = G::table(0);
+      ops[e] = _mm512_shuffle_epi8(levels, a);
+      ops[e + 1] = _mm512_shuffle_epi8(levels, b);
+    } else {  // an entry (8 values, two per nibble) per operand pair
+      const __m512i first = G::table(0), second = G::table(1);
+      const __m512i even = _mm512_setr_epi32(0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30);
+      const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+      const __m512i* src[2] = {&a, &b};
+      for (int s = 0; s < 2; ++s) {
+        const __m512i x0 = _mm512_shuffle_epi8(first, *src[s]), x1 = _mm512_shuffle_epi8(second, *src[s]);
+        // qwords: a row's 8 values; u rows 4q, 4q + 1 and v rows 4q + 2, 4q + 3 of lane q.
+        const __m512i u = _mm512_unpacklo_epi8(x0, x1), v = _mm512_unpackhi_epi8(x0, x1);
+        ops[2 * e + 2 * s] = _mm512_permutex2var_epi32(u, even, v);
+        ops[2 * e + 2 * s + 1] = _mm512_permutex2var_epi32(u, odd, v);
+      }
     }
   }
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
