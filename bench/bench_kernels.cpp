@@ -510,9 +510,9 @@ void register_all() {
   benchmark::RegisterBenchmark("Loss/eval_count/T128_V49152_q8_0/t1", run_loss, true)->Unit(benchmark::kMillisecond);
   register_backward_input();
   register_attention();
-  const DType types[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k,   DType::q6_k,
-                         DType::q4_0, DType::q5_k, DType::bf16, DType::f32,    DType::q5_0,
-                         DType::q5_1, DType::q2_k, DType::q3_k, DType::iq4_nl, DType::iq4_xs,
+  const DType types[] = {DType::q4_1,    DType::q8_0,   DType::f16,   DType::q4_k,    DType::q6_k,
+                         DType::q4_0,    DType::q5_k,   DType::bf16,  DType::f32,     DType::q5_0,
+                         DType::q5_1,    DType::q2_k,   DType::q3_k,  DType::iq4_nl,  DType::iq4_xs,
                          DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
   for (DType t : types) {
     // k-quants need K % 256 == 0: they run with K = 768 instead of 576.

@@ -7,6 +7,7 @@
 
 namespace loom {
 
+// clang-format off
 alignas(64) inline constexpr uint64_t kIq2xxsGrid[256] = {
     0x0808080808080808, 0x080808080808082b, 0x0808080808081919, 0x0808080808082b08,
     0x0808080808082b2b, 0x0808080808190819, 0x0808080808191908, 0x08080808082b0808,
@@ -598,5 +599,7 @@ alignas(64) inline constexpr uint32_t kIq3sGrid[512] = {
     0x0f090307, 0x0f090501, 0x0f090b01, 0x0f0b0505, 0x0f0b0905, 0x0f0d0105,
     0x0f0d0703, 0x0f0f0101,
 };
+
+// clang-format on
 
 }  // namespace loom

@@ -160,7 +160,6 @@ inline int iq4_xs_scale(const BlockIQ4_XS& b, int j) {
   return (lo | (hi << 4)) - 32;
 }
 
-
 // The grid types' constants: weights per grid entry, weights per scale, f.
 struct IqGridTraits {
   int per_entry;
@@ -188,10 +187,10 @@ constexpr IqGridTraits iq_grid_traits(DType t) {
 // A grid superblock decoded: x_i = d * factor * scale[i / 16] * (sign bit i ? -1 : 1)
 // * byte (i % per_entry) of the grid entry index[i / per_entry].
 struct IqGridSuperblock {
-  uint16_t d;           // f16
-  uint16_t index[64];   // (IQ2: the first 32)
-  uint8_t sign[32];     // bit j of byte i: weight 8i + j
-  uint8_t scale[16];    // 2s + 1 of weights 16j .. 16j + 15
+  uint16_t d;          // f16
+  uint16_t index[64];  // (IQ2: the first 32)
+  uint8_t sign[32];    // bit j of byte i: weight 8i + j
+  uint8_t scale[16];   // 2s + 1 of weights 16j .. 16j + 15
 };
 
 // The 8 signs of 7 stored sign bits: the 8th makes the number of negatives even.
@@ -260,14 +259,16 @@ inline IqGridSuperblock decode_iq_grid(DType t, const uint8_t* blk) {
         o.index[e] = static_cast<uint16_t>(v & 511);
         o.sign[e] = iq_ksigns(v >> 9);
       }
-      for (int j = 0; j < 16; ++j) o.scale[j] = static_cast<uint8_t>(2 * ((q[64 + j / 2] >> (4 * (j % 2))) & 15) + 1);
+      for (int j = 0; j < 16; ++j)
+        o.scale[j] = static_cast<uint8_t>(2 * ((q[64 + j / 2] >> (4 * (j % 2))) & 15) + 1);
       break;
     case DType::iq2_s:
       for (int e = 0; e < 32; ++e) {
         o.index[e] = static_cast<uint16_t>(q[e] | (((q[64 + e / 4] >> (2 * (e % 4))) & 3) << 8));
         o.sign[e] = q[32 + e];
       }
-      for (int j = 0; j < 16; ++j) o.scale[j] = static_cast<uint8_t>(2 * ((q[72 + j / 2] >> (4 * (j % 2))) & 15) + 1);
+      for (int j = 0; j < 16; ++j)
+        o.scale[j] = static_cast<uint8_t>(2 * ((q[72 + j / 2] >> (4 * (j % 2))) & 15) + 1);
       break;
     case DType::iq3_xxs:
       for (int e = 0; e < 64; ++e) o.index[e] = q[e];
@@ -278,10 +279,12 @@ inline IqGridSuperblock decode_iq_grid(DType t, const uint8_t* blk) {
       }
       break;
     default:  // iq3_s
-      for (int e = 0; e < 64; ++e) o.index[e] = static_cast<uint16_t>(q[e] | (((q[64 + e / 8] >> (e % 8)) & 1) << 8));
+      for (int e = 0; e < 64; ++e)
+        o.index[e] = static_cast<uint16_t>(q[e] | (((q[64 + e / 8] >> (e % 8)) & 1) << 8));
       std::memcpy(o.sign, q + 72, 32);
       for (int j = 0; j < 8; ++j)
-        o.scale[2 * j] = o.scale[2 * j + 1] = static_cast<uint8_t>(2 * ((q[104 + j / 2] >> (4 * (j % 2))) & 15) + 1);
+        o.scale[2 * j] = o.scale[2 * j + 1] =
+            static_cast<uint8_t>(2 * ((q[104 + j / 2] >> (4 * (j % 2))) & 15) + 1);
       break;
   }
   return o;
@@ -302,7 +305,8 @@ inline void dequantize_iq_grid(DType t, const void* src, float* y, int64_t nb) {
   const size_t bb = dtype_traits(t).block_bytes;
   const float f = iq_grid_traits(t).factor;
   for (int64_t i = 0; i < nb; ++i, y += QK_K) {
-    const IqGridSuperblock b = decode_iq_grid(t, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * bb);
+    const IqGridSuperblock b =
+        decode_iq_grid(t, static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * bb);
     const float d = fp16_to_fp32(b.d) * f;
     for (int w = 0; w < QK_K; ++w)
       y[w] = d * static_cast<float>(b.scale[w / 16]) * static_cast<float>(iq_grid_weight(t, b, w));

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -156,8 +157,18 @@ std::vector<uint8_t> make_weight(ThreadPool& pool, DType type, const std::vector
   } else if (type == DType::i8_ch) {
     std::vector<float> scales(static_cast<size_t>(rows), 1.0f / 127);
     quantize_rows_i8_ch(src.data(), rows, cols, scales.data(), nullptr, out.data());
-  } else {
+  } else if (quantize_supported(type)) {
     quantize_rows(pool, type, src.data(), out.data(), rows, cols, nullptr);
+  } else {
+    // The grid types (iq2_xxs .. iq3_s), which loom reads but has no quantizer
+    // for: any index, sign and scale bits are a valid block, so src's bits serve,
+    // with each superblock's f16 d set to 2^-10 (finite products).
+    std::memcpy(out.data(), src.data(), std::min(out.size(), src.size() * sizeof(float)));
+    const size_t bb = dtype_traits(type).block_bytes;
+    for (size_t at = 0; at + bb <= out.size(); at += bb) {
+      out[at] = 0x00;
+      out[at + 1] = 0x14;
+    }
   }
   return out;
 }
@@ -354,9 +365,10 @@ const GemmPeak* PeakTable::find_class(std::string_view op, std::string_view dtyp
 }
 
 std::vector<DType> PeakOptions::peak_dtypes_default() {
-  return {DType::f32,  DType::f16,    DType::bf16,   DType::q8_0, DType::q4_0, DType::q4_1,
-          DType::q5_0, DType::q5_1,   DType::q2_k,   DType::q3_k, DType::q4_k, DType::q5_k,
-          DType::q6_k, DType::iq4_nl, DType::iq4_xs, DType::nf4,  DType::i8_ch};
+  return {DType::f32,     DType::f16,    DType::bf16,   DType::q8_0,    DType::q4_0,   DType::q4_1,
+          DType::q5_0,    DType::q5_1,   DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,
+          DType::q6_k,    DType::iq4_nl, DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s,
+          DType::iq3_xxs, DType::iq3_s,  DType::nf4,    DType::i8_ch};
 }
 
 // The output projections of GGUF files: q8_0 (small models, tied to the

@@ -87,9 +87,10 @@ TEST(GgufVariants, EveryFileTypeAgreesWithLlamaCpp) {
   // "most prompts": over all files, at least 60% identical for all 16 tokens (104 of 156 measured).
   EXPECT_GE(10 * exact, 6 * cases);
   if (required()) {
-    for (const char* t : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
-                          "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16",
-                          "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M"})
+    for (const char* t :
+         {"Q4_0",    "Q4_1",   "Q5_0",   "Q5_1",   "Q8_0",    "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",
+          "Q4_K_S",  "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",    "IQ4_NL", "IQ4_XS", "F16",    "BF16",
+          "IQ2_XXS", "IQ2_XS", "IQ2_S",  "IQ2_M",  "IQ3_XXS", "IQ3_XS", "IQ3_S",  "IQ3_M"})
       EXPECT_TRUE(types.count(t)) << t << " is not in models/variants/llamacpp_greedy.json";
   }
 }

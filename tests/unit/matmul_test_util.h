@@ -187,7 +187,8 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
           int64_t I = 0;
           for (int j = 0; j < 16; ++j) {
             int64_t s = 0;
-            for (int e = 16 * j; e < 16 * j + 16; ++e) s += static_cast<int64_t>(iq_grid_weight(type, b, e)) * a.qs[e];
+            for (int e = 16 * j; e < 16 * j + 16; ++e)
+              s += static_cast<int64_t>(iq_grid_weight(type, b, e)) * a.qs[e];
             I += s * b.scale[j];
           }
           acc = std::fma(static_cast<float>(I), fp16_to_fp32(b.d) * (a.d * iq_grid_traits(type).factor), acc);

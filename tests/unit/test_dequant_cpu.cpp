@@ -23,11 +23,11 @@ bool same_float(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || float_to_bits(a) == float_to_bits(b);
 }
 
-const DType kAllTypes[] = {DType::f32,  DType::f16,  DType::bf16,   DType::f64,   DType::i8,   DType::i16,
-                           DType::i32,  DType::i64,  DType::q4_0,   DType::q4_1,  DType::q5_0, DType::q5_1,
-                           DType::q8_0, DType::q8_1, DType::q2_k,   DType::q3_k,  DType::q4_k, DType::q5_k,
-                           DType::q6_k, DType::q8_k, DType::iq4_nl, DType::iq4_xs, DType::iq2_xxs,
-                           DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
+const DType kAllTypes[] = {
+    DType::f32,    DType::f16,     DType::bf16,   DType::f64,   DType::i8,      DType::i16,  DType::i32,
+    DType::i64,    DType::q4_0,    DType::q4_1,   DType::q5_0,  DType::q5_1,    DType::q8_0, DType::q8_1,
+    DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,  DType::q6_k,    DType::q8_k, DType::iq4_nl,
+    DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
 
 // Random bytes; with `sane`, f16 scales small and finite (so the products are
 // ordinary numbers, where a wrong order of operations would show).

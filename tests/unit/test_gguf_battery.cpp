@@ -53,9 +53,9 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
   ASSERT_EQ(m["files"].size(), 20u);
   std::set<std::string> types;
   for (const auto& f : m["files"]) types.insert(f["file_type"].get<std::string>());
-  for (const char* t : {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L",
-                        "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16",
-                        "IQ3_XXS", "IQ3_M"})
+  for (const char* t :
+       {"Q4_0",   "Q4_1",   "Q5_0",   "Q5_1", "Q8_0",   "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",  "Q4_K_S",
+        "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",    "BF16",   "IQ3_XXS", "IQ3_M"})
     EXPECT_TRUE(types.count(t)) << t;
   // The point of the battery: files that mix types inside a layer (IQ4_XS: its
   // 384-wide ffn_down rows fall back to IQ4_NL).
@@ -64,7 +64,8 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
     if (f["file_type"] == "IQ4_XS")
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["IQ4_NL", "IQ4_XS", "Q6_K"])")) << f.dump();
     if (f["file_type"] == "IQ3_XXS")  // three grid types in one file
-      EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["IQ2_S", "IQ3_S", "IQ3_XXS", "IQ4_NL", "Q5_K"])"))
+      EXPECT_EQ(f["matrix_types"],
+                nlohmann::json::parse(R"(["IQ2_S", "IQ3_S", "IQ3_XXS", "IQ4_NL", "Q5_K"])"))
           << f.dump();
   }
 }

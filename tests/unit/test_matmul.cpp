@@ -23,9 +23,9 @@ using testing::model_dot;
 using testing::random_floats;
 using testing::random_weights;
 
-const DType kAllTypes[] = {DType::q4_1, DType::q8_0, DType::f16,  DType::q4_k,   DType::q6_k,
-                           DType::q4_0, DType::q5_k, DType::bf16, DType::f32,    DType::q5_0,
-                           DType::q5_1, DType::q2_k, DType::q3_k, DType::iq4_nl, DType::iq4_xs,
+const DType kAllTypes[] = {DType::q4_1,    DType::q8_0,   DType::f16,   DType::q4_k,    DType::q6_k,
+                           DType::q4_0,    DType::q5_k,   DType::bf16,  DType::f32,     DType::q5_0,
+                           DType::q5_1,    DType::q2_k,   DType::q3_k,  DType::iq4_nl,  DType::iq4_xs,
                            DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
 
 std::vector<cpu::Isa> isas() {

@@ -116,7 +116,8 @@ void pack_iq_grid(DType type, const uint8_t* blk, int r, uint8_t* pb) {
     for (int e = 0; e < L.entries; ++e) {
       const unsigned idx = b.index[L.entries * g + e];
       gp[16 * e + r] = static_cast<uint8_t>(idx & 0xff);
-      for (int h = 0; h < L.hi_planes; ++h) put_bit16(gp + L.hi + 2 * (h * L.entries + e), r, (idx >> (8 + h)) & 1);
+      for (int h = 0; h < L.hi_planes; ++h)
+        put_bit16(gp + L.hi + 2 * (h * L.entries + e), r, (idx >> (8 + h)) & 1);
     }
     for (int o = 0; o < 8; ++o)
       for (int i = 0; i < 4; ++i) {

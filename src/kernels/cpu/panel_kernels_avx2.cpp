@@ -133,7 +133,8 @@ inline __m256i idot(const __m256i (&ops)[8], const int8_t* x) {
 }
 
 // s8 x s8 with the sign trick; each product pair fits int16 (|w| <= 128, |x| <= 127).
-inline __m256i idot_s8_range(const __m256i (&absw)[8], const __m256i (&w)[8], const int8_t* x, int o0, int o1) {
+inline __m256i idot_s8_range(const __m256i (&absw)[8], const __m256i (&w)[8], const int8_t* x, int o0,
+                             int o1) {
   __m256i total = _mm256_setzero_si256();
   for (int o = o0; o < o1; ++o)
     total = _mm256_add_epi32(
@@ -758,7 +759,8 @@ inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
   const __m256i row_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int p = 0; p < L.hi_planes; ++p) {
     const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(gp[L.hi + 2 * (p * L.entries + e) + h]), row_bit);
-    idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_cmpeq_epi32(bits, row_bit), _mm256_set1_epi32(256 << p)));
+    idx = _mm256_or_si256(idx,
+                          _mm256_and_si256(_mm256_cmpeq_epi32(bits, row_bit), _mm256_set1_epi32(256 << p)));
   }
   __m256i mag;
   if constexpr (L.entries == 8)
@@ -768,13 +770,13 @@ inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
   // Sign bit b of the half's 32 (row b / 4, weight b % 4) to byte b as 0 or -1.
   uint32_t sign;
   std::memcpy(&sign, gp + L.signs + 8 * o + 4 * h, 4);
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(sign)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i spread =
+      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(sign)),
+                          _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                           2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   const __m256i byte_bit = _mm256_set1_epi64x(0x8040201008040201);
   const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, byte_bit), byte_bit);
   return _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
-
 }
 
 // Operands are the signed values (iq4_xs: codebook values, |v| <= 127; the grid
@@ -880,7 +882,8 @@ struct SignedK16Impl {
               __m128i sv;
               std::memcpy(&sv, scales(pb, g, s, h), 8);
               const int8_t* xq = x->qs + 32 * g;
-              const __m256i dot = kPer16 ? idot_s8_range(absw, ops, xq, 4 * s, 4 * s + 4) : idot_s8(absw, ops, xq);
+              const __m256i dot =
+                  kPer16 ? idot_s8_range(absw, ops, xq, 4 * s, 4 * s + 4) : idot_s8(absw, ops, xq);
               isc[h] = _mm256_add_epi32(isc[h], _mm256_mullo_epi32(dot, _mm256_cvtepi8_epi32(sv)));
             }
           }

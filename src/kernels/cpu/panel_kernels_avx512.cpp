@@ -102,11 +102,23 @@ template <DType kT>
 struct GridCodes {
   static constexpr bool kIq3 = kT == DType::iq3_xxs || kT == DType::iq3_s;
   static constexpr int kBits = kIq3 ? 4 : 2, kValues = kIq3 ? 4 : 8;
-  static constexpr int kSize = kT == DType::iq2_s ? 1024 : (kT == DType::iq2_xs || kT == DType::iq3_s) ? 512 : 256;
-  static constexpr uint8_t kLevels[8] = {kT == DType::iq3_s ? 1 : kIq3 ? 4 : 8, kT == DType::iq3_s ? 3 : kIq3 ? 12 : 25,
-                                         kT == DType::iq3_s ? 5 : kIq3 ? 20 : 43, kT == DType::iq3_s ? 7 : 28,
-                                         kT == DType::iq3_s ? 9 : 36, kT == DType::iq3_s ? 11 : 44,
-                                         kT == DType::iq3_s ? 13 : 52, kT == DType::iq3_s ? 15 : 62};
+  static constexpr int kSize = kT == DType::iq2_s                            ? 1024
+                               : (kT == DType::iq2_xs || kT == DType::iq3_s) ? 512
+                                                                             : 256;
+  static constexpr uint8_t kLevels[8] = {kT == DType::iq3_s ? 1
+                                         : kIq3             ? 4
+                                                            : 8,
+                                         kT == DType::iq3_s ? 3
+                                         : kIq3             ? 12
+                                                            : 25,
+                                         kT == DType::iq3_s ? 5
+                                         : kIq3             ? 20
+                                                            : 43,
+                                         kT == DType::iq3_s ? 7 : 28,
+                                         kT == DType::iq3_s ? 9 : 36,
+                                         kT == DType::iq3_s ? 11 : 44,
+                                         kT == DType::iq3_s ? 13 : 52,
+                                         kT == DType::iq3_s ? 15 : 62};
   static constexpr uint64_t entry(int i) {
     if constexpr (kT == DType::iq2_xxs) return kIq2xxsGrid[i];
     if constexpr (kT == DType::iq2_xs) return kIq2xsGrid[i];
@@ -155,7 +167,8 @@ inline __m512i lookup_codes(__m512i idx) {
   const auto* table = reinterpret_cast<const __m512i*>(G::kTable.code);
   __m512i r[kPairs];
   for (int p = 0; p < kPairs; ++p)
-    r[p] = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2 * p), idx, _mm512_load_si512(table + 2 * p + 1));
+    r[p] = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2 * p), idx,
+                                     _mm512_load_si512(table + 2 * p + 1));
   int n = kPairs;
   for (int bit = 6; n > 1; ++bit, n /= 2) {
     const __mmask32 k = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(static_cast<short>(1 << bit)));
@@ -177,7 +190,8 @@ inline void unpack_iq_grid(const uint8_t* gp, __m512i (&ops)[8]) {
       uint32_t bits;
       std::memcpy(&bits, gp + L.hi + 2 * (h * L.entries + e), 4);
       // (bit 8 + h is clear: the add sets it)
-      idx = _mm512_mask_add_epi16(idx, _cvtu32_mask32(bits), idx, _mm512_set1_epi16(static_cast<short>(256 << h)));
+      idx = _mm512_mask_add_epi16(idx, _cvtu32_mask32(bits), idx,
+                                  _mm512_set1_epi16(static_cast<short>(256 << h)));
     }
     // Rows 4q..4q+3 of entry e, then of entry e + 1, per 128-bit lane: the
     // in-lane byte unpacks below then give whole operands in row order.
@@ -512,10 +526,7 @@ struct K16Impl {
   static constexpr bool kPer32 = kIq4 || (kGrid && iq_grid_traits(kKind).scale_group == 32);
   static constexpr size_t kScales = kMin ? 64 : 32;
   static constexpr size_t kScaleGroup = kPer32 ? 16 : 32;  // scale bytes per group of 32
-  static constexpr size_t kGroups = kMin    ? 576
-                                    : kIq4  ? 160
-                                    : kGrid ? iq_grid_panel(kKind).header
-                                            : 288;
+  static constexpr size_t kGroups = kMin ? 576 : kIq4 ? 160 : kGrid ? iq_grid_panel(kKind).header : 288;
   static constexpr size_t kPackedGroup = kKind == DType::q6_k   ? 384
                                          : kKind == DType::q3_k ? 192
                                          : kIq4                 ? 256
@@ -525,10 +536,11 @@ struct K16Impl {
   static constexpr float kDFactor = kGrid ? iq_grid_traits(kKind).factor : 1.0f;
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kPackedGroup;
   static constexpr size_t kPBB = kGroups + 8 * kGroup;
-  static_assert(kUnpacked || kGrid || kPBB == (kKind == DType::q6_k   ? 3360
-                                      : kKind == DType::q3_k ? 1824
-                                      : kIq4                 ? 2208
-                                                             : 1600));
+  static_assert(kUnpacked || kGrid ||
+                kPBB == (kKind == DType::q6_k   ? 3360
+                         : kKind == DType::q3_k ? 1824
+                         : kIq4                 ? 2208
+                                                : 1600));
   using Unpacked = K16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
@@ -553,7 +565,7 @@ struct K16Impl {
   static __m512i offset(const ActQ8K* x, int j) {
     if constexpr (kKind == DType::q6_k) return _mm512_set1_epi32(x->b16[j]);
     if constexpr (kKind == DType::q3_k) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
-    if constexpr (kGrid) return _mm512_set1_epi32(-128 * x->s16[j]);                // iq2_xs, iq2_s
+    if constexpr (kGrid) return _mm512_set1_epi32(-128 * x->s16[j]);               // iq2_xs, iq2_s
     return _mm512_setzero_si512();
   }
   template <int P, int C>
