@@ -747,14 +747,11 @@ struct K16Impl {
 
 // ---- iq4_xs and the grid types: signed values, 8 groups of 32 with i8 scales ----
 
-// Grid types (iq2_xxs .. iq3_s, panel.h IqGridPanel): operand o of half h of a
-// group, the 8 rows' signed grid values: entries by vpgatherdd from the index
-// bytes (and high-bit row masks), negated where the sign mask has a bit.
+// Grid types (iq2_xxs .. iq3_s, panel.h IqGridPanel), half h of a group: the 8
+// rows' grid indices of entry e (index bytes and high-bit row masks).
 template <DType kT>
-inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
+inline __m256i iq_grid_index(const uint8_t* gp, int h, int e) {
   constexpr IqGridPanel L = iq_grid_panel(kT);
-  const auto* grid = static_cast<const uint8_t*>(iq_grid_table(kT));
-  const int e = L.entries == 8 ? o : o / 2;
   __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gp + 16 * e + 8 * h)));
   const __m256i row_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int p = 0; p < L.hi_planes; ++p) {
@@ -762,12 +759,14 @@ inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
     idx = _mm256_or_si256(idx,
                           _mm256_and_si256(_mm256_cmpeq_epi32(bits, row_bit), _mm256_set1_epi32(256 << p)));
   }
-  __m256i mag;
-  if constexpr (L.entries == 8)
-    mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid), idx, 4);
-  else
-    mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid + 4 * (o % 2)), idx, 8);
-  // Sign bit b of the half's 32 (row b / 4, weight b % 4) to byte b as 0 or -1.
+  return idx;
+}
+
+// The magnitudes mag of operand o of half h with their signs: sign bit b of the
+// half's 32 (row b / 4, weight b % 4) negates byte b.
+template <DType kT>
+inline __m256i iq_grid_signed(const uint8_t* gp, int h, int o, __m256i mag) {
+  constexpr IqGridPanel L = iq_grid_panel(kT);
   uint32_t sign;
   std::memcpy(&sign, gp + L.signs + 8 * o + 4 * h, 4);
   const __m256i spread =
@@ -777,6 +776,44 @@ inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
   const __m256i byte_bit = _mm256_set1_epi64x(0x8040201008040201);
   const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, byte_bit), byte_bit);
   return _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
+}
+
+// Operand o of half h alone: the 8 rows' signed grid values, entries by vpgatherdd.
+template <DType kT>
+inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
+  constexpr IqGridPanel L = iq_grid_panel(kT);
+  const auto* grid = static_cast<const uint8_t*>(iq_grid_table(kT));
+  const int e = L.entries == 8 ? o : o / 2;
+  const __m256i idx = iq_grid_index<kT>(gp, h, e);
+  __m256i mag;
+  if constexpr (L.entries == 8)
+    mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid), idx, 4);
+  else
+    mag = _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid + 4 * (o % 2)), idx, 8);
+  return iq_grid_signed<kT>(gp, h, o, mag);
+}
+
+// All 8 operands of half h. iq2 fetches each entry's 8 bytes whole (two
+// vpgatherdq of 4 rows, then its low and high dwords to operands 2e and 2e + 1):
+// half the elements of two vpgatherdd.
+template <DType kT>
+inline void unpack_iq_grid(const uint8_t* gp, int h, __m256i (&ops)[8]) {
+  constexpr IqGridPanel L = iq_grid_panel(kT);
+  if constexpr (L.entries == 8) {
+    for (int o = 0; o < 8; ++o) ops[o] = iq_grid_operand<kT>(gp, h, o);
+  } else {
+    const auto* grid = static_cast<const long long*>(iq_grid_table(kT));
+    for (int e = 0; e < 4; ++e) {
+      const __m256i idx = iq_grid_index<kT>(gp, h, e);
+      const __m256 q0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(grid, _mm256_castsi256_si128(idx), 8));
+      const __m256 q1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(grid, _mm256_extracti128_si256(idx, 1), 8));
+      // shuffle_ps: rows (0, 1, 4, 5 | 2, 3, 6, 7); vpermq puts them in order.
+      const __m256i lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0x88)), 0xd8);
+      const __m256i hi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0xdd)), 0xd8);
+      ops[2 * e] = iq_grid_signed<kT>(gp, h, 2 * e, lo);
+      ops[2 * e + 1] = iq_grid_signed<kT>(gp, h, 2 * e + 1, hi);
+    }
+  }
 }
 
 // Operands are the signed values (iq4_xs: codebook values, |v| <= 127; the grid
@@ -811,7 +848,7 @@ struct SignedK16Impl {
     if constexpr (kUnpacked)
       load_unpacked(gp, h, ops);
     else if constexpr (kGrid)
-      for (int o = 0; o < 8; ++o) ops[o] = iq_grid_operand<kKind>(gp, h, o);
+      unpack_iq_grid<kKind>(gp, h, ops);
     else
       unpack_iq4(gp, h, ops);
   }
