@@ -934,18 +934,10 @@ struct SignedK16Impl {
     store_tile<P, C>(ta, acc);
   }
 };
-template <bool kUnpacked>
-struct K16Impl<DType::iq4_xs, kUnpacked> : SignedK16Impl<DType::iq4_xs, kUnpacked> {};
-template <bool kUnpacked>
-struct K16Impl<DType::iq2_xxs, kUnpacked> : SignedK16Impl<DType::iq2_xxs, kUnpacked> {};
-template <bool kUnpacked>
-struct K16Impl<DType::iq2_xs, kUnpacked> : SignedK16Impl<DType::iq2_xs, kUnpacked> {};
-template <bool kUnpacked>
-struct K16Impl<DType::iq2_s, kUnpacked> : SignedK16Impl<DType::iq2_s, kUnpacked> {};
-template <bool kUnpacked>
-struct K16Impl<DType::iq3_xxs, kUnpacked> : SignedK16Impl<DType::iq3_xxs, kUnpacked> {};
-template <bool kUnpacked>
-struct K16Impl<DType::iq3_s, kUnpacked> : SignedK16Impl<DType::iq3_s, kUnpacked> {};
+// The signed-value types take the K16 family's place in the dtype switch.
+template <DType kKind, bool kUnpacked>
+  requires(kKind == DType::iq4_xs || is_iq_grid(kKind))
+struct K16Impl<kKind, kUnpacked> : SignedK16Impl<kKind, kUnpacked> {};
 
 // Zeroed sums and the f32 act rows of a float-activation tile.
 template <int P, int C>
