@@ -935,9 +935,11 @@ struct SignedK16Impl {
   }
 };
 // The signed-value types take the K16 family's place in the dtype switch.
+// clang-format off (this clang-format mangles requires-clauses)
 template <DType kKind, bool kUnpacked>
   requires(kKind == DType::iq4_xs || is_iq_grid(kKind))
 struct K16Impl<kKind, kUnpacked> : SignedK16Impl<kKind, kUnpacked> {};
+// clang-format on
 
 // Zeroed sums and the f32 act rows of a float-activation tile.
 template <int P, int C>
