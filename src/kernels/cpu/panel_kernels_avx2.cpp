@@ -934,8 +934,9 @@ struct SignedK16Impl {
     store_tile<P, C>(ta, acc);
   }
 };
-// The signed-value types take the K16 family's place in the dtype switch.
-// clang-format off (this clang-format mangles requires-clauses)
+// The signed-value types take the K16 family's place in the dtype switch (fenced:
+// this clang-format mangles requires-clauses).
+// clang-format off
 template <DType kKind, bool kUnpacked>
   requires(kKind == DType::iq4_xs || is_iq_grid(kKind))
 struct K16Impl<kKind, kUnpacked> : SignedK16Impl<kKind, kUnpacked> {};
