@@ -105,6 +105,8 @@ struct GridCodes {
   static constexpr int kSize = kT == DType::iq2_s                            ? 1024
                                : (kT == DType::iq2_xs || kT == DType::iq3_s) ? 512
                                                                              : 256;
+  // The grid's levels: iq3_s 1, 3, .., 15; iq3_xxs 4, 12, .., 52, 62; iq2 8, 25, 43 (the
+  // first three; the make() search below never reaches the others).
   static constexpr uint8_t kLevels[8] = {kT == DType::iq3_s ? 1
                                          : kIq3             ? 4
                                                             : 8,
