@@ -215,20 +215,11 @@ constexpr const void* iq_grid_table(DType t) {
   }
 }
 
-// Magnitude of weight j of grid entry `index`.
+// Magnitude of weight j of grid entry `index` (an entry's values are its bytes
+// in memory order: iq_grids.h).
 inline int iq_grid_value(DType t, uint32_t index, int j) {
-  switch (t) {
-    case DType::iq2_xxs:
-      return static_cast<int>((kIq2xxsGrid[index] >> (8 * j)) & 0xff);
-    case DType::iq2_xs:
-      return static_cast<int>((kIq2xsGrid[index] >> (8 * j)) & 0xff);
-    case DType::iq2_s:
-      return static_cast<int>((kIq2sGrid[index] >> (8 * j)) & 0xff);
-    case DType::iq3_xxs:
-      return static_cast<int>((kIq3xxsGrid[index] >> (8 * j)) & 0xff);
-    default:  // iq3_s
-      return static_cast<int>((kIq3sGrid[index] >> (8 * j)) & 0xff);
-  }
+  const auto* grid = static_cast<const uint8_t*>(iq_grid_table(t));
+  return grid[static_cast<size_t>(index) * iq_grid_traits(t).per_entry + j];
 }
 
 inline uint32_t load_u32_at(const uint8_t* p) {

@@ -105,22 +105,6 @@ struct GridCodes {
   static constexpr int kSize = kT == DType::iq2_s                            ? 1024
                                : (kT == DType::iq2_xs || kT == DType::iq3_s) ? 512
                                                                              : 256;
-  // The grid's levels: iq3_s 1, 3, .., 15; iq3_xxs 4, 12, .., 52, 62; iq2 8, 25, 43 (the
-  // first three; the make() search below never reaches the others).
-  static constexpr uint8_t kLevels[8] = {kT == DType::iq3_s ? 1
-                                         : kIq3             ? 4
-                                                            : 8,
-                                         kT == DType::iq3_s ? 3
-                                         : kIq3             ? 12
-                                                            : 25,
-                                         kT == DType::iq3_s ? 5
-                                         : kIq3             ? 20
-                                                            : 43,
-                                         kT == DType::iq3_s ? 7 : 28,
-                                         kT == DType::iq3_s ? 9 : 36,
-                                         kT == DType::iq3_s ? 11 : 44,
-                                         kT == DType::iq3_s ? 13 : 52,
-                                         kT == DType::iq3_s ? 15 : 62};
   static constexpr uint64_t entry(int i) {
     if constexpr (kT == DType::iq2_xxs) return kIq2xxsGrid[i];
     if constexpr (kT == DType::iq2_xs) return kIq2xsGrid[i];
@@ -128,6 +112,29 @@ struct GridCodes {
     if constexpr (kT == DType::iq3_xxs) return kIq3xxsGrid[i];
     return kIq3sGrid[i];
   }
+  // The grid's levels, ascending, found in the grid itself: iq3_s 1, 3, .., 15;
+  // iq3_xxs 4, 12, .., 52, 62; iq2 8, 25, 43.
+  struct Levels {
+    uint8_t v[9];  // (room for a ninth, which the assert below refuses)
+    int n;
+  };
+  static constexpr Levels make_levels() {
+    Levels l{};
+    for (int i = 0; i < kSize; ++i)
+      for (int j = 0; j < kValues; ++j) {
+        const auto v = static_cast<uint8_t>(entry(i) >> (8 * j));
+        int at = 0;
+        while (at < l.n && l.v[at] < v) ++at;
+        if (at < l.n && l.v[at] == v) continue;
+        for (int k = l.n; k > at; --k) l.v[k] = l.v[k - 1];
+        l.v[at] = v;
+        ++l.n;
+      }
+    return l;
+  }
+  static constexpr Levels kLevelSet = make_levels();
+  static_assert(kLevelSet.n == (kIq3 ? 8 : 3));
+  static constexpr const uint8_t* kLevels = kLevelSet.v;
   struct Table {
     alignas(64) uint16_t code[kSize];
   };
