@@ -176,8 +176,19 @@ ServingEngine::ServingEngine(ServeOptions options)
 void ServingEngine::load_startup_adapters() {
   if (is_follower(opt_)) {
     tp_receiver_ = std::make_unique<TpAdapterReceiver>(*opt_.tp, model_->config(), opt_.lora_bits);
-    if (!tp_agree_started(*opt_.tp, true))
-      fail(ErrorKind::invalid_input, "rank 0 of the tensor-parallel server did not start (its log says why)");
+    if (!tp_agree_started(*opt_.tp, true)) {
+      // Written before rank 0 may end: mpirun ends every rank once one exits with an error.
+      try {
+        fail(ErrorKind::invalid_input, "rank 0 of the tensor-parallel server did not start (its log says why)");
+      } catch (Error& e) {
+        if (opt_.report_startup_error) {
+          opt_.report_startup_error(e);
+          e.set_reported();
+        }
+        opt_.tp->barrier();  // (rank 0 waits here until every follower has written its error)
+        throw;
+      }
+    }
     return;
   }
   try {
@@ -192,10 +203,14 @@ void ServingEngine::load_startup_adapters() {
         e.set_reported();
       }
       tp_agree_started(*opt_.tp, false);
+      opt_.tp->barrier();  // every follower has written why it ends
     }
     throw;
   } catch (...) {
-    if (tensor_parallel()) tp_agree_started(*opt_.tp, false);
+    if (tensor_parallel()) {
+      tp_agree_started(*opt_.tp, false);
+      opt_.tp->barrier();
+    }
     throw;
   }
   if (tensor_parallel()) {

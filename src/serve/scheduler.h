@@ -80,7 +80,8 @@ struct ServeOptions {
   // Rank 0 of a tensor-parallel server whose start fails (a bad --adapter): called with the
   // error before the followers are told, so the error is written while they still wait (a
   // follower that exits first makes mpirun end rank 0, which then may never write it). The
-  // caller reports it (loom serve: to stderr) and the error is then marked reported.
+  // caller reports it (loom serve: to stderr) and the error is then marked reported. The
+  // followers report theirs the same way, and rank 0 ends only after all have (a barrier).
   std::function<void(const Error&)> report_startup_error;
   // Profiling (core/trace.h): the backend's ops and each scheduler step
   // ("serve_step") are recorded while it records. Null: nothing is recorded.
