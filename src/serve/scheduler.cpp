@@ -179,7 +179,8 @@ void ServingEngine::load_startup_adapters() {
     if (!tp_agree_started(*opt_.tp, true)) {
       // Written before rank 0 may end: mpirun ends every rank once one exits with an error.
       try {
-        fail(ErrorKind::invalid_input, "rank 0 of the tensor-parallel server did not start (its log says why)");
+        fail(ErrorKind::invalid_input,
+             "rank 0 of the tensor-parallel server did not start (its log says why)");
       } catch (Error& e) {
         if (opt_.report_startup_error) {
           opt_.report_startup_error(e);
