@@ -40,12 +40,19 @@ inline float top2_margin(const float* logits, int64_t V) {
   return a - b;
 }
 
-// Runs every case ({"prompt", "continuation"}) for n_predict greedy tokens; returns how
-// many were identical for all tokens. A divergence with a margin >= near_tie fails.
-inline int expect_greedy_agreement(const Model& model, Backend& backend, const nlohmann::json& cases,
-                                   int n_predict, const std::string& label, float near_tie = kNearTie) {
+struct GreedyAgreement {
+  int exact = 0;   // prompts identical for all tokens
+  int agreed = 0;  // tokens identical before each prompt's divergence (an identical prompt counts n_predict)
+  int tokens = 0;  // n_predict per prompt
+};
+
+// Runs every case ({"prompt", "continuation"}) for n_predict greedy tokens. A divergence
+// with a margin >= near_tie fails.
+inline GreedyAgreement expect_greedy_agreement(const Model& model, Backend& backend,
+                                               const nlohmann::json& cases, int n_predict,
+                                               const std::string& label, float near_tie = kNearTie) {
   const Tokenizer& tok = model.tokenizer();
-  int exact = 0;
+  GreedyAgreement r;
   for (const auto& c : cases) {
     const std::string prompt = c["prompt"], want = c["continuation"];
     SCOPED_TRACE(label + ": " + prompt);
@@ -58,10 +65,11 @@ inline int expect_greedy_agreement(const Model& model, Backend& backend, const n
     std::vector<float> margins;
     for (int i = 0; i < n_predict; ++i) {
       const int32_t id = sampler.sample(logits, {});
-      if (tok.is_eog(id)) break;
       margins.push_back(top2_margin(logits, s.vocab_size()));
-      const std::string next = got + tok.token_to_piece(id);
-      if (want.compare(0, next.size(), next) != 0) {
+      // An end-of-generation token diverges where llama.cpp's text goes on.
+      const bool end = tok.is_eog(id);
+      const std::string next = end ? got : got + tok.token_to_piece(id);
+      if (end ? next != want : want.compare(0, next.size(), next) != 0) {
         // The texts are compared, not the tokens (llama-simple prints text): a token
         // that is a strict prefix of llama.cpp's (' ' against ' approximately') only
         // shows as a divergence at a later token, so the decision that split them is
@@ -75,17 +83,25 @@ inline int expect_greedy_agreement(const Model& model, Backend& backend, const n
                     label.c_str(), prompt.c_str(), i, m, at);
         EXPECT_LT(m, near_tie) << "token " << at << ": loom continues '" << next << "', llama.cpp '" << want
                                << "' with a top-2 margin of " << m;
+        r.agreed += i;
         got.clear();
         break;
       }
+      if (end) break;
       got = next;
       logits = s.eval(std::span<const int32_t>(&id, 1));
     }
-    if (got == want) ++exact;
+    r.tokens += n_predict;
+    if (got == want) {
+      ++r.exact;
+      r.agreed += n_predict;
+    }
   }
-  std::printf("[ llama.cpp agreement ] %s: %d of %zu prompts identical for %d tokens\n", label.c_str(), exact,
-              cases.size(), n_predict);
-  return exact;
+  std::printf(
+      "[ llama.cpp agreement ] %s: %d of %zu prompts identical for %d tokens; %d of %d tokens before the "
+      "divergences\n",
+      label.c_str(), r.exact, cases.size(), n_predict, r.agreed, r.tokens);
+  return r;
 }
 
 }  // namespace loom

@@ -1,9 +1,8 @@
 // The default model in every llama.cpp file type loom reads, made by
 // llama-quantize (scripts/make_gguf_variants, which scripts/test runs): each file
 // loads and its greedy continuations agree with llama.cpp's on the same file for
-// 16 tokens, except at named near ties (greedy_agreement.h). Most prompts (60% over
-// all files, at least 2 of 6 per file) must agree exactly. Each file also trains
-// two LoRA steps.
+// 16 tokens, except at near ties (greedy_agreement.h); most prompts (60% over all
+// files) agree exactly. Each file also trains two LoRA steps.
 //
 // Without models/variants/ the test skips, unless LOOM_REQUIRE_GGUF_VARIANTS=1
 // (set by scripts/test), where a missing file fails.
@@ -29,7 +28,26 @@ namespace {
 namespace fs = std::filesystem;
 const std::string kRoot = std::string(LOOM_SOURCE_DIR) + "/";
 
-constexpr float kQuantizedNearTie = 0.5f;
+// Quantized files: how far a float-level difference between two programs moves the top-2
+// margin (see the test). Measured on these files: llama.cpp's own AVX2 and AVX-512 builds
+// give different continuations for 44 of the 156 prompts; against the AVX2 build loom's
+// divergences are at margins up to 1.02 (IQ4_NL, a token where llama.cpp's two builds
+// disagree with each other), against the AVX-512 build up to 0.42; rounding the KV cache
+// to f16 alone (as llama.cpp does and this test does not) moves the margins by up to 1.43
+// (Q4_K_S; mean 0.11-0.19 per token, over the cases' tokens).
+constexpr float kQuantizedNearTie = 1.5f;
+// Prompts identical for all 16 tokens, over all files: loom 104 of 156 against llama.cpp's
+// AVX-512 build and 109 against its AVX2 build; the two builds agree on 112. A different
+// quantization of the same weights (each file against a neighbouring type's continuations,
+// Q4_0 against Q4_1's, IQ3_S against IQ3_XXS's) agrees on 40 of 138. Per file, 6 prompts
+// cannot tell these apart (1-6 identical against 1-3), nor a kernel error that moves every
+// weight of one group in eight by a scale step (it passed here): tests/cli/variants_kld_test.sh
+// compares each file's next-token distributions with llama.cpp's, which does.
+constexpr double kMinExactShare = 0.6;
+// Tokens before the divergences, per file: at least a quarter. Measured 45-96 of 96 (Q2_K
+// lowest) and 25-74 against a neighbouring type's continuations; a file whose type is
+// decoded wrongly diverges within the first tokens.
+constexpr double kMinAgreedShare = 0.25;
 
 bool required() {
   const char* v = std::getenv("LOOM_REQUIRE_GGUF_VARIANTS");
@@ -70,22 +88,14 @@ TEST(GgufVariants, EveryFileTypeAgreesWithLlamaCpp) {
     // product of the same weights (see docs/architecture.md).
     const bool f32_act = t == "F16" || t == "BF16";
     const float near_tie = f32_act ? kNearTie : kQuantizedNearTie;
-    const int e = expect_greedy_agreement(*model, backend, f["cases"], fx["n_predict"].get<int>(), t, near_tie);
-    // Every other prompt diverged at a named near tie (checked above). The 2- and
-    // 3-bit files (requantized from Q4_1) are the most sensitive: 2 of 6 identical
-    // (Q2_K, Q3_K_S, Q3_K_M, IQ2_XXS; the other IQ2/IQ3 files 3-6 of 6).
-    // IQ4_XS (requantized too) measured 1 of 6, its five divergences at top-2
-    // margins of 0.009-0.066, while the two programs agree on it as closely as on
-    // Q4_K_M: over 8 chunks of the perplexity text (scripts/check_perplexity's),
-    // loom's top token is llama.cpp's for 94.8% of the tokens (Q4_K_M 94.4%), KLD
-    // 0.0068 (0.0064).
-    EXPECT_GE(e, t == "IQ4_XS" ? 1 : 2) << t;
-    exact += e;
+    const GreedyAgreement a =
+        expect_greedy_agreement(*model, backend, f["cases"], fx["n_predict"].get<int>(), t, near_tie);
+    EXPECT_GE(a.agreed, kMinAgreedShare * a.tokens) << t;
+    exact += a.exact;
     cases += static_cast<int>(f["cases"].size());
   }
   std::printf("[ llama.cpp agreement ] all variants: %d of %d prompts identical\n", exact, cases);
-  // "most prompts": over all files, at least 60% identical for all 16 tokens (104 of 156 measured).
-  EXPECT_GE(10 * exact, 6 * cases);
+  EXPECT_GE(exact, kMinExactShare * cases);
   if (required()) {
     for (const char* t :
          {"Q4_0",    "Q4_1",   "Q5_0",   "Q5_1",   "Q8_0",    "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",

@@ -32,8 +32,9 @@ TEST(LlamaCppAgreement, GreedyQ4_1MatchesLlamaCpp) {
   auto backend_owner = make_backend(kCpu, pool);
   Backend& backend = *backend_owner;
   auto model = Model::load(model_path, {.tokenizer = true, .backend = &backend});
-  const int exact = expect_greedy_agreement(*model, backend, fx["cases"], fx["n_predict"].get<int>(), "Q4_1");
-  RecordProperty("exact_matches", exact);
+  const GreedyAgreement a =
+      expect_greedy_agreement(*model, backend, fx["cases"], fx["n_predict"].get<int>(), "Q4_1");
+  RecordProperty("exact_matches", a.exact);
 }
 
 }  // namespace
