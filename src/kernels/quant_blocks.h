@@ -2,6 +2,7 @@
 // files written by llama.cpp. Sizes are checked by static_asserts.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -212,6 +213,29 @@ constexpr const void* iq_grid_table(DType t) {
       return kIq3xxsGrid;
     default:  // iq3_s
       return kIq3sGrid;
+  }
+}
+
+// The largest magnitude in a type's grid (iq2 43, iq3_xxs 62, iq3_s 15): what bounds
+// the kernels' int16 pair sums.
+constexpr int iq_grid_max_value(DType t) {
+  const auto max_of = [](const auto& grid) {
+    int m = 0;
+    for (const auto entry : grid)
+      for (size_t j = 0; j < sizeof(entry); ++j) m = std::max(m, static_cast<int>((entry >> (8 * j)) & 0xff));
+    return m;
+  };
+  switch (t) {
+    case DType::iq2_xxs:
+      return max_of(kIq2xxsGrid);
+    case DType::iq2_xs:
+      return max_of(kIq2xsGrid);
+    case DType::iq2_s:
+      return max_of(kIq2sGrid);
+    case DType::iq3_xxs:
+      return max_of(kIq3xxsGrid);
+    default:  // iq3_s
+      return max_of(kIq3sGrid);
   }
 }
 

@@ -229,9 +229,9 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       };
       const cpu::ActKind plain_kind = cpu::act_kind(type, cpu::bf16_native(isa));
       const std::vector<uint8_t> plain = act_rows(plain_kind);
-      // AVX2 q6_k and q3_k: the unpacked kernel reads q8k_u8 rows; with plain q8k rows
-      // (q8k_u8 unset) the packed kernel runs whatever the scratch.
-      const bool u8_case = avx2 && (type == DType::q6_k || type == DType::q3_k);
+      // AVX2 q6_k, q3_k and the grid types: the unpacked kernel reads q8k_u8 rows; with
+      // plain q8k rows (q8k_u8 unset) the packed kernel runs whatever the scratch.
+      const bool u8_case = avx2 && (type == DType::q6_k || type == DType::q3_k || is_iq_grid(type));
       const std::vector<uint8_t> u8 = u8_case ? act_rows(cpu::ActKind::q8k_u8) : std::vector<uint8_t>{};
       for (size_t tmp_bytes : {size_t{0}, group, 3 * panel})
         for (bool use_u8 : {false, true}) {

@@ -832,12 +832,42 @@ struct SignedK16Impl {
   static constexpr float kDFactor = kGrid ? iq_grid_traits(kKind).factor : 1.0f;
   static constexpr size_t kScales = 32, kHeader = kGrid ? iq_grid_panel(kKind).header : 160;
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kGrid ? iq_grid_panel(kKind).group : 256;
-  static constexpr size_t kPBB = kHeader + 8 * kGroup;
+  // Unpacked grid panels read act rows offset by +128 (ActKind::q8k_u8, as K16Impl's
+  // q6_k and q3_k): vpmaddubsw(x + 128, w) takes the place of the sign trick's vpsignb
+  // + vpmaddubsw. Its pair sums reach 2 * 255 * max|w|: iq3_s's (15) in runs of 4
+  // operands still fit int16, iq3_xxs's (62) and iq2's (43) go to vpmaddwd one by one.
+  // What the +128 adds depends on the weights alone (kWeightSums: per superblock and
+  // row, 128 x the sum over sub-blocks of scale x the sum of its values), subtracted
+  // once per superblock. iq4_xs (|v| <= 127) keeps the sign trick.
+  static constexpr bool kU8Acts = kUnpacked && kGrid;
+  static constexpr int kU8Run = !kGrid ? 1 : 4 * 2 * 255 * iq_grid_max_value(kKind) <= 32767 ? 4 : 1;
+  static constexpr size_t kWeightSums = kHeader + 8 * kGroup;
+  static constexpr size_t kPBB = kWeightSums + (kU8Acts ? 64 : 0);
   static_assert(kUnpacked || kGrid || kPBB == 2208);
   using Unpacked = SignedK16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
     unpack_superblocks<SignedK16Impl<kKind, false>, SignedK16Impl, kHeader>(pan, K, out);
+    if constexpr (kU8Acts)
+      for (int64_t sb = 0; sb < K / 256; ++sb) store_weight_sums(out + sb * kPBB);
+  }
+  // kWeightSums of an unpacked superblock, per 8-row half (|.| < 2^26).
+  static void store_weight_sums(uint8_t* pb) {
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int h = 0; h < 2; ++h) {
+      __m256i sums = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g)
+        for (int s = 0; s < 2; ++s) {  // operands 4s .. 4s + 3 (per 32: the same scale twice)
+          __m256i v = _mm256_setzero_si256();
+          for (int o = 4 * s; o < 4 * s + 4; ++o)
+            v = _mm256_add_epi32(
+                v, madd1(_mm256_maddubs_epi16(ones, load256(pb + kHeader + g * kGroup + 64 * o + 32 * h))));
+          __m128i sv;
+          std::memcpy(&sv, scales(pb, g, s, h), 8);
+          sums = _mm256_add_epi32(sums, _mm256_mullo_epi32(v, _mm256_cvtepi8_epi32(sv)));
+        }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + kWeightSums + 32 * h), _mm256_slli_epi32(sums, 7));
+    }
   }
   static __m256i operand(const uint8_t* gp, int h, int o) {
     if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
@@ -872,6 +902,12 @@ struct SignedK16Impl {
           for (int g = 0; g < 8; ++g) {
             const __m256i sc[2] = {scales_x2(scales(pb, g, 0, h)), scales_x2(scales(pb, g, 1, h))};
             const uint8_t* gp = pb + kHeader + g * kGroup;
+            if constexpr (kU8Acts) {
+              const int8_t* xq[C];
+              for (int c = 0; c < C; ++c) xq[c] = x[c]->qs + 32 * g;
+              group_dots<kU8Run, C, true>([&](int o) { return load256(gp + 64 * o + 32 * h); }, xq, sc, isc);
+              continue;
+            }
 #pragma GCC unroll 8
             for (int o = 0; o < 8; ++o) {
               const __m256i w = operand(gp, h, o), aw = _mm256_sign_epi8(w, w);
@@ -883,6 +919,10 @@ struct SignedK16Impl {
               }
             }
           }
+          if constexpr (kU8Acts) {
+            const __m256i ws = load256(pb + kWeightSums + 32 * h);
+            for (int c = 0; c < C; ++c) isc[c] = _mm256_sub_epi32(isc[c], ws);
+          }
           const HalfScales<0> hs(pb, h, 0);
           for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d * kDFactor, nullptr);
         }
@@ -892,7 +932,7 @@ struct SignedK16Impl {
   }
   template <int P, int C>
   static void run(const TileArgs& ta) {
-    if constexpr (C > 1)
+    if constexpr (C > 1 || kU8Acts)  // (a batch's last tile may have one token)
       run_batch<P, C>(ta);
     else
       run_decode<P>(ta);
@@ -1051,7 +1091,8 @@ using Q45KPacked = Q45KImpl<kT>;
 template <DType kKind>
 using K16Packed = K16Impl<kKind>;
 
-// q6_k and q3_k: the unpacked kernel takes q8k_u8 rows (K16Impl::kU8Acts), the packed one q8k.
+// q6_k, q3_k and the grid types: the unpacked kernel takes q8k_u8 rows (K16Impl::kU8Acts,
+// SignedK16Impl::kU8Acts), the packed one q8k.
 template <DType kT>
 [[gnu::noinline]] void u8_family_kernel(const KernelArgs& a) {
   const bool unpacked = a.tmp != nullptr && runs_unpacked<K16Impl<kT>>(a.K, a.T, a.tmp_bytes);
@@ -1078,14 +1119,45 @@ UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
 }
 
 bool avx2_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
-  if (type == DType::q6_k) return runs_unpacked<K16Impl<DType::q6_k>>(K, T, tmp_bytes);
-  if (type == DType::q3_k) return runs_unpacked<K16Impl<DType::q3_k>>(K, T, tmp_bytes);
-  return false;
+  switch (type) {
+    case DType::q6_k:
+      return runs_unpacked<K16Impl<DType::q6_k>>(K, T, tmp_bytes);
+    case DType::q3_k:
+      return runs_unpacked<K16Impl<DType::q3_k>>(K, T, tmp_bytes);
+    case DType::iq2_xxs:
+      return runs_unpacked<K16Impl<DType::iq2_xxs>>(K, T, tmp_bytes);
+    case DType::iq2_xs:
+      return runs_unpacked<K16Impl<DType::iq2_xs>>(K, T, tmp_bytes);
+    case DType::iq2_s:
+      return runs_unpacked<K16Impl<DType::iq2_s>>(K, T, tmp_bytes);
+    case DType::iq3_xxs:
+      return runs_unpacked<K16Impl<DType::iq3_xxs>>(K, T, tmp_bytes);
+    case DType::iq3_s:
+      return runs_unpacked<K16Impl<DType::iq3_s>>(K, T, tmp_bytes);
+    default:
+      return false;
+  }
 }
 
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
-  if (type == DType::q6_k) return u8_family_kernel<DType::q6_k>(a);
-  if (type == DType::q3_k) return u8_family_kernel<DType::q3_k>(a);
+  switch (type) {
+    case DType::q6_k:
+      return u8_family_kernel<DType::q6_k>(a);
+    case DType::q3_k:
+      return u8_family_kernel<DType::q3_k>(a);
+    case DType::iq2_xxs:
+      return u8_family_kernel<DType::iq2_xxs>(a);
+    case DType::iq2_xs:
+      return u8_family_kernel<DType::iq2_xs>(a);
+    case DType::iq2_s:
+      return u8_family_kernel<DType::iq2_s>(a);
+    case DType::iq3_xxs:
+      return u8_family_kernel<DType::iq3_xxs>(a);
+    case DType::iq3_s:
+      return u8_family_kernel<DType::iq3_s>(a);
+    default:
+      break;
+  }
   if (type == DType::nf4) return nf4_panel_kernel_avx2(a);
   if (type == DType::i8_ch) return i8ch_panel_kernel_avx2(a);
   if (type == DType::bf16) return bf16_emu_kernel(a);
