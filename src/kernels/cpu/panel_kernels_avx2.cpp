@@ -570,6 +570,31 @@ inline void add_bit2(const uint8_t* p, int h, __m256i (&ops)[8]) {
   for (int o = 0; o < 8; ++o) ops[o] = _mm256_or_si256(ops[o], _mm256_and_si256(shift_bits(w, 2 - o), m));
 }
 
+// The weight sums of an unpacked superblock at pb whose tiles read ActKind::q8k_u8
+// rows (the +128 they add, subtracted once per superblock), per 8-row half at
+// pb + at: 128 x the sum over the 16 sub-blocks of scale x the sum of the
+// sub-block's 16 signed values (|.| < 2^28). Group g's operands start at
+// pb + quants + g * group; scale_at(pb, g, s, h) points at the 8 i8 scales of
+// sub-block 2g + s (operands 4s .. 4s + 3).
+template <class ScaleAt>
+inline void store_u8_weight_sums(uint8_t* pb, size_t quants, size_t group, size_t at, ScaleAt scale_at) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256i sums = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g)
+      for (int s = 0; s < 2; ++s) {
+        __m256i v = _mm256_setzero_si256();
+        for (int o = 4 * s; o < 4 * s + 4; ++o)
+          v = _mm256_add_epi32(
+              v, madd1(_mm256_maddubs_epi16(ones, load256(pb + quants + g * group + 64 * o + 32 * h))));
+        __m128i sv;
+        std::memcpy(&sv, scale_at(pb, g, s, h), 8);
+        sums = _mm256_add_epi32(sums, _mm256_mullo_epi32(v, _mm256_cvtepi8_epi32(sv)));
+      }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + at + 32 * h), _mm256_slli_epi32(sums, 7));
+  }
+}
+
 template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
@@ -605,24 +630,11 @@ struct K16Impl {
     if constexpr (kU8Acts)
       for (int64_t sb = 0; sb < K / 256; ++sb) store_weight_sums(out + sb * kPBB);
   }
-  // kWeightSums of an unpacked superblock, per 8-row half: 128 x sum over the 16
-  // sub-blocks of scale x the sum of its 16 signed values (|.| < 2^28).
+  // kWeightSums of an unpacked superblock (store_u8_weight_sums).
   static void store_weight_sums(uint8_t* pb) {
-    const __m256i ones = _mm256_set1_epi8(1);
-    for (int h = 0; h < 2; ++h) {
-      __m256i sums = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g)
-        for (int j = 0; j < 2; ++j) {  // sub-block 2g + j: operands 4j .. 4j + 3
-          __m256i v = _mm256_setzero_si256();
-          for (int o = 4 * j; o < 4 * j + 4; ++o)
-            v = _mm256_add_epi32(
-                v, madd1(_mm256_maddubs_epi16(ones, load256(pb + kGroups + g * kGroup + 64 * o + 32 * h))));
-          __m128i s;
-          std::memcpy(&s, pb + kScales + 32 * g + 16 * j + 8 * h, 8);
-          sums = _mm256_add_epi32(sums, _mm256_mullo_epi32(v, _mm256_cvtepi8_epi32(s)));
-        }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + kWeightSums + 32 * h), _mm256_slli_epi32(sums, 7));
-    }
+    store_u8_weight_sums(pb, kGroups, kGroup, kWeightSums, [](const uint8_t* b, int g, int s, int h) {
+      return b + kScales + 32 * g + 16 * s + 8 * h;
+    });
   }
   static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
     if constexpr (kUnpacked) {
@@ -851,23 +863,10 @@ struct SignedK16Impl {
     if constexpr (kU8Acts)
       for (int64_t sb = 0; sb < K / 256; ++sb) store_weight_sums(out + sb * kPBB);
   }
-  // kWeightSums of an unpacked superblock, per 8-row half (|.| < 2^26).
+  // kWeightSums of an unpacked superblock (store_u8_weight_sums; per 32, the same scale twice).
   static void store_weight_sums(uint8_t* pb) {
-    const __m256i ones = _mm256_set1_epi8(1);
-    for (int h = 0; h < 2; ++h) {
-      __m256i sums = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g)
-        for (int s = 0; s < 2; ++s) {  // operands 4s .. 4s + 3 (per 32: the same scale twice)
-          __m256i v = _mm256_setzero_si256();
-          for (int o = 4 * s; o < 4 * s + 4; ++o)
-            v = _mm256_add_epi32(
-                v, madd1(_mm256_maddubs_epi16(ones, load256(pb + kHeader + g * kGroup + 64 * o + 32 * h))));
-          __m128i sv;
-          std::memcpy(&sv, scales(pb, g, s, h), 8);
-          sums = _mm256_add_epi32(sums, _mm256_mullo_epi32(v, _mm256_cvtepi8_epi32(sv)));
-        }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + kWeightSums + 32 * h), _mm256_slli_epi32(sums, 7));
-    }
+    store_u8_weight_sums(pb, kHeader, kGroup, kWeightSums,
+                         [](const uint8_t* b, int g, int s, int h) { return scales(b, g, s, h); });
   }
   static __m256i operand(const uint8_t* gp, int h, int o) {
     if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
