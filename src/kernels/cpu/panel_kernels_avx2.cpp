@@ -1117,46 +1117,45 @@ UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
   return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
 
-bool avx2_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
+// Runs f.template operator()<kT>() when type is one of the q8k_u8 family (q6_k, q3_k,
+// the grid types); returns whether it was.
+template <class F>
+static bool visit_u8_family(DType type, F&& f) {
   switch (type) {
     case DType::q6_k:
-      return runs_unpacked<K16Impl<DType::q6_k>>(K, T, tmp_bytes);
+      f.template operator()<DType::q6_k>();
+      return true;
     case DType::q3_k:
-      return runs_unpacked<K16Impl<DType::q3_k>>(K, T, tmp_bytes);
+      f.template operator()<DType::q3_k>();
+      return true;
     case DType::iq2_xxs:
-      return runs_unpacked<K16Impl<DType::iq2_xxs>>(K, T, tmp_bytes);
+      f.template operator()<DType::iq2_xxs>();
+      return true;
     case DType::iq2_xs:
-      return runs_unpacked<K16Impl<DType::iq2_xs>>(K, T, tmp_bytes);
+      f.template operator()<DType::iq2_xs>();
+      return true;
     case DType::iq2_s:
-      return runs_unpacked<K16Impl<DType::iq2_s>>(K, T, tmp_bytes);
+      f.template operator()<DType::iq2_s>();
+      return true;
     case DType::iq3_xxs:
-      return runs_unpacked<K16Impl<DType::iq3_xxs>>(K, T, tmp_bytes);
+      f.template operator()<DType::iq3_xxs>();
+      return true;
     case DType::iq3_s:
-      return runs_unpacked<K16Impl<DType::iq3_s>>(K, T, tmp_bytes);
+      f.template operator()<DType::iq3_s>();
+      return true;
     default:
       return false;
   }
 }
 
+bool avx2_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
+  bool u8 = false;
+  visit_u8_family(type, [&]<DType kT>() { u8 = runs_unpacked<K16Impl<kT>>(K, T, tmp_bytes); });
+  return u8;
+}
+
 void panel_kernel_avx2(DType type, const KernelArgs& a) {
-  switch (type) {
-    case DType::q6_k:
-      return u8_family_kernel<DType::q6_k>(a);
-    case DType::q3_k:
-      return u8_family_kernel<DType::q3_k>(a);
-    case DType::iq2_xxs:
-      return u8_family_kernel<DType::iq2_xxs>(a);
-    case DType::iq2_xs:
-      return u8_family_kernel<DType::iq2_xs>(a);
-    case DType::iq2_s:
-      return u8_family_kernel<DType::iq2_s>(a);
-    case DType::iq3_xxs:
-      return u8_family_kernel<DType::iq3_xxs>(a);
-    case DType::iq3_s:
-      return u8_family_kernel<DType::iq3_s>(a);
-    default:
-      break;
-  }
+  if (visit_u8_family(type, [&]<DType kT>() { u8_family_kernel<kT>(a); })) return;
   if (type == DType::nf4) return nf4_panel_kernel_avx2(a);
   if (type == DType::i8_ch) return i8ch_panel_kernel_avx2(a);
   if (type == DType::bf16) return bf16_emu_kernel(a);
