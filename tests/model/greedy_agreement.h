@@ -26,6 +26,13 @@ namespace loom {
 
 inline constexpr float kNearTie = 0.1f;
 
+// The text on one line (the chat prompts' newlines as \n), for the log.
+inline std::string one_line(const std::string& text) {
+  std::string out;
+  for (char ch : text) out += ch == '\n' ? std::string("\\n") : std::string(1, ch);
+  return out;
+}
+
 // Top-1 minus top-2 logit.
 inline float top2_margin(const float* logits, int64_t V) {
   float a = -INFINITY, b = -INFINITY;
@@ -55,7 +62,7 @@ inline GreedyAgreement expect_greedy_agreement(const Model& model, Backend& back
   GreedyAgreement r;
   for (const auto& c : cases) {
     const std::string prompt = c["prompt"], want = c["continuation"];
-    SCOPED_TRACE(label + ": " + prompt);
+    SCOPED_TRACE(label + ": " + one_line(prompt));
     InferenceSession s(model.config(), model.weights(), backend, 256, DType::f32);
     const float* logits = s.eval(tok.encode(prompt, true, true));
     SamplingParams sp;
@@ -79,10 +86,11 @@ inline GreedyAgreement expect_greedy_agreement(const Model& model, Backend& back
         for (int j = i; j >= 0 && j > i - kSplitLag; --j)
           if (margins[static_cast<size_t>(j)] < margins[static_cast<size_t>(at)]) at = j;
         const float m = margins[static_cast<size_t>(at)];
-        std::printf("[ llama.cpp agreement ] %s '%s': diverges by token %d (top-2 logit margin %.4f at token %d)\n",
-                    label.c_str(), prompt.c_str(), i, m, at);
-        EXPECT_LT(m, near_tie) << "token " << at << ": loom continues '" << next << "', llama.cpp '" << want
-                               << "' with a top-2 margin of " << m;
+        std::printf(
+            "[ llama.cpp agreement ] %s '%s': diverges by token %d (top-2 logit margin %.4f at token %d)\n",
+            label.c_str(), one_line(prompt).c_str(), i, m, at);
+        EXPECT_LT(m, near_tie) << "token " << at << ": loom continues '" << one_line(next) << "', llama.cpp '"
+                               << one_line(want) << "' with a top-2 margin of " << m;
         r.agreed += i;
         got.clear();
         break;
