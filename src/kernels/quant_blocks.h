@@ -2,7 +2,6 @@
 // files written by llama.cpp. Sizes are checked by static_asserts.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -216,27 +215,38 @@ constexpr const void* iq_grid_table(DType t) {
   }
 }
 
-// The largest magnitude in a type's grid (iq2 43, iq3_xxs 62, iq3_s 15): what bounds
-// the kernels' int16 pair sums.
-constexpr int iq_grid_max_value(DType t) {
-  const auto max_of = [](const auto& grid) {
-    int m = 0;
-    for (const auto entry : grid)
-      for (size_t j = 0; j < sizeof(entry); ++j) m = std::max(m, static_cast<int>((entry >> (8 * j)) & 0xff));
-    return m;
-  };
-  switch (t) {
-    case DType::iq2_xxs:
-      return max_of(kIq2xxsGrid);
-    case DType::iq2_xs:
-      return max_of(kIq2xsGrid);
-    case DType::iq2_s:
-      return max_of(kIq2sGrid);
-    case DType::iq3_xxs:
-      return max_of(kIq3xxsGrid);
-    default:  // iq3_s
-      return max_of(kIq3sGrid);
-  }
+// The grid of a grid type as its constexpr array (compile-time tables and bounds).
+template <DType kT>
+constexpr const auto& iq_grid() {
+  static_assert(is_iq_grid(kT));
+  if constexpr (kT == DType::iq2_xxs) return kIq2xxsGrid;
+  if constexpr (kT == DType::iq2_xs) return kIq2xsGrid;
+  if constexpr (kT == DType::iq2_s) return kIq2sGrid;
+  if constexpr (kT == DType::iq3_xxs) return kIq3xxsGrid;
+  if constexpr (kT == DType::iq3_s) return kIq3sGrid;
+}
+
+// The magnitudes a grid's entries take, ascending, found in the grid itself:
+// iq3_s 1, 3, .., 15; iq3_xxs 4, 12, .., 52, 62; iq2 8, 25, 43.
+struct IqGridLevels {
+  uint8_t v[9];  // (room for a ninth, which the assert below refuses)
+  int n;
+  constexpr int max() const { return v[n - 1]; }
+};
+template <DType kT>
+constexpr IqGridLevels iq_grid_levels() {
+  IqGridLevels l{};
+  for (const auto entry : iq_grid<kT>())
+    for (size_t j = 0; j < sizeof(entry); ++j) {
+      const auto v = static_cast<uint8_t>(entry >> (8 * j));
+      int at = 0;
+      while (at < l.n && l.v[at] < v) ++at;
+      if (at < l.n && l.v[at] == v) continue;
+      for (int k = l.n; k > at; --k) l.v[k] = l.v[k - 1];
+      l.v[at] = v;
+      ++l.n;
+    }
+  return l;
 }
 
 // Magnitude of weight j of grid entry `index` (an entry's values are its bytes

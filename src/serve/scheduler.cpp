@@ -110,6 +110,13 @@ auto grammar_step(int64_t choice, Step step) {
                       fmt::format("structured output of choice {}: {}", choice, e.what()));
   }
 }
+
+// A tensor-parallel start's error, written (ServeOptions::report_startup_error) once.
+void report_startup_error_once(const ServeOptions& opt, Error& e) {
+  if (!opt.report_startup_error || e.reported()) return;
+  opt.report_startup_error(e);
+  e.set_reported();
+}
 }  // namespace
 
 ServingEngine::ServingEngine(ServeOptions options)
@@ -178,17 +185,11 @@ void ServingEngine::load_startup_adapters() {
     tp_receiver_ = std::make_unique<TpAdapterReceiver>(*opt_.tp, model_->config(), opt_.lora_bits);
     if (!tp_agree_started(*opt_.tp, true)) {
       // Written before rank 0 may end: mpirun ends every rank once one exits with an error.
-      try {
-        fail(ErrorKind::invalid_input,
-             "rank 0 of the tensor-parallel server did not start (its log says why)");
-      } catch (Error& e) {
-        if (opt_.report_startup_error) {
-          opt_.report_startup_error(e);
-          e.set_reported();
-        }
-        opt_.tp->barrier();  // (rank 0 waits here until every follower has written its error)
-        throw;
-      }
+      Error e(ErrorKind::invalid_input,
+              "rank 0 of the tensor-parallel server did not start (its log says why)");
+      report_startup_error_once(opt_, e);
+      opt_.tp->barrier();  // (rank 0 waits here until every follower has written its error)
+      throw e;
     }
     return;
   }
@@ -199,10 +200,7 @@ void ServingEngine::load_startup_adapters() {
     }
   } catch (Error& e) {
     if (tensor_parallel()) {
-      if (opt_.report_startup_error && !e.reported()) {
-        opt_.report_startup_error(e);
-        e.set_reported();
-      }
+      report_startup_error_once(opt_, e);
       tp_agree_started(*opt_.tp, false);
       opt_.tp->barrier();  // every follower has written why it ends
     }

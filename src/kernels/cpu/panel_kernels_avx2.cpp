@@ -852,7 +852,11 @@ struct SignedK16Impl {
   // row, 128 x the sum over sub-blocks of scale x the sum of its values), subtracted
   // once per superblock. iq4_xs (|v| <= 127) keeps the sign trick.
   static constexpr bool kU8Acts = kUnpacked && kGrid;
-  static constexpr int kU8Run = !kGrid ? 1 : 4 * 2 * 255 * iq_grid_max_value(kKind) <= 32767 ? 4 : 1;
+  static constexpr int u8_run() {
+    if constexpr (kGrid) return 4 * 2 * 255 * iq_grid_levels<kKind>().max() <= 32767 ? 4 : 1;
+    return 1;
+  }
+  static constexpr int kU8Run = u8_run();
   static constexpr size_t kWeightSums = kHeader + 8 * kGroup;
   static constexpr size_t kPBB = kWeightSums + (kU8Acts ? 64 : 0);
   static_assert(kUnpacked || kGrid || kPBB == 2208);

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <iterator>
 #include <type_traits>
 
 #include "kernels/cpu/i8ch.h"
@@ -102,37 +103,9 @@ template <DType kT>
 struct GridCodes {
   static constexpr bool kIq3 = kT == DType::iq3_xxs || kT == DType::iq3_s;
   static constexpr int kBits = kIq3 ? 4 : 2, kValues = kIq3 ? 4 : 8;
-  static constexpr int kSize = kT == DType::iq2_s                            ? 1024
-                               : (kT == DType::iq2_xs || kT == DType::iq3_s) ? 512
-                                                                             : 256;
-  static constexpr uint64_t entry(int i) {
-    if constexpr (kT == DType::iq2_xxs) return kIq2xxsGrid[i];
-    if constexpr (kT == DType::iq2_xs) return kIq2xsGrid[i];
-    if constexpr (kT == DType::iq2_s) return kIq2sGrid[i];
-    if constexpr (kT == DType::iq3_xxs) return kIq3xxsGrid[i];
-    return kIq3sGrid[i];
-  }
-  // The grid's levels, ascending, found in the grid itself: iq3_s 1, 3, .., 15;
-  // iq3_xxs 4, 12, .., 52, 62; iq2 8, 25, 43.
-  struct Levels {
-    uint8_t v[9];  // (room for a ninth, which the assert below refuses)
-    int n;
-  };
-  static constexpr Levels make_levels() {
-    Levels l{};
-    for (int i = 0; i < kSize; ++i)
-      for (int j = 0; j < kValues; ++j) {
-        const auto v = static_cast<uint8_t>(entry(i) >> (8 * j));
-        int at = 0;
-        while (at < l.n && l.v[at] < v) ++at;
-        if (at < l.n && l.v[at] == v) continue;
-        for (int k = l.n; k > at; --k) l.v[k] = l.v[k - 1];
-        l.v[at] = v;
-        ++l.n;
-      }
-    return l;
-  }
-  static constexpr Levels kLevelSet = make_levels();
+  static constexpr int kSize = static_cast<int>(std::size(iq_grid<kT>()));
+  static constexpr uint64_t entry(int i) { return iq_grid<kT>()[i]; }
+  static constexpr IqGridLevels kLevelSet = iq_grid_levels<kT>();
   static_assert(kLevelSet.n == (kIq3 ? 8 : 3));
   static constexpr const uint8_t* kLevels = kLevelSet.v;
   struct Table {
