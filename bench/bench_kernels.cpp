@@ -90,7 +90,12 @@ std::vector<uint8_t> make_weights(DType type, int64_t N, int64_t K) {
       case DType::iq2_s:
       case DType::iq3_xxs:
       case DType::iq3_s:
+      case DType::iq1_s:
         put(0);
+        break;
+      case DType::iq1_m:  // d = 0x2000 in the top nibbles of the four u16 scales at byte 48
+        for (int i = 0; i < 4; ++i)
+          b[49 + 2 * i] = static_cast<uint8_t>((b[49 + 2 * i] & 0x0f) | (i == 3 ? 0x20 : 0));
         break;
       default:
         break;
@@ -513,7 +518,8 @@ void register_all() {
   const DType types[] = {DType::q4_1,    DType::q8_0,   DType::f16,   DType::q4_k,    DType::q6_k,
                          DType::q4_0,    DType::q5_k,   DType::bf16,  DType::f32,     DType::q5_0,
                          DType::q5_1,    DType::q2_k,   DType::q3_k,  DType::iq4_nl,  DType::iq4_xs,
-                         DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
+                         DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s,
+                         DType::iq1_s,   DType::iq1_m};
   for (DType t : types) {
     // k-quants need K % 256 == 0: they run with K = 768 instead of 576.
     const int64_t K = dtype_block_size(t) == 256 ? 768 : 576;
@@ -532,7 +538,8 @@ void register_all() {
     // Prompt tiles at Llama-3.2-1B's widths: K = 2048 (q/o/gate/up) and 8192
     // (down), where one panel plus a tile's activations no longer fit in L1.
     if (t == DType::q4_k || t == DType::q5_k || t == DType::q6_k || t == DType::q8_0 || t == DType::f16 ||
-        t == DType::bf16 || t == DType::iq4_xs || t == DType::iq2_xxs || t == DType::iq3_s)
+        t == DType::bf16 || t == DType::iq4_xs || t == DType::iq2_xxs || t == DType::iq3_s ||
+        t == DType::iq1_m)
       for (const int64_t k1b : {int64_t{2048}, int64_t{8192}}) {
         const std::string pname = fmt::format("Matmul/{}/T512_2048x{}/t1", dtype_name(t), k1b);
         benchmark::RegisterBenchmark(pname.c_str(), run_case, Case{t, 2048, k1b, 512, 1, true})

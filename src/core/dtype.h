@@ -27,6 +27,7 @@ enum class DType : uint32_t {
   iq2_xxs = 16,
   iq2_xs = 17,
   iq3_xxs = 18,
+  iq1_s = 19,
   iq4_nl = 20,
   iq3_s = 21,
   iq2_s = 22,
@@ -36,6 +37,7 @@ enum class DType : uint32_t {
   i32 = 26,
   i64 = 27,
   f64 = 28,
+  iq1_m = 29,
   bf16 = 30,
   // loom's own types, outside GGUF's id range (never read from or written to a
   // GGUF file): nf4 = bitsandbytes' 4-bit NormalFloat in blocks of 64 with the
@@ -57,7 +59,7 @@ struct DTypeTraits {
   size_t row_header_bytes = 0;
 };
 
-// Returns nullopt for ids that loom does not know (e.g. IQ types) and for
+// Returns nullopt for ids that loom does not know (e.g. TQ1_0, MXFP4) and for
 // loom's own types (nf4, i8_ch), which no GGUF file may carry; callers
 // turn that into an "unsupported tensor type" error naming the tensor.
 std::optional<DTypeTraits> dtype_traits_of_id(uint32_t ggml_type_id);

@@ -262,9 +262,9 @@ class Parser {
     if (!traits) {
       const std::string name = ggml_type_name(type_id);
       raise(ErrorKind::unsupported, "tensor type {} ({}) is not supported{}", type_id, name,
-            name.rfind("iq", 0) == 0
-                ? " (loom reads IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL and IQ4_XS, not IQ1_S or "
-                  "IQ1_M: use the model in one of those or a Q/K type such as Q4_K_M)"
+            name.rfind("tq", 0) == 0 || name == "mxfp4"
+                ? " (loom reads the Q, K and IQ types, not the ternary TQ1_0 / TQ2_0 or MXFP4: use the "
+                  "model in one of those, such as Q4_K_M)"
                 : "");
     }
     ti.dtype = traits->type;

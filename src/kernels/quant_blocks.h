@@ -95,6 +95,26 @@ struct BlockIQ3_S {
   uint8_t signs[QK_K / 8];
   uint8_t scales[QK_K / 64];
 };
+// IQ1_S and IQ1_M: 256 weights in entries of 8 whose values g (-1, 0, 1) come
+// from an 11-bit index into kIq1sGrid, with no signs but a shift delta = +-1/8 per
+// 32 (IQ1_S) or per entry (IQ1_M): ggml's x = d * (2s + 1) * (g + delta) is
+// d * f * (2s + 1) * (8g +- 1) with f = 1/8, integer values in {-9, -7, -1, 1, 7, 9}.
+// IQ1_S: qs = the low 8 index bits per entry; per 32 a u16 qh = the high 3 bits of
+// entry l at bits 3l..3l+2, the 3-bit scale s at bits 12..14, delta's sign at bit 15.
+struct BlockIQ1_S {
+  uint16_t d;
+  uint8_t qs[QK_K / 8];
+  uint16_t qh[QK_K / 32];
+};
+// IQ1_M: qs as IQ1_S's; a nibble per entry (entry e: nibble e % 2 of qh[e / 2]) =
+// the high 3 index bits | delta's sign << 3; a 3-bit scale per 16 (scale j: bits
+// 3(j % 4).. of the u16 j / 4 of scales), and the f16 d in the top nibbles of the
+// four u16 (bits 12..15 of u16 i = bits 4i..4i+3 of d).
+struct BlockIQ1_M {
+  uint8_t qs[QK_K / 8];
+  uint8_t qh[QK_K / 16];
+  uint8_t scales[QK_K / 32];
+};
 
 // ggml's kvalues_iq4nl.
 inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -108,6 +128,8 @@ static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ8_1) == 36);
 static_assert(sizeof(BlockQ2_K) == 84);
 static_assert(sizeof(BlockQ3_K) == 110);
+static_assert(sizeof(BlockIQ1_S) == 50);
+static_assert(sizeof(BlockIQ1_M) == 56);
 static_assert(sizeof(BlockQ4_K) == 144);
 static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
@@ -166,9 +188,10 @@ struct IqGridTraits {
   int scale_group;
   float factor;
 };
+constexpr bool is_iq1(DType t) { return t == DType::iq1_s || t == DType::iq1_m; }
 constexpr bool is_iq_grid(DType t) {
   return t == DType::iq2_xxs || t == DType::iq2_xs || t == DType::iq2_s || t == DType::iq3_xxs ||
-         t == DType::iq3_s;
+         t == DType::iq3_s || is_iq1(t);
 }
 constexpr IqGridTraits iq_grid_traits(DType t) {
   switch (t) {
@@ -176,7 +199,10 @@ constexpr IqGridTraits iq_grid_traits(DType t) {
       return {8, 32, 0.125f};
     case DType::iq2_xs:
     case DType::iq2_s:
+    case DType::iq1_m:
       return {8, 16, 0.125f};
+    case DType::iq1_s:
+      return {8, 32, 0.125f};
     case DType::iq3_xxs:
       return {4, 32, 0.25f};
     default:  // iq3_s
@@ -185,12 +211,14 @@ constexpr IqGridTraits iq_grid_traits(DType t) {
 }
 
 // A grid superblock decoded: x_i = d * factor * scale[i / 16] * (sign bit i ? -1 : 1)
-// * byte (i % per_entry) of the grid entry index[i / per_entry].
+// * byte (i % per_entry) of the grid entry index[i / per_entry]; IQ1: no signs,
+// x_i = d * factor * scale[i / 16] * (8 * that byte + (delta_neg bit i / 8 ? -1 : 1)).
 struct IqGridSuperblock {
   uint16_t d;          // f16
-  uint16_t index[64];  // (IQ2: the first 32)
+  uint16_t index[64];  // (IQ1, IQ2: the first 32)
   uint8_t sign[32];    // bit j of byte i: weight 8i + j
   uint8_t scale[16];   // 2s + 1 of weights 16j .. 16j + 15
+  uint32_t delta_neg;  // IQ1: bit e = entry e's shift is -1/8
 };
 
 // The 8 signs of 7 stored sign bits: the 8th makes the number of negatives even.
@@ -210,6 +238,9 @@ constexpr const void* iq_grid_table(DType t) {
       return kIq2sGrid;
     case DType::iq3_xxs:
       return kIq3xxsGrid;
+    case DType::iq1_s:
+    case DType::iq1_m:
+      return kIq1sGrid;
     default:  // iq3_s
       return kIq3sGrid;
   }
@@ -224,6 +255,7 @@ constexpr const auto& iq_grid() {
   if constexpr (kT == DType::iq2_s) return kIq2sGrid;
   if constexpr (kT == DType::iq3_xxs) return kIq3xxsGrid;
   if constexpr (kT == DType::iq3_s) return kIq3sGrid;
+  if constexpr (is_iq1(kT)) return kIq1sGrid;
 }
 
 // The magnitudes a grid's entries take, ascending, found in the grid itself:
@@ -235,6 +267,7 @@ struct IqGridLevels {
 };
 template <DType kT>
 constexpr IqGridLevels iq_grid_levels() {
+  static_assert(!is_iq1(kT));  // (IQ1's bytes are signed: iq_weight_max)
   IqGridLevels l{};
   for (const auto entry : iq_grid<kT>())
     for (size_t j = 0; j < sizeof(entry); ++j) {
@@ -249,8 +282,33 @@ constexpr IqGridLevels iq_grid_levels() {
   return l;
 }
 
+// The largest |v| of a grid type's integer weights (v of d * f * scale * v).
+template <DType kT>
+constexpr int iq_weight_max() {
+  if constexpr (is_iq1(kT))
+    return 9;
+  else
+    return iq_grid_levels<kT>().max();
+}
+
+// IQ1's grid with the shift folded in: each byte 8g + 1 (int8), so an entry's
+// integer values are these, less 2 where its delta is negative.
+struct Iq1Values {
+  alignas(64) uint64_t entry[2048];
+};
+constexpr Iq1Values make_iq1_values() {
+  Iq1Values t{};
+  for (int i = 0; i < 2048; ++i)
+    for (int j = 0; j < 8; ++j) {
+      const auto g = static_cast<int8_t>(static_cast<uint8_t>(kIq1sGrid[i] >> (8 * j)));
+      t.entry[i] |= static_cast<uint64_t>(static_cast<uint8_t>(8 * g + 1)) << (8 * j);
+    }
+  return t;
+}
+inline constexpr Iq1Values kIq1Values = make_iq1_values();
+
 // Magnitude of weight j of grid entry `index` (an entry's values are its bytes
-// in memory order: iq_grids.h).
+// in memory order: iq_grids.h; IQ1: the byte of g, -1 as 255).
 inline int iq_grid_value(DType t, uint32_t index, int j) {
   const auto* grid = static_cast<const uint8_t*>(iq_grid_table(t));
   return grid[static_cast<size_t>(index) * iq_grid_traits(t).per_entry + j];
@@ -262,12 +320,37 @@ inline uint32_t load_u32_at(const uint8_t* p) {
   return v;
 }
 
+inline IqGridSuperblock decode_iq1_m(const uint8_t* blk) {
+  IqGridSuperblock o{};
+  uint16_t sc[4];
+  std::memcpy(sc, blk + 48, 8);
+  o.d = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
+                              (sc[3] & 0xf000));
+  for (int e = 0; e < 32; ++e) {
+    const unsigned nib = (blk[32 + e / 2] >> (4 * (e % 2))) & 15;
+    o.index[e] = static_cast<uint16_t>(blk[e] | ((nib & 7) << 8));
+    o.delta_neg |= static_cast<uint32_t>(nib >> 3) << e;
+  }
+  for (int j = 0; j < 16; ++j) o.scale[j] = static_cast<uint8_t>(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1);
+  return o;
+}
+
 // Decodes one superblock of a grid type (blk at any alignment).
 inline IqGridSuperblock decode_iq_grid(DType t, const uint8_t* blk) {
   IqGridSuperblock o{};
+  if (t == DType::iq1_m) return decode_iq1_m(blk);
   std::memcpy(&o.d, blk, 2);
   const uint8_t* q = blk + 2;
   switch (t) {
+    case DType::iq1_s:
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t qh = q[32 + 2 * j] | (static_cast<uint32_t>(q[33 + 2 * j]) << 8);
+        for (int l = 0; l < 4; ++l)
+          o.index[4 * j + l] = static_cast<uint16_t>(q[4 * j + l] | (((qh >> (3 * l)) & 7) << 8));
+        o.delta_neg |= ((qh >> 15) & 1) * (0xfu << (4 * j));
+        o.scale[2 * j] = o.scale[2 * j + 1] = static_cast<uint8_t>(2 * ((qh >> 12) & 7) + 1);
+      }
+      break;
     case DType::iq2_xxs:
       for (int j = 0; j < 8; ++j) {
         const uint32_t idx = load_u32_at(q + 8 * j), aux = load_u32_at(q + 8 * j + 4);
@@ -317,6 +400,10 @@ inline IqGridSuperblock decode_iq_grid(DType t, const uint8_t* blk) {
 
 // Signed integer value (sign * magnitude) of weight i of a decoded superblock.
 inline int iq_grid_weight(DType t, const IqGridSuperblock& b, int i) {
+  if (is_iq1(t)) {
+    const int g = static_cast<int8_t>(static_cast<uint8_t>(iq_grid_value(t, b.index[i / 8], i % 8)));
+    return 8 * g + (((b.delta_neg >> (i / 8)) & 1) ? -1 : 1);
+  }
   const int per = iq_grid_traits(t).per_entry;
   const int v = iq_grid_value(t, b.index[i / per], i % per);
   return ((b.sign[i / 8] >> (i % 8)) & 1) ? -v : v;

@@ -76,8 +76,15 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
       case DType::iq2_s:
       case DType::iq3_xxs:
       case DType::iq3_s:
+      case DType::iq1_s:
         put_f16(blk, scale(rng));  // values up to 62 x scale 31 x f
         break;
+      case DType::iq1_m: {  // d's nibbles in the top of the scales' four u16
+        const uint16_t d = fp32_to_fp16(scale(rng));
+        for (int i = 0; i < 4; ++i)
+          blk[49 + 2 * i] = static_cast<uint8_t>((blk[49 + 2 * i] & 0x0f) | (((d >> (4 * i)) & 15) << 4));
+        break;
+      }
       default:
         break;
     }
@@ -173,7 +180,9 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
     case DType::iq2_xs:
     case DType::iq2_s:
     case DType::iq3_xxs:
-    case DType::iq3_s: {
+    case DType::iq3_s:
+    case DType::iq1_s:
+    case DType::iq1_m: {
       std::vector<BlockQ8_K> xq(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, xq.data(), K);
       const size_t bb = dtype_traits(type).block_bytes;
@@ -348,7 +357,9 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
     case DType::iq2_xs:
     case DType::iq2_s:
     case DType::iq3_xxs:
-    case DType::iq3_s: {
+    case DType::iq3_s:
+    case DType::iq1_s:
+    case DType::iq1_m: {
       std::vector<BlockQ8_K> b(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_k, b.data(), xq.data(), K);

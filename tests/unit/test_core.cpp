@@ -42,7 +42,9 @@ TEST(DType, RowBytesAndNames) {
   EXPECT_EQ(dtype_row_bytes(DType::q4_1, 576), 18u * 20u);
   EXPECT_EQ(dtype_row_bytes(DType::q6_k, 512), 2u * 210u);
   EXPECT_EQ(dtype_from_name("Q4_K"), DType::q4_k);
-  EXPECT_FALSE(dtype_traits_of_id(19).has_value());  // IQ1_S: unsupported
+  EXPECT_FALSE(dtype_traits_of_id(34).has_value());  // TQ1_0: unsupported
+  EXPECT_EQ(dtype_traits_of_id(19)->type, DType::iq1_s);
+  EXPECT_EQ(dtype_row_bytes(DType::iq1_m, 512), 2u * 56u);
   EXPECT_EQ(dtype_traits_of_id(21)->type, DType::iq3_s);
   EXPECT_EQ(dtype_row_bytes(DType::iq2_xxs, 512), 2u * 66u);
 }

@@ -23,11 +23,12 @@ bool same_float(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || float_to_bits(a) == float_to_bits(b);
 }
 
-const DType kAllTypes[] = {
-    DType::f32,    DType::f16,     DType::bf16,   DType::f64,   DType::i8,      DType::i16,  DType::i32,
-    DType::i64,    DType::q4_0,    DType::q4_1,   DType::q5_0,  DType::q5_1,    DType::q8_0, DType::q8_1,
-    DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,  DType::q6_k,    DType::q8_k, DType::iq4_nl,
-    DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
+const DType kAllTypes[] = {DType::f32,     DType::f16,    DType::bf16,    DType::f64,    DType::i8,
+                           DType::i16,     DType::i32,    DType::i64,     DType::q4_0,   DType::q4_1,
+                           DType::q5_0,    DType::q5_1,   DType::q8_0,    DType::q8_1,   DType::q2_k,
+                           DType::q3_k,    DType::q4_k,   DType::q5_k,    DType::q6_k,   DType::q8_k,
+                           DType::iq4_nl,  DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s,
+                           DType::iq3_xxs, DType::iq3_s,  DType::iq1_s,   DType::iq1_m};
 
 // Random bytes; with `sane`, f16 scales small and finite (so the products are
 // ordinary numbers, where a wrong order of operations would show).
@@ -52,8 +53,19 @@ std::vector<uint8_t> random_row(DType type, int64_t n, uint32_t seed, bool sane)
     case DType::iq2_s:
     case DType::iq3_xxs:
     case DType::iq3_s:
+    case DType::iq1_s:
       at = {0};
       break;
+    case DType::iq1_m: {  // d in the top nibbles of the four u16 scales at byte 48
+      std::uniform_real_distribution<float> scale(-0.1f, 0.1f);
+      for (size_t off = 0; off < w.size(); off += 56) {
+        const uint16_t h = fp32_to_fp16(scale(rng));
+        for (int i = 0; i < 4; ++i)
+          w[off + 49 + 2 * i] =
+              static_cast<uint8_t>((w[off + 49 + 2 * i] & 0x0f) | (((h >> (4 * i)) & 15) << 4));
+      }
+      return w;
+    }
     case DType::q4_1: case DType::q5_1: case DType::q8_1: at = {0, 2}; break;
     case DType::q2_k: at = {80, 82}; break;
     case DType::q3_k: at = {108}; break;

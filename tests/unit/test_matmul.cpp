@@ -26,7 +26,8 @@ using testing::random_weights;
 const DType kAllTypes[] = {DType::q4_1,    DType::q8_0,   DType::f16,   DType::q4_k,    DType::q6_k,
                            DType::q4_0,    DType::q5_k,   DType::bf16,  DType::f32,     DType::q5_0,
                            DType::q5_1,    DType::q2_k,   DType::q3_k,  DType::iq4_nl,  DType::iq4_xs,
-                           DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s};
+                           DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s,
+                           DType::iq1_s,   DType::iq1_m};
 
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
@@ -197,9 +198,10 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
 // full 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
-  for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q4_k, DType::q5_k,
-                     DType::q6_k, DType::q3_k, DType::q2_k, DType::f16, DType::iq4_nl, DType::iq4_xs,
-                     DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s}) {
+  for (DType type :
+       {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q4_k, DType::q5_k, DType::q6_k,
+        DType::q3_k, DType::q2_k, DType::f16, DType::iq4_nl, DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs,
+        DType::iq2_s, DType::iq3_xxs, DType::iq3_s, DType::iq1_s, DType::iq1_m}) {
     const int64_t K = test_k(type, 1);
     Problem pr(type, 16 * 6 + 3, K, 19, seed++);  // 7 panels: groups of 3, 3 and 1
     const auto want = pr.model();

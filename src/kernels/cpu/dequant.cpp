@@ -280,6 +280,8 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
     case DType::iq2_s:
     case DType::iq3_xxs:
     case DType::iq3_s:
+    case DType::iq1_s:
+    case DType::iq1_m:
       dequantize_iq_grid(type, src, dst, nb);
       return;
     case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;

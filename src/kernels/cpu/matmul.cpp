@@ -246,6 +246,8 @@ bool matmul_supports(DType type) {
     case DType::iq2_s:
     case DType::iq3_xxs:
     case DType::iq3_s:
+    case DType::iq1_s:
+    case DType::iq1_m:
       return true;
     default:
       return false;

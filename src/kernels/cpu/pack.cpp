@@ -16,6 +16,8 @@ static_assert(iq_grid_panel(DType::iq2_xs).header + 8 * iq_grid_panel(DType::iq2
 static_assert(iq_grid_panel(DType::iq2_s).header + 8 * iq_grid_panel(DType::iq2_s).group == 1440);
 static_assert(iq_grid_panel(DType::iq3_xxs).header + 8 * iq_grid_panel(DType::iq3_xxs).group == 1696);
 static_assert(iq_grid_panel(DType::iq3_s).header + 8 * iq_grid_panel(DType::iq3_s).group == 1824);
+static_assert(iq_grid_panel(DType::iq1_s).header + 8 * iq_grid_panel(DType::iq1_s).group == 928);
+static_assert(iq_grid_panel(DType::iq1_m).header + 8 * iq_grid_panel(DType::iq1_m).group == 1056);
 namespace {
 
 constexpr int R = kPanelRows;
@@ -113,6 +115,16 @@ void pack_iq_grid(DType type, const uint8_t* blk, int r, uint8_t* pb) {
   for (int j = 0; j < (per16 ? 16 : 8); ++j) pb[32 + 16 * j + r] = b.scale[per16 ? j : 2 * j];
   for (int g = 0; g < 8; ++g) {
     uint8_t* gp = pb + L.header + g * L.group;
+    if (is_iq1(type)) {
+      for (int e = 0; e < 4; ++e) {
+        const unsigned idx = b.index[4 * g + e], neg = (b.delta_neg >> (4 * g + e)) & 1;
+        gp[16 * e + r] = static_cast<uint8_t>(idx & 0xff);
+        const unsigned nib = (idx >> 8) | (neg << 3), shift = 4 * (r / 8);
+        uint8_t& byte = gp[L.hi + 8 * e + r % 8];
+        byte = static_cast<uint8_t>((byte & ~(0xfu << shift)) | (nib << shift));
+      }
+      continue;
+    }
     for (int e = 0; e < L.entries; ++e) {
       const unsigned idx = b.index[L.entries * g + e];
       gp[16 * e + r] = static_cast<uint8_t>(idx & 0xff);
@@ -316,6 +328,8 @@ size_t panel_block_bytes(DType type) {
     case DType::iq2_s:
     case DType::iq3_xxs:
     case DType::iq3_s:
+    case DType::iq1_s:
+    case DType::iq1_m:
       return iq_grid_panel(type).header + 8 * iq_grid_panel(type).group;
     case DType::q4_k:
       return 2368;

@@ -61,6 +61,11 @@ constexpr int kPanelRows = 16;
 //               index bytes, then the high index bits as u16 row masks (iq3_s
 //               and iq2_xs bit 8, iq2_s bits 8 and 9, plane-major), then per
 //               operand o a u64 of signs (bit 4r + i: weight 4o + i of row r)
+//  iq1_s (928), iq1_m (1056): d @0, scale i8 @32 (2s + 1: iq1_s [8][16] per 32,
+//               iq1_m [16][16] per 16), then 8 groups of 32 of 96 bytes: per entry
+//               e the 16 rows' low index bytes @16e, then per entry 8 bytes @64 + 8e
+//               of nibbles (byte j: row j's low nibble, row j + 8's high) = the high
+//               3 index bits | the negative-delta bit << 3
 //  f32 / f16: element k of rows 0..15 contiguous (64 / 32 bytes)
 //  bf16 (64 per pair of columns): pair row j = rows 0..15 as 32-bit words, word r
 //               = element 2j (low half) and 2j + 1 (high half) of row r: the
@@ -77,11 +82,12 @@ struct IqGridPanel {
   int entries;    // grid entries per group of 32 weights
   int hi_planes;  // index bits above 8
   size_t header;  // d and scales
-  size_t hi;      // in a group: the high-bit planes
-  size_t signs;   // in a group: the sign masks
+  size_t hi;      // in a group: the high-bit planes (IQ1: the nibbles)
+  size_t signs;   // in a group: the sign masks (IQ1: none)
   size_t group;   // bytes per group
 };
 constexpr IqGridPanel iq_grid_panel(DType t) {
+  if (t == DType::iq1_s || t == DType::iq1_m) return {4, 3, t == DType::iq1_m ? 288u : 160u, 64, 96, 96};
   const bool iq3 = t == DType::iq3_xxs || t == DType::iq3_s;
   const int entries = iq3 ? 8 : 4;
   const int planes = t == DType::iq2_s ? 2 : (t == DType::iq2_xs || t == DType::iq3_s) ? 1 : 0;

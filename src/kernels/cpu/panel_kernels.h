@@ -232,6 +232,10 @@ decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
       return fn.template operator()<K16<DType::iq3_xxs>>();
     case DType::iq3_s:
       return fn.template operator()<K16<DType::iq3_s>>();
+    case DType::iq1_s:
+      return fn.template operator()<K16<DType::iq1_s>>();
+    case DType::iq1_m:
+      return fn.template operator()<K16<DType::iq1_m>>();
     case DType::f32:
       return fn.template operator()<Flt<DType::f32>>();
     case DType::f16:

@@ -828,6 +828,49 @@ inline void unpack_iq_grid(const uint8_t* gp, int h, __m256i (&ops)[8]) {
   }
 }
 
+// IQ1 (iq1_s, iq1_m; panel.h IqGridPanel), half h of a group: entry e's 8 rows'
+// grid indices, and a dword of ones per row whose delta is negative.
+inline __m256i iq1_index(const uint8_t* gp, int h, int e, __m256i& neg) {
+  constexpr IqGridPanel L = iq_grid_panel(DType::iq1_s);
+  const __m256i lo =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gp + 16 * e + 8 * h)));
+  const __m256i nib = _mm256_and_si256(
+      _mm256_srli_epi32(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gp + L.hi + 8 * e))), 4 * h),
+      _mm256_set1_epi32(15));
+  const __m256i eight = _mm256_set1_epi32(8);
+  neg = _mm256_cmpeq_epi32(_mm256_and_si256(nib, eight), eight);
+  return _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(nib, _mm256_set1_epi32(7)), 8));
+}
+
+// v (8g + 1 per byte, kIq1Values) less 2 in the rows of neg: the values 8g +- 1.
+inline __m256i iq1_shifted(__m256i v, __m256i neg) {
+  return _mm256_sub_epi8(v, _mm256_and_si256(neg, _mm256_set1_epi8(2)));
+}
+
+// Operand o of half h alone (entry o / 2's low or high dwords, by vpgatherdd).
+inline __m256i iq1_operand(const uint8_t* gp, int h, int o) {
+  __m256i neg;
+  const __m256i idx = iq1_index(gp, h, o / 2, neg);
+  const auto* table = reinterpret_cast<const int*>(kIq1Values.entry) + o % 2;
+  return iq1_shifted(_mm256_i32gather_epi32(table, idx, 8), neg);
+}
+
+// All 8 operands of half h: each entry's 8 bytes whole, as unpack_iq_grid's iq2.
+inline void unpack_iq1(const uint8_t* gp, int h, __m256i (&ops)[8]) {
+  const auto* table = reinterpret_cast<const long long*>(kIq1Values.entry);
+  for (int e = 0; e < 4; ++e) {
+    __m256i neg;
+    const __m256i idx = iq1_index(gp, h, e, neg);
+    const __m256 q0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm256_castsi256_si128(idx), 8));
+    const __m256 q1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm256_extracti128_si256(idx, 1), 8));
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0x88)), 0xd8);
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0xdd)), 0xd8);
+    ops[2 * e] = iq1_shifted(lo, neg);
+    ops[2 * e + 1] = iq1_shifted(hi, neg);
+  }
+}
+
 // Operands are the signed values (iq4_xs: codebook values, |v| <= 127; the grid
 // types: grid values with their signs, |v| <= 62; unpacked panels hold them as
 // they are), dotted with the signed act values by the sign trick: a vpmaddubsw
@@ -846,14 +889,14 @@ struct SignedK16Impl {
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kGrid ? iq_grid_panel(kKind).group : 256;
   // Unpacked grid panels read act rows offset by +128 (ActKind::q8k_u8, as K16Impl's
   // q6_k and q3_k): vpmaddubsw(x + 128, w) takes the place of the sign trick's vpsignb
-  // + vpmaddubsw. Its pair sums reach 2 * 255 * max|w|: iq3_s's (15) in runs of 4
+  // + vpmaddubsw. Its pair sums reach 2 * 255 * max|w|: iq3_s's (15) and IQ1's (9) in runs of 4
   // operands still fit int16, iq3_xxs's (62) and iq2's (43) go to vpmaddwd one by one.
   // What the +128 adds depends on the weights alone (kWeightSums: per superblock and
   // row, 128 x the sum over sub-blocks of scale x the sum of its values), subtracted
   // once per superblock. iq4_xs (|v| <= 127) keeps the sign trick.
   static constexpr bool kU8Acts = kUnpacked && kGrid;
   static constexpr int u8_run() {
-    if constexpr (kGrid) return 4 * 2 * 255 * iq_grid_levels<kKind>().max() <= 32767 ? 4 : 1;
+    if constexpr (kGrid) return 4 * 2 * 255 * iq_weight_max<kKind>() <= 32767 ? 4 : 1;
     return 1;
   }
   static constexpr int kU8Run = u8_run();
@@ -874,12 +917,15 @@ struct SignedK16Impl {
   }
   static __m256i operand(const uint8_t* gp, int h, int o) {
     if constexpr (kUnpacked) return load256(gp + 64 * o + 32 * h);
+    if constexpr (is_iq1(kKind)) return iq1_operand(gp, h, o);
     if constexpr (kGrid) return iq_grid_operand<kKind>(gp, h, o);
     return iq4_operand(gp, h, o);
   }
   static void unpack(const uint8_t* gp, int h, __m256i (&ops)[8]) {
     if constexpr (kUnpacked)
       load_unpacked(gp, h, ops);
+    else if constexpr (is_iq1(kKind))
+      unpack_iq1(gp, h, ops);
     else if constexpr (kGrid)
       unpack_iq_grid<kKind>(gp, h, ops);
     else
@@ -1146,6 +1192,12 @@ static bool visit_u8_family(DType type, F&& f) {
       return true;
     case DType::iq3_s:
       f.template operator()<DType::iq3_s>();
+      return true;
+    case DType::iq1_s:
+      f.template operator()<DType::iq1_s>();
+      return true;
+    case DType::iq1_m:
+      f.template operator()<DType::iq1_m>();
       return true;
     default:
       return false;

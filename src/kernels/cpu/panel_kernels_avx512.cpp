@@ -208,6 +208,36 @@ inline void unpack_iq_grid(const uint8_t* gp, __m512i (&ops)[8]) {
   }
 }
 
+// IQ1 (iq1_s, iq1_m; panel.h IqGridPanel): ops[o] = 128 + the integer values 8g +- 1
+// of a group of 32 (16 rows). Each entry's 8 bytes (kIq1Values: 8g + 1) come whole
+// from vpgatherdq, 8 rows a gather, less 2 in the rows whose delta is negative;
+// entry e's low and high dwords are operands 2e and 2e + 1. IQ1's 2048 entries
+// (16 KiB) are too many for the register tables of the other grid types.
+inline void unpack_iq1(const uint8_t* gp, __m512i (&ops)[8]) {
+  constexpr IqGridPanel L = iq_grid_panel(DType::iq1_s);
+  const auto* table = reinterpret_cast<const long long*>(kIq1Values.entry);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i two = _mm512_set1_epi8(2), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int e = 0; e < 4; ++e) {
+    const __m256i nibs =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gp + L.hi + 8 * e)));
+    __m512i half[2];
+    for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+      const __m256i lo =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gp + 16 * e + 8 * h)));
+      const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi32(nibs, 4) : nibs, _mm256_set1_epi32(15));
+      const __m256i idx =
+          _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(nib, _mm256_set1_epi32(7)), 8));
+      const __mmask8 neg = _mm256_test_epi32_mask(nib, _mm256_set1_epi32(8));
+      const __m512i q = _mm512_i32gather_epi64(idx, table, 8);
+      half[h] = _mm512_mask_mov_epi64(q, neg, _mm512_sub_epi8(q, two));
+    }
+    ops[2 * e] = _mm512_xor_si512(_mm512_permutex2var_epi32(half[0], even, half[1]), bias);
+    ops[2 * e + 1] = _mm512_xor_si512(_mm512_permutex2var_epi32(half[0], odd, half[1]), bias);
+  }
+}
+
 // Adds bit 4 from a 5th-bit word (bit o of byte i belongs to operand o).
 inline void add_bit4(const uint8_t* p, __m512i (&ops)[8]) {
   const __m512i h = load512(p), m = _mm512_set1_epi8(0x10);
@@ -537,6 +567,8 @@ struct K16Impl {
     } else if constexpr (kIq4) {
       unpack_nibbles(gp, ops);
       lookup_iq4_u8(ops);
+    } else if constexpr (is_iq1(kKind)) {
+      unpack_iq1(gp, ops);
     } else if constexpr (kGrid) {
       unpack_iq_grid<kKind>(gp, ops);
     } else {

@@ -193,6 +193,8 @@ ActKind act_kind(DType type, bool bf16_pairs) {
     case DType::iq2_s:
     case DType::iq3_xxs:
     case DType::iq3_s:
+    case DType::iq1_s:
+    case DType::iq1_m:
     case DType::q2_k:
     case DType::q3_k:
     case DType::q4_k:

@@ -353,6 +353,8 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::iq2_s:
     case DType::iq3_xxs:
     case DType::iq3_s:
+    case DType::iq1_s:
+    case DType::iq1_m:
       dequantize_iq_grid(type, src, dst, nb);
       return;
     case DType::nf4: dequantize_row_nf4_ref(src, dst, n); return;
