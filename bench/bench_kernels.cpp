@@ -37,6 +37,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/ops_backward.h"
 #include "kernels/cpu/paged_attention.h"
+#include "kernels/quant_blocks.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -93,9 +94,8 @@ std::vector<uint8_t> make_weights(DType type, int64_t N, int64_t K) {
       case DType::iq1_s:
         put(0);
         break;
-      case DType::iq1_m:  // d = 0x2000 in the top nibbles of the four u16 scales at byte 48
-        for (int i = 0; i < 4; ++i)
-          b[49 + 2 * i] = static_cast<uint8_t>((b[49 + 2 * i] & 0x0f) | (i == 3 ? 0x20 : 0));
+      case DType::iq1_m:
+        set_iq1_m_d(b, 0x2000);
         break;
       default:
         break;

@@ -320,6 +320,12 @@ inline uint32_t load_u32_at(const uint8_t* p) {
   return v;
 }
 
+// IQ1_M's f16 d is the top nibbles of its four u16 scales (bits 4i..4i+3 in u16 i).
+inline void set_iq1_m_d(uint8_t* blk, uint16_t d) {
+  for (int i = 0; i < 4; ++i)
+    blk[49 + 2 * i] = static_cast<uint8_t>((blk[49 + 2 * i] & 0x0f) | (((d >> (4 * i)) & 15) << 4));
+}
+
 inline IqGridSuperblock decode_iq1_m(const uint8_t* blk) {
   IqGridSuperblock o{};
   uint16_t sc[4];

@@ -20,6 +20,7 @@
 #include "core/tensor.h"
 #include "io/file_write.h"
 #include "kernels/backend.h"
+#include "kernels/quant_blocks.h"
 #include "kernels/quantize.h"
 #include "model/quantize_base.h"
 
@@ -160,12 +161,17 @@ std::vector<uint8_t> make_weight(ThreadPool& pool, DType type, const std::vector
   } else if (quantize_supported(type)) {
     quantize_rows(pool, type, src.data(), out.data(), rows, cols, nullptr);
   } else {
-    // The grid types (iq2_xxs .. iq3_s), which loom reads but has no quantizer
+    // The grid types (iq1_s .. iq3_s), which loom reads but has no quantizer
     // for: any index, sign and scale bits are a valid block, so src's bits serve,
-    // with each superblock's f16 d set to 2^-10 (finite products).
+    // with each superblock's f16 d set to 2^-10 (finite products; iq1_m keeps d in
+    // the top nibbles of its four u16 scales at byte 48).
     std::memcpy(out.data(), src.data(), std::min(out.size(), src.size() * sizeof(float)));
     const size_t bb = dtype_traits(type).block_bytes;
     for (size_t at = 0; at + bb <= out.size(); at += bb) {
+      if (type == DType::iq1_m) {
+        set_iq1_m_d(out.data() + at, 0x1400);
+        continue;
+      }
       out[at] = 0x00;
       out[at + 1] = 0x14;
     }
@@ -368,7 +374,7 @@ std::vector<DType> PeakOptions::peak_dtypes_default() {
   return {DType::f32,     DType::f16,    DType::bf16,   DType::q8_0,    DType::q4_0,   DType::q4_1,
           DType::q5_0,    DType::q5_1,   DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,
           DType::q6_k,    DType::iq4_nl, DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s,
-          DType::iq3_xxs, DType::iq3_s,  DType::nf4,    DType::i8_ch};
+          DType::iq3_xxs, DType::iq3_s,  DType::iq1_s,  DType::iq1_m,   DType::nf4,    DType::i8_ch};
 }
 
 // The output projections of GGUF files: q8_0 (small models, tied to the

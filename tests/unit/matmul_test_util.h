@@ -79,12 +79,9 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
       case DType::iq1_s:
         put_f16(blk, scale(rng));  // values up to 62 x scale 31 x f
         break;
-      case DType::iq1_m: {  // d's nibbles in the top of the scales' four u16
-        const uint16_t d = fp32_to_fp16(scale(rng));
-        for (int i = 0; i < 4; ++i)
-          blk[49 + 2 * i] = static_cast<uint8_t>((blk[49 + 2 * i] & 0x0f) | (((d >> (4 * i)) & 15) << 4));
+      case DType::iq1_m:
+        set_iq1_m_d(blk, fp32_to_fp16(scale(rng)));
         break;
-      }
       default:
         break;
     }

@@ -12,6 +12,7 @@
 #include "core/dtype.h"
 #include "core/half.h"
 #include "kernels/cpu/dequant.h"
+#include "kernels/quant_blocks.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -56,14 +57,9 @@ std::vector<uint8_t> random_row(DType type, int64_t n, uint32_t seed, bool sane)
     case DType::iq1_s:
       at = {0};
       break;
-    case DType::iq1_m: {  // d in the top nibbles of the four u16 scales at byte 48
+    case DType::iq1_m: {  // d in the top nibbles of the scales (set_iq1_m_d)
       std::uniform_real_distribution<float> scale(-0.1f, 0.1f);
-      for (size_t off = 0; off < w.size(); off += 56) {
-        const uint16_t h = fp32_to_fp16(scale(rng));
-        for (int i = 0; i < 4; ++i)
-          w[off + 49 + 2 * i] =
-              static_cast<uint8_t>((w[off + 49 + 2 * i] & 0x0f) | (((h >> (4 * i)) & 15) << 4));
-      }
+      for (size_t off = 0; off < w.size(); off += 56) set_iq1_m_d(w.data() + off, fp32_to_fp16(scale(rng)));
       return w;
     }
     case DType::q4_1: case DType::q5_1: case DType::q8_1: at = {0, 2}; break;
