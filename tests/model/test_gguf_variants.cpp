@@ -38,8 +38,8 @@ const std::string kRoot = std::string(LOOM_SOURCE_DIR) + "/";
 constexpr float kQuantizedNearTie = 1.5f;
 // Prompts identical for all 16 tokens, over all files: loom 104 of 156 against llama.cpp's
 // AVX-512 build and 109 against its AVX2 build; the two builds agree on 112 (measured before
-// IQ1_S and IQ1_M joined: with them 107 of 168, the IQ1 files 3 of 12, their models' near
-// ties everywhere; variants_kld checks them per file). A different
+// IQ1_S and IQ1_M joined: with them 107 and 112 of 168, the IQ1 files 3 of 12 against either
+// build, their models near ties everywhere; variants_kld checks them per file). A different
 // quantization of the same weights (each file against a neighbouring type's continuations,
 // Q4_0 against Q4_1's, IQ3_S against IQ3_XXS's) agrees on 40 of 138. Per file, 6 prompts
 // cannot tell these apart (1-6 identical against 1-3), nor a kernel error that moves every
