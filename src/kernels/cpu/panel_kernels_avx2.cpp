@@ -790,6 +790,16 @@ inline __m256i iq_grid_signed(const uint8_t* gp, int h, int o, __m256i mag) {
   return _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
 }
 
+// The 8-byte grid entries of 8 rows (indices idx) by two vpgatherdq: their low
+// dwords in row order (lo) and their high dwords (hi).
+inline void gather_entries(const long long* table, __m256i idx, __m256i& lo, __m256i& hi) {
+  const __m256 q0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm256_castsi256_si128(idx), 8));
+  const __m256 q1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm256_extracti128_si256(idx, 1), 8));
+  // shuffle_ps: rows (0, 1, 4, 5 | 2, 3, 6, 7); vpermq puts them in order.
+  lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0x88)), 0xd8);
+  hi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0xdd)), 0xd8);
+}
+
 // Operand o of half h alone: the 8 rows' signed grid values, entries by vpgatherdd.
 template <DType kT>
 inline __m256i iq_grid_operand(const uint8_t* gp, int h, int o) {
@@ -816,12 +826,8 @@ inline void unpack_iq_grid(const uint8_t* gp, int h, __m256i (&ops)[8]) {
   } else {
     const auto* grid = static_cast<const long long*>(iq_grid_table(kT));
     for (int e = 0; e < 4; ++e) {
-      const __m256i idx = iq_grid_index<kT>(gp, h, e);
-      const __m256 q0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(grid, _mm256_castsi256_si128(idx), 8));
-      const __m256 q1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(grid, _mm256_extracti128_si256(idx, 1), 8));
-      // shuffle_ps: rows (0, 1, 4, 5 | 2, 3, 6, 7); vpermq puts them in order.
-      const __m256i lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0x88)), 0xd8);
-      const __m256i hi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0xdd)), 0xd8);
+      __m256i lo, hi;
+      gather_entries(grid, iq_grid_index<kT>(gp, h, e), lo, hi);
       ops[2 * e] = iq_grid_signed<kT>(gp, h, 2 * e, lo);
       ops[2 * e + 1] = iq_grid_signed<kT>(gp, h, 2 * e + 1, hi);
     }
@@ -860,12 +866,8 @@ inline __m256i iq1_operand(const uint8_t* gp, int h, int o) {
 inline void unpack_iq1(const uint8_t* gp, int h, __m256i (&ops)[8]) {
   const auto* table = reinterpret_cast<const long long*>(kIq1Values.entry);
   for (int e = 0; e < 4; ++e) {
-    __m256i neg;
-    const __m256i idx = iq1_index(gp, h, e, neg);
-    const __m256 q0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm256_castsi256_si128(idx), 8));
-    const __m256 q1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm256_extracti128_si256(idx, 1), 8));
-    const __m256i lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0x88)), 0xd8);
-    const __m256i hi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0xdd)), 0xd8);
+    __m256i neg, lo, hi;
+    gather_entries(table, iq1_index(gp, h, e, neg), lo, hi);
     ops[2 * e] = iq1_shifted(lo, neg);
     ops[2 * e + 1] = iq1_shifted(hi, neg);
   }
