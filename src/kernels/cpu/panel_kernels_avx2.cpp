@@ -1169,41 +1169,17 @@ UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
   return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
 
-// Runs f.template operator()<kT>() when type is one of the q8k_u8 family (q6_k, q3_k,
-// the grid types); returns whether it was.
+// Runs f.template operator()<kT>() for the kT of kTs equal to type; returns whether one was.
+template <DType... kTs, class F>
+static bool visit_one_of(DType type, F&& f) {
+  return ((type == kTs && (f.template operator()<kTs>(), true)) || ...);
+}
+
+// visit_one_of over the q8k_u8 family (q6_k, q3_k, the grid types).
 template <class F>
 static bool visit_u8_family(DType type, F&& f) {
-  switch (type) {
-    case DType::q6_k:
-      f.template operator()<DType::q6_k>();
-      return true;
-    case DType::q3_k:
-      f.template operator()<DType::q3_k>();
-      return true;
-    case DType::iq2_xxs:
-      f.template operator()<DType::iq2_xxs>();
-      return true;
-    case DType::iq2_xs:
-      f.template operator()<DType::iq2_xs>();
-      return true;
-    case DType::iq2_s:
-      f.template operator()<DType::iq2_s>();
-      return true;
-    case DType::iq3_xxs:
-      f.template operator()<DType::iq3_xxs>();
-      return true;
-    case DType::iq3_s:
-      f.template operator()<DType::iq3_s>();
-      return true;
-    case DType::iq1_s:
-      f.template operator()<DType::iq1_s>();
-      return true;
-    case DType::iq1_m:
-      f.template operator()<DType::iq1_m>();
-      return true;
-    default:
-      return false;
-  }
+  return visit_one_of<DType::q6_k, DType::q3_k, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs,
+                      DType::iq3_s, DType::iq1_s, DType::iq1_m>(type, f);
 }
 
 bool avx2_u8_acts(DType type, int64_t K, int64_t T, size_t tmp_bytes) {
