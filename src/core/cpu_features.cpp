@@ -24,6 +24,7 @@ const CpuFeatures& cpu_features() {
     c.avx512dq = __builtin_cpu_supports("avx512dq");
     c.avx512vnni = __builtin_cpu_supports("avx512vnni");
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    c.avx512vbmi = __builtin_cpu_supports("avx512vbmi");
     // AVX-VNNI (CPUID.(7,1):EAX bit 4), AMX-BF16, AMX-TILE and AMX-INT8
     // (CPUID.(7,0):EDX bits 22, 24, 25) are read directly: not every compiler
     // knows these names in __builtin_cpu_supports (clang 14, used for the fuzz
@@ -47,7 +48,7 @@ std::optional<CpuFeatures> mask_cpu_features(const CpuFeatures& cpu, std::string
     return std::nullopt;
   f.amx_tile = f.amx_int8 = f.amx_bf16 = false;
   if (loom_cpu == "avx512") return f;
-  f.avx512bf16 = false;
+  f.avx512bf16 = f.avx512vbmi = false;
   if (loom_cpu == "avx512-nobf16") return f;
   f.avx512vnni = false;
   if (loom_cpu == "avx512f") return f;

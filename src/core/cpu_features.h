@@ -20,6 +20,7 @@ struct CpuFeatures {
   bool avx512dq = false;
   bool avx512vnni = false;
   bool avx512bf16 = false;
+  bool avx512vbmi = false;  // byte permutes (vpermi2b, vpmultishiftqb): Ice Lake, Zen 4; not Cascade Lake
   bool avxvnni = false;
   bool amx_tile = false;  // in cpu_features(): the CPU has it; the OS must still grant tile state
   bool amx_int8 = false;
@@ -48,7 +49,8 @@ const CpuFeatures& cpu_features();
 // machine can run (and test) the paths of smaller ones:
 //   avx2           no AVX-512, no AMX (a Haswell..Alder Lake class machine)
 //   avx512f        AVX-512 F/BW/VL/DQ only: no VNNI, BF16, AMX (Skylake-X)
-//   avx512-nobf16  AVX-512 with VNNI, no AVX512-BF16, no AMX (Ice Lake, Cascade Lake)
+//   avx512-nobf16  AVX-512 with VNNI, no AVX512-BF16, VBMI or AMX (Cascade Lake;
+//                  an Ice Lake also has VBMI)
 //   avx512         AVX-512 with BF16 where present, no AMX (Zen 4, Cooper Lake)
 //   native / unset everything the CPU has.
 // Masks only remove instructions; an unknown value is nullopt.

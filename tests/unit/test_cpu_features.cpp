@@ -25,9 +25,14 @@ CpuFeatures skylake_x() {  // AVX-512 without VNNI: loom's AVX-512 kernels need 
   f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = true;
   return f;
 }
-CpuFeatures ice_lake() {
+CpuFeatures cascade_lake() {  // VNNI without VBMI
   CpuFeatures f = skylake_x();
   f.avx512vnni = true;
+  return f;
+}
+CpuFeatures ice_lake() {
+  CpuFeatures f = cascade_lake();
+  f.avx512vbmi = true;
   return f;
 }
 CpuFeatures zen4() {
@@ -46,6 +51,7 @@ CpuFeatures sapphire_rapids() {
 TEST(CpuFeatures, ClassesFollowTheInstructions) {
   EXPECT_EQ(cpu_class_of(avx2_cpu()), CpuClass::avx2);
   EXPECT_EQ(cpu_class_of(skylake_x()), CpuClass::avx2);
+  EXPECT_EQ(cpu_class_of(cascade_lake()), CpuClass::avx512);
   EXPECT_EQ(cpu_class_of(ice_lake()), CpuClass::avx512);
   EXPECT_EQ(cpu_class_of(zen4()), CpuClass::avx512_bf16);
   EXPECT_EQ(cpu_class_of(sapphire_rapids()), CpuClass::amx);
@@ -66,7 +72,9 @@ TEST(CpuFeatures, LoomCpuMasksOnlyRemove) {
   EXPECT_FALSE(mask_cpu_features(spr, "avx512f")->avx512vnni);
   const CpuFeatures m = *mask_cpu_features(spr, "avx512-nobf16");
   EXPECT_FALSE(m.amx_tile || m.amx_int8 || m.amx_bf16 || m.avx512bf16);
+  EXPECT_FALSE(m.avx512vbmi);  // Cascade Lake's instructions: the grid kernels without byte permutes
   EXPECT_TRUE(m.has_avx512_kernels());
+  EXPECT_TRUE(mask_cpu_features(spr, "avx512")->avx512vbmi);
   const CpuFeatures a = *mask_cpu_features(spr, "avx2");
   EXPECT_FALSE(a.avx512f || a.avx512vnni || a.avx512bf16 || a.amx_tile);
   EXPECT_TRUE(a.avx2 && a.fma && a.avxvnni);

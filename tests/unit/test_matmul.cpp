@@ -195,7 +195,8 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
 // AVX2: q4_0 .. q5_1, iq4_nl, q2_k, q3_k, q5_k, q6_k, iq4_xs, the grid types). With scratch for the
 // default group, for three panels (the float tiles' three: several groups, the last one partial) and for none
 // (the packed kernel), both instruction sets give the scalar model's bits. T = 19: the AVX-512 kernels' two
-// full 8-token tiles and a partial one (AVX2: 4 full, 1 partial).
+// full 8-token tiles and a partial one (AVX2: 4 full, 1 partial). With AVX512-VBMI the grid types run
+// both AVX-512 kernels (KernelArgs::vbmi), as the native and the avx512-nobf16 ctest entries do.
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
   for (DType type :
@@ -235,8 +236,11 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       // plain q8k rows (q8k_u8 unset) the packed kernel runs whatever the scratch.
       const bool u8_case = avx2 && (type == DType::q6_k || type == DType::q3_k || is_iq_grid(type));
       const std::vector<uint8_t> u8 = u8_case ? act_rows(cpu::ActKind::q8k_u8) : std::vector<uint8_t>{};
+      // The grid types' AVX-512 kernels with and without VBMI's byte permutes (where the CPU has it).
+      const bool vbmi_too = !avx2 && cpu::has_vbmi_kernel(type) && usable_cpu_features().avx512vbmi;
       for (size_t tmp_bytes : {size_t{0}, group, 3 * panel})
-        for (bool use_u8 : {false, true}) {
+        for (int variant = 0; variant < (vbmi_too ? 4 : 2); ++variant) {
+          const bool use_u8 = variant % 2 == 1, vbmi = variant >= 2;
           if (use_u8 && !(u8_case && tmp_bytes > 0)) continue;
           EXPECT_EQ(u8_case && tmp_bytes > 0, avx2 && cpu::avx2_u8_acts(type, K, pr.T, tmp_bytes));
           const cpu::ActKind kind = use_u8 ? cpu::ActKind::q8k_u8 : plain_kind;
@@ -258,10 +262,12 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
           a.tmp = tmp_bytes > 0 ? tmp.data() : nullptr;
           a.tmp_bytes = tmp_bytes;
           a.q8k_u8 = use_u8;
+          a.vbmi = vbmi;
           (avx2 ? cpu::panel_kernel_avx2 : cpu::panel_kernel_avx512)(type, a);
           expect_bits_equal(want, y,
                             std::string(dtype_name(type)) + " " + isa_name(isa) +
-                                " scratch=" + std::to_string(tmp_bytes) + (use_u8 ? " q8k_u8" : ""));
+                                " scratch=" + std::to_string(tmp_bytes) + (use_u8 ? " q8k_u8" : "") +
+                                (vbmi ? " vbmi" : ""));
         }
     }
   }

@@ -82,6 +82,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   const bool fly = segs[0].packed == nullptr;
   LOOM_ASSERT(!fly || segs.size() == 1);
   const bool bf16_pairs = cpu::bf16_native(isa);
+  const bool vbmi = isa != cpu::Isa::avx2 && usable_cpu_features().avx512vbmi;
   // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
   const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) &&
                        cpu::amx_available();
@@ -151,6 +152,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     a.tmp_bytes = tmp_bytes;
     a.bf16_pairs = bf16_pairs;
     a.q8k_u8 = q8k_u8;
+    a.vbmi = vbmi;
     int64_t base = 0;  // global index of the segment's first panel
     for (const Segment& g : segs) {
       const int64_t gnp = (g.N + kPanelRows - 1) / kPanelRows;

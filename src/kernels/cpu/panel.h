@@ -175,11 +175,20 @@ struct KernelArgs {
   size_t tmp_bytes = 0;     // its size
   bool bf16_pairs = false;  // bf16 weights: act rows are ActKind::bf16pairs (else bf16f32)
   bool q8k_u8 = false;      // act rows are ActKind::q8k_u8 (AVX2 q6_k/q3_k batches: avx2_u8_acts)
+  bool vbmi = false;        // AVX-512 kernels may use AVX512-VBMI (has_vbmi_kernel types)
 };
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
 void panel_kernel_avx2(DType type, const KernelArgs& a);
 void panel_kernel_avx512(DType type, const KernelArgs& a);
+// The types whose AVX-512 kernels have an AVX512-VBMI form (panel_kernel_avx512
+// runs it where KernelArgs::vbmi): the iq2 and iq3 grids, whose codes come from
+// byte tables (vpermi2b) rather than word tables. Same results as without.
+constexpr bool has_vbmi_kernel(DType type) {
+  return type == DType::iq2_xxs || type == DType::iq2_xs || type == DType::iq2_s || type == DType::iq3_xxs ||
+         type == DType::iq3_s;
+}
+void panel_kernel_avx512_vbmi(DType type, const KernelArgs& a);
 // Panels a batch tile group walks (panel_kernels.h): about this many bytes, so a
 // group stays in L2 (1-2 MiB per core on the x86 classes targeted) while every
 // token tile passes over it.
