@@ -69,9 +69,8 @@ const char* ggml_type_name(uint32_t id) {
     case 29: return "iq1_m";
     case 31: return "q4_0_4_4 (removed from ggml)";
     case 32: return "q4_0_4_8 (removed from ggml)";
-    case 33: return "q4_0_8_8 (removed from ggml)";
-    case 34: return "tq1_0";
-    case 35: return "tq2_0";
+    case 33:
+      return "q4_0_8_8 (removed from ggml)";
     case 36: case 37: case 38: return "iq4_nl repack (removed from ggml)";
     case 39: return "mxfp4";
   }
@@ -262,10 +261,9 @@ class Parser {
     if (!traits) {
       const std::string name = ggml_type_name(type_id);
       raise(ErrorKind::unsupported, "tensor type {} ({}) is not supported{}", type_id, name,
-            name.rfind("tq", 0) == 0 || name == "mxfp4"
-                ? " (loom reads the Q, K and IQ types, not the ternary TQ1_0 / TQ2_0 or MXFP4: use the "
-                  "model in one of those, such as Q4_K_M)"
-                : "");
+            name == "mxfp4" ? " (loom reads the Q, K, IQ and TQ types, not MXFP4: use the model in one of "
+                              "those, such as Q4_K_M)"
+                            : "");
     }
     ti.dtype = traits->type;
     ti.ndim = static_cast<int>(n_dims);

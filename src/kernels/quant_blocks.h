@@ -120,6 +120,23 @@ struct BlockIQ1_M {
 inline constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                           1,    13,   25,  38,  53,  69,  89,  113};
 
+// TQ1_0 and TQ2_0 (ternary, for models trained with weights in {-1, 0, 1}, such
+// as TriLM): x = d * (t - 1), t in {0, 1, 2}. TQ2_0 keeps t in 2 bits, in q2_k's
+// order (qs[32c + m] bits 2s..2s+1: element 128c + 32s + m); TQ1_0 five trits
+// per byte of qs (t_n = (u8(q * 3^n) * 3) >> 8: qs[m] element 32n + m for m < 32,
+// qs[32 + m] element 160 + 16n + m) and four per byte of qh (element 240 + 4n + m).
+struct BlockTQ1_0 {
+  uint8_t qs[48];
+  uint8_t qh[4];
+  uint16_t d;
+};
+struct BlockTQ2_0 {
+  uint8_t qs[QK_K / 4];
+  uint16_t d;
+};
+
+static_assert(sizeof(BlockTQ1_0) == 54);
+static_assert(sizeof(BlockTQ2_0) == 66);
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);
 static_assert(sizeof(BlockQ5_0) == 22);
@@ -428,6 +445,53 @@ inline void dequantize_iq_grid(DType t, const void* src, float* y, int64_t nb) {
     const float d = fp16_to_fp32(b.d) * f;
     for (int w = 0; w < QK_K; ++w)
       y[w] = d * static_cast<float>(b.scale[w / 16]) * static_cast<float>(iq_grid_weight(t, b, w));
+  }
+}
+
+constexpr bool is_ternary(DType t) { return t == DType::tq1_0 || t == DType::tq2_0; }
+
+// The trits t of a TQ1_0 or TQ2_0 block, element by element.
+inline void ternary_trits(DType t, const uint8_t* blk, uint8_t (&trit)[QK_K]) {
+  if (t == DType::tq2_0) {
+    for (int e = 0; e < QK_K; ++e) trit[e] = (blk[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+    return;
+  }
+  constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
+  const auto trit_of = [&](uint8_t q, int n) {
+    return static_cast<uint8_t>((static_cast<uint8_t>(q * kPow3[n]) * 3) >> 8);
+  };
+  for (int e = 0; e < 160; ++e) trit[e] = trit_of(blk[e % 32], e / 32);
+  for (int e = 160; e < 240; ++e) trit[e] = trit_of(blk[32 + (e - 160) % 16], (e - 160) / 16);
+  for (int e = 240; e < QK_K; ++e) trit[e] = trit_of(blk[48 + (e - 240) % 4], (e - 240) / 4);
+}
+
+// A ternary block as the q2_k block of the same values: every sub-block scale and
+// min 1, d = dmin = the block's d, so x = d * 1 * t - d * 1 = d (t - 1), each
+// step exact in f32 for finite d. The matmul kernels run TQ1_0 and TQ2_0
+// weights as panels of these blocks (kernels/cpu/panel.h matmul_panel_type),
+// 2.625 bits per weight against the files' 1.69 and 2.06.
+inline void ternary_to_q2_k(DType t, const uint8_t* blk, BlockQ2_K& out) {
+  uint8_t trit[QK_K];
+  ternary_trits(t, blk, trit);
+  std::memset(out.scales, 0x11, sizeof(out.scales));
+  std::memset(out.qs, 0, sizeof(out.qs));
+  for (int e = 0; e < QK_K; ++e)
+    out.qs[32 * (e / 128) + e % 32] |= static_cast<uint8_t>(trit[e] << (2 * ((e % 128) / 32)));
+  std::memcpy(&out.d, blk + dtype_traits(t).block_bytes - 2, 2);
+  out.dmin = out.d;
+}
+
+// Dequantizes nb ternary blocks as ggml does: d * (t - 1).
+inline void dequantize_ternary(DType t, const void* src, float* y, int64_t nb) {
+  const size_t bb = dtype_traits(t).block_bytes;
+  for (int64_t i = 0; i < nb; ++i, y += QK_K) {
+    const auto* blk = static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * bb;
+    uint16_t dh;
+    std::memcpy(&dh, blk + bb - 2, 2);
+    const float d = fp16_to_fp32(dh);
+    uint8_t trit[QK_K];
+    ternary_trits(t, blk, trit);
+    for (int e = 0; e < QK_K; ++e) y[e] = static_cast<float>(static_cast<int>(trit[e]) - 1) * d;
   }
 }
 }  // namespace

@@ -82,6 +82,10 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
       case DType::iq1_m:
         set_iq1_m_d(blk, fp32_to_fp16(scale(rng)));
         break;
+      case DType::tq1_0:
+      case DType::tq2_0:
+        put_f16(blk + bb - 2, scale(rng));
+        break;
       default:
         break;
     }
@@ -111,6 +115,20 @@ inline float bf16_model_round(float x) {
 // The kernels' result for one output: row `w` (GGUF bytes) times activations x.
 inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) {
   float acc = 0.0f;
+  if (is_ternary(type)) {  // per superblock the integer sum (t - 1) x_q, then one fma with d * d_x
+    std::vector<BlockQ8_K> xq(static_cast<size_t>(K / QK_K));
+    quantize_row_q8_k_ref(x, xq.data(), K);
+    const size_t bb = dtype_traits(type).block_bytes;
+    for (int64_t sb = 0; sb < K / QK_K; ++sb) {
+      const BlockQ8_K& a = xq[static_cast<size_t>(sb)];
+      uint8_t trit[QK_K];
+      ternary_trits(type, w + sb * bb, trit);
+      int64_t I = 0;
+      for (int e = 0; e < QK_K; ++e) I += (static_cast<int64_t>(trit[e]) - 1) * a.qs[e];
+      acc = std::fma(static_cast<float>(I), f16(w + (sb + 1) * bb - 2) * a.d, acc);
+    }
+    return acc;
+  }
   switch (type) {
     case DType::q4_0:
     case DType::q4_1:
@@ -356,7 +374,9 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
     case DType::iq3_xxs:
     case DType::iq3_s:
     case DType::iq1_s:
-    case DType::iq1_m: {
+    case DType::iq1_m:
+    case DType::tq1_0:
+    case DType::tq2_0: {
       std::vector<BlockQ8_K> b(static_cast<size_t>(K / QK_K));
       quantize_row_q8_k_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_k, b.data(), xq.data(), K);

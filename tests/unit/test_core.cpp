@@ -42,7 +42,10 @@ TEST(DType, RowBytesAndNames) {
   EXPECT_EQ(dtype_row_bytes(DType::q4_1, 576), 18u * 20u);
   EXPECT_EQ(dtype_row_bytes(DType::q6_k, 512), 2u * 210u);
   EXPECT_EQ(dtype_from_name("Q4_K"), DType::q4_k);
-  EXPECT_FALSE(dtype_traits_of_id(34).has_value());  // TQ1_0: unsupported
+  EXPECT_FALSE(dtype_traits_of_id(39).has_value());  // MXFP4: unsupported
+  EXPECT_EQ(dtype_traits_of_id(34)->type, DType::tq1_0);
+  EXPECT_EQ(dtype_row_bytes(DType::tq1_0, 512), 2u * 54u);
+  EXPECT_EQ(dtype_row_bytes(DType::tq2_0, 512), 2u * 66u);
   EXPECT_EQ(dtype_traits_of_id(19)->type, DType::iq1_s);
   EXPECT_EQ(dtype_row_bytes(DType::iq1_m, 512), 2u * 56u);
   EXPECT_EQ(dtype_traits_of_id(21)->type, DType::iq3_s);

@@ -24,12 +24,12 @@ bool same_float(float a, float b) {
   return (std::isnan(a) && std::isnan(b)) || float_to_bits(a) == float_to_bits(b);
 }
 
-const DType kAllTypes[] = {DType::f32,     DType::f16,    DType::bf16,    DType::f64,    DType::i8,
-                           DType::i16,     DType::i32,    DType::i64,     DType::q4_0,   DType::q4_1,
-                           DType::q5_0,    DType::q5_1,   DType::q8_0,    DType::q8_1,   DType::q2_k,
-                           DType::q3_k,    DType::q4_k,   DType::q5_k,    DType::q6_k,   DType::q8_k,
-                           DType::iq4_nl,  DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s,
-                           DType::iq3_xxs, DType::iq3_s,  DType::iq1_s,   DType::iq1_m};
+const DType kAllTypes[] = {
+    DType::f32,    DType::f16,     DType::bf16,   DType::f64,   DType::i8,      DType::i16,   DType::i32,
+    DType::i64,    DType::q4_0,    DType::q4_1,   DType::q5_0,  DType::q5_1,    DType::q8_0,  DType::q8_1,
+    DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,  DType::q6_k,    DType::q8_k,  DType::iq4_nl,
+    DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s, DType::iq1_s,
+    DType::iq1_m,  DType::tq1_0,   DType::tq2_0};
 
 // Random bytes; with `sane`, f16 scales small and finite (so the products are
 // ordinary numbers, where a wrong order of operations would show).
@@ -67,6 +67,12 @@ std::vector<uint8_t> random_row(DType type, int64_t n, uint32_t seed, bool sane)
     case DType::q3_k: at = {108}; break;
     case DType::q4_k: case DType::q5_k: at = {0, 2}; break;
     case DType::q6_k: at = {208}; break;
+    case DType::tq1_0:
+      at = {52};
+      break;
+    case DType::tq2_0:
+      at = {64};
+      break;
     default: return w;
   }
   std::uniform_real_distribution<float> scale(-0.1f, 0.1f);

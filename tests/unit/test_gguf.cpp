@@ -533,9 +533,9 @@ TEST(GgufCorrupt, UnknownTensorTypes) {
   Layout L;
   const auto img = small_model().build(&L);
   auto bad = img;
-  patch<uint32_t>(bad, L.t_type[1], 34);
+  patch<uint32_t>(bad, L.t_type[1], 39);
   expect_error(bad, ErrorKind::unsupported,
-               {"tensor 'w.q8'", "tensor type 34 (tq1_0) is not supported", "not the ternary TQ1_0"});
+               {"tensor 'w.q8'", "tensor type 39 (mxfp4) is not supported", "not MXFP4"});
   patch<uint32_t>(bad, L.t_type[1], 999);
   expect_error(bad, ErrorKind::unsupported, {"tensor 'w.q8'", "tensor type 999 (unknown)"});
   patch<uint32_t>(bad, L.t_type[1], 4);

@@ -50,13 +50,12 @@ struct TempDir {
 
 TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
   const auto m = manifest();
-  ASSERT_EQ(m["files"].size(), 22u);
+  ASSERT_EQ(m["files"].size(), 24u);
   std::set<std::string> types;
   for (const auto& f : m["files"]) types.insert(f["file_type"].get<std::string>());
-  for (const char* t :
-       {"Q4_0",   "Q4_1",   "Q5_0",   "Q5_1", "Q8_0",   "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",  "Q4_K_S",
-        "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS", "F16",    "BF16",   "IQ3_XXS", "IQ3_M",
-        "IQ1_S",  "IQ1_M"})
+  for (const char* t : {"Q4_0",   "Q4_1",   "Q5_0",    "Q5_1",   "Q8_0",   "Q2_K",  "Q3_K_S", "Q3_K_M",
+                        "Q3_K_L", "Q4_K_S", "Q4_K_M",  "Q5_K_S", "Q5_K_M", "Q6_K",  "IQ4_NL", "IQ4_XS",
+                        "F16",    "BF16",   "IQ3_XXS", "IQ3_M",  "IQ1_S",  "IQ1_M", "TQ1_0",  "TQ2_0"})
     EXPECT_TRUE(types.count(t)) << t;
   // The point of the battery: files that mix types inside a layer (IQ4_XS: its
   // 384-wide ffn_down rows fall back to IQ4_NL).
@@ -72,6 +71,8 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
       EXPECT_EQ(f["matrix_types"],
                 nlohmann::json::parse(R"(["IQ1_M", "IQ2_XXS", "IQ4_NL", "Q2_K", "Q5_K"])"))
           << f.dump();
+    if (f["file_type"] == "TQ1_0")  // ternary matrices beside the k-quants, ffn_down falling back to Q4_0
+      EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["Q4_0", "Q4_K", "Q6_K", "TQ1_0"])")) << f.dump();
   }
 }
 

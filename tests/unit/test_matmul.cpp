@@ -27,7 +27,7 @@ const DType kAllTypes[] = {DType::q4_1,    DType::q8_0,   DType::f16,   DType::q
                            DType::q4_0,    DType::q5_k,   DType::bf16,  DType::f32,     DType::q5_0,
                            DType::q5_1,    DType::q2_k,   DType::q3_k,  DType::iq4_nl,  DType::iq4_xs,
                            DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s,
-                           DType::iq1_s,   DType::iq1_m};
+                           DType::iq1_s,   DType::iq1_m,  DType::tq1_0, DType::tq2_0};
 
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
@@ -200,10 +200,12 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
   for (DType type :
-       {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q4_k, DType::q5_k, DType::q6_k,
-        DType::q3_k, DType::q2_k, DType::f16, DType::iq4_nl, DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs,
-        DType::iq2_s, DType::iq3_xxs, DType::iq3_s, DType::iq1_s, DType::iq1_m}) {
+       {DType::q4_0,    DType::q4_1,   DType::q5_0,  DType::q5_1,    DType::q4_k,   DType::q5_k,
+        DType::q6_k,    DType::q3_k,   DType::q2_k,  DType::f16,     DType::iq4_nl, DType::iq4_xs,
+        DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s,  DType::iq1_s,
+        DType::iq1_m,   DType::tq1_0,  DType::tq2_0}) {
     const int64_t K = test_k(type, 1);
+    const DType kt = cpu::matmul_panel_type(type);  // the kernels' (TQ1_0 and TQ2_0: ternary panels)
     Problem pr(type, 16 * 6 + 3, K, 19, seed++);  // 7 panels: groups of 3, 3 and 1
     const auto want = pr.model();
     const PackedWeight pw = PackedWeight::pack(pr.W);
@@ -211,7 +213,7 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
       if (isa == cpu::Isa::amx) continue;  // k-quants run the AVX-512 kernels there
       const bool avx2 = isa == cpu::Isa::avx2;
       const cpu::UnpackedPanels u =
-          avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
+          avx2 ? cpu::unpacked_panels_avx2(kt, K) : cpu::unpacked_panels_avx512(kt, K);
       const size_t panel = u.panel_bytes;
       const bool q4 = type == DType::q4_0 || type == DType::q4_1;
       const bool has_unpacked = avx2 ? !(type == DType::q4_k || type == DType::f16) : !q4;
@@ -227,10 +229,10 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
           if (kind == cpu::ActKind::f32)
             std::memcpy(&act[arb * t], pr.x.data() + t * K, arb);
           else
-            cpu::quantize_act_row(kind, type, pr.x.data() + t * K, K, &act[arb * t]);
+            cpu::quantize_act_row(kind, kt, pr.x.data() + t * K, K, &act[arb * t]);
         return act;
       };
-      const cpu::ActKind plain_kind = cpu::act_kind(type, cpu::bf16_native(isa));
+      const cpu::ActKind plain_kind = cpu::act_kind(kt, cpu::bf16_native(isa));
       const std::vector<uint8_t> plain = act_rows(plain_kind);
       // AVX2 q6_k, q3_k and the grid types: the unpacked kernel reads q8k_u8 rows; with
       // plain q8k rows (q8k_u8 unset) the packed kernel runs whatever the scratch.
@@ -263,7 +265,7 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
           a.tmp_bytes = tmp_bytes;
           a.q8k_u8 = use_u8;
           a.vbmi = vbmi;
-          (avx2 ? cpu::panel_kernel_avx2 : cpu::panel_kernel_avx512)(type, a);
+          (avx2 ? cpu::panel_kernel_avx2 : cpu::panel_kernel_avx512)(kt, a);
           expect_bits_equal(want, y,
                             std::string(dtype_name(type)) + " " + isa_name(isa) +
                                 " scratch=" + std::to_string(tmp_bytes) + (use_u8 ? " q8k_u8" : "") +

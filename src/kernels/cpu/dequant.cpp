@@ -284,6 +284,10 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
     case DType::iq1_m:
       dequantize_iq_grid(type, src, dst, nb);
       return;
+    case DType::tq1_0:
+    case DType::tq2_0:
+      dequantize_ternary(type, src, dst, nb);
+      return;
     case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;
     case DType::i8_ch: cpu::dequantize_row_i8ch(src, dst, n); return;
   }

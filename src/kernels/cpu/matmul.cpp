@@ -60,6 +60,7 @@ struct Segment {
   size_t pstride;
   const uint8_t* raw;
   size_t row_bytes;
+  DType raw_type;  // raw rows' type (the kernel's is matmul_panel_type of it)
   float* y;
   int64_t ldy;
 };
@@ -170,7 +171,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
             const int rows = static_cast<int>(g.N - r0 < kPanelRows ? g.N - r0 : kPanelRows);
             const uint8_t* rp[kPanelRows];
             for (int r = 0; r < rows; ++r) rp[r] = g.raw + static_cast<size_t>(r0 + r) * g.row_bytes;
-            cpu::pack_panel(type, rp, rows, K, wb + static_cast<size_t>(i) * g.pstride);
+            cpu::pack_panel(g.raw_type, rp, rows, K, wb + static_cast<size_t>(i) * g.pstride);
           }
           a.panels = wb;
         } else {
@@ -195,7 +196,7 @@ Segment packed_segment(const PackedWeight& W, float* y, int64_t ldy) {
     fail(ErrorKind::unsupported,
          "matmul: a {} x {} weight packed as bf16 pairs (for linear_backward_input_packed)", W.rows(),
          W.cols());
-  return Segment{W.rows(), W.panel(0), W.panel_bytes(), nullptr, 0, y, ldy};
+  return Segment{W.rows(), W.panel(0), W.panel_bytes(), nullptr, 0, W.dtype(), y, ldy};
 }
 
 }  // namespace
@@ -250,6 +251,8 @@ bool matmul_supports(DType type) {
     case DType::iq3_s:
     case DType::iq1_s:
     case DType::iq1_m:
+    case DType::tq1_0:
+    case DType::tq2_0:
       return true;
     default:
       return false;
@@ -296,7 +299,7 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
            dtype_name(W.dtype), W.shape_string(), dtype_name(parts[0].dtype), parts[0].shape_string());
     N += W.rows();
   }
-  PackedWeight pw = allocate(PackedLayout::panels, parts[0].dtype, N, parts[0].cols(),
+  PackedWeight pw = allocate(PackedLayout::panels, cpu::matmul_panel_type(parts[0].dtype), N, parts[0].cols(),
                              panel_stride(parts[0].dtype, parts[0].cols()), recycle, arena);
   const size_t used = cpu::panel_bytes(pw.dtype_, pw.k_);
   auto row_ptr = [&](int64_t n) {
@@ -313,7 +316,7 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
       const uint8_t* rp[kPanelRows];
       for (int r = 0; r < rows; ++r) rp[r] = row_ptr(r0 + r);
       uint8_t* dst = pw.data_.get() + static_cast<size_t>(p) * pw.panel_bytes_;
-      cpu::pack_panel(pw.dtype_, rp, rows, pw.k_, dst);
+      cpu::pack_panel(parts[0].dtype, rp, rows, pw.k_, dst);
       std::memset(dst + used, 0, pw.panel_bytes_ - used);
     }
   };
@@ -347,10 +350,16 @@ void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x
 void matmul_isa(Isa isa, ThreadPool& pool, const Tensor& W, const float* x, int64_t ldx, float* y,
                 int64_t ldy, int64_t T, MatmulScratch& scratch) {
   check_weight(W, "W");
-  const Segment seg{
-      W.rows(), nullptr, panel_stride(W.dtype, W.cols()), static_cast<const uint8_t*>(W.data), W.row_bytes(),
-      y,        ldy};
-  run_matmul(isa, pool, W.dtype, W.cols(), std::span<const Segment>(&seg, 1), x, ldx, T, scratch);
+  const Segment seg{W.rows(),
+                    nullptr,
+                    panel_stride(W.dtype, W.cols()),
+                    static_cast<const uint8_t*>(W.data),
+                    W.row_bytes(),
+                    W.dtype,
+                    y,
+                    ldy};
+  run_matmul(isa, pool, cpu::matmul_panel_type(W.dtype), W.cols(), std::span<const Segment>(&seg, 1), x, ldx,
+             T, scratch);
 }
 
 void matmul_multi_isa(Isa isa, ThreadPool& pool, std::span<const MatmulOut> outs, const float* x, int64_t ldx,

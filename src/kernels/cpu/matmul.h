@@ -106,7 +106,7 @@ class PackedWeight {
                                HugePageArena* arena = nullptr);
 
   PackedLayout layout() const { return layout_; }
-  DType dtype() const { return dtype_; }
+  DType dtype() const { return dtype_; }  // the panels' (cpu::matmul_panel_type of the packed tensors')
   int64_t rows() const { return n_; }
   int64_t cols() const { return k_; }
   bool empty() const { return n_ == 0; }

@@ -142,6 +142,11 @@ void pack_iq_grid(DType type, const uint8_t* blk, int r, uint8_t* pb) {
 void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
   uint8_t v[32];
   if (is_iq_grid(type)) return pack_iq_grid(type, blk, r, pb);
+  if (is_ternary(type)) {  // as the q2_k block of the same values (matmul_panel_type)
+    BlockQ2_K q;
+    ternary_to_q2_k(type, blk, q);
+    return pack_block(DType::q2_k, reinterpret_cast<const uint8_t*>(&q), r, pb);
+  }
   switch (type) {
     case DType::q4_0:
     case DType::iq4_nl: {  // the same bytes: f16 d, then 16 bytes of nibbles (iq4_nl's codebook indices)
@@ -338,6 +343,8 @@ size_t panel_block_bytes(DType type) {
     case DType::q6_k:
       return 3360;
     case DType::q2_k:
+    case DType::tq1_0:
+    case DType::tq2_0:
       return 1600;
     case DType::q3_k:
       return 1824;

@@ -95,6 +95,14 @@ constexpr IqGridPanel iq_grid_panel(DType t) {
   const size_t hi = static_cast<size_t>(16 * entries), signs = hi + static_cast<size_t>(2 * entries * planes);
   return {entries, planes, header, hi, signs, signs + 64};
 }
+// The type of a weight's panels, which its kernels take: TQ1_0 and TQ2_0 both
+// pack as "tq2_0" panels, q2_k's layout holding the q2_k blocks of the same
+// values (kernels/quant_blocks.h ternary_to_q2_k: every scale and min 1, d =
+// dmin), whose kernels are q2_k's with the min sum subtracted in integers
+// (sum (t - 1) x, then one float step, as ggml's TQ dot); every other type as itself.
+constexpr DType matmul_panel_type(DType t) {
+  return t == DType::tq1_0 || t == DType::tq2_0 ? DType::tq2_0 : t;
+}
 size_t panel_block_bytes(DType type);
 int64_t panel_block_elems(DType type);  // 32, 256, 2 (bf16 column pairs) or 1
 

@@ -220,6 +220,8 @@ decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
       return fn.template operator()<K16<DType::q3_k>>();
     case DType::q2_k:
       return fn.template operator()<K16<DType::q2_k>>();
+    case DType::tq2_0:  // ternary panels (matmul_panel_type)
+      return fn.template operator()<K16<DType::tq2_0>>();
     case DType::iq4_xs:
       return fn.template operator()<K16<DType::iq4_xs>>();
     case DType::iq2_xxs:

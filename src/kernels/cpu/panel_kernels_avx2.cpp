@@ -163,8 +163,10 @@ inline __m256i min_sums(const __m256i (&mins)[Q], const int16_t* s) {
 
 // One 8-row half of a k-quant superblock, finished for a token: acc += float(isc)
 // * d * d_x, then with kQ pairs of mins (q4_k, q5_k, q2_k) acc -= float(sum of
-// min * act sum) * dmin * d_x. The batch and decode tiles of both families share it.
-template <int kQ>
+// min * act sum) * dmin * d_x; with kIntMins (ternary panels, d = dmin) the min
+// sum leaves isc in int32 first, one float step as ggml's TQ dot. The batch and
+// decode tiles of both families share it.
+template <int kQ, bool kIntMins = false>
 struct HalfScales {
   __m256 dw, dm = _mm256_setzero_ps();
   __m256i mins[kQ > 0 ? kQ : 1];
@@ -178,6 +180,9 @@ struct HalfScales {
   // sums: the token's int16 act sums per sub-block of a min (ActQ8K s32 or s16).
   __m256 update(__m256 acc, __m256i isc, float d, const int16_t* sums) const {
     const __m256 xd = _mm256_set1_ps(d);
+    if constexpr (kIntMins)
+      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isc, min_sums(mins, sums))),
+                             _mm256_mul_ps(dw, xd), acc);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc), _mm256_mul_ps(dw, xd), acc);
     if constexpr (kQ > 0)
       acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sums(mins, sums)), _mm256_mul_ps(dm, xd), acc);
@@ -599,7 +604,8 @@ template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   static constexpr bool kTokensOuter = true;
-  static constexpr bool kMin = kKind == DType::q2_k;
+  static constexpr bool kMin = kKind == DType::q2_k || kKind == DType::tq2_0;
+  static constexpr bool kIntMins = kKind == DType::tq2_0;     // ternary panels (matmul_panel_type)
   static constexpr int kMinPairs = kMin ? 8 : 0;              // HalfScales' mins
   static constexpr int kBits = kKind == DType::q6_k ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
   static constexpr size_t kScales = kMin ? 64 : 32;
@@ -697,7 +703,7 @@ struct K16Impl {
             const __m256i ws = load256(pb + kWeightSums + 32 * h);
             for (int c = 0; c < C; ++c) isc[c] = _mm256_sub_epi32(isc[c], ws);
           }
-          const HalfScales<kMinPairs> hs(pb, h, 320);
+          const HalfScales<kMinPairs, kIntMins> hs(pb, h, 320);
           for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d, x[c]->s16);
         }
         for (int c = 0; c < C; ++c)
@@ -745,7 +751,7 @@ struct K16Impl {
           }
         }
         for (int h = 0; h < 2; ++h) {
-          const HalfScales<kMinPairs> hs(pb, h, 320);
+          const HalfScales<kMinPairs, kIntMins> hs(pb, h, 320);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
             acc[p][h][c] = hs.update(acc[p][h][c], isc[h][c], x->d, x->s16);

@@ -660,7 +660,11 @@ template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kTokensOuter = true;
-  static constexpr bool kMin = kKind == DType::q2_k;
+  static constexpr bool kMin = kKind == DType::q2_k || kKind == DType::tq2_0;
+  // Ternary panels (matmul_panel_type: q2_k's layout, every scale and min 1, d =
+  // dmin): the min sum leaves the int32 sum before the one float step, as ggml's
+  // TQ dot takes sum (t - 1) x, where q2_k's two float steps cancel each other.
+  static constexpr bool kIntMins = kKind == DType::tq2_0;
   static constexpr bool kIq4 = kKind == DType::iq4_xs;
   static constexpr bool kGrid = is_iq_grid(kKind);  // iq2_xxs .. iq3_s
   // One scale per 32 (i8[8][16]) for iq4_xs and the grid types but iq2_xs / iq2_s,
@@ -773,12 +777,13 @@ struct K16Impl {
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
           const __m512 xd = _mm512_set1_ps(x->d * kDFactor);
-          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc.get(p, c));
-          if constexpr (kMin) {
-            __m512i im = _mm512_setzero_si512();
+          __m512i im = _mm512_setzero_si512();
+          if constexpr (kMin)
             for (int q = 0; q < 8; ++q) im = _mm512_dpwssd_epi32(im, mins[q], bcast32(x->s16 + 2 * q));
+          const __m512i sum = kIntMins ? _mm512_sub_epi32(isc[p][c], im) : isc[p][c];
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, xd), acc.get(p, c));
+          if constexpr (kMin && !kIntMins)
             a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), a);
-          }
           acc.set(p, c, a);
         }
       }

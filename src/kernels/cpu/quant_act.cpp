@@ -200,6 +200,8 @@ ActKind act_kind(DType type, bool bf16_pairs) {
     case DType::q4_k:
     case DType::q5_k:
     case DType::q6_k:
+    case DType::tq1_0:
+    case DType::tq2_0:
       return ActKind::q8k;
     case DType::i8_ch:
       return ActKind::i8row;

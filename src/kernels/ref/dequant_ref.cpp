@@ -357,6 +357,10 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::iq1_m:
       dequantize_iq_grid(type, src, dst, nb);
       return;
+    case DType::tq1_0:
+    case DType::tq2_0:
+      dequantize_ternary(type, src, dst, nb);
+      return;
     case DType::nf4: dequantize_row_nf4_ref(src, dst, n); return;
     case DType::i8_ch: dequantize_row_i8ch_ref(src, dst, n); return;  // src: the row's start (header)
   }
