@@ -15,8 +15,14 @@
 #     itself; an IQ1 scale one step too large on the first 16 or 32 weights of every superblock
 #     0.066-0.175, the other IQ1 file's log-probs 1.12.
 #   F16: KLD < 1e-4 (measured 2e-6); BF16: KLD < 1e-3 (1.4e-4): f32 activations, float rounding only.
-# Without models/variants or llama-perplexity it is skipped (exit 77), unless
-# LOOM_REQUIRE_GGUF_VARIANTS=1 (scripts/test), where that is a failure.
+# Then the same for the committed GGUF battery (tests/fixtures/gguf_battery: a tiny random llama in
+# every file type llama-quantize writes, TQ1_0 and TQ2_0 among them): quantized KLD < 0.003 and the
+# same top token >= 95% (measured 3.0e-4 .. 6.2e-4 and 97-99%; TQ1_0 5.4e-4; another quantization of
+# the same weights, TQ1_0 or Q2_K against Q4_K_M's log-probs, 1.26-3.51 and 16-37%), F16 and BF16 as
+# above (1e-6, 2.4e-5). These run without models/variants: only llama-perplexity is needed.
+# Without llama-perplexity it is skipped (exit 77), and without models/variants skipped after the
+# battery (unless a battery file failed), unless LOOM_REQUIRE_GGUF_VARIANTS=1 (scripts/test), where
+# that is a failure.
 # Usage: variants_kld_test.sh LOOM_BINARY SOURCE_DIR
 set -u
 loom=$1
@@ -28,7 +34,6 @@ missing() {
   [[ "${LOOM_REQUIRE_GGUF_VARIANTS:-}" == "1" ]] && exit 1
   exit 77
 }
-[[ -f "$fixture" ]] || missing "$fixture is missing: run scripts/make_gguf_variants (scripts/test does)"
 [[ -x "$perplexity" ]] || missing "$perplexity is missing: run scripts/make_gguf_variants (scripts/test does)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -38,42 +43,64 @@ cat "$src/README.md" "$src/docs/architecture.md" >"$tmp/text.txt"
 field() { grep -o "$1: *[0-9.e-]*" "$2" | awk '{print $NF}'; }
 fail=0
 count=0
-printf '| file | mean KLD | max KLD | same top token |\n|---|---|---|---|\n'
-for path in $(grep -o '"path": "[^"]*"' "$fixture" | sed 's/"path": "\(.*\)"/\1/'); do
-  file=$src/$path
-  name=$(basename "$file" .gguf)
-  type=${name##*.}
-  if ! "$perplexity" -m "$file" -f "$tmp/text.txt" -c 128 -b 128 --chunks 16 -t 2 \
+# compare FILE TYPE TEXT MAX_KLD MIN_TOP: llama-perplexity's log-probs against loom's.
+compare() {
+  local file=$1 type=$2 text=$3 max_kld=$4 min_top=$5
+  if ! "$perplexity" -m "$file" -f "$text" -c 128 -b 128 --chunks 16 -t 2 \
       --kl-divergence-base "$tmp/base.kld" >"$tmp/llama.out" 2>&1; then
     tail -n 5 "$tmp/llama.out"
     echo "FAIL $type: llama-perplexity failed"
     fail=1
-    continue
+    return
   fi
   if ! "$loom" perplexity -m "$file" -t 2 --kl-divergence-base "$tmp/base.kld" --kl-divergence \
       >"$tmp/loom.out" 2>&1; then
     tail -n 5 "$tmp/loom.out"
     echo "FAIL $type: loom perplexity --kl-divergence failed"
     fail=1
-    continue
+    return
   fi
   rm -f "$tmp/base.kld"
+  local kld top
   kld=$(field "Mean    KLD" "$tmp/loom.out")
   top=$(field "Same top p" "$tmp/loom.out")
   printf '| %s | %s | %s | %s%% |\n' "$type" "$kld" "$(field "Maximum KLD" "$tmp/loom.out")" "$top"
-  case "$type" in
-    F16) max_kld=1e-4 min_top=99 ;;
-    BF16) max_kld=1e-3 min_top=97 ;;
-    IQ1_S | IQ1_M) max_kld=0.025 min_top=88 ;;
-    *) max_kld=0.015 min_top=88 ;;
-  esac
   if [[ -z "$kld" || -z "$top" ]] || ! awk -v k="$kld" -v t="$top" -v mk="$max_kld" -v mt="$min_top" \
       'BEGIN { exit !(k < mk && t >= mt) }'; then
     echo "FAIL $type: mean KLD '$kld' (must be < $max_kld), same top token '$top'% (must be >= $min_top%)"
     fail=1
   fi
   count=$((count + 1))
+}
+
+printf '| battery file | mean KLD | max KLD | same top token |\n|---|---|---|---|\n'
+for file in "$src"/tests/fixtures/gguf_battery/tiny.*.gguf; do
+  name=$(basename "$file" .gguf)
+  type=${name##*.}
+  case "$type" in
+    F16) compare "$file" "tiny.$type" "$tmp/text.txt" 1e-4 99 ;;
+    BF16) compare "$file" "tiny.$type" "$tmp/text.txt" 1e-3 97 ;;
+    *) compare "$file" "tiny.$type" "$tmp/text.txt" 0.003 95 ;;
+  esac
+done
+if [[ ! -f "$fixture" ]]; then
+  echo "$count battery files compared"
+  [[ $fail -eq 0 ]] || exit 1
+  missing "$fixture is missing: run scripts/make_gguf_variants (scripts/test does)"
+fi
+
+printf '| file | mean KLD | max KLD | same top token |\n|---|---|---|---|\n'
+for path in $(grep -o '"path": "[^"]*"' "$fixture" | sed 's/"path": "\(.*\)"/\1/'); do
+  file=$src/$path
+  name=$(basename "$file" .gguf)
+  type=${name##*.}
+  case "$type" in
+    F16) compare "$file" "$type" "$tmp/text.txt" 1e-4 99 ;;
+    BF16) compare "$file" "$type" "$tmp/text.txt" 1e-3 97 ;;
+    IQ1_S | IQ1_M) compare "$file" "$type" "$tmp/text.txt" 0.025 88 ;;
+    *) compare "$file" "$type" "$tmp/text.txt" 0.015 88 ;;
+  esac
 done
 [[ $count -gt 0 ]] || { echo "FAIL: no files in $fixture"; exit 1; }
-echo "$count files compared"
+echo "$count files compared (battery and variants)"
 exit $fail
