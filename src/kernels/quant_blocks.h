@@ -465,22 +465,6 @@ inline void ternary_trits(DType t, const uint8_t* blk, uint8_t (&trit)[QK_K]) {
   for (int e = 240; e < QK_K; ++e) trit[e] = trit_of(blk[48 + (e - 240) % 4], (e - 240) / 4);
 }
 
-// A ternary block as the q2_k block of the same values: every sub-block scale and
-// min 1, d = dmin = the block's d, so x = d * 1 * t - d * 1 = d (t - 1), each
-// step exact in f32 for finite d. The matmul kernels run TQ1_0 and TQ2_0
-// weights as panels of these blocks (kernels/cpu/panel.h matmul_panel_type),
-// 2.625 bits per weight against the files' 1.69 and 2.06.
-inline void ternary_to_q2_k(DType t, const uint8_t* blk, BlockQ2_K& out) {
-  uint8_t trit[QK_K];
-  ternary_trits(t, blk, trit);
-  std::memset(out.scales, 0x11, sizeof(out.scales));
-  std::memset(out.qs, 0, sizeof(out.qs));
-  for (int e = 0; e < QK_K; ++e)
-    out.qs[32 * (e / 128) + e % 32] |= static_cast<uint8_t>(trit[e] << (2 * ((e % 128) / 32)));
-  std::memcpy(&out.d, blk + dtype_traits(t).block_bytes - 2, 2);
-  out.dmin = out.d;
-}
-
 // Dequantizes nb ternary blocks as ggml does: d * (t - 1).
 inline void dequantize_ternary(DType t, const void* src, float* y, int64_t nb) {
   const size_t bb = dtype_traits(t).block_bytes;

@@ -104,31 +104,6 @@ INSTANTIATE_TEST_SUITE_P(AllTypes, RawFixture,
                                            "tq1_0", "tq2_0"),
                          [](const auto& info) { return std::string(info.param); });
 
-// The matmul kernels run TQ1_0 and TQ2_0 as q2_k panels (ternary_to_q2_k): the q2_k
-// blocks hold the same values as gguf-py reads from the ternary ones, in the rows
-// with finite scales (with an inf or NaN d, d * t - d and d * (t - 1) differ).
-TEST(Ternary, AsQ2KBlocksTheSameValues) {
-  for (const char* name : {"tq1_0", "tq2_0"}) {
-    const QuantFixture f = load_fixture(std::string(name) + "_raw.bin");
-    const size_t bb = dtype_traits(f.type).block_bytes;
-    int64_t zeros = 0;
-    for (int64_t r = 0; r + 1 < f.rows; ++r)
-      for (int64_t b = 0; b < f.cols / QK_K; ++b) {
-        BlockQ2_K q;
-        ternary_to_q2_k(
-            f.type, f.bytes.data() + static_cast<size_t>(r) * f.row_bytes() + static_cast<size_t>(b) * bb, q);
-        float y[QK_K];
-        dequantize_row_ref(DType::q2_k, &q, y, QK_K);
-        for (int i = 0; i < QK_K; ++i) {
-          const float want = f.deq[static_cast<size_t>(r * f.cols + b * QK_K + i)];
-          ASSERT_EQ(y[i], want) << name << " row " << r << " block " << b << " element " << i;
-          zeros += want == 0.0f;
-        }
-      }
-    EXPECT_GT(zeros, 0) << name;  // the middle trit occurs
-  }
-}
-
 class QuantizedFixture : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(QuantizedFixture, DequantizeMatchesGgufPy) {

@@ -142,10 +142,12 @@ void pack_iq_grid(DType type, const uint8_t* blk, int r, uint8_t* pb) {
 void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
   uint8_t v[32];
   if (is_iq_grid(type)) return pack_iq_grid(type, blk, r, pb);
-  if (is_ternary(type)) {  // as the q2_k block of the same values (matmul_panel_type)
-    BlockQ2_K q;
-    ternary_to_q2_k(type, blk, q);
-    return pack_block(DType::q2_k, reinterpret_cast<const uint8_t*>(&q), r, pb);
+  if (is_ternary(type)) {  // tq2_0 panels: d, then the trits as q2_k's crumb words
+    uint8_t trit[QK_K];
+    ternary_trits(type, blk, trit);
+    std::memcpy(pb + 2 * r, blk + dtype_traits(type).block_bytes - 2, 2);
+    for (int g = 0; g < 8; ++g) put_bit01_words(trit + 32 * g, r, pb + 32 + g * 128);
+    return;
   }
   switch (type) {
     case DType::q4_0:
@@ -343,9 +345,10 @@ size_t panel_block_bytes(DType type) {
     case DType::q6_k:
       return 3360;
     case DType::q2_k:
+      return 1600;
     case DType::tq1_0:
     case DType::tq2_0:
-      return 1600;
+      return 1056;
     case DType::q3_k:
       return 1824;
     case DType::nf4:

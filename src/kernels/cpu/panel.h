@@ -48,6 +48,8 @@ constexpr int kPanelRows = 16;
 //  q5_k (2880): as q4_k, groups @320 of 320 bytes: nibbles then 5th-bit word
 //  q6_k (3360): d @0, scale i8[16][16] @32, 8 groups @288 of 384 bytes: nibbles
 //               then the two 2-bit words
+//  tq2_0 (1056; TQ1_0 and TQ2_0 weights): d @0, then 8 groups of 32 as q2_k's
+//               two 2-bit words of the trits t (x = d (t - 1))
 //  q2_k (1600): d @0, dmin @32, scale u8[16][16] @64, min pairs u8[8][16][2] @320,
 //               8 groups @576 of 128 bytes: the two 2-bit words of q (0..3)
 //  q3_k (1824): d @0, scale i8[16][16] @32, 8 groups @288 of 192 bytes: the two
@@ -96,10 +98,10 @@ constexpr IqGridPanel iq_grid_panel(DType t) {
   return {entries, planes, header, hi, signs, signs + 64};
 }
 // The type of a weight's panels, which its kernels take: TQ1_0 and TQ2_0 both
-// pack as "tq2_0" panels, q2_k's layout holding the q2_k blocks of the same
-// values (kernels/quant_blocks.h ternary_to_q2_k: every scale and min 1, d =
-// dmin), whose kernels are q2_k's with the min sum subtracted in integers
-// (sum (t - 1) x, then one float step, as ggml's TQ dot); every other type as itself.
+// pack as "tq2_0" panels (above: d and the 2-bit trits, 2.06 bits per weight),
+// whose kernels are q2_k's without scales or mins: sum t x less the superblock's
+// act sum in int32, sum (t - 1) x, then one float step, as ggml's TQ dot;
+// every other type as itself.
 constexpr DType matmul_panel_type(DType t) {
   return t == DType::tq1_0 || t == DType::tq2_0 ? DType::tq2_0 : t;
 }

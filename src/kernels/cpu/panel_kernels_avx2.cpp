@@ -163,10 +163,8 @@ inline __m256i min_sums(const __m256i (&mins)[Q], const int16_t* s) {
 
 // One 8-row half of a k-quant superblock, finished for a token: acc += float(isc)
 // * d * d_x, then with kQ pairs of mins (q4_k, q5_k, q2_k) acc -= float(sum of
-// min * act sum) * dmin * d_x; with kIntMins (ternary panels, d = dmin) the min
-// sum leaves isc in int32 first, one float step as ggml's TQ dot. The batch and
-// decode tiles of both families share it.
-template <int kQ, bool kIntMins = false>
+// min * act sum) * dmin * d_x. The batch and decode tiles of both families share it.
+template <int kQ>
 struct HalfScales {
   __m256 dw, dm = _mm256_setzero_ps();
   __m256i mins[kQ > 0 ? kQ : 1];
@@ -180,9 +178,6 @@ struct HalfScales {
   // sums: the token's int16 act sums per sub-block of a min (ActQ8K s32 or s16).
   __m256 update(__m256 acc, __m256i isc, float d, const int16_t* sums) const {
     const __m256 xd = _mm256_set1_ps(d);
-    if constexpr (kIntMins)
-      return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isc, min_sums(mins, sums))),
-                             _mm256_mul_ps(dw, xd), acc);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc), _mm256_mul_ps(dw, xd), acc);
     if constexpr (kQ > 0)
       acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(min_sums(mins, sums)), _mm256_mul_ps(dm, xd), acc);
@@ -604,12 +599,14 @@ template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
   static constexpr bool kTokensOuter = true;
-  static constexpr bool kMin = kKind == DType::q2_k || kKind == DType::tq2_0;
-  static constexpr bool kIntMins = kKind == DType::tq2_0;     // ternary panels (matmul_panel_type)
+  static constexpr bool kMin = kKind == DType::q2_k;
+  // tq2_0 panels (TQ1_0, TQ2_0; panel.h): q2_k's crumbs without scales or mins;
+  // sum t x less the act sum (ternary_sum), then one float step.
+  static constexpr bool kTernary = kKind == DType::tq2_0;
   static constexpr int kMinPairs = kMin ? 8 : 0;              // HalfScales' mins
   static constexpr int kBits = kKind == DType::q6_k ? 6 : 4;  // q3's 3-bit and q2's 2-bit sums fit like 4-bit
   static constexpr size_t kScales = kMin ? 64 : 32;
-  static constexpr size_t kGroups = kMin ? 576 : 288;
+  static constexpr size_t kGroups = kMin ? 576 : kTernary ? 32 : 288;
   static constexpr size_t kGroup = kUnpacked              ? kUnpackedGroup
                                    : kKind == DType::q6_k ? 384
                                    : kKind == DType::q3_k ? 192
@@ -628,7 +625,21 @@ struct K16Impl {
   static constexpr int kOperandBias = !kU8Acts ? 0 : kKind == DType::q6_k ? 32 : 4;
   static constexpr size_t kWeightSums = kGroups + 8 * kGroup;
   static constexpr size_t kPBB = kWeightSums + (kU8Acts ? 64 : 0);
-  static_assert(kUnpacked || kPBB == (kKind == DType::q6_k ? 3360 : kKind == DType::q3_k ? 1824 : 1600));
+  static_assert(kUnpacked || kPBB == (kKind == DType::q6_k   ? 3360
+                                      : kKind == DType::q3_k ? 1824
+                                      : kTernary             ? 1056
+                                                             : 1600));
+  // The 8 rows' sub-block scales of a group (scales_x2), or ones for tq2_0's sums.
+  static __m256i group_scales(const uint8_t* sp) {
+    if constexpr (kTernary) return _mm256_set1_epi16(1);
+    return scales_x2(sp);
+  }
+  // tq2_0: sum t x - sum x = sum (t - 1) x, exact in int32.
+  static __m256i ternary_sum(__m256i isc, const ActQ8K* x) {
+    int32_t total = 0;
+    for (int g = 0; g < 8; ++g) total += x->s32[g];
+    return _mm256_sub_epi32(isc, _mm256_set1_epi32(total));
+  }
   using Unpacked = K16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
   static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
@@ -679,7 +690,7 @@ struct K16Impl {
           start_superblock(ta, sb, x, isc);
           for (int g = 0; g < 8; ++g) {
             const uint8_t* sp = pb + kScales + 32 * g + 8 * h;
-            const __m256i sc[2] = {scales_x2(sp), scales_x2(sp + 16)};
+            const __m256i sc[2] = {group_scales(sp), group_scales(sp + 16)};
             const uint8_t* gp = pb + kGroups + g * kGroup;
             __m256i ops[8];
             if constexpr (!kUnpacked) unpack(gp, h, ops);
@@ -703,7 +714,9 @@ struct K16Impl {
             const __m256i ws = load256(pb + kWeightSums + 32 * h);
             for (int c = 0; c < C; ++c) isc[c] = _mm256_sub_epi32(isc[c], ws);
           }
-          const HalfScales<kMinPairs, kIntMins> hs(pb, h, 320);
+          const HalfScales<kMinPairs> hs(pb, h, 320);
+          if constexpr (kTernary)
+            for (int c = 0; c < C; ++c) isc[c] = ternary_sum(isc[c], x[c]);
           for (int c = 0; c < C; ++c) acc[c] = hs.update(acc[c], isc[c], x[c]->d, x[c]->s16);
         }
         for (int c = 0; c < C; ++c)
@@ -733,12 +746,21 @@ struct K16Impl {
         for (int g = 0; g < 8; ++g) {
           if constexpr (!kUnpacked) prefetch_group(pb, g, kGroups, kGroup);
           for (int h = 0; h < 2; ++h) {
+            __m256i ops[8];
+            unpack(pb + kGroups + g * kGroup, h, ops);
+            if constexpr (kTernary) {  // (no scales)
+              for (int c = 0; c < C; ++c) {
+                const int8_t* xq =
+                    (reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb)->qs + 32 * g;
+                isc[h][c] = _mm256_add_epi32(
+                    isc[h][c], _mm256_add_epi32(idot<kBits, 0, 4>(ops, xq), idot<kBits, 4, 8>(ops, xq)));
+              }
+              continue;
+            }
             __m128i s0, s1;
             std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
             std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
             const __m256i sc0 = _mm256_cvtepi8_epi32(s0), sc1 = _mm256_cvtepi8_epi32(s1);
-            __m256i ops[8];
-            unpack(pb + kGroups + g * kGroup, h, ops);
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
               const __m256i d0 = _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g),
@@ -751,9 +773,10 @@ struct K16Impl {
           }
         }
         for (int h = 0; h < 2; ++h) {
-          const HalfScales<kMinPairs, kIntMins> hs(pb, h, 320);
+          const HalfScales<kMinPairs> hs(pb, h, 320);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+            if constexpr (kTernary) isc[h][c] = ternary_sum(isc[h][c], x);
             acc[p][h][c] = hs.update(acc[p][h][c], isc[h][c], x->d, x->s16);
           }
         }

@@ -660,11 +660,11 @@ template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
   static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kTokensOuter = true;
-  static constexpr bool kMin = kKind == DType::q2_k || kKind == DType::tq2_0;
-  // Ternary panels (matmul_panel_type: q2_k's layout, every scale and min 1, d =
-  // dmin): the min sum leaves the int32 sum before the one float step, as ggml's
-  // TQ dot takes sum (t - 1) x, where q2_k's two float steps cancel each other.
-  static constexpr bool kIntMins = kKind == DType::tq2_0;
+  static constexpr bool kMin = kKind == DType::q2_k;
+  // tq2_0 panels (TQ1_0, TQ2_0; panel.h): q2_k's crumbs without scales or mins.
+  // Per superblock sum t x less the act sum, sum (t - 1) x in int32, then one
+  // float step, as ggml's TQ dot.
+  static constexpr bool kTernary = kKind == DType::tq2_0;
   static constexpr bool kIq4 = kKind == DType::iq4_xs;
   static constexpr bool kGrid = is_iq_grid(kKind);  // iq2_xxs .. iq3_s
   // One scale per 32 (i8[8][16]) for iq4_xs and the grid types but iq2_xs / iq2_s,
@@ -672,7 +672,11 @@ struct K16Impl {
   static constexpr bool kPer32 = kIq4 || (kGrid && iq_grid_traits(kKind).scale_group == 32);
   static constexpr size_t kScales = kMin ? 64 : 32;
   static constexpr size_t kScaleGroup = kPer32 ? 16 : 32;  // scale bytes per group of 32
-  static constexpr size_t kGroups = kMin ? 576 : kIq4 ? 160 : kGrid ? iq_grid_panel(kKind).header : 288;
+  static constexpr size_t kGroups = kMin       ? 576
+                                    : kTernary ? 32
+                                    : kIq4     ? 160
+                                    : kGrid    ? iq_grid_panel(kKind).header
+                                               : 288;
   static constexpr size_t kPackedGroup = kKind == DType::q6_k   ? 384
                                          : kKind == DType::q3_k ? 192
                                          : kIq4                 ? 256
@@ -686,6 +690,7 @@ struct K16Impl {
                 kPBB == (kKind == DType::q6_k   ? 3360
                          : kKind == DType::q3_k ? 1824
                          : kIq4                 ? 2208
+                         : kTernary             ? 1056
                                                 : 1600));
   using Unpacked = K16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }
@@ -731,8 +736,6 @@ struct K16Impl {
             if (g == 0) prefetch_ahead<kAhead, kGroups>(pb);
             prefetch_ahead<kAhead, kGroup>(pb + kGroups + g * kGroup);
           }
-          const uint8_t* sp = pb + kScales + kScaleGroup * g;
-          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
           __m512i ops[8];
           unpack(pb + kGroups + g * kGroup, ops);
           const ActQ8K* xs[C];
@@ -741,6 +744,12 @@ struct K16Impl {
             xs[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
             xq[c] = xs[c]->qs + 32 * g;
           }
+          if constexpr (kTernary) {  // (no scales)
+            idot_tile<0, 8, P>(isc[p], ops, xq);
+            continue;
+          }
+          const uint8_t* sp = pb + kScales + kScaleGroup * g;
+          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
           // The two sub-blocks' scaled sums in turn (wrapping int32 adds: any order gives the same sums);
           // one scale for both (kPer32), in one chain from both offsets (-128 * the group's act sum).
           __m512i dots[C];
@@ -777,13 +786,17 @@ struct K16Impl {
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
           const __m512 xd = _mm512_set1_ps(x->d * kDFactor);
-          __m512i im = _mm512_setzero_si512();
-          if constexpr (kMin)
+          if constexpr (kTernary) {  // sum t x - sum x
+            int32_t total = 0;
+            for (int g = 0; g < 8; ++g) total += x->s32[g];
+            isc[p][c] = _mm512_sub_epi32(isc[p][c], _mm512_set1_epi32(total));
+          }
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc.get(p, c));
+          if constexpr (kMin) {
+            __m512i im = _mm512_setzero_si512();
             for (int q = 0; q < 8; ++q) im = _mm512_dpwssd_epi32(im, mins[q], bcast32(x->s16 + 2 * q));
-          const __m512i sum = kIntMins ? _mm512_sub_epi32(isc[p][c], im) : isc[p][c];
-          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, xd), acc.get(p, c));
-          if constexpr (kMin && !kIntMins)
             a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, xd), a);
+          }
           acc.set(p, c, a);
         }
       }
