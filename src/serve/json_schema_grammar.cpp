@@ -344,7 +344,10 @@ class Converter {
       const int64_t min = count(s, "minItems", 0, path);
       const int64_t max = count(s, "maxItems", -1, path);
       if (max >= 0 && max < min) fail_at(path, "'maxItems' is below 'minItems'");
-      if (s.value("uniqueItems", false)) fail_at(path, "'uniqueItems' is not supported");
+      if (const auto it = s.find("uniqueItems"); it != s.end()) {
+        if (!it->is_boolean()) fail_at(path, "'uniqueItems' must be a boolean");
+        if (it->get<bool>()) fail_at(path, "'uniqueItems' is not supported");
+      }
       body += repeat(item, "\",\" space", min, max) + " ";
     }
     rules_[name] = body + "\"]\" space";

@@ -417,6 +417,10 @@ TEST(JsonSchema, RefusedSchemasSayWhy) {
     "multipleOf":2}}}}})").find("at '/properties/a/properties/b'"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"object","properties":[]})").find("'properties' must be an object"), std::string::npos);
   EXPECT_NE(schema_error(R"({"type":"array","minItems":-1})").find("non-negative"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"array","uniqueItems":true})").find("'uniqueItems' is not supported"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"array","uniqueItems":"uuid"})").find("'uniqueItems' must be a boolean"),
+            std::string::npos);  // found by fuzz_structured_output: a non-boolean threw nlohmann's type_error
   EXPECT_NE(schema_error(R"({"type":"object","required":["x"],"properties":{},"additionalProperties":false})")
                 .find("'x' is not in 'properties'"), std::string::npos);
   std::string deep = R"({"type":"string"})";
