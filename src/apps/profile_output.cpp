@@ -5,6 +5,7 @@
 
 #include "core/cpu_features.h"
 #include "io/file_write.h"
+#include "kernels/cpu/bf16_dot.h"
 
 namespace loom::app {
 namespace {
@@ -28,6 +29,8 @@ nlohmann::json profile_metadata(const char* command, int threads, nlohmann::json
                       {"cpu", cpu_model_name()},
                       {"cpu_class", cpu_class_name(cpu_class())},
                       {"isa", isa_list(usable_cpu_features())}};
+  if (usable_cpu_features().avx512bf16)  // how bf16 weights are multiplied (kernels/cpu/bf16_dot.h)
+    m["bf16_dot"] = cpu::bf16_dot() == cpu::Bf16Dot::vdpbf16ps ? "vdpbf16ps" : "fma";
   if (extra.is_object())
     for (auto& [k, v] : extra.items()) m[k] = v;
   return m;

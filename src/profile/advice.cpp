@@ -138,7 +138,7 @@ void matmul_finding(const Trace& t, const Analysis& a, const PeakTable& peak, co
                {"mean_T", c.mean_T()},
                {"calls", static_cast<double>(c.count)}};
   if (c.op == "linear_backward_input" && t.meta.command == "train") {
-    const BackwardSpeeds sp = backward_speeds(t.meta.isa);
+    const BackwardSpeeds sp = backward_speeds(t.meta.isa, t.meta.bf16_dot);
     const std::string current = backward_mode(t, sp);
     if (const auto choice = faster_backward(current, sp)) {
       f.change.push_back(fmt::format("backward: {}{}", choice->mode,
@@ -182,7 +182,7 @@ double BackwardSpeeds::of(const std::string& mode) const {
 }
 
 std::string trace_backward_mode(const Trace& t) {
-  return t.meta.command == "train" ? backward_mode(t, backward_speeds(t.meta.isa)) : std::string();
+  return t.meta.command == "train" ? backward_mode(t, backward_speeds(t.meta.isa, t.meta.bf16_dot)) : std::string();
 }
 
 std::string class_precision(const Trace& t, const MatmulClass& c) {
@@ -192,15 +192,16 @@ std::string class_precision(const Trace& t, const MatmulClass& c) {
   return trace_backward_mode(t);
 }
 
-BackwardSpeeds backward_speeds(const std::vector<std::string>& isa) {
+BackwardSpeeds backward_speeds(const std::vector<std::string>& isa, const std::string& bf16_dot) {
   // docs/training.md, "Backward speed by CPU": main job tokens/s by mode (bf16, f16, int8, exact).
   const bool f = has_isa(isa, "avx512f"), vnni = has_isa(isa, "avx512_vnni"),
              bf = has_isa(isa, "avx512_bf16");
   if (has_isa(isa, "amx_bf16") && f && vnni) return {"amx", "bf16", 520, 363, 0, 243};
+  if (f && vnni && bf && bf16_dot == "fma") return {"avx512_bf16", "f16", 386, 545, 589, 475};  // Emerald Rapids
   if (f && vnni && bf) return {"avx512_bf16", "bf16", 654, 473, 698, 426};
   if (f && vnni) return {"avx512", "f16", 451, 473, 698, 431};
-  if (f) return {"avx512f", "bf16", 350, 255, 351, 332};
-  return {"avx2", "bf16", 349, 253, 353, 319};
+  if (f) return {"avx512f", "f16", 350, 255, 351, 332};
+  return {"avx2", "f16", 349, 253, 353, 319};
 }
 
 void advise_waiting(const Trace& t, const Analysis& a, const AdviceThresholds& th, Advice& out) {
@@ -232,7 +233,7 @@ void advise_waiting(const Trace& t, const Analysis& a, const AdviceThresholds& t
                {"small_ops_waiting_share", a.waiting_us > 0 ? small_ops_wait / a.waiting_us : 0}};
   const bool train = t.meta.command == "train";
   if (train && phase == "backward") {
-    const BackwardSpeeds sp = backward_speeds(t.meta.isa);
+    const BackwardSpeeds sp = backward_speeds(t.meta.isa, t.meta.bf16_dot);
     if (const auto c = faster_backward(backward_mode(t, sp), sp))
       f.change.push_back("backward: " + c->mode + (c->less_exact ? " (3x bf16's gradient error)" : ""));
   }

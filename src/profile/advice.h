@@ -61,16 +61,17 @@ void advise_activations(const Trace& t, const Analysis& a, const AdviceThreshold
 void advise_optimizer(const Trace& t, const Analysis& a, const AdviceThresholds& th, Advice& out);
 void advise_serve(const Trace& t, const Analysis& a, const AdviceThresholds& th, Advice& out);
 
-// The `backward` mode `auto` resolves to on a CPU with these instructions
-// (docs/training.md, "Backward precision"), and training's tokens/s of each
-// mode there on the main job (its "Backward speed by CPU" table; 0: not measured).
+// The `backward` mode `auto` resolves to on a CPU with these instructions and
+// this way of multiplying bf16 pairs (TraceMeta::bf16_dot) (docs/training.md,
+// "Backward precision"), and training's tokens/s of each mode there on the main
+// job (its "Backward speed by CPU" table; 0: not measured).
 struct BackwardSpeeds {
   const char* cpu_class;  // "amx", "avx512_bf16", "avx512", "avx2"
   const char* auto_mode;
   double bf16, f16, int8, exact;
   double of(const std::string& mode) const;
 };
-BackwardSpeeds backward_speeds(const std::vector<std::string>& isa);
+BackwardSpeeds backward_speeds(const std::vector<std::string>& isa, const std::string& bf16_dot);
 // The `backward` mode a training trace ran in: its config's, `auto` resolved
 // by its instructions as above; empty for a trace of another command.
 std::string trace_backward_mode(const Trace& t);

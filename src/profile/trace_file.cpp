@@ -131,6 +131,7 @@ TraceMeta read_meta(const json& root) {
   if (const auto isa = l.find("isa"); isa != l.end() && isa->is_array())
     for (const json& x : *isa)
       if (x.is_string()) m.isa.push_back(x.get<std::string>());
+  m.bf16_dot = get_or<std::string>(l, "bf16_dot", "");
   if (const auto model = l.find("model"); model != l.end() && model->is_object()) {
     m.model_path = get_or<std::string>(*model, "path", "");
     m.model_type = get_or<std::string>(*model, "type", "");

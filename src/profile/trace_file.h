@@ -43,6 +43,7 @@ struct TraceMeta {
   std::string command, version, cpu;
   int64_t threads = 0;  // the pool size; 0: not recorded (the ops' `threads` then stand in)
   std::vector<std::string> isa;
+  std::string bf16_dot;  // "vdpbf16ps" or "fma" with AVX512-BF16 (kernels/cpu/bf16_dot.h); else empty
   std::string model_path, model_type;
   int64_t model_layers = 0, model_hidden = 0;
   nlohmann::json config = nlohmann::json::object();  // training config keys (train only)

@@ -36,17 +36,20 @@ std::optional<TrainPrecision> train_precision_from_name(std::string_view name) {
   return std::nullopt;
 }
 
-BackwardMode backward_mode_for(CpuClass c) {
+BackwardMode backward_mode_for(CpuClass c, cpu::Bf16Dot dot) {
   // From LoRA training tokens/s of SmolLM2-135M per class (docs/training.md,
   // "Backward speed by CPU"). bf16 leads where AMX-BF16 or AVX512-BF16 multiply
   // it. Without them bf16's products are emulated exactly (two dependent FMAs
   // per pair), and f16's widened products are faster: on AVX-512 without BF16
   // (16-lane f16 kernels against 8-lane bf16 FMAs) and on a real AVX2 machine
-  // (AMD Zen 2: f16 1.19x bf16), with 15x less error.
+  // (AMD Zen 2: f16 1.19x bf16), with 15x less error; and where vdpbf16ps
+  // multiplies pairs more slowly than two FMAs (Emerald Rapids without AMX: f16
+  // 1.2x bf16).
   switch (c) {
     case CpuClass::amx:
-    case CpuClass::avx512_bf16:
       return BackwardMode::bf16;
+    case CpuClass::avx512_bf16:
+      return dot == cpu::Bf16Dot::vdpbf16ps ? BackwardMode::bf16 : BackwardMode::f16;
     case CpuClass::avx2:
     case CpuClass::avx512:
       return BackwardMode::f16;
@@ -54,7 +57,7 @@ BackwardMode backward_mode_for(CpuClass c) {
   return BackwardMode::f16;
 }
 
-BackwardMode default_backward_mode() { return backward_mode_for(cpu_class()); }
+BackwardMode default_backward_mode() { return backward_mode_for(cpu_class(), cpu::bf16_dot()); }
 
 std::optional<BackwardMode> backward_mode_from_name(std::string_view name) {
   if (name == "auto") return default_backward_mode();

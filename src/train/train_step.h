@@ -18,6 +18,7 @@
 
 #include "core/cpu_features.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "model/config.h"
 #include "model/decoder.h"
 #include "model/pipeline_stage.h"
@@ -46,10 +47,12 @@ std::optional<BackwardMode> backward_mode_from_name(std::string_view name);
 // `loom train`'s default on a machine of class `c`: the fastest mode whose
 // gradient error is no worse than bf16 mixed-precision training's (so never
 // int8), from the measured table in docs/training.md; between modes of equal
-// speed the more exact one.
-BackwardMode backward_mode_for(CpuClass c);
-// backward_mode_for(cpu_class()): decided by the instructions present, LOOM_CPU's
-// masks applied.
+// speed the more exact one. `dot`: how this CPU multiplies bf16 pairs on AVX-512
+// (kernels/cpu/bf16_dot.h); where vdpbf16ps is slower than two FMAs (Intel
+// Sapphire/Emerald Rapids without AMX) f16's widened products are faster than bf16's.
+BackwardMode backward_mode_for(CpuClass c, cpu::Bf16Dot dot);
+// backward_mode_for(cpu_class(), cpu::bf16_dot()): decided by the instructions
+// present, LOOM_CPU's masks applied, and vdpbf16ps's measured speed.
 BackwardMode default_backward_mode();
 
 // precision: the compute of what is trained (LoRA products; a full fine-tune's

@@ -9,6 +9,7 @@
 
 #include "core/cpu_features.h"
 #include "kernels/cpu/attention_train.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/linear_backward.h"
 #include "train/train_step.h"
 
@@ -106,12 +107,16 @@ TEST(CpuFeatures, Bf16KernelByInstructions) {
 
 // The measured choice per class (docs/training.md, "Backward speed by CPU").
 TEST(CpuFeatures, BackwardModeByClass) {
-  EXPECT_EQ(backward_mode_for(CpuClass::amx), BackwardMode::bf16);
-  EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16), BackwardMode::bf16);
-  EXPECT_EQ(backward_mode_for(CpuClass::avx512), BackwardMode::f16);
-  EXPECT_EQ(backward_mode_for(CpuClass::avx2), BackwardMode::f16);
+  using cpu::Bf16Dot;
+  EXPECT_EQ(backward_mode_for(CpuClass::amx, Bf16Dot::vdpbf16ps), BackwardMode::bf16);
+  EXPECT_EQ(backward_mode_for(CpuClass::amx, Bf16Dot::fma), BackwardMode::bf16);  // AMX tiles, not vdpbf16ps
+  EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16, Bf16Dot::vdpbf16ps), BackwardMode::bf16);  // Zen 4
+  EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16, Bf16Dot::fma), BackwardMode::f16);  // Emerald Rapids, no AMX
+  EXPECT_EQ(backward_mode_for(CpuClass::avx512, Bf16Dot::fma), BackwardMode::f16);
+  EXPECT_EQ(backward_mode_for(CpuClass::avx2, Bf16Dot::fma), BackwardMode::f16);
   for (CpuClass c : {CpuClass::amx, CpuClass::avx512_bf16, CpuClass::avx512, CpuClass::avx2})
-    EXPECT_NE(backward_mode_for(c), BackwardMode::int8) << cpu_class_name(c);  // int8's error is 3x bf16's
+    for (Bf16Dot dot : {Bf16Dot::vdpbf16ps, Bf16Dot::fma})
+      EXPECT_NE(backward_mode_for(c, dot), BackwardMode::int8) << cpu_class_name(c);  // int8's error is 3x bf16's
 }
 
 // This process: the automatic choices agree with its usable features.
@@ -124,7 +129,7 @@ TEST(CpuFeatures, LiveChoicesAgree) {
   EXPECT_EQ(use_avx512_kernels(), u.has_avx512_kernels());
   EXPECT_EQ(default_attention_isa() == AttnIsa::avx512, u.has_avx512_f32());
   EXPECT_EQ(use_amx_kernels(), u.has_avx512_kernels() && u.amx_tile);
-  EXPECT_EQ(default_backward_mode(), backward_mode_for(cpu_class_of(u)));
+  EXPECT_EQ(default_backward_mode(), backward_mode_for(cpu_class_of(u), cpu::bf16_dot()));
   EXPECT_EQ(backward_mode_from_name("auto"), default_backward_mode());
   const Bf16Kernel k = automatic_bf16_kernel(u);
   EXPECT_TRUE(bf16_kernel_available(k));

@@ -60,19 +60,25 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
   // The point of the battery: files that mix types inside a layer (IQ4_XS: its
   // 384-wide ffn_down rows fall back to IQ4_NL).
   for (const auto& f : m["files"]) {
-    if (f["file_type"] == "Q4_K_M") EXPECT_GE(f["matrix_types"].size(), 3u) << f.dump();
-    if (f["file_type"] == "IQ4_XS")
+    if (f["file_type"] == "Q4_K_M") {
+      EXPECT_GE(f["matrix_types"].size(), 3u) << f.dump();
+    }
+    if (f["file_type"] == "IQ4_XS") {
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["IQ4_NL", "IQ4_XS", "Q6_K"])")) << f.dump();
-    if (f["file_type"] == "IQ3_XXS")  // three grid types in one file
+    }
+    if (f["file_type"] == "IQ3_XXS") {  // three grid types in one file
       EXPECT_EQ(f["matrix_types"],
                 nlohmann::json::parse(R"(["IQ2_S", "IQ3_S", "IQ3_XXS", "IQ4_NL", "Q5_K"])"))
           << f.dump();
-    if (f["file_type"] == "IQ1_M")  // IQ1_M beside IQ2_XXS, its 384-wide rows falling back to IQ4_NL
+    }
+    if (f["file_type"] == "IQ1_M") {  // IQ1_M beside IQ2_XXS, its 384-wide rows falling back to IQ4_NL
       EXPECT_EQ(f["matrix_types"],
                 nlohmann::json::parse(R"(["IQ1_M", "IQ2_XXS", "IQ4_NL", "Q2_K", "Q5_K"])"))
           << f.dump();
-    if (f["file_type"] == "TQ1_0")  // ternary matrices beside the k-quants, ffn_down falling back to Q4_0
+    }
+    if (f["file_type"] == "TQ1_0") {  // ternary matrices beside the k-quants, ffn_down falling back to Q4_0
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["Q4_0", "Q4_K", "Q6_K", "TQ1_0"])")) << f.dump();
+    }
   }
 }
 

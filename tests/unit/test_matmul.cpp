@@ -11,6 +11,7 @@
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/panel.h"
 #include "matmul_test_util.h"
@@ -273,6 +274,68 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
         }
     }
   }
+}
+
+// bf16 weights on AVX-512 multiply either with vdpbf16ps (bf16pairs act rows) or
+// with its f32-FMA emulation (bf16f32 rows); bf16_dot() picks one per CPU by speed,
+// so each must give the scalar model's bits whichever this machine picks. Without
+// AVX512-BF16 only the emulation can run (vdpbf16ps would fault): it is checked alone.
+TEST(Matmul, Bf16DotAndItsFmaEmulationMatchScalarModel) {
+  if (!cpu_features().has_avx512_kernels()) GTEST_SKIP() << "no AVX-512 kernels on this CPU";
+  uint32_t seed = 1200;
+  for (int64_t K : {int64_t{203}, int64_t{416}}) {
+    for (int64_t T : {int64_t{1}, int64_t{3}, int64_t{19}}) {
+      Problem pr(DType::bf16, 16 * 3 + 5, K, T, seed++);
+      const auto want = pr.model();
+      const PackedWeight pw = PackedWeight::pack(pr.W);
+      for (bool pairs : {false, true}) {
+        if (pairs && !usable_cpu_features().avx512bf16) continue;
+        const cpu::ActKind kind = cpu::act_kind(DType::bf16, pairs);
+        EXPECT_EQ(kind, pairs ? cpu::ActKind::bf16pairs : cpu::ActKind::bf16f32);
+        const size_t arb = cpu::act_row_bytes(kind, K);
+        std::vector<uint8_t> act(arb * static_cast<size_t>(T));
+        for (int64_t t = 0; t < T; ++t) cpu::quantize_act_row(kind, DType::bf16, pr.x.data() + t * K, K, &act[arb * t]);
+        std::vector<float> y(static_cast<size_t>(pr.N * T), -7.0f);
+        cpu::KernelArgs a;
+        a.panels = pw.panel(0);
+        a.panel_stride = pw.panel_bytes();
+        a.n_panels = pw.n_panels();
+        a.K = K;
+        a.act = act.data();
+        a.act_stride = arb;
+        a.T = T;
+        a.y = y.data();
+        a.ldy = pr.N;
+        a.n_valid = pr.N;
+        a.bf16_pairs = pairs;
+        cpu::panel_kernel_avx512(DType::bf16, a);
+        expect_bits_equal(want, y, std::string(pairs ? "vdpbf16ps" : "fma emulation") + " K=" + std::to_string(K) +
+                                       " T=" + std::to_string(T));
+      }
+    }
+  }
+}
+
+// The choice between them: LOOM_BF16_DOT forces either; otherwise vdpbf16ps where one
+// takes no longer than two FMAs (Zen 4: about one; Sapphire/Emerald Rapids: about four).
+TEST(Matmul, Bf16DotChoice) {
+  const cpu::Bf16DotTiming zen4{1.0, 1.0}, emerald_rapids{4.0, 1.0}, even{2.0, 1.0};
+  EXPECT_EQ(cpu::choose_bf16_dot("", zen4), cpu::Bf16Dot::vdpbf16ps);
+  EXPECT_EQ(cpu::choose_bf16_dot("", emerald_rapids), cpu::Bf16Dot::fma);
+  EXPECT_EQ(cpu::choose_bf16_dot("", even), cpu::Bf16Dot::vdpbf16ps);
+  EXPECT_EQ(cpu::choose_bf16_dot("fma", zen4), cpu::Bf16Dot::fma);
+  EXPECT_EQ(cpu::choose_bf16_dot("vdpbf16ps", emerald_rapids), cpu::Bf16Dot::vdpbf16ps);
+  EXPECT_EQ(cpu::choose_bf16_dot("amx", zen4), std::nullopt);
+  if (!usable_cpu_features().avx512bf16) {
+    EXPECT_EQ(cpu::bf16_dot(), cpu::Bf16Dot::fma);
+    return;
+  }
+  // The probe itself: both loops ran and took time; the pick agrees with its figures.
+  const cpu::Bf16DotTiming t = cpu::time_bf16_dot_instructions();
+  EXPECT_GT(t.vdpbf16ps_s, 0.0);
+  EXPECT_GT(t.fma_s, 0.0);
+  EXPECT_EQ(cpu::bf16_native(cpu::Isa::avx512), cpu::bf16_dot() == cpu::Bf16Dot::vdpbf16ps);
+  EXPECT_FALSE(cpu::bf16_native(cpu::Isa::avx2));
 }
 
 // Results do not depend on the number of threads, nor on the instruction set.

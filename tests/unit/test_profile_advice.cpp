@@ -155,6 +155,19 @@ TEST(ProfileAdvice, MatmulBackwardNamesTheBackwardMode) {
   EXPECT_NEAR(f->gain_share, number(*f, "share") * (1 - 473.0 / 654), 1e-9);
 }
 
+// Where vdpbf16ps is slower than two FMAs (the trace's bf16_dot: "fma"), bf16 is the slow mode.
+TEST(ProfileAdvice, MatmulBackwardWithSlowVdpbf16psNamesF16) {
+  const PeakTable peak = synthetic_peak();
+  TraceBuilder b = product_trace("linear_backward_input", "backward", 20);
+  b.loom["isa"] = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"};
+  b.loom["bf16_dot"] = "fma";
+  b.loom["config"] = {{"backward", "bf16"}};
+  const auto f = find(advice_of(b, &peak), "matmul_under_peak");
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->change[0], "backward: f16");
+  EXPECT_NEAR(f->gain_share, number(*f, "share") * (1 - 386.0 / 545), 1e-9);
+}
+
 TEST(ProfileAdvice, MatmulNearPeakOrWithoutPeakIsQuiet) {
   const PeakTable peak = synthetic_peak();
   EXPECT_FALSE(find(advice_of(product_trace("matmul", "forward", 80), &peak), "matmul_under_peak"));

@@ -7,6 +7,7 @@
 
 #include "core/cpu_features.h"
 #include "core/error.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/ref/i8ch_ref.h"
 
@@ -332,7 +333,9 @@ namespace cpu {
 
 bool amx_available() { return cpu_features().amx_int8 && amx_tile_state_granted(); }
 
-bool bf16_native(Isa isa) { return isa != Isa::avx2 && usable_cpu_features().avx512bf16; }
+bool bf16_native(Isa isa) {
+  return isa != Isa::avx2 && usable_cpu_features().avx512bf16 && bf16_dot() == Bf16Dot::vdpbf16ps;
+}
 
 // i8_ch has no AMX-INT8 kernel (it was written on a machine without AMX to test
 // one on): with Isa::amx it runs the AVX-512 VNNI kernel.

@@ -230,8 +230,9 @@ inline size_t unpack_scratch_bytes(const UnpackedPanels& u) {
 // amx: AVX-512 plus AMX-INT8 tiles for batches of 32-element block types.
 enum class Isa { avx2, avx512, amx };
 // Whether the kernels of `isa` multiply bf16 pairs with vdpbf16ps on this CPU
-// (AVX512-BF16, not masked by LOOM_CPU); else they emulate it exactly with f32
-// FMAs (the odd product, then the even one, denormals as zero).
+// (AVX512-BF16, not masked by LOOM_CPU, and not slower than two FMAs: bf16_dot.h);
+// else they emulate it exactly with f32 FMAs (the odd product, then the even one,
+// denormals as zero).
 bool bf16_native(Isa isa);
 void matmul_isa(Isa isa, ThreadPool& pool, const PackedWeight& W, const float* x, int64_t ldx, float* y,
                 int64_t ldy, int64_t T, MatmulScratch& scratch);
