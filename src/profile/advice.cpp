@@ -182,7 +182,8 @@ double BackwardSpeeds::of(const std::string& mode) const {
 }
 
 std::string trace_backward_mode(const Trace& t) {
-  return t.meta.command == "train" ? backward_mode(t, backward_speeds(t.meta.isa, t.meta.bf16_dot)) : std::string();
+  return t.meta.command == "train" ? backward_mode(t, backward_speeds(t.meta.isa, t.meta.bf16_dot))
+                                   : std::string();
 }
 
 std::string class_precision(const Trace& t, const MatmulClass& c) {
@@ -197,7 +198,8 @@ BackwardSpeeds backward_speeds(const std::vector<std::string>& isa, const std::s
   const bool f = has_isa(isa, "avx512f"), vnni = has_isa(isa, "avx512_vnni"),
              bf = has_isa(isa, "avx512_bf16");
   if (has_isa(isa, "amx_bf16") && f && vnni) return {"amx", "bf16", 520, 363, 0, 243};
-  if (f && vnni && bf && bf16_dot == "fma") return {"avx512_bf16", "f16", 386, 545, 589, 475};  // Emerald Rapids
+  if (f && vnni && bf && bf16_dot == "fma")
+    return {"avx512_bf16", "f16", 386, 545, 589, 475};  // Emerald Rapids
   if (f && vnni && bf) return {"avx512_bf16", "bf16", 654, 473, 698, 426};
   if (f && vnni) return {"avx512", "f16", 451, 473, 698, 431};
   if (f) return {"avx512f", "f16", 350, 255, 351, 332};

@@ -6,15 +6,14 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string_view>
 #include <tuple>
-#include <cstdint>
 #include <vector>
-
-#include <memory>
 
 #include "core/cpu_features.h"
 #include "kernels/backend.h"

@@ -111,12 +111,14 @@ TEST(CpuFeatures, BackwardModeByClass) {
   EXPECT_EQ(backward_mode_for(CpuClass::amx, Bf16Dot::vdpbf16ps), BackwardMode::bf16);
   EXPECT_EQ(backward_mode_for(CpuClass::amx, Bf16Dot::fma), BackwardMode::bf16);  // AMX tiles, not vdpbf16ps
   EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16, Bf16Dot::vdpbf16ps), BackwardMode::bf16);  // Zen 4
-  EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16, Bf16Dot::fma), BackwardMode::f16);  // Emerald Rapids, no AMX
+  EXPECT_EQ(backward_mode_for(CpuClass::avx512_bf16, Bf16Dot::fma),
+            BackwardMode::f16);  // Emerald Rapids, no AMX
   EXPECT_EQ(backward_mode_for(CpuClass::avx512, Bf16Dot::fma), BackwardMode::f16);
   EXPECT_EQ(backward_mode_for(CpuClass::avx2, Bf16Dot::fma), BackwardMode::f16);
   for (CpuClass c : {CpuClass::amx, CpuClass::avx512_bf16, CpuClass::avx512, CpuClass::avx2})
     for (Bf16Dot dot : {Bf16Dot::vdpbf16ps, Bf16Dot::fma})
-      EXPECT_NE(backward_mode_for(c, dot), BackwardMode::int8) << cpu_class_name(c);  // int8's error is 3x bf16's
+      EXPECT_NE(backward_mode_for(c, dot), BackwardMode::int8)
+          << cpu_class_name(c);  // int8's error is 3x bf16's
 }
 
 // This process: the automatic choices agree with its usable features.

@@ -80,6 +80,24 @@ void expect_bits_equal(const std::vector<float>& want, const std::vector<float>&
   }
 }
 
+// A panel kernel's arguments for problem `pr`: every panel of pw, act rows of arb
+// bytes each for all of pr.T tokens, y of pr.N x pr.T; scratch and flags unset.
+cpu::KernelArgs kernel_args(const PackedWeight& pw, const Problem& pr, const std::vector<uint8_t>& act, size_t arb,
+                            std::vector<float>& y) {
+  cpu::KernelArgs a;
+  a.panels = pw.panel(0);
+  a.panel_stride = pw.panel_bytes();
+  a.n_panels = pw.n_panels();
+  a.K = pr.K;
+  a.act = act.data();
+  a.act_stride = arb;
+  a.T = pr.T;
+  a.y = y.data();
+  a.ldy = pr.N;
+  a.n_valid = pr.N;
+  return a;
+}
+
 // Every type, awkward N (not multiples of 16) and T in {1, 3, 17, 64}, both
 // instruction sets, packed and plain weights, 1 and 2 threads: all bit-equal to
 // the scalar model.
@@ -251,17 +269,7 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
           const size_t arb = cpu::act_row_bytes(kind, K);
           std::vector<uint8_t> tmp(tmp_bytes);
           std::vector<float> y(static_cast<size_t>(pr.N * pr.T), -7.0f);
-          cpu::KernelArgs a;
-          a.panels = pw.panel(0);
-          a.panel_stride = pw.panel_bytes();
-          a.n_panels = pw.n_panels();
-          a.K = K;
-          a.act = act.data();
-          a.act_stride = arb;
-          a.T = pr.T;
-          a.y = y.data();
-          a.ldy = pr.N;
-          a.n_valid = pr.N;
+          cpu::KernelArgs a = kernel_args(pw, pr, act, arb, y);
           a.tmp = tmp_bytes > 0 ? tmp.data() : nullptr;
           a.tmp_bytes = tmp_bytes;
           a.q8k_u8 = use_u8;
@@ -294,23 +302,15 @@ TEST(Matmul, Bf16DotAndItsFmaEmulationMatchScalarModel) {
         EXPECT_EQ(kind, pairs ? cpu::ActKind::bf16pairs : cpu::ActKind::bf16f32);
         const size_t arb = cpu::act_row_bytes(kind, K);
         std::vector<uint8_t> act(arb * static_cast<size_t>(T));
-        for (int64_t t = 0; t < T; ++t) cpu::quantize_act_row(kind, DType::bf16, pr.x.data() + t * K, K, &act[arb * t]);
+        for (int64_t t = 0; t < T; ++t)
+          cpu::quantize_act_row(kind, DType::bf16, pr.x.data() + t * K, K, &act[arb * t]);
         std::vector<float> y(static_cast<size_t>(pr.N * T), -7.0f);
-        cpu::KernelArgs a;
-        a.panels = pw.panel(0);
-        a.panel_stride = pw.panel_bytes();
-        a.n_panels = pw.n_panels();
-        a.K = K;
-        a.act = act.data();
-        a.act_stride = arb;
-        a.T = T;
-        a.y = y.data();
-        a.ldy = pr.N;
-        a.n_valid = pr.N;
+        cpu::KernelArgs a = kernel_args(pw, pr, act, arb, y);
         a.bf16_pairs = pairs;
         cpu::panel_kernel_avx512(DType::bf16, a);
-        expect_bits_equal(want, y, std::string(pairs ? "vdpbf16ps" : "fma emulation") + " K=" + std::to_string(K) +
-                                       " T=" + std::to_string(T));
+        expect_bits_equal(want, y,
+                          std::string(pairs ? "vdpbf16ps" : "fma emulation") + " K=" + std::to_string(K) +
+                              " T=" + std::to_string(T));
       }
     }
   }
