@@ -289,7 +289,8 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
 // so each must give the scalar model's bits whichever this machine picks. Without
 // AVX512-BF16 only the emulation can run (vdpbf16ps would fault): it is checked alone.
 TEST(Matmul, Bf16DotAndItsFmaEmulationMatchScalarModel) {
-  if (!cpu_features().has_avx512_kernels()) GTEST_SKIP() << "no AVX-512 kernels on this CPU";
+  if (!cpu_features().has_avx512_kernels())  // AVX2's emulation: AllTypesMatchScalarModelExactly (bf16)
+    GTEST_SKIP() << "no AVX-512 kernels on this CPU: the AVX-512 bf16 kernels cannot run";
   uint32_t seed = 1200;
   for (int64_t K : {int64_t{203}, int64_t{416}}) {
     for (int64_t T : {int64_t{1}, int64_t{3}, int64_t{19}}) {

@@ -54,11 +54,18 @@ __attribute__((noinline)) float fma_loop(int64_t iters, float seed) {
 #undef LOOM_ACC
 #undef LOOM_R12
 
+// The empty asm statements pin the loop between the two clock reads: its count is
+// "changed" after the first and its result "used" before the second, so no
+// compiler can hoist, sink or drop the call (the loops have no side effects).
 template <class Loop>
 double seconds(Loop loop, int64_t iters, volatile float& sink) {
   const auto t0 = std::chrono::steady_clock::now();
-  sink = sink + loop(iters, 1.0f);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  asm volatile("" : "+r"(iters) : : "memory");
+  const float r = loop(iters, 1.0f);
+  asm volatile("" : : "x"(r) : "memory");
+  const auto t1 = std::chrono::steady_clock::now();
+  sink = sink + r;
+  return std::chrono::duration<double>(t1 - t0).count();
 }
 
 }  // namespace
@@ -66,7 +73,7 @@ double seconds(Loop loop, int64_t iters, volatile float& sink) {
 Bf16DotTiming time_bf16_dot_instructions() {
   constexpr int64_t kIters = 2048;  // 24k instructions a pass: ~10-40 us
   volatile float sink = 0;
-  fma_loop(4 * kIters, 1.0f);  // wake the upper 256 bits of the units before timing
+  seconds(fma_loop, 4 * kIters, sink);  // wake the upper 256 bits of the units before timing
   Bf16DotTiming t{1e30, 1e30};
   for (int pass = 0; pass < 5; ++pass) {
     t.vdpbf16ps_s = std::min(t.vdpbf16ps_s, seconds(dot_loop, kIters, sink));

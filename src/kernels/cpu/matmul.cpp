@@ -333,9 +333,8 @@ namespace cpu {
 
 bool amx_available() { return cpu_features().amx_int8 && amx_tile_state_granted(); }
 
-bool bf16_native(Isa isa) {
-  return isa != Isa::avx2 && usable_cpu_features().avx512bf16 && bf16_dot() == Bf16Dot::vdpbf16ps;
-}
+// bf16_dot() is fma wherever AVX512-BF16 is absent or masked.
+bool bf16_native(Isa isa) { return isa != Isa::avx2 && bf16_dot() == Bf16Dot::vdpbf16ps; }
 
 // i8_ch has no AMX-INT8 kernel (it was written on a machine without AMX to test
 // one on): with Isa::amx it runs the AVX-512 VNNI kernel.
