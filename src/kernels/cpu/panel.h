@@ -143,6 +143,12 @@ struct ActQ8K {
   int32_t pad[3];
 };
 static_assert(sizeof(ActQ8K) == 384);
+// The sum of a block's 256 qs (the tq2_0 kernels' sum t x - sum x = sum (t - 1) x).
+inline int32_t act_sum(const ActQ8K& x) {
+  int32_t total = 0;
+  for (int g = 0; g < 8; ++g) total += x.s32[g];
+  return total;
+}
 
 // i8row (i8_ch weights): the whole row quantized to int8 with one scale
 // (kernels/cpu/i8ch.h).

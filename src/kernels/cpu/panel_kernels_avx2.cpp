@@ -636,9 +636,7 @@ struct K16Impl {
   }
   // tq2_0: sum t x - sum x = sum (t - 1) x, exact in int32.
   static __m256i ternary_sum(__m256i isc, const ActQ8K* x) {
-    int32_t total = 0;
-    for (int g = 0; g < 8; ++g) total += x->s32[g];
-    return _mm256_sub_epi32(isc, _mm256_set1_epi32(total));
+    return _mm256_sub_epi32(isc, _mm256_set1_epi32(act_sum(*x)));
   }
   using Unpacked = K16Impl<kKind, true>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 256) * kPBB; }

@@ -786,11 +786,8 @@ struct K16Impl {
         for (int c = 0; c < C; ++c) {
           const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
           const __m512 xd = _mm512_set1_ps(x->d * kDFactor);
-          if constexpr (kTernary) {  // sum t x - sum x
-            int32_t total = 0;
-            for (int g = 0; g < 8; ++g) total += x->s32[g];
-            isc[p][c] = _mm512_sub_epi32(isc[p][c], _mm512_set1_epi32(total));
-          }
+          if constexpr (kTernary)  // sum t x - sum x
+            isc[p][c] = _mm512_sub_epi32(isc[p][c], _mm512_set1_epi32(act_sum(*x)));
           __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc[p][c]), _mm512_mul_ps(dw, xd), acc.get(p, c));
           if constexpr (kMin) {
             __m512i im = _mm512_setzero_si512();
