@@ -393,6 +393,19 @@ inline void add_bits45(const uint8_t* p, __m512i (&ops)[8]) {
   }
 }
 
+// acc += w . (x's 4 bytes in every lane): vpdpbusd with x as an embedded
+// broadcast ({1to16}), one instruction. Written in asm because GCC and clang
+// compile the intrinsics' form (_mm512_set1_epi32 of the 4 bytes) to a separate
+// vpbroadcastd load, which on an Intel Emerald Rapids takes an ALU slot: 16
+// independent chains ran 1.3-1.7 vpdpbusd per cycle so and 1.9 embedded, and
+// the 8-token batch tiles of q4_k, q5_k and q8_0 10-24% faster (T = 512).
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+          : "+v"(acc)
+          : "v"(w), "m"(*reinterpret_cast<const std::array<int8_t, 4>*>(x)));
+  return acc;
+}
+
 // sum over operands o in [O0, O1) of ops[o] . x[4o..4o+3], starting from `init`.
 // kChains = 2 splits the dependency chain for latency when a tile has few
 // independent outputs (integer adds are exact, so the order is free).
@@ -425,13 +438,14 @@ constexpr int kChainsFor = P* C >= 4 ? 1 : 2;
 // q4_k, q5_k and q8_0 T = 512 tiles 7-18% faster on an AMD Zen 4 than the
 // per-token order (the k-quants then with 16-token tiles); a stand-alone loop of the
 // q6_k group ran 1.3-1.7 G vpdpbusd/s per core per token, 2.4-2.7 interleaved.
-// Integer sums are exact, so the order changes no result.
+// Integer sums are exact, so the order changes no result. Each token's 4 values
+// are vpdpbusd's embedded-broadcast memory operand (dpbusd_bcast).
 template <int O0, int O1, int C>
 inline void idot_tokens(__m512i (&d)[C], const __m512i (&ops)[8], const int8_t* const (&x)[C]) {
 #pragma GCC unroll 8
   for (int o = O0; o < O1; ++o)
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) d[c] = _mm512_dpbusd_epi32(d[c], ops[o], bcast32(x[c] + 4 * o));
+    for (int c = 0; c < C; ++c) d[c] = dpbusd_bcast(d[c], ops[o], x[c] + 4 * o);
 }
 
 // The dots of a tile's C tokens: a decode tile (one token) splits its chain as
@@ -715,11 +729,45 @@ struct K16Impl {
       if constexpr (kKind == DType::q3_k) add_bit2(gp + 128, ops);
     }
   }
+  // The offset per unit of act sum, -2^kOffsetShift (-1: none; offset() below).
+  static constexpr int kOffsetShift = kKind == DType::q6_k   ? 5
+                                      : kKind == DType::q3_k ? 2
+                                      : (kGrid || kIq4)      ? 7
+                                                             : -1;
+  // Batch tiles start every sub-block's chain at zero and add the offsets once
+  // per superblock (add_offsets): the same int32 sum, exactly. The broadcast
+  // that started each chain (a computed scalar for the kPer32 types) cost the
+  // batch tiles of q2_k .. iq4_xs and the grid types 13-20% on an Intel Emerald
+  // Rapids (q6_k, whose sub-blocks' vpmulld bound it: 0.97-1.03x). Decode tiles
+  // keep them in the chain (offset()).
+  template <int C>
+  static constexpr bool kLateOffsets = C > 1 && kOffsetShift >= 0;
   static __m512i offset(const ActQ8K* x, int j) {
     if constexpr (kKind == DType::q6_k) return _mm512_set1_epi32(x->b16[j]);
     if constexpr (kKind == DType::q3_k) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
     if constexpr (kGrid) return _mm512_set1_epi32(-128 * x->s16[j]);               // iq2_xs, iq2_s
     return _mm512_setzero_si512();
+  }
+  // isc[c] -= 2^kOffsetShift * sum_u sc_u * xsum_u over the superblock's scale
+  // units (16 of 16 values, or 8 of 32 with kPer32): vpdpwssd of the units' scale
+  // pairs (the panel's i8 widened to i16) with the act's pair sums (s16 or s32).
+  template <int C>
+  static void add_offsets(const uint8_t* pb, const ActQ8K* const (&xs)[C], __m512i (&isc)[C]) {
+    constexpr int kPairs = kPer32 ? 4 : 8;
+    const __m512i low16 = _mm512_set1_epi32(0xffff);
+    __m512i pairs[kPairs];
+    for (int q = 0; q < kPairs; ++q) {
+      const uint8_t* sp = pb + kScales + 32 * q;
+      const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+      const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+      pairs[q] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(hi, 16), lo, low16, kOrAnd);
+    }
+    for (int c = 0; c < C; ++c) {
+      const int16_t* sums = kPer32 ? xs[c]->s32 : xs[c]->s16;
+      __m512i im = _mm512_setzero_si512();
+      for (int q = 0; q < kPairs; ++q) im = _mm512_dpwssd_epi32(im, pairs[q], bcast32(sums + 2 * q));
+      isc[c] = _mm512_sub_epi32(isc[c], _mm512_slli_epi32(im, kOffsetShift));
+    }
   }
   template <int P, int C>
   static void run(const TileArgs& ta) {
@@ -751,22 +799,25 @@ struct K16Impl {
           const uint8_t* sp = pb + kScales + kScaleGroup * g;
           const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
           // The two sub-blocks' scaled sums in turn (wrapping int32 adds: any order gives the same sums);
-          // one scale for both (kPer32), in one chain from both offsets (-128 * the group's act sum).
+          // one scale for both (kPer32), in one chain (decode: from both offsets, -128 * the act sum).
           __m512i dots[C];
           if constexpr (kPer32) {
-            for (int c = 0; c < C; ++c) dots[c] = _mm512_set1_epi32(-128 * xs[c]->s32[g]);
+            for (int c = 0; c < C; ++c)
+              dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xs[c]->s32[g]);
             idot_tile<0, 8, P>(dots, ops, xq);
             for (int c = 0; c < C; ++c)
               isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
             continue;
           }
-          for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g);
+          for (int c = 0; c < C; ++c)
+            dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : offset(xs[c], 2 * g);
           idot_tile<0, 4, P>(dots, ops, xq);
           for (int c = 0; c < C; ++c)
             isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
           const __m512i sc1 =
               _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-          for (int c = 0; c < C; ++c) dots[c] = offset(xs[c], 2 * g + 1);
+          for (int c = 0; c < C; ++c)
+            dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : offset(xs[c], 2 * g + 1);
           idot_tile<4, 8, P>(dots, ops, xq);
           for (int c = 0; c < C; ++c)
             isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc1));
@@ -774,6 +825,11 @@ struct K16Impl {
       }
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + sb * kPBB;
+        if constexpr (kLateOffsets<C>) {
+          const ActQ8K* xs[C];
+          for (int c = 0; c < C; ++c) xs[c] = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
+          add_offsets(pb, xs, isc[p]);
+        }
         const __m512 dw = load_f16x16(pb);
         __m512 dm = _mm512_setzero_ps();
         __m512i mins[8];
