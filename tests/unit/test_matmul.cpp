@@ -182,6 +182,68 @@ TEST(Matmul, BatchInvariant) {
   }
 }
 
+// Weight rows whose every quant byte is `fill` (the largest values where fill is
+// 0xff) with the type's most negative scales, and normal f16 block scales: the
+// largest sub-block dots and scale products the integer kernels meet (the
+// AVX-512 tiles split each dot into bytes for vpdpwssd, exact only while |dot| < 2^23).
+std::vector<uint8_t> extreme_weights(DType type, int64_t N, int64_t K, uint8_t fill) {
+  std::vector<uint8_t> w(dtype_row_bytes(type, K) * static_cast<size_t>(N), fill);
+  const size_t bb = dtype_traits(type).block_bytes;
+  for (size_t off = 0; off < w.size(); off += bb) {
+    uint8_t* blk = w.data() + off;
+    switch (type) {
+      case DType::q6_k:
+        std::memset(blk + 192, 0x80, 16);  // i8 scales -128
+        testing::put_f16(blk + 208, 0.01f);
+        break;
+      case DType::q3_k:
+        testing::put_f16(blk + 108, 0.01f);
+        break;
+      case DType::q2_k:
+        testing::put_f16(blk + 80, 0.01f);
+        testing::put_f16(blk + 82, 0.01f);
+        break;
+      default:  // q4_k, q5_k (d, dmin), iq4_xs (d, then scales_h = 0xffff: scale 31)
+        testing::put_f16(blk, 0.01f);
+        if (type == DType::q4_k || type == DType::q5_k) testing::put_f16(blk + 2, 0.01f);
+        break;
+    }
+  }
+  return w;
+}
+
+// The extremes of the integer tiles' sums, for decode (T = 1) and batch tiles,
+// with activations all at -1 (quantized to -127) or alternating: bit-equal to the
+// scalar model.
+TEST(Matmul, ExtremeWeightsAndActivationsMatchScalarModelExactly) {
+  ThreadPool pool(2);
+  MatmulScratch scratch;
+  for (DType type : {DType::q6_k, DType::q5_k, DType::q4_k, DType::q3_k, DType::q2_k, DType::iq4_xs})
+    for (uint8_t fill : {uint8_t{0xff}, uint8_t{0x00}, uint8_t{0x5a}}) {
+      const int64_t N = 35, K = 512;
+      std::vector<uint8_t> w = extreme_weights(type, N, K, fill);
+      const Tensor W = make_tensor(w.data(), type, {N, K});
+      const PackedWeight pw = PackedWeight::pack(W);
+      for (int signs = 0; signs < 2; ++signs)
+        for (int64_t T : {int64_t{1}, int64_t{9}}) {
+          std::vector<float> x(static_cast<size_t>(T * K));
+          for (size_t i = 0; i < x.size(); ++i) x[i] = signs == 0 || i % 2 == 0 ? -1.0f : 1.0f;
+          std::vector<float> want(static_cast<size_t>(N * T));
+          const size_t rb = dtype_row_bytes(type, K);
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t n = 0; n < N; ++n)
+              want[static_cast<size_t>(t * N + n)] = model_dot(type, w.data() + rb * n, x.data() + t * K, K);
+          for (cpu::Isa isa : isas()) {
+            std::vector<float> y(static_cast<size_t>(N * T), -7.0f);
+            cpu::matmul_isa(isa, pool, pw, x.data(), K, y.data(), N, T, scratch);
+            expect_bits_equal(want, y,
+                              std::string(dtype_name(type)) + " fill=" + std::to_string(fill) + " signs=" +
+                                  std::to_string(signs) + " T=" + std::to_string(T) + " " + isa_name(isa));
+          }
+        }
+    }
+}
+
 // Batch tiles that walk tokens outside groups of panels (kTileGroupBytes,
 // kernels/cpu/panel.h): matrices of several groups, a last group and
 // a last token tile that are partial, 1 and 2 threads, bit-equal to the scalar model.

@@ -458,6 +458,22 @@ inline void idot_tile(__m512i (&d)[C], const __m512i (&ops)[8], const int8_t* co
     idot_tokens<O0, O1>(d, ops, x);
 }
 
+// isc + d * sc per lane, exactly, without vpmulld (2 uops on Intel's port 0;
+// with its add it cost the k-quant tiles about three vpdpbusd slots on an Emerald
+// Rapids): with |d| < 2^23 (a group's or sub-block's dot: under 2^21) and sc an
+// int8 (or a u8 below 128), d * sc = (d & 0xff) * sc + (d >> 8) * (sc * 256)
+// with all four factors int16, so one vpshufb splits d into the words
+// (d & 0xff, d >> 8) and one vpdpwssd multiplies them by the words (sc, sc * 256)
+// of scale_words(sc) and adds. q6_k's batch tiles ran 9-11% faster so, q4_k's 5-7%.
+inline __m512i scale_words(__m512i sc) {
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi32(sc, 24), sc, _mm512_set1_epi32(0xffff), kOrAnd);
+}
+inline __m512i add_scaled(__m512i isc, __m512i d, __m512i sw) {
+  const __m512i bytes_0_1_2 =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, 2, 4, -128, 5, 6, 8, -128, 9, 10, 12, -128, 13, 14));
+  return _mm512_dpwssd_epi32(isc, _mm512_shuffle_epi8(d, bytes_0_1_2), sw);
+}
+
 // ---- 32-element block types: q4_0, q4_1, q5_0, q5_1, q8_0 ----
 
 template <DType kT>
@@ -612,8 +628,7 @@ struct Q45KImpl {
             dots[c] = _mm512_setzero_si512();
           }
           idot_tile<0, 8, P>(dots, ops, xq);
-          for (int c = 0; c < C; ++c)
-            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc));
+          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc));
         }
       }
       for (int p = 0; p < P; ++p) {
@@ -805,22 +820,19 @@ struct K16Impl {
             for (int c = 0; c < C; ++c)
               dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xs[c]->s32[g]);
             idot_tile<0, 8, P>(dots, ops, xq);
-            for (int c = 0; c < C; ++c)
-              isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
+            for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc0));
             continue;
           }
           for (int c = 0; c < C; ++c)
             dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : offset(xs[c], 2 * g);
           idot_tile<0, 4, P>(dots, ops, xq);
-          for (int c = 0; c < C; ++c)
-            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc0));
+          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc0));
           const __m512i sc1 =
               _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
           for (int c = 0; c < C; ++c)
             dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : offset(xs[c], 2 * g + 1);
           idot_tile<4, 8, P>(dots, ops, xq);
-          for (int c = 0; c < C; ++c)
-            isc[p][c] = _mm512_add_epi32(isc[p][c], _mm512_mullo_epi32(dots[c], sc1));
+          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc1));
         }
       }
       for (int p = 0; p < P; ++p) {
