@@ -752,9 +752,9 @@ struct K16Impl {
   // Batch tiles start every sub-block's chain at zero and add the offsets once
   // per superblock (add_offsets): the same int32 sum, exactly. The broadcast
   // that started each chain (a computed scalar for the kPer32 types) cost the
-  // batch tiles of q2_k .. iq4_xs and the grid types 13-20% on an Intel Emerald
-  // Rapids (q6_k, whose sub-blocks' vpmulld bound it: 0.97-1.03x). Decode tiles
-  // keep them in the chain (offset()).
+  // batch tiles of iq4_xs and iq3_s 14-16% on an Intel Emerald Rapids (against
+  // the embedded broadcasts alone; q6_k 0.97-1.03x). Decode tiles keep them in
+  // the chain (offset()).
   template <int C>
   static constexpr bool kLateOffsets = C > 1 && kOffsetShift >= 0;
   static __m512i offset(const ActQ8K* x, int j) {
