@@ -465,9 +465,11 @@ inline void idot_tile(__m512i (&d)[C], const __m512i (&ops)[8], const int8_t* co
 // with all four factors int16, so one vpshufb splits d into the words
 // (d & 0xff, d >> 8) and one vpdpwssd multiplies them by the words (sc, sc * 256)
 // of scale_words(sc) and adds. q6_k's batch tiles ran 9-11% faster so, q4_k's 5-7%.
-inline __m512i scale_words(__m512i sc) {
-  return _mm512_ternarylogic_epi32(_mm512_slli_epi32(sc, 24), sc, _mm512_set1_epi32(0xffff), kOrAnd);
+// pack_words: per lane the int16 words (lo, hi) of two int32 vectors, vpdpwssd's pairs.
+inline __m512i pack_words(__m512i lo, __m512i hi) {
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi32(hi, 16), lo, _mm512_set1_epi32(0xffff), kOrAnd);
 }
+inline __m512i scale_words(__m512i sc) { return pack_words(sc, _mm512_slli_epi32(sc, 8)); }
 inline __m512i add_scaled(__m512i isc, __m512i d, __m512i sw) {
   const __m512i bytes_0_1_2 =
       _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, 2, 4, -128, 5, 6, 8, -128, 9, 10, 12, -128, 13, 14));
@@ -628,7 +630,8 @@ struct Q45KImpl {
             dots[c] = _mm512_setzero_si512();
           }
           idot_tile<0, 8, P>(dots, ops, xq);
-          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc));
+          const __m512i sw = scale_words(sc);
+          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], sw);
         }
       }
       for (int p = 0; p < P; ++p) {
@@ -757,6 +760,10 @@ struct K16Impl {
   // the chain (offset()).
   template <int C>
   static constexpr bool kLateOffsets = C > 1 && kOffsetShift >= 0;
+  // A scale unit's 16 i8 scales (one per row), widened to int32.
+  static __m512i scales16(const uint8_t* sp) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+  }
   static __m512i offset(const ActQ8K* x, int j) {
     if constexpr (kKind == DType::q6_k) return _mm512_set1_epi32(x->b16[j]);
     if constexpr (kKind == DType::q3_k) return _mm512_set1_epi32(x->b16[j] >> 3);  // -4 * xsum, exact
@@ -769,13 +776,10 @@ struct K16Impl {
   template <int C>
   static void add_offsets(const uint8_t* pb, const ActQ8K* const (&xs)[C], __m512i (&isc)[C]) {
     constexpr int kPairs = kPer32 ? 4 : 8;
-    const __m512i low16 = _mm512_set1_epi32(0xffff);
     __m512i pairs[kPairs];
     for (int q = 0; q < kPairs; ++q) {
       const uint8_t* sp = pb + kScales + 32 * q;
-      const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
-      const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
-      pairs[q] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(hi, 16), lo, low16, kOrAnd);
+      pairs[q] = pack_words(scales16(sp), scales16(sp + 16));
     }
     for (int c = 0; c < C; ++c) {
       const int16_t* sums = kPer32 ? xs[c]->s32 : xs[c]->s16;
@@ -812,7 +816,7 @@ struct K16Impl {
             continue;
           }
           const uint8_t* sp = pb + kScales + kScaleGroup * g;
-          const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+          const __m512i sw0 = scale_words(scales16(sp));
           // The two sub-blocks' scaled sums in turn (wrapping int32 adds: any order gives the same sums);
           // one scale for both (kPer32), in one chain (decode: from both offsets, -128 * the act sum).
           __m512i dots[C];
@@ -820,19 +824,18 @@ struct K16Impl {
             for (int c = 0; c < C; ++c)
               dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * xs[c]->s32[g]);
             idot_tile<0, 8, P>(dots, ops, xq);
-            for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc0));
+            for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], sw0);
             continue;
           }
           for (int c = 0; c < C; ++c)
             dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : offset(xs[c], 2 * g);
           idot_tile<0, 4, P>(dots, ops, xq);
-          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc0));
-          const __m512i sc1 =
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16)));
+          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], sw0);
+          const __m512i sw1 = scale_words(scales16(sp + 16));
           for (int c = 0; c < C; ++c)
             dots[c] = kLateOffsets<C> ? _mm512_setzero_si512() : offset(xs[c], 2 * g + 1);
           idot_tile<4, 8, P>(dots, ops, xq);
-          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], scale_words(sc1));
+          for (int c = 0; c < C; ++c) isc[p][c] = add_scaled(isc[p][c], dots[c], sw1);
         }
       }
       for (int p = 0; p < P; ++p) {
