@@ -426,6 +426,36 @@ TEST(Matmul, ThreadCountAndIsaInvariant) {
   }
 }
 
+// A panel split hands out chunks of panels as threads ask (matmul.cpp): with
+// enough panels for several chunks per thread, decode and unpacked batches (and
+// a batch of a type without unpacked panels) still write every output once and
+// give the one-thread bits.
+TEST(Matmul, PanelChunksClaimedByThreadsCoverEveryPanelOnce) {
+  ThreadPool p1(1), p2(2), p3(3);
+  MatmulScratch scratch;
+  for (DType type : {DType::q4_k, DType::q6_k, DType::q8_0, DType::bf16}) {
+    for (int64_t T : {int64_t{1}, int64_t{33}}) {
+      Problem pr(type, 2000, 256, T, 97);
+      const PackedWeight pw = PackedWeight::pack(pr.W);
+      for (cpu::Isa isa : isas()) {
+        std::vector<float> first;
+        for (ThreadPool* pool : {&p1, &p2, &p3}) {
+          std::vector<float> y(static_cast<size_t>(pr.N * T), std::nanf(""));
+          cpu::matmul_isa(isa, *pool, pw, pr.x.data(), pr.K, y.data(), pr.N, T, scratch);
+          const std::string what = std::string(dtype_name(type)) + " T=" + std::to_string(T) + " " +
+                                   isa_name(isa) + " threads=" + std::to_string(pool->size());
+          if (first.empty()) {
+            for (float v : y) ASSERT_FALSE(std::isnan(v)) << what << ": an output was not written";
+            first = y;
+          } else {
+            expect_bits_equal(first, y, what);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Row strides: x rows and y rows inside larger buffers; nothing outside is touched.
 TEST(Matmul, StridedInputAndOutput) {
   ThreadPool pool(2);

@@ -66,6 +66,22 @@ struct Segment {
   int64_t ldy;
 };
 
+// Panels per claim of a panel split (run_matmul): a batch with unpacked panels
+// claims one unpack group (about kTileGroupBytes, what its kernel unpacks at a
+// time), anything else kClaimPanels (a few panels: whole multiples of
+// kFlyGroup, and small enough that a stolen tail evens the threads out).
+int64_t panel_chunk(int64_t T, size_t tmp_bytes, cpu::Isa isa, DType type, int64_t K) {
+  constexpr int64_t kClaimPanels = 4;
+  static_assert(kClaimPanels % kFlyGroup == 0);
+  if (T > 1 && tmp_bytes > 0 && isa != cpu::Isa::amx) {
+    const cpu::UnpackedPanels u =
+        isa == cpu::Isa::avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
+    if (u.panel_bytes > 0)
+      return static_cast<int64_t>(tmp_bytes / u.panel_bytes) / u.tile_panels * u.tile_panels;
+  }
+  return kClaimPanels;
+}
+
 void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span<const Segment> segs,
                 const float* x, int64_t ldx, int64_t T, MatmulScratch& scratch) {
   if (T < 0) fail(ErrorKind::invalid_input, "matmul: negative token count {}", T);
@@ -132,18 +148,8 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
                                   : isa == cpu::Isa::avx2 ? cpu::panel_kernel_avx2
                                                           : cpu::panel_kernel_avx512;
 
-  auto work = [&](int ti, int tn) {
-    int64_t g0 = 0, g1 = np, t0 = 0, t1 = T;  // global panel range, token range
-    if (split_tokens) {
-      t0 = T * ti / tn;
-      t1 = T * (ti + 1) / tn;
-      if (qbuf != nullptr)
-        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(kind, type, x + t * ldx, K, qbuf + t * arb);
-    } else {
-      g0 = np * ti / tn;
-      g1 = np * (ti + 1) / tn;
-    }
-    if (g0 >= g1 || t0 >= t1) return;
+  // One range of global panels [g0, g1) for tokens [t0, t1), on worker slot ti.
+  auto run_range = [&](int ti, int64_t g0, int64_t g1, int64_t t0, int64_t t1) {
     uint8_t* wb = fly_bytes + tmp_bytes > 0 ? scratch.ptr(1 + static_cast<size_t>(ti)) : nullptr;
     cpu::KernelArgs a;
     a.K = K;
@@ -184,6 +190,23 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
         kernel(type, a);
       }
     }
+  };
+  // A panel split lets a thread that finishes its share early take chunks from
+  // the end of another's (core/range_claims.h): a thread slowed by a busy
+  // sibling vCPU, or an efficiency core, then holds the op up less. Which thread
+  // runs a panel changes no result (each panel's outputs are its own).
+  RangeClaims& claims = scratch.claims();
+  if (!split_tokens) claims.reset(np, nt, panel_chunk(T, tmp_bytes, isa, type, K));
+  auto work = [&](int ti, int tn) {
+    if (split_tokens) {
+      const int64_t t0 = T * ti / tn, t1 = T * (ti + 1) / tn;
+      if (t0 >= t1) return;
+      if (qbuf != nullptr)
+        for (int64_t t = t0; t < t1; ++t) cpu::quantize_act_row(kind, type, x + t * ldx, K, qbuf + t * arb);
+      run_range(ti, 0, np, t0, t1);
+      return;
+    }
+    for (int64_t g0, g1; claims.next(ti, &g0, &g1);) run_range(ti, g0, g1, 0, T);
   };
   if (nt == 1)
     work(0, 1);

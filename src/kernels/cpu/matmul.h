@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "core/huge_page_buffer.h"
+#include "core/range_claims.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 
@@ -141,6 +142,8 @@ class MatmulScratch {
   // The current region of a slot that get() has grown (safe to call from workers).
   uint8_t* ptr(size_t slot) const { return bufs_[slot].ptr.get(); }
   size_t bytes() const;  // allocated, all slots
+  // The panel split's work claims of the current call (set up before workers run).
+  RangeClaims& claims() { return claims_; }
 
  private:
   struct Buf {
@@ -148,6 +151,7 @@ class MatmulScratch {
     size_t size = 0;
   };
   std::vector<Buf> bufs_;
+  RangeClaims claims_;
 };
 
 // y[t*ldy + n] = sum_k x[t*ldx + k] * W[n, k]   for t < T, n < N.
