@@ -44,7 +44,8 @@ const CpuFeatures& cpu_features() {
 std::optional<CpuFeatures> mask_cpu_features(const CpuFeatures& cpu, std::string_view loom_cpu) {
   CpuFeatures f = cpu;
   if (loom_cpu.empty() || loom_cpu == "native") return f;
-  if (loom_cpu != "avx2" && loom_cpu != "avx512f" && loom_cpu != "avx512-nobf16" && loom_cpu != "avx512")
+  if (loom_cpu != "avx2" && loom_cpu != "avx2-vnni" && loom_cpu != "avx512f" && loom_cpu != "avx512-nobf16" &&
+      loom_cpu != "avx512")
     return std::nullopt;
   f.amx_tile = f.amx_int8 = f.amx_bf16 = false;
   if (loom_cpu == "avx512") return f;
@@ -53,6 +54,8 @@ std::optional<CpuFeatures> mask_cpu_features(const CpuFeatures& cpu, std::string
   f.avx512vnni = false;
   if (loom_cpu == "avx512f") return f;
   f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512vnni = false;
+  if (loom_cpu == "avx2-vnni") return f;
+  f.avxvnni = false;
   return f;
 }
 
@@ -61,7 +64,9 @@ const CpuFeatures& usable_cpu_features() {
     const char* env = std::getenv("LOOM_CPU");
     std::optional<CpuFeatures> m = mask_cpu_features(cpu_features(), env != nullptr ? env : "");
     if (!m) {
-      std::fprintf(stderr, "loom: warning: LOOM_CPU=%s is not one of avx2, avx512f, avx512-nobf16, avx512, native; ignored\n",
+      std::fprintf(stderr,
+                   "loom: warning: LOOM_CPU=%s is not one of avx2, avx2-vnni, avx512f, avx512-nobf16, "
+                   "avx512, native; ignored\n",
                    env);
       m = cpu_features();
     }

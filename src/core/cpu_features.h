@@ -47,7 +47,9 @@ const CpuFeatures& cpu_features();
 
 // LOOM_CPU restricts the instructions loom's automatic choices may use, so one
 // machine can run (and test) the paths of smaller ones:
-//   avx2           no AVX-512, no AMX (a Haswell..Alder Lake class machine)
+//   avx2           no AVX-512, AMX or AVX-VNNI (Haswell .. Comet Lake, Zen 1-4)
+//   avx2-vnni      AVX2 with AVX-VNNI where present, no AVX-512 or AMX (Alder Lake
+//                  and later client cores, Zen 5 without AVX-512)
 //   avx512f        AVX-512 F/BW/VL/DQ only: no VNNI, BF16, AMX (Skylake-X)
 //   avx512-nobf16  AVX-512 with VNNI, no AVX512-BF16, VBMI or AMX (Cascade Lake;
 //                  an Ice Lake also has VBMI)

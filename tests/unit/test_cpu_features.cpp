@@ -16,7 +16,7 @@
 namespace loom {
 namespace {
 
-CpuFeatures avx2_cpu() {  // Haswell .. Alder Lake, Zen 1-3
+CpuFeatures avx2_cpu() {  // Haswell .. Comet Lake, Zen 1-3: no AVX-VNNI
   CpuFeatures f;
   f.avx2 = f.fma = f.f16c = true;
   return f;
@@ -78,7 +78,13 @@ TEST(CpuFeatures, LoomCpuMasksOnlyRemove) {
   EXPECT_TRUE(mask_cpu_features(spr, "avx512")->avx512vbmi);
   const CpuFeatures a = *mask_cpu_features(spr, "avx2");
   EXPECT_FALSE(a.avx512f || a.avx512vnni || a.avx512bf16 || a.amx_tile);
-  EXPECT_TRUE(a.avx2 && a.fma && a.avxvnni);
+  EXPECT_TRUE(a.avx2 && a.fma);
+  EXPECT_FALSE(a.avxvnni);  // avx2: the vpmaddubsw kernels; avx2-vnni keeps AVX-VNNI's vpdpbusd
+  const CpuFeatures v = *mask_cpu_features(spr, "avx2-vnni");
+  EXPECT_FALSE(v.avx512f || v.avx512vnni || v.avx512bf16 || v.amx_tile);
+  EXPECT_TRUE(v.avx2 && v.fma && v.avxvnni);
+  EXPECT_EQ(cpu_class_of(v), CpuClass::avx2);
+  EXPECT_FALSE(mask_cpu_features(avx2_cpu(), "avx2-vnni")->avxvnni);  // never added
   // A mask never adds: an Ice Lake asked for avx512 stays without BF16.
   EXPECT_EQ(cpu_class_of(*mask_cpu_features(ice_lake(), "avx512")), CpuClass::avx512);
   EXPECT_EQ(cpu_class_of(*mask_cpu_features(avx2_cpu(), "avx512")), CpuClass::avx2);

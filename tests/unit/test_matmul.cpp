@@ -346,6 +346,41 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   }
 }
 
+// The AVX2 kernels built with AVX-VNNI (vpdpbusd in the 32-element types' block
+// dots) give the scalar model's bits, decode and batch, packed and unpacked,
+// whatever the matmul driver picks on this CPU (the unit_cpu_avx2 and
+// unit_cpu_avx2-vnni ctest entries run the driver's choice of each).
+TEST(Matmul, AvxVnniKernelsMatchScalarModel) {
+  if (!cpu_features().avxvnni) GTEST_SKIP() << "no AVX-VNNI on this CPU: the kernels built for it cannot run";
+  uint32_t seed = 1400;
+  for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q8_0, DType::iq4_nl,
+                     DType::q4_k, DType::q6_k}) {
+    for (int64_t T : {int64_t{1}, int64_t{19}}) {
+      Problem pr(type, 16 * 3 + 5, test_k(type, 1), T, seed++);
+      const auto want = pr.model();
+      const PackedWeight pw = PackedWeight::pack(pr.W);
+      const cpu::ActKind kind = cpu::act_kind(type, false);
+      const size_t arb = cpu::act_row_bytes(kind, pr.K);
+      std::vector<uint8_t> act(arb * static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t)
+        cpu::quantize_act_row(kind, type, pr.x.data() + t * pr.K, pr.K, &act[arb * t]);
+      const cpu::UnpackedPanels u = cpu::unpacked_panels_avx2(type, pr.K);
+      std::vector<uint8_t> tmp(u.panel_bytes > 0 ? cpu::unpack_scratch_bytes(u) : 0);
+      for (bool unpacked : {false, true}) {
+        if (unpacked && (tmp.empty() || T == 1)) continue;
+        std::vector<float> y(static_cast<size_t>(pr.N * T), -7.0f);
+        cpu::KernelArgs a = kernel_args(pw, pr, act, arb, y);
+        a.tmp = unpacked ? tmp.data() : nullptr;
+        a.tmp_bytes = unpacked ? tmp.size() : 0;
+        cpu::panel_kernel_avx2_vnni(type, a);
+        expect_bits_equal(
+            want, y,
+            std::string(dtype_name(type)) + " T=" + std::to_string(T) + (unpacked ? " unpacked" : ""));
+      }
+    }
+  }
+}
+
 // bf16 weights on AVX-512 multiply either with vdpbf16ps (bf16pairs act rows) or
 // with its f32-FMA emulation (bf16f32 rows); bf16_dot() picks one per CPU by speed,
 // so each must give the scalar model's bits whichever this machine picks. Without

@@ -144,8 +144,10 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     }
   }
 
+  const cpu::PanelKernel avx2_kernel =
+      usable_cpu_features().avxvnni ? cpu::panel_kernel_avx2_vnni : cpu::panel_kernel_avx2;
   const cpu::PanelKernel kernel = use_amx                 ? cpu::panel_kernel_amx
-                                  : isa == cpu::Isa::avx2 ? cpu::panel_kernel_avx2
+                                  : isa == cpu::Isa::avx2 ? avx2_kernel
                                                           : cpu::panel_kernel_avx512;
 
   // One range of global panels [g0, g1) for tokens [t0, t1), on worker slot ti.

@@ -196,6 +196,9 @@ struct KernelArgs {
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
 void panel_kernel_avx2(DType type, const KernelArgs& a);
+// The same kernels with AVX-VNNI's vpdpbusd in the 32-element types' block dots
+// (same results); for CPUs with AVX-VNNI (usable_cpu_features().avxvnni).
+void panel_kernel_avx2_vnni(DType type, const KernelArgs& a);
 void panel_kernel_avx512(DType type, const KernelArgs& a);
 // The types whose AVX-512 kernels have an AVX512-VBMI form (panel_kernel_avx512
 // runs it where KernelArgs::vbmi): the iq2 and iq3 grids, whose codes come from
