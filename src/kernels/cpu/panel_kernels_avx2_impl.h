@@ -609,15 +609,23 @@ struct Q45KImpl {
         for (int g = 0; g < 8; ++g) {
           prefetch_group(pb, g, 320, kGroup);
           for (int h = 0; h < 2; ++h) {
+#if LOOM_AVX2_VNNI
+            const __m256i sw = scale_words(scales_x2(pb + 64 + 16 * g + 8 * h));  // (u6 scales)
+#else
             __m128i sc8;
             std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
             const __m256i sc = _mm256_cvtepu8_epi32(sc8);
+#endif
             __m256i ops[8];
             unpack(pb + 320 + g * kGroup, h, ops);
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
               const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
+#if LOOM_AVX2_VNNI
+              isc[h][c] = add_scaled(isc[h][c], d, sw);
+#else
               isc[h][c] = _mm256_add_epi32(isc[h][c], _mm256_mullo_epi32(d, sc));
+#endif
             }
           }
         }
@@ -834,18 +842,27 @@ struct K16Impl {
               }
               continue;
             }
+#if LOOM_AVX2_VNNI
+            const __m256i sw0 = scale_words(scales_x2(pb + kScales + 32 * g + 8 * h)),
+                          sw1 = scale_words(scales_x2(pb + kScales + 32 * g + 16 + 8 * h));
+#else
             __m128i s0, s1;
             std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
             std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
             const __m256i sc0 = _mm256_cvtepi8_epi32(s0), sc1 = _mm256_cvtepi8_epi32(s1);
+#endif
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
               const __m256i d0 = _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g),
                                                   _mm256_set1_epi32(offset(x, 2 * g)));
               const __m256i d1 = _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g),
                                                   _mm256_set1_epi32(offset(x, 2 * g + 1)));
+#if LOOM_AVX2_VNNI  // (|d| < 2^18: 16 values of 63 x 127 and q6_k's offset -32 x 16 x 127)
+              isc[h][c] = add_scaled(add_scaled(isc[h][c], d0, sw0), d1, sw1);
+#else
               isc[h][c] = _mm256_add_epi32(
                   isc[h][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
+#endif
             }
           }
         }
@@ -1127,12 +1144,16 @@ struct SignedK16Impl {
             unpack(pb + kHeader + g * kGroup, h, ops);
             for (int o = 0; o < 8; ++o) absw[o] = _mm256_sign_epi8(ops[o], ops[o]);
             for (int s = 0; s < (kPer16 ? 2 : 1); ++s) {
-              __m128i sv;
-              std::memcpy(&sv, scales(pb, g, s, h), 8);
               const int8_t* xq = x->qs + 32 * g;
               const __m256i dot =
                   kPer16 ? idot_s8_range(absw, ops, xq, 4 * s, 4 * s + 4) : idot_s8(absw, ops, xq);
+#if LOOM_AVX2_VNNI  // (|dot| < 2^20: 32 values of 128 x 127)
+              isc[h] = add_scaled(isc[h], dot, scale_words(scales_x2(scales(pb, g, s, h))));
+#else
+              __m128i sv;
+              std::memcpy(&sv, scales(pb, g, s, h), 8);
               isc[h] = _mm256_add_epi32(isc[h], _mm256_mullo_epi32(dot, _mm256_cvtepi8_epi32(sv)));
+#endif
             }
           }
         }
