@@ -28,8 +28,9 @@
 namespace loom::cpu {
 namespace {
 
-// Decode prefetch distance of this kernel family (panel_kernels.h).
-constexpr size_t kAhead = kPrefetchBytesAvx2;
+// Decode prefetch distance of this kernel family (panel_kernels.h: AVX-VNNI's
+// cores take the AVX-512 kernels' distance).
+constexpr size_t kAhead = LOOM_AVX2_VNNI ? kPrefetchBytesAvx512 : kPrefetchBytesAvx2;
 
 inline __m256i bcast32(const void* p) {
   int32_t v;
