@@ -67,19 +67,13 @@ struct Segment {
 };
 
 // Panels per claim of a panel split (run_matmul): a batch with unpacked panels
-// claims one unpack group (about kTileGroupBytes, what its kernel unpacks at a
-// time), anything else kClaimPanels (a few panels: whole multiples of
-// kFlyGroup, and small enough that a stolen tail evens the threads out).
-int64_t panel_chunk(int64_t T, size_t tmp_bytes, cpu::Isa isa, DType type, int64_t K) {
+// claims one unpack group (unpack_group: what its kernel unpacks at a time,
+// about kTileGroupBytes), anything else kClaimPanels (a few panels: whole
+// multiples of kFlyGroup, and small enough that a stolen tail evens the threads out).
+int64_t panel_chunk(int64_t unpack_group) {
   constexpr int64_t kClaimPanels = 4;
   static_assert(kClaimPanels % kFlyGroup == 0);
-  if (T > 1 && tmp_bytes > 0 && isa != cpu::Isa::amx) {
-    const cpu::UnpackedPanels u =
-        isa == cpu::Isa::avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
-    if (u.panel_bytes > 0)
-      return static_cast<int64_t>(tmp_bytes / u.panel_bytes) / u.tile_panels * u.tile_panels;
-  }
-  return kClaimPanels;
+  return unpack_group > 0 ? unpack_group : kClaimPanels;
 }
 
 void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span<const Segment> segs,
@@ -110,13 +104,17 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   const size_t fly_bytes = fly ? static_cast<size_t>(kFlyGroup) * segs[0].pstride : 0;
   const int64_t worker_tokens = split_tokens ? T / nt : T;
   size_t tmp_bytes = 0;
-  if (use_amx)
+  int64_t unpack_group = 0;  // panels the kernel unpacks at a time (drive_unpacked's group); 0: none
+  if (use_amx) {
     tmp_bytes = static_cast<size_t>(K) * kPanelRows;  // AMX: unpacked 8-bit panel
-  else if (worker_tokens >= kUnpackMinT)
+  } else if (worker_tokens >= kUnpackMinT) {
     if (const cpu::UnpackedPanels u =
             isa == cpu::Isa::avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
-        u.panel_bytes > 0)
+        u.panel_bytes > 0) {
       tmp_bytes = cpu::unpack_scratch_bytes(u);
+      unpack_group = static_cast<int64_t>(tmp_bytes / u.panel_bytes) / u.tile_panels * u.tile_panels;
+    }
+  }
   if (fly_bytes + tmp_bytes > 0)
     for (int i = 0; i < nt; ++i) scratch.get(1 + static_cast<size_t>(i), fly_bytes + tmp_bytes);
   const bool q8k_u8 = isa == cpu::Isa::avx2 && cpu::avx2_u8_acts(type, K, worker_tokens, tmp_bytes);
@@ -198,7 +196,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   // sibling vCPU, or an efficiency core, then holds the op up less. Which thread
   // runs a panel changes no result (each panel's outputs are its own).
   RangeClaims& claims = scratch.claims();
-  if (!split_tokens) claims.reset(np, nt, panel_chunk(T, tmp_bytes, isa, type, K));
+  if (!split_tokens) claims.reset(np, nt, panel_chunk(unpack_group));
   auto work = [&](int ti, int tn) {
     if (split_tokens) {
       const int64_t t0 = T * ti / tn, t1 = T * (ti + 1) / tn;

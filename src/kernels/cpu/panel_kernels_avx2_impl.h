@@ -2,10 +2,10 @@
 // of 8 rows. Integer block dots use vpmaddubsw/vpmaddwd (sums that provably fit
 // in int16), then the same per-lane f32 sequence as the AVX-512 kernels, so both
 // paths give bit-identical results. Included by two files: with LOOM_AVX2_VNNI
-// 1 (panel_kernels_avx2_vnni.cpp, built with -mavxvnni) the plain block dots of
-// the 32-element types take AVX-VNNI's vpdpbusd instead, the same exact int32
-// sums in fewer instructions; the k-quant tiles, whose int16 runs go to
-// vpmaddwd by their scales, are the same in both.
+// 1 (panel_kernels_avx2_vnni.cpp, built with -mavxvnni) the block dots take
+// AVX-VNNI's vpdpbusd instead, and the scaled ones multiply by their scales with
+// add_scaled instead of vpmaddwd or vpmulld: the same exact int32 sums in fewer
+// instructions.
 #pragma once  // (one inclusion per file)
 
 #ifndef LOOM_AVX2_VNNI
@@ -224,7 +224,30 @@ inline __m256i add_scaled(__m256i acc, __m256i d, __m256i sw) {
 }
 // scales_x2's (sc, sc) int16 pairs as (sc, 256 sc) (i8 scales: 256 sc fits int16).
 inline __m256i scale_words(__m256i sc2) { return _mm256_blend_epi16(sc2, _mm256_slli_epi16(sc2, 8), 0xAA); }
+
+// Operand o of a group into token sums of scale units of kUnit operands: d gets
+// its dot (vpdpbusd of the unsigned u with the signed s, from zero at a unit's
+// first operand); at a unit's last, isc += d times the unit's scale words sw[o / 4].
+template <int kUnit>
+[[gnu::always_inline]] inline void unit_dot(int o, __m256i u, __m256i s, const __m256i (&sw)[2], __m256i& d,
+                                            __m256i& isc) {
+  d = _mm256_dpbusd_avx_epi32(o % kUnit == 0 ? _mm256_setzero_si256() : d, u, s);
+  keep_in_register(d);
+  if (o % kUnit == kUnit - 1) isc = add_scaled(isc, d, sw[o / 4]);
+}
 #endif
+
+// isc + d times the 8 rows' i8 scales at p (scales below 128 read as u8 the
+// same), exact: add_scaled under AVX-VNNI, else vpmulld.
+inline __m256i add_scaled_rows(__m256i isc, __m256i d, const uint8_t* p) {
+#if LOOM_AVX2_VNNI
+  return add_scaled(isc, d, scale_words(scales_x2(p)));
+#else
+  __m128i s;
+  std::memcpy(&s, p, 8);
+  return _mm256_add_epi32(isc, _mm256_mullo_epi32(d, _mm256_cvtepi8_epi32(s)));
+#endif
+}
 
 // isc[c] += the 8 operands of a group of 32 dotted with token c's 32 values (xq[c]),
 // operand-major (each operand loaded or unpacked once for the C tokens): runs of
@@ -248,11 +271,10 @@ template <int kRun, int C, bool kUnsignedActs = false, int kUnit = 4, class Oper
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const __m256i xb = bcast32(xq[c] + 4 * o);
-      const __m256i zero_or_d = o % kUnit == 0 ? _mm256_setzero_si256() : d[c];
-      d[c] = kUnsignedActs ? _mm256_dpbusd_avx_epi32(zero_or_d, xb, w)
-                           : _mm256_dpbusd_avx_epi32(zero_or_d, w, xb);
-      keep_in_register(d[c]);
-      if (o % kUnit == kUnit - 1) isc[c] = add_scaled(isc[c], d[c], sw[o / 4]);
+      if constexpr (kUnsignedActs)
+        unit_dot<kUnit>(o, xb, w, sw, d[c], isc[c]);
+      else
+        unit_dot<kUnit>(o, w, xb, sw, d[c], isc[c]);
       keep_in_register(isc[c]);
     }
   }
@@ -610,23 +632,13 @@ struct Q45KImpl {
         for (int g = 0; g < 8; ++g) {
           prefetch_group(pb, g, 320, kGroup);
           for (int h = 0; h < 2; ++h) {
-#if LOOM_AVX2_VNNI
-            const __m256i sw = scale_words(scales_x2(pb + 64 + 16 * g + 8 * h));  // (u6 scales)
-#else
-            __m128i sc8;
-            std::memcpy(&sc8, pb + 64 + 16 * g + 8 * h, 8);
-            const __m256i sc = _mm256_cvtepu8_epi32(sc8);
-#endif
+            const uint8_t* sc = pb + 64 + 16 * g + 8 * h;  // (u6 scales)
             __m256i ops[8];
             unpack(pb + 320 + g * kGroup, h, ops);
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
               const __m256i d = idot < kFive ? 5 : 4, 0, 8 > (ops, x->qs + 32 * g);
-#if LOOM_AVX2_VNNI
-              isc[h][c] = add_scaled(isc[h][c], d, sw);
-#else
-              isc[h][c] = _mm256_add_epi32(isc[h][c], _mm256_mullo_epi32(d, sc));
-#endif
+              isc[h][c] = add_scaled_rows(isc[h][c], d, sc);
             }
           }
         }
@@ -843,27 +855,15 @@ struct K16Impl {
               }
               continue;
             }
-#if LOOM_AVX2_VNNI
-            const __m256i sw0 = scale_words(scales_x2(pb + kScales + 32 * g + 8 * h)),
-                          sw1 = scale_words(scales_x2(pb + kScales + 32 * g + 16 + 8 * h));
-#else
-            __m128i s0, s1;
-            std::memcpy(&s0, pb + kScales + 32 * g + 8 * h, 8);
-            std::memcpy(&s1, pb + kScales + 32 * g + 16 + 8 * h, 8);
-            const __m256i sc0 = _mm256_cvtepi8_epi32(s0), sc1 = _mm256_cvtepi8_epi32(s1);
-#endif
+            const uint8_t* sc0 = pb + kScales + 32 * g + 8 * h;  // sub-block 2g's, then 2g + 1's at + 16
             for (int c = 0; c < C; ++c) {
               const auto* x = reinterpret_cast<const ActQ8K*>(ta.act + c * ta.astride) + sb;
               const __m256i d0 = _mm256_add_epi32(idot<kBits, 0, 4>(ops, x->qs + 32 * g),
                                                   _mm256_set1_epi32(offset(x, 2 * g)));
               const __m256i d1 = _mm256_add_epi32(idot<kBits, 4, 8>(ops, x->qs + 32 * g),
                                                   _mm256_set1_epi32(offset(x, 2 * g + 1)));
-#if LOOM_AVX2_VNNI  // (|d| < 2^18: 16 values of 63 x 127 and q6_k's offset -32 x 16 x 127)
-              isc[h][c] = add_scaled(add_scaled(isc[h][c], d0, sw0), d1, sw1);
-#else
-              isc[h][c] = _mm256_add_epi32(
-                  isc[h][c], _mm256_add_epi32(_mm256_mullo_epi32(d0, sc0), _mm256_mullo_epi32(d1, sc1)));
-#endif
+              // (|d| < 2^18: 16 values of 63 x 127 and q6_k's offset -32 x 16 x 127)
+              isc[h][c] = add_scaled_rows(add_scaled_rows(isc[h][c], d0, sc0), d1, sc0 + 16);
             }
           }
         }
@@ -1098,9 +1098,7 @@ struct SignedK16Impl {
               for (int c = 0; c < C; ++c) {
                 const __m256i xs = _mm256_sign_epi8(bcast32(x[c]->qs + 32 * g + 4 * o), w);
 #if LOOM_AVX2_VNNI
-                d[c] = _mm256_dpbusd_avx_epi32(o % kUnit == 0 ? _mm256_setzero_si256() : d[c], aw, xs);
-                keep_in_register(d[c]);
-                if (o % kUnit == kUnit - 1) isc[c] = add_scaled(isc[c], d[c], sw[o / 4]);
+                unit_dot<kUnit>(o, aw, xs, sw, d[c], isc[c]);
 #else
                 isc[c] = _mm256_add_epi32(isc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), sc[o / 4]));
 #endif
@@ -1148,13 +1146,7 @@ struct SignedK16Impl {
               const int8_t* xq = x->qs + 32 * g;
               const __m256i dot =
                   kPer16 ? idot_s8_range(absw, ops, xq, 4 * s, 4 * s + 4) : idot_s8(absw, ops, xq);
-#if LOOM_AVX2_VNNI  // (|dot| < 2^20: 32 values of 128 x 127)
-              isc[h] = add_scaled(isc[h], dot, scale_words(scales_x2(scales(pb, g, s, h))));
-#else
-              __m128i sv;
-              std::memcpy(&sv, scales(pb, g, s, h), 8);
-              isc[h] = _mm256_add_epi32(isc[h], _mm256_mullo_epi32(dot, _mm256_cvtepi8_epi32(sv)));
-#endif
+              isc[h] = add_scaled_rows(isc[h], dot, scales(pb, g, s, h));  // (|dot| < 2^20: 32 of 128 x 127)
             }
           }
         }
