@@ -95,6 +95,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   LOOM_ASSERT(!fly || segs.size() == 1);
   const bool bf16_pairs = cpu::bf16_native(isa);
   const bool vbmi = isa != cpu::Isa::avx2 && usable_cpu_features().avx512vbmi;
+  const bool avx_vnni = isa == cpu::Isa::avx2 && usable_cpu_features().avxvnni;  // panel_kernel_avx2_vnni
   // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
   const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) &&
                        cpu::amx_available();
@@ -108,8 +109,9 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   if (use_amx) {
     tmp_bytes = static_cast<size_t>(K) * kPanelRows;  // AMX: unpacked 8-bit panel
   } else if (worker_tokens >= kUnpackMinT) {
-    if (const cpu::UnpackedPanels u =
-            isa == cpu::Isa::avx2 ? cpu::unpacked_panels_avx2(type, K) : cpu::unpacked_panels_avx512(type, K);
+    if (const cpu::UnpackedPanels u = isa != cpu::Isa::avx2 ? cpu::unpacked_panels_avx512(type, K)
+                                      : avx_vnni            ? cpu::unpacked_panels_avx2_vnni(type, K)
+                                                            : cpu::unpacked_panels_avx2(type, K);
         u.panel_bytes > 0) {
       tmp_bytes = cpu::unpack_scratch_bytes(u);
       unpack_group = static_cast<int64_t>(tmp_bytes / u.panel_bytes) / u.tile_panels * u.tile_panels;
@@ -142,8 +144,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     }
   }
 
-  const cpu::PanelKernel avx2_kernel =
-      usable_cpu_features().avxvnni ? cpu::panel_kernel_avx2_vnni : cpu::panel_kernel_avx2;
+  const cpu::PanelKernel avx2_kernel = avx_vnni ? cpu::panel_kernel_avx2_vnni : cpu::panel_kernel_avx2;
   const cpu::PanelKernel kernel = use_amx                 ? cpu::panel_kernel_amx
                                   : isa == cpu::Isa::avx2 ? avx2_kernel
                                                           : cpu::panel_kernel_avx512;

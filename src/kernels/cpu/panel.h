@@ -221,6 +221,7 @@ struct UnpackedPanels {
   int tile_panels = 0;
 };
 UnpackedPanels unpacked_panels_avx2(DType type, int64_t K);
+UnpackedPanels unpacked_panels_avx2_vnni(DType type, int64_t K);
 UnpackedPanels unpacked_panels_avx512(DType type, int64_t K);
 // Whether the AVX2 kernel's batch of `type` with unpacked panels (tmp_bytes of
 // scratch for T > 1 tokens) reads ActKind::q8k_u8 act rows (then KernelArgs::q8k_u8):

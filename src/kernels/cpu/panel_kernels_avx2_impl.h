@@ -1226,17 +1226,25 @@ struct Bf16EmuImpl {
 
 // ---- f32 / f16 ----
 
-// f16 batches keep their packed panels here: widened to f32 once per call (the
-// AVX-512 kernels' way) they ran 0.91-0.93x, this loop being bound by its loads.
+// f16 batches: the plain AVX2 build keeps their packed panels (widened to f32
+// once per call, the AVX-512 kernels' way, they ran 0.91-0.93x on an AMD Zen 2,
+// this loop being bound by its two load ports). The AVX-VNNI build widens them
+// (F16WidenedImpl): AVX-VNNI without AVX-512 means Intel's cores since Alder
+// Lake, with three load ports, where vcvtph2ps takes an FMA port's slot; an
+// Emerald Rapids under LOOM_CPU=avx2-vnni ran the T = 512 tiles at 78-82
+// GFLOP/s per core widened, 70-77 packed.
 // Five tokens per batch tile (10 sums, 2 weights, 1 broadcast: 13 of the 16 ymm
 // registers): with six, GCC kept one sum on the stack, and each k then waited on
 // a store-to-load round trip plus the FMA. An AMD Zen 4 hid that; a Zen 2 ran
 // the f16 T = 512 tiles at 37 GFLOP/s per core with six and 67-77 with five.
+struct F16WidenedImpl;
+
 template <DType kKind>
 struct FloatImpl {
   static constexpr int kP1 = 2, kPB = 1, kCB = 5;
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kStep = kKind == DType::f32 ? 64 : 32;
+  using Unpacked = std::conditional_t<LOOM_AVX2_VNNI && kKind == DType::f16, F16WidenedImpl, void>;
   static __m256 load(const uint8_t* p, int h) {
     if constexpr (kKind == DType::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
     return load_f16x8(p + 16 * h);
@@ -1263,6 +1271,17 @@ struct FloatImpl {
       }
     }
     store_tile<P, C>(ta, acc);
+  }
+};
+
+// The f32 tiles on the f16 panels widened (exact): the same FMAs on the same
+// values in the same order, so the same bits as the packed tiles.
+struct F16WidenedImpl : FloatImpl<DType::f32> {
+  static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K) * 64; }
+  static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(reinterpret_cast<float*>(out + 64 * k + 32 * h), load_f16x8(pan + 32 * k + 16 * h));
   }
 };
 
@@ -1299,11 +1318,13 @@ template <DType kT>
 
 }  // namespace
 
-#if !LOOM_AVX2_VNNI
+#if LOOM_AVX2_VNNI
+UnpackedPanels unpacked_panels_avx2_vnni(DType type, int64_t K) {
+#else
 UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
+#endif
   return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
-#endif
 
 // Runs f.template operator()<kT>() for the kT of kTs equal to type; returns whether one was.
 template <DType... kTs, class F>
