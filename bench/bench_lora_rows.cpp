@@ -33,6 +33,7 @@
 #include "kernels/cpu/lora_rows.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/int_quant.h"
+#include "kernels/lora_b16.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -68,7 +69,8 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   // (serve/loaded_adapter.cpp).
   std::vector<HugePageBuffer> blocks;
   size_t adapter_halves = 0;
-  for (int64_t out : c.outs) adapter_halves += static_cast<size_t>(c.layers * c.rank * (c.in + out));
+  for (int64_t out : c.outs)
+    adapter_halves += static_cast<size_t>(c.layers * (c.rank * c.in + lora_b16_elements(out, c.rank)));
   for (int64_t a = 0; c.bits == 16 && a < c.adapters; ++a)
     blocks.emplace_back(adapter_halves * sizeof(uint16_t));
   std::vector<size_t> filled(blocks.size(), 0);
@@ -82,11 +84,11 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
       f.a = f.b = nullptr;
       f.a16 = h;
       f.b16 = h + as[i].size();
-      for (std::vector<float>* v : {&as[i], &bs[i]}) {
-        for (float e : *v) *h++ = fp32_to_bf16(e);
-        filled[ad] += v->size();
-        std::vector<float>().swap(*v);  // only the bf16 copy stays in memory
-      }
+      for (float e : as[i]) *h++ = fp32_to_bf16(e);
+      pack_lora_b16(bs[i].data(), out, c.rank, h);
+      filled[ad] += as[i].size() + static_cast<size_t>(lora_b16_elements(out, c.rank));
+      for (std::vector<float>* v : {&as[i], &bs[i]})
+        std::vector<float>().swap(*v);  // only the bf16 copy stays
       continue;
     }
     if (c.bits != 4) continue;

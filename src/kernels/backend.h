@@ -101,7 +101,7 @@ struct LoraFactor {
   float scale = 1.0f;
   Int4Rows a4{}, b4{};       // [rank, in] and [out, rank] in 4 bits (kernels/int4_rows.h)
   const uint16_t* a16 = nullptr;  // [rank, in] as bf16 bits (a null), read widened (exact)
-  const uint16_t* b16 = nullptr;  // [out, rank] as bf16 bits (b null)
+  const uint16_t* b16 = nullptr;  // [out, rank] as bf16 bits in column blocks (b null; kernels/lora_b16.h)
   bool quantized() const { return !a4.empty(); }
   bool bf16() const { return a16 != nullptr; }
   // Not plain f32: the kernel widens pieces into a stack buffer before the same FMAs.

@@ -2,6 +2,7 @@
 #include "serve/loaded_adapter.h"
 
 #include "core/half.h"
+#include "kernels/lora_b16.h"
 
 namespace loom {
 namespace {
@@ -36,21 +37,21 @@ void pack_4bit(LoadedAdapter& a) {
   }
 }
 
-// One block for the whole adapter (A then B of each pair in turn): a pair's
-// factors are contiguous and the adapter is one allocation to free.
+// One block for the whole adapter (A then B of each pair in turn, B in
+// kernels/lora_b16.h's column blocks): a pair's factors are contiguous and the
+// adapter is one allocation to free.
 void pack_bf16(LoadedAdapter& a) {
   size_t n = 0;
   for (const ServeLoraPair& p : a.view.pairs)
-    if (p.present()) n += static_cast<size_t>(p.a.numel() + p.b.numel());
+    if (p.present()) n += static_cast<size_t>(p.a.numel() + lora_b16_elements(p.b.dim(0), p.rank()));
   a.halves = HugePageBuffer(n * sizeof(uint16_t));
   auto* at = reinterpret_cast<uint16_t*>(a.halves.data());
   for (ServeLoraPair& p : a.view.pairs) {
     if (!p.present()) continue;
-    const int64_t na = p.a.numel(), nb = p.b.numel();
+    const int64_t na = p.a.numel(), nb = lora_b16_elements(p.b.dim(0), p.rank());
     const float* fa = static_cast<const float*>(p.a.data);
-    const float* fb = static_cast<const float*>(p.b.data);
     for (int64_t i = 0; i < na; ++i) at[i] = fp32_to_bf16(fa[i]);
-    for (int64_t i = 0; i < nb; ++i) at[na + i] = fp32_to_bf16(fb[i]);
+    pack_lora_b16(static_cast<const float*>(p.b.data), p.b.dim(0), p.rank(), at + na);
     p.a16 = at;
     p.b16 = at + na;
     p.a.data = nullptr;

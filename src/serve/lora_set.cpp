@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kernels/lora_b16.h"
 
 namespace loom {
 
@@ -26,8 +27,8 @@ size_t ServeAdapter::factor_bytes() const {
   for (const ServeLoraPair& p : pairs) {
     if (!p.present()) continue;
     const auto a = static_cast<size_t>(p.rank() * p.a.dim(1)), b = static_cast<size_t>(p.rank() * p.b.dim(0));
-    if (p.bf16())
-      n += (a + b) * sizeof(uint16_t);
+    if (p.bf16())  // B padded to a multiple of 8 rows (kernels/lora_b16.h)
+      n += (a + static_cast<size_t>(lora_b16_elements(p.b.dim(0), p.rank()))) * sizeof(uint16_t);
     else if (p.quantized())  // codes, and an f32 scale per group
       n += (a + b) / 2 +
            (a / static_cast<size_t>(p.a4.group) + b / static_cast<size_t>(p.b4.group)) * sizeof(float);

@@ -26,7 +26,7 @@ struct ServeLoraPair {
   Tensor b;
   Int4Rows a4, b4;
   const uint16_t* a16 = nullptr;  // [r, in] bf16 bits
-  const uint16_t* b16 = nullptr;  // [out, r]
+  const uint16_t* b16 = nullptr;  // [out, r] in column blocks (kernels/lora_b16.h)
   bool quantized() const { return !a4.empty(); }
   bool bf16() const { return a16 != nullptr; }
   bool present() const { return a.data != nullptr || quantized() || bf16(); }

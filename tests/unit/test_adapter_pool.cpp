@@ -6,7 +6,6 @@
 // adapter's bytes and keeps exactly the bf16 values of its weights.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <filesystem>
@@ -15,6 +14,7 @@
 #include <string>
 
 #include "core/half.h"
+#include "kernels/lora_b16.h"
 #include "model/peft_adapter.h"
 #include "model_test_util.h"
 #include "serve/adapter_registry.h"
@@ -170,7 +170,9 @@ TEST(AdapterPool, Bf16AdaptersKeepTheRoundedWeightsInHalfTheBytes) {
     const float* a = static_cast<const float*>(p.a.data);
     const float* b = static_cast<const float*>(p.b.data);
     for (int64_t e = 0; e < p.a.numel(); ++e, ++checked) ASSERT_EQ(q.a16[e], fp32_to_bf16(a[e]));
-    for (int64_t e = 0; e < p.b.numel(); ++e, ++checked) ASSERT_EQ(q.b16[e], fp32_to_bf16(b[e]));
+    const int64_t out = p.b.dim(0), r = p.rank();
+    for (int64_t e = 0; e < p.b.numel(); ++e, ++checked)
+      ASSERT_EQ(q.b16[lora_b16_index(out, r, e / r, e % r)], fp32_to_bf16(b[e]));
   }
   EXPECT_EQ(checked * sizeof(float), x->bytes);
 }

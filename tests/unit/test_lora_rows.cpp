@@ -8,10 +8,11 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_backend_util.h"
 #include "core/half.h"
+#include "cpu_backend_util.h"
 #include "kernels/backend.h"
 #include "kernels/int_quant.h"
+#include "kernels/lora_b16.h"
 #include "kernels/ref/lora_rows_ref.h"
 #include "ops_test_util.h"
 
@@ -95,23 +96,21 @@ struct Point {
     fj.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
   }
 
-  // A and B rounded to bf16 (unpacked: kept as f32 factors of those values).
+  // A and B rounded to bf16 (unpacked: kept as f32 factors of those values;
+  // else B in lora_b16.h's transposed column blocks, as the server keeps it).
   void pack_bf16(LoraFactor& fj, bool unpacked) {
     float* ab[2] = {const_cast<float*>(fj.a), const_cast<float*>(fj.b)};
     const int64_t n[2] = {fj.rank * in, fj.out * fj.rank};
-    const uint16_t* h[2];
-    for (int i = 0; i < 2; ++i) {
-      std::vector<uint16_t>& v = halves.emplace_back(static_cast<size_t>(n[i]));
-      for (int64_t e = 0; e < n[i]; ++e) {
-        v[static_cast<size_t>(e)] = fp32_to_bf16(ab[i][e]);
-        if (unpacked) ab[i][e] = bf16_to_fp32(v[static_cast<size_t>(e)]);
-      }
-      h[i] = v.data();
-    }
+    for (int i = 0; i < 2; ++i)
+      for (int64_t e = 0; e < n[i]; ++e) ab[i][e] = bf16_to_fp32(fp32_to_bf16(ab[i][e]));
     if (unpacked) return;
+    std::vector<uint16_t>& a16 = halves.emplace_back(static_cast<size_t>(n[0]));
+    for (int64_t e = 0; e < n[0]; ++e) a16[static_cast<size_t>(e)] = fp32_to_bf16(fj.a[e]);
+    std::vector<uint16_t>& b16 = halves.emplace_back(static_cast<size_t>(lora_b16_elements(fj.out, fj.rank)));
+    pack_lora_b16(fj.b, fj.out, fj.rank, b16.data());
     fj.a = fj.b = nullptr;
-    fj.a16 = h[0];
-    fj.b16 = h[1];
+    fj.a16 = a16.data();
+    fj.b16 = b16.data();
   }
 
   std::vector<LoraRowsJob> make_jobs(std::vector<std::vector<float>>& y, bool stream = false) const {

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "kernels/cpu/bf16_rows.h"
@@ -15,13 +16,18 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/prefetch_stream.h"
 #include "kernels/cpu/simd_rows.h"
+#include "kernels/lora_b16.h"
 
 namespace loom {
+namespace detail {
+// lora_rows_avx512f.cpp
+void add_bt16_times_u_avx512(const uint16_t* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w);
+}  // namespace detail
 
 namespace {
 
-// Columns per unit of the second pass.
-constexpr int64_t kLoraCols = 64;
+// Columns per unit of the second pass: a bf16 B's column block (lora_b16.h).
+constexpr int64_t kLoraCols = kLoraBlockCols;
 // Rows of one adapter computed together: by the first pass (each A chunk read
 // once for them) and by the second (B's block transposed once for them).
 constexpr int kTileRows = 3;
@@ -56,6 +62,7 @@ void a_span(const LoraFactor& f, const void*& data, size_t& bytes) {
   bytes = static_cast<size_t>(f.rank * f.in) * element_bits(f) / 8;
 }
 void b_span(const LoraFactor& f, int64_t c0, int64_t c1, const void*& data, size_t& bytes) {
+  if (f.bf16()) c1 = c0 + lora_b16_block_width(f.out, c0 / kLoraCols);  // with its padding
   const size_t bits = element_bits(f), at = static_cast<size_t>(c0 * f.rank) * bits / 8;
   const void* base = f.bf16()        ? static_cast<const void*>(f.b16)
                      : f.quantized() ? static_cast<const void*>(f.b4.codes)
@@ -370,19 +377,20 @@ inline void transpose_b_block(BRow b_row, int64_t r, int64_t c0, int64_t c1, flo
 // The same sums as add_b_times_u with columns in the lanes: lane sums over
 // rank chunks into acc[l] (l = the rank's lane), then the same tree and tail,
 // so each y element gets the same bits, with B's block read once for a run.
-inline void add_bt_times_u(const float* bt, int64_t r, const float* u, float* y, int64_t w) {
+// bt: the block transposed, ld floats (or bf16, lora_b16.h) per rank row.
+template <typename E>
+inline void add_bt_times_u(const E* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w) {
   const int64_t r8 = r & ~int64_t{7};
   for (int64_t n = 0; n < w; n += 8) {
     __m256 acc[8];
     for (int l = 0; l < 8; ++l) acc[l] = _mm256_setzero_ps();
     for (int64_t c = 0; c < r8; c += 8)
       for (int l = 0; l < 8; ++l)
-        acc[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c + l), _mm256_loadu_ps(bt + (c + l) * kLoraCols + n),
-                                 acc[l]);
+        acc[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c + l), simd::load8(bt + (c + l) * ld + n), acc[l]);
     __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
                              _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
     for (int64_t c = r8; c < r; ++c)
-      s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), _mm256_loadu_ps(bt + c * kLoraCols + n), s);
+      s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), simd::load8(bt + c * ld + n), s);
     add_cols(y, n, w, s);
   }
 }
@@ -416,6 +424,7 @@ struct SecondPass {
   std::span<const LoraSegment> segs;
   int64_t R, T;
   const float* u;
+  bool avx512;  // bf16 B blocks 16 columns at a time (lora_rows_avx512f.cpp)
 
   int64_t units() const {
     return segs.empty() ? 0 : segs.back().first_unit + segs.back().blocks * segs.back().len;
@@ -433,6 +442,22 @@ struct SecondPass {
     const int64_t local = i - sg.first_unit, c0 = local / sg.len * kLoraCols;
     return {&sg, local % sg.len, c0, std::min(sg.f->out, c0 + kLoraCols)};
   }
+  // The unit n after `at` (its segment's or a later one's; seg null past the
+  // last): the walks below step through their units without unit()'s search,
+  // which cost decode rows (a segment of one row per adapter and job) about a
+  // fifth of the second pass.
+  Unit after(const Unit& at, int64_t n) const {
+    const LoraSegment* sg = at.seg;
+    int64_t local = at.c0 / kLoraCols * sg->len + at.m + n;
+    for (;;) {
+      const int64_t units = sg->blocks * sg->len;
+      if (local < units) break;
+      local -= units;
+      if (++sg == segs.data() + segs.size()) return {nullptr, 0, 0, 0};
+    }
+    const int64_t c0 = local / sg->len * kLoraCols;
+    return {sg, local % sg->len, c0, std::min(sg->f->out, c0 + kLoraCols)};
+  }
 
   // y[row][s0, s1) += B[s0, s1) u[row] for the listed rows k.. of a run of n
   // (one factor) of job j; b_row(n): B's row n. A long run with a narrow rank
@@ -447,16 +472,34 @@ struct SecondPass {
       const float* ur = u + (j * T + row) * R;
       float* y = job.y + row * job.ldy;
       if (transposed)
-        add_bt_times_u(bt, r, ur, y + s0, s1 - s0);
+        add_bt_times_u(bt, kLoraCols, r, ur, y + s0, s1 - s0);
       else
         add_b_times_u(b_row, r, ur, y, s0, s1);
     }
   }
 
+  // y[row][c0, c1) += B[c0, c1) u[row] for a run of n rows with a bf16 B, its
+  // block read in place (already transposed, lora_b16.h) and widened in
+  // registers: every row, a decode row of its own adapter too, takes the
+  // columns-in-lanes sums, with no horizontal sum per output.
+  void add_rows_bf16(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0, int64_t c1) const {
+    const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
+    const auto* block = reinterpret_cast<const simd::Bf16*>(f.b16) + c0 * f.rank;
+    const int64_t ld = lora_b16_block_width(f.out, c0 / kLoraCols);
+    for (int64_t m = 0; m < n; ++m) {
+      const int64_t row = rows[static_cast<size_t>(k + m)];
+      const float* ur = u + (j * T + row) * R;
+      float* y = job.y + row * job.ldy + c0;
+      if (avx512)
+        detail::add_bt16_times_u_avx512(f.b16 + c0 * f.rank, ld, f.rank, ur, y, c1 - c0);
+      else
+        add_bt_times_u(block, ld, f.rank, ur, y, c1 - c0);
+    }
+  }
+
   // add_rows over [c0, c1) with a 4-bit B, dequantized once for the run: the
   // whole block (transposed: it fits) or pieces of a multiple of 8 rows (the
-  // dot products' own). Out of line, like FirstPass::tile_packed. (A bf16 B
-  // is read in place, widened in registers.)
+  // dot products' own). Out of line, like FirstPass::tile_packed.
   [[gnu::noinline]] void add_rows_int4(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
                                        int64_t c1, bool transposed, float* bt) const {
     const int64_t r = f.rank;
@@ -477,13 +520,17 @@ struct SecondPass {
   struct Spans {
     const SecondPass& p;
     int64_t i, e;
-    Spans(const SecondPass& p, int64_t b, int64_t e) : p(p), i(any_streams(p.jobs) ? b : e), e(e) {}
+    Unit at;
+    Spans(const SecondPass& p, int64_t b, int64_t e)
+        : p(p), i(any_streams(p.jobs) ? b : e), e(e), at(i < e ? p.unit(i) : Unit{}) {}
     bool next(const void*& data, size_t& bytes) {
       while (i < e) {
-        const Unit at = p.unit(i);
-        i += at.seg->len - at.m;  // the next block (or segment)
-        if (!p.jobs[static_cast<size_t>(at.seg->j)].stream_factors) continue;
-        b_span(*at.seg->f, at.c0, at.c1, data, bytes);
+        const Unit u = at;
+        const int64_t n = u.seg->len - u.m;  // to the next block (or segment)
+        i += n;
+        if (i < e) at = p.after(u, n);
+        if (!p.jobs[static_cast<size_t>(u.seg->j)].stream_factors) continue;
+        b_span(*u.seg->f, u.c0, u.c1, data, bytes);
         return true;
       }
       return false;
@@ -494,8 +541,9 @@ struct SecondPass {
     alignas(32) float bt[kMaxTransposedRank * kLoraCols];
     Spans spans(*this, b, e);
     PrefetchStream<Spans> pf(spans, kPrefetchAhead);
+    Unit at = b < e ? unit(b) : Unit{};
     for (int64_t i = b; i < e;) {
-      const auto [seg, m, c0, c1] = unit(i);
+      const auto [seg, m, c0, c1] = at;
       const LoraFactor* f = seg->f;
       // The run: the segment's rows m.. of this block, inside [b, e).
       const int64_t n = std::min(seg->len - m, e - i);
@@ -503,14 +551,14 @@ struct SecondPass {
       const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
       const float* b0 = f->b;
       const int64_t r = f->rank, j = seg->j, k = seg->k0 + m;
-      const auto* h = reinterpret_cast<const simd::Bf16*>(f->b16);
-      if (f->bf16())  // widened as read
-        add_rows([h, r](int64_t row) { return h + row * r; }, r, j, k, n, c0, c1, transposed, bt);
+      if (f->bf16())
+        add_rows_bf16(*f, j, k, n, c0, c1);
       else if (f->packed())
         add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
       else
         add_rows([b0, r](int64_t row) { return b0 + row * r; }, r, j, k, n, c0, c1, transposed, bt);
       i += n;
+      if (i < e) at = after(at, n);
     }
   }
 };
@@ -548,7 +596,7 @@ void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<co
       p1.run(groups[g], std::max(b - g * NR, int64_t{0}), std::min(e - g * NR, NR));
   });
   segments_of(jobs, NR, scratch.segments);
-  const SecondPass p2{jobs, rows, scratch.segments, max_rank, T, u};
+  const SecondPass p2{jobs, rows, scratch.segments, max_rank, T, u, usable_cpu_features().has_avx512_f32()};
   pool.parallel_for(p2.units(), [&](int64_t b, int64_t e) { p2.run(b, e); });
 }
 

@@ -31,8 +31,10 @@ namespace loom {
 // dequantized into a stack buffer right before the same operations, so the
 // bits are those of the f32 kernel on the unpack_int4_rows values, and no
 // f32 copy of an adapter is made. A factor kept in bf16 (a16 / b16) is read
-// the same way, widened exactly: half the bytes of f32, which is what decode
-// rows of many adapters wait for (each row streams its own adapter from DRAM).
+// in place, widened exactly in registers: half the bytes of f32, which is what
+// decode rows of many adapters wait for (each row streams its own adapter from
+// DRAM); its B is kept in transposed column blocks (kernels/lora_b16.h), so
+// every run, one row long too, takes the columns-in-lanes second pass.
 // Rows of one job with one factor, adjacent in the listed rows (at most 16):
 // one run of the second pass, whose units go segment by segment.
 struct LoraSegment {

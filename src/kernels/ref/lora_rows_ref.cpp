@@ -5,6 +5,7 @@
 
 #include "core/half.h"
 #include "kernels/int_quant.h"
+#include "kernels/lora_b16.h"
 
 namespace loom::ref {
 
@@ -37,7 +38,10 @@ void lora_rows(std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows)
         a4.resize(static_cast<size_t>(f->rank * f->in));
         b4.resize(static_cast<size_t>(f->out * f->rank));
         for (size_t i = 0; i < a4.size(); ++i) a4[i] = bf16_to_fp32(f->a16[i]);
-        for (size_t i = 0; i < b4.size(); ++i) b4[i] = bf16_to_fp32(f->b16[i]);
+        for (int64_t n = 0; n < f->out; ++n)
+          for (int64_t j = 0; j < f->rank; ++j)
+            b4[static_cast<size_t>(n * f->rank + j)] =
+                bf16_to_fp32(f->b16[lora_b16_index(f->out, f->rank, n, j)]);
         a = a4.data();
         b = b4.data();
       }
