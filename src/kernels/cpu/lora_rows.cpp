@@ -13,17 +13,13 @@
 #include "core/half.h"
 #include "kernels/cpu/bf16_rows.h"
 #include "kernels/cpu/int4_dequant.h"
+#include "kernels/cpu/lora_rows_isa.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/prefetch_stream.h"
 #include "kernels/cpu/simd_rows.h"
 #include "kernels/lora_b16.h"
 
 namespace loom {
-namespace detail {
-// lora_rows_avx512f.cpp
-void add_bt16_times_u_avx512(const uint16_t* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w);
-}  // namespace detail
-
 namespace {
 
 // Columns per unit of the second pass: a bf16 B's column block (lora_b16.h).
@@ -590,13 +586,14 @@ void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<co
     else
       groups[n_groups++] = {j, 1};
   }
+  const bool avx512 = usable_cpu_features().has_avx512_f32();
   const FirstPass p1{jobs, rows, max_rank, T, u};
   pool.parallel_for(n_groups * NR, [&](int64_t b, int64_t e) {
     for (int64_t g = b / NR; g < n_groups && g * NR < e; ++g)
       p1.run(groups[g], std::max(b - g * NR, int64_t{0}), std::min(e - g * NR, NR));
   });
   segments_of(jobs, NR, scratch.segments);
-  const SecondPass p2{jobs, rows, scratch.segments, max_rank, T, u, usable_cpu_features().has_avx512_f32()};
+  const SecondPass p2{jobs, rows, scratch.segments, max_rank, T, u, avx512};
   pool.parallel_for(p2.units(), [&](int64_t b, int64_t e) { p2.run(b, e); });
 }
 

@@ -2,11 +2,14 @@
 // 16 columns in the lanes where the AVX2 loop has 8, each lane the same
 // operations (FMA chains over the rank in chunks of 8, the same tree, the same
 // tail, then y + s), so the same bits. AVX-512 F/BW/VL only; chosen at run
-// time (CpuFeatures::has_avx512_f32).
+// time (CpuFeatures::has_avx512_f32). (The first pass's bf16 tiles with two
+// factor rows a zmm ran no faster on an Emerald Rapids: not kept.)
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+
+#include "kernels/cpu/lora_rows_isa.h"
 
 namespace loom::detail {
 
