@@ -1186,9 +1186,12 @@ inline void start_float_tile(const TileArgs& ta, __m256 (&acc)[P][2][C], const f
 // 16th register it made GCC spill a sum. Two shifts instead ran as fast on the
 // Zen 2 but take the FMA ports on Intel cores, where vpand need not. Zen 2, one
 // core, T = 512: 61-65 -> 70-74 GFLOP/s.
+struct Bf16WidenedImpl;
+
 struct Bf16EmuImpl {
   static constexpr int kP1 = 2, kPB = 1, kCB = 5;
   static constexpr bool kTokensOuter = true;
+  using Unpacked = std::conditional_t<LOOM_AVX2_VNNI, Bf16WidenedImpl, void>;
   template <int P, int C>
   static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
@@ -1220,6 +1223,51 @@ struct Bf16EmuImpl {
         }
       }
     }
+    store_tile<P, C>(ta, acc);
+  }
+};
+
+// Batches of the AVX-VNNI build (as its f16 ones, FloatImpl): the pair rows
+// widened to f32 once per call, per pair the odd elements' 16 rows then the
+// even ones' (128 bytes), so the tile's FMAs take them without the AND and
+// the shift: the same FMAs on the same values in the same order (and under
+// the same DAZ + FTZ), the same bits. Emerald Rapids, LOOM_CPU=avx2-vnni:
+// see bench/README.md ("AVX2 with AVX-VNNI").
+struct Bf16WidenedImpl {
+  static constexpr int kP1 = 2, kPB = 1, kCB = 5;
+  static constexpr bool kTokensOuter = true;
+  static size_t panel_bytes(int64_t K) { return static_cast<size_t>(bf16_pair_count(K)) * 128; }
+  static void unpack_panel(const uint8_t* pan, int64_t K, uint8_t* out) {
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int64_t j = 0; j < bf16_pair_count(K); ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = load256(pan + j * 64 + 32 * h);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 128 + 32 * h), _mm256_and_si256(w, hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * 128 + 64 + 32 * h),
+                            _mm256_slli_epi32(w, 16));
+      }
+  }
+  template <int P, int C>
+  static void run(const TileArgs& ta) {
+    __m256 acc[P][2][C];
+    const float* x[C];
+    start_float_tile(ta, acc, x);
+    const int64_t pairs = bf16_pair_count(ta.K);
+    for (int64_t j = 0; j < pairs; ++j)
+      for (int p = 0; p < P; ++p) {
+        const auto* w = reinterpret_cast<const float*>(ta.pan + p * ta.pstride + j * 128);
+        __m256 odd[2], even[2];
+        for (int h = 0; h < 2; ++h) {
+          odd[h] = _mm256_loadu_ps(w + 8 * h);
+          even[h] = _mm256_loadu_ps(w + 16 + 8 * h);
+        }
+        for (int c = 0; c < C; ++c) {
+          const __m256 xo = _mm256_set1_ps(x[c][2 * j + 1]);
+          for (int h = 0; h < 2; ++h) acc[p][h][c] = _mm256_fmadd_ps(odd[h], xo, acc[p][h][c]);
+          const __m256 xe = _mm256_set1_ps(x[c][2 * j]);
+          for (int h = 0; h < 2; ++h) acc[p][h][c] = _mm256_fmadd_ps(even[h], xe, acc[p][h][c]);
+        }
+      }
     store_tile<P, C>(ta, acc);
   }
 };
@@ -1320,6 +1368,7 @@ template <DType kT>
 
 #if LOOM_AVX2_VNNI
 UnpackedPanels unpacked_panels_avx2_vnni(DType type, int64_t K) {
+  if (type == DType::bf16) return {Bf16WidenedImpl::panel_bytes(K), Bf16WidenedImpl::kPB};
 #else
 UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
 #endif
