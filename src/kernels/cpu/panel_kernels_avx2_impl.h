@@ -1178,6 +1178,20 @@ inline void start_float_tile(const TileArgs& ta, __m256 (&acc)[P][2][C], const f
 // file): per pair, the odd product then the even one, under DAZ + FTZ; act rows
 // are the bf16-rounded values as floats (ActKind::bf16f32). ----
 
+// acc[h][c] += odd[h] * x[c][2j + 1], then += even[h] * x[c][2j]: one pair of a
+// bf16 tile, the odd product first as vdpbf16ps; each of a token's two
+// broadcasts serves both halves before the next is loaded.
+template <int C>
+inline void pair_fmas(__m256 (&acc)[2][C], const __m256 (&odd)[2], const __m256 (&even)[2],
+                      const float* const (&x)[C], int64_t j) {
+  for (int c = 0; c < C; ++c) {
+    const __m256 xo = _mm256_set1_ps(x[c][2 * j + 1]);
+    for (int h = 0; h < 2; ++h) acc[h][c] = _mm256_fmadd_ps(odd[h], xo, acc[h][c]);
+    const __m256 xe = _mm256_set1_ps(x[c][2 * j]);
+    for (int h = 0; h < 2; ++h) acc[h][c] = _mm256_fmadd_ps(even[h], xe, acc[h][c]);
+  }
+}
+
 // Each sum is a chain of two dependent FMAs per pair, so a tile needs 10 sums
 // (2 FMAs per cycle x 5 cycles of latency) to keep the FMAs busy: with 8 an AMD
 // Zen 2 ran 1.6 FMAs per cycle. 10 sums, 4 weight halves and one broadcast at a
@@ -1205,8 +1219,7 @@ struct Bf16EmuImpl {
         for (int p = 0; p < P; ++p) prefetch_ahead<kAhead, 64>(ta.pan + p * ta.pstride + j * 64);
       const uint32_t* hi_mask = kHiMask;
       asm("" : "+r"(hi_mask));  // reloaded per pair: see above
-      // Both halves unpacked first, then each of a token's two broadcasts serves
-      // both halves before the next is loaded.
+      // Both halves unpacked first, then the pair's FMAs.
       for (int p = 0; p < P; ++p) {
         __m256 odd[2], even[2];
         for (int h = 0; h < 2; ++h) {
@@ -1215,12 +1228,7 @@ struct Bf16EmuImpl {
               _mm256_and_si256(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(hi_mask))));
           even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
         }
-        for (int c = 0; c < C; ++c) {
-          const __m256 xo = _mm256_set1_ps(x[c][2 * j + 1]);
-          for (int h = 0; h < 2; ++h) acc[p][h][c] = _mm256_fmadd_ps(odd[h], xo, acc[p][h][c]);
-          const __m256 xe = _mm256_set1_ps(x[c][2 * j]);
-          for (int h = 0; h < 2; ++h) acc[p][h][c] = _mm256_fmadd_ps(even[h], xe, acc[p][h][c]);
-        }
+        pair_fmas(acc[p], odd, even, x, j);
       }
     }
     store_tile<P, C>(ta, acc);
@@ -1261,12 +1269,7 @@ struct Bf16WidenedImpl {
           odd[h] = _mm256_loadu_ps(w + 8 * h);
           even[h] = _mm256_loadu_ps(w + 16 + 8 * h);
         }
-        for (int c = 0; c < C; ++c) {
-          const __m256 xo = _mm256_set1_ps(x[c][2 * j + 1]);
-          for (int h = 0; h < 2; ++h) acc[p][h][c] = _mm256_fmadd_ps(odd[h], xo, acc[p][h][c]);
-          const __m256 xe = _mm256_set1_ps(x[c][2 * j]);
-          for (int h = 0; h < 2; ++h) acc[p][h][c] = _mm256_fmadd_ps(even[h], xe, acc[p][h][c]);
-        }
+        pair_fmas(acc[p], odd, even, x, j);
       }
     store_tile<P, C>(ta, acc);
   }
