@@ -480,16 +480,16 @@ struct SecondPass {
   // columns-in-lanes sums, with no horizontal sum per output.
   void add_rows_bf16(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0, int64_t c1) const {
     const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
-    const auto* block = reinterpret_cast<const simd::Bf16*>(f.b16) + c0 * f.rank;
+    const uint16_t* block = f.b16 + c0 * f.rank;
     const int64_t ld = lora_b16_block_width(f.out, c0 / kLoraCols);
     for (int64_t m = 0; m < n; ++m) {
       const int64_t row = rows[static_cast<size_t>(k + m)];
       const float* ur = u + (j * T + row) * R;
       float* y = job.y + row * job.ldy + c0;
       if (avx512)
-        detail::add_bt16_times_u_avx512(f.b16 + c0 * f.rank, ld, f.rank, ur, y, c1 - c0);
+        detail::add_bt16_times_u_avx512(block, ld, f.rank, ur, y, c1 - c0);
       else
-        add_bt_times_u(block, ld, f.rank, ur, y, c1 - c0);
+        add_bt_times_u(reinterpret_cast<const simd::Bf16*>(block), ld, f.rank, ur, y, c1 - c0);
     }
   }
 

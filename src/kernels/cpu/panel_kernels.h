@@ -263,18 +263,25 @@ void run_panel_kernel(DType type, const KernelArgs& a) {
   });
 }
 
-// The unpacked panels of `type` for batches (none: its kernel has no unpacked
-// form), as drive_tiles will ask of KernelArgs::tmp.
+// The unpacked panels of Impl's batches (none: it has no unpacked form), as
+// drive_tiles will ask of KernelArgs::tmp.
+template <class Impl>
+UnpackedPanels unpacked_panels_for(int64_t K) {
+  if constexpr (has_unpacked<Impl>())
+    return {Impl::Unpacked::panel_bytes(K), Impl::Unpacked::kPB};
+  else
+    return {};
+}
+
+// unpacked_panels_for the kernel family of `type` (none: a type of none).
 template <template <DType> class Q32, template <DType> class Q45K, template <DType> class K16,
           template <DType> class Flt>
 UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
   return visit_kernel_family<Q32, Q45K, K16, Flt>(type, [&]<class Impl>() -> UnpackedPanels {
     if constexpr (std::is_void_v<Impl>)
       return {};
-    else if constexpr (has_unpacked<Impl>())
-      return {Impl::Unpacked::panel_bytes(K), Impl::Unpacked::kPB};
     else
-      return {};
+      return unpacked_panels_for<Impl>(K);
   });
 }
 

@@ -1371,10 +1371,10 @@ template <DType kT>
 
 #if LOOM_AVX2_VNNI
 UnpackedPanels unpacked_panels_avx2_vnni(DType type, int64_t K) {
-  if (type == DType::bf16) return {Bf16WidenedImpl::panel_bytes(K), Bf16WidenedImpl::kPB};
 #else
 UnpackedPanels unpacked_panels_avx2(DType type, int64_t K) {
 #endif
+  if (type == DType::bf16) return unpacked_panels_for<Bf16EmuImpl>(K);  // bf16_emu_kernel's
   return unpacked_panels_of<Q32Packed, Q45KPacked, K16Packed, FloatImpl>(type, K);
 }
 
