@@ -25,8 +25,8 @@ const CpuFeatures& cpu_features() {
     c.avx512vnni = __builtin_cpu_supports("avx512vnni");
     c.avx512bf16 = __builtin_cpu_supports("avx512bf16");
     c.avx512vbmi = __builtin_cpu_supports("avx512vbmi");
-    // AVX-VNNI (CPUID.(7,1):EAX bit 4), AMX-BF16, AMX-TILE and AMX-INT8
-    // (CPUID.(7,0):EDX bits 22, 24, 25) are read directly: not every compiler
+    // AVX-VNNI (CPUID.(7,1):EAX bit 4), AMX-BF16, AVX512-FP16, AMX-TILE and
+    // AMX-INT8 (CPUID.(7,0):EDX bits 22, 23, 24, 25) are read directly: not every compiler
     // knows these names in __builtin_cpu_supports (clang 14, used for the fuzz
     // build, does not).
     unsigned a = 0, b = 0, cx = 0, d = 0;
@@ -35,6 +35,7 @@ const CpuFeatures& cpu_features() {
       c.amx_tile = (d & (1u << 24)) != 0;
       c.amx_int8 = (d & (1u << 25)) != 0;
       c.amx_bf16 = (d & (1u << 22)) != 0;
+      c.avx512fp16 = c.avx512f && (d & (1u << 23)) != 0;
     }
     return c;
   }();
@@ -48,6 +49,7 @@ std::optional<CpuFeatures> mask_cpu_features(const CpuFeatures& cpu, std::string
       loom_cpu != "avx512")
     return std::nullopt;
   f.amx_tile = f.amx_int8 = f.amx_bf16 = false;
+  f.avx512fp16 = false;  // every mask stands for a CPU without it (Zen 4 for avx512)
   if (loom_cpu == "avx512") return f;
   f.avx512bf16 = f.avx512vbmi = false;
   if (loom_cpu == "avx512-nobf16") return f;

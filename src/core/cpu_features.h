@@ -22,6 +22,10 @@ struct CpuFeatures {
   bool avx512bf16 = false;
   bool avx512vbmi = false;  // byte permutes (vpermi2b, vpmultishiftqb): Ice Lake, Zen 4; not Cascade Lake
   bool avxvnni = false;
+  // AVX512-FP16: Intel's cores since Sapphire Rapids (Golden Cove and later);
+  // no AMD core up to Zen 5 has it. Read for a memory-streaming default
+  // (kernels/cpu/panel.h: decode_panels_quant), no kernel uses it.
+  bool avx512fp16 = false;
   bool amx_tile = false;  // in cpu_features(): the CPU has it; the OS must still grant tile state
   bool amx_int8 = false;
   bool amx_bf16 = false;

@@ -11,6 +11,7 @@
 #include "kernels/cpu/attention_train.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/panel.h"
 #include "train/train_step.h"
 
 namespace loom {
@@ -43,7 +44,17 @@ CpuFeatures zen4() {
 }
 CpuFeatures sapphire_rapids() {
   CpuFeatures f = zen4();
-  f.avxvnni = f.amx_tile = f.amx_int8 = f.amx_bf16 = true;
+  f.avxvnni = f.avx512fp16 = f.amx_tile = f.amx_int8 = f.amx_bf16 = true;
+  return f;
+}
+CpuFeatures alder_lake() {  // AVX2 with AVX-VNNI, no AVX-512
+  CpuFeatures f = avx2_cpu();
+  f.avxvnni = true;
+  return f;
+}
+CpuFeatures zen5() {  // AVX-VNNI beside AVX-512, no AVX512-FP16
+  CpuFeatures f = zen4();
+  f.avxvnni = true;
   return f;
 }
 
@@ -88,6 +99,9 @@ TEST(CpuFeatures, LoomCpuMasksOnlyRemove) {
   // A mask never adds: an Ice Lake asked for avx512 stays without BF16.
   EXPECT_EQ(cpu_class_of(*mask_cpu_features(ice_lake(), "avx512")), CpuClass::avx512);
   EXPECT_EQ(cpu_class_of(*mask_cpu_features(avx2_cpu(), "avx512")), CpuClass::avx2);
+  for (const char* mask : {"avx512", "avx512-nobf16", "avx512f", "avx2-vnni", "avx2"})
+    EXPECT_FALSE(mask_cpu_features(spr, mask)->avx512fp16) << mask;  // each mask stands for a CPU without it
+  EXPECT_TRUE(mask_cpu_features(spr, "native")->avx512fp16);
   EXPECT_FALSE(mask_cpu_features(spr, "avx512bf16").has_value());
   EXPECT_FALSE(mask_cpu_features(spr, "AVX2").has_value());
 }
@@ -100,6 +114,20 @@ TEST(CpuFeatures, F32Avx512KernelsNeedOnlyFoundation) {
   EXPECT_FALSE(skylake_x().has_avx512_kernels());
   EXPECT_TRUE(ice_lake().has_avx512_f32() && ice_lake().has_avx512_kernels());
   EXPECT_FALSE(mask_cpu_features(sapphire_rapids(), "avx2")->has_avx512_f32());
+}
+
+// Decode weight streams per thread (kernels/cpu/panel.h): two on Intel's cores
+// since Golden Cove (AVX512-FP16, or AVX-VNNI without AVX-512), one elsewhere.
+TEST(CpuFeatures, DecodePanelsByInstructions) {
+  EXPECT_EQ(cpu::decode_panels_quant(sapphire_rapids()), 2);
+  EXPECT_EQ(cpu::decode_panels_quant(alder_lake()), 2);
+  EXPECT_EQ(cpu::decode_panels_quant(*mask_cpu_features(sapphire_rapids(), "avx2-vnni")), 2);
+  EXPECT_EQ(cpu::decode_panels_quant(*mask_cpu_features(sapphire_rapids(), "avx512")), 1);  // Zen 4's
+  EXPECT_EQ(cpu::decode_panels_quant(*mask_cpu_features(sapphire_rapids(), "avx2")), 1);
+  EXPECT_EQ(cpu::decode_panels_quant(zen4()), 1);
+  EXPECT_EQ(cpu::decode_panels_quant(zen5()), 1);
+  EXPECT_EQ(cpu::decode_panels_quant(ice_lake()), 1);
+  EXPECT_EQ(cpu::decode_panels_quant(avx2_cpu()), 1);
 }
 
 TEST(CpuFeatures, Bf16KernelByInstructions) {

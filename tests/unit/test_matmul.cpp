@@ -381,6 +381,41 @@ TEST(Matmul, AvxVnniKernelsMatchScalarModel) {
   }
 }
 
+// Decode tiles of the integer-dot kernels read one or two panels side by side
+// (KernelArgs::decode_panels, chosen per CPU by decode_panels_quant): both give
+// the scalar model's bits, on every kernel build this CPU can run, whatever the
+// driver picks here. 7 and 4 panels: tiles of two and a last one of one.
+TEST(Matmul, DecodePanelsGiveTheSameBits) {
+  uint32_t seed = 1500;
+  for (DType type : kAllTypes) {
+    const DType kt = cpu::matmul_panel_type(type);
+    if (type == DType::f32 || type == DType::f16 || type == DType::bf16)
+      continue;  // float kernels: their own
+    for (int64_t N : {int64_t{16 * 6 + 3}, int64_t{16 * 4}}) {
+      Problem pr(type, N, test_k(type, 1), 1, seed++);
+      const auto want = pr.model();
+      const PackedWeight pw = PackedWeight::pack(pr.W);
+      const cpu::ActKind kind = cpu::act_kind(kt, false);
+      const size_t arb = cpu::act_row_bytes(kind, pr.K);
+      std::vector<uint8_t> act(arb);
+      cpu::quantize_act_row(kind, kt, pr.x.data(), pr.K, act.data());
+      std::vector<std::pair<const char*, cpu::PanelKernel>> builds{{"avx2", cpu::panel_kernel_avx2}};
+      if (cpu_features().avxvnni) builds.emplace_back("avx2-vnni", cpu::panel_kernel_avx2_vnni);
+      if (cpu_features().has_avx512_kernels()) builds.emplace_back("avx512", cpu::panel_kernel_avx512);
+      for (const auto& [name, kernel] : builds)
+        for (int panels = 1; panels <= cpu::kMaxDecodePanelsQuant; ++panels) {
+          std::vector<float> y(static_cast<size_t>(N), -7.0f);
+          cpu::KernelArgs a = kernel_args(pw, pr, act, arb, y);
+          a.decode_panels = panels;
+          kernel(kt, a);
+          expect_bits_equal(want, y,
+                            std::string(dtype_name(type)) + " N=" + std::to_string(N) + " " + name +
+                                " decode_panels=" + std::to_string(panels));
+        }
+    }
+  }
+}
+
 // bf16 weights on AVX-512 multiply either with vdpbf16ps (bf16pairs act rows) or
 // with its f32-FMA emulation (bf16f32 rows); bf16_dot() picks one per CPU by speed,
 // so each must give the scalar model's bits whichever this machine picks. Without

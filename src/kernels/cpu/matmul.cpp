@@ -96,6 +96,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
   const bool bf16_pairs = cpu::bf16_native(isa);
   const bool vbmi = isa != cpu::Isa::avx2 && usable_cpu_features().avx512vbmi;
   const bool avx_vnni = isa == cpu::Isa::avx2 && usable_cpu_features().avxvnni;  // panel_kernel_avx2_vnni
+  const int decode_panels = cpu::decode_panels_quant(usable_cpu_features());
   // AMX only with a panel split: its tiles read act rows in groups of 16 tokens.
   const bool use_amx = isa == cpu::Isa::amx && !split_tokens && T >= kAmxMinT && cpu::amx_supports(type) &&
                        cpu::amx_available();
@@ -162,6 +163,7 @@ void run_matmul(cpu::Isa isa, ThreadPool& pool, DType type, int64_t K, std::span
     a.bf16_pairs = bf16_pairs;
     a.q8k_u8 = q8k_u8;
     a.vbmi = vbmi;
+    a.decode_panels = decode_panels;
     int64_t base = 0;  // global index of the segment's first panel
     for (const Segment& g : segs) {
       const int64_t gnp = (g.N + kPanelRows - 1) / kPanelRows;
@@ -356,6 +358,10 @@ PackedWeight PackedWeight::pack_concat(std::span<const Tensor> parts, ThreadPool
 namespace cpu {
 
 bool amx_available() { return cpu_features().amx_int8 && amx_tile_state_granted(); }
+
+int decode_panels_quant(const CpuFeatures& f) {
+  return f.avx512fp16 || (f.avxvnni && !f.has_avx512_kernels()) ? kMaxDecodePanelsQuant : 1;
+}
 
 // bf16_dot() is fma wherever AVX512-BF16 is absent or masked.
 bool bf16_native(Isa isa) { return isa != Isa::avx2 && bf16_dot() == Bf16Dot::vdpbf16ps; }

@@ -12,6 +12,7 @@
 // AVX-512 flags, which must not instantiate inline code shared with other files.
 namespace loom {
 class ThreadPool;
+struct CpuFeatures;
 class PackedWeight;
 class MatmulScratch;
 struct Tensor;
@@ -192,7 +193,35 @@ struct KernelArgs {
   bool bf16_pairs = false;  // bf16 weights: act rows are ActKind::bf16pairs (else bf16f32)
   bool q8k_u8 = false;      // act rows are ActKind::q8k_u8 (AVX2 q6_k/q3_k batches: avx2_u8_acts)
   bool vbmi = false;        // AVX-512 kernels may use AVX512-VBMI (has_vbmi_kernel types)
+  // Panels a decode (T == 1) tile of the integer-dot kernels reads side by side,
+  // 1 or kMaxDecodePanelsQuant (decode_panels_quant); the float kernels keep their own.
+  int decode_panels = 1;
 };
+
+// The integer-dot kernels' decode tiles read at most this many panels at once.
+constexpr int kMaxDecodePanelsQuant = 2;
+
+// Panels per decode tile of the integer-dot (quantized) kernels on a CPU with
+// features `f` (after LOOM_CPU's masks): how many weight streams each thread
+// reads from DRAM at once. Same results either way (each output keeps its own
+// sums; Matmul.DecodePanelsGiveTheSameBits).
+//
+// One on AMD: with 4 panels per tile (4 streams ~19 KiB apart per thread) a Zen 4
+// read q4_k/q6_k at 18-27 GB/s against 27-34 with one (2 threads, bench
+// Matmul/<type>/matvec_dram) and a 1B-shape Q4_K_M decoded 37 -> 58 tokens/s
+// with one (the AVX2 kernels gained as much); a Zen 2 chose the AVX2 kernels'
+// prefetch distance with one.
+// Two on Intel's cores since Golden Cove, told apart by instructions no AMD core
+// has (up to Zen 5): AVX512-FP16 (Sapphire Rapids and later servers) or AVX-VNNI
+// without AVX-512 (Alder Lake and later clients; the same AVX2 + AVX-VNNI
+// kernels take the longer prefetch distance, panel_kernels.h). On an Emerald Rapids
+// (2 threads) one stream per thread left the decode of a 1B-shape model (484 MiB
+// of weights) at 21-23 GB/s where f32 weights, several panels a tile, read
+// 33-39; two panels, the builds in turn over 5 rounds, tg64 medians: Q4_0
+// 43.1 -> 49.0 t/s, Q4_K_M 41.8 -> 47.8, Q6_K 33.9 -> 38.9, Q8_0 30.0 -> 32.3,
+// SmolLM2 (in cache) unchanged or faster; under LOOM_CPU=avx2-vnni Q4_0 1.14x,
+// Q6_K 1.06x, Q4_K_M 1.0x. Other CPUs keep the one stream measured on theirs.
+int decode_panels_quant(const CpuFeatures& f);
 
 using PanelKernel = void (*)(DType type, const KernelArgs& a);
 void panel_kernel_avx2(DType type, const KernelArgs& a);

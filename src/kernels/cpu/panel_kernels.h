@@ -74,16 +74,20 @@ inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 constexpr size_t kPrefetchBytesAvx512 = 1536;
 constexpr size_t kPrefetchBytesAvx2 = 768;
 
-// Panels per decode tile of the integer-dot (quantized) kernels: one, so each
-// thread reads its weights as one sequential stream. With 4 panels per tile (4
-// streams ~19 KiB apart per thread) an AMD Zen 4 read q4_k/q6_k from DRAM at
-// 18-27 GB/s against 27-34 with one (2 threads, bench Matmul/<type>/matvec_dram),
-// and a 1B-shape Q4_K_M decoded 37 -> 58 tokens/s; the AVX2 kernels gained as
-// much. Integer dots keep two vpdpbusd chains per output at P = 1 (kChainsFor),
-// so from cache they lose little. Float kernels keep several panels: their one
-// FMA chain per output would bound a single panel (f16 from L2: 52 -> 29 GB/s)
-// and their DRAM speed did not move with the panel count.
-constexpr int kDecodePanelsQuant = 1;
+// Panels per decode tile: the integer-dot (quantized) families, which declare
+// kDecodePanelsChosen, read KernelArgs::decode_panels of them (at most their kP1,
+// kMaxDecodePanelsQuant: panel.h, decode_panels_quant, says why 1 or 2); the
+// float kernels always take their kP1 (several panels: their one FMA chain per
+// output would bound a single panel, f16 from L2 52 -> 29 GB/s, and their DRAM
+// speed did not move with the panel count). Integer dots keep two vpdpbusd
+// chains per output at one or two panels (kChainsFor), so from cache they lose little.
+template <class Impl>
+int decode_tile_panels(const KernelArgs& a) {
+  if constexpr (requires { Impl::kDecodePanelsChosen; })
+    return a.decode_panels < Impl::kP1 ? a.decode_panels : Impl::kP1;
+  else
+    return Impl::kP1;
+}
 template <size_t kAhead, size_t kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
   for (size_t o = 0; o < kBytes; o += 64) __builtin_prefetch(p + kAhead + o, 0, 3);
@@ -117,7 +121,7 @@ constexpr bool tokens_outer() {
 template <class Impl>
 void walk_tiles(const KernelArgs& a, int64_t group) {
   const bool decode = a.T == 1;
-  const int PT = decode ? Impl::kP1 : Impl::kPB;
+  const int PT = decode ? decode_tile_panels<Impl>(a) : Impl::kPB;
   const int CT = decode ? 1 : Impl::kCB;
   for (int64_t p0 = 0; p0 < a.n_panels; p0 += group) {
     const int64_t p1 = min_i64(p0 + group, a.n_panels);
@@ -188,7 +192,8 @@ void drive_tiles(const KernelArgs& a) {
   if constexpr (has_unpacked<Impl>())
     if (a.tmp != nullptr && runs_unpacked<Impl>(a.K, a.T, a.tmp_bytes))
       return drive_unpacked<Impl>(a, Impl::Unpacked::panel_bytes(a.K));
-  int64_t group = a.T == 1 ? Impl::kP1 : Impl::kPB;  // one tile's worth walks panels outermost
+  int64_t group =
+      a.T == 1 ? decode_tile_panels<Impl>(a) : Impl::kPB;  // one tile's worth walks panels outermost
   if (tokens_outer<Impl>())
     group = std::max<int64_t>(group, kTileGroupBytes / static_cast<int64_t>(a.panel_stride) / group * group);
   walk_tiles<Impl>(a, group);

@@ -328,7 +328,8 @@ struct Q32Impl {
   // Emerald Rapids under LOOM_CPU=avx2-vnni, T = 512, 1536 x 576, against 4 (5
   // for q8_0): q4_0 0.88x the time, q5_0 0.86, q4_1 0.93, q8_0 / iq4_nl 0.99;
   // 8 ran q8_0 and iq4_nl 1.05-1.1x slower.
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = kVnni ? 6 : Q::kSigned ? 5 : 4;
+  static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = kVnni ? 6 : Q::kSigned ? 5 : 4;
+  static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kHeader = Q::kScaleBytes;
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
@@ -551,7 +552,8 @@ inline void start_superblock(const TileArgs& ta, int64_t sb, const ActQ8K* (&x)[
 template <DType kT, bool kUnpacked = false>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kFive ? 320 : 256;
   static constexpr size_t kPBB = 320 + 8 * kGroup;
@@ -697,7 +699,8 @@ inline void store_u8_weight_sums(uint8_t* pb, size_t quants, size_t group, size_
 
 template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
   // tq2_0 panels (TQ1_0, TQ2_0; panel.h): q2_k's crumbs without scales or mins;
@@ -1006,7 +1009,8 @@ inline void unpack_iq1(const uint8_t* gp, int h, __m256i (&ops)[8]) {
 template <DType kKind, bool kUnpacked = false>
 struct SignedK16Impl {
   static constexpr bool kGrid = is_iq_grid(kKind);
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = 4;
+  static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
   // Scales per 32 (i8[8][16]) or, iq2_xs / iq2_s, per 16 (i8[16][16]).
   static constexpr bool kPer16 = kGrid && iq_grid_traits(kKind).scale_group == 16;

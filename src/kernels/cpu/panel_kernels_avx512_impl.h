@@ -503,7 +503,8 @@ struct Block32 : Block32Layout<kT> {
 template <DType kT, bool kUnpacked = false>
 struct Q32Impl {
   using Q = Block32<kT>;
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kHeader = Q::kScaleBytes;
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
@@ -585,7 +586,8 @@ void unpack_superblocks(const uint8_t* pan, int64_t K, uint8_t* out) {
 template <DType kT, bool kUnpacked = false>
 struct Q45KImpl {
   static constexpr bool kFive = kT == DType::q5_k;
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kPackedGroup = kFive ? 320 : 256;
   static constexpr size_t kGroup = kUnpacked ? kUnpackedGroup : kPackedGroup;
@@ -690,7 +692,8 @@ inline void add_bit2(const uint8_t* p, __m512i (&ops)[8]) {
 // kGroups bytes before the quants).
 template <DType kKind, bool kUnpacked = false>
 struct K16Impl {
-  static constexpr int kP1 = kDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = 8;
+  static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
   static constexpr bool kMin = kKind == DType::q2_k;
   // tq2_0 panels (TQ1_0, TQ2_0; panel.h): q2_k's crumbs without scales or mins.
