@@ -209,8 +209,8 @@ constexpr int kMaxDecodePanelsQuant = 2;
 // One on AMD: with 4 panels per tile (4 streams ~19 KiB apart per thread) a Zen 4
 // read q4_k/q6_k at 18-27 GB/s against 27-34 with one (2 threads, bench
 // Matmul/<type>/matvec_dram) and a 1B-shape Q4_K_M decoded 37 -> 58 tokens/s
-// with one (the AVX2 kernels gained as much); a Zen 2 chose the AVX2 kernels'
-// prefetch distance with one.
+// with one; the AVX2 kernels from two panels to one there, 36 -> 50 (bench/README.md,
+// "one stream per thread"); a Zen 2 chose the AVX2 kernels' prefetch distance with one.
 // Two on Intel's cores since Golden Cove, told apart by instructions no AMD core
 // has (up to Zen 5): AVX512-FP16 (Sapphire Rapids and later servers) or AVX-VNNI
 // without AVX-512 (Alder Lake and later clients; the same AVX2 + AVX-VNNI
