@@ -74,9 +74,9 @@ inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 constexpr size_t kPrefetchBytesAvx512 = 1536;
 constexpr size_t kPrefetchBytesAvx2 = 768;
 
-// Panels per decode tile: the integer-dot (quantized) families, which declare
-// kDecodePanelsChosen, read KernelArgs::decode_panels of them (at most their kP1,
-// kMaxDecodePanelsQuant: panel.h, decode_panels_quant, says why 1 or 2); the
+// Panels per decode tile. The integer-dot (quantized) families declare
+// kDecodePanelsChosen and take KernelArgs::decode_panels, capped at their kP1
+// (kMaxDecodePanelsQuant; panel.h's decode_panels_quant says why 1 or 2). The
 // float kernels always take their kP1 (several panels: their one FMA chain per
 // output would bound a single panel, f16 from L2 52 -> 29 GB/s, and their DRAM
 // speed did not move with the panel count). Integer dots keep two vpdpbusd
@@ -192,8 +192,8 @@ void drive_tiles(const KernelArgs& a) {
   if constexpr (has_unpacked<Impl>())
     if (a.tmp != nullptr && runs_unpacked<Impl>(a.K, a.T, a.tmp_bytes))
       return drive_unpacked<Impl>(a, Impl::Unpacked::panel_bytes(a.K));
-  int64_t group =
-      a.T == 1 ? decode_tile_panels<Impl>(a) : Impl::kPB;  // one tile's worth walks panels outermost
+  // One tile's worth walks panels outermost.
+  int64_t group = a.T == 1 ? decode_tile_panels<Impl>(a) : Impl::kPB;
   if (tokens_outer<Impl>())
     group = std::max<int64_t>(group, kTileGroupBytes / static_cast<int64_t>(a.panel_stride) / group * group);
   walk_tiles<Impl>(a, group);
