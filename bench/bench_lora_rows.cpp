@@ -6,11 +6,15 @@
 //   decode16x8: 16 rows, two per adapter (bench_lora4.py's 16 clients over 8);
 //   prefill128: 128 rows of one adapter (a prefill chunk);
 //   decode16cold: 16 rows, each its own adapter out of 64, each call another
-//     layer's factors out of 30: the factors come from DRAM as in a serving
-//     step (64 adapters x 30 layers do not fit the caches), where the cases
-//     above reread what the last call left in cache; the kernel prefetches
-//     them (LoraRowsJob::stream_factors, as the server asks when a step's
-//     weights and adapters exceed the last-level cache), "_noprefetch" not;
+//     layer's factors out of 30, where the cases above reread what the last
+//     call left in cache; the kernel prefetches them (LoraRowsJob::
+//     stream_factors, as the server asks when a step's weights and adapters
+//     exceed the last-level cache), "_noprefetch" not. 64 adapters x 30 layers
+//     of one point are 40-130 MB in bf16: in a large last-level cache (an
+//     Emerald Rapids VM reports 260 MB) they stay there;
+//   decode16dram: the same over 256 adapters (bf16, rank 8 only: 165-520 MB),
+//     past such caches, as a serving step's factors are when the KV cache and
+//     the base weights share the cache with them (bench/results/multi_lora.md);
 // with f32 factors, "_bf16" kept in bf16 (`serve --lora-bits 16`: one block per
 // adapter, in huge pages where the system gives them) and, "_int4", factors
 // kept in 4 bits as `serve --lora-bits 4` keeps them (read in place).
@@ -25,6 +29,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/half.h"
@@ -56,15 +61,15 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
     return v;
   };
   const auto n_jobs = static_cast<int64_t>(c.outs.size());
-  std::vector<std::vector<float>> as, bs;
+  const auto n_factors = static_cast<size_t>(c.layers * c.adapters * n_jobs);
+  // f32 values of every factor (kept: f32 and 4-bit factors point into them or
+  // are packed from them; bf16 ones are packed and dropped one at a time, so the
+  // large cases never hold the whole set in f32).
+  std::vector<std::vector<float>> as(n_factors), bs(n_factors);
   std::vector<LoraFactor> factors;  // [(layer * adapters + adapter) * n_jobs + job]
-  for (int64_t a = 0; a < c.layers * c.adapters; ++a)
-    for (int64_t out : c.outs) {
-      as.push_back(fill(static_cast<size_t>(c.rank * c.in)));
-      bs.push_back(fill(static_cast<size_t>(out * c.rank)));
-    }
+  factors.reserve(n_factors);
   std::vector<PackedInt4> packed;
-  packed.reserve(2 * as.size());  // the factors point into these
+  packed.reserve(2 * n_factors);  // the factors point into these
   // bf16: one block per adapter, every layer's factors in it, as `serve --lora-bits 16` keeps them
   // (serve/loaded_adapter.cpp).
   std::vector<HugePageBuffer> blocks;
@@ -74,8 +79,10 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   for (int64_t a = 0; c.bits == 16 && a < c.adapters; ++a)
     blocks.emplace_back(adapter_halves * sizeof(uint16_t));
   std::vector<size_t> filled(blocks.size(), 0);
-  for (size_t i = 0; i < as.size(); ++i) {
+  for (size_t i = 0; i < n_factors; ++i) {
     const int64_t out = c.outs[i % c.outs.size()];
+    as[i] = fill(static_cast<size_t>(c.rank * c.in));
+    bs[i] = fill(static_cast<size_t>(out * c.rank));
     factors.push_back({as[i].data(), bs[i].data(), c.rank, c.in, out, 0.5f, {}, {}});
     if (c.bits == 16) {
       const size_t ad = i / c.outs.size() % static_cast<size_t>(c.adapters);
@@ -200,7 +207,9 @@ const bool registered = [] {
         for (auto [shape, rows, adapters, layers, stream] :
              {std::tuple{"decode16", 16, 16, 1, false}, std::tuple{"decode16x8", 16, 8, 1, false},
               std::tuple{"prefill128", 128, 1, 1, false}, std::tuple{"decode16cold", 16, 64, 30, true},
-              std::tuple{"decode16cold_noprefetch", 16, 64, 30, false}}) {
+              std::tuple{"decode16cold_noprefetch", 16, 64, 30, false},
+              std::tuple{"decode16dram", 16, 256, 30, true}, std::tuple{"decode16dram_noprefetch", 16, 256, 30, false}}) {
+          if (std::string_view(shape).starts_with("decode16dram") && (bits != 16 || r != 8)) continue;
           const char* suffix = bits == 4 ? "_int4" : bits == 16 ? "_bf16" : "";
           const std::string name = fmt::format("LoraRows/{}/{}_r{}{}/t1", p.name, shape, r, suffix);
           benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,

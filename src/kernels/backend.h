@@ -22,6 +22,7 @@
 #include "core/tensor.h"
 #include "kernels/blockwise8.h"
 #include "kernels/int4_rows.h"
+#include "kernels/lora_b16.h"
 #include "kernels/shapes.h"
 
 namespace loom {
@@ -104,6 +105,14 @@ struct LoraFactor {
   const uint16_t* b16 = nullptr;  // [out, rank] as bf16 bits in column blocks (b null; kernels/lora_b16.h)
   bool quantized() const { return !a4.empty(); }
   bool bf16() const { return a16 != nullptr; }
+  // The bytes of A and B as kept (bf16 B with its block padding, 4-bit codes with
+  // their scales): what one row's products read.
+  double bytes() const {
+    const auto r = static_cast<double>(rank), i = static_cast<double>(in), o = static_cast<double>(out);
+    if (bf16()) return 2 * (r * i + static_cast<double>(lora_b16_elements(out, rank)));
+    if (!quantized()) return 4 * r * (i + o);
+    return r * (i + o) / 2 + 4 * (r * i / static_cast<double>(a4.group) + o * r / static_cast<double>(b4.group));
+  }
   // Not plain f32: the kernel widens pieces into a stack buffer before the same FMAs.
   bool packed() const { return quantized() || bf16(); }
 };

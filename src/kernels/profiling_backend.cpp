@@ -73,9 +73,22 @@ class ProfilingBackend final : public Backend {
                  float* u, int64_t T) override {
     OpInfo o;
     o.T = static_cast<int64_t>(rows.size());
-    for (const LoraRowsJob& j : jobs)
-      for (size_t r = 0; r < rows.size(); ++r)
-        if (const LoraFactor* f = j.factors[r]) o.flops += 2.0 * static_cast<double>(f->rank * (f->in + f->out));
+    // bytes: each factor once per run of rows that share it (the server puts an
+    // adapter's rows together, and the kernel reads its factors once for them),
+    // an adapted row's x once per x the jobs share, its y in and out.
+    const LoraRowsJob* last = nullptr;
+    for (const LoraRowsJob& j : jobs) {
+      const bool new_x = last == nullptr || last->x != j.x;
+      last = &j;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const LoraFactor* f = j.factors[r];
+        if (f == nullptr) continue;
+        if (o.dtype == nullptr) o.dtype = f->bf16() ? "bf16" : f->quantized() ? "int4" : "f32";
+        o.flops += 2.0 * static_cast<double>(f->rank * (f->in + f->out));
+        if (r == 0 || j.factors[r - 1] != f) o.bytes += f->bytes();
+        o.bytes += f32_bytes(static_cast<double>((new_x ? f->in : 0) + 2 * f->out));
+      }
+    }
     run("lora", o, [&] { in_->lora_rows(ws, jobs, rows, max_rank, u, T); });
   }
   void rmsnorm(float* out, float* rstd, const float* x, const float* w, int64_t T, int64_t n, float eps) override {

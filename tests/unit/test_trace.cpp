@@ -17,6 +17,8 @@
 #include "core/thread_pool.h"
 #include "core/trace.h"
 #include "cpu_backend_util.h"
+#include "kernels/int_quant.h"
+#include "kernels/lora_b16.h"
 #include "kernels/profiling_backend.h"
 #include "ops_test_util.h"
 
@@ -214,6 +216,70 @@ TEST(ProfilingBackend, RecordsOpsAndComputesTheSame) {
     EXPECT_LE(busy, threads * dur + 1.0);
     if (threads == 1) EXPECT_NEAR(busy, dur, 0.01);
   }
+}
+
+// A lora op's bytes: each factor once per run of rows sharing it (a factor that
+// comes back after another row's counts again), the jobs' shared x once, y in
+// and out; its dtype is the factors' storage. The results are the inner
+// backend's bit for bit.
+TEST(ProfilingBackend, LoraOpsCountEachRunsFactorsOnce) {
+  test_util::CpuBackend plain(2), inner(2);
+  Tracer tracer;
+  std::unique_ptr<Backend> prof = make_profiling_backend(std::move(inner.backend), tracer, inner.pool);
+  const int64_t T = 5, in = 24, r = 4, out_q = 16, out_k = 8;
+  std::vector<float> x = random_vec(static_cast<size_t>(T * in), 3);
+  std::vector<float> a1 = random_vec(static_cast<size_t>(r * in), 4), b1 = random_vec(static_cast<size_t>(out_q * r), 5);
+  std::vector<float> a2 = random_vec(static_cast<size_t>(r * in), 6), b2 = random_vec(static_cast<size_t>(out_k * r), 7);
+  const LoraFactor f1{a1.data(), b1.data(), r, in, out_q, 0.5f, {}, {}};
+  const LoraFactor f2{a2.data(), b2.data(), r, in, out_k, 2.0f, {}, {}};
+  // Job q: rows 0-1 f1, row 2 none, rows 3-4 f1 again; job k (the same x): row 2 f2 only.
+  const LoraFactor* fq[T] = {&f1, &f1, nullptr, &f1, &f1};
+  const LoraFactor* fk[T] = {nullptr, nullptr, &f2, nullptr, nullptr};
+  const std::vector<int32_t> rows = {0, 1, 2, 3, 4};
+  std::vector<float> yq_plain = random_vec(static_cast<size_t>(T * out_q), 8), yk_plain = random_vec(static_cast<size_t>(T * out_k), 9);
+  std::vector<float> yq_prof = yq_plain, yk_prof = yk_plain, u(static_cast<size_t>(2 * T * r));
+  auto jobs_for = [&](float* yq, float* yk) {
+    return std::vector<LoraRowsJob>{{x.data(), in, yq, out_q, out_q, fq}, {x.data(), in, yk, out_k, out_k, fk}};
+  };
+  auto ws_plain = plain.backend->make_workspace(), ws_prof = prof->make_workspace();
+  tracer.start();
+  prof->lora_rows(*ws_prof, jobs_for(yq_prof.data(), yk_prof.data()), rows, r, u.data(), T);
+  tracer.stop();
+  plain.backend->lora_rows(*ws_plain, jobs_for(yq_plain.data(), yk_plain.data()), rows, r, u.data(), T);
+  EXPECT_EQ(yq_prof, yq_plain);
+  EXPECT_EQ(yk_prof, yk_plain);
+
+  const auto ev = complete_events(trace_of(tracer));
+  ASSERT_EQ(ev.size(), 1u);
+  const auto& a = ev[0]["args"];
+  EXPECT_EQ(ev[0]["name"], "lora");
+  EXPECT_EQ(a["dtype"], "f32");
+  EXPECT_EQ(a["T"], T);
+  EXPECT_EQ(a["flops"], 2 * r * (4 * (in + out_q) + (in + out_k)));
+  const int64_t factors = 2 * f1.bytes() + f2.bytes();          // f1's two runs, f2's one
+  const int64_t rows_io = 4 * (4 * (in + 2 * out_q) + 2 * out_k);  // job k's row reads the x job q read
+  EXPECT_EQ(a["bytes"], factors + rows_io);
+  EXPECT_EQ(f1.bytes(), 4 * r * (in + out_q));
+}
+
+// LoraFactor::bytes for the forms the server keeps: bf16 (B in its padded
+// column blocks) and 4 bits (codes and one f32 scale per group).
+TEST(ProfilingBackend, LoraFactorBytesAsKept) {
+  const int64_t r = 8, in = 576, out = 100;
+  LoraFactor h;
+  std::vector<uint16_t> halves(static_cast<size_t>(r * in + lora_b16_elements(out, r)));
+  h.a16 = halves.data();
+  h.b16 = halves.data() + r * in;
+  h.rank = r, h.in = in, h.out = out;
+  EXPECT_EQ(h.bytes(), 2.0 * (r * in + 104 * r));  // out padded to 104
+  std::vector<float> a = random_vec(static_cast<size_t>(r * in), 1), b = random_vec(static_cast<size_t>(out * r), 2);
+  const PackedInt4 qa = pack_int4_rows(a.data(), r, in, 96), qb = pack_int4_rows(b.data(), out, r, r);
+  LoraFactor q;
+  q.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
+  q.b4 = {qb.codes.data(), qb.scales.data(), qb.group};
+  q.rank = r, q.in = in, q.out = out;
+  EXPECT_EQ(q.bytes(), static_cast<double>(qa.codes.size() + qb.codes.size() +
+                                           sizeof(float) * (qa.scales.size() + qb.scales.size())));
 }
 
 }  // namespace
