@@ -2,6 +2,8 @@
 // shares are of, and the ops inside them.
 #include "profile/analysis.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <limits>
 #include <map>
@@ -68,15 +70,17 @@ class Spans {
       std::sort(v.begin(), v.end(),
                 [](const ProfileEvent* a, const ProfileEvent* b) { return a->ts < b->ts; });
   }
-  bool holds(const ProfileEvent& e) const {
+  // The span holding e, or null.
+  const ProfileEvent* find(const ProfileEvent& e) const {
     const auto it = by_tid_.find(e.tid);
-    if (it == by_tid_.end()) return false;
+    if (it == by_tid_.end()) return nullptr;
     const auto& v = it->second;
     // The last span starting at or before e (plus slack); spans of a thread do not overlap.
     auto s = std::upper_bound(v.begin(), v.end(), e.ts + kSlackUs,
                               [](double ts, const ProfileEvent* p) { return ts < p->ts; });
-    return s != v.begin() && contains(**(s - 1), e);
+    return s != v.begin() && contains(**(s - 1), e) ? *(s - 1) : nullptr;
   }
+  bool holds(const ProfileEvent& e) const { return find(e) != nullptr; }
 
  private:
   std::map<int64_t, std::vector<const ProfileEvent*>> by_tid_;
@@ -191,6 +195,43 @@ void add_ops(const Trace& t, const Spans& spans, Analysis& a) {
                    [](const MatmulClass& x, const MatmulClass& y) { return x.us > y.us; });
 }
 
+std::string step_kind(const ProfileEvent& step) {
+  const double prefill = step.value("prefill_tokens"), decode = step.value("decode_rows");
+  if (prefill > 0) return decode > 0 ? "prefill + decode" : "prefill";
+  if (decode > 0) return fmt::format("decode, {:.0f} rows", decode);
+  return "empty";
+}
+
+// Analysis::step_kinds: each serve_step's kind, and each op by the step that holds it.
+void add_step_kinds(const Trace& t, const Spans& spans, Analysis& a) {
+  std::map<const ProfileEvent*, size_t> kind_of;  // serve_step -> its row
+  std::map<std::string, size_t> row_of;
+  for (const ProfileEvent& e : t.phases) {
+    if (e.name != "serve_step" || !spans.holds(e)) continue;
+    const std::string kind = step_kind(e);
+    auto [it, added] = row_of.try_emplace(kind, a.step_kinds.size());
+    if (added) {
+      a.step_kinds.push_back({kind});
+      for (const TimeRow& op : a.ops) a.step_kinds.back().ops.emplace_back(op.name, 0.0);
+    }
+    StepKindRow& row = a.step_kinds[it->second];
+    ++row.count;
+    row.us += e.dur;
+    kind_of[&e] = it->second;
+  }
+  if (a.step_kinds.empty()) return;
+  std::map<std::string, size_t> op_index;
+  for (size_t i = 0; i < a.ops.size(); ++i) op_index[a.ops[i].name] = i;
+  for (const ProfileEvent& op : t.ops) {
+    const ProfileEvent* step = spans.find(op);
+    const auto k = step ? kind_of.find(step) : kind_of.end();
+    if (k == kind_of.end()) continue;
+    a.step_kinds[k->second].ops[op_index.at(op.name)].second += op.dur;
+  }
+  std::stable_sort(a.step_kinds.begin(), a.step_kinds.end(),
+                   [](const StepKindRow& x, const StepKindRow& y) { return x.count > y.count; });
+}
+
 const TimeRow* find_row(const std::vector<TimeRow>& rows, const std::string& name) {
   for (const TimeRow& r : rows)
     if (r.name == name) return &r;
@@ -205,11 +246,18 @@ const TimeRow* Analysis::phase(const std::string& name) const { return find_row(
 const TimeRow* Analysis::outside_phase(const std::string& name) const { return find_row(outside, name); }
 const TimeRow* Analysis::op(const std::string& name) const { return find_row(ops, name); }
 
+double StepKindRow::op_mean_us(const std::string& name) const {
+  for (const auto& [op, us] : ops)
+    if (op == name) return count > 0 ? us / static_cast<double>(count) : 0;
+  return 0;
+}
+
 Analysis analyze(const Trace& trace) {
   Analysis a;
   Spans spans;
   add_phases(trace, a, spans);
   add_ops(trace, spans, a);
+  add_step_kinds(trace, spans, a);
   if (trace.meta.threads > 0) a.threads = trace.meta.threads;
   double first = std::numeric_limits<double>::infinity(), last = -first;
   for (const auto* v : {&trace.phases, &trace.ops})

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "profile/trace_file.h"
@@ -42,6 +43,19 @@ struct MatmulClass {
 inline constexpr int64_t kDecodeMaxRows = 8;
 const char* matmul_regime(int64_t T);  // "decode" for 0 < T <= 8, else "batch"
 
+// Serving traces: the `serve_step` phases of one kind (decode-only steps by
+// their decode rows, steps that also prefill, prefill-only steps) and the time
+// they spent in each op kind, so that a kind's cost (the LoRA products of a
+// decode step with many adapters) is not averaged with the prefill chunks'.
+struct StepKindRow {
+  std::string kind;  // "decode, 16 rows", "prefill + decode", "prefill", "empty"
+  int64_t count = 0;
+  double us = 0;                                     // the steps' summed time
+  std::vector<std::pair<std::string, double>> ops;  // summed time by op kind, in Analysis::ops' order
+  double mean_us() const { return count > 0 ? us / static_cast<double>(count) : 0; }
+  double op_mean_us(const std::string& name) const;  // 0 when the kind ran no such op
+};
+
 struct Analysis {
   // What the shares are of: the `step` phases of a training trace, else the
   // top-level phases (prefill and decode of generate / bench, serve_step).
@@ -66,6 +80,7 @@ struct Analysis {
   double waiting_us = 0;
   std::vector<TimeRow> waiting_by_phase;  // waiting_us by the ops' `phase` arg, most first
   int64_t threads = 0;                    // the trace's pool size (metadata, else the ops' largest `threads`)
+  std::vector<StepKindRow> step_kinds;    // serve traces (serve_step phases): most steps first
 
   double share(double us) const { return total_us > 0 ? us / total_us : 0; }
   const TimeRow* phase(const std::string& name) const;

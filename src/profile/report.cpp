@@ -186,8 +186,39 @@ ClassPeak class_peak(const MatmulClass& c, const PeakTable* peak, const std::str
   return p;
 }
 
+// Serving traces: the mean step of each kind (the `top` most frequent) and its
+// time in the four longest op kinds, the rest of its ops as one column, and
+// its time outside any op (sampling, streaming, the scheduler's own work).
+constexpr size_t kStepKindOps = 4;
+
+std::string step_kind_table(const Analysis& a, int top) {
+  if (a.step_kinds.empty()) return "";
+  const size_t n = std::min(a.step_kinds.size(), static_cast<size_t>(std::max(top, 0)));
+  const size_t n_ops = std::min(a.ops.size(), kStepKindOps);
+  std::string s = fmt::format("\n{:<26}  {:>6}  {:>10}", "serve steps by kind (mean)", "count", "step");
+  for (size_t i = 0; i < n_ops; ++i) s += fmt::format("  {:>10}", a.ops[i].name);
+  s += fmt::format("  {:>10}  {:>11}\n", "other ops", "outside ops");
+  for (size_t k = 0; k < n; ++k) {
+    const StepKindRow& r = a.step_kinds[k];
+    s += fmt::format("  {:<24}  {:>6}  {:>10}", r.kind, r.count, ms(r.mean_us()));
+    double other = 0, in_ops = 0;
+    for (size_t i = 0; i < r.ops.size(); ++i) {
+      in_ops += r.ops[i].second;
+      if (i < n_ops)
+        s += fmt::format("  {:>10}", ms(r.op_mean_us(r.ops[i].first)));
+      else
+        other += r.ops[i].second;
+    }
+    const double per = r.count > 0 ? 1.0 / static_cast<double>(r.count) : 0;
+    s += fmt::format("  {:>10}  {:>11}\n", ms(other * per), ms(std::max(0.0, r.us - in_ops) * per));
+  }
+  if (a.step_kinds.size() > n) s += fmt::format("  ({} more kinds)\n", a.step_kinds.size() - n);
+  return s;
+}
+
 std::string format_report(const Trace& t, const Analysis& a, const PeakTable* peak, int top) {
-  return header(t, a) + phase_table(a) + op_table(a, top) + layer_table(a, top) + matmul_table(t, a, peak);
+  return header(t, a) + phase_table(a) + op_table(a, top) + step_kind_table(a, top) + layer_table(a, top) +
+         matmul_table(t, a, peak);
 }
 
 nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const PeakTable* peak) {
@@ -206,6 +237,13 @@ nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const Peak
                       {"us", l.us},
                       {"share", a.share(l.us)}});
   o["layers"] = std::move(layers);
+  json kinds = json::array();
+  for (const StepKindRow& r : a.step_kinds) {
+    json ops = json::object();
+    for (const auto& [name, us] : r.ops) ops[name] = r.op_mean_us(name);
+    kinds.push_back({{"kind", r.kind}, {"count", r.count}, {"mean_us", r.mean_us()}, {"op_mean_us", std::move(ops)}});
+  }
+  o["serve_step_kinds"] = std::move(kinds);
   json classes = json::array();
   for (const MatmulClass& c : a.matmuls) {
     const ClassPeak p = class_peak(c, peak, class_precision(t, c));

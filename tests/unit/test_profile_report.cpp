@@ -247,6 +247,50 @@ TEST(ProfileReport, TextAndJsonCarryTheSameNumbers) {
   EXPECT_EQ(text.find("above 115% of the peak"), std::string::npos) << text;
 }
 
+// A serving trace's steps by kind: decode-only steps by their rows, steps that
+// also prefill, each kind's mean time in each op kind, in the text and the JSON
+// alike; a training trace has none.
+TEST(ProfileReport, ServeStepsByKind) {
+  TraceBuilder b;
+  b.loom["command"] = "serve";
+  auto step = [&](double ts, double dur, int prefill, int decode) {
+    b.phase("serve_step", ts, dur, {{"prefill_tokens", prefill}, {"decode_rows", decode}});
+  };
+  step(0, 1000, 0, 16);
+  b.op("matmul", 10, 400, TraceBuilder::product("forward", 0, 16, 64, 64, "q4_0", 0.5625, 2, 800));
+  b.op("lora", 420, 300, {{"phase", "forward"}, {"T", 16}, {"flops", 1000}, {"dtype", "bf16"}, {"bytes", 4000}});
+  step(2000, 1200, 0, 16);
+  b.op("matmul", 2010, 500, TraceBuilder::product("forward", 0, 16, 64, 64, "q4_0", 0.5625, 2, 1000));
+  b.op("lora", 2520, 500, {{"phase", "forward"}, {"T", 16}, {"flops", 1000}, {"dtype", "bf16"}, {"bytes", 4000}});
+  step(4000, 3000, 64, 16);
+  b.op("matmul", 4010, 2500, TraceBuilder::product("forward", 0, 80, 64, 64, "q4_0", 0.5625, 2, 5000));
+  step(8000, 100, 0, 0);
+  const Trace t = b.trace();
+  const Analysis a = analyze(t);
+  ASSERT_EQ(a.step_kinds.size(), 3u);
+  EXPECT_EQ(a.step_kinds[0].kind, "decode, 16 rows");
+  EXPECT_EQ(a.step_kinds[0].count, 2);
+  EXPECT_DOUBLE_EQ(a.step_kinds[0].mean_us(), 1100);
+  EXPECT_DOUBLE_EQ(a.step_kinds[0].op_mean_us("matmul"), 450);
+  EXPECT_DOUBLE_EQ(a.step_kinds[0].op_mean_us("lora"), 400);
+  EXPECT_EQ(a.step_kinds[1].kind, "prefill + decode");
+  EXPECT_DOUBLE_EQ(a.step_kinds[1].op_mean_us("matmul"), 2500);
+  EXPECT_DOUBLE_EQ(a.step_kinds[1].op_mean_us("lora"), 0);
+  EXPECT_EQ(a.step_kinds[2].kind, "empty");
+  const std::string text = format_report(t, a, nullptr, 10);
+  EXPECT_NE(text.find("serve steps by kind (mean)"), std::string::npos) << text;
+  EXPECT_NE(text.find("  decode, 16 rows                2      1.1 ms"), std::string::npos) << text;
+  const auto j = report_json(t, a, nullptr);
+  ASSERT_EQ(j["serve_step_kinds"].size(), 3u);
+  EXPECT_EQ(j["serve_step_kinds"][0]["kind"], "decode, 16 rows");
+  EXPECT_DOUBLE_EQ(j["serve_step_kinds"][0]["op_mean_us"]["lora"].get<double>(), 400);
+  EXPECT_DOUBLE_EQ(j["serve_step_kinds"][1]["mean_us"].get<double>(), 3000);
+  // Training traces: no such table.
+  const Trace train = hand_trace().trace();
+  EXPECT_TRUE(analyze(train).step_kinds.empty());
+  EXPECT_EQ(format_report(train, analyze(train), nullptr, 10).find("serve steps"), std::string::npos);
+}
+
 // A class well above its peak (a stale or slow peak, or cached weights) gets a
 // note that says so and how to measure again; at the peak, none.
 TEST(ProfileReport, ClassesAboveThePeakGetANote) {
