@@ -183,6 +183,15 @@ void dot_tile_packed(const float* const* x, const FactorRow* a, int64_t n, float
       for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], a[j].at(c), s[i][j]);
 }
 
+// Whether a tile's A rows can be unpacked in registers: every row 4 bits, one
+// group size for all, a multiple of 8 (no chunk of 8 crosses a group; the group
+// divides the row, so the row has no tail).
+inline bool int4_fits(const FactorRow* a, int n) {
+  for (int j = 0; j < n; ++j)
+    if (a[j].q == nullptr || a[j].q->group != a[0].q->group) return false;
+  return a[0].q->group % 8 == 0;
+}
+
 inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == g) return true;
   if (f == nullptr || g == nullptr) return false;
@@ -204,6 +213,7 @@ struct FirstPass {
   std::span<const int32_t> rows;
   int64_t R, T;
   float* u;
+  bool avx512;  // decode rows' 4-bit A two rows a zmm (lora_rows_avx512f.cpp)
 
   const LoraFactor* factor(int64_t job, int64_t k) const { return jobs[static_cast<size_t>(job)].factors[k]; }
   // Rows k and k2 have the same factors for every job of g.
@@ -266,6 +276,16 @@ struct FirstPass {
           const simd::Bf16* hp[NA];
           for (int q = 0; q < NA; ++q) hp[q] = reinterpret_cast<const simd::Bf16*>(ap[q].h + ap[q].e0);
           dot_tile<NR, NA, simd::Bf16>(xs, hp, factor(at_job[0], k0)->in, s, pf);
+        } else if (NR == 1 && NA == 8 && avx512 && int4_fits(ap, NA)) {  // unpacked in registers
+          const int64_t in = factor(at_job[0], k0)->in;
+          const uint8_t* codes[8];
+          const float* scales[8];
+          for (int q = 0; q < 8; ++q) {
+            codes[q] = ap[q].q->codes + ap[q].e0 / 2;
+            scales[q] = ap[q].q->scales + ap[q].e0 / ap[q].q->group;
+          }
+          pf.advance(static_cast<size_t>(NA * in) / 2);
+          detail::dot8_rows_int4_avx512(xs[0], codes, scales, in, ap[0].q->group, reinterpret_cast<float*>(s));
         } else {
           dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s, pf);
         }
@@ -493,6 +513,19 @@ struct SecondPass {
     }
   }
 
+  // y[row][c0, c1) += B[c0, c1) u[row] for a short run (decode rows) with a
+  // 4-bit B of rank 8 or 16, one scale per row: B's columns in the lanes
+  // straight from the codes (lora_rows_avx512f.cpp), add_bt_times_u's sums on
+  // the same values, so its bits, with no block dequantized into a buffer.
+  void add_rows_int4_avx512(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0, int64_t c1) const {
+    const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
+    for (int64_t m = 0; m < n; ++m) {
+      const int64_t row = rows[static_cast<size_t>(k + m)];
+      detail::add_b4_times_u_avx512(f.b4.codes, f.b4.scales, f.rank, u + (j * T + row) * R,
+                                    job.y + row * job.ldy, c0, c1);
+    }
+  }
+
   // add_rows over [c0, c1) with a 4-bit B, dequantized once for the run: the
   // whole block (transposed: it fits) or pieces of a multiple of 8 rows (the
   // dot products' own). Out of line, like FirstPass::tile_packed.
@@ -549,6 +582,8 @@ struct SecondPass {
       const int64_t r = f->rank, j = seg->j, k = seg->k0 + m;
       if (f->bf16())
         add_rows_bf16(*f, j, k, n, c0, c1);
+      else if (f->packed() && avx512 && !transposed && (r == 8 || r == 16) && f->b4.group == r)
+        add_rows_int4_avx512(*f, j, k, n, c0, c1);
       else if (f->packed())
         add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
       else
@@ -587,7 +622,7 @@ void lora_rows(ThreadPool& pool, std::span<const LoraRowsJob> jobs, std::span<co
       groups[n_groups++] = {j, 1};
   }
   const bool avx512 = usable_cpu_features().has_avx512_f32();
-  const FirstPass p1{jobs, rows, max_rank, T, u};
+  const FirstPass p1{jobs, rows, max_rank, T, u, avx512};
   pool.parallel_for(n_groups * NR, [&](int64_t b, int64_t e) {
     for (int64_t g = b / NR; g < n_groups && g * NR < e; ++g)
       p1.run(groups[g], std::max(b - g * NR, int64_t{0}), std::min(e - g * NR, NR));

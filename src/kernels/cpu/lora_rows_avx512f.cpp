@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cpu/lora_rows_isa.h"
 
@@ -34,6 +35,89 @@ void add_bt16_times_u_avx512(const uint16_t* bt, int64_t ld, int64_t r, const fl
     for (int64_t c = r8; c < r; ++c) s = _mm512_fmadd_ps(_mm512_set1_ps(u[c]), column(c), s);
     _mm512_mask_storeu_ps(y + n, kept, _mm512_add_ps(_mm512_maskz_loadu_ps(kept, y + n), s));
   }
+}
+
+// Lane l holds column c0 + n + l; its rank values c.. c + 7 are the 8 nibbles of
+// one dword (low nibble first), at byte (column * r + c) / 2. Each value is
+// fma(code, s, -8 s): the exact product plus an exact term, rounded once, so
+// (code - 8) * s as int4::value rounds it.
+void add_b4_times_u_avx512(const uint8_t* codes, const float* scales, int64_t r, const float* u, float* y,
+                           int64_t c0, int64_t c1) {
+  for (int64_t n = c0; n < c1; n += 16) {
+    const auto kept = static_cast<__mmask16>((1u << std::min<int64_t>(16, c1 - n)) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(kept, scales + n), m8s = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+    // The lanes' dwords of rank chunk k: rank 8, one dword a column; rank 16, two
+    // (the even ones for k = 0, the odd for k = 1).
+    auto chunk = [&](int64_t k) {
+      if (r == 8) return _mm512_maskz_loadu_epi32(kept, codes + n * 4);
+      const __mmask16 lo = static_cast<__mmask16>(kept & 0xFF ? (1u << (2 * std::min<int64_t>(8, c1 - n))) - 1 : 0);
+      const __mmask16 hi = static_cast<__mmask16>(c1 - n > 8 ? (1u << (2 * std::min<int64_t>(8, c1 - n - 8))) - 1 : 0);
+      const __m512i a = _mm512_maskz_loadu_epi32(lo, codes + n * 8), b = _mm512_maskz_loadu_epi32(hi, codes + n * 8 + 64);
+      const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      return _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(static_cast<int>(k))), b);
+    };
+    __m512 acc[8];
+    for (int l = 0; l < 8; ++l) acc[l] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < r; c += 8) {
+      const __m512i w = chunk(c / 8);
+      for (int l = 0; l < 8; ++l) {
+        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w, static_cast<unsigned>(4 * l)), _mm512_set1_epi32(0xF));
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, m8s);
+        acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(u[c + l]), v, acc[l]);
+      }
+    }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
+                                     _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
+    _mm512_mask_storeu_ps(y + n, kept, _mm512_add_ps(_mm512_maskz_loadu_ps(kept, y + n), sum));
+  }
+}
+
+// The 8 lane sums of a, b, c, d reduced as lora_rows.cpp's reduce4 does. A copy
+// on purpose: an inline function shared with that AVX2 file could be linked from
+// this unit's AVX-512 code into the AVX2 path of a CPU without AVX-512.
+static __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Rows 2p and 2p + 1 share a zmm: lanes 0-7 the first's chunk of 8 columns,
+// 8-15 the second's, each lane the same FMA chain as the AVX2 tile's lane (x's
+// chunk in both halves). A value is fma(code, s, -8 s) = (code - 8) s rounded once.
+void dot8_rows_int4_avx512(const float* x, const uint8_t* const* codes, const float* const* scales, int64_t n,
+                           int64_t group, float* s) {
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  __m512 acc[4], sc[4], m8s[4];
+  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  auto pair = [](float lo, float hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
+  };
+  for (int64_t g0 = 0; g0 < n; g0 += group) {
+    const int64_t g = g0 / group;
+    for (int p = 0; p < 4; ++p) {
+      sc[p] = pair(scales[2 * p][g], scales[2 * p + 1][g]);
+      m8s[p] = _mm512_mul_ps(sc[p], _mm512_set1_ps(-8.0f));
+    }
+    for (int64_t c = g0; c < g0 + group; c += 8) {
+      const __m512 xc = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + c))));
+      for (int p = 0; p < 4; ++p) {
+        int32_t lo, hi;
+        std::memcpy(&lo, codes[2 * p] + c / 2, sizeof lo);
+        std::memcpy(&hi, codes[2 * p + 1] + c / 2, sizeof hi);
+        const __m512i w = _mm512_inserti32x8(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1);
+        const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(w, shifts), nibble);
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc[p], m8s[p]);
+        acc[p] = _mm512_fmadd_ps(xc, v, acc[p]);
+      }
+    }
+  }
+  __m256 rows[8];
+  for (int p = 0; p < 4; ++p) {
+    rows[2 * p] = _mm512_castps512_ps256(acc[p]);
+    rows[2 * p + 1] = _mm512_extractf32x8_ps(acc[p], 1);
+  }
+  _mm_storeu_ps(s, reduce4(rows[0], rows[1], rows[2], rows[3]));
+  _mm_storeu_ps(s + 4, reduce4(rows[4], rows[5], rows[6], rows[7]));
 }
 
 }  // namespace loom::detail
