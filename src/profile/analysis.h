@@ -50,7 +50,7 @@ const char* matmul_regime(int64_t T);  // "decode" for 0 < T <= 8, else "batch"
 struct StepKindRow {
   std::string kind;  // "decode, 16 rows", "prefill + decode", "prefill", "empty"
   int64_t count = 0;
-  double us = 0;                                     // the steps' summed time
+  double us = 0;                                    // the steps' summed time
   std::vector<std::pair<std::string, double>> ops;  // summed time by op kind, in Analysis::ops' order
   double mean_us() const { return count > 0 ? us / static_cast<double>(count) : 0; }
   double op_mean_us(const std::string& name) const;  // 0 when the kind ran no such op

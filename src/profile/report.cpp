@@ -84,7 +84,8 @@ std::string layer_table(const Analysis& a, int top) {
   if (a.layers.empty()) return {};
   std::vector<LayerRow> layers, none;
   for (const LayerRow& l : a.layers) (l.layer < 0 ? none : layers).push_back(l);
-  std::stable_sort(layers.begin(), layers.end(), [](const LayerRow& x, const LayerRow& y) { return x.us > y.us; });
+  std::stable_sort(layers.begin(), layers.end(),
+                   [](const LayerRow& x, const LayerRow& y) { return x.us > y.us; });
   const size_t n = std::min(layers.size(), static_cast<size_t>(std::max(top, 0)));
   const std::string title = fmt::format("layers (top {} of {})", n, layers.size());
   std::string s = fmt::format("\n{:<22}  {:>7}  {:>10}  {:>6}\n", title, "count", "time", "share");
@@ -95,11 +96,12 @@ std::string layer_table(const Analysis& a, int top) {
     LayerRow rest;
     for (size_t i = n; i < layers.size(); ++i) rest.count += layers[i].count, rest.us += layers[i].us;
     s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}  ({} to {} each)\n",
-                     fmt::format("({} more)", layers.size() - n), rest.count, ms(rest.us), pct(a.share(rest.us)),
-                     ms(layers.back().us), ms(layers[n].us));
+                     fmt::format("({} more)", layers.size() - n), rest.count, ms(rest.us),
+                     pct(a.share(rest.us)), ms(layers.back().us), ms(layers[n].us));
   }
   for (const LayerRow& l : none)
-    s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}\n", "outside the layers", l.count, ms(l.us), pct(a.share(l.us)));
+    s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}\n", "outside the layers", l.count, ms(l.us),
+                     pct(a.share(l.us)));
   return s;
 }
 
@@ -241,7 +243,8 @@ nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const Peak
   for (const StepKindRow& r : a.step_kinds) {
     json ops = json::object();
     for (const auto& [name, us] : r.ops) ops[name] = r.op_mean_us(name);
-    kinds.push_back({{"kind", r.kind}, {"count", r.count}, {"mean_us", r.mean_us()}, {"op_mean_us", std::move(ops)}});
+    kinds.push_back(
+        {{"kind", r.kind}, {"count", r.count}, {"mean_us", r.mean_us()}, {"op_mean_us", std::move(ops)}});
   }
   o["serve_step_kinds"] = std::move(kinds);
   json classes = json::array();

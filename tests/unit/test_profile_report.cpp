@@ -258,10 +258,12 @@ TEST(ProfileReport, ServeStepsByKind) {
   };
   step(0, 1000, 0, 16);
   b.op("matmul", 10, 400, TraceBuilder::product("forward", 0, 16, 64, 64, "q4_0", 0.5625, 2, 800));
-  b.op("lora", 420, 300, {{"phase", "forward"}, {"T", 16}, {"flops", 1000}, {"dtype", "bf16"}, {"bytes", 4000}});
+  b.op("lora", 420, 300,
+       {{"phase", "forward"}, {"T", 16}, {"flops", 1000}, {"dtype", "bf16"}, {"bytes", 4000}});
   step(2000, 1200, 0, 16);
   b.op("matmul", 2010, 500, TraceBuilder::product("forward", 0, 16, 64, 64, "q4_0", 0.5625, 2, 1000));
-  b.op("lora", 2520, 500, {{"phase", "forward"}, {"T", 16}, {"flops", 1000}, {"dtype", "bf16"}, {"bytes", 4000}});
+  b.op("lora", 2520, 500,
+       {{"phase", "forward"}, {"T", 16}, {"flops", 1000}, {"dtype", "bf16"}, {"bytes", 4000}});
   step(4000, 3000, 64, 16);
   b.op("matmul", 4010, 2500, TraceBuilder::product("forward", 0, 80, 64, 64, "q4_0", 0.5625, 2, 5000));
   step(8000, 100, 0, 0);

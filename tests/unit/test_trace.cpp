@@ -5,11 +5,10 @@
 // inner backend's bit for bit.
 #include <gtest/gtest.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -173,7 +172,8 @@ TEST(ProfilingBackend, RecordsOpsAndComputesTheSame) {
     EXPECT_EQ(plain.backend->tracer(), nullptr);
     EXPECT_EQ(prof->tracer(), &tracer);
     const int64_t T = 5, N = 24, K = 40;
-    std::vector<float> w = random_vec(static_cast<size_t>(N * K), 1), x = random_vec(static_cast<size_t>(T * K), 2);
+    std::vector<float> w = random_vec(static_cast<size_t>(N * K), 1),
+                       x = random_vec(static_cast<size_t>(T * K), 2);
     const Tensor W = make_tensor(w.data(), DType::f32, {N, K});
     auto ws_plain = plain.backend->make_workspace(), ws_prof = prof->make_workspace();
     std::vector<float> y_plain(static_cast<size_t>(T * N)), y_prof(y_plain.size());
@@ -228,18 +228,22 @@ TEST(ProfilingBackend, LoraOpsCountEachRunsFactorsOnce) {
   std::unique_ptr<Backend> prof = make_profiling_backend(std::move(inner.backend), tracer, inner.pool);
   const int64_t T = 5, in = 24, r = 4, out_q = 16, out_k = 8;
   std::vector<float> x = random_vec(static_cast<size_t>(T * in), 3);
-  std::vector<float> a1 = random_vec(static_cast<size_t>(r * in), 4), b1 = random_vec(static_cast<size_t>(out_q * r), 5);
-  std::vector<float> a2 = random_vec(static_cast<size_t>(r * in), 6), b2 = random_vec(static_cast<size_t>(out_k * r), 7);
+  std::vector<float> a1 = random_vec(static_cast<size_t>(r * in), 4),
+                     b1 = random_vec(static_cast<size_t>(out_q * r), 5);
+  std::vector<float> a2 = random_vec(static_cast<size_t>(r * in), 6),
+                     b2 = random_vec(static_cast<size_t>(out_k * r), 7);
   const LoraFactor f1{a1.data(), b1.data(), r, in, out_q, 0.5f, {}, {}};
   const LoraFactor f2{a2.data(), b2.data(), r, in, out_k, 2.0f, {}, {}};
   // Job q: rows 0-1 f1, row 2 none, rows 3-4 f1 again; job k (the same x): row 2 f2 only.
   const LoraFactor* fq[T] = {&f1, &f1, nullptr, &f1, &f1};
   const LoraFactor* fk[T] = {nullptr, nullptr, &f2, nullptr, nullptr};
   const std::vector<int32_t> rows = {0, 1, 2, 3, 4};
-  std::vector<float> yq_plain = random_vec(static_cast<size_t>(T * out_q), 8), yk_plain = random_vec(static_cast<size_t>(T * out_k), 9);
+  std::vector<float> yq_plain = random_vec(static_cast<size_t>(T * out_q), 8),
+                     yk_plain = random_vec(static_cast<size_t>(T * out_k), 9);
   std::vector<float> yq_prof = yq_plain, yk_prof = yk_plain, u(static_cast<size_t>(2 * T * r));
   auto jobs_for = [&](float* yq, float* yk) {
-    return std::vector<LoraRowsJob>{{x.data(), in, yq, out_q, out_q, fq}, {x.data(), in, yk, out_k, out_k, fk}};
+    return std::vector<LoraRowsJob>{{x.data(), in, yq, out_q, out_q, fq},
+                                    {x.data(), in, yk, out_k, out_k, fk}};
   };
   auto ws_plain = plain.backend->make_workspace(), ws_prof = prof->make_workspace();
   tracer.start();
@@ -256,7 +260,7 @@ TEST(ProfilingBackend, LoraOpsCountEachRunsFactorsOnce) {
   EXPECT_EQ(a["dtype"], "f32");
   EXPECT_EQ(a["T"], T);
   EXPECT_EQ(a["flops"], 2 * r * (4 * (in + out_q) + (in + out_k)));
-  const int64_t factors = 2 * f1.bytes() + f2.bytes();          // f1's two runs, f2's one
+  const int64_t factors = 2 * f1.bytes() + f2.bytes();             // f1's two runs, f2's one
   const int64_t rows_io = 4 * (4 * (in + 2 * out_q) + 2 * out_k);  // job k's row reads the x job q read
   EXPECT_EQ(a["bytes"], factors + rows_io);
   EXPECT_EQ(f1.bytes(), 4 * r * (in + out_q));
@@ -272,7 +276,8 @@ TEST(ProfilingBackend, LoraFactorBytesAsKept) {
   h.b16 = halves.data() + r * in;
   h.rank = r, h.in = in, h.out = out;
   EXPECT_EQ(h.bytes(), 2.0 * (r * in + 104 * r));  // out padded to 104
-  std::vector<float> a = random_vec(static_cast<size_t>(r * in), 1), b = random_vec(static_cast<size_t>(out * r), 2);
+  std::vector<float> a = random_vec(static_cast<size_t>(r * in), 1),
+                     b = random_vec(static_cast<size_t>(out * r), 2);
   const PackedInt4 qa = pack_int4_rows(a.data(), r, in, 96), qb = pack_int4_rows(b.data(), out, r, r);
   LoraFactor q;
   q.a4 = {qa.codes.data(), qa.scales.data(), qa.group};

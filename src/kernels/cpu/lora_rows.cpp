@@ -196,9 +196,9 @@ inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == g) return true;
   if (f == nullptr || g == nullptr) return false;
   return f->a == g->a && f->b == g->b && f->a4.codes == g->a4.codes && f->b4.codes == g->b4.codes &&
-         f->a16 == g->a16 && f->b16 == g->b16 &&
-         f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in &&
-         f->out == g->out && f->scale == g->scale;
+         f->a16 == g->a16 && f->b16 == g->b16 && f->a4.scales == g->a4.scales &&
+         f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in && f->out == g->out &&
+         f->scale == g->scale;
 }
 
 // Jobs [first, first + count) read the same x (q/k/v, gate/up): the first pass
@@ -285,7 +285,8 @@ struct FirstPass {
             scales[q] = ap[q].q->scales + ap[q].e0 / ap[q].q->group;
           }
           pf.advance(static_cast<size_t>(NA * in) / 2);
-          detail::dot8_rows_int4_avx512(xs[0], codes, scales, in, ap[0].q->group, reinterpret_cast<float*>(s));
+          detail::dot8_rows_int4_avx512(xs[0], codes, scales, in, ap[0].q->group,
+                                        reinterpret_cast<float*>(s));
         } else {
           dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s, pf);
         }
@@ -479,8 +480,8 @@ struct SecondPass {
   // (one factor) of job j; b_row(n): B's row n. A long run with a narrow rank
   // transposes B's block once for all of them (the same bits).
   template <typename BRow>
-  void add_rows(BRow b_row, int64_t r, int64_t j, int64_t k, int64_t n, int64_t s0, int64_t s1, bool transposed,
-                float* bt) const {
+  void add_rows(BRow b_row, int64_t r, int64_t j, int64_t k, int64_t n, int64_t s0, int64_t s1,
+                bool transposed, float* bt) const {
     const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
     if (transposed) transpose_b_block(b_row, r, s0, s1, bt);
     for (int64_t m = 0; m < n; ++m) {
@@ -517,7 +518,8 @@ struct SecondPass {
   // 4-bit B of rank 8 or 16, one scale per row: B's columns in the lanes
   // straight from the codes (lora_rows_avx512f.cpp), add_bt_times_u's sums on
   // the same values, so its bits, with no block dequantized into a buffer.
-  void add_rows_int4_avx512(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0, int64_t c1) const {
+  void add_rows_int4_avx512(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0,
+                            int64_t c1) const {
     const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
     for (int64_t m = 0; m < n; ++m) {
       const int64_t row = rows[static_cast<size_t>(k + m)];

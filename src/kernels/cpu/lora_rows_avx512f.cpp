@@ -50,9 +50,12 @@ void add_b4_times_u_avx512(const uint8_t* codes, const float* scales, int64_t r,
     // (the even ones for k = 0, the odd for k = 1).
     auto chunk = [&](int64_t k) {
       if (r == 8) return _mm512_maskz_loadu_epi32(kept, codes + n * 4);
-      const __mmask16 lo = static_cast<__mmask16>(kept & 0xFF ? (1u << (2 * std::min<int64_t>(8, c1 - n))) - 1 : 0);
-      const __mmask16 hi = static_cast<__mmask16>(c1 - n > 8 ? (1u << (2 * std::min<int64_t>(8, c1 - n - 8))) - 1 : 0);
-      const __m512i a = _mm512_maskz_loadu_epi32(lo, codes + n * 8), b = _mm512_maskz_loadu_epi32(hi, codes + n * 8 + 64);
+      const __mmask16 lo =
+          static_cast<__mmask16>(kept & 0xFF ? (1u << (2 * std::min<int64_t>(8, c1 - n))) - 1 : 0);
+      const __mmask16 hi =
+          static_cast<__mmask16>(c1 - n > 8 ? (1u << (2 * std::min<int64_t>(8, c1 - n - 8))) - 1 : 0);
+      const __m512i a = _mm512_maskz_loadu_epi32(lo, codes + n * 8),
+                    b = _mm512_maskz_loadu_epi32(hi, codes + n * 8 + 64);
       const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
       return _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(static_cast<int>(k))), b);
     };
@@ -61,13 +64,15 @@ void add_b4_times_u_avx512(const uint8_t* codes, const float* scales, int64_t r,
     for (int64_t c = 0; c < r; c += 8) {
       const __m512i w = chunk(c / 8);
       for (int l = 0; l < 8; ++l) {
-        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(w, static_cast<unsigned>(4 * l)), _mm512_set1_epi32(0xF));
+        const __m512i q =
+            _mm512_and_si512(_mm512_srli_epi32(w, static_cast<unsigned>(4 * l)), _mm512_set1_epi32(0xF));
         const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, m8s);
         acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(u[c + l]), v, acc[l]);
       }
     }
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
-                                     _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
+    const __m512 sum =
+        _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
+                      _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
     _mm512_mask_storeu_ps(y + n, kept, _mm512_add_ps(_mm512_maskz_loadu_ps(kept, y + n), sum));
   }
 }
@@ -104,7 +109,8 @@ void dot8_rows_int4_avx512(const float* x, const uint8_t* const* codes, const fl
         int32_t lo, hi;
         std::memcpy(&lo, codes[2 * p] + c / 2, sizeof lo);
         std::memcpy(&hi, codes[2 * p + 1] + c / 2, sizeof hi);
-        const __m512i w = _mm512_inserti32x8(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1);
+        const __m512i w =
+            _mm512_inserti32x8(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1);
         const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(w, shifts), nibble);
         const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc[p], m8s[p]);
         acc[p] = _mm512_fmadd_ps(xc, v, acc[p]);
