@@ -213,7 +213,7 @@ struct FirstPass {
   std::span<const int32_t> rows;
   int64_t R, T;
   float* u;
-  bool avx512;  // decode rows' 4-bit A two rows a zmm (lora_rows_avx512f.cpp)
+  bool avx512;  // 4-bit A rows two to a zmm (lora_rows_avx512f.cpp)
 
   const LoraFactor* factor(int64_t job, int64_t k) const { return jobs[static_cast<size_t>(job)].factors[k]; }
   // Rows k and k2 have the same factors for every job of g.
@@ -276,17 +276,16 @@ struct FirstPass {
           const simd::Bf16* hp[NA];
           for (int q = 0; q < NA; ++q) hp[q] = reinterpret_cast<const simd::Bf16*>(ap[q].h + ap[q].e0);
           dot_tile<NR, NA, simd::Bf16>(xs, hp, factor(at_job[0], k0)->in, s, pf);
-        } else if (NR == 1 && NA == 8 && avx512 && int4_fits(ap, NA)) {  // unpacked in registers
+        } else if (avx512 && int4_fits(ap, NA)) {  // unpacked in registers
           const int64_t in = factor(at_job[0], k0)->in;
-          const uint8_t* codes[8];
-          const float* scales[8];
-          for (int q = 0; q < 8; ++q) {
+          const uint8_t* codes[NA];
+          const float* scales[NA];
+          for (int q = 0; q < NA; ++q) {
             codes[q] = ap[q].q->codes + ap[q].e0 / 2;
             scales[q] = ap[q].q->scales + ap[q].e0 / ap[q].q->group;
           }
           pf.advance(static_cast<size_t>(NA * in) / 2);
-          detail::dot8_rows_int4_avx512(xs[0], codes, scales, in, ap[0].q->group,
-                                        reinterpret_cast<float*>(s));
+          detail::dot_rows_int4_avx512(NR, NA, xs, codes, scales, in, ap[0].q->group, &s[0][0]);
         } else {
           dot_tile_packed<NR, NA>(xs, ap, factor(at_job[0], k0)->in, buf, s, pf);
         }

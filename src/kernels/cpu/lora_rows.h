@@ -30,11 +30,12 @@ namespace loom {
 // tile's A rows 256 columns at a time, and a run's block of B once, are
 // dequantized into a stack buffer right before the same operations, so the
 // bits are those of the f32 kernel on the unpack_int4_rows values, and no
-// f32 copy of an adapter is made. With AVX-512, decode rows (a row of its own
-// adapter) unpack the codes in registers instead (lora_rows_avx512f.cpp): A's
-// rows two to a zmm, B's columns in the lanes (rank 8 or 16, a scale per row),
-// the same values and sums, about half the time of the buffered form, which
-// had made 4-bit adapters slower than bf16 ones at a quarter of the bytes.
+// f32 copy of an adapter is made. With AVX-512 the codes are unpacked in
+// registers instead (lora_rows_avx512f.cpp): every tile's A rows two to a zmm,
+// and for short runs (decode rows) B's columns in the lanes (rank 8 or 16, a
+// scale per row); the same values and sums, about half the time of the
+// buffered form, which had made 4-bit adapters slower than bf16 ones at a
+// quarter of the bytes.
 // A factor kept in bf16 (a16 / b16) is read
 // in place, widened exactly in registers: half the bytes of f32, which is what
 // decode rows of many adapters wait for (each row streams its own adapter from

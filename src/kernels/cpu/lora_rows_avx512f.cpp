@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/error.h"
 #include "kernels/cpu/lora_rows_isa.h"
 
 namespace loom::detail {
@@ -85,27 +86,33 @@ static __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// Rows 2p and 2p + 1 share a zmm: lanes 0-7 the first's chunk of 8 columns,
-// 8-15 the second's, each lane the same FMA chain as the AVX2 tile's lane (x's
-// chunk in both halves). A value is fma(code, s, -8 s) = (code - 8) s rounded once.
-void dot8_rows_int4_avx512(const float* x, const uint8_t* const* codes, const float* const* scales, int64_t n,
-                           int64_t group, float* s) {
+// Factor rows 2p and 2p + 1 share a zmm: lanes 0-7 the first's chunk of 8
+// columns, 8-15 the second's, each lane the same FMA chain as the AVX2 tile's
+// lane (each x row's chunk in both halves). A value is fma(code, s, -8 s) =
+// (code - 8) s rounded once.
+template <int NR, int NA>
+static void dot_rows_int4(const float* const* x, const uint8_t* const* codes, const float* const* scales,
+                          int64_t n, int64_t group, float* s) {
+  constexpr int P = NA / 2;
   const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
   const __m512i nibble = _mm512_set1_epi32(0xF);
-  __m512 acc[4], sc[4], m8s[4];
-  for (int p = 0; p < 4; ++p) acc[p] = _mm512_setzero_ps();
+  __m512 acc[NR][P], sc[P], m8s[P];
+  for (int i = 0; i < NR; ++i)
+    for (int p = 0; p < P; ++p) acc[i][p] = _mm512_setzero_ps();
   auto pair = [](float lo, float hi) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
   };
   for (int64_t g0 = 0; g0 < n; g0 += group) {
     const int64_t g = g0 / group;
-    for (int p = 0; p < 4; ++p) {
+    for (int p = 0; p < P; ++p) {
       sc[p] = pair(scales[2 * p][g], scales[2 * p + 1][g]);
       m8s[p] = _mm512_mul_ps(sc[p], _mm512_set1_ps(-8.0f));
     }
     for (int64_t c = g0; c < g0 + group; c += 8) {
-      const __m512 xc = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + c))));
-      for (int p = 0; p < 4; ++p) {
+      __m512 xc[NR];
+      for (int i = 0; i < NR; ++i)
+        xc[i] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x[i] + c))));
+      for (int p = 0; p < P; ++p) {
         int32_t lo, hi;
         std::memcpy(&lo, codes[2 * p] + c / 2, sizeof lo);
         std::memcpy(&hi, codes[2 * p + 1] + c / 2, sizeof hi);
@@ -113,17 +120,27 @@ void dot8_rows_int4_avx512(const float* x, const uint8_t* const* codes, const fl
             _mm512_inserti32x8(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1);
         const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(w, shifts), nibble);
         const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc[p], m8s[p]);
-        acc[p] = _mm512_fmadd_ps(xc, v, acc[p]);
+        for (int i = 0; i < NR; ++i) acc[i][p] = _mm512_fmadd_ps(xc[i], v, acc[i][p]);
       }
     }
   }
-  __m256 rows[8];
-  for (int p = 0; p < 4; ++p) {
-    rows[2 * p] = _mm512_castps512_ps256(acc[p]);
-    rows[2 * p + 1] = _mm512_extractf32x8_ps(acc[p], 1);
+  for (int i = 0; i < NR; ++i) {
+    __m256 rows[NA];
+    for (int p = 0; p < P; ++p) {
+      rows[2 * p] = _mm512_castps512_ps256(acc[i][p]);
+      rows[2 * p + 1] = _mm512_extractf32x8_ps(acc[i][p], 1);
+    }
+    for (int j = 0; j < NA; j += 4)
+      _mm_storeu_ps(s + i * NA + j, reduce4(rows[j], rows[j + 1], rows[j + 2], rows[j + 3]));
   }
-  _mm_storeu_ps(s, reduce4(rows[0], rows[1], rows[2], rows[3]));
-  _mm_storeu_ps(s + 4, reduce4(rows[4], rows[5], rows[6], rows[7]));
+}
+
+void dot_rows_int4_avx512(int nr, int na, const float* const* x, const uint8_t* const* codes,
+                          const float* const* scales, int64_t n, int64_t group, float* s) {
+  if (nr == 1 && na == 8) return dot_rows_int4<1, 8>(x, codes, scales, n, group, s);
+  if (nr == 2 && na == 4) return dot_rows_int4<2, 4>(x, codes, scales, n, group, s);
+  if (nr == 3 && na == 4) return dot_rows_int4<3, 4>(x, codes, scales, n, group, s);
+  LOOM_ASSERT(false);
 }
 
 }  // namespace loom::detail

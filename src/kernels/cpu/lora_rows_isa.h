@@ -11,12 +11,13 @@ namespace loom::detail {
 // bt[j * ld + n] = B[n][j], ld (>= w, a multiple of 8) columns a rank row.
 void add_bt16_times_u_avx512(const uint16_t* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w);
 
-// s[j] = dot(x, A_j) over n columns for the 8 rows of 4-bit A that codes[j]
-// (the row's first byte) and scales[j] (its first group's scale) point at, n and
-// the group a multiple of 8: two rows a zmm, each half the AVX2 tile's lane sums
-// and reduction on the same values (dot_tile<1, 8> in lora_rows.cpp), so its bits.
-void dot8_rows_int4_avx512(const float* x, const uint8_t* const* codes, const float* const* scales, int64_t n,
-                           int64_t group, float* s);
+// s[i][j] = dot(x[i], A_j) over n columns, nr x rows and na rows of 4-bit A
+// that codes[j] (the row's first byte) and scales[j] (its first group's scale)
+// point at, n and the group a multiple of 8, (nr, na) one of lora_rows.cpp's
+// tiles ((1, 8), (2, 4), (3, 4)): two factor rows a zmm, each half the AVX2
+// tile's lane sums and reduction on the same values (dot_tile), so its bits.
+void dot_rows_int4_avx512(int nr, int na, const float* const* x, const uint8_t* const* codes,
+                          const float* const* scales, int64_t n, int64_t group, float* s);
 
 // y[c0, c1) += B u for one row u of a 4-bit B (kernels/int4_rows.h) of rank 8
 // or 16 with one scale per row of B (the server's layout): columns in the lanes
