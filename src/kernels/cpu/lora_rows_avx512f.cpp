@@ -1,9 +1,12 @@
-// AVX-512 form of lora_rows.cpp's second pass on a bf16 B (kernels/lora_b16.h):
-// 16 columns in the lanes where the AVX2 loop has 8, each lane the same
-// operations (FMA chains over the rank in chunks of 8, the same tree, the same
-// tail, then y + s), so the same bits. AVX-512 F/BW/VL only; chosen at run
-// time (CpuFeatures::has_avx512_f32). (The first pass's bf16 tiles with two
-// factor rows a zmm ran no faster on an Emerald Rapids: not kept.)
+// AVX-512 forms of lora_rows.cpp's loops: the second pass on a bf16 B
+// (kernels/lora_b16.h), 16 columns in the lanes where the AVX2 loop has 8, each
+// lane the same operations (FMA chains over the rank in chunks of 8, the same
+// tree, the same tail, then y + s), so the same bits; and 4-bit factors
+// unpacked in registers (A rows two to a zmm, B's columns in the lanes), the
+// same values and sums as the buffered AVX2 path. AVX-512 F/BW/VL/DQ only;
+// chosen at run time (CpuFeatures::has_avx512_f32). (The first pass's bf16
+// tiles with two factor rows a zmm ran no faster on an Emerald Rapids: that
+// pass waits on its loads; the 4-bit one waits on the unpacking, so it gains.)
 #include <immintrin.h>
 
 #include <algorithm>
