@@ -47,8 +47,8 @@ namespace {
 struct LoraCase {
   std::vector<int64_t> outs;  // one target per entry, all over x [T, in]
   int64_t in, rows, adapters, rank;
-  int bits = 32;        // 32: f32 factors, 16: bf16, 4: 4-bit
-  int64_t layers = 1;   // sets of factors the calls go through in turn
+  int bits = 32;       // 32: f32 factors, 16: bf16, 4: 4-bit
+  int64_t layers = 1;  // sets of factors the calls go through in turn
   bool stream = false;  // LoraRowsJob::stream_factors: prefetch the factors ahead
 };
 
@@ -99,10 +99,8 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
       continue;
     }
     if (c.bits != 4) continue;
-    const PackedInt4& qa =
-        packed.emplace_back(pack_int4_rows(as[i].data(), c.rank, c.in, fitting_int4_group(c.in, 128)));
-    const PackedInt4& qb =
-        packed.emplace_back(pack_int4_rows(bs[i].data(), out, c.rank, fitting_int4_group(c.rank, 128)));
+    const PackedInt4& qa = packed.emplace_back(pack_int4_rows(as[i].data(), c.rank, c.in, fitting_int4_group(c.in, 128)));
+    const PackedInt4& qb = packed.emplace_back(pack_int4_rows(bs[i].data(), out, c.rank, fitting_int4_group(c.rank, 128)));
     LoraFactor& f = factors.back();
     f.a = f.b = nullptr;
     f.a4 = {qa.codes.data(), qa.scales.data(), qa.group};
@@ -162,15 +160,13 @@ void run_base_pass(benchmark::State& state, BasePassCase c) {
       std::memcpy(bytes.data(), f.data(), bytes.size());
     else
       for (int64_t n = 0; n < N; ++n)
-        quantize_row_ref(type, f.data() + n * K,
-                         bytes.data() + static_cast<size_t>(n) * dtype_row_bytes(type, K), K);
+        quantize_row_ref(type, f.data() + n * K, bytes.data() + static_cast<size_t>(n) * dtype_row_bytes(type, K), K);
     return make_tensor(bytes.data(), type, {N, K});
   };
   std::vector<uint8_t> raw[6];
   const int64_t rows[6] = {H, KV, KV, r, r, r};
   std::vector<PackedWeight> w;
-  for (int i = 0; i < 6; ++i)
-    w.push_back(PackedWeight::pack(tensor(i < 3 ? c.base : DType::f32, rows[i], H, raw[i]), nullptr, "w"));
+  for (int i = 0; i < 6; ++i) w.push_back(PackedWeight::pack(tensor(i < 3 ? c.base : DType::f32, rows[i], H, raw[i]), nullptr, "w"));
   std::vector<float> x(static_cast<size_t>(T * H), 0.5f), y(static_cast<size_t>(T * (H + 2 * KV + 3 * r)));
   std::vector<MatmulOut> outs;
   float* p = y.data();
@@ -195,10 +191,8 @@ void run_base_pass(benchmark::State& state, BasePassCase c) {
 const bool registered = [] {
   for (DType base : {DType::f32, DType::bf16, DType::q4_1})
     for (bool fused : {false, true}) {
-      const std::string name =
-          fmt::format("BasePass/{}/{}/T128_qkv_r16/t1", dtype_name(base), fused ? "fused" : "separate");
-      benchmark::RegisterBenchmark(name.c_str(), run_base_pass, BasePassCase{base, fused})
-          ->Unit(benchmark::kMicrosecond);
+      const std::string name = fmt::format("BasePass/{}/{}/T128_qkv_r16/t1", dtype_name(base), fused ? "fused" : "separate");
+      benchmark::RegisterBenchmark(name.c_str(), run_base_pass, BasePassCase{base, fused})->Unit(benchmark::kMicrosecond);
     }
   const int64_t H = 576, KV = 192, F = 1536;
   struct Point {

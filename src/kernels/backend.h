@@ -100,7 +100,7 @@ struct LoraFactor {
   const float* b = nullptr;  // [out, rank]
   int64_t rank = 0, in = 0, out = 0;
   float scale = 1.0f;
-  Int4Rows a4{}, b4{};            // [rank, in] and [out, rank] in 4 bits (kernels/int4_rows.h)
+  Int4Rows a4{}, b4{};       // [rank, in] and [out, rank] in 4 bits (kernels/int4_rows.h)
   const uint16_t* a16 = nullptr;  // [rank, in] as bf16 bits (a null), read widened (exact)
   const uint16_t* b16 = nullptr;  // [out, rank] as bf16 bits in column blocks (b null; kernels/lora_b16.h)
   bool quantized() const { return !a4.empty(); }
@@ -141,17 +141,17 @@ struct PagedKvView {
 
 // The fused output projection + cross-entropy (kernels/cpu/loss.h).
 struct LossOp {
-  const Tensor* W = nullptr;                               // output projection [V, H] as stored
-  const DeviceWeight* W_prepared = nullptr;                // the same, prepared for matmul
+  const Tensor* W = nullptr;               // output projection [V, H] as stored
+  const DeviceWeight* W_prepared = nullptr;  // the same, prepared for matmul
   BackwardPrecision precision = BackwardPrecision::exact;  // how dh passes W
-  const DeviceWeight* Wt = nullptr;  // W^T for dh (prepare_transposed; null: W read directly)
-  const float* h = nullptr;          // [T, H] final-norm output
-  const int32_t* labels = nullptr;   // [T], -100 = ignore
+  const DeviceWeight* Wt = nullptr;        // W^T for dh (prepare_transposed; null: W read directly)
+  const float* h = nullptr;                // [T, H] final-norm output
+  const int32_t* labels = nullptr;         // [T], -100 = ignore
   int64_t T = 0;
   float grad_scale = 1.0f;
-  float* dh = nullptr;         // [T, H] +=; null: loss only
-  float* dW = nullptr;         // [V, H] += (a trainable f32 W)
-  bool count_correct = false;  // fill LossResult::n_correct (evaluation)
+  float* dh = nullptr;                     // [T, H] +=; null: loss only
+  float* dW = nullptr;                     // [V, H] += (a trainable f32 W)
+  bool count_correct = false;              // fill LossResult::n_correct (evaluation)
 };
 
 // One AdamW update of a run of parameters (torch.optim.AdamW, fp32 arithmetic).
@@ -171,9 +171,8 @@ struct AdamWUpdate {
 // likewise), then p takes one step. With every entry arriving every step it is
 // adamw_update bit for bit.
 struct AdamWLazyUpdate {
-  AdamWUpdate step;  // the scalars of a gap of 1
-  double beta1,
-      beta2;  // beta^a over a gap of a steps (in double: 1 - beta^a from a float beta is off by 1e-5)
+  AdamWUpdate step;    // the scalars of a gap of 1
+  double beta1, beta2;  // beta^a over a gap of a steps (in double: 1 - beta^a from a float beta is off by 1e-5)
 };
 
 // One step of bitsandbytes' blockwise 8-bit AdamW (optim.kind adamw8bit): the
@@ -208,14 +207,14 @@ struct MaskWindow {
 // The largest ops of a training step, for the memory estimate made before the
 // first one (train/memory.h): a workspace's scratch depends only on these.
 struct WorkspaceShape {
-  int64_t rows = 0;                 // tokens of the largest micro-batch
-  int64_t max_in = 0, max_out = 0;  // widest input / output of the model's products
-  int64_t vocab = 0, hidden = 0;    // the fused loss's output projection
+  int64_t rows = 0;                  // tokens of the largest micro-batch
+  int64_t max_in = 0, max_out = 0;   // widest input / output of the model's products
+  int64_t vocab = 0, hidden = 0;     // the fused loss's output projection
   BackwardPrecision precision = BackwardPrecision::exact;
-  bool backward = true;        // false: evaluation only
-  AttentionShape attention{};  // the training attention's heads
-  int64_t lora_rank = 0;       // LoRA's r (its B's weight gradient is narrow); 0: none
-  bool repack = false;         // f32 weights whose W^T is prepared again each step (full fine-tuning)
+  bool backward = true;              // false: evaluation only
+  AttentionShape attention{};        // the training attention's heads
+  int64_t lora_rank = 0;             // LoRA's r (its B's weight gradient is narrow); 0: none
+  bool repack = false;               // f32 weights whose W^T is prepared again each step (full fine-tuning)
 };
 
 class Tracer;
@@ -254,8 +253,8 @@ class Backend {
 
   // ---- forward
   // y [T, N] (rows ldy apart) = x [T, K] (rows ldx apart) W^T.
-  virtual void matmul(Workspace& ws, const DeviceWeight& W, const float* x, int64_t ldx, float* y,
-                      int64_t ldy, int64_t T) = 0;
+  virtual void matmul(Workspace& ws, const DeviceWeight& W, const float* x, int64_t ldx, float* y, int64_t ldy,
+                      int64_t T) = 0;
   // The same with a weight that was not prepared (e.g. a LoRA factor being trained).
   virtual void matmul_dense(Workspace& ws, const Tensor& W, const float* x, float* y, int64_t T) = 0;
   // Several weights over the same x (q/k/v, gate/up); each result equals its own matmul.
@@ -312,17 +311,15 @@ class Backend {
   virtual void paged_attention(const AttentionShape& s, const PagedKvView& kv, const float* q, float* out,
                                int64_t T, const int32_t* pos, const int32_t* const* tables) = 0;
   // k, v [T, KV] rows into their slots of a paged store (f32 or f16).
-  virtual void paged_store(const AttentionShape& s, void* k_store, void* v_store, DType dtype,
-                           int64_t block_size, const float* k, const float* v, const int64_t* slots,
-                           int64_t T) = 0;
+  virtual void paged_store(const AttentionShape& s, void* k_store, void* v_store, DType dtype, int64_t block_size,
+                           const float* k, const float* v, const int64_t* slots, int64_t T) = 0;
   // Training attention over packed rows (no cache), saving lse [T, n_heads].
   virtual void attention_train(Workspace& ws, const AttentionShape& s, float* out, float* lse, const float* q,
                                const float* k, const float* v, int64_t T, const int32_t* seq_start) = 0;
   // dq +=, dk +=, dv +=.
   virtual void attention_backward(Workspace& ws, const AttentionShape& s, float* dq, float* dk, float* dv,
                                   const float* dout, const float* q, const float* k, const float* v,
-                                  const float* out, const float* lse, int64_t T,
-                                  const int32_t* seq_start) = 0;
+                                  const float* out, const float* lse, int64_t T, const int32_t* seq_start) = 0;
 
   // ---- loss and backward
   virtual LossResult cross_entropy(Workspace& ws, const LossOp& op) = 0;
@@ -330,32 +327,31 @@ class Backend {
   virtual void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
                                 const float* rstd, int64_t T, int64_t n) = 0;
   // dgate, dup overwritten (may alias gate, up).
-  virtual void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate,
-                               const float* up, int64_t n) = 0;
+  virtual void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                               int64_t n) = 0;
   // dx [T, K] (+)= dy [T, N] W: through Wt (prepare_transposed), or W read
   // directly at `p` (Wt null: exact, or the backend's own bf16 path).
-  virtual void linear_backward_input(Workspace& ws, const Tensor& W, const DeviceWeight* Wt,
-                                     BackwardPrecision p, const float* dy, float* dx, int64_t T,
-                                     bool accumulate) = 0;
+  virtual void linear_backward_input(Workspace& ws, const Tensor& W, const DeviceWeight* Wt, BackwardPrecision p,
+                                     const float* dy, float* dx, int64_t T, bool accumulate) = 0;
   // dW [N, K] += dy^T x.
   virtual void linear_backward_weight(Workspace& ws, const float* dy, const float* x, float* dW, int64_t T,
                                       int64_t N, int64_t K) = 0;
   virtual void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) = 0;
-  virtual void embedding_backward(float* dW, const float* dout, const int32_t* tokens, int64_t T,
-                                  int64_t vocab, int64_t H) = 0;
+  virtual void embedding_backward(float* dW, const float* dout, const int32_t* tokens, int64_t T, int64_t vocab,
+                                  int64_t H) = 0;
 
   // ---- optimizer
   virtual void adamw_update(const AdamWUpdate& u, float* p, const float* g, float* m, float* v, size_t n) = 0;
   // gap [n]: steps since the entry's gradient last arrived, minus one
   // (AdamWLazyUpdate); 0 after an arrival.
-  virtual void adamw_lazy_update(const AdamWLazyUpdate& u, float* p, const float* g, float* m, float* v,
-                                 float* gap, size_t n) = 0;
+  virtual void adamw_lazy_update(const AdamWLazyUpdate& u, float* p, const float* g, float* m, float* v, float* gap,
+                                 size_t n) = 0;
   // Block-wise 8-bit (kernels/blockwise8.h), bit-equal to bitsandbytes' CPU
   // functions: codes [n], absmax [blockwise8_blocks(n)], blocks from x's start.
   virtual void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes,
                                   float* absmax) = 0;
-  virtual void dequantize_blockwise(const Blockwise8Map& map, const uint8_t* codes, const float* absmax,
-                                    size_t n, float* out) = 0;
+  virtual void dequantize_blockwise(const Blockwise8Map& map, const uint8_t* codes, const float* absmax, size_t n,
+                                    float* out) = 0;
   // One 8-bit AdamW step of one tensor of n elements: dequantize its moments,
   // update them and p, quantize them again (fused, block by block).
   virtual void adamw8bit_update(const Adam8bitUpdate& u, float* p, const float* g, const Adam8bitState& s,

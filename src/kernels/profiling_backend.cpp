@@ -46,8 +46,8 @@ class ProfilingBackend final : public Backend {
   WeightHandle prepare_weight(const Tensor& W, const char* name, WeightHandle recycle) override {
     return in_->prepare_weight(W, name, std::move(recycle));
   }
-  WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name,
-                                  WeightHandle recycle, Workspace* ws) override {
+  WeightHandle prepare_transposed(const Tensor& W, BackwardPrecision p, const char* name, WeightHandle recycle,
+                                  Workspace* ws) override {
     return run("prepare_transposed", product(0, W.rows(), W.cols(), W.dtype, W.nbytes()),
                [&] { return in_->prepare_transposed(W, p, name, std::move(recycle), ws); });
   }
@@ -66,12 +66,11 @@ class ProfilingBackend final : public Backend {
     int64_t N = 0;
     size_t w_bytes = 0;
     for (const MatmulTarget& o : outs) N += o.W->rows(), w_bytes += o.W->nbytes();
-    const OpInfo info =
-        outs.empty() ? OpInfo{} : product(T, N, outs[0].W->cols(), outs[0].W->dtype(), w_bytes);
+    const OpInfo info = outs.empty() ? OpInfo{} : product(T, N, outs[0].W->cols(), outs[0].W->dtype(), w_bytes);
     run("matmul", info, [&] { in_->matmul_multi(ws, outs, x, ldx, T); });
   }
-  void lora_rows(Workspace& ws, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows,
-                 int64_t max_rank, float* u, int64_t T) override {
+  void lora_rows(Workspace& ws, std::span<const LoraRowsJob> jobs, std::span<const int32_t> rows, int64_t max_rank,
+                 float* u, int64_t T) override {
     OpInfo o;
     o.T = static_cast<int64_t>(rows.size());
     // bytes: each factor once per run of rows that share it (the server puts an
@@ -92,16 +91,13 @@ class ProfilingBackend final : public Backend {
     }
     run("lora", o, [&] { in_->lora_rows(ws, jobs, rows, max_rank, u, T); });
   }
-  void rmsnorm(float* out, float* rstd, const float* x, const float* w, int64_t T, int64_t n,
-               float eps) override {
-    run("rmsnorm", rows(T, 2.0 * static_cast<double>(T * n)),
-        [&] { in_->rmsnorm(out, rstd, x, w, T, n, eps); });
+  void rmsnorm(float* out, float* rstd, const float* x, const float* w, int64_t T, int64_t n, float eps) override {
+    run("rmsnorm", rows(T, 2.0 * static_cast<double>(T * n)), [&] { in_->rmsnorm(out, rstd, x, w, T, n, eps); });
   }
   void rope_table(const RopeTable& rope, const int32_t* pos, int64_t T, float* cs) override {
     run("rope_table", rows(T, 0), [&] { in_->rope_table(rope, pos, T, cs); });
   }
-  void rope(const RopeTable& rope, const float* cs, float* x, int64_t T, int64_t n_heads,
-            bool inverse) override {
+  void rope(const RopeTable& rope, const float* cs, float* x, int64_t T, int64_t n_heads, bool inverse) override {
     run("rope", rows(T, 0), [&] { in_->rope(rope, cs, x, T, n_heads, inverse); });
   }
   void swiglu(float* h, const float* gate, const float* up, int64_t T, int64_t F) override {
@@ -113,20 +109,14 @@ class ProfilingBackend final : public Backend {
   void add_bias(float* y, const float* bias, int64_t T, int64_t n) override {
     run("add_bias", rows(T, 2.0 * static_cast<double>(T * n)), [&] { in_->add_bias(y, bias, T, n); });
   }
-  void scale(float* x, float s, int64_t n) override {
-    run("scale", elements(n, 2), [&] { in_->scale(x, s, n); });
-  }
+  void scale(float* x, float s, int64_t n) override { run("scale", elements(n, 2), [&] { in_->scale(x, s, n); }); }
   void round_to(DType to, float* dst, const float* src, int64_t n) override {
     run("round_to", elements(n, 2), [&] { in_->round_to(to, dst, src, n); });
   }
-  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t r,
-               int64_t cols) override {
-    run("copy", rows(r, 2.0 * static_cast<double>(r * cols)),
-        [&] { in_->copy_2d(dst, ld_dst, src, ld_src, r, cols); });
+  void copy_2d(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t r, int64_t cols) override {
+    run("copy", rows(r, 2.0 * static_cast<double>(r * cols)), [&] { in_->copy_2d(dst, ld_dst, src, ld_src, r, cols); });
   }
-  void zero(float* x, int64_t n) override {
-    run("zero", elements(n, 1), [&] { in_->zero(x, n); });
-  }
+  void zero(float* x, int64_t n) override { run("zero", elements(n, 1), [&] { in_->zero(x, n); }); }
   void transpose(float* dst, const float* src, int64_t r, int64_t cols) override {
     run("transpose", elements(r * cols, 2), [&] { in_->transpose(dst, src, r, cols); });
   }
@@ -160,13 +150,11 @@ class ProfilingBackend final : public Backend {
                        const int32_t* pos, const int32_t* const* tables) override {
     double ctx = 0;
     for (int64_t t = 0; t < T; ++t) ctx += pos[t] + 1;
-    run("attention", attention_info(s, T, ctx, 4),
-        [&] { in_->paged_attention(s, kv, q, out, T, pos, tables); });
+    run("attention", attention_info(s, T, ctx, 4), [&] { in_->paged_attention(s, kv, q, out, T, pos, tables); });
   }
   void paged_store(const AttentionShape& s, void* k_store, void* v_store, DType dtype, int64_t block_size,
                    const float* k, const float* v, const int64_t* slots, int64_t T) override {
-    run("kv_store", rows(T, 0),
-        [&] { in_->paged_store(s, k_store, v_store, dtype, block_size, k, v, slots, T); });
+    run("kv_store", rows(T, 0), [&] { in_->paged_store(s, k_store, v_store, dtype, block_size, k, v, slots, T); });
   }
   void attention_train(Workspace& ws, const AttentionShape& s, float* out, float* lse, const float* q,
                        const float* k, const float* v, int64_t T, const int32_t* seq_start) override {
@@ -174,9 +162,9 @@ class ProfilingBackend final : public Backend {
         [&] { in_->attention_train(ws, s, out, lse, q, k, v, T, seq_start); });
   }
   // QK^T recomputed from the saved lse, then dV, dP, dQ, dK: five products.
-  void attention_backward(Workspace& ws, const AttentionShape& s, float* dq, float* dk, float* dv,
-                          const float* dout, const float* q, const float* k, const float* v, const float* out,
-                          const float* lse, int64_t T, const int32_t* seq_start) override {
+  void attention_backward(Workspace& ws, const AttentionShape& s, float* dq, float* dk, float* dv, const float* dout,
+                          const float* q, const float* k, const float* v, const float* out, const float* lse,
+                          int64_t T, const int32_t* seq_start) override {
     run("attention_backward", attention_info(s, T, packed_context(T, seq_start), 10),
         [&] { in_->attention_backward(ws, s, dq, dk, dv, dout, q, k, v, out, lse, T, seq_start); });
   }
@@ -190,8 +178,8 @@ class ProfilingBackend final : public Backend {
     o.flops *= 1.0 + (op.dh ? 1.0 : 0.0) + (op.dW ? 1.0 : 0.0);
     return run("loss", o, [&] { return in_->cross_entropy(ws, op); });
   }
-  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w,
-                        const float* rstd, int64_t T, int64_t n) override {
+  void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w, const float* rstd,
+                        int64_t T, int64_t n) override {
     run("rmsnorm_backward", rows(T, 4.0 * static_cast<double>(T * n)),
         [&] { in_->rmsnorm_backward(dx, dw, dout, x, w, rstd, T, n); });
   }
@@ -212,8 +200,7 @@ class ProfilingBackend final : public Backend {
     run("linear_backward_weight", o, [&] { in_->linear_backward_weight(ws, dy, x, dW, T, N, K); });
   }
   void linear_backward_bias(const float* dy, float* db, int64_t T, int64_t N) override {
-    run("linear_backward_bias", rows(T, static_cast<double>(T * N)),
-        [&] { in_->linear_backward_bias(dy, db, T, N); });
+    run("linear_backward_bias", rows(T, static_cast<double>(T * N)), [&] { in_->linear_backward_bias(dy, db, T, N); });
   }
   void embedding_backward(float* dW, const float* dout, const int32_t* tokens, int64_t T, int64_t vocab,
                           int64_t H) override {
@@ -228,11 +215,9 @@ class ProfilingBackend final : public Backend {
   // p, g, m, v, gap read; p, m, v, gap written.
   void adamw_lazy_update(const AdamWLazyUpdate& u, float* p, const float* g, float* m, float* v, float* gap,
                          size_t n) override {
-    run("adamw_lazy", elements(static_cast<int64_t>(n), 9),
-        [&] { in_->adamw_lazy_update(u, p, g, m, v, gap, n); });
+    run("adamw_lazy", elements(static_cast<int64_t>(n), 9), [&] { in_->adamw_lazy_update(u, p, g, m, v, gap, n); });
   }
-  void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes,
-                          float* absmax) override {
+  void quantize_blockwise(const Blockwise8Map& map, const float* x, size_t n, uint8_t* codes, float* absmax) override {
     run("quantize_blockwise", elements(static_cast<int64_t>(n), 1.25),
         [&] { in_->quantize_blockwise(map, x, n, codes, absmax); });
   }
@@ -319,8 +304,7 @@ class ProfilingBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_profiling_backend(std::unique_ptr<Backend> inner, Tracer& tracer,
-                                                ThreadPool& pool) {
+std::unique_ptr<Backend> make_profiling_backend(std::unique_ptr<Backend> inner, Tracer& tracer, ThreadPool& pool) {
   return std::make_unique<ProfilingBackend>(std::move(inner), tracer, pool);
 }
 

@@ -84,8 +84,7 @@ std::string layer_table(const Analysis& a, int top) {
   if (a.layers.empty()) return {};
   std::vector<LayerRow> layers, none;
   for (const LayerRow& l : a.layers) (l.layer < 0 ? none : layers).push_back(l);
-  std::stable_sort(layers.begin(), layers.end(),
-                   [](const LayerRow& x, const LayerRow& y) { return x.us > y.us; });
+  std::stable_sort(layers.begin(), layers.end(), [](const LayerRow& x, const LayerRow& y) { return x.us > y.us; });
   const size_t n = std::min(layers.size(), static_cast<size_t>(std::max(top, 0)));
   const std::string title = fmt::format("layers (top {} of {})", n, layers.size());
   std::string s = fmt::format("\n{:<22}  {:>7}  {:>10}  {:>6}\n", title, "count", "time", "share");
@@ -96,12 +95,11 @@ std::string layer_table(const Analysis& a, int top) {
     LayerRow rest;
     for (size_t i = n; i < layers.size(); ++i) rest.count += layers[i].count, rest.us += layers[i].us;
     s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}  ({} to {} each)\n",
-                     fmt::format("({} more)", layers.size() - n), rest.count, ms(rest.us),
-                     pct(a.share(rest.us)), ms(layers.back().us), ms(layers[n].us));
+                     fmt::format("({} more)", layers.size() - n), rest.count, ms(rest.us), pct(a.share(rest.us)),
+                     ms(layers.back().us), ms(layers[n].us));
   }
   for (const LayerRow& l : none)
-    s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}\n", "outside the layers", l.count, ms(l.us),
-                     pct(a.share(l.us)));
+    s += fmt::format("  {:<20}  {:>7}  {:>10}  {:>6}\n", "outside the layers", l.count, ms(l.us), pct(a.share(l.us)));
   return s;
 }
 
@@ -203,15 +201,15 @@ std::string step_kind_table(const Analysis& a, int top) {
   for (size_t k = 0; k < n; ++k) {
     const StepKindRow& r = a.step_kinds[k];
     s += fmt::format("  {:<24}  {:>6}  {:>10}", r.kind, r.count, ms(r.mean_us()));
+    const double per = r.count > 0 ? 1.0 / static_cast<double>(r.count) : 0;
     double other = 0, in_ops = 0;
     for (size_t i = 0; i < r.ops.size(); ++i) {
       in_ops += r.ops[i].second;
       if (i < n_ops)
-        s += fmt::format("  {:>10}", ms(r.op_mean_us(r.ops[i].first)));
+        s += fmt::format("  {:>10}", ms(r.ops[i].second * per));
       else
         other += r.ops[i].second;
     }
-    const double per = r.count > 0 ? 1.0 / static_cast<double>(r.count) : 0;
     s += fmt::format("  {:>10}  {:>11}\n", ms(other * per), ms(std::max(0.0, r.us - in_ops) * per));
   }
   if (a.step_kinds.size() > n) s += fmt::format("  ({} more kinds)\n", a.step_kinds.size() - n);
@@ -242,7 +240,7 @@ nlohmann::ordered_json report_json(const Trace& t, const Analysis& a, const Peak
   json kinds = json::array();
   for (const StepKindRow& r : a.step_kinds) {
     json ops = json::object();
-    for (const auto& [name, us] : r.ops) ops[name] = r.op_mean_us(name);
+    for (const auto& [name, us] : r.ops) ops[name] = r.count > 0 ? us / static_cast<double>(r.count) : 0;
     kinds.push_back(
         {{"kind", r.kind}, {"count", r.count}, {"mean_us", r.mean_us()}, {"op_mean_us", std::move(ops)}});
   }

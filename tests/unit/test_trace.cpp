@@ -172,8 +172,7 @@ TEST(ProfilingBackend, RecordsOpsAndComputesTheSame) {
     EXPECT_EQ(plain.backend->tracer(), nullptr);
     EXPECT_EQ(prof->tracer(), &tracer);
     const int64_t T = 5, N = 24, K = 40;
-    std::vector<float> w = random_vec(static_cast<size_t>(N * K), 1),
-                       x = random_vec(static_cast<size_t>(T * K), 2);
+    std::vector<float> w = random_vec(static_cast<size_t>(N * K), 1), x = random_vec(static_cast<size_t>(T * K), 2);
     const Tensor W = make_tensor(w.data(), DType::f32, {N, K});
     auto ws_plain = plain.backend->make_workspace(), ws_prof = prof->make_workspace();
     std::vector<float> y_plain(static_cast<size_t>(T * N)), y_prof(y_plain.size());
@@ -218,6 +217,7 @@ TEST(ProfilingBackend, RecordsOpsAndComputesTheSame) {
   }
 }
 
+}  // namespace
 // A lora op's bytes: each factor once per run of rows sharing it (a factor that
 // comes back after another row's counts again), the jobs' shared x once, y in
 // and out; its dtype is the factors' storage. The results are the inner
@@ -287,5 +287,4 @@ TEST(ProfilingBackend, LoraFactorBytesAsKept) {
                                            sizeof(float) * (qa.scales.size() + qb.scales.size())));
 }
 
-}  // namespace
 }  // namespace loom

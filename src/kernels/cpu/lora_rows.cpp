@@ -196,9 +196,9 @@ inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == g) return true;
   if (f == nullptr || g == nullptr) return false;
   return f->a == g->a && f->b == g->b && f->a4.codes == g->a4.codes && f->b4.codes == g->b4.codes &&
-         f->a16 == g->a16 && f->b16 == g->b16 && f->a4.scales == g->a4.scales &&
-         f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in && f->out == g->out &&
-         f->scale == g->scale;
+         f->a16 == g->a16 && f->b16 == g->b16 &&
+         f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in &&
+         f->out == g->out && f->scale == g->scale;
 }
 
 // Jobs [first, first + count) read the same x (q/k/v, gate/up): the first pass
@@ -479,8 +479,8 @@ struct SecondPass {
   // (one factor) of job j; b_row(n): B's row n. A long run with a narrow rank
   // transposes B's block once for all of them (the same bits).
   template <typename BRow>
-  void add_rows(BRow b_row, int64_t r, int64_t j, int64_t k, int64_t n, int64_t s0, int64_t s1,
-                bool transposed, float* bt) const {
+  void add_rows(BRow b_row, int64_t r, int64_t j, int64_t k, int64_t n, int64_t s0, int64_t s1, bool transposed,
+                float* bt) const {
     const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
     if (transposed) transpose_b_block(b_row, r, s0, s1, bt);
     for (int64_t m = 0; m < n; ++m) {
@@ -583,7 +583,7 @@ struct SecondPass {
       const int64_t r = f->rank, j = seg->j, k = seg->k0 + m;
       if (f->bf16())
         add_rows_bf16(*f, j, k, n, c0, c1);
-      else if (f->packed() && avx512 && !transposed && (r == 8 || r == 16) && f->b4.group == r)
+      else if (f->quantized() && avx512 && !transposed && (r == 8 || r == 16) && f->b4.group == r)
         add_rows_int4_avx512(*f, j, k, n, c0, c1);
       else if (f->packed())
         add_rows_int4(*f, j, k, n, c0, c1, transposed, bt);
