@@ -135,6 +135,35 @@ struct BlockTQ2_0 {
   uint16_t d;
 };
 
+// Q1_0 and Q2_0 (llama-quantize's 1.125 and 2.25 bits-per-weight types): one f16
+// d per 128 (Q1_0) or 64 (Q2_0) elements. Q1_0: bit j % 8 of qs[j / 8], x = d if
+// set, -d if clear. Q2_0: bits 2(j % 4)..+1 of qs[j / 4], x = (q - 1) d, q in 0..3.
+struct BlockQ1_0 {
+  uint16_t d;
+  uint8_t qs[16];
+};
+struct BlockQ2_0 {
+  uint16_t d;
+  uint8_t qs[16];
+};
+constexpr int QK1_0 = 128;
+constexpr int QK2_0 = 64;
+// MXFP4 (OCP microscaling FP4): 32 E2M1 values with one E8M0 exponent e. ggml
+// keeps the E2M1 values doubled (kMxfp4Values) and halves the scale: x =
+// 2^(e - 128) * kMxfp4Values[q], nibbles in q4_0's order.
+struct BlockMXFP4 {
+  uint8_t e;
+  uint8_t qs[16];
+};
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// ggml's E8M0 "half" scale 2^(e - 128) as bf16 bits (exact for every e: 2^-128
+// and 2^-127 are bf16 subnormals; e = 255, NaN in the OCP format, reads as 2^127
+// as in ggml).
+constexpr uint16_t mxfp4_scale_bf16(uint8_t e) {
+  return e < 2 ? static_cast<uint16_t>(0x0020u << e) : static_cast<uint16_t>((e - 1u) << 7);
+}
+static_assert(sizeof(BlockQ1_0) == 18 && sizeof(BlockQ2_0) == 18 && sizeof(BlockMXFP4) == 17);
+
 static_assert(sizeof(BlockTQ1_0) == 54);
 static_assert(sizeof(BlockTQ2_0) == 66);
 static_assert(sizeof(BlockQ4_0) == 18);
@@ -445,6 +474,46 @@ inline void dequantize_iq_grid(DType t, const void* src, float* y, int64_t nb) {
     const float d = fp16_to_fp32(b.d) * f;
     for (int w = 0; w < QK_K; ++w)
       y[w] = d * static_cast<float>(b.scale[w / 16]) * static_cast<float>(iq_grid_weight(t, b, w));
+  }
+}
+
+// Q1_0 and Q2_0 are q4_0 with the same d and codes c = x / d + 8 (Q1_0 9 or 7,
+// Q2_0 q + 7): the matmul packs them as q4_0 panels (cpu/panel.h), exactly.
+constexpr bool is_low_bit(DType t) { return t == DType::q1_0 || t == DType::q2_0; }
+
+// The q4_0 codes of a Q1_0 (128) or Q2_0 (64) block's elements, in order.
+inline void low_bit_codes(DType t, const uint8_t* blk, uint8_t* code) {
+  const uint8_t* qs = blk + 2;
+  if (t == DType::q1_0) {
+    for (int e = 0; e < QK1_0; ++e) code[e] = ((qs[e / 8] >> (e % 8)) & 1) ? 9 : 7;
+  } else {
+    for (int e = 0; e < QK2_0; ++e) code[e] = static_cast<uint8_t>(((qs[e / 4] >> (2 * (e % 4))) & 3) + 7);
+  }
+}
+
+// Dequantizes nb Q1_0 / Q2_0 blocks as ggml does: +-d, (q - 1) d.
+inline void dequantize_low_bit(DType t, const void* src, float* y, int64_t nb) {
+  const int n = t == DType::q1_0 ? QK1_0 : QK2_0;
+  for (int64_t i = 0; i < nb; ++i, y += n) {
+    const auto* blk = static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(BlockQ1_0);
+    uint16_t dh;
+    std::memcpy(&dh, blk, 2);
+    const float d = fp16_to_fp32(dh);
+    uint8_t code[QK1_0];
+    low_bit_codes(t, blk, code);
+    for (int e = 0; e < n; ++e) y[e] = static_cast<float>(static_cast<int>(code[e]) - 8) * d;
+  }
+}
+
+// Dequantizes nb MXFP4 blocks as ggml does.
+inline void dequantize_mxfp4(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const auto b = load_unaligned<BlockMXFP4>(src, i);
+    const float d = bf16_to_fp32(mxfp4_scale_bf16(b.e));
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>(kMxfp4Values[b.qs[j] & 0x0f]);
+      y[j + 16] = d * static_cast<float>(kMxfp4Values[b.qs[j] >> 4]);
+    }
   }
 }
 

@@ -86,6 +86,13 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
       case DType::tq2_0:
         put_f16(blk + bb - 2, scale(rng));
         break;
+      case DType::q1_0:
+      case DType::q2_0:
+        put_f16(blk, scale(rng));
+        break;
+      case DType::mxfp4:  // 2^(e - 128) from 2^-13 to 2^-6
+        blk[0] = static_cast<uint8_t>(115 + byte(rng) % 8);
+        break;
       default:
         break;
     }
@@ -126,6 +133,34 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
       int64_t I = 0;
       for (int e = 0; e < QK_K; ++e) I += (static_cast<int64_t>(trit[e]) - 1) * a.qs[e];
       acc = std::fma(static_cast<float>(I), f16(w + (sb + 1) * bb - 2) * a.d, acc);
+    }
+    return acc;
+  }
+  if (is_low_bit(type) || type == DType::mxfp4) {  // per 32 the integer dot, then one fma with d * d_x
+    std::vector<BlockQ8_0> xq(static_cast<size_t>(K / 32));
+    quantize_row_q8_0_ref(x, xq.data(), K);
+    const int64_t bs = dtype_block_size(type);
+    const size_t bb = dtype_traits(type).block_bytes;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = w + (b * 32 / bs) * bb;
+      int v[32];
+      float dw;
+      if (type == DType::mxfp4) {
+        for (int j = 0; j < 16; ++j) {
+          v[j] = kMxfp4Values[blk[1 + j] & 15];
+          v[j + 16] = kMxfp4Values[blk[1 + j] >> 4];
+        }
+        dw = bf16_to_fp32(mxfp4_scale_bf16(blk[0]));
+      } else {
+        uint8_t code[QK1_0];
+        low_bit_codes(type, blk, code);
+        for (int j = 0; j < 32; ++j) v[j] = code[(b * 32) % bs + j] - 8;
+        dw = f16(blk);
+      }
+      const BlockQ8_0& a = xq[static_cast<size_t>(b)];
+      int64_t dot = 0;
+      for (int j = 0; j < 32; ++j) dot += static_cast<int64_t>(v[j]) * a.qs[j];
+      acc = std::fma(static_cast<float>(dot), dw * fp16_to_fp32(a.d), acc);
     }
     return acc;
   }
@@ -342,7 +377,10 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
     case DType::q4_0:
     case DType::q5_0:
     case DType::q8_0:
-    case DType::iq4_nl: {
+    case DType::iq4_nl:
+    case DType::q1_0:
+    case DType::q2_0:
+    case DType::mxfp4: {
       std::vector<BlockQ8_0> b(static_cast<size_t>(K / 32));
       quantize_row_q8_0_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_0, b.data(), xq.data(), K);

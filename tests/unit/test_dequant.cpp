@@ -101,7 +101,7 @@ INSTANTIATE_TEST_SUITE_P(AllTypes, RawFixture,
                          ::testing::Values("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
                                            "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
                                            "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
-                                           "tq1_0", "tq2_0"),
+                                           "tq1_0", "tq2_0", "mxfp4"),
                          [](const auto& info) { return std::string(info.param); });
 
 class QuantizedFixture : public ::testing::TestWithParam<const char*> {};

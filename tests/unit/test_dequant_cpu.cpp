@@ -29,7 +29,7 @@ const DType kAllTypes[] = {
     DType::i64,    DType::q4_0,    DType::q4_1,   DType::q5_0,  DType::q5_1,    DType::q8_0,  DType::q8_1,
     DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,  DType::q6_k,    DType::q8_k,  DType::iq4_nl,
     DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s, DType::iq1_s,
-    DType::iq1_m,  DType::tq1_0,   DType::tq2_0};
+    DType::iq1_m,  DType::tq1_0,   DType::tq2_0,  DType::q1_0,  DType::q2_0,    DType::mxfp4};
 
 // Random bytes; with `sane`, f16 scales small and finite (so the products are
 // ordinary numbers, where a wrong order of operations would show).
@@ -55,8 +55,12 @@ std::vector<uint8_t> random_row(DType type, int64_t n, uint32_t seed, bool sane)
     case DType::iq3_xxs:
     case DType::iq3_s:
     case DType::iq1_s:
+    case DType::q1_0:
+    case DType::q2_0:
       at = {0};
       break;
+    case DType::mxfp4:  // random exponents: 2^-128 .. 2^127, subnormal scales among them
+      return w;
     case DType::iq1_m: {  // d in the top nibbles of the scales (set_iq1_m_d)
       std::uniform_real_distribution<float> scale(-0.1f, 0.1f);
       for (size_t off = 0; off < w.size(); off += 56) set_iq1_m_d(w.data() + off, fp32_to_fp16(scale(rng)));

@@ -50,12 +50,13 @@ struct TempDir {
 
 TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
   const auto m = manifest();
-  ASSERT_EQ(m["files"].size(), 24u);
+  ASSERT_EQ(m["files"].size(), 27u);
   std::set<std::string> types;
   for (const auto& f : m["files"]) types.insert(f["file_type"].get<std::string>());
   for (const char* t : {"Q4_0",   "Q4_1",   "Q5_0",    "Q5_1",   "Q8_0",   "Q2_K",  "Q3_K_S", "Q3_K_M",
                         "Q3_K_L", "Q4_K_S", "Q4_K_M",  "Q5_K_S", "Q5_K_M", "Q6_K",  "IQ4_NL", "IQ4_XS",
-                        "F16",    "BF16",   "IQ3_XXS", "IQ3_M",  "IQ1_S",  "IQ1_M", "TQ1_0",  "TQ2_0"})
+                        "F16",    "BF16",   "IQ3_XXS", "IQ3_M",  "IQ1_S",  "IQ1_M", "TQ1_0",  "TQ2_0",
+                        "Q1_0",   "Q2_0",   "MXFP4"})
     EXPECT_TRUE(types.count(t)) << t;
   // The point of the battery: files that mix types inside a layer (IQ4_XS: its
   // 384-wide ffn_down rows fall back to IQ4_NL).
@@ -75,6 +76,14 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
       EXPECT_EQ(f["matrix_types"],
                 nlohmann::json::parse(R"(["IQ1_M", "IQ2_XXS", "IQ4_NL", "Q2_K", "Q5_K"])"))
           << f.dump();
+    }
+    if (f["file_type"] == "Q1_0") {  // Q1_0 everywhere but the output (its token embeddings too)
+      EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["Q1_0", "Q6_K"])")) << f.dump();
+      EXPECT_EQ(f["tensor_types"]["token_embd.weight"], "Q1_0") << f.dump();
+    }
+    if (f["file_type"] == "MXFP4") {  // Q8_0 with --tensor-type overrides to MXFP4
+      EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["MXFP4", "Q8_0"])")) << f.dump();
+      EXPECT_EQ(f["tensor_types"]["blk.1.ffn_up.weight"], "MXFP4") << f.dump();
     }
     if (f["file_type"] == "TQ1_0") {  // ternary matrices beside the k-quants, ffn_down falling back to Q4_0
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["Q4_0", "Q4_K", "Q6_K", "TQ1_0"])")) << f.dump();

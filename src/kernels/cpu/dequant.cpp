@@ -135,6 +135,17 @@ void dequant_iq4_nl(const void* src, float* y, int64_t nb) {
     emit32<Op::mul>(y, iq4_values32(LOOM_FIELD(BlockIQ4_NL, p, qs)), d, d);
   }
 }
+
+// MXFP4: the same lookup in ggml's doubled E2M1 values, times 2^(e - 128).
+void dequant_mxfp4(const void* src, float* y, int64_t nb) {
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+  for (int64_t i = 0; i < nb; ++i, y += 32) {
+    const uint8_t* p = block_at<BlockMXFP4>(src, i);
+    const __m256 d = _mm256_set1_ps(bf16_to_fp32(mxfp4_scale_bf16(p[0])));
+    emit32<Op::mul>(y, _mm256_shuffle_epi8(table, nibbles32(LOOM_FIELD(BlockMXFP4, p, qs))), d, d);
+  }
+}
 #undef LOOM_FIELD
 
 void dequant_iq4_xs(const void* src, float* y, int64_t nb) {
@@ -287,6 +298,13 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
     case DType::tq1_0:
     case DType::tq2_0:
       dequantize_ternary(type, src, dst, nb);
+      return;
+    case DType::q1_0:
+    case DType::q2_0:
+      dequantize_low_bit(type, src, dst, nb);
+      return;
+    case DType::mxfp4:
+      dequant_mxfp4(src, dst, nb);
       return;
     case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;
     case DType::i8_ch: cpu::dequantize_row_i8ch(src, dst, n); return;

@@ -280,6 +280,9 @@ bool matmul_supports(DType type) {
     case DType::iq1_m:
     case DType::tq1_0:
     case DType::tq2_0:
+    case DType::q1_0:
+    case DType::q2_0:
+    case DType::mxfp4:
       return true;
     default:
       return false;

@@ -149,7 +149,26 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
     for (int g = 0; g < 8; ++g) put_bit01_words(trit + 32 * g, r, pb + 32 + g * 128);
     return;
   }
+  if (is_low_bit(type)) {  // q4_0 panel blocks, one per 32 elements, each with the block's d
+    uint8_t code[QK1_0];
+    low_bit_codes(type, blk, code);
+    for (int g = 0; g < dtype_block_size(type) / 32; ++g) {
+      uint8_t* gb = pb + g * panel_block_bytes(DType::q4_0);
+      std::memcpy(gb + 2 * r, blk, 2);
+      uint8_t qs[16];
+      for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>(code[32 * g + j] | code[32 * g + j + 16] << 4);
+      for (int o = 0; o < 4; ++o) store_u32(gb + 32 + o * 64 + r * 4, load_u32(qs + 4 * o));
+    }
+    return;
+  }
   switch (type) {
+    case DType::mxfp4: {  // iq4_nl's layout with the scale as bf16 (2^(e - 128), exact)
+      BlockMXFP4 b;
+      std::memcpy(&b, blk, sizeof b);
+      store_u16(pb + 2 * r, mxfp4_scale_bf16(b.e));
+      for (int o = 0; o < 4; ++o) store_u32(pb + 32 + o * 64 + r * 4, load_u32(b.qs + 4 * o));
+      return;
+    }
     case DType::q4_0:
     case DType::iq4_nl: {  // the same bytes: f16 d, then 16 bytes of nibbles (iq4_nl's codebook indices)
       static_assert(sizeof(BlockQ4_0) == sizeof(BlockIQ4_NL));
@@ -327,7 +346,12 @@ size_t panel_block_bytes(DType type) {
     case DType::q8_0:
       return 544;
     case DType::iq4_nl:
+    case DType::mxfp4:
       return 288;
+    case DType::q1_0:  // as q4_0 panel blocks (matmul_panel_type)
+      return 4 * 288;
+    case DType::q2_0:
+      return 2 * 288;
     case DType::iq4_xs:
       return 2208;
     case DType::iq2_xxs:

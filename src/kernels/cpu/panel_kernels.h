@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/panel.h"
+#include "kernels/quant_blocks.h"
 
 namespace loom::cpu {
 namespace {  // see above: keeps each ISA's instantiations in its own file
@@ -220,6 +221,8 @@ decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
       return fn.template operator()<Q32<DType::q8_0>>();
     case DType::iq4_nl:
       return fn.template operator()<Q32<DType::iq4_nl>>();
+    case DType::mxfp4:
+      return fn.template operator()<Q32<DType::mxfp4>>();
     case DType::q4_k:
       return fn.template operator()<Q45K<DType::q4_k>>();
     case DType::q5_k:
@@ -292,13 +295,17 @@ UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
 
 // Byte layout of a 32-element type's panel block (panel.h): f16 d @0, f16 m @32
 // for the types with a min, q5's 5th-bit word, then the nibbles (q8_0: words @32).
-// iq4_nl is laid out as q4_0, its nibbles indices into kIq4Values (kCodebook);
-// its values, like q8_0's, are signed bytes (kSigned), and both take the q8_0
-// act rows' aux (-128 * sum x) where a kernel multiplies them offset by +128.
+// iq4_nl and mxfp4 are laid out as q4_0, their nibbles indices into a codebook
+// (kCodebook: kIq4Values, kMxfp4Values); their values, like q8_0's, are signed
+// bytes (kSigned), and all take the q8_0 act rows' aux (-128 * sum x) where a
+// kernel multiplies them offset by +128. mxfp4's scales are bf16 (kBf16Scale).
 template <DType kT>
 struct Block32Layout {
   static constexpr bool kMin = kT == DType::q4_1 || kT == DType::q5_1;
-  static constexpr bool kCodebook = kT == DType::iq4_nl;
+  static constexpr bool kCodebook = kT == DType::iq4_nl || kT == DType::mxfp4;
+  static constexpr bool kBf16Scale = kT == DType::mxfp4;
+  // The codebook's 16 values (kCodebook only).
+  static constexpr const int8_t* codebook() { return kT == DType::mxfp4 ? kMxfp4Values : kIq4Values; }
   static constexpr bool kSigned = kT == DType::q8_0 || kCodebook;
   static constexpr int kBits = kT == DType::q8_0 ? 8 : kT == DType::q5_0 || kT == DType::q5_1 ? 5 : 4;
   static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word

@@ -41,6 +41,15 @@ inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret
 inline __m256 load_f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// 8 rows' scales of a 32-element panel block: f16, or bf16 (kBf16Scale).
+template <class L>
+inline __m256 load_scales8(const uint8_t* p) {
+  if constexpr (L::kBf16Scale)
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  else
+    return load_f16x8(p);
+}
 
 inline void store_rows(float* y, __m256 v, int64_t nv) {
   if (nv >= 8) {
@@ -76,21 +85,22 @@ inline void unpack_nibbles(const uint8_t* p, int h, __m256i (&ops)[8]) {
   }
 }
 
-// The codebook of iq4_nl / iq4_xs as signed bytes in both lanes (for vpshufb).
-inline __m256i iq4_table() {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+// A codebook (iq4_nl / iq4_xs: kIq4Values, mxfp4: kMxfp4Values) as signed bytes
+// in both lanes (for vpshufb).
+inline __m256i iq4_table(const int8_t* codebook = kIq4Values) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook)));
 }
 
 // unpack_nibbles' operands looked up in the codebook.
-inline void unpack_iq4(const uint8_t* p, int h, __m256i (&ops)[8]) {
+inline void unpack_iq4(const uint8_t* p, int h, __m256i (&ops)[8], const int8_t* codebook = kIq4Values) {
   unpack_nibbles(p, h, ops);
-  for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(), ops[o]);
+  for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(codebook), ops[o]);
 }
 
 // Operand o of half h of a nibble group at p (unpack_iq4's ops[o]) alone.
-inline __m256i iq4_operand(const uint8_t* p, int h, int o) {
+inline __m256i iq4_operand(const uint8_t* p, int h, int o, const int8_t* codebook = kIq4Values) {
   const __m256i w = load256(p + 64 * (o % 4) + 32 * h);
-  return _mm256_shuffle_epi8(iq4_table(),
+  return _mm256_shuffle_epi8(iq4_table(codebook),
                              _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0f)));
 }
 
@@ -305,7 +315,7 @@ struct Block32 : Block32Layout<kT> {
     if constexpr (L::kBits == 8) {
       for (int o = 0; o < 8; ++o) ops[o] = load256(pb + L::kQuants + 64 * o + 32 * h);
     } else {
-      if constexpr (L::kCodebook) return unpack_iq4(pb + L::kQuants, h, ops);
+      if constexpr (L::kCodebook) return unpack_iq4(pb + L::kQuants, h, ops, L::codebook());
       unpack_nibbles(pb + L::kQuants, h, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, h, ops);
     }
@@ -339,7 +349,7 @@ struct Q32Impl {
   // or iq4_nl's packed nibbles looked up one operand at a time.
   static __m256i signed_operand(const uint8_t* pb, int h, int o) {
     if constexpr (Q::kCodebook && !kUnpacked) {
-      return iq4_operand(pb + Q::kQuants, h, o);
+      return iq4_operand(pb + Q::kQuants, h, o, Q::codebook());
     } else {
       return load256(pb + Q::kQuants + 64 * o + 32 * h);
     }
@@ -420,7 +430,7 @@ struct Q32Impl {
           for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
           __m256i tot[C];
           block_dots<C>(pb, h, x, tot);
-          const __m256 dw = load_f16x8(pb + 16 * h);
+          const __m256 dw = load_scales8<Q>(pb + 16 * h);
           for (int c = 0; c < C; ++c) {
             __m256i i = tot[c];
             if constexpr (!Q::kMin && !Q::kSigned) i = _mm256_add_epi32(i, _mm256_set1_epi32(x[c]->aux));
@@ -456,7 +466,7 @@ struct Q32Impl {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
         if constexpr (!kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
         for (int h = 0; h < 2; ++h) {
-          const __m256 dw = load_f16x8(pb + 16 * h);
+          const __m256 dw = load_scales8<Q>(pb + 16 * h);
           __m256 mw = _mm256_setzero_ps();
           if constexpr (Q::kMin) mw = load_f16x8(pb + 32 + 16 * h);
           __m256i ops[8];

@@ -90,12 +90,22 @@ inline void unpack_nibbles(const uint8_t* p, __m512i (&ops)[8]) {
   }
 }
 
-// iq4_nl / iq4_xs: the nibbles of ops (codebook indices) become their values +
-// 128 as u8 (vpshufb on the codebook; the offset leaves the act rows' sums).
-inline void lookup_iq4_u8(__m512i (&ops)[8]) {
+// iq4_nl / iq4_xs / mxfp4: the nibbles of ops (codebook indices) become their
+// values + 128 as u8 (vpshufb on the codebook; the offset leaves the act rows' sums).
+inline void lookup_iq4_u8(__m512i (&ops)[8], const int8_t* codebook = kIq4Values) {
   const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)), _mm_set1_epi8(static_cast<char>(0x80))));
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook)), _mm_set1_epi8(static_cast<char>(0x80))));
   for (int o = 0; o < 8; ++o) ops[o] = _mm512_shuffle_epi8(table, ops[o]);
+}
+
+// The 16 rows' scales of a 32-element panel block: f16, or bf16 (kBf16Scale).
+template <class L>
+inline __m512 load_scales16(const uint8_t* p) {
+  if constexpr (L::kBf16Scale)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  else
+    return load_f16x16(p);
 }
 
 // Grid types (iq2_xxs .. iq3_s, panel.h IqGridPanel). Each grid entry's values
@@ -489,7 +499,7 @@ struct Block32 : Block32Layout<kT> {
     } else {
       unpack_nibbles(pb + L::kQuants, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, ops);
-      if constexpr (L::kCodebook) lookup_iq4_u8(ops);
+      if constexpr (L::kCodebook) lookup_iq4_u8(ops, L::codebook());
     }
   }
 };
@@ -535,7 +545,7 @@ struct Q32Impl {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
         if constexpr (C == 1 && !kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
-        const __m512 dw = load_f16x16(pb);
+        const __m512 dw = load_scales16<Q>(pb);
         __m512 mw = _mm512_setzero_ps();
         if constexpr (Q::kMin) mw = load_f16x16(pb + 32);
         __m512i ops[8];

@@ -361,6 +361,13 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::tq2_0:
       dequantize_ternary(type, src, dst, nb);
       return;
+    case DType::q1_0:
+    case DType::q2_0:
+      dequantize_low_bit(type, src, dst, nb);
+      return;
+    case DType::mxfp4:
+      dequantize_mxfp4(src, dst, nb);
+      return;
     case DType::nf4: dequantize_row_nf4_ref(src, dst, n); return;
     case DType::i8_ch: dequantize_row_i8ch_ref(src, dst, n); return;  // src: the row's start (header)
   }
