@@ -478,7 +478,7 @@ inline void dequantize_iq_grid(DType t, const void* src, float* y, int64_t nb) {
 }
 
 // Q1_0 and Q2_0 are q4_0 with the same d and codes c = x / d + 8 (Q1_0 9 or 7,
-// Q2_0 q + 7): the matmul packs them as q4_0 panels (cpu/panel.h), exactly.
+// Q2_0 q + 7): the matmul packs Q2_0 as q4_0 panels (cpu/panel.h), exactly.
 constexpr bool is_low_bit(DType t) { return t == DType::q1_0 || t == DType::q2_0; }
 
 // The q4_0 codes of a Q1_0 (128) or Q2_0 (64) block's elements, in order.

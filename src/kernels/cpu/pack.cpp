@@ -149,6 +149,18 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
     for (int g = 0; g < 8; ++g) put_bit01_words(trit + 32 * g, r, pb + 32 + g * 128);
     return;
   }
+  if (type == DType::q1_0) {  // q1_0 panel blocks, one per 32: the block's d, then each operand's bits
+    for (int g = 0; g < QK1_0 / 32; ++g) {
+      uint8_t* gb = pb + g * 96;  // (panel.h: 96 bytes per 32)
+      std::memcpy(gb + 2 * r, blk, 2);
+      for (int o = 0; o < 8; ++o)
+        for (int i = 0; i < 4; ++i) {
+          const int e = 32 * g + 4 * o + i;
+          put_bit64(gb + 32 + 8 * o, 4 * r + i, (blk[2 + e / 8] >> (e % 8)) & 1);
+        }
+    }
+    return;
+  }
   if (is_low_bit(type)) {  // q4_0 panel blocks, one per 32 elements, each with the block's d
     uint8_t code[QK1_0];
     low_bit_codes(type, blk, code);
@@ -348,9 +360,9 @@ size_t panel_block_bytes(DType type) {
     case DType::iq4_nl:
     case DType::mxfp4:
       return 288;
-    case DType::q1_0:  // as q4_0 panel blocks (matmul_panel_type)
-      return 4 * 288;
-    case DType::q2_0:
+    case DType::q1_0:  // per 128: four q1_0 panel blocks of 96 bytes
+      return 4 * 96;
+    case DType::q2_0:  // as q4_0 panel blocks (matmul_panel_type)
       return 2 * 288;
     case DType::iq4_xs:
       return 2208;

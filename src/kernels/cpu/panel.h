@@ -45,7 +45,10 @@ constexpr int kPanelRows = 16;
 //  q8_0 (544):  d @0, words @32
 //  iq4_nl (288): d @0, nibbles @32 (codebook indices, kIq4Values)
 //  mxfp4 (288): as iq4_nl, d as bf16 (2^(e - 128)), indices into kMxfp4Values
-//  (Q1_0 and Q2_0 weights pack as q4_0 panel blocks: matmul_panel_type)
+//  q1_0 (96, per 32): d @0 (each Q1_0 block's d in its four), then per operand o
+//               a u64 of the weights' bits @32 + 8o (bit 4r + i: weight 4o + i of
+//               row r set: +d, clear: -d): 1.5 bits per weight
+//  (Q2_0 weights pack as q4_0 panel blocks: matmul_panel_type)
 //  q4_k (2368): d @0, dmin @32, scale u8[8][16] @64, min pairs u8[4][16][2] @192,
 //               8 nibble groups @320 (256 bytes each)
 //  q5_k (2880): as q4_k, groups @320 of 320 bytes: nibbles then 5th-bit word
@@ -104,11 +107,13 @@ constexpr IqGridPanel iq_grid_panel(DType t) {
 // pack as "tq2_0" panels (above: d and the 2-bit trits, 2.06 bits per weight),
 // whose kernels are q2_k's without scales or mins: sum t x less the superblock's
 // act sum in int32, sum (t - 1) x, then one float step, as ggml's TQ dot.
-// Q1_0 and Q2_0 pack as q4_0 panels (codes 8 +- 1, q + 7; each 32 with its
-// block's d): the same values, at 4.5 bits per weight instead of 1.125 / 2.25.
+// Q2_0 packs as q4_0 panels (codes q + 7; each 32 with its block's d): the
+// same values, at 4.5 bits per weight instead of 2.25 (llama.cpp has no SIMD
+// kernel for Q2_0: loom's q4_0 ones run 7-75x its speed). Q1_0 has panels of
+// its own (above: its bits as byte masks, 1.5 bits per weight).
 // Every other type as itself.
 constexpr DType matmul_panel_type(DType t) {
-  if (t == DType::q1_0 || t == DType::q2_0) return DType::q4_0;
+  if (t == DType::q2_0) return DType::q4_0;
   return t == DType::tq1_0 || t == DType::tq2_0 ? DType::tq2_0 : t;
 }
 size_t panel_block_bytes(DType type);

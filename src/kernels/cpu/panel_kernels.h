@@ -223,6 +223,8 @@ decltype(auto) visit_kernel_family(DType type, Fn&& fn) {
       return fn.template operator()<Q32<DType::iq4_nl>>();
     case DType::mxfp4:
       return fn.template operator()<Q32<DType::mxfp4>>();
+    case DType::q1_0:
+      return fn.template operator()<Q32<DType::q1_0>>();
     case DType::q4_k:
       return fn.template operator()<Q45K<DType::q4_k>>();
     case DType::q5_k:
@@ -299,6 +301,8 @@ UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
 // (kCodebook: kIq4Values, kMxfp4Values); their values, like q8_0's, are signed
 // bytes (kSigned), and all take the q8_0 act rows' aux (-128 * sum x) where a
 // kernel multiplies them offset by +128. mxfp4's scales are bf16 (kBf16Scale).
+// q1_0's values (+-1) are signed too, kept as one bit each (kBits 1: a u64 mask
+// per operand, panel.h).
 template <DType kT>
 struct Block32Layout {
   static constexpr bool kMin = kT == DType::q4_1 || kT == DType::q5_1;
@@ -306,18 +310,22 @@ struct Block32Layout {
   static constexpr bool kBf16Scale = kT == DType::mxfp4;
   // The codebook's 16 values (kCodebook only).
   static constexpr const int8_t* codebook() { return kT == DType::mxfp4 ? kMxfp4Values : kIq4Values; }
-  static constexpr bool kSigned = kT == DType::q8_0 || kCodebook;
-  static constexpr int kBits = kT == DType::q8_0 ? 8 : kT == DType::q5_0 || kT == DType::q5_1 ? 5 : 4;
+  static constexpr bool kSigned = kT == DType::q8_0 || kT == DType::q1_0 || kCodebook;
+  static constexpr int kBits = kT == DType::q8_0   ? 8
+                               : kT == DType::q1_0 ? 1
+                               : kT == DType::q5_0 || kT == DType::q5_1 ? 5
+                                                                         : 4;
   static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word
-  static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words
-  static constexpr size_t kPB = kQuants + (kBits == 8 ? 512 : 256);
+  static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words / q1_0 masks
+  static constexpr size_t kPB = kQuants + (kBits == 8 ? 512 : kBits == 1 ? 64 : 256);
   // Unpacked (drive_unpacked): the scales as packed, then 8 whole-byte operands.
   static constexpr size_t kScaleBytes = kMin ? 64 : 32;
   static constexpr size_t kUnpackedPB = kScaleBytes + 8 * 64;
 };
 static_assert(Block32Layout<DType::q4_0>::kPB == 288 && Block32Layout<DType::q4_1>::kPB == 320 &&
               Block32Layout<DType::q5_0>::kPB == 352 && Block32Layout<DType::q5_1>::kPB == 384 &&
-              Block32Layout<DType::q8_0>::kPB == 544 && Block32Layout<DType::iq4_nl>::kPB == 288);
+              Block32Layout<DType::q8_0>::kPB == 544 && Block32Layout<DType::iq4_nl>::kPB == 288 &&
+              Block32Layout<DType::q1_0>::kPB == 96);
 
 }  // namespace
 }  // namespace loom::cpu

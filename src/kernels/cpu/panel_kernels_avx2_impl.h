@@ -311,9 +311,23 @@ template <int kRun, int C, bool kUnsignedActs = false, int kUnit = 4, class Oper
 template <DType kT>
 struct Block32 : Block32Layout<kT> {
   using L = Block32Layout<kT>;
+  // q1_0: operand o of half h as +-1 bytes from its 32 bits (bit j: byte j).
+  static __m256i bit_operand(const uint8_t* pb, int h, int o) {
+    uint32_t bits;
+    std::memcpy(&bits, pb + L::kQuants + 8 * o + 4 * h, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+    // -1 where the bit is clear, 0 where set; | 1 gives -1 / +1.
+    const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), _mm256_setzero_si256());
+    return _mm256_or_si256(clear, _mm256_set1_epi8(1));
+  }
   static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
     if constexpr (L::kBits == 8) {
       for (int o = 0; o < 8; ++o) ops[o] = load256(pb + L::kQuants + 64 * o + 32 * h);
+    } else if constexpr (L::kBits == 1) {
+      for (int o = 0; o < 8; ++o) ops[o] = bit_operand(pb, h, o);
     } else {
       if constexpr (L::kCodebook) return unpack_iq4(pb + L::kQuants, h, ops, L::codebook());
       unpack_nibbles(pb + L::kQuants, h, ops);
@@ -343,13 +357,15 @@ struct Q32Impl {
   static constexpr bool kTokensOuter = true;
   static constexpr size_t kHeader = Q::kScaleBytes;
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
-  using Unpacked = std::conditional_t<kUnpacked || Q::kBits == 8, void, Q32Impl<kT, true>>;
+  using Unpacked = std::conditional_t<kUnpacked || Q::kBits == 8 || Q::kBits == 1, void, Q32Impl<kT, true>>;
   static_assert(!Q::kSigned || kHeader == Q::kQuants);  // signed operands at the same offset either way
   // Operand o of a signed type's half h: q8_0's words, iq4_nl's unpacked values,
   // or iq4_nl's packed nibbles looked up one operand at a time.
   static __m256i signed_operand(const uint8_t* pb, int h, int o) {
     if constexpr (Q::kCodebook && !kUnpacked) {
       return iq4_operand(pb + Q::kQuants, h, o, Q::codebook());
+    } else if constexpr (Q::kBits == 1) {
+      return Q::bit_operand(pb, h, o);
     } else {
       return load256(pb + Q::kQuants + 64 * o + 32 * h);
     }

@@ -496,6 +496,14 @@ struct Block32 : Block32Layout<kT> {
       // s8 weights + 128 as u8; the act's aux (-128 * sum x) removes the offset.
       const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
       for (int o = 0; o < 8; ++o) ops[o] = _mm512_xor_si512(load512(pb + L::kQuants + 64 * o), bias);
+    } else if constexpr (L::kBits == 1) {
+      // q1_0: 128 + 1 where the operand's bit is set, 128 - 1 where clear.
+      const __m512i minus = _mm512_set1_epi8(127), plus = _mm512_set1_epi8(static_cast<char>(129));
+      for (int o = 0; o < 8; ++o) {
+        uint64_t bits;
+        std::memcpy(&bits, pb + L::kQuants + 8 * o, 8);
+        ops[o] = _mm512_mask_blend_epi8(_cvtu64_mask64(bits), minus, plus);
+      }
     } else {
       unpack_nibbles(pb + L::kQuants, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, ops);

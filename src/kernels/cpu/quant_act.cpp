@@ -187,6 +187,7 @@ ActKind act_kind(DType type, bool bf16_pairs) {
     case DType::q8_0:
     case DType::iq4_nl:
     case DType::mxfp4:
+    case DType::q1_0:
       return ActKind::q8x32;
     case DType::iq4_xs:
     case DType::iq2_xxs:
