@@ -381,7 +381,8 @@ std::vector<DType> PeakOptions::peak_dtypes_default() {
           DType::q4_1,    DType::q5_0,   DType::q5_1,  DType::q2_k,    DType::q3_k,
           DType::q4_k,    DType::q5_k,   DType::q6_k,  DType::iq4_nl,  DType::iq4_xs,
           DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s,
-          DType::iq1_s,   DType::iq1_m,  DType::tq2_0, DType::mxfp4,   DType::nf4,     DType::i8_ch};
+          DType::iq1_s,   DType::iq1_m,  DType::tq2_0, DType::mxfp4,   DType::q1_0,    DType::nf4,
+          DType::i8_ch};
 }
 
 // The output projections of GGUF files: q8_0 (small models, tied to the

@@ -47,7 +47,8 @@ constexpr int kPanelRows = 16;
 //  mxfp4 (288): as iq4_nl, d as bf16 (2^(e - 128)), indices into kMxfp4Values
 //  q1_0 (96, per 32): d @0 (each Q1_0 block's d in its four), then per operand o
 //               a u64 of the weights' bits @32 + 8o (bit 4r + i: weight 4o + i of
-//               row r set: +d, clear: -d): 1.5 bits per weight
+//               row r set: +d, clear: -d; the kernels' q4_0 codes 9, 7): 1.5 bits
+//               per weight
 //  (Q2_0 weights pack as q4_0 panel blocks: matmul_panel_type)
 //  q4_k (2368): d @0, dmin @32, scale u8[8][16] @64, min pairs u8[4][16][2] @192,
 //               8 nibble groups @320 (256 bytes each)
@@ -132,9 +133,10 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
 
 // ---- Activations (one "act row" per token, built once per matmul call) ----
 
-// For q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl weights: q8_0 / q8_1 blocks with float
-// scale. aux: q4_0 -8*sum(qs), q5_0 -16*sum(qs), q8_0 / iq4_nl -128*sum(qs) (integer offset terms,
-// int32), q4_1/q5_1 the q8_1 's' field (fp16-rounded d*sum) as float bits.
+// For q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, mxfp4, q1_0 weights: q8_0 / q8_1 blocks
+// with float scale. aux: q4_0 / q1_0 -8*sum(qs), q5_0 -16*sum(qs), q8_0 / iq4_nl /
+// mxfp4 -128*sum(qs) (integer offset terms, int32), q4_1/q5_1 the q8_1 's' field
+// (fp16-rounded d*sum) as float bits.
 struct ActQ8x32 {
   int8_t qs[32];
   float d;

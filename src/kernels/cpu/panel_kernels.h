@@ -301,8 +301,8 @@ UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
 // (kCodebook: kIq4Values, kMxfp4Values); their values, like q8_0's, are signed
 // bytes (kSigned), and all take the q8_0 act rows' aux (-128 * sum x) where a
 // kernel multiplies them offset by +128. mxfp4's scales are bf16 (kBf16Scale).
-// q1_0's values (+-1) are signed too, kept as one bit each (kBits 1: a u64 mask
-// per operand, panel.h).
+// q1_0 keeps a bit per weight (kBits 1: a u64 mask per operand, panel.h) and
+// unpacks to q4_0's codes, 8 + 1 or 8 - 1, taking q4_0's act rows (aux -8 * sum x).
 template <DType kT>
 struct Block32Layout {
   static constexpr bool kMin = kT == DType::q4_1 || kT == DType::q5_1;
@@ -310,7 +310,7 @@ struct Block32Layout {
   static constexpr bool kBf16Scale = kT == DType::mxfp4;
   // The codebook's 16 values (kCodebook only).
   static constexpr const int8_t* codebook() { return kT == DType::mxfp4 ? kMxfp4Values : kIq4Values; }
-  static constexpr bool kSigned = kT == DType::q8_0 || kT == DType::q1_0 || kCodebook;
+  static constexpr bool kSigned = kT == DType::q8_0 || kCodebook;
   static constexpr int kBits = kT == DType::q8_0   ? 8
                                : kT == DType::q1_0 ? 1
                                : kT == DType::q5_0 || kT == DType::q5_1 ? 5

@@ -156,7 +156,7 @@ inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
 // (or fewer bits), 4 for 5-bit, 2 for 6-bit values.
 template <int kBits, int O0, int O1>
 inline __m256i idot(const __m256i (&ops)[8], const int8_t* x) {
-  constexpr int kRun = kBits == 4 ? 8 : kBits == 5 ? 4 : 2;
+  constexpr int kRun = kBits == 4 || kBits == 1 ? 8 : kBits == 5 ? 4 : 2;  // (q1_0: codes 7, 9)
   __m256i total = _mm256_setzero_si256();
   if constexpr (kVnni) {
     for (int o = O0; o < O1; ++o) total = dot_add(total, ops[o], bcast32(x + 4 * o));
@@ -311,7 +311,7 @@ template <int kRun, int C, bool kUnsignedActs = false, int kUnit = 4, class Oper
 template <DType kT>
 struct Block32 : Block32Layout<kT> {
   using L = Block32Layout<kT>;
-  // q1_0: operand o of half h as +-1 bytes from its 32 bits (bit j: byte j).
+  // q1_0: operand o of half h as q4_0's codes 8 +- 1 from its 32 bits (bit j: byte j).
   static __m256i bit_operand(const uint8_t* pb, int h, int o) {
     uint32_t bits;
     std::memcpy(&bits, pb + L::kQuants + 8 * o + 4 * h, 4);
@@ -319,9 +319,9 @@ struct Block32 : Block32Layout<kT> {
                                                _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
                                                                   0x0303030303030303));
     const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
-    // -1 where the bit is clear, 0 where set; | 1 gives -1 / +1.
+    // -1 where the bit is clear, 0 where set: 9 - 2 or 9.
     const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), _mm256_setzero_si256());
-    return _mm256_or_si256(clear, _mm256_set1_epi8(1));
+    return _mm256_sub_epi8(_mm256_set1_epi8(9), _mm256_and_si256(clear, _mm256_set1_epi8(2)));
   }
   static void unpack(const uint8_t* pb, int h, __m256i (&ops)[8]) {
     if constexpr (L::kBits == 8) {
@@ -364,8 +364,6 @@ struct Q32Impl {
   static __m256i signed_operand(const uint8_t* pb, int h, int o) {
     if constexpr (Q::kCodebook && !kUnpacked) {
       return iq4_operand(pb + Q::kQuants, h, o, Q::codebook());
-    } else if constexpr (Q::kBits == 1) {
-      return Q::bit_operand(pb, h, o);
     } else {
       return load256(pb + Q::kQuants + 64 * o + 32 * h);
     }
@@ -426,7 +424,7 @@ struct Q32Impl {
         return;
       }
       const __m256i ones = _mm256_set1_epi16(1);
-      group_dots<Q::kBits == 4 ? 8 : 4>(operand, xq, {ones, ones}, tot);  // int16 runs (see idot)
+      group_dots<Q::kBits == 4 || Q::kBits == 1 ? 8 : 4>(operand, xq, {ones, ones}, tot);  // int16 runs (see idot)
     }
   }
   // Batch tiles: one 8-row half at a time over the whole K, so C sums, C

@@ -497,8 +497,8 @@ struct Block32 : Block32Layout<kT> {
       const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
       for (int o = 0; o < 8; ++o) ops[o] = _mm512_xor_si512(load512(pb + L::kQuants + 64 * o), bias);
     } else if constexpr (L::kBits == 1) {
-      // q1_0: 128 + 1 where the operand's bit is set, 128 - 1 where clear.
-      const __m512i minus = _mm512_set1_epi8(127), plus = _mm512_set1_epi8(static_cast<char>(129));
+      // q1_0: q4_0's codes, 8 + 1 where the operand's bit is set, 8 - 1 where clear.
+      const __m512i minus = _mm512_set1_epi8(7), plus = _mm512_set1_epi8(9);
       for (int o = 0; o < 8; ++o) {
         uint64_t bits;
         std::memcpy(&bits, pb + L::kQuants + 8 * o, 8);
