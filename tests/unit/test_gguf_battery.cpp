@@ -53,10 +53,10 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
   ASSERT_EQ(m["files"].size(), 27u);
   std::set<std::string> types;
   for (const auto& f : m["files"]) types.insert(f["file_type"].get<std::string>());
-  for (const char* t : {"Q4_0",   "Q4_1",   "Q5_0",    "Q5_1",   "Q8_0",   "Q2_K",  "Q3_K_S", "Q3_K_M",
-                        "Q3_K_L", "Q4_K_S", "Q4_K_M",  "Q5_K_S", "Q5_K_M", "Q6_K",  "IQ4_NL", "IQ4_XS",
-                        "F16",    "BF16",   "IQ3_XXS", "IQ3_M",  "IQ1_S",  "IQ1_M", "TQ1_0",  "TQ2_0",
-                        "Q1_0",   "Q2_0",   "MXFP4"})
+  for (const char* t :
+       {"Q4_0",    "Q4_1",   "Q5_0",   "Q5_1",   "Q8_0",  "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",
+        "Q4_K_S",  "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",  "IQ4_NL", "IQ4_XS", "F16",    "BF16",
+        "IQ3_XXS", "IQ3_M",  "IQ1_S",  "IQ1_M",  "TQ1_0", "TQ2_0",  "Q1_0",   "Q2_0",   "MXFP4"})
     EXPECT_TRUE(types.count(t)) << t;
   // The point of the battery: files that mix types inside a layer (IQ4_XS: its
   // 384-wide ffn_down rows fall back to IQ4_NL).

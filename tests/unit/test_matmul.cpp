@@ -24,12 +24,11 @@ using testing::model_dot;
 using testing::random_floats;
 using testing::random_weights;
 
-const DType kAllTypes[] = {DType::q4_1,    DType::q8_0,   DType::f16,   DType::q4_k,    DType::q6_k,
-                           DType::q4_0,    DType::q5_k,   DType::bf16,  DType::f32,     DType::q5_0,
-                           DType::q5_1,    DType::q2_k,   DType::q3_k,  DType::iq4_nl,  DType::iq4_xs,
-                           DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s,
-                           DType::iq1_s,   DType::iq1_m,  DType::tq1_0, DType::tq2_0,   DType::q1_0,
-                           DType::q2_0,    DType::mxfp4};
+const DType kAllTypes[] = {
+    DType::q4_1,   DType::q8_0,    DType::f16,    DType::q4_k,  DType::q6_k,    DType::q4_0,  DType::q5_k,
+    DType::bf16,   DType::f32,     DType::q5_0,   DType::q5_1,  DType::q2_k,    DType::q3_k,  DType::iq4_nl,
+    DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s, DType::iq1_s,
+    DType::iq1_m,  DType::tq1_0,   DType::tq2_0,  DType::q1_0,  DType::q2_0,    DType::mxfp4};
 
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
@@ -299,7 +298,7 @@ TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
           avx2 ? cpu::unpacked_panels_avx2(kt, K) : cpu::unpacked_panels_avx512(kt, K);
       const size_t panel = u.panel_bytes;
       const bool q4 = kt == DType::q4_0 || kt == DType::q4_1;  // (q1_0, q2_0: q4_0 panels)
-      const bool has_unpacked = kt == DType::q1_0 ? false  // (its bits unpack as cheaply as copies load)
+      const bool has_unpacked = kt == DType::q1_0 ? false      // (its bits unpack as cheaply as copies load)
                                 : avx2            ? !(type == DType::q4_k || type == DType::f16)
                                                   : !q4;
       ASSERT_EQ(panel > 0, has_unpacked) << dtype_name(type) << " " << isa_name(isa);

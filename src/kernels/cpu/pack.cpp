@@ -168,7 +168,8 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
       uint8_t* gb = pb + g * panel_block_bytes(DType::q4_0);
       std::memcpy(gb + 2 * r, blk, 2);
       uint8_t qs[16];
-      for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>(code[32 * g + j] | code[32 * g + j + 16] << 4);
+      for (int j = 0; j < 16; ++j)
+        qs[j] = static_cast<uint8_t>(code[32 * g + j] | code[32 * g + j + 16] << 4);
       for (int o = 0; o < 4; ++o) store_u32(gb + 32 + o * 64 + r * 4, load_u32(qs + 4 * o));
     }
     return;

@@ -311,10 +311,10 @@ struct Block32Layout {
   // The codebook's 16 values (kCodebook only).
   static constexpr const int8_t* codebook() { return kT == DType::mxfp4 ? kMxfp4Values : kIq4Values; }
   static constexpr bool kSigned = kT == DType::q8_0 || kCodebook;
-  static constexpr int kBits = kT == DType::q8_0   ? 8
-                               : kT == DType::q1_0 ? 1
+  static constexpr int kBits = kT == DType::q8_0                        ? 8
+                               : kT == DType::q1_0                      ? 1
                                : kT == DType::q5_0 || kT == DType::q5_1 ? 5
-                                                                         : 4;
+                                                                        : 4;
   static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word
   static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words / q1_0 masks
   static constexpr size_t kPB = kQuants + (kBits == 8 ? 512 : kBits == 1 ? 64 : 256);

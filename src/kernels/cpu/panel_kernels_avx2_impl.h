@@ -315,9 +315,9 @@ struct Block32 : Block32Layout<kT> {
   static __m256i bit_operand(const uint8_t* pb, int h, int o) {
     uint32_t bits;
     std::memcpy(&bits, pb + L::kQuants + 8 * o + 4 * h, 4);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
-                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                                                  0x0303030303030303));
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
     const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
     // -1 where the bit is clear, 0 where set: 9 - 2 or 9.
     const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), _mm256_setzero_si256());
@@ -424,7 +424,8 @@ struct Q32Impl {
         return;
       }
       const __m256i ones = _mm256_set1_epi16(1);
-      group_dots<Q::kBits == 4 || Q::kBits == 1 ? 8 : 4>(operand, xq, {ones, ones}, tot);  // int16 runs (see idot)
+      constexpr int kRun = Q::kBits == 4 || Q::kBits == 1 ? 8 : 4;  // int16 runs (see idot)
+      group_dots<kRun>(operand, xq, {ones, ones}, tot);
     }
   }
   // Batch tiles: one 8-row half at a time over the whole K, so C sums, C

@@ -102,8 +102,8 @@ inline void lookup_iq4_u8(__m512i (&ops)[8], const int8_t* codebook = kIq4Values
 template <class L>
 inline __m512 load_scales16(const uint8_t* p) {
   if constexpr (L::kBf16Scale)
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   else
     return load_f16x16(p);
 }

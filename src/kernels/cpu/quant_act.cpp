@@ -238,7 +238,9 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
     case ActKind::q8x32: {
       auto* a = reinterpret_cast<ActQ8x32*>(dst);
       const bool with_s = type == DType::q4_1 || type == DType::q5_1;
-      const int32_t offset = type == DType::q4_0 || type == DType::q1_0 ? -8 : type == DType::q5_0 ? -16 : -128;
+      const int32_t offset = type == DType::q4_0 || type == DType::q1_0 ? -8
+                             : type == DType::q5_0                      ? -16
+                                                                        : -128;
       for (int64_t b = 0; b < K / 32; ++b, x += 32, ++a) {
         int sum;
         const float d = q8_32(x, a->qs, &sum);
