@@ -134,9 +134,9 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
 // ---- Activations (one "act row" per token, built once per matmul call) ----
 
 // For q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, mxfp4, q1_0 weights: q8_0 / q8_1 blocks
-// with float scale. aux: q4_0 / q1_0 -8*sum(qs), q5_0 -16*sum(qs), q8_0 / iq4_nl /
-// mxfp4 -128*sum(qs) (integer offset terms, int32), q4_1/q5_1 the q8_1 's' field
-// (fp16-rounded d*sum) as float bits.
+// with float scale. aux: q4_0 / q1_0 -8*sum(qs), q5_0 -16*sum(qs), mxfp4
+// -12*sum(qs), q8_0 / iq4_nl -128*sum(qs) (integer offset terms, int32), q4_1/q5_1
+// the q8_1 's' field (fp16-rounded d*sum) as float bits.
 struct ActQ8x32 {
   int8_t qs[32];
   float d;

@@ -298,9 +298,11 @@ UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
 // Byte layout of a 32-element type's panel block (panel.h): f16 d @0, f16 m @32
 // for the types with a min, q5's 5th-bit word, then the nibbles (q8_0: words @32).
 // iq4_nl and mxfp4 are laid out as q4_0, their nibbles indices into a codebook
-// (kCodebook: kIq4Values, kMxfp4Values); their values, like q8_0's, are signed
-// bytes (kSigned), and all take the q8_0 act rows' aux (-128 * sum x) where a
-// kernel multiplies them offset by +128. mxfp4's scales are bf16 (kBf16Scale).
+// (kCodebook: kIq4Values, kMxfp4Values). iq4_nl's values, like q8_0's, are
+// signed bytes (kSigned), and both take the q8_0 act rows' aux (-128 * sum x)
+// where a kernel multiplies them offset by +128 (kCodeBias). mxfp4's (|v| <= 12)
+// run as unsigned codes v + 12 (aux -12 * sum x), on the int16 runs of 5-bit
+// codes (kCodeBits: the bits the u8 codes need). mxfp4's scales are bf16 (kBf16Scale).
 // q1_0 keeps a bit per weight (kBits 1: a u64 mask per operand, panel.h) and
 // unpacks to q4_0's codes, 8 + 1 or 8 - 1, taking q4_0's act rows (aux -8 * sum x).
 template <DType kT>
@@ -310,11 +312,13 @@ struct Block32Layout {
   static constexpr bool kBf16Scale = kT == DType::mxfp4;
   // The codebook's 16 values (kCodebook only).
   static constexpr const int8_t* codebook() { return kT == DType::mxfp4 ? kMxfp4Values : kIq4Values; }
-  static constexpr bool kSigned = kT == DType::q8_0 || kCodebook;
+  static constexpr bool kSigned = kT == DType::q8_0 || kT == DType::iq4_nl;
+  static constexpr int kCodeBias = kT == DType::mxfp4 ? 12 : 128;  // u8 code = codebook value + this
   static constexpr int kBits = kT == DType::q8_0                        ? 8
                                : kT == DType::q1_0                      ? 1
                                : kT == DType::q5_0 || kT == DType::q5_1 ? 5
                                                                         : 4;
+  static constexpr int kCodeBits = kBits == 1 ? 4 : kT == DType::mxfp4 ? 5 : kBits;
   static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word
   static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words / q1_0 masks
   static constexpr size_t kPB = kQuants + (kBits == 8 ? 512 : kBits == 1 ? 64 : 256);

@@ -85,16 +85,19 @@ inline void unpack_nibbles(const uint8_t* p, int h, __m256i (&ops)[8]) {
   }
 }
 
-// A codebook (iq4_nl / iq4_xs: kIq4Values, mxfp4: kMxfp4Values) as signed bytes
-// in both lanes (for vpshufb).
-inline __m256i iq4_table(const int8_t* codebook = kIq4Values) {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook)));
+// A codebook (iq4_nl / iq4_xs: kIq4Values, mxfp4: kMxfp4Values) as bytes, its
+// values + bias, in both lanes (for vpshufb).
+inline __m256i iq4_table(const int8_t* codebook = kIq4Values, int bias = 0) {
+  return _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook)),
+                                                  _mm_set1_epi8(static_cast<char>(bias))));
 }
 
-// unpack_nibbles' operands looked up in the codebook.
-inline void unpack_iq4(const uint8_t* p, int h, __m256i (&ops)[8], const int8_t* codebook = kIq4Values) {
+// unpack_nibbles' operands looked up in the codebook (values + bias).
+inline void unpack_iq4(const uint8_t* p, int h, __m256i (&ops)[8], const int8_t* codebook = kIq4Values,
+                       int bias = 0) {
   unpack_nibbles(p, h, ops);
-  for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(iq4_table(codebook), ops[o]);
+  const __m256i table = iq4_table(codebook, bias);
+  for (int o = 0; o < 8; ++o) ops[o] = _mm256_shuffle_epi8(table, ops[o]);
 }
 
 // Operand o of half h of a nibble group at p (unpack_iq4's ops[o]) alone.
@@ -156,7 +159,7 @@ inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
 // (or fewer bits), 4 for 5-bit, 2 for 6-bit values.
 template <int kBits, int O0, int O1>
 inline __m256i idot(const __m256i (&ops)[8], const int8_t* x) {
-  constexpr int kRun = kBits == 4 || kBits == 1 ? 8 : kBits == 5 ? 4 : 2;  // (q1_0: codes 7, 9)
+  constexpr int kRun = kBits == 4 ? 8 : kBits == 5 ? 4 : 2;
   __m256i total = _mm256_setzero_si256();
   if constexpr (kVnni) {
     for (int o = O0; o < O1; ++o) total = dot_add(total, ops[o], bcast32(x + 4 * o));
@@ -329,7 +332,9 @@ struct Block32 : Block32Layout<kT> {
     } else if constexpr (L::kBits == 1) {
       for (int o = 0; o < 8; ++o) ops[o] = bit_operand(pb, h, o);
     } else {
-      if constexpr (L::kCodebook) return unpack_iq4(pb + L::kQuants, h, ops, L::codebook());
+      // iq4_nl signed (the sign trick), mxfp4 as unsigned codes.
+      if constexpr (L::kCodebook)
+        return unpack_iq4(pb + L::kQuants, h, ops, L::codebook(), L::kSigned ? 0 : L::kCodeBias);
       unpack_nibbles(pb + L::kQuants, h, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, h, ops);
     }
@@ -341,7 +346,7 @@ struct Block32 : Block32Layout<kT> {
 // operands of 16 rows x 4 values, 64 bytes each, half h at byte 32h. Batches ran
 // q5_0/q5_1 26-27% and q4_0/q4_1 3-5% faster so (AMD Zen 4, LOOM_CPU=avx2).
 // iq4_nl unpacks to its signed codebook values: a q8_0 panel block's layout, run
-// as q8_0's (the sign trick).
+// as q8_0's (the sign trick); mxfp4 to its codes v + 12, run as q5's.
 template <DType kT, bool kUnpacked = false>
 struct Q32Impl {
   using Q = Block32<kT>;
@@ -424,7 +429,7 @@ struct Q32Impl {
         return;
       }
       const __m256i ones = _mm256_set1_epi16(1);
-      constexpr int kRun = Q::kBits == 4 || Q::kBits == 1 ? 8 : 4;  // int16 runs (see idot)
+      constexpr int kRun = Q::kCodeBits == 4 ? 8 : 4;  // int16 runs (see idot)
       group_dots<kRun>(operand, xq, {ones, ones}, tot);
     }
   }
@@ -495,7 +500,7 @@ struct Q32Impl {
             if constexpr (Q::kSigned)
               i = idot_s8(absw, ops, x->qs);
             else
-              i = idot<Q::kBits, 0, 8>(ops, x->qs);
+              i = idot<Q::kCodeBits, 0, 8>(ops, x->qs);
             if constexpr (!Q::kMin && !Q::kSigned) i = _mm256_add_epi32(i, _mm256_set1_epi32(x->aux));
             const __m256 f = _mm256_cvtepi32_ps(i);
             acc[p][h][c] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(x->d)), acc[p][h][c]);

@@ -91,10 +91,10 @@ inline void unpack_nibbles(const uint8_t* p, __m512i (&ops)[8]) {
 }
 
 // iq4_nl / iq4_xs / mxfp4: the nibbles of ops (codebook indices) become their
-// values + 128 as u8 (vpshufb on the codebook; the offset leaves the act rows' sums).
-inline void lookup_iq4_u8(__m512i (&ops)[8], const int8_t* codebook = kIq4Values) {
-  const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook)), _mm_set1_epi8(static_cast<char>(0x80))));
+// values + bias as u8 (vpshufb on the codebook; the offset leaves the act rows' sums).
+inline void lookup_iq4_u8(__m512i (&ops)[8], const int8_t* codebook = kIq4Values, int bias = 128) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook)), _mm_set1_epi8(static_cast<char>(bias))));
   for (int o = 0; o < 8; ++o) ops[o] = _mm512_shuffle_epi8(table, ops[o]);
 }
 
@@ -507,7 +507,7 @@ struct Block32 : Block32Layout<kT> {
     } else {
       unpack_nibbles(pb + L::kQuants, ops);
       if constexpr (L::kBits == 5) add_bit4(pb + L::kBit4, ops);
-      if constexpr (L::kCodebook) lookup_iq4_u8(ops, L::codebook());
+      if constexpr (L::kCodebook) lookup_iq4_u8(ops, L::codebook(), L::kCodeBias);
     }
   }
 };

@@ -240,6 +240,7 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
       const bool with_s = type == DType::q4_1 || type == DType::q5_1;
       const int32_t offset = type == DType::q4_0 || type == DType::q1_0 ? -8
                              : type == DType::q5_0                      ? -16
+                             : type == DType::mxfp4                     ? -12
                                                                         : -128;
       for (int64_t b = 0; b < K / 32; ++b, x += 32, ++a) {
         int sum;
