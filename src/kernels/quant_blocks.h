@@ -495,7 +495,7 @@ inline void low_bit_codes(DType t, const uint8_t* blk, uint8_t* code) {
 inline void dequantize_low_bit(DType t, const void* src, float* y, int64_t nb) {
   const int n = t == DType::q1_0 ? QK1_0 : QK2_0;
   for (int64_t i = 0; i < nb; ++i, y += n) {
-    const auto* blk = static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * sizeof(BlockQ1_0);
+    const auto* blk = static_cast<const uint8_t*>(src) + static_cast<size_t>(i) * dtype_traits(t).block_bytes;
     uint16_t dh;
     std::memcpy(&dh, blk, 2);
     const float d = fp16_to_fp32(dh);

@@ -150,8 +150,9 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
     return;
   }
   if (type == DType::q1_0) {  // q1_0 panel blocks, one per 32: the block's d, then each operand's bits
+    const size_t group_bytes = panel_block_bytes(DType::q1_0) / (QK1_0 / 32);
     for (int g = 0; g < QK1_0 / 32; ++g) {
-      uint8_t* gb = pb + g * 96;  // (panel.h: 96 bytes per 32)
+      uint8_t* gb = pb + g * group_bytes;
       std::memcpy(gb + 2 * r, blk, 2);
       for (int o = 0; o < 8; ++o)
         for (int i = 0; i < 4; ++i) {
@@ -161,16 +162,16 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
     }
     return;
   }
-  if (is_low_bit(type)) {  // q4_0 panel blocks, one per 32 elements, each with the block's d
-    uint8_t code[QK1_0];
+  if (type == DType::q2_0) {  // two q4_0 blocks with the block's d, packed as q4_0's
+    uint8_t code[QK2_0];
     low_bit_codes(type, blk, code);
-    for (int g = 0; g < dtype_block_size(type) / 32; ++g) {
-      uint8_t* gb = pb + g * panel_block_bytes(DType::q4_0);
-      std::memcpy(gb + 2 * r, blk, 2);
-      uint8_t qs[16];
+    for (int g = 0; g < QK2_0 / 32; ++g) {
+      BlockQ4_0 q;
+      std::memcpy(&q.d, blk, 2);
       for (int j = 0; j < 16; ++j)
-        qs[j] = static_cast<uint8_t>(code[32 * g + j] | code[32 * g + j + 16] << 4);
-      for (int o = 0; o < 4; ++o) store_u32(gb + 32 + o * 64 + r * 4, load_u32(qs + 4 * o));
+        q.qs[j] = static_cast<uint8_t>(code[32 * g + j] | code[32 * g + j + 16] << 4);
+      pack_block(DType::q4_0, reinterpret_cast<const uint8_t*>(&q), r,
+                 pb + g * panel_block_bytes(DType::q4_0));
     }
     return;
   }

@@ -101,9 +101,9 @@ inline void unpack_iq4(const uint8_t* p, int h, __m256i (&ops)[8], const int8_t*
 }
 
 // Operand o of half h of a nibble group at p (unpack_iq4's ops[o]) alone.
-inline __m256i iq4_operand(const uint8_t* p, int h, int o, const int8_t* codebook = kIq4Values) {
+inline __m256i iq4_operand(const uint8_t* p, int h, int o) {
   const __m256i w = load256(p + 64 * (o % 4) + 32 * h);
-  return _mm256_shuffle_epi8(iq4_table(codebook),
+  return _mm256_shuffle_epi8(iq4_table(),
                              _mm256_and_si256(o < 4 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0f)));
 }
 
@@ -368,7 +368,7 @@ struct Q32Impl {
   // or iq4_nl's packed nibbles looked up one operand at a time.
   static __m256i signed_operand(const uint8_t* pb, int h, int o) {
     if constexpr (Q::kCodebook && !kUnpacked) {
-      return iq4_operand(pb + Q::kQuants, h, o, Q::codebook());
+      return iq4_operand(pb + Q::kQuants, h, o);  // (iq4_nl: the signed codebook type)
     } else {
       return load256(pb + Q::kQuants + 64 * o + 32 * h);
     }
