@@ -24,6 +24,7 @@ constexpr DTypeTraits kTraits[] = {
     {DType::iq1_m, "iq1_m", 256, 56, true},     {DType::tq1_0, "tq1_0", 256, 54, true},
     {DType::tq2_0, "tq2_0", 256, 66, true},     {DType::mxfp4, "mxfp4", 32, 17, true},
     {DType::q1_0, "q1_0", 128, 18, true},       {DType::q2_0, "q2_0", 64, 18, true},
+    {DType::nvfp4, "nvfp4", 64, 36, true},
     {DType::i8, "i8", 1, 1, false},             {DType::i16, "i16", 1, 2, false},
     {DType::i32, "i32", 1, 4, false},           {DType::i64, "i64", 1, 8, false},
     {DType::f64, "f64", 1, 8, false},           {DType::bf16, "bf16", 1, 2, false},

@@ -42,6 +42,7 @@ enum class DType : uint32_t {
   tq1_0 = 34,
   tq2_0 = 35,
   mxfp4 = 39,
+  nvfp4 = 40,
   q1_0 = 41,
   q2_0 = 42,
   // loom's own types, outside GGUF's id range (never read from or written to a
@@ -64,7 +65,7 @@ struct DTypeTraits {
   size_t row_header_bytes = 0;
 };
 
-// Returns nullopt for ids that loom does not know (e.g. NVFP4) and for
+// Returns nullopt for ids that loom does not know (e.g. q4_2) and for
 // loom's own types (nf4, i8_ch), which no GGUF file may carry; callers
 // turn that into an "unsupported tensor type" error naming the tensor.
 std::optional<DTypeTraits> dtype_traits_of_id(uint32_t ggml_type_id);

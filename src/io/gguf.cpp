@@ -71,9 +71,10 @@ const char* ggml_type_name(uint32_t id) {
     case 32: return "q4_0_4_8 (removed from ggml)";
     case 33:
       return "q4_0_8_8 (removed from ggml)";
-    case 36: case 37: case 38: return "iq4_nl repack (removed from ggml)";
-    case 40:
-      return "nvfp4";
+    case 36:
+    case 37:
+    case 38:
+      return "iq4_nl repack (removed from ggml)";
   }
   return "unknown";
 }
@@ -260,12 +261,7 @@ class Parser {
     if (!tensor_index_.emplace(ti.name, index).second) invalid("duplicate tensor name");
     const auto traits = dtype_traits_of_id(type_id);
     if (!traits) {
-      const std::string name = ggml_type_name(type_id);
-      raise(ErrorKind::unsupported, "tensor type {} ({}) is not supported{}", type_id, name,
-            name == "nvfp4"
-                ? " (loom reads the Q, K, IQ, TQ and MXFP4 types, not NVFP4: use the model in one of "
-                  "those, such as Q4_K_M)"
-                : "");
+      raise(ErrorKind::unsupported, "tensor type {} ({}) is not supported", type_id, ggml_type_name(type_id));
     }
     ti.dtype = traits->type;
     ti.ndim = static_cast<int>(n_dims);

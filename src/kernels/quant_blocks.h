@@ -162,7 +162,31 @@ inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, 
 constexpr uint16_t mxfp4_scale_bf16(uint8_t e) {
   return e < 2 ? static_cast<uint16_t>(0x0020u << e) : static_cast<uint16_t>((e - 1u) << 7);
 }
-static_assert(sizeof(BlockQ1_0) == 18 && sizeof(BlockQ2_0) == 18 && sizeof(BlockMXFP4) == 17);
+// NVFP4 (NVIDIA's FP4): 64 E2M1 values in 4 sub-blocks of 16, each with an
+// unsigned E4M3 scale (bias 7, no sign; ggml reads 0x7f, E4M3's NaN, as 0 and
+// halves the scale as for MXFP4). Sub-block s: byte qs[8s + j] holds element j
+// in its low nibble and element j + 8 in its high one.
+struct BlockNVFP4 {
+  uint8_t d[4];
+  uint8_t qs[32];
+};
+constexpr int QK_NVFP4 = 64;
+constexpr int QK_NVFP4_SUB = 16;
+// ggml's UE4M3 "half" scale as f16 bits, exact for every byte: (8 + m) 2^(e - 11)
+// for e = 1..15, m 2^-10 for e = 0 (bit 7 ignored, as in ggml; 0x7f reads 0).
+// Every value has at most 4 significant bits between 2^-10 and 240: an f16
+// normal (exponent e + 7 in f16's bias of 15, mantissa m << 7).
+constexpr uint16_t nvfp4_scale_f16(uint8_t x) {
+  if (x == 0x7f) return 0;
+  const unsigned e = (x >> 3) & 15u, m = x & 7u;
+  if (e != 0) return static_cast<uint16_t>((e + 7u) << 10 | m << 7);
+  if (m == 0) return 0;
+  // m 2^-10: m = 2^k (1 + f): exponent k - 10 + 15, the bits below the leading one.
+  const unsigned k = m >= 4 ? 2u : m >= 2 ? 1u : 0u;
+  return static_cast<uint16_t>((k + 5u) << 10 | ((m << (10 - k)) & 0x3ffu));
+}
+static_assert(sizeof(BlockQ1_0) == 18 && sizeof(BlockQ2_0) == 18 && sizeof(BlockMXFP4) == 17 &&
+              sizeof(BlockNVFP4) == 36);
 
 static_assert(sizeof(BlockTQ1_0) == 54);
 static_assert(sizeof(BlockTQ2_0) == 66);
@@ -513,6 +537,20 @@ inline void dequantize_mxfp4(const void* src, float* y, int64_t nb) {
     for (int j = 0; j < 16; ++j) {
       y[j] = d * static_cast<float>(kMxfp4Values[b.qs[j] & 0x0f]);
       y[j + 16] = d * static_cast<float>(kMxfp4Values[b.qs[j] >> 4]);
+    }
+  }
+}
+
+// Dequantizes nb NVFP4 blocks as ggml does.
+inline void dequantize_nvfp4(const void* src, float* y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto b = load_unaligned<BlockNVFP4>(src, i);
+    for (int s = 0; s < 4; ++s, y += QK_NVFP4_SUB) {
+      const float d = fp16_to_fp32(nvfp4_scale_f16(b.d[s]));
+      for (int j = 0; j < 8; ++j) {
+        y[j] = d * static_cast<float>(kMxfp4Values[b.qs[8 * s + j] & 0x0f]);
+        y[j + 8] = d * static_cast<float>(kMxfp4Values[b.qs[8 * s + j] >> 4]);
+      }
     }
   }
 }

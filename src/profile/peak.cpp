@@ -162,9 +162,9 @@ std::vector<uint8_t> make_weight(ThreadPool& pool, DType type, const std::vector
     quantize_rows(pool, type, src.data(), out.data(), rows, cols, nullptr);
   } else {
     // The grid, ternary and low-bit types (iq1_s .. iq3_s, tq1_0, tq2_0, q1_0,
-    // q2_0, mxfp4), which loom reads but has no quantizer for: any index, sign, trit and scale bits are a
-    // valid block, so src's bits serve, with each superblock's f16 d set to 2^-10 (finite products; iq1_m
-    // keeps d in the top nibbles of its four u16 scales at byte 48, the ternary types in their last two
+    // q2_0, mxfp4, nvfp4), which loom reads but has no quantizer for: any index, sign, trit and scale bits
+    // are a valid block, so src's bits serve, with each superblock's f16 d set to 2^-10 (finite products;
+    // iq1_m keeps d in the top nibbles of its four u16 scales at byte 48, the ternary types in their last two
     // bytes).
     std::memcpy(out.data(), src.data(), std::min(out.size(), src.size() * sizeof(float)));
     const size_t bb = dtype_traits(type).block_bytes;
@@ -175,6 +175,10 @@ std::vector<uint8_t> make_weight(ThreadPool& pool, DType type, const std::vector
       }
       if (type == DType::mxfp4) {  // its E8M0 exponent: 2^-10
         out[at] = 118;
+        continue;
+      }
+      if (type == DType::nvfp4) {  // its four UE4M3 scales: 2^-7
+        std::memset(out.data() + at, 0x08, 4);
         continue;
       }
       const size_t d_at = is_ternary(type) ? at + bb - 2 : at;
@@ -381,7 +385,7 @@ std::vector<DType> PeakOptions::peak_dtypes_default() {
           DType::q5_0,    DType::q5_1,   DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,
           DType::q6_k,    DType::iq4_nl, DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s,
           DType::iq3_xxs, DType::iq3_s,  DType::iq1_s,  DType::iq1_m,   DType::tq2_0,  DType::mxfp4,
-          DType::q1_0,    DType::nf4,    DType::i8_ch};
+          DType::nvfp4,   DType::q1_0,   DType::nf4,    DType::i8_ch};
 }
 
 // The output projections of GGUF files: q8_0 (small models, tied to the

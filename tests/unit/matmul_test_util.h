@@ -93,6 +93,10 @@ inline std::vector<uint8_t> random_weights(DType type, int64_t N, int64_t K, uin
       case DType::mxfp4:  // 2^(e - 128) from 2^-13 to 2^-6
         blk[0] = static_cast<uint8_t>(115 + byte(rng) % 8);
         break;
+      case DType::nvfp4:  // UE4M3 scales 2^-9 .. 2^-6 and, one in eight, any byte (0x7f reads 0)
+        for (int s = 0; s < 4; ++s)
+          blk[s] = byte(rng) % 8 == 0 ? blk[s] : static_cast<uint8_t>(16 + byte(rng) % 32);
+        break;
       default:
         break;
     }
@@ -133,6 +137,25 @@ inline float model_dot(DType type, const uint8_t* w, const float* x, int64_t K) 
       int64_t I = 0;
       for (int e = 0; e < QK_K; ++e) I += (static_cast<int64_t>(trit[e]) - 1) * a.qs[e];
       acc = std::fma(static_cast<float>(I), f16(w + (sb + 1) * bb - 2) * a.d, acc);
+    }
+    return acc;
+  }
+  if (type == DType::nvfp4) {  // per 16 the integer dot, then one fma with d_16 * d_x (low 16 first)
+    std::vector<BlockQ8_0> xq(static_cast<size_t>(K / 32));
+    quantize_row_q8_0_ref(x, xq.data(), K);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const BlockQ8_0& a = xq[static_cast<size_t>(b)];
+      const uint8_t* blk = w + (b / 2) * sizeof(BlockNVFP4);
+      for (int half = 0; half < 2; ++half) {
+        const int s = 2 * static_cast<int>(b % 2) + half;  // the NVFP4 sub-block
+        int64_t dot = 0;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t q = blk[4 + 8 * s + j % 8];
+          dot += static_cast<int64_t>(kMxfp4Values[j < 8 ? q & 15 : q >> 4]) * a.qs[16 * half + j];
+        }
+        const float dw = fp16_to_fp32(nvfp4_scale_f16(blk[s]));
+        acc = std::fma(static_cast<float>(dot), dw * fp16_to_fp32(a.d), acc);
+      }
     }
     return acc;
   }
@@ -380,7 +403,8 @@ inline double matmul_tolerance(DType type, const uint8_t* w, const float* x, int
     case DType::iq4_nl:
     case DType::q1_0:
     case DType::q2_0:
-    case DType::mxfp4: {
+    case DType::mxfp4:
+    case DType::nvfp4: {
       std::vector<BlockQ8_0> b(static_cast<size_t>(K / 32));
       quantize_row_q8_0_ref(x, b.data(), K);
       dequantize_row_ref(DType::q8_0, b.data(), xq.data(), K);

@@ -42,9 +42,10 @@ TEST(DType, RowBytesAndNames) {
   EXPECT_EQ(dtype_row_bytes(DType::q4_1, 576), 18u * 20u);
   EXPECT_EQ(dtype_row_bytes(DType::q6_k, 512), 2u * 210u);
   EXPECT_EQ(dtype_from_name("Q4_K"), DType::q4_k);
-  EXPECT_FALSE(dtype_traits_of_id(40).has_value());  // NVFP4: unsupported
   EXPECT_EQ(dtype_traits_of_id(39)->type, DType::mxfp4);
   EXPECT_EQ(dtype_row_bytes(DType::mxfp4, 64), 2u * 17u);
+  EXPECT_EQ(dtype_traits_of_id(40)->type, DType::nvfp4);
+  EXPECT_EQ(dtype_row_bytes(DType::nvfp4, 128), 2u * 36u);
   EXPECT_EQ(dtype_traits_of_id(41)->type, DType::q1_0);
   EXPECT_EQ(dtype_row_bytes(DType::q1_0, 256), 2u * 18u);
   EXPECT_EQ(dtype_traits_of_id(42)->type, DType::q2_0);

@@ -101,7 +101,7 @@ INSTANTIATE_TEST_SUITE_P(AllTypes, RawFixture,
                          ::testing::Values("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
                                            "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
                                            "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
-                                           "tq1_0", "tq2_0", "mxfp4"),
+                                           "tq1_0", "tq2_0", "mxfp4", "nvfp4"),
                          [](const auto& info) { return std::string(info.param); });
 
 class QuantizedFixture : public ::testing::TestWithParam<const char*> {};
@@ -133,6 +133,23 @@ void expect_bytes_equal(const std::vector<uint8_t>& want, const std::vector<uint
   ASSERT_EQ(want.size(), got.size());
   for (size_t i = 0; i < want.size(); ++i)
     ASSERT_EQ(static_cast<int>(want[i]), static_cast<int>(got[i])) << "byte " << i << " (block " << i / block_bytes << ")";
+}
+
+// NVFP4's UE4M3 scale of every byte against ggml's ggml_ue4m3_to_fp32, written
+// again from its definition (exponent bias 7, 3 mantissa bits, subnormals at
+// exponent 0, 0 and 0x7f read 0, bit 7 ignored otherwise, then halved): the f16
+// that the dequantizer and the matmul panels keep is that value exactly.
+TEST(Nvfp4, ScaleOfEveryByteIsGgmlsExactly) {
+  for (int x = 0; x < 256; ++x) {
+    const int e = (x >> 3) & 15, m = x & 7;
+    double want = e == 0 ? std::ldexp(m, -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+    if (x == 0 || x == 0x7f) want = 0.0;
+    want *= 0.5;
+    EXPECT_EQ(static_cast<double>(fp16_to_fp32(nvfp4_scale_f16(static_cast<uint8_t>(x)))), want)
+        << "byte " << x;
+  }
+  EXPECT_EQ(fp16_to_fp32(nvfp4_scale_f16(0xff)), 240.0f);
+  EXPECT_EQ(fp16_to_fp32(nvfp4_scale_f16(0x01)), std::ldexp(1.0f, -10));
 }
 
 TEST(ActivationQuant, Q8_0MatchesGgufPy) {

@@ -29,7 +29,7 @@ const DType kAllTypes[] = {
     DType::i64,    DType::q4_0,    DType::q4_1,   DType::q5_0,  DType::q5_1,    DType::q8_0,  DType::q8_1,
     DType::q2_k,   DType::q3_k,    DType::q4_k,   DType::q5_k,  DType::q6_k,    DType::q8_k,  DType::iq4_nl,
     DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s, DType::iq1_s,
-    DType::iq1_m,  DType::tq1_0,   DType::tq2_0,  DType::q1_0,  DType::q2_0,    DType::mxfp4};
+    DType::iq1_m,  DType::tq1_0,   DType::tq2_0,  DType::q1_0,  DType::q2_0,    DType::mxfp4, DType::nvfp4};
 
 // Random bytes; with `sane`, f16 scales small and finite (so the products are
 // ordinary numbers, where a wrong order of operations would show).
@@ -60,6 +60,7 @@ std::vector<uint8_t> random_row(DType type, int64_t n, uint32_t seed, bool sane)
       at = {0};
       break;
     case DType::mxfp4:  // random exponents: 2^-128 .. 2^127, subnormal scales among them
+    case DType::nvfp4:  // random UE4M3 scales: every byte is one (0 .. 240, 0x7f reads 0)
       return w;
     case DType::iq1_m: {  // d in the top nibbles of the scales (set_iq1_m_d)
       std::uniform_real_distribution<float> scale(-0.1f, 0.1f);

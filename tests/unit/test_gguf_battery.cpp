@@ -50,13 +50,13 @@ struct TempDir {
 
 TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
   const auto m = manifest();
-  ASSERT_EQ(m["files"].size(), 27u);
+  ASSERT_EQ(m["files"].size(), 28u);
   std::set<std::string> types;
   for (const auto& f : m["files"]) types.insert(f["file_type"].get<std::string>());
   for (const char* t :
-       {"Q4_0",    "Q4_1",   "Q5_0",   "Q5_1",   "Q8_0",  "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",
-        "Q4_K_S",  "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",  "IQ4_NL", "IQ4_XS", "F16",    "BF16",
-        "IQ3_XXS", "IQ3_M",  "IQ1_S",  "IQ1_M",  "TQ1_0", "TQ2_0",  "Q1_0",   "Q2_0",   "MXFP4"})
+       {"Q4_0",   "Q4_1",   "Q5_0",   "Q5_1",  "Q8_0",   "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",  "Q4_K_S",
+        "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",  "IQ4_NL", "IQ4_XS", "F16",    "BF16",   "IQ3_XXS", "IQ3_M",
+        "IQ1_S",  "IQ1_M",  "TQ1_0",  "TQ2_0", "Q1_0",   "Q2_0",   "MXFP4",  "NVFP4"})
     EXPECT_TRUE(types.count(t)) << t;
   // The point of the battery: files that mix types inside a layer (IQ4_XS: its
   // 384-wide ffn_down rows fall back to IQ4_NL).
@@ -84,6 +84,11 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
     if (f["file_type"] == "MXFP4") {  // Q8_0 with --tensor-type overrides to MXFP4
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["MXFP4", "Q8_0"])")) << f.dump();
       EXPECT_EQ(f["tensor_types"]["blk.1.ffn_up.weight"], "MXFP4") << f.dump();
+    }
+    if (f["file_type"] == "NVFP4") {  // Q8_0 with every projection overridden to NVFP4 (ffn_down: K = 384)
+      EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["NVFP4", "Q8_0"])")) << f.dump();
+      EXPECT_EQ(f["tensor_types"]["blk.1.ffn_down.weight"], "NVFP4") << f.dump();
+      EXPECT_EQ(f["tensor_types"]["blk.0.attn_k.weight"], "NVFP4") << f.dump();
     }
     if (f["file_type"] == "TQ1_0") {  // ternary matrices beside the k-quants, ffn_down falling back to Q4_0
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["Q4_0", "Q4_K", "Q6_K", "TQ1_0"])")) << f.dump();

@@ -28,7 +28,7 @@ const DType kAllTypes[] = {
     DType::q4_1,   DType::q8_0,    DType::f16,    DType::q4_k,  DType::q6_k,    DType::q4_0,  DType::q5_k,
     DType::bf16,   DType::f32,     DType::q5_0,   DType::q5_1,  DType::q2_k,    DType::q3_k,  DType::iq4_nl,
     DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s, DType::iq1_s,
-    DType::iq1_m,  DType::tq1_0,   DType::tq2_0,  DType::q1_0,  DType::q2_0,    DType::mxfp4};
+    DType::iq1_m,  DType::tq1_0,   DType::tq2_0,  DType::q1_0,  DType::q2_0,    DType::mxfp4, DType::nvfp4};
 
 std::vector<cpu::Isa> isas() {
   std::vector<cpu::Isa> v{cpu::Isa::avx2};
@@ -65,7 +65,7 @@ int64_t test_k(DType type, int variant) {
   const int64_t bs = dtype_block_size(type);
   if (bs == 256) return variant == 0 ? 256 : 768;
   if (bs == 32) return variant == 0 ? 32 : 416;
-  if (bs == 128 || bs == 64) return variant == 0 ? bs : 5 * bs;  // q1_0, q2_0
+  if (bs == 128 || bs == 64) return variant == 0 ? bs : 5 * bs;  // q1_0, q2_0, nvfp4
   return variant == 0 ? 5 : 203;  // float types: any K
 }
 
@@ -281,11 +281,11 @@ TEST(Matmul, SeveralPanelGroupsMatchScalarModelExactly) {
 // both AVX-512 kernels (KernelArgs::vbmi), as the native and the avx512-nobf16 ctest entries do.
 TEST(Matmul, UnpackedPanelsEqualPackedKernel) {
   uint32_t seed = 950;
-  for (DType type :
-       {DType::q4_0,    DType::q4_1,   DType::q5_0,  DType::q5_1,    DType::q4_k,   DType::q5_k,
-        DType::q6_k,    DType::q3_k,   DType::q2_k,  DType::f16,     DType::iq4_nl, DType::iq4_xs,
-        DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs, DType::iq3_s,  DType::iq1_s,
-        DType::iq1_m,   DType::tq1_0,  DType::tq2_0, DType::q1_0,    DType::q2_0,   DType::mxfp4}) {
+  for (DType type : {DType::q4_0,    DType::q4_1,   DType::q5_0,    DType::q5_1,   DType::q4_k,
+                     DType::q5_k,    DType::q6_k,   DType::q3_k,    DType::q2_k,   DType::f16,
+                     DType::iq4_nl,  DType::iq4_xs, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s,
+                     DType::iq3_xxs, DType::iq3_s,  DType::iq1_s,   DType::iq1_m,  DType::tq1_0,
+                     DType::tq2_0,   DType::q1_0,   DType::q2_0,    DType::mxfp4,  DType::nvfp4}) {
     const int64_t K = test_k(type, 1);
     const DType kt = cpu::matmul_panel_type(type);  // the kernels' (TQ1_0 and TQ2_0: ternary panels)
     Problem pr(type, 16 * 6 + 3, K, 19, seed++);  // 7 panels: groups of 3, 3 and 1
@@ -357,7 +357,7 @@ TEST(Matmul, AvxVnniKernelsMatchScalarModel) {
   if (!cpu_features().avxvnni) GTEST_SKIP() << "no AVX-VNNI on this CPU: the kernels built for it cannot run";
   uint32_t seed = 1400;
   for (DType type : {DType::q4_0, DType::q4_1, DType::q5_0, DType::q5_1, DType::q8_0, DType::iq4_nl,
-                     DType::mxfp4, DType::q4_k, DType::q6_k}) {
+                     DType::mxfp4, DType::nvfp4, DType::q4_k, DType::q6_k}) {
     for (int64_t T : {int64_t{1}, int64_t{19}}) {
       Problem pr(type, 16 * 3 + 5, test_k(type, 1), T, seed++);
       const auto want = pr.model();

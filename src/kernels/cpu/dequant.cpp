@@ -148,6 +148,26 @@ void dequant_mxfp4(const void* src, float* y, int64_t nb) {
 }
 #undef LOOM_FIELD
 
+// NVFP4: per sub-block of 16 the 8 bytes' low nibbles (elements 0..7) then high
+// ones (8..15) looked up in the same values, times the sub-block's scale.
+void dequant_nvfp4(const void* src, float* y, int64_t nb) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto b = load_unaligned<BlockNVFP4>(src, i);
+    for (int s = 0; s < 4; ++s, y += QK_NVFP4_SUB) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.qs + 8 * s));
+      const __m128i codes =
+          _mm_unpacklo_epi64(_mm_and_si128(q, low4), _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+      const __m128i v = _mm_shuffle_epi8(table, codes);
+      const __m256 d = _mm256_set1_ps(_cvtsh_ss(nvfp4_scale_f16(b.d[s])));
+      _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d));
+      _mm256_storeu_ps(y + 8,
+                       _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), d));
+    }
+  }
+}
+
 void dequant_iq4_xs(const void* src, float* y, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i) {
     const auto b = load_unaligned<BlockIQ4_XS>(src, i);
@@ -305,6 +325,9 @@ void dequantize_row(DType type, const void* src, float* dst, int64_t n) {
       return;
     case DType::mxfp4:
       dequant_mxfp4(src, dst, nb);
+      return;
+    case DType::nvfp4:
+      dequant_nvfp4(src, dst, nb);
       return;
     case DType::nf4: cpu::dequantize_row_nf4(src, dst, n); return;
     case DType::i8_ch: cpu::dequantize_row_i8ch(src, dst, n); return;

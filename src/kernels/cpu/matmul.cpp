@@ -283,6 +283,7 @@ bool matmul_supports(DType type) {
     case DType::q1_0:
     case DType::q2_0:
     case DType::mxfp4:
+    case DType::nvfp4:
       return true;
     default:
       return false;

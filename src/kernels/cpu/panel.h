@@ -45,6 +45,9 @@ constexpr int kPanelRows = 16;
 //  q8_0 (544):  d @0, words @32
 //  iq4_nl (288): d @0, nibbles @32 (codebook indices, kIq4Values)
 //  mxfp4 (288): as iq4_nl, d as bf16 (2^(e - 128)), indices into kMxfp4Values
+//  nvfp4 (320, per 32): f16 d of elements 0..15 @0, of 16..31 @32 (each NVFP4
+//               sub-block's UE4M3 scale, nvfp4_scale_f16), nibbles @64: indices
+//               into kMxfp4Values; two panel blocks per NVFP4 block of 64
 //  q1_0 (96, per 32): d @0 (each Q1_0 block's d in its four), then per operand o
 //               a u64 of the weights' bits @32 + 8o (bit 4r + i: weight 4o + i of
 //               row r set: +d, clear: -d; the kernels' q4_0 codes 9, 7): 1.5 bits
@@ -133,16 +136,27 @@ void pack_panel(DType type, const uint8_t* const* rows, int nrows, int64_t K, ui
 
 // ---- Activations (one "act row" per token, built once per matmul call) ----
 
-// For q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, mxfp4, q1_0 weights: q8_0 / q8_1 blocks
-// with float scale. aux: q4_0 / q1_0 -8*sum(qs), q5_0 -16*sum(qs), mxfp4
+// For q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, mxfp4, nvfp4, q1_0 weights: q8_0 / q8_1
+// blocks with float scale. aux: q4_0 / q1_0 -8*sum(qs), q5_0 -16*sum(qs), mxfp4
 // -12*sum(qs), q8_0 / iq4_nl -128*sum(qs) (integer offset terms, int32), q4_1/q5_1
-// the q8_1 's' field (fp16-rounded d*sum) as float bits.
+// the q8_1 's' field (fp16-rounded d*sum) as float bits, nvfp4 -12 times each
+// half's sum as two int16 (nvfp4_act_aux; |12 * 16 * 127| < 2^15).
 struct ActQ8x32 {
   int8_t qs[32];
   float d;
   int32_t aux;
 };
 static_assert(sizeof(ActQ8x32) == 40);
+// nvfp4's aux: elements 0..15's offset in the low int16, 16..31's in the high.
+constexpr int32_t nvfp4_act_aux(int lo, int hi) {
+  return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) | static_cast<uint32_t>(hi)
+                                                                                     << 16);
+}
+constexpr int32_t nvfp4_aux_lo(int32_t aux) { return static_cast<int16_t>(aux & 0xffff); }
+constexpr int32_t nvfp4_aux_hi(int32_t aux) { return aux >> 16; }
+static_assert(nvfp4_aux_lo(nvfp4_act_aux(-24384, 24384)) == -24384 &&
+              nvfp4_aux_hi(nvfp4_act_aux(-24384, 24384)) == 24384 &&
+              nvfp4_aux_hi(nvfp4_act_aux(5, -7)) == -7);
 
 // For k-quant and iq4_xs weights: a q8_K block plus per-group sums. s16[j] = sum of the 16
 // qs of sub-block j (q8_K's bsums), b16[j] = -32 * s16[j] (q6_k's offset; q3_k

@@ -433,6 +433,45 @@ struct Q32Impl {
       group_dots<kRun>(operand, xq, {ones, ones}, tot);
     }
   }
+  // nvfp4 (kTwoScales): the block dots of each half of the 32 elements apart,
+  // tot[0] over operands 0..3, tot[1] over 4..7, operand-major as block_dots.
+  // Without AVX-VNNI a half's 4 operands sum in int16 (codes <= 24: 4 x 2 x 24 x 127
+  // < 2^15), as idot's runs.
+  template <int C>
+  static void block_dots_halves(const uint8_t* pb, int h, const ActQ8x32* const (&x)[C],
+                                __m256i (&tot)[2][C]) {
+    __m256i ops[8];
+    if constexpr (!kUnpacked) unpack(pb, h, ops);
+    const auto operand = [&](int o) { return kUnpacked ? load256(pb + kHeader + 64 * o + 32 * h) : ops[o]; };
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      __m256i part[C];
+#pragma GCC unroll 4
+      for (int o = 4 * q; o < 4 * q + 4; ++o) {
+        const __m256i w = operand(o);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const __m256i xb = bcast32(x[c]->qs + 4 * o);
+          if constexpr (kVnni) {
+            part[c] = dot_add(o == 4 * q ? _mm256_setzero_si256() : part[c], w, xb);
+          } else {
+            const __m256i m = _mm256_maddubs_epi16(w, xb);
+            part[c] = o == 4 * q ? m : _mm256_add_epi16(part[c], m);
+          }
+          keep_in_register(part[c]);
+        }
+      }
+      for (int c = 0; c < C; ++c) tot[q][c] = kVnni ? part[c] : madd1(part[c]);
+    }
+  }
+  // acc += (each half's dot + its aux) times its scale d0 or d1 and the token's d (nvfp4).
+  static __m256 add_halves(__m256 acc, __m256i lo, __m256i hi, __m256 d0, __m256 d1, const ActQ8x32* x) {
+    const __m256 dx = _mm256_set1_ps(x->d);
+    lo = _mm256_add_epi32(lo, _mm256_set1_epi32(nvfp4_aux_lo(x->aux)));
+    hi = _mm256_add_epi32(hi, _mm256_set1_epi32(nvfp4_aux_hi(x->aux)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d0, dx), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d1, dx), acc);
+  }
   // Batch tiles: one 8-row half at a time over the whole K, so C sums, C
   // accumulators and one operand are live. The block-major order below kept 8
   // operands (16 with q8_0's absolute values) and both halves' sums, and spilled
@@ -448,9 +487,16 @@ struct Q32Impl {
           const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
           const ActQ8x32* x[C];
           for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
+          const __m256 dw = load_scales8<Q>(pb + 16 * h);
+          if constexpr (Q::kTwoScales) {
+            __m256i halves[2][C];
+            block_dots_halves<C>(pb, h, x, halves);
+            const __m256 d1 = load_f16x8(pb + 32 + 16 * h);
+            for (int c = 0; c < C; ++c) acc[c] = add_halves(acc[c], halves[0][c], halves[1][c], dw, d1, x[c]);
+            continue;
+          }
           __m256i tot[C];
           block_dots<C>(pb, h, x, tot);
-          const __m256 dw = load_scales8<Q>(pb + 16 * h);
           for (int c = 0; c < C; ++c) {
             __m256i i = tot[c];
             if constexpr (!Q::kMin && !Q::kSigned) i = _mm256_add_epi32(i, _mm256_set1_epi32(x[c]->aux));
@@ -488,7 +534,8 @@ struct Q32Impl {
         for (int h = 0; h < 2; ++h) {
           const __m256 dw = load_scales8<Q>(pb + 16 * h);
           __m256 mw = _mm256_setzero_ps();
-          if constexpr (Q::kMin) mw = load_f16x8(pb + 32 + 16 * h);
+          if constexpr (Q::kMin || Q::kTwoScales)
+            mw = load_f16x8(pb + 32 + 16 * h);  // m, or the high half's d
           __m256i ops[8];
           unpack(pb, h, ops);
           __m256i absw[8];
@@ -496,6 +543,11 @@ struct Q32Impl {
             for (int o = 0; o < 8; ++o) absw[o] = _mm256_sign_epi8(ops[o], ops[o]);
           for (int c = 0; c < C; ++c) {
             const auto* x = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
+            if constexpr (Q::kTwoScales) {
+              acc[p][h][c] = add_halves(acc[p][h][c], idot<Q::kCodeBits, 0, 4>(ops, x->qs),
+                                        idot<Q::kCodeBits, 4, 8>(ops, x->qs), dw, mw, x);
+              continue;
+            }
             __m256i i;
             if constexpr (Q::kSigned)
               i = idot_s8(absw, ops, x->qs);

@@ -555,7 +555,7 @@ struct Q32Impl {
         if constexpr (C == 1 && !kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
         const __m512 dw = load_scales16<Q>(pb);
         __m512 mw = _mm512_setzero_ps();
-        if constexpr (Q::kMin) mw = load_f16x16(pb + 32);
+        if constexpr (Q::kMin || Q::kTwoScales) mw = load_f16x16(pb + 32);  // m, or the high half's d
         __m512i ops[8];
         unpack(pb, ops);
         const ActQ8x32* xs[C];
@@ -564,8 +564,24 @@ struct Q32Impl {
         for (int c = 0; c < C; ++c) {
           xs[c] = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
           xq[c] = xs[c]->qs;
-          dots[c] = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(xs[c]->aux);
         }
+        if constexpr (Q::kTwoScales) {  // each half's dot and scale (Block32Layout)
+          __m512i hi[C];
+          for (int c = 0; c < C; ++c) {
+            dots[c] = _mm512_set1_epi32(nvfp4_aux_lo(xs[c]->aux));
+            hi[c] = _mm512_set1_epi32(nvfp4_aux_hi(xs[c]->aux));
+          }
+          idot_tile<0, 4, P>(dots, ops, xq);
+          idot_tile<4, 8, P>(hi, ops, xq);
+          for (int c = 0; c < C; ++c) {
+            const __m512 dx = _mm512_set1_ps(xs[c]->d);
+            acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[c]), _mm512_mul_ps(dw, dx), acc[p][c]);
+            acc[p][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[c]), _mm512_mul_ps(mw, dx), acc[p][c]);
+          }
+          continue;
+        }
+        for (int c = 0; c < C; ++c)
+          dots[c] = Q::kMin ? _mm512_setzero_si512() : _mm512_set1_epi32(xs[c]->aux);
         idot_tile<0, 8, P>(dots, ops, xq);
         for (int c = 0; c < C; ++c) {
           const ActQ8x32* x = xs[c];

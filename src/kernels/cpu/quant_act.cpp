@@ -187,6 +187,7 @@ ActKind act_kind(DType type, bool bf16_pairs) {
     case DType::q8_0:
     case DType::iq4_nl:
     case DType::mxfp4:
+    case DType::nvfp4:
     case DType::q1_0:
       return ActKind::q8x32;
     case DType::iq4_xs:
@@ -238,10 +239,10 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
     case ActKind::q8x32: {
       auto* a = reinterpret_cast<ActQ8x32*>(dst);
       const bool with_s = type == DType::q4_1 || type == DType::q5_1;
-      const int32_t offset = type == DType::q4_0 || type == DType::q1_0 ? -8
-                             : type == DType::q5_0                      ? -16
-                             : type == DType::mxfp4                     ? -12
-                                                                        : -128;
+      const int32_t offset = type == DType::q4_0 || type == DType::q1_0     ? -8
+                             : type == DType::q5_0                          ? -16
+                             : type == DType::mxfp4 || type == DType::nvfp4 ? -12
+                                                                            : -128;
       for (int64_t b = 0; b < K / 32; ++b, x += 32, ++a) {
         int sum;
         const float d = q8_32(x, a->qs, &sum);
@@ -249,6 +250,10 @@ void quantize_act_row(ActKind kind, DType type, const float* x, int64_t K, uint8
         if (with_s) {
           const float s = from_fp16(to_fp16(static_cast<float>(sum) * d));
           std::memcpy(&a->aux, &s, 4);
+        } else if (type == DType::nvfp4) {  // each half's offset (NVFP4 has a scale per 16)
+          int lo = 0;
+          for (int j = 0; j < 16; ++j) lo += a->qs[j];
+          a->aux = nvfp4_act_aux(offset * lo, offset * (sum - lo));
         } else {
           a->aux = offset * sum;
         }

@@ -368,6 +368,9 @@ void dequantize_row_ref(DType type, const void* src, float* dst, int64_t n) {
     case DType::mxfp4:
       dequantize_mxfp4(src, dst, nb);
       return;
+    case DType::nvfp4:
+      dequantize_nvfp4(src, dst, nb);
+      return;
     case DType::nf4: dequantize_row_nf4_ref(src, dst, n); return;
     case DType::i8_ch: dequantize_row_i8ch_ref(src, dst, n); return;  // src: the row's start (header)
   }
