@@ -73,6 +73,22 @@ class Binder {
   ModelWeights& w_;
 };
 
+// llama.cpp multiplies a projection's output by "<name>.scale" where the file
+// has one (a per-tensor f32: the weight_scale_2 of NVIDIA ModelOpt's NVFP4
+// checkpoints, which convert_hf_to_gguf.py keeps beside the NVFP4 blocks). loom
+// does not apply such scales yet, so a file with one other than 1 is refused:
+// without it the model would be a different function.
+void refuse_output_scale(Binder& b, const std::string& proj, const std::string& source) {
+  const std::string name = proj + ".scale";
+  if (!b.find(name)) return;
+  const float s = *b.vector(name, 1);
+  if (s != 1.0f)
+    fail(ErrorKind::unsupported,
+         "{}: tensor '{}' scales the output of '{}.weight' by {} (a per-tensor scale, as in NVFP4 models "
+         "converted from NVIDIA ModelOpt checkpoints); loom does not apply per-tensor output scales yet",
+         source, name, proj, s);
+}
+
 }  // namespace
 
 size_t decode_matrix_bytes(const ModelWeights& w) {
@@ -173,6 +189,9 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
     L.w_gate = b.matrix(name("ffn_gate.weight", "mlp.gate_proj.weight"), F, H);
     L.w_up = b.matrix(name("ffn_up.weight", "mlp.up_proj.weight"), F, H);
     L.w_down = b.matrix(name("ffn_down.weight", "mlp.down_proj.weight"), H, F);
+    if (gg)
+      for (const char* proj : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
+        refuse_output_scale(b, p + proj, source);
     w.layers.push_back(L);
   }
 

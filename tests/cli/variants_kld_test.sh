@@ -16,9 +16,9 @@
 #     0.066-0.175, the other IQ1 file's log-probs 1.12.
 #   F16: KLD < 1e-4 (measured 2e-6); BF16: KLD < 1e-3 (1.4e-4): f32 activations, float rounding only.
 # Then the same for the committed GGUF battery (tests/fixtures/gguf_battery: a tiny random llama in
-# every file type llama-quantize writes, TQ1_0, TQ2_0, Q1_0 and Q2_0 among them, and an MXFP4 mix):
+# every file type llama-quantize writes, TQ1_0, TQ2_0, Q1_0 and Q2_0 among them, and MXFP4 and NVFP4 mixes):
 # quantized KLD < 0.003 and the same top token >= 95% (measured 3.0e-4 .. 6.2e-4 and 97-99%; TQ1_0
-# 5.4e-4, Q1_0 2.1e-4, Q2_0 5.8e-4, MXFP4 2.9e-4; another quantization of
+# 5.4e-4, Q1_0 2.1e-4, Q2_0 5.8e-4, MXFP4 2.9e-4, NVFP4 3.1e-4; another quantization of
 # the same weights, TQ1_0 or Q2_K against Q4_K_M's log-probs, 1.26-3.51 and 16-37%), F16 and BF16 as
 # above (1e-6, 2.4e-5). These run without models/variants: only llama-perplexity is needed.
 # Without llama-perplexity it is skipped (exit 77), and without models/variants skipped after the

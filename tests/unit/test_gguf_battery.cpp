@@ -4,9 +4,6 @@
 // its logits agree with the same weights expanded to f32, it generates, trains
 // two LoRA steps and serves a request. Fixtures: scripts/fixtures/make_gguf_battery.py.
 #include <gtest/gtest.h>
-
-#include "kernels/backend.h"
-
 #include <unistd.h>
 
 #include <cctype>
@@ -16,12 +13,15 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "io/gguf.h"
+#include "io/gguf_writer.h"
+#include "kernels/backend.h"
 #include "model/forward.h"
 #include "model/model.h"
 #include "model/sampler.h"
+#include "model_test_util.h"
 #include "serve/scheduler.h"
 #include "train/trainer.h"
-#include "model_test_util.h"
 
 namespace loom {
 namespace {
@@ -181,6 +181,42 @@ TEST(GgufBattery, EveryFileServesARequest) {
     const auto want = test::greedy_ids(s, s.eval(kPrompt), 6);
     EXPECT_EQ(served, want);
   }
+}
+
+// NVFP4 models converted from NVIDIA ModelOpt checkpoints keep a per-tensor scale
+// "<projection>.scale" that llama.cpp multiplies into the projection's output.
+// loom does not apply one yet, so a file with a scale other than 1 is refused,
+// naming the tensor (running without it would compute another function); a
+// scale of exactly 1 changes nothing and loads.
+TEST(GgufBattery, PerTensorOutputScalesAreRefusedNotIgnored) {
+  ThreadPool pool(2);
+  auto backend = make_backend(kCpu, pool);
+  const auto src = gguf::File::open(kDir + "tiny.NVFP4.gguf");
+  TempDir dir("scale");
+  auto write_with_scale = [&](float scale) {
+    gguf::Writer w;
+    gguf::copy_metadata(*src, w);
+    for (const auto& t : src->tensors()) {
+      w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim),
+                   [&t](uint8_t* dst) { std::memcpy(dst, t.data, t.nbytes); });
+      if (t.name == "blk.1.ffn_down.weight")
+        w.add_tensor("blk.1.ffn_down.scale", DType::f32, {1},
+                     [scale](uint8_t* dst) { std::memcpy(dst, &scale, 4); });
+    }
+    const std::string path = (dir.path / ("scale_" + std::to_string(scale) + ".gguf")).string();
+    w.write(path);
+    return path;
+  };
+  const std::string scaled = write_with_scale(0.25f);
+  try {
+    Model::load(scaled, {.tokenizer = false, .backend = backend.get()});
+    ADD_FAILURE() << "a file with a per-tensor output scale of 0.25 loaded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+    EXPECT_NE(std::string(e.what()).find("tensor 'blk.1.ffn_down.scale'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("0.25"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(Model::load(write_with_scale(1.0f), {.tokenizer = false, .backend = backend.get()}));
 }
 
 }  // namespace
