@@ -185,6 +185,18 @@ constexpr uint16_t nvfp4_scale_f16(uint8_t x) {
   const unsigned k = m >= 4 ? 2u : m >= 2 ? 1u : 0u;
   return static_cast<uint16_t>((k + 5u) << 10 | ((m << (10 - k)) & 0x3ffu));
 }
+// The same f16 in one byte: its bits >> 7 (no sign, and the 7 low mantissa bits
+// of every such f16 are zero: at most 3 mantissa bits below the leading one),
+// for the matmul panels; the kernels shift the byte back left by 7.
+constexpr uint8_t nvfp4_scale_code(uint8_t x) { return static_cast<uint8_t>(nvfp4_scale_f16(x) >> 7); }
+constexpr bool nvfp4_scale_codes_exact() {
+  for (int x = 0; x < 256; ++x)
+    if ((nvfp4_scale_f16(static_cast<uint8_t>(x)) & 0x807f) != 0 ||
+        nvfp4_scale_f16(static_cast<uint8_t>(x)) >> 7 > 255)
+      return false;
+  return true;
+}
+static_assert(nvfp4_scale_codes_exact());
 static_assert(sizeof(BlockQ1_0) == 18 && sizeof(BlockQ2_0) == 18 && sizeof(BlockMXFP4) == 17 &&
               sizeof(BlockNVFP4) == 36);
 

@@ -175,18 +175,18 @@ void pack_block(DType type, const uint8_t* blk, int r, uint8_t* pb) {
     }
     return;
   }
-  if (type == DType::nvfp4) {  // per 32: the two sub-blocks' scales as f16, then the nibble group
+  if (type == DType::nvfp4) {  // per 32: the two sub-blocks' scale codes, then the nibble group
     BlockNVFP4 b;
     std::memcpy(&b, blk, sizeof b);
     for (int g = 0; g < QK_NVFP4 / 32; ++g) {
       uint8_t* gb = pb + g * panel_block_bytes(DType::nvfp4) / (QK_NVFP4 / 32);
-      store_u16(gb + 2 * r, nvfp4_scale_f16(b.d[2 * g]));
-      store_u16(gb + 32 + 2 * r, nvfp4_scale_f16(b.d[2 * g + 1]));
+      gb[r] = nvfp4_scale_code(b.d[2 * g]);
+      gb[16 + r] = nvfp4_scale_code(b.d[2 * g + 1]);
       for (int e = 0; e < 32; ++e) {  // sub-block 2g + e / 16, its element j = e % 16
         const int s = 2 * g + e / 16, j = e % 16;
         v[e] = static_cast<uint8_t>(j < 8 ? b.qs[8 * s + j] & 0x0f : b.qs[8 * s + j - 8] >> 4);
       }
-      put_nibble_group(v, r, gb + 64);
+      put_nibble_group(v, r, gb + 32);
     }
     return;
   }
@@ -377,8 +377,8 @@ size_t panel_block_bytes(DType type) {
     case DType::iq4_nl:
     case DType::mxfp4:
       return 288;
-    case DType::nvfp4:  // per 64: two panel blocks of 320 bytes
-      return 2 * 320;
+    case DType::nvfp4:  // per 64: two panel blocks of 288 bytes
+      return 2 * 288;
     case DType::q1_0:  // per 128: four q1_0 panel blocks of 96 bytes
       return 4 * 96;
     case DType::q2_0:  // as q4_0 panel blocks (matmul_panel_type)

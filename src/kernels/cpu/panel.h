@@ -45,9 +45,11 @@ constexpr int kPanelRows = 16;
 //  q8_0 (544):  d @0, words @32
 //  iq4_nl (288): d @0, nibbles @32 (codebook indices, kIq4Values)
 //  mxfp4 (288): as iq4_nl, d as bf16 (2^(e - 128)), indices into kMxfp4Values
-//  nvfp4 (320, per 32): f16 d of elements 0..15 @0, of 16..31 @32 (each NVFP4
-//               sub-block's UE4M3 scale, nvfp4_scale_f16), nibbles @64: indices
-//               into kMxfp4Values; two panel blocks per NVFP4 block of 64
+//  nvfp4 (288, per 32): the scale of elements 0..15 @0, of 16..31 @16, a byte
+//               per row (each NVFP4 sub-block's UE4M3 scale as an exact f16,
+//               nvfp4_scale_f16, stored as its bits >> 7: nvfp4_scale_code),
+//               nibbles @32: indices into kMxfp4Values; two panel blocks per
+//               NVFP4 block of 64 (4.5 bits per weight, as the file)
 //  q1_0 (96, per 32): d @0 (each Q1_0 block's d in its four), then per operand o
 //               a u64 of the weights' bits @32 + 8o (bit 4r + i: weight 4o + i of
 //               row r set: +d, clear: -d; the kernels' q4_0 codes 9, 7): 1.5 bits

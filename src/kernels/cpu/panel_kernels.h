@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cpu/panel.h"
@@ -305,10 +306,11 @@ UnpackedPanels unpacked_panels_of(DType type, int64_t K) {
 // where a kernel multiplies them offset by +128 (kCodeBias). mxfp4's (|v| <= 12)
 // run as unsigned codes v + 12 (aux -12 * sum x), on the int16 runs of 5-bit
 // codes (kCodeBits: the bits the u8 codes need). mxfp4's scales are bf16 (kBf16Scale).
-// nvfp4 is mxfp4's codes with a scale per 16 (kTwoScales): f16 d @0 for
-// elements 0..15 (operands 0..3), @32 for 16..31 (operands 4..7), where the
-// types with a min keep m; each half's integer dot (and its half of the aux,
-// nvfp4_act_aux) is scaled on its own, the low half first.
+// nvfp4 is mxfp4's codes with a scale per 16 (kTwoScales): elements 0..15
+// (operands 0..3) take the scales @0, 16..31 (operands 4..7) those @16 (kHiScale),
+// each a byte per row (kU8Scale: the f16's bits >> 7, nvfp4_scale_code); each
+// half's integer dot (and its half of the aux, nvfp4_act_aux) is scaled on its
+// own, the low half first.
 // q1_0 keeps a bit per weight (kBits 1: a u64 mask per operand, panel.h) and
 // unpacks to q4_0's codes, 8 + 1 or 8 - 1, taking q4_0's act rows (aux -8 * sum x).
 template <DType kT>
@@ -318,6 +320,9 @@ struct Block32Layout {
   static constexpr bool kFp4 = kT == DType::mxfp4 || kT == DType::nvfp4;  // kMxfp4Values, codes v + 12
   static constexpr bool kCodebook = kT == DType::iq4_nl || kFp4;
   static constexpr bool kBf16Scale = kT == DType::mxfp4;
+  static constexpr bool kU8Scale = kT == DType::nvfp4;
+  static constexpr size_t kScaleRowBytes = kU8Scale ? 1 : 2;  // a row's scale in the panel block
+  static constexpr size_t kHiScale = 16 * kScaleRowBytes;     // kTwoScales: the high half's scales
   // The codebook's 16 values (kCodebook only).
   static constexpr const int8_t* codebook() { return kFp4 ? kMxfp4Values : kIq4Values; }
   static constexpr bool kSigned = kT == DType::q8_0 || kT == DType::iq4_nl;
@@ -327,17 +332,36 @@ struct Block32Layout {
                                : kT == DType::q5_0 || kT == DType::q5_1 ? 5
                                                                         : 4;
   static constexpr int kCodeBits = kBits == 1 ? 4 : kFp4 ? 5 : kBits;
-  static constexpr size_t kBit4 = kMin || kTwoScales ? 64 : 32;     // q5's 5th-bit word
+  static constexpr size_t kBit4 = kMin ? 64 : 32;                   // q5's 5th-bit word
   static constexpr size_t kQuants = kBit4 + (kBits == 5 ? 64 : 0);  // nibbles / q8_0 words / q1_0 masks
   static constexpr size_t kPB = kQuants + (kBits == 8 ? 512 : kBits == 1 ? 64 : 256);
   // Unpacked (drive_unpacked): the scales as packed, then 8 whole-byte operands.
-  static constexpr size_t kScaleBytes = kMin || kTwoScales ? 64 : 32;
-  static constexpr size_t kUnpackedPB = kScaleBytes + 8 * 64;
+  static constexpr size_t kScaleBytes = kMin ? 64 : 32;
+  // An unpacked block keeps nvfp4's scale codes widened back to f16 (d @0 and the
+  // high half's @32, as q4_1's d and m), so batch tiles load plain f16 scales.
+  static constexpr size_t kUnpackedScaleBytes = kMin || kU8Scale ? 64 : 32;
+  static constexpr size_t kUnpackedPB = kUnpackedScaleBytes + 8 * 64;
+  static void unpack_scales(const uint8_t* src, uint8_t* dst) {
+    if constexpr (kU8Scale) {
+      for (int i = 0; i < 32; ++i) {
+        const auto h = static_cast<uint16_t>(src[i] << 7);
+        std::memcpy(dst + 2 * i, &h, 2);
+      }
+    } else {
+      std::memcpy(dst, src, kScaleBytes);
+    }
+  }
+};
+// The scale fields of an unpacked block of layout L (as L's, kU8Scale widened).
+template <class L>
+struct UnpackedScales {
+  static constexpr bool kU8Scale = false, kBf16Scale = L::kBf16Scale;
+  static constexpr size_t kScaleRowBytes = 2, kHiScale = 32;
 };
 static_assert(Block32Layout<DType::q4_0>::kPB == 288 && Block32Layout<DType::q4_1>::kPB == 320 &&
               Block32Layout<DType::q5_0>::kPB == 352 && Block32Layout<DType::q5_1>::kPB == 384 &&
               Block32Layout<DType::q8_0>::kPB == 544 && Block32Layout<DType::iq4_nl>::kPB == 288 &&
-              Block32Layout<DType::q1_0>::kPB == 96 && Block32Layout<DType::nvfp4>::kPB == 320);
+              Block32Layout<DType::q1_0>::kPB == 96 && Block32Layout<DType::nvfp4>::kPB == 288);
 
 }  // namespace
 }  // namespace loom::cpu

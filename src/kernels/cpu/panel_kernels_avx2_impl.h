@@ -44,7 +44,10 @@ inline __m256 load_f16x8(const uint8_t* p) {
 // 8 rows' scales of a 32-element panel block: f16, or bf16 (kBf16Scale).
 template <class L>
 inline __m256 load_scales8(const uint8_t* p) {
-  if constexpr (L::kBf16Scale)
+  if constexpr (L::kU8Scale)
+    return _mm256_cvtph_ps(
+        _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7));
+  else if constexpr (L::kBf16Scale)
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
   else
@@ -360,7 +363,8 @@ struct Q32Impl {
   static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = kVnni ? 6 : Q::kSigned ? 5 : 4;
   static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
-  static constexpr size_t kHeader = Q::kScaleBytes;
+  static constexpr size_t kHeader = Q::kUnpackedScaleBytes;  // (where an unpacked block's operands start)
+  using S = std::conditional_t<kUnpacked, UnpackedScales<Q>, Q>;  // the scales' fields in this form
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
   using Unpacked = std::conditional_t<kUnpacked || Q::kBits == 8 || Q::kBits == 1, void, Q32Impl<kT, true>>;
   static_assert(!Q::kSigned || kHeader == Q::kQuants);  // signed operands at the same offset either way
@@ -378,7 +382,7 @@ struct Q32Impl {
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* src = pan + b * Q::kPB;
       uint8_t* dst = out + b * kBlock;
-      std::memcpy(dst, src, kHeader);
+      Q::unpack_scales(src, dst);
       for (int h = 0; h < 2; ++h) {
         __m256i ops[8];
         Q::unpack(src, h, ops);
@@ -487,11 +491,11 @@ struct Q32Impl {
           const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
           const ActQ8x32* x[C];
           for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
-          const __m256 dw = load_scales8<Q>(pb + 16 * h);
+          const __m256 dw = load_scales8<S>(pb + 8 * S::kScaleRowBytes * h);
           if constexpr (Q::kTwoScales) {
             __m256i halves[2][C];
             block_dots_halves<C>(pb, h, x, halves);
-            const __m256 d1 = load_f16x8(pb + 32 + 16 * h);
+            const __m256 d1 = load_scales8<S>(pb + S::kHiScale + 8 * S::kScaleRowBytes * h);
             for (int c = 0; c < C; ++c) acc[c] = add_halves(acc[c], halves[0][c], halves[1][c], dw, d1, x[c]);
             continue;
           }
@@ -532,10 +536,11 @@ struct Q32Impl {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
         if constexpr (!kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
         for (int h = 0; h < 2; ++h) {
-          const __m256 dw = load_scales8<Q>(pb + 16 * h);
+          const __m256 dw = load_scales8<S>(pb + 8 * S::kScaleRowBytes * h);
           __m256 mw = _mm256_setzero_ps();
-          if constexpr (Q::kMin || Q::kTwoScales)
-            mw = load_f16x8(pb + 32 + 16 * h);  // m, or the high half's d
+          if constexpr (Q::kMin) mw = load_f16x8(pb + 32 + 16 * h);
+          if constexpr (Q::kTwoScales)
+            mw = load_scales8<S>(pb + S::kHiScale + 8 * S::kScaleRowBytes * h);  // the high half's d
           __m256i ops[8];
           unpack(pb, h, ops);
           __m256i absw[8];

@@ -98,10 +98,14 @@ inline void lookup_iq4_u8(__m512i (&ops)[8], const int8_t* codebook = kIq4Values
   for (int o = 0; o < 8; ++o) ops[o] = _mm512_shuffle_epi8(table, ops[o]);
 }
 
-// The 16 rows' scales of a 32-element panel block: f16, or bf16 (kBf16Scale).
+// The 16 rows' scales of a 32-element panel block: f16, bf16 (kBf16Scale), or
+// an f16's bits >> 7 in a byte (kU8Scale).
 template <class L>
 inline __m512 load_scales16(const uint8_t* p) {
-  if constexpr (L::kBf16Scale)
+  if constexpr (L::kU8Scale)
+    return _mm512_cvtph_ps(
+        _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7));
+  else if constexpr (L::kBf16Scale)
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   else
@@ -524,7 +528,8 @@ struct Q32Impl {
   static constexpr int kP1 = kMaxDecodePanelsQuant, kPB = 1, kCB = 8;
   static constexpr bool kDecodePanelsChosen = true;  // KernelArgs::decode_panels
   static constexpr bool kTokensOuter = true;
-  static constexpr size_t kHeader = Q::kScaleBytes;
+  static constexpr size_t kHeader = Q::kUnpackedScaleBytes;  // (where an unpacked block's operands start)
+  using S = std::conditional_t<kUnpacked, UnpackedScales<Q>, Q>;  // the scales' fields in this form
   static constexpr size_t kBlock = kUnpacked ? Q::kUnpackedPB : Q::kPB;
   using Unpacked = std::conditional_t<kUnpacked || !(Q::kBits == 5 || Q::kCodebook), void, Q32Impl<kT, true>>;
   static size_t panel_bytes(int64_t K) { return static_cast<size_t>(K / 32) * kBlock; }
@@ -532,7 +537,7 @@ struct Q32Impl {
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* src = pan + b * Q::kPB;
       uint8_t* dst = out + b * kBlock;
-      std::memcpy(dst, src, kHeader);
+      Q::unpack_scales(src, dst);
       __m512i ops[8];
       Q::unpack(src, ops);
       for (int o = 0; o < 8; ++o) _mm512_storeu_si512(dst + kHeader + 64 * o, ops[o]);
@@ -553,9 +558,10 @@ struct Q32Impl {
       for (int p = 0; p < P; ++p) {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
         if constexpr (C == 1 && !kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
-        const __m512 dw = load_scales16<Q>(pb);
+        const __m512 dw = load_scales16<S>(pb);
         __m512 mw = _mm512_setzero_ps();
-        if constexpr (Q::kMin || Q::kTwoScales) mw = load_f16x16(pb + 32);  // m, or the high half's d
+        if constexpr (Q::kMin) mw = load_f16x16(pb + 32);
+        if constexpr (Q::kTwoScales) mw = load_scales16<S>(pb + S::kHiScale);  // the high half's d
         __m512i ops[8];
         unpack(pb, ops);
         const ActQ8x32* xs[C];
