@@ -1,0 +1,101 @@
+// The MXFP4 and NVFP4 row quantizers, as ggml's quantize_row_mxfp4_ref and
+// quantize_row_nvfp4_ref (what llama-quantize writes for `--tensor-type
+// NAME=mxfp4|nvfp4`; ggml ignores an importance matrix for both): each block's
+// scale from its absolute maximum, then per value the nearest E2M1 value (the
+// first on ties). Byte-identical to ggml (quantize_impl.h).
+
+// As in quantize_search.cpp: ggml's products and differences are not fused.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <cmath>
+#include <cstring>
+
+#include "core/half.h"
+#include "kernels/quant_blocks.h"
+#include "kernels/quantize_impl.h"
+
+namespace loom::quant {
+namespace {
+
+// The index into kMxfp4Values of the value whose multiple of d is nearest x
+// (ggml's best_index_mxfp4: a linear search, the first index on ties).
+uint8_t nearest_fp4(float x, float d) {
+  int best = 0;
+  float best_err = std::fabs(static_cast<float>(kMxfp4Values[0]) * d - x);
+  for (int i = 1; i < 16; ++i) {
+    const float err = std::fabs(static_cast<float>(kMxfp4Values[i]) * d - x);
+    if (err < best_err) {
+      best = i;
+      best_err = err;
+    }
+  }
+  return static_cast<uint8_t>(best);
+}
+
+float abs_max(const float* x, int n) {
+  float amax = 0.0f;
+  for (int j = 0; j < n; ++j)
+    if (amax < std::fabs(x[j])) amax = std::fabs(x[j]);
+  return amax;
+}
+
+// ggml_fp32_to_ue4m3: x > 0 to the unsigned E4M3 byte (bias 7) by its float bits, the
+// mantissa rounded half up on bit 19, subnormals by rounding x * 2^9, clamped to 0x7e (448).
+uint8_t fp32_to_ue4m3(float x) {
+  if (!(x > 0.0f)) return 0;
+  if (x > 448.0f) x = 448.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  int exp = static_cast<int>((bits >> 23) & 0xff) - 127 + 7;
+  if (exp <= 0) {
+    int man = static_cast<int>(x * 512.0f + 0.5f);
+    if (man > 7) man = 7;
+    return man < 1 ? 0 : static_cast<uint8_t>(man);
+  }
+  if (exp >= 15) return 0x7e;
+  int man = static_cast<int>((bits >> 20) & 7) + static_cast<int>((bits >> 19) & 1);
+  if (man > 7) {
+    man = 0;
+    if (++exp >= 15) return 0x7e;
+  }
+  return static_cast<uint8_t>(exp << 3 | man);
+}
+
+}  // namespace
+
+void quantize_row_mxfp4(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n / 32; ++i, x += 32, out += sizeof(BlockMXFP4)) {
+    const float amax = abs_max(x, 32);
+    // ggml: floorf(log2f(amax)) - 2 + 127, through log2f as ggml does (its rounding
+    // just below a power of two included).
+    // The float to an int, then its low byte, as x86 converts ggml's (uint8_t) cast.
+    const auto e = static_cast<uint8_t>(amax > 0.0f ? static_cast<int>(std::floor(std::log2(amax)) - 2 + 127) : 0);
+    const float d = bf16_to_fp32(mxfp4_scale_bf16(e));
+    BlockMXFP4 b;
+    b.e = e;
+    for (int j = 0; j < 16; ++j)
+      b.qs[j] = static_cast<uint8_t>(nearest_fp4(x[j], d) | nearest_fp4(x[j + 16], d) << 4);
+    std::memcpy(out, &b, sizeof b);
+  }
+}
+
+void quantize_row_nvfp4(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n / QK_NVFP4; ++i, out += sizeof(BlockNVFP4)) {
+    BlockNVFP4 b;
+    for (int s = 0; s < 4; ++s, x += QK_NVFP4_SUB) {
+      b.d[s] = fp32_to_ue4m3(abs_max(x, QK_NVFP4_SUB) / 6.0f);
+      const float d = fp16_to_fp32(nvfp4_scale_f16(b.d[s]));
+      for (int j = 0; j < 8; ++j)
+        b.qs[8 * s + j] = static_cast<uint8_t>(nearest_fp4(x[j], d) | nearest_fp4(x[j + 8], d) << 4);
+    }
+    std::memcpy(out, &b, sizeof b);
+  }
+}
+
+}  // namespace loom::quant
