@@ -27,6 +27,7 @@ constexpr FileTypeInfo kFileTypes[] = {
     {FileType::q4_k_m, "Q4_K_M", DType::q4_k},   {FileType::q5_k_s, "Q5_K_S", DType::q5_k},
     {FileType::q5_k_m, "Q5_K_M", DType::q5_k},   {FileType::q6_k, "Q6_K", DType::q6_k},
     {FileType::iq4_nl, "IQ4_NL", DType::iq4_nl}, {FileType::iq4_xs, "IQ4_XS", DType::iq4_xs},
+    {FileType::q1_0, "Q1_0", DType::q1_0},       {FileType::q2_0, "Q2_0", DType::q2_0},
 };
 
 const FileTypeInfo& info(FileType t) {
@@ -98,7 +99,10 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
     if (tensor.shape.back() % dtype_block_size(t) != 0) return DType::q8_0;
     return t != DType::q8_0 ? DType::q6_k : t;
   }
-  if (cat == Category::token_embd) return opt.token_embedding_type ? *opt.token_embedding_type : t;
+  if (cat == Category::token_embd) {
+    if (opt.token_embedding_type) return *opt.token_embedding_type;
+    return f == FileType::q2_0 ? DType::q4_k : t;
+  }
   if (is_attn_v_like(cat)) {
     const int64_t i = s.i_attention_wv, n = s.n_attention_wv;
     if (f == FileType::q2_k) t = n_gqa >= 4 ? DType::q4_k : DType::q3_k;
@@ -142,12 +146,13 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
 }
 
 // tensor_type_fallback: a k-quant whose 256 does not divide the row width
-// becomes a 32-block type; if even that does not fit, f16.
+// becomes a 32-block type; if even that does not fit, f16. Q2_0 (64) falls back
+// to q4_0; Q1_0 (128) has no fallback in llama.cpp, which stops (the caller too).
 DType fit_to_width(DType t, int64_t cols, bool& fell_back) {
   if (cols % dtype_block_size(t) == 0) return t;
   fell_back = true;
   switch (t) {
-    case DType::q2_k: case DType::q3_k: t = DType::q4_0; break;
+    case DType::q2_k: case DType::q3_k: case DType::q2_0: t = DType::q4_0; break;
     case DType::q4_k: t = DType::q5_0; break;
     case DType::q5_k: t = DType::q5_1; break;
     case DType::q6_k: t = DType::q8_0; break;
@@ -239,6 +244,11 @@ std::vector<TensorPlan> plan_quantization(std::vector<TensorInput> tensors, cons
               break;
             }
           if (!manual && !opt.pure) p.to = mix_type(s, model, opt, p.to, t, c);
+          if (p.to == DType::q1_0 && t.shape.back() % dtype_block_size(DType::q1_0) != 0)
+            fail(ErrorKind::unsupported,
+                 "tensor '{}': rows of {} values are not a multiple of Q1_0's block of 128, and Q1_0 has no "
+                 "fallback type (llama-quantize stops too): choose the tensor's type with --tensor-type",
+                 t.name, t.shape.back());
           p.to = fit_to_width(p.to, t.shape.back(), p.fallback);
         }
       }

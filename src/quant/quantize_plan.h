@@ -39,6 +39,8 @@ enum class FileType : uint32_t {
   iq4_nl = 25,
   iq4_xs = 30,
   bf16 = 32,
+  q1_0 = 40,
+  q2_0 = 41,
 };
 
 // "Q4_K_M", "q4_k_m", "F16", "F32" (case-insensitive), or llama-quantize's

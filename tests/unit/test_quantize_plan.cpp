@@ -4,7 +4,9 @@
 // llama-quantize wrote.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "expect_error.h"
 #include "quant/quantize_plan.h"
@@ -121,6 +123,44 @@ TEST(QuantizePlan, PureOverridesAndPlainTypes) {
   o.overrides = {{"(", DType::q8_0}};
   o.file_type = FileType::q8_0;
   test_util::expect_error([&] { plan_quantization(t, {4, 9, 3}, o); }, ErrorKind::invalid_input, {"("});
+}
+
+// Q1_0 and Q2_0 files as llama-quantize wrote them (the GGUF battery's manifest,
+// from a 2-layer model of hidden 256, FFN 384, 320 tokens, untied output): every
+// matrix of the type, the output Q6_K, Q2_0's token embeddings Q4_K; Q2_0 rows not a
+// multiple of 64 fall back to q4_0, and Q1_0 ones (128) stop with the tensor named.
+TEST(QuantizePlan, Q1_0AndQ2_0AsLlamaQuantizeWroteThem) {
+  std::ifstream in(std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/gguf_battery/manifest.json");
+  ASSERT_TRUE(in.good());
+  const auto manifest = nlohmann::json::parse(in);
+  const auto tensors = llama_tensors(2, 256, 384, 128, 320, false);
+  for (const char* ft : {"Q1_0", "Q2_0"}) {
+    QuantizeOptions opt;
+    opt.file_type = *file_type_from_name(ft);
+    const auto plan =
+        plan_map(plan_quantization(tensors, {.n_layers = 2, .n_heads = 4, .n_kv_heads = 2}, opt));
+    int checked = 0;
+    for (const auto& f : manifest["files"]) {
+      if (f["file_type"] != ft) continue;
+      for (const auto& [name, type] : f["tensor_types"].items()) {
+        if (type == "F32") continue;  // norms stay as they are
+        std::string lower = type.get<std::string>();
+        for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        EXPECT_EQ(dtype_name(plan.at(name)), lower) << ft << " " << name;
+        ++checked;
+      }
+    }
+    EXPECT_EQ(checked, 16) << ft;
+  }
+  QuantizeOptions q2;
+  q2.file_type = FileType::q2_0;
+  const auto narrow = plan_map(plan_quantization(llama_tensors(1, 576, 1568, 192, 320, false), {}, q2));
+  EXPECT_EQ(narrow.at("blk.0.attn_q.weight"), DType::q2_0);    // 576 = 9 x 64
+  EXPECT_EQ(narrow.at("blk.0.ffn_down.weight"), DType::q4_0);  // 1568 = 24.5 x 64 = 49 x 32
+  QuantizeOptions q1;
+  q1.file_type = FileType::q1_0;
+  test_util::expect_error([&] { plan_quantization(llama_tensors(1, 576, 1536, 192, 320, false), {}, q1); },
+                          ErrorKind::unsupported, {"tensor 'token_embd.weight'", "Q1_0"});
 }
 
 TEST(QuantizePlan, FileTypeNames) {

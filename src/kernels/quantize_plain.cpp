@@ -1,8 +1,9 @@
-// The MXFP4 and NVFP4 row quantizers, as ggml's quantize_row_mxfp4_ref and
-// quantize_row_nvfp4_ref (what llama-quantize writes for `--tensor-type
-// NAME=mxfp4|nvfp4`; ggml ignores an importance matrix for both): each block's
-// scale from its absolute maximum, then per value the nearest E2M1 value (the
-// first on ties). Byte-identical to ggml (quantize_impl.h).
+// The quantizers of the types ggml writes with its reference functions alone (no
+// search, and an importance matrix changes nothing): MXFP4 and NVFP4 (each block's
+// scale from its absolute maximum, then per value the nearest E2M1 value, the
+// first on ties), Q1_0 (the mean |x| and a sign bit per weight) and Q2_0 (the
+// absolute maximum d and round(x / d) in -1..2). Byte-identical to ggml's
+// quantize_row_<type>_ref (quantize_impl.h).
 
 // As in quantize_search.cpp: ggml's products and differences are not fused.
 #if defined(__clang__)
@@ -11,6 +12,7 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -74,7 +76,8 @@ void quantize_row_mxfp4(const float* x, void* dst, int64_t n) {
     // ggml: floorf(log2f(amax)) - 2 + 127, through log2f as ggml does (its rounding
     // just below a power of two included).
     // The float to an int, then its low byte, as x86 converts ggml's (uint8_t) cast.
-    const auto e = static_cast<uint8_t>(amax > 0.0f ? static_cast<int>(std::floor(std::log2(amax)) - 2 + 127) : 0);
+    const auto e =
+        static_cast<uint8_t>(amax > 0.0f ? static_cast<int>(std::floor(std::log2(amax)) - 2 + 127) : 0);
     const float d = bf16_to_fp32(mxfp4_scale_bf16(e));
     BlockMXFP4 b;
     b.e = e;
@@ -93,6 +96,35 @@ void quantize_row_nvfp4(const float* x, void* dst, int64_t n) {
       const float d = fp16_to_fp32(nvfp4_scale_f16(b.d[s]));
       for (int j = 0; j < 8; ++j)
         b.qs[8 * s + j] = static_cast<uint8_t>(nearest_fp4(x[j], d) | nearest_fp4(x[j + 8], d) << 4);
+    }
+    std::memcpy(out, &b, sizeof b);
+  }
+}
+
+void quantize_row_q1_0(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n / QK1_0; ++i, x += QK1_0, out += sizeof(BlockQ1_0)) {
+    float sum_abs = 0.0f;
+    for (int j = 0; j < QK1_0; ++j) sum_abs += std::fabs(x[j]);
+    BlockQ1_0 b{};
+    b.d = fp32_to_fp16(sum_abs / QK1_0);
+    for (int j = 0; j < QK1_0; ++j)
+      if (x[j] >= 0.0f) b.qs[j / 8] = static_cast<uint8_t>(b.qs[j / 8] | 1 << (j % 8));
+    std::memcpy(out, &b, sizeof b);
+  }
+}
+
+void quantize_row_q2_0(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n / QK2_0; ++i, x += QK2_0, out += sizeof(BlockQ2_0)) {
+    const float d = abs_max(x, QK2_0);
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    BlockQ2_0 b{};
+    b.d = fp32_to_fp16(d);
+    for (int j = 0; j < QK2_0; ++j) {
+      const int q =
+          std::clamp(static_cast<int>(std::round(x[j] * id)) + 1, 0, 3);  // roundf: half away from 0
+      b.qs[j / 4] = static_cast<uint8_t>(b.qs[j / 4] | q << (2 * (j % 4)));
     }
     std::memcpy(out, &b, sizeof b);
   }
