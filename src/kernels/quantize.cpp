@@ -95,6 +95,8 @@ void quantize_row(DType type, const float* x, void* dst, int64_t n, const float*
   if (type == DType::nvfp4) return quant::quantize_row_nvfp4(x, dst, n);
   if (type == DType::q1_0) return quant::quantize_row_q1_0(x, dst, n);
   if (type == DType::q2_0) return quant::quantize_row_q2_0(x, dst, n);
+  if (type == DType::tq1_0) return quant::quantize_row_tq1_0(x, dst, n);
+  if (type == DType::tq2_0) return quant::quantize_row_tq2_0(x, dst, n);
   if (importance) {
     switch (type) {
       case DType::q4_0:
@@ -173,6 +175,8 @@ bool quantize_supported(DType type) {
     case DType::nvfp4:
     case DType::q1_0:
     case DType::q2_0:
+    case DType::tq1_0:
+    case DType::tq2_0:
       return true;
     default:
       return false;
@@ -185,7 +189,7 @@ void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, in
     fail(
         ErrorKind::unsupported,
         "quantize: no quantizer for tensor type {} (supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, "
-        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, mxfp4, nvfp4, q1_0, q2_0)",
+        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, mxfp4, nvfp4, q1_0, q2_0, tq1_0, tq2_0)",
         dtype_name(type));
   const int64_t block = dtype_block_size(type);
   if (n_per_row <= 0 || n_per_row % block != 0)

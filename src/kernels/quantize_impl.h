@@ -87,11 +87,13 @@ void quantize_row_q6_k_weighted(const float* x, void* dst, int64_t n, const floa
 // IQ4_NL / IQ4_XS (quantize_iq4.cpp): importance null or the row's weights.
 void quantize_row_iq4_nl(const float* x, void* dst, int64_t n, const float* importance);
 void quantize_row_iq4_xs(const float* x, void* dst, int64_t n, const float* importance);
-// MXFP4 / NVFP4 / Q1_0 / Q2_0 (quantize_plain.cpp): ggml's reference quantizers,
+// MXFP4 / NVFP4 / Q1_0 / Q2_0 / TQ1_0 / TQ2_0 (quantize_plain.cpp): ggml's reference quantizers,
 // which an importance matrix does not change.
 void quantize_row_mxfp4(const float* x, void* dst, int64_t n);
 void quantize_row_nvfp4(const float* x, void* dst, int64_t n);
 void quantize_row_q1_0(const float* x, void* dst, int64_t n);
 void quantize_row_q2_0(const float* x, void* dst, int64_t n);
+void quantize_row_tq1_0(const float* x, void* dst, int64_t n);
+void quantize_row_tq2_0(const float* x, void* dst, int64_t n);
 
 }  // namespace loom::quant

@@ -1,8 +1,9 @@
 // The quantizers of the types ggml writes with its reference functions alone (no
 // search, and an importance matrix changes nothing): MXFP4 and NVFP4 (each block's
 // scale from its absolute maximum, then per value the nearest E2M1 value, the
-// first on ties), Q1_0 (the mean |x| and a sign bit per weight) and Q2_0 (the
-// absolute maximum d and round(x / d) in -1..2). Byte-identical to ggml's
+// first on ties), Q1_0 (the mean |x| and a sign bit per weight), Q2_0 (the
+// absolute maximum d and round(x / d) in -1..2) and the ternary TQ1_0 / TQ2_0 (d
+// the absolute maximum, trits round(x / d) + 1). Byte-identical to ggml's
 // quantize_row_<type>_ref (quantize_impl.h).
 
 // As in quantize_search.cpp: ggml's products and differences are not fused.
@@ -126,6 +127,63 @@ void quantize_row_q2_0(const float* x, void* dst, int64_t n) {
           std::clamp(static_cast<int>(std::round(x[j] * id)) + 1, 0, 3);  // roundf: half away from 0
       b.qs[j / 4] = static_cast<uint8_t>(b.qs[j / 4] | q << (2 * (j % 4)));
     }
+    std::memcpy(out, &b, sizeof b);
+  }
+}
+
+namespace {
+// A trit of x: round(x / d) + 1 in 0..2 (lroundf: half away from zero).
+int trit(float x, float id) { return static_cast<int>(std::lround(x * id)) + 1; }
+// n trits as one base-3 number scaled to a byte, rounding up (ggml's TQ1_0 packing:
+// the byte times 3 lifts each trit in turn into the top; ternary_trits reads it).
+uint8_t trits_to_byte(const int* t, int n) {
+  uint8_t q = 0;
+  for (int i = 0; i < n; ++i) q = static_cast<uint8_t>(q * 3 + t[i]);
+  return static_cast<uint8_t>((q * 256 + 242) / 243);
+}
+}  // namespace
+
+void quantize_row_tq1_0(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n / QK_K; ++i, out += sizeof(BlockTQ1_0)) {
+    const float d = abs_max(x, QK_K);
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    BlockTQ1_0 b{};
+    b.d = fp32_to_fp16(d);
+    int t[5];
+    for (int m = 0; m < 32; ++m) {  // 5 trits a byte over the first 160 values, strided by 32
+      for (int k = 0; k < 5; ++k) t[k] = trit(x[m + 32 * k], id);
+      b.qs[m] = trits_to_byte(t, 5);
+    }
+    x += 160;
+    for (int m = 0; m < 16; ++m) {  // the next 80, strided by 16
+      for (int k = 0; k < 5; ++k) t[k] = trit(x[m + 16 * k], id);
+      b.qs[32 + m] = trits_to_byte(t, 5);
+    }
+    x += 80;
+    for (int j = 0; j < 4; ++j) {  // the last 16: 4 trits a byte, strided by 4, the first lifted once more
+      for (int k = 0; k < 4; ++k) t[k] = trit(x[j + 4 * k], id);
+      t[4] = 0;
+      b.qh[j] = trits_to_byte(t, 5);
+    }
+    x += 16;
+    std::memcpy(out, &b, sizeof b);
+  }
+}
+
+void quantize_row_tq2_0(const float* x, void* dst, int64_t n) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t i = 0; i < n / QK_K; ++i, out += sizeof(BlockTQ2_0)) {
+    const float d = abs_max(x, QK_K);
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    BlockTQ2_0 b{};
+    b.d = fp32_to_fp16(d);
+    for (int j = 0; j < QK_K / 4; j += 32, x += 128)  // 4 trits a byte, 2 bits each, strided by 32
+      for (int m = 0; m < 32; ++m) {
+        int q = 0;
+        for (int k = 0; k < 4; ++k) q += (trit(x[m + 32 * k], id) & 3) << (2 * k);
+        b.qs[j + m] = static_cast<uint8_t>(q);
+      }
     std::memcpy(out, &b, sizeof b);
   }
 }

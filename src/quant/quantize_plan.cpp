@@ -28,6 +28,7 @@ constexpr FileTypeInfo kFileTypes[] = {
     {FileType::q5_k_m, "Q5_K_M", DType::q5_k},   {FileType::q6_k, "Q6_K", DType::q6_k},
     {FileType::iq4_nl, "IQ4_NL", DType::iq4_nl}, {FileType::iq4_xs, "IQ4_XS", DType::iq4_xs},
     {FileType::q1_0, "Q1_0", DType::q1_0},       {FileType::q2_0, "Q2_0", DType::q2_0},
+    {FileType::tq1_0, "TQ1_0", DType::tq1_0},    {FileType::tq2_0, "TQ2_0", DType::tq2_0},
 };
 
 const FileTypeInfo& info(FileType t) {
@@ -101,7 +102,7 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
   }
   if (cat == Category::token_embd) {
     if (opt.token_embedding_type) return *opt.token_embedding_type;
-    return f == FileType::q2_0 ? DType::q4_k : t;
+    return f == FileType::q2_0 || f == FileType::tq1_0 || f == FileType::tq2_0 ? DType::q4_k : t;
   }
   if (is_attn_v_like(cat)) {
     const int64_t i = s.i_attention_wv, n = s.n_attention_wv;
@@ -146,13 +147,14 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
 }
 
 // tensor_type_fallback: a k-quant whose 256 does not divide the row width
-// becomes a 32-block type; if even that does not fit, f16. Q2_0 (64) falls back
-// to q4_0; Q1_0 (128) has no fallback in llama.cpp, which stops (the caller too).
+// becomes a 32-block type; if even that does not fit, f16. Q2_0 (64) and the
+// ternary types fall back to q4_0; Q1_0 (128) has no fallback in llama.cpp,
+// which stops (the caller too).
 DType fit_to_width(DType t, int64_t cols, bool& fell_back) {
   if (cols % dtype_block_size(t) == 0) return t;
   fell_back = true;
   switch (t) {
-    case DType::q2_k: case DType::q3_k: case DType::q2_0: t = DType::q4_0; break;
+    case DType::q2_k: case DType::q3_k: case DType::q2_0: case DType::tq1_0: case DType::tq2_0: t = DType::q4_0; break;
     case DType::q4_k: t = DType::q5_0; break;
     case DType::q5_k: t = DType::q5_1; break;
     case DType::q6_k: t = DType::q8_0; break;

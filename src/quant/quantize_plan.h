@@ -39,6 +39,8 @@ enum class FileType : uint32_t {
   iq4_nl = 25,
   iq4_xs = 30,
   bf16 = 32,
+  tq1_0 = 36,
+  tq2_0 = 37,
   q1_0 = 40,
   q2_0 = 41,
 };

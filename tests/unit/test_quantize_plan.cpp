@@ -125,16 +125,17 @@ TEST(QuantizePlan, PureOverridesAndPlainTypes) {
   test_util::expect_error([&] { plan_quantization(t, {4, 9, 3}, o); }, ErrorKind::invalid_input, {"("});
 }
 
-// Q1_0 and Q2_0 files as llama-quantize wrote them (the GGUF battery's manifest,
-// from a 2-layer model of hidden 256, FFN 384, 320 tokens, untied output): every
-// matrix of the type, the output Q6_K, Q2_0's token embeddings Q4_K; Q2_0 rows not a
+// Q1_0, Q2_0, TQ1_0 and TQ2_0 files as llama-quantize wrote them (the GGUF
+// battery's manifest, from a 2-layer model of hidden 256, FFN 384, 320 tokens,
+// untied output): every matrix of the type, the output Q6_K, the token embeddings
+// Q4_K but in Q1_0, the ternary types' 384-wide ffn_down Q4_0; Q2_0 rows not a
 // multiple of 64 fall back to q4_0, and Q1_0 ones (128) stop with the tensor named.
-TEST(QuantizePlan, Q1_0AndQ2_0AsLlamaQuantizeWroteThem) {
+TEST(QuantizePlan, LowBitAndTernaryFilesAsLlamaQuantizeWroteThem) {
   std::ifstream in(std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/gguf_battery/manifest.json");
   ASSERT_TRUE(in.good());
   const auto manifest = nlohmann::json::parse(in);
   const auto tensors = llama_tensors(2, 256, 384, 128, 320, false);
-  for (const char* ft : {"Q1_0", "Q2_0"}) {
+  for (const char* ft : {"Q1_0", "Q2_0", "TQ1_0", "TQ2_0"}) {
     QuantizeOptions opt;
     opt.file_type = *file_type_from_name(ft);
     const auto plan =
