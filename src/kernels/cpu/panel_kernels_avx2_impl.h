@@ -437,6 +437,13 @@ struct Q32Impl {
       group_dots<kRun>(operand, xq, {ones, ones}, tot);
     }
   }
+  // Row half h's scales (8 rows) in a block: d, or (kTwoScales) the high 16 elements' d.
+  static __m256 half_scales(const uint8_t* pb, int h) {
+    return load_scales8<S>(pb + 8 * S::kScaleRowBytes * h);
+  }
+  static __m256 half_hi_scales(const uint8_t* pb, int h) {
+    return load_scales8<S>(pb + S::kHiScale + 8 * S::kScaleRowBytes * h);
+  }
   // nvfp4 (kTwoScales): the block dots of each half of the 32 elements apart,
   // tot[0] over operands 0..3, tot[1] over 4..7, operand-major as block_dots.
   // Without AVX-VNNI a half's 4 operands sum in int16 (codes <= 24: 4 x 2 x 24 x 127
@@ -491,11 +498,11 @@ struct Q32Impl {
           const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
           const ActQ8x32* x[C];
           for (int c = 0; c < C; ++c) x[c] = reinterpret_cast<const ActQ8x32*>(ta.act + c * ta.astride) + b;
-          const __m256 dw = load_scales8<S>(pb + 8 * S::kScaleRowBytes * h);
+          const __m256 dw = half_scales(pb, h);
           if constexpr (Q::kTwoScales) {
             __m256i halves[2][C];
             block_dots_halves<C>(pb, h, x, halves);
-            const __m256 d1 = load_scales8<S>(pb + S::kHiScale + 8 * S::kScaleRowBytes * h);
+            const __m256 d1 = half_hi_scales(pb, h);
             for (int c = 0; c < C; ++c) acc[c] = add_halves(acc[c], halves[0][c], halves[1][c], dw, d1, x[c]);
             continue;
           }
@@ -536,11 +543,10 @@ struct Q32Impl {
         const uint8_t* pb = ta.pan + p * ta.pstride + b * kBlock;
         if constexpr (!kUnpacked) prefetch_ahead<kAhead, Q::kPB>(pb);
         for (int h = 0; h < 2; ++h) {
-          const __m256 dw = load_scales8<S>(pb + 8 * S::kScaleRowBytes * h);
+          const __m256 dw = half_scales(pb, h);
           __m256 mw = _mm256_setzero_ps();
           if constexpr (Q::kMin) mw = load_f16x8(pb + 32 + 16 * h);
-          if constexpr (Q::kTwoScales)
-            mw = load_scales8<S>(pb + S::kHiScale + 8 * S::kScaleRowBytes * h);  // the high half's d
+          if constexpr (Q::kTwoScales) mw = half_hi_scales(pb, h);  // the high half's d
           __m256i ops[8];
           unpack(pb, h, ops);
           __m256i absw[8];
