@@ -61,6 +61,14 @@ int run_info(int argc, char** argv) {
   std::printf("rms norm eps:    %g\n", c.rms_eps);
   if (!c.unstructured_pruning.empty()) std::printf("pruned:          %s (zeros kept by fine-tuning)\n", c.unstructured_pruning.c_str());
   std::printf("embeddings:      %s\n", c.tied_embeddings || w.output.data == w.token_embd.data ? "tied" : "separate");
+  if (has_output_scales(w)) {
+    int64_t scaled = 0;
+    for (const auto& L : w.layers)
+      for (float s : L.out_scale) scaled += s != 1.0f;
+    std::printf(
+        "output scales:   %lld projections (per-tensor, applied to their outputs as llama.cpp does)\n",
+        static_cast<long long>(scaled));
+  }
   if (model->has_tokenizer()) {
     const Tokenizer& tok = model->tokenizer();
     std::printf("tokenizer:       %s, %lld tokens\n", tok.kind_name(), static_cast<long long>(tok.vocab_size()));

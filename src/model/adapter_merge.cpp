@@ -7,18 +7,11 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cpu/dequant.h"
 #include "model/lora.h"
+#include "model/weights.h"
 
 namespace loom {
 namespace {
-
-// An f32 row-major copy of any matrix the loader accepts.
-std::vector<float> to_f32(const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
-  return out;
-}
 
 std::vector<uint8_t> zero_mask(const std::vector<float>& m) {
   std::vector<uint8_t> z(m.size());
@@ -58,14 +51,18 @@ void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTen
   for (const auto& [key, pair] : a.pairs) {
     const auto [layer, target] = key;
     LOOM_ASSERT(layer >= 0 && static_cast<size_t>(layer) < w.layers.size());
-    Tensor& t = target_matrix(w.layers[static_cast<size_t>(layer)], target);
+    LayerWeights& L = w.layers[static_cast<size_t>(layer)];
+    Tensor& t = target_matrix(L, target);
     LOOM_ASSERT(t.rows() == pair.out && t.cols() == pair.in);
     const int64_t r = static_cast<int64_t>(pair.a.size()) / pair.in;
     std::vector<float> b = pair.b;
     if (permute_qk && (target == LoraTarget::q || target == LoraTarget::k))
       lora_permute_qk_rows(make_tensor(b.data(), DType::f32, {pair.out, r}),
                            target == LoraTarget::q ? c.n_heads : c.n_kv_heads, c.head_dim, /*hf_to_model=*/true);
-    auto& m = w.owned.emplace_back(to_f32(t));
+    // W' = s W + scale B A: the projection's output scale is folded in, the
+    // adapter's product is not scaled by it (llama.cpp's build_lora_mm).
+    auto& m = w.owned.emplace_back(matrix_f32(t, L.output_scale(target)));
+    L.out_scale[static_cast<size_t>(target)] = 1.0f;
     const std::vector<uint8_t> zeros = c.unstructured_pruning.empty() ? std::vector<uint8_t>{} : zero_mask(m);
     if (const int64_t bad = merge_lora_rows(m.data(), b.data(), pair.a.data(), pair.out, r, pair.in, scale); bad >= 0)
       // e.g. a huge lora_alpha: scale * B A overflows f32

@@ -65,6 +65,9 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   be_.rmsnorm(b.xn1, b.rstd1, b.x, L.attn_norm, T, H, eps);
   const MatmulTarget qkv[] = {{P.wq.get(), b.q, Q}, {P.wk.get(), k, KV}, {P.wv.get(), v, KV}};
   base_products(ws, l, AdapterPoint::qkv, qkv, b.xn1, H, T, adapters);
+  scale_output(L, LoraTarget::q, b.q, T * Q);
+  scale_output(L, LoraTarget::k, k, T * KV);
+  scale_output(L, LoraTarget::v, v, T * KV);
   if (L.bq != nullptr) {
     be_.add_bias(b.q, L.bq, T, Q);
     be_.add_bias(k, L.bk, T, KV);
@@ -81,6 +84,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   attn.attend(l, b.q, k, v, b.att);
   const MatmulTarget o[] = {{P.wo.get(), b.o, H}};
   base_products(ws, l, AdapterPoint::o, o, b.att, Q, T, adapters);
+  scale_output(L, LoraTarget::o, b.o, T * H);
   if (adapters != nullptr) {
     const AdapterJob jobs[] = {{LoraTarget::o, b.att, Q, b.o, H, T}};
     adapters->apply(l, jobs);
@@ -92,6 +96,8 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   be_.rmsnorm(b.xn2, b.rstd2, b.xmid, L.ffn_norm, T, H, eps);
   const MatmulTarget gate_up[] = {{P.w_gate.get(), b.gate, F}, {P.w_up.get(), b.up, F}};
   base_products(ws, l, AdapterPoint::gate_up, gate_up, b.xn2, H, T, adapters);
+  scale_output(L, LoraTarget::gate, b.gate, T * F);
+  scale_output(L, LoraTarget::up, b.up, T * F);
   if (adapters != nullptr) {
     const AdapterJob jobs[] = {{LoraTarget::gate, b.xn2, H, b.gate, F, T}, {LoraTarget::up, b.xn2, H, b.up, F, T}};
     adapters->apply(l, jobs);
@@ -99,6 +105,7 @@ void Decoder::layer(Workspace& ws, int64_t l, int64_t T, const LayerBuffers& b, 
   be_.swiglu(b.h, b.gate, b.up, T, F);
   const MatmulTarget down[] = {{P.w_down.get(), b.down, H}};
   base_products(ws, l, AdapterPoint::down, down, b.h, F, T, adapters);
+  scale_output(L, LoraTarget::down, b.down, T * H);
   if (adapters != nullptr) {
     const AdapterJob jobs[] = {{LoraTarget::down, b.h, F, b.down, H, T}};
     adapters->apply(l, jobs);
@@ -123,6 +130,10 @@ void Decoder::base_products(Workspace& ws, int64_t l, AdapterPoint point, std::s
   std::copy(base.begin(), base.end(), all);
   std::copy(extra.begin(), extra.end(), all + base.size());
   be_.matmul_multi(ws, std::span<const MatmulTarget>(all, base.size() + extra.size()), x, ldx, T);
+}
+
+void Decoder::scale_output(const LayerWeights& L, LoraTarget t, float* y, int64_t n) const {
+  if (const float s = L.output_scale(t); s != 1.0f) be_.scale(y, s, n);
 }
 
 void Decoder::final_norm(const float* x, const int64_t* rows, int64_t n, float* out, float* rstd) const {

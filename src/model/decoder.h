@@ -139,6 +139,8 @@ class Decoder {
   // y = x W^T for the point's base targets plus the adapters' base_pass() products, one call.
   void base_products(Workspace& ws, int64_t l, AdapterPoint point, std::span<const MatmulTarget> base,
                      const float* x, int64_t ldx, int64_t T, LayerAdapters* adapters) const;
+  // y [n] *= projection t's output scale (LayerWeights::out_scale) when not 1.
+  void scale_output(const LayerWeights& L, LoraTarget t, float* y, int64_t n) const;
 
   const ModelConfig& c_;
   const ModelWeights& w_;

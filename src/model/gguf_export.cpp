@@ -108,6 +108,13 @@ std::vector<GgufTensorSource> weight_tensors(const ModelConfig& c, const ModelWe
     matrix(p + "ffn_gate.weight", L.w_gate);
     matrix(p + "ffn_up.weight", L.w_up);
     matrix(p + "ffn_down.weight", L.w_down);
+    // llama.cpp's per-tensor output scales, where not 1 (folded ones are 1).
+    const char* projections[] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                 "ffn_gate", "ffn_up", "ffn_down"};
+    for (LoraTarget target : kAllLoraTargets)
+      if (L.output_scale(target) != 1.0f)
+        vector(p + projections[static_cast<int>(target)] + ".scale",
+               &L.out_scale[static_cast<size_t>(target)], 1);
   }
   return t;
 }
@@ -166,7 +173,9 @@ GgufModelSource gguf_source_of(const Model& m, const std::string& name) {
     };
     for (const auto& t : f.tensors()) {
       const auto it = current.find(t.name);
-      if (it == current.end() && t.name.starts_with("blk.")) continue;  // a layer pruned away
+      // A layer pruned away, or an output scale folded into its matrix (which
+      // output.scale always is, model/weights.h).
+      if (it == current.end() && (t.name.starts_with("blk.") || t.name == "output.scale")) continue;
       s.tensors.push_back(it != current.end() ? it->second : GgufTensorSource{t.name, t.view(), shape_of(t), 0});
     }
     return s;

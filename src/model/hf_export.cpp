@@ -1,11 +1,11 @@
 // Exporting a loaded model as a Hugging Face folder (see hf_export.h).
 #include "model/hf_export.h"
 
+#include <fmt/format.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
-#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -13,7 +13,6 @@
 #include "core/error.h"
 #include "io/file_write.h"
 #include "io/safetensors_writer.h"
-#include "kernels/cpu/dequant.h"
 #include "model/lora.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
@@ -21,13 +20,6 @@
 
 namespace loom {
 namespace {
-
-// An f32 row-major copy of any matrix the loader accepts.
-std::vector<float> to_f32(const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  for (int64_t r = 0; r < t.rows(); ++r) dequantize_row(t.dtype, t.row_ptr(r), out.data() + r * t.cols(), t.cols());
-  return out;
-}
 
 // Reorders q/k rows (or bias entries, cols = 1) from the RoPE-interleaved model order back to HF order.
 void to_hf_rows(std::vector<float>& m, int64_t n_heads, int64_t head_dim, int64_t cols) {
@@ -108,15 +100,20 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
 
   const bool permuted = lora_needs_qk_permutation(c);
   safetensors::Writer st(out_dir + "/model.safetensors");
-  auto add_matrix = [&](const std::string& name, const Tensor& t, int64_t unpermute_heads) {
-    std::vector<float> m = to_f32(t);
+  // scale: a projection's output scale, folded in (safetensors has no place for it).
+  auto add_matrix = [&](const std::string& name, const Tensor& t, int64_t unpermute_heads,
+                        float scale = 1.0f) {
+    std::vector<float> m = matrix_f32(t, scale);
     if (permuted && unpermute_heads > 0) to_hf_rows(m, unpermute_heads, c.head_dim, t.cols());
     st.add(name, m, {t.rows(), t.cols()}, dtype);
   };
   // A layer's linear weight: the hook's tensors when a quantized export asks for them.
-  auto add_linear = [&](const std::string& name, const Tensor& t, int64_t unpermute_heads) {
-    if (hooks == nullptr || !hooks->linear) return add_matrix(name, t, unpermute_heads);
-    std::vector<float> m = to_f32(t);
+  auto add_linear = [&](const std::string& name, const LayerWeights& L, LoraTarget target,
+                        int64_t unpermute_heads) {
+    const Tensor& t = target_matrix(L, target);
+    if (hooks == nullptr || !hooks->linear)
+      return add_matrix(name, t, unpermute_heads, L.output_scale(target));
+    std::vector<float> m = matrix_f32(t, L.output_scale(target));
     if (permuted && unpermute_heads > 0) to_hf_rows(m, unpermute_heads, c.head_dim, t.cols());
     hooks->linear(name.substr(0, name.size() - std::string_view(".weight").size()), m, t.rows(), t.cols(), st);
   };
@@ -132,10 +129,10 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
     const std::string p = fmt::format("model.layers.{}.", l);
     add_vector(p + "input_layernorm.weight", L.attn_norm, c.hidden);
     add_vector(p + "post_attention_layernorm.weight", L.ffn_norm, c.hidden);
-    add_linear(p + "self_attn.q_proj.weight", L.wq, c.n_heads);
-    add_linear(p + "self_attn.k_proj.weight", L.wk, c.n_kv_heads);
-    add_linear(p + "self_attn.v_proj.weight", L.wv, 0);
-    add_linear(p + "self_attn.o_proj.weight", L.wo, 0);
+    add_linear(p + "self_attn.q_proj.weight", L, LoraTarget::q, c.n_heads);
+    add_linear(p + "self_attn.k_proj.weight", L, LoraTarget::k, c.n_kv_heads);
+    add_linear(p + "self_attn.v_proj.weight", L, LoraTarget::v, 0);
+    add_linear(p + "self_attn.o_proj.weight", L, LoraTarget::o, 0);
     if (L.bq) {  // biases are per row: q/k ones are permuted like the rows
       std::vector<float> bq(L.bq, L.bq + c.q_dim()), bk(L.bk, L.bk + c.kv_dim());
       if (permuted) {
@@ -146,9 +143,9 @@ void write_hf_files(const Model& model, const ModelConfig& c, const std::string&
       add_vector(p + "self_attn.k_proj.bias", bk.data(), c.kv_dim());
       add_vector(p + "self_attn.v_proj.bias", L.bv, c.kv_dim());
     }
-    add_linear(p + "mlp.gate_proj.weight", L.w_gate, 0);
-    add_linear(p + "mlp.up_proj.weight", L.w_up, 0);
-    add_linear(p + "mlp.down_proj.weight", L.w_down, 0);
+    add_linear(p + "mlp.gate_proj.weight", L, LoraTarget::gate, 0);
+    add_linear(p + "mlp.up_proj.weight", L, LoraTarget::up, 0);
+    add_linear(p + "mlp.down_proj.weight", L, LoraTarget::down, 0);
   }
   st.set_metadata("format", "pt");
   st.write(safetensors::WriteOrder::reference);

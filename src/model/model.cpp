@@ -87,6 +87,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     keep_stage_weights(m->weights_, *options.stage, path);
     m->stage_ = options.stage;
   }
+  if (options.fold_output_scales) fold_output_scales(m->weights_);
   if (options.quantize_base) {
     if (options.dequantize)
       fail(ErrorKind::internal, "Model::load({}): quantize_base together with dequantize", path);

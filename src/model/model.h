@@ -27,6 +27,11 @@ class Model {
     bool pack = true;            // false: weights not prepared for a backend (inspection only: `loom info`)
     Backend* backend = nullptr;  // prepares the weights for its products; required when pack
     bool dequantize = false;     // expand every matrix to f32 first (reference checks, --f32)
+    // Per-tensor output scales (LayerWeights::out_scale) folded into f32 copies
+    // of their projections at load, for consumers that use the weights' values
+    // (full fine-tuning, QAT, pruning, integer quantization); false keeps them
+    // for the decoder and LoRA training to apply.
+    bool fold_output_scales = false;
     // QLoRA's quantize_base: the layer matrices of an f32/f16/bf16 model quantized
     // at load to q8_0, q4_0 or nf4 (model/quantize_base.h); nullopt keeps them.
     std::optional<DType> quantize_base = std::nullopt;

@@ -73,20 +73,18 @@ class Binder {
   ModelWeights& w_;
 };
 
-// llama.cpp multiplies a projection's output by "<name>.scale" where the file
-// has one (a per-tensor f32: the weight_scale_2 of NVIDIA ModelOpt's NVFP4
-// checkpoints, which convert_hf_to_gguf.py keeps beside the NVFP4 blocks). loom
-// does not apply such scales yet, so a file with one other than 1 is refused:
-// without it the model would be a different function.
-void refuse_output_scale(Binder& b, const std::string& proj, const std::string& source) {
+// A per-tensor output scale "<proj>.scale" (llama.cpp multiplies the
+// projection's output by it; NVIDIA ModelOpt's weight_scale_2 in NVFP4 files);
+// 1 where the file has none.
+float read_output_scale(Binder& b, const std::string& proj, const std::string& source) {
   const std::string name = proj + ".scale";
-  if (!b.find(name)) return;
+  if (!b.find(name)) return 1.0f;
   const float s = *b.vector(name, 1);
-  if (s != 1.0f)
-    fail(ErrorKind::unsupported,
-         "{}: tensor '{}' scales the output of '{}.weight' by {} (a per-tensor scale, as in NVFP4 models "
-         "converted from NVIDIA ModelOpt checkpoints); loom does not apply per-tensor output scales yet",
-         source, name, proj, s);
+  if (!std::isfinite(s))
+    fail(ErrorKind::invalid_input,
+         "{}: tensor '{}' (the output scale of '{}.weight') is {}, not a finite number", source, name, proj,
+         s);
+  return s;
 }
 
 }  // namespace
@@ -100,13 +98,51 @@ size_t decode_matrix_bytes(const ModelWeights& w) {
   return n;
 }
 
+std::vector<float> matrix_f32(const Tensor& t, float scale) {
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  for (int64_t r = 0; r < t.rows(); ++r) {
+    float* row = out.data() + r * t.cols();
+    dequantize_row(t.dtype, t.row_ptr(r), row, t.cols());
+    if (scale != 1.0f)
+      for (int64_t i = 0; i < t.cols(); ++i) row[i] *= scale;
+  }
+  return out;
+}
+
+namespace {
+
+// t becomes an f32 copy times `scale`, held in w.owned.
+void replace_by_f32(ModelWeights& w, Tensor& t, float scale) {
+  t.data = w.owned.emplace_back(matrix_f32(t, scale)).data();
+  t.dtype = DType::f32;
+}
+
+}  // namespace
+
+bool has_output_scales(const ModelWeights& w) {
+  for (const LayerWeights& L : w.layers)
+    for (float s : L.out_scale)
+      if (s != 1.0f) return true;
+  return false;
+}
+
+void fold_output_scales(ModelWeights& w) {
+  for (LayerWeights& L : w.layers) {
+    if (!L.held()) continue;
+    for (LoraTarget t : kAllLoraTargets) {
+      float& s = L.out_scale[static_cast<size_t>(t)];
+      if (s == 1.0f) continue;
+      replace_by_f32(w, target_matrix(L, t), s);
+      s = 1.0f;
+    }
+  }
+}
+
 void dequantize_weights(ModelWeights& w) {
+  fold_output_scales(w);
   auto expand = [&w](Tensor& t) {
     if (t.data == nullptr || t.dtype == DType::f32) return;  // not held (a pipeline stage's cut), or f32 already
-    auto& buf = w.owned.emplace_back(static_cast<size_t>(t.numel()));
-    for (int64_t r = 0; r < t.rows(); ++r) dequantize_row(t.dtype, t.row_ptr(r), buf.data() + r * t.cols(), t.cols());
-    t.data = buf.data();
-    t.dtype = DType::f32;
+    replace_by_f32(w, t, 1.0f);
   };
   const bool tied = w.output.data == w.token_embd.data;
   expand(w.token_embd);
@@ -172,6 +208,11 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
   const std::string out_name = gg ? "output.weight" : "lm_head.weight";
   if (!c.tied_embeddings && b.find(out_name)) w.output = b.matrix(out_name, V, H);
   else w.output = w.token_embd;
+  // llama.cpp's output scale ("output.scale"), rare (ModelOpt leaves lm_head
+  // unquantized): folded into an f32 copy at once, so that the logits, the
+  // loss and every export see one matrix (a tied one becomes untied).
+  if (gg)
+    if (const float s = read_output_scale(b, "output", source); s != 1.0f) replace_by_f32(w, w.output, s);
 
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const std::string p = gg ? fmt::format("blk.{}.", l) : fmt::format("model.layers.{}.", l);
@@ -189,9 +230,13 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
     L.w_gate = b.matrix(name("ffn_gate.weight", "mlp.gate_proj.weight"), F, H);
     L.w_up = b.matrix(name("ffn_up.weight", "mlp.up_proj.weight"), F, H);
     L.w_down = b.matrix(name("ffn_down.weight", "mlp.down_proj.weight"), H, F);
-    if (gg)
-      for (const char* proj : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})
-        refuse_output_scale(b, p + proj, source);
+    if (gg) {
+      const char* projections[] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                   "ffn_gate", "ffn_up", "ffn_down"};
+      for (LoraTarget t : kAllLoraTargets)
+        L.out_scale[static_cast<size_t>(t)] =
+            read_output_scale(b, p + projections[static_cast<int>(t)], source);
+    }
     w.layers.push_back(L);
   }
 

@@ -3,6 +3,7 @@
 // quantized); small vectors (norms, biases) are held as f32.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <optional>
 #include <string>
@@ -25,6 +26,14 @@ struct LayerWeights {
   const float* bv = nullptr;
   const float* ffn_norm = nullptr;   // [hidden]
   Tensor w_gate, w_up, w_down;       // [ffn, hidden] x2, [hidden, ffn]
+  // Per-tensor output scales, in LoraTarget order (1: none). GGUF's
+  // "<projection>.scale" (NVIDIA ModelOpt's weight_scale_2 in NVFP4 files):
+  // the projection computes scale * (W x), before its bias and any adapter, as
+  // llama.cpp's build_lora_mm does. The decoder and the LoRA backward apply it;
+  // whatever mixes W's values with others (merging, full fine-tuning, export to
+  // f32) folds it into an f32 copy first (fold_output_scales).
+  std::array<float, kLoraTargetCount> out_scale = {1, 1, 1, 1, 1, 1, 1};
+  float output_scale(LoraTarget t) const { return out_scale[static_cast<size_t>(t)]; }
   // False for a layer another pipeline stage holds (model/pipeline_stage.h):
   // every view empty, nothing prepared.
   bool held() const { return wq.data != nullptr; }
@@ -74,8 +83,21 @@ using TensorLookup = std::function<std::optional<Tensor>(std::string_view name)>
 ModelWeights bind_weights(const ModelConfig& config, WeightNaming naming, const TensorLookup& lookup,
                           const std::string& source);
 
-// Replaces every matrix view by an f32 copy held in w.owned (reference runs).
+// Replaces every matrix view by an f32 copy held in w.owned (reference runs),
+// output scales folded in.
 void dequantize_weights(ModelWeights& w);
+
+// An f32 row-major copy of t, every value times `scale`.
+std::vector<float> matrix_f32(const Tensor& t, float scale = 1.0f);
+
+// True when some held layer has an output scale other than 1.
+bool has_output_scales(const ModelWeights& w);
+
+// Replaces each projection that has an output scale other than 1 by an f32
+// copy (in w.owned) with the scale multiplied in, and sets the scale to 1: for
+// consumers that use W's values directly (full fine-tuning, QAT, pruning,
+// integer quantization). Unscaled matrices are left as they are.
+void fold_output_scales(ModelWeights& w);
 
 // Prepares every matrix held (LayerWeights::held, a non-empty output) for `backend`'s products (done once at load; again
 // after full fine-tuning changed them, reusing the previous handles' memory).

@@ -94,7 +94,7 @@ IntQuantizeReport run_int_quantize(const IntQuantizeJob& job, const std::functio
   // A GGUF source's tokenizer writes the folder's tokenizer files; an HF
   // folder's files are copied as they are (and it may have none).
   const bool gguf = !std::filesystem::is_directory(job.model_path);
-  auto model = Model::load(job.model_path, {.tokenizer = gguf, .pack = false});
+  auto model = Model::load(job.model_path, {.tokenizer = gguf, .pack = false, .fold_output_scales = true});
   ModelWeights& w = model->mutable_weights();
   const ModelConfig& c = model->config();
   CompressedTensorsScheme scheme = job.scheme;

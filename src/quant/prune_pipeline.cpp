@@ -41,7 +41,7 @@ PruneResult run_prune(const PruneJob& job, const std::function<void(const std::s
   // A GGUF source's tokenizer is needed to write a folder's tokenizer files or
   // a GGUF's tokenizer keys; an HF folder's files are copied as they are.
   const bool gguf = !std::filesystem::is_directory(job.model_path);
-  result.model = Model::load(job.model_path, {.tokenizer = gguf, .pack = false});
+  result.model = Model::load(job.model_path, {.tokenizer = gguf, .pack = false, .fold_output_scales = true});
   Model& m = *result.model;
   ModelWeights& w = m.mutable_weights();
   ModelConfig c = m.config();

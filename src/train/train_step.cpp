@@ -107,6 +107,9 @@ TrainSession::TrainSession(const ModelConfig& config, const ModelWeights& weight
       adapters_(lora ? make_trained_adapters(*this) : nullptr),
       wt_(std::move(transposed)),
       span_(held_layers(weights)) {
+  // Full fine-tuning's weight gradients do not carry output scales: its
+  // weights are loaded with them folded in (Model::LoadOptions::fold_output_scales).
+  LOOM_ASSERT(full == nullptr || !has_output_scales(weights));
   if (wt_) return;
   wt_ = std::make_shared<TransposedWeights>();
   refresh_weights();
@@ -165,8 +168,16 @@ void TrainSession::refresh_weights() {
   if (w_.output.data != nullptr) wt.output = t(w_.output, wt.output);
 }
 
-void TrainSession::input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
-                              bool accumulate) {
+void TrainSession::input_grad(const LayerWeights& L, LoraTarget t, const DeviceWeight* Wt, const float* dy,
+                              float* dx, int64_t T, bool accumulate) {
+  const Tensor& W = target_matrix(L, t);
+  if (const float s = L.output_scale(t); s != 1.0f) {
+    // y = s (W x): dx = W^T (s dy). dy is still needed (the adapters' and
+    // weights' gradients), so the scaled copy goes to tmp_, free here.
+    be_.copy_2d(tmp_, W.rows(), dy, W.rows(), T, W.rows());
+    be_.scale(tmp_, s, T * W.rows());
+    dy = tmp_;
+  }
   be_.linear_backward_input(*ws_, W, Wt, backward_, dy, dx, T, accumulate);
 }
 
@@ -484,7 +495,7 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   float* h = dup_;  // h = silu(gate) * up recomputed; dup_ is free until swiglu_backward
   be_.swiglu(h, a.gate, a.up, T, F);
   if (G) be_.linear_backward_weight(*ws_, dx, h, G->w_down, T, H, F);
-  input_grad(L.w_down, wt(&TransposedLayer::w_down), dx, dff_, T);
+  input_grad(L, LoraTarget::down, wt(&TransposedLayer::w_down), dx, dff_, T);
   const LoraGrad g_down[] = {{LoraTarget::down, dx}};
   lora_backward(l, g_down, h, dff_, T, dropout, step);
   // dgate -> dgate_, dup -> dup_ (h is no longer needed).
@@ -493,8 +504,8 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
     be_.linear_backward_weight(*ws_, dgate_, a.xn2, G->w_gate, T, F, H);
     be_.linear_backward_weight(*ws_, dup_, a.xn2, G->w_up, T, F, H);
   }
-  input_grad(L.w_gate, wt(&TransposedLayer::w_gate), dgate_, dxn_, T);
-  input_grad(L.w_up, wt(&TransposedLayer::w_up), dup_, dxn_, T, true);
+  input_grad(L, LoraTarget::gate, wt(&TransposedLayer::w_gate), dgate_, dxn_, T);
+  input_grad(L, LoraTarget::up, wt(&TransposedLayer::w_up), dup_, dxn_, T, true);
   const LoraGrad g_gate_up[] = {{LoraTarget::gate, dgate_}, {LoraTarget::up, dup_}};
   lora_backward(l, g_gate_up, a.xn2, dxn_, T, dropout, step);
   if (partial_ != nullptr) partial_->sum(dxn_, T * H);  // tensor parallel: this rank's channels' share
@@ -502,7 +513,7 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
 
   // xmid = x + o(att): dx now is d(xmid), which is also d(x)'s residual part.
   if (G) be_.linear_backward_weight(*ws_, dx, a.att, G->wo, T, H, Q);
-  input_grad(L.wo, wt(&TransposedLayer::wo), dx, datt_, T);
+  input_grad(L, LoraTarget::o, wt(&TransposedLayer::wo), dx, datt_, T);
   const LoraGrad g_o[] = {{LoraTarget::o, dx}};
   lora_backward(l, g_o, a.att, datt_, T, dropout, step);
   be_.zero(dq_, T * Q);
@@ -525,9 +536,9 @@ void TrainSession::backward_layer(int64_t l, int64_t T, bool dropout, uint64_t s
   // needs its gradient.
   const bool need_dx = l > 0 || full_ != nullptr;
   if (need_dx) {
-    input_grad(L.wq, wt(&TransposedLayer::wq), dq_, dxn_, T);
-    input_grad(L.wk, wt(&TransposedLayer::wk), dk_, dxn_, T, true);
-    input_grad(L.wv, wt(&TransposedLayer::wv), dv_, dxn_, T, true);
+    input_grad(L, LoraTarget::q, wt(&TransposedLayer::wq), dq_, dxn_, T);
+    input_grad(L, LoraTarget::k, wt(&TransposedLayer::wk), dk_, dxn_, T, true);
+    input_grad(L, LoraTarget::v, wt(&TransposedLayer::wv), dv_, dxn_, T, true);
   }
   const LoraGrad g_qkv[] = {{LoraTarget::q, dq_}, {LoraTarget::k, dk_}, {LoraTarget::v, dv_}};
   lora_backward(l, g_qkv, a.xn1, need_dx ? dxn_ : nullptr, T, dropout, step);

@@ -284,10 +284,10 @@ class TrainSession {
   size_t lora_work_floats(int64_t T) const;
   void reserve_lora_work(int64_t T);
 
-  // dx [T, in] (+)= dy [T, out] W of a frozen weight (Wt: its transpose, or null).
-  void input_grad(const Tensor& W, const DeviceWeight* Wt, const float* dy, float* dx, int64_t T,
-                  bool accumulate = false);
-
+  // dx [T, in] (+)= dy [T, out] s W of layer L's frozen projection t, s its
+  // output scale (Wt: W's transpose, or null).
+  void input_grad(const LayerWeights& L, LoraTarget t, const DeviceWeight* Wt, const float* dy, float* dx,
+                  int64_t T, bool accumulate = false);
 
   const ModelConfig& c_;
   const ModelWeights& w_;

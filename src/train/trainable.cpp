@@ -361,6 +361,9 @@ TrainableModel load_trainable_model(const TrainConfig& c, Backend& backend, Thre
   };
   TrainableModel out;
   Model::LoadOptions lo{.tokenizer = true, .pack = true, .backend = &backend};
+  // Full fine-tuning and QAT use the weights' values (their gradients and fake
+  // quantization know no output scale); LoRA's forward and backward apply it.
+  lo.fold_output_scales = c.method == TrainMethod::full || c.qat.enabled();
   if (c.quantize_base != TrainConfig::BaseQuant::none) {
     if (c.method == TrainMethod::full)
       fail(ErrorKind::invalid_input,

@@ -1,7 +1,7 @@
 // Every llama.cpp file type loom reads, as llama-quantize writes it (mixed tensor
 // types inside a layer, fallbacks for rows that are not a multiple of 256): each
 // file of tests/fixtures/gguf_battery/ loads with the tensor types the file has,
-// its logits agree with the same weights expanded to f32, it generates, trains
+// its logits agree with the same weights expanded to f32 (output scales folded in), it generates, trains
 // two LoRA steps and serves a request. Fixtures: scripts/fixtures/make_gguf_battery.py.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -13,8 +13,6 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "io/gguf.h"
-#include "io/gguf_writer.h"
 #include "kernels/backend.h"
 #include "model/forward.h"
 #include "model/model.h"
@@ -50,13 +48,13 @@ struct TempDir {
 
 TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
   const auto m = manifest();
-  ASSERT_EQ(m["files"].size(), 28u);
+  ASSERT_EQ(m["files"].size(), 29u);
   std::set<std::string> types;
   for (const auto& f : m["files"]) types.insert(f["file_type"].get<std::string>());
-  for (const char* t :
-       {"Q4_0",   "Q4_1",   "Q5_0",   "Q5_1",  "Q8_0",   "Q2_K",   "Q3_K_S", "Q3_K_M", "Q3_K_L",  "Q4_K_S",
-        "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",  "IQ4_NL", "IQ4_XS", "F16",    "BF16",   "IQ3_XXS", "IQ3_M",
-        "IQ1_S",  "IQ1_M",  "TQ1_0",  "TQ2_0", "Q1_0",   "Q2_0",   "MXFP4",  "NVFP4"})
+  for (const char* t : {"Q4_0",   "Q4_1",   "Q5_0",    "Q5_1",   "Q8_0",        "Q2_K",  "Q3_K_S", "Q3_K_M",
+                        "Q3_K_L", "Q4_K_S", "Q4_K_M",  "Q5_K_S", "Q5_K_M",      "Q6_K",  "IQ4_NL", "IQ4_XS",
+                        "F16",    "BF16",   "IQ3_XXS", "IQ3_M",  "IQ1_S",       "IQ1_M", "TQ1_0",  "TQ2_0",
+                        "Q1_0",   "Q2_0",   "MXFP4",   "NVFP4",  "NVFP4-scaled"})
     EXPECT_TRUE(types.count(t)) << t;
   // The point of the battery: files that mix types inside a layer (IQ4_XS: its
   // 384-wide ffn_down rows fall back to IQ4_NL).
@@ -89,6 +87,11 @@ TEST(GgufBattery, ManifestCoversEveryFileTypeAndMixes) {
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["NVFP4", "Q8_0"])")) << f.dump();
       EXPECT_EQ(f["tensor_types"]["blk.1.ffn_down.weight"], "NVFP4") << f.dump();
       EXPECT_EQ(f["tensor_types"]["blk.0.attn_k.weight"], "NVFP4") << f.dump();
+    }
+    if (f["file_type"] == "NVFP4-scaled") {  // NVFP4 with ModelOpt's per-tensor output scales beside it
+      EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["NVFP4", "Q8_0"])")) << f.dump();
+      EXPECT_EQ(f["tensor_types"]["blk.1.ffn_down.scale"], "F32") << f.dump();
+      EXPECT_EQ(f["output_scales"].size(), 14u) << f.dump();
     }
     if (f["file_type"] == "TQ1_0") {  // ternary matrices beside the k-quants, ffn_down falling back to Q4_0
       EXPECT_EQ(f["matrix_types"], nlohmann::json::parse(R"(["Q4_0", "Q4_K", "Q6_K", "TQ1_0"])")) << f.dump();
@@ -181,42 +184,6 @@ TEST(GgufBattery, EveryFileServesARequest) {
     const auto want = test::greedy_ids(s, s.eval(kPrompt), 6);
     EXPECT_EQ(served, want);
   }
-}
-
-// NVFP4 models converted from NVIDIA ModelOpt checkpoints keep a per-tensor scale
-// "<projection>.scale" that llama.cpp multiplies into the projection's output.
-// loom does not apply one yet, so a file with a scale other than 1 is refused,
-// naming the tensor (running without it would compute another function); a
-// scale of exactly 1 changes nothing and loads.
-TEST(GgufBattery, PerTensorOutputScalesAreRefusedNotIgnored) {
-  ThreadPool pool(2);
-  auto backend = make_backend(kCpu, pool);
-  const auto src = gguf::File::open(kDir + "tiny.NVFP4.gguf");
-  TempDir dir("scale");
-  auto write_with_scale = [&](float scale) {
-    gguf::Writer w;
-    gguf::copy_metadata(*src, w);
-    for (const auto& t : src->tensors()) {
-      w.add_tensor(t.name, t.dtype, std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim),
-                   [&t](uint8_t* dst) { std::memcpy(dst, t.data, t.nbytes); });
-      if (t.name == "blk.1.ffn_down.weight")
-        w.add_tensor("blk.1.ffn_down.scale", DType::f32, {1},
-                     [scale](uint8_t* dst) { std::memcpy(dst, &scale, 4); });
-    }
-    const std::string path = (dir.path / ("scale_" + std::to_string(scale) + ".gguf")).string();
-    w.write(path);
-    return path;
-  };
-  const std::string scaled = write_with_scale(0.25f);
-  try {
-    Model::load(scaled, {.tokenizer = false, .backend = backend.get()});
-    ADD_FAILURE() << "a file with a per-tensor output scale of 0.25 loaded";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
-    EXPECT_NE(std::string(e.what()).find("tensor 'blk.1.ffn_down.scale'"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("0.25"), std::string::npos) << e.what();
-  }
-  EXPECT_NO_THROW(Model::load(write_with_scale(1.0f), {.tokenizer = false, .backend = backend.get()}));
 }
 
 }  // namespace
