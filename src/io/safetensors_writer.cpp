@@ -18,7 +18,8 @@ namespace {
 bool writable(StDType t) { return t == StDType::f32 || t == StDType::f16 || t == StDType::bf16; }
 // add_raw also takes the integer types quantized checkpoints store (codes, zero points, shapes).
 bool writable_raw(StDType t) {
-  return writable(t) || t == StDType::i8 || t == StDType::u8 || t == StDType::i32 || t == StDType::i64;
+  return writable(t) || t == StDType::i8 || t == StDType::u8 || t == StDType::i32 || t == StDType::i64 ||
+         t == StDType::f8_e4m3;
 }
 
 // Rank in the reference library's dtype enum (its sort key, largest first).
@@ -39,8 +40,8 @@ void Writer::check_new(const std::string& name, StDType dtype, const std::vector
   if (name.empty() || name == "__metadata__")
     fail(ErrorKind::invalid_input, "{}: invalid tensor name '{}'", path_, name);
   if (!(raw ? writable_raw(dtype) : writable(dtype)))
-    fail(ErrorKind::unsupported, "{}: tensor '{}': cannot write dtype {} (only F32, F16, BF16{})", path_, name,
-         st_dtype_name(dtype), raw ? ", I8, U8, I32, I64" : "");
+    fail(ErrorKind::unsupported, "{}: tensor '{}': cannot write dtype {} (only F32, F16, BF16{})", path_,
+         name, st_dtype_name(dtype), raw ? ", I8, U8, I32, I64, F8_E4M3" : "");
   for (const auto& e : tensors_)
     if (e.name == name) fail(ErrorKind::invalid_input, "{}: duplicate tensor '{}'", path_, name);
   uint64_t numel = 1;

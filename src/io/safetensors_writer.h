@@ -32,7 +32,7 @@ class Writer {
   void add(std::string name, std::span<const float> values, std::vector<int64_t> shape,
            StDType dtype = StDType::f32);
   // Adds already-encoded little-endian element bytes of `dtype` (F32, F16, BF16,
-  // or the integer types of quantized checkpoints: I8, U8, I32, I64).
+  // or the types of quantized checkpoints: I8, U8, I32, I64, F8_E4M3).
   void add_raw(std::string name, StDType dtype, std::vector<int64_t> shape, std::string_view bytes);
   void set_metadata(std::string key, std::string value);
 

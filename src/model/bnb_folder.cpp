@@ -163,11 +163,13 @@ std::optional<BnbQuantConfig> bnb_quant_config(const json& config, const std::st
   if (!it->is_object()) fail(ErrorKind::invalid_input, "{} must be an object", where);
   const json& q = *it;
   const std::string method = str_key(q, "quant_method", where);
-  if (method == "compressed-tensors") return std::nullopt;  // model/compressed_tensors.h reads those
+  // model/compressed_tensors.h and model/modelopt_folder.h read those.
+  if (method == "compressed-tensors" || method == "modelopt") return std::nullopt;
   if (method != "bitsandbytes")
     fail(ErrorKind::unsupported,
-         "{}: quant_method '{}' is not supported (bitsandbytes 4-bit and compressed-tensors folders are)", where,
-         method);
+         "{}: quant_method '{}' is not supported (bitsandbytes 4-bit, compressed-tensors and ModelOpt NVFP4 "
+         "folders are)",
+         where, method);
   if (bool_key(q, "load_in_8bit", false, where))
     fail(ErrorKind::unsupported,
          "{}: load_in_8bit: 8-bit bitsandbytes (LLM.int8) checkpoints are not supported (4-bit nf4 ones are)", where);

@@ -276,16 +276,17 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
   }
 
   // Features the forward pass does not implement: refuse rather than run a different model.
-  // bitsandbytes 4-bit and compressed-tensors folders are read by the weight loader
-  // (model/bnb_folder.h, model/compressed_tensors.h), which checks the rest of
-  // quantization_config; other methods are refused here.
+  // bitsandbytes 4-bit, compressed-tensors and ModelOpt folders are read by the weight
+  // loader (model/bnb_folder.h, model/compressed_tensors.h, model/modelopt_folder.h),
+  // which checks the rest of quantization_config; other methods are refused here.
   if (const json* q = hf_find(j, "quantization_config"); q != nullptr && !q->is_null()) {
     const auto m = q->is_object() ? q->find("quant_method") : q->end();
     const std::string method = q->is_object() && m != q->end() && m->is_string() ? m->get<std::string>() : "?";
-    if (method != "bitsandbytes" && method != "compressed-tensors")
+    if (method != "bitsandbytes" && method != "compressed-tensors" && method != "modelopt")
       fail(ErrorKind::unsupported,
-           "{}: key 'quantization_config': quant_method '{}' is not supported (pre-quantized checkpoints other "
-           "than bitsandbytes 4-bit and compressed-tensors INT8/INT4 are not)",
+           "{}: key 'quantization_config': quant_method '{}' is not supported (pre-quantized checkpoints "
+           "other "
+           "than bitsandbytes 4-bit, compressed-tensors INT8/INT4 and ModelOpt NVFP4 are not)",
            path, method);
   }
   if (const auto act = hf_opt_string(j, "hidden_act", path); act && *act != "silu")

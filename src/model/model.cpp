@@ -2,13 +2,15 @@
 
 #include <sys/stat.h>
 
+#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
+
 #include "io/gguf.h"
 #include "io/hf_folder.h"
 #include "model/bnb_folder.h"
 #include "model/compressed_tensors.h"
 #include "model/config_load.h"
+#include "model/modelopt_folder.h"
 #include "model/quantize_base.h"
-#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
 
 namespace loom {
@@ -42,7 +44,8 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     m->hf_ = HfFolder::open(path);
     const HfFolder& hf = *m->hf_;
     // bitsandbytes 4-bit weights become nf4 tensors; the store joins the weights below.
-    // compressed-tensors INT8/INT4 weights become i8_ch / q4 / q8_0 tensors (model/compressed_tensors.h).
+    // compressed-tensors INT8/INT4 weights become i8_ch / q4 / q8_0 tensors (model/compressed_tensors.h),
+    // ModelOpt NVFP4 weights nvfp4 ones (model/modelopt_folder.h).
     std::vector<std::vector<uint8_t>> bnb_store;
     std::map<std::string, Tensor, std::less<>> bnb_weights;
     if (bnb) {
@@ -50,6 +53,8 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
       m->bnb_quant_type_ = bnb->quant_type;
     } else if (const auto ct = ct_quant_config(config_json, config_path)) {
       bnb_weights = load_ct_weights(hf, *ct, bnb_store);
+    } else if (const auto mo = modelopt_quant_config(config_json, config_path, path)) {
+      bnb_weights = load_modelopt_weights(hf, *mo, bnb_store);  // NVFP4, with per-tensor scales (weights.h)
     }
     m->weights_ = bind_weights(
         m->config_, WeightNaming::hugging_face,

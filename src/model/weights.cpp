@@ -73,11 +73,11 @@ class Binder {
   ModelWeights& w_;
 };
 
-// A per-tensor output scale "<proj>.scale" (llama.cpp multiplies the
-// projection's output by it; NVIDIA ModelOpt's weight_scale_2 in NVFP4 files);
-// 1 where the file has none.
-float read_output_scale(Binder& b, const std::string& proj, const std::string& source) {
-  const std::string name = proj + ".scale";
+// A per-tensor output scale, tensor `name` (GGUF's "<proj>.scale", by which
+// llama.cpp multiplies the projection's output; NVIDIA ModelOpt's
+// weight_scale_2 of NVFP4 weights); 1 where the file has none.
+float read_output_scale(Binder& b, const std::string& name, const std::string& proj,
+                        const std::string& source) {
   if (!b.find(name)) return 1.0f;
   const float s = *b.vector(name, 1);
   if (!std::isfinite(s))
@@ -212,7 +212,8 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
   // unquantized): folded into an f32 copy at once, so that the logits, the
   // loss and every export see one matrix (a tied one becomes untied).
   if (gg)
-    if (const float s = read_output_scale(b, "output", source); s != 1.0f) replace_by_f32(w, w.output, s);
+    if (const float s = read_output_scale(b, "output.scale", "output", source); s != 1.0f)
+      replace_by_f32(w, w.output, s);
 
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const std::string p = gg ? fmt::format("blk.{}.", l) : fmt::format("model.layers.{}.", l);
@@ -230,12 +231,18 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
     L.w_gate = b.matrix(name("ffn_gate.weight", "mlp.gate_proj.weight"), F, H);
     L.w_up = b.matrix(name("ffn_up.weight", "mlp.up_proj.weight"), F, H);
     L.w_down = b.matrix(name("ffn_down.weight", "mlp.down_proj.weight"), H, F);
-    if (gg) {
-      const char* projections[] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
-                                   "ffn_gate", "ffn_up", "ffn_down"};
-      for (LoraTarget t : kAllLoraTargets)
-        L.out_scale[static_cast<size_t>(t)] =
-            read_output_scale(b, p + projections[static_cast<int>(t)], source);
+    // GGUF's "<projection>.scale"; a ModelOpt folder's "<module>.weight_scale_2"
+    // beside the NVFP4 weights model/modelopt_folder.h repacked.
+    const char* projections[] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                 "ffn_gate", "ffn_up", "ffn_down"};
+    const char* modules[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                             "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+    for (LoraTarget t : kAllLoraTargets) {
+      const auto i = static_cast<size_t>(t);
+      if (gg)
+        L.out_scale[i] = read_output_scale(b, p + projections[i] + ".scale", p + projections[i], source);
+      else if (target_matrix(L, t).dtype == DType::nvfp4)
+        L.out_scale[i] = read_output_scale(b, p + modules[i] + ".weight_scale_2", p + modules[i], source);
     }
     w.layers.push_back(L);
   }
