@@ -109,12 +109,9 @@ std::vector<GgufTensorSource> weight_tensors(const ModelConfig& c, const ModelWe
     matrix(p + "ffn_up.weight", L.w_up);
     matrix(p + "ffn_down.weight", L.w_down);
     // llama.cpp's per-tensor output scales, where not 1 (folded ones are 1).
-    const char* projections[] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
-                                 "ffn_gate", "ffn_up", "ffn_down"};
     for (LoraTarget target : kAllLoraTargets)
       if (L.output_scale(target) != 1.0f)
-        vector(p + projections[static_cast<int>(target)] + ".scale",
-               &L.out_scale[static_cast<size_t>(target)], 1);
+        vector(p + lora_target_gguf_name(target) + ".scale", &L.out_scale[static_cast<size_t>(target)], 1);
   }
   return t;
 }
@@ -216,7 +213,6 @@ void write_lora_gguf(const peft::AdapterTensors& adapter, const ModelConfig& bas
   w.set_string("general.type", "adapter");
   w.set_string("adapter.type", "lora");
   w.set_f32("adapter.lora.alpha", static_cast<float>(alpha));
-  const char* names[] = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"};
   auto put = [&](uint8_t* dst, const float* src, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
       if (dtype == DType::f32) {
@@ -229,7 +225,7 @@ void write_lora_gguf(const peft::AdapterTensors& adapter, const ModelConfig& bas
   };
   for (const auto& [key, pair] : adapter.pairs) {
     const auto [layer, target] = key;
-    const std::string name = fmt::format("blk.{}.{}.weight", layer, names[static_cast<int>(target)]);
+    const std::string name = fmt::format("blk.{}.{}.weight", layer, lora_target_gguf_name(target));
     const int64_t r = ac.r, in = pair.in, out = pair.out;
     const peft::LoraPair* p = &pair;
     w.add_tensor(name + ".lora_a", dtype, {r, in}, [=](uint8_t* dst) { put(dst, p->a_data(), r * in); });

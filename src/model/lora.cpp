@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -13,10 +14,18 @@ namespace {
 constexpr const char* kPeftNames[kLoraTargetCount] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                       "gate_proj", "up_proj", "down_proj"};
 constexpr const char* kShortNames[kLoraTargetCount] = {"q", "k", "v", "o", "gate", "up", "down"};
+constexpr const char* kGgufNames[kLoraTargetCount] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
+                                                      "ffn_gate", "ffn_up", "ffn_down"};
 
 }  // namespace
 
 const char* lora_target_peft_name(LoraTarget t) { return kPeftNames[static_cast<int>(t)]; }
+
+std::string lora_target_hf_module(LoraTarget t) {
+  return std::string(lora_target_is_attention(t) ? "self_attn." : "mlp.") + lora_target_peft_name(t);
+}
+
+const char* lora_target_gguf_name(LoraTarget t) { return kGgufNames[static_cast<int>(t)]; }
 
 int64_t lora_target_in(const ModelConfig& c, LoraTarget t) {
   switch (t) {

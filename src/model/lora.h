@@ -27,6 +27,10 @@ inline bool lora_target_is_attention(LoraTarget t) { return static_cast<int>(t) 
 
 // "q_proj", ..., "down_proj" (PEFT / Hugging Face module names).
 const char* lora_target_peft_name(LoraTarget t);
+// "self_attn.q_proj", ..., "mlp.down_proj": the module under "model.layers.N.".
+std::string lora_target_hf_module(LoraTarget t);
+// "attn_q", ..., "ffn_down": llama.cpp's GGUF name, between "blk.N." and ".weight".
+const char* lora_target_gguf_name(LoraTarget t);
 // Accepts "q" and "q_proj" (and likewise for the others); nullopt otherwise.
 std::optional<LoraTarget> lora_target_from_name(std::string_view name);
 

@@ -233,16 +233,15 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
     L.w_down = b.matrix(name("ffn_down.weight", "mlp.down_proj.weight"), H, F);
     // GGUF's "<projection>.scale"; a ModelOpt folder's "<module>.weight_scale_2"
     // beside the NVFP4 weights model/modelopt_folder.h repacked.
-    const char* projections[] = {"attn_q",   "attn_k", "attn_v",  "attn_output",
-                                 "ffn_gate", "ffn_up", "ffn_down"};
-    const char* modules[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                             "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
     for (LoraTarget t : kAllLoraTargets) {
-      const auto i = static_cast<size_t>(t);
-      if (gg)
-        L.out_scale[i] = read_output_scale(b, p + projections[i] + ".scale", p + projections[i], source);
-      else if (target_matrix(L, t).dtype == DType::nvfp4)
-        L.out_scale[i] = read_output_scale(b, p + modules[i] + ".weight_scale_2", p + modules[i], source);
+      float& s = L.out_scale[static_cast<size_t>(t)];
+      if (gg) {
+        const std::string proj = p + lora_target_gguf_name(t);
+        s = read_output_scale(b, proj + ".scale", proj, source);
+      } else if (target_matrix(L, t).dtype == DType::nvfp4) {
+        const std::string module = p + lora_target_hf_module(t);
+        s = read_output_scale(b, module + ".weight_scale_2", module, source);
+      }
     }
     w.layers.push_back(L);
   }
