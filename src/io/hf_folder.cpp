@@ -268,6 +268,16 @@ const HfFolder::WeightRef* HfFolder::find_weight(std::string_view name) const {
   return it == weights_.end() ? nullptr : &it->second;
 }
 
+const HfFolder::WeightRef& HfFolder::weight_part(std::string_view name, safetensors::StDType dt,
+                                                 std::string_view owner) const {
+  const WeightRef* r = find_weight(name);
+  if (r == nullptr) fail(ErrorKind::invalid_input, "{}: {} has no tensor '{}'", dir_, owner, name);
+  if (r->info->st_dtype != dt)
+    fail(ErrorKind::invalid_input, "{}: tensor '{}' has dtype {}, expected {}", r->file->path(), name,
+         safetensors::st_dtype_name(r->info->st_dtype), safetensors::st_dtype_name(dt));
+  return *r;
+}
+
 const Tensor* HfFolder::find_tensor(std::string_view name) const {
   const auto it = weights_.find(name);
   if (it == weights_.end()) return nullptr;

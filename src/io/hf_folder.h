@@ -68,6 +68,10 @@ class HfFolder {
   std::vector<std::string> tensor_names() const;
   // Raw entry (any dtype), nullptr if absent.
   const WeightRef* find_weight(std::string_view name) const;
+  // The raw entry of a quantized checkpoint's part, which must be there with
+  // dtype `dt`; else invalid_input naming the folder, `owner` (what needs it,
+  // e.g. "bitsandbytes weight 'W'") and the tensor, or the shard and the dtypes.
+  const WeightRef& weight_part(std::string_view name, safetensors::StDType dt, std::string_view owner) const;
   // F32 / F16 / BF16 view, nullptr if absent; other dtypes throw unsupported
   // naming the shard and tensor.
   const Tensor* find_tensor(std::string_view name) const;

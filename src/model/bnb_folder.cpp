@@ -88,13 +88,7 @@ class BnbTensor {
 
  private:
   const HfFolder::WeightRef* entry(const std::string& name, StDType dt) const {
-    const auto* r = hf_.find_weight(name);
-    if (r == nullptr)
-      fail(ErrorKind::invalid_input, "{}: bitsandbytes weight '{}' has no tensor '{}'", hf_.dir(), name_, name);
-    if (r->info->st_dtype != dt)
-      fail(ErrorKind::invalid_input, "{}: tensor '{}' has dtype {}, expected {}", r->file->path(), name,
-           safetensors::st_dtype_name(r->info->st_dtype), safetensors::st_dtype_name(dt));
-    return r;
+    return &hf_.weight_part(name, dt, fmt::format("bitsandbytes weight '{}'", name_));
   }
 
   void expect_bytes(const HfFolder::WeightRef& r, size_t n, const char* what) const {

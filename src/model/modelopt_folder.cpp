@@ -53,23 +53,13 @@ std::optional<ModelOptQuantConfig> modelopt_quant_config(const json& config, con
 
 namespace {
 
-const HfFolder::WeightRef& entry(const HfFolder& hf, const std::string& weight, const std::string& name,
-                                 StDType dt) {
-  const auto* r = hf.find_weight(name);
-  if (r == nullptr)
-    fail(ErrorKind::invalid_input, "{}: NVFP4 weight '{}' has no tensor '{}'", hf.dir(), weight, name);
-  if (r->info->st_dtype != dt)
-    fail(ErrorKind::invalid_input, "{}: tensor '{}' has dtype {}, expected {}", r->file->path(), name,
-         safetensors::st_dtype_name(r->info->st_dtype), safetensors::st_dtype_name(dt));
-  return *r;
-}
-
 // One ModelOpt NVFP4 weight repacked into nvfp4 blocks: per 64 columns the four
 // 16-column scales (E4M3's bits without the sign, as GGUF's UE4M3), then each
 // 16's codes with byte j holding column j (low nibble) and j + 8 (high).
 Tensor repack(const HfFolder& hf, const std::string& name, std::vector<std::vector<uint8_t>>& store) {
-  const auto& codes = entry(hf, name, name, StDType::u8);
-  const auto& scales = entry(hf, name, name + "_scale", StDType::f8_e4m3);
+  const std::string owner = fmt::format("NVFP4 weight '{}'", name);
+  const auto& codes = hf.weight_part(name, StDType::u8, owner);
+  const auto& scales = hf.weight_part(name + "_scale", StDType::f8_e4m3, owner);
   const safetensors::TensorInfo& c = *codes.info;
   const safetensors::TensorInfo& s = *scales.info;
   if (c.ndim != 2 || s.ndim != 2)
@@ -100,12 +90,7 @@ Tensor repack(const HfFolder& hf, const std::string& name, std::vector<std::vect
         }
       }
     }
-  Tensor t;
-  t.data = buf.data();
-  t.dtype = DType::nvfp4;
-  t.ndim = 2;
-  t.shape = {rows, cols, 0, 0};
-  return t;
+  return make_tensor(buf.data(), DType::nvfp4, {rows, cols});
 }
 
 }  // namespace
