@@ -1,8 +1,11 @@
 #include "model/modelopt_folder.h"
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/half.h"
 #include "io/hf_folder.h"
 #include "kernels/quant_blocks.h"
 
@@ -13,7 +16,8 @@ using json = nlohmann::json;
 using safetensors::StDType;
 constexpr int64_t kGroup = QK_NVFP4_SUB;  // ModelOpt's NVFP4 group: one E4M3 scale per 16 weights
 
-// The quantization object's algorithm, checked: NVFP4 weights in groups of 16.
+// The quantization object's algorithm, checked: NVFP4 weights in groups of
+// 16, or FP8 weights with one scale per tensor.
 ModelOptQuantConfig checked(const json& q, const std::string& where) {
   ModelOptQuantConfig c;
   c.source = where;
@@ -21,11 +25,12 @@ ModelOptQuantConfig checked(const json& q, const std::string& where) {
   if (algo == q.end() || !algo->is_string())
     fail(ErrorKind::invalid_input, "{}: 'quant_algo' must be a string", where);
   c.quant_algo = algo->get<std::string>();
-  if (c.quant_algo != "NVFP4" && c.quant_algo != "W4A16_NVFP4")
-    fail(ErrorKind::unsupported, "{}: ModelOpt quant_algo '{}' is not supported (NVFP4 and W4A16_NVFP4 are)",
-         where, c.quant_algo);
-  if (const auto g = q.find("group_size");
-      g != q.end() && !g->is_null() && (!g->is_number_integer() || *g != kGroup))
+  if (c.quant_algo != "NVFP4" && c.quant_algo != "W4A16_NVFP4" && c.quant_algo != "FP8")
+    fail(ErrorKind::unsupported,
+         "{}: ModelOpt quant_algo '{}' is not supported (NVFP4, W4A16_NVFP4 and FP8 are)", where,
+         c.quant_algo);
+  const auto g = q.find("group_size");
+  if (!c.fp8() && g != q.end() && !g->is_null() && (!g->is_number_integer() || *g != kGroup))
     fail(ErrorKind::unsupported, "{}: group_size {} (NVFP4 scales groups of 16)", where, g->dump());
   return c;
 }
@@ -93,16 +98,69 @@ Tensor repack(const HfFolder& hf, const std::string& name, std::vector<std::vect
   return make_tensor(buf.data(), DType::nvfp4, {rows, cols});
 }
 
+// FP8 E4M3 (fn) bits as f16 bits, exact: every E4M3 value has at most 4
+// significant bits between 2^-9 and 448, an f16 normal. 0x7f / 0xff (NaN) is
+// refused by the caller.
+uint16_t e4m3_to_f16(uint8_t b) {
+  const int e = (b >> 3) & 0xf, m = b & 7;
+  const float v =
+      e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(static_cast<float>(8 + m), e - 10);
+  return fp32_to_fp16((b & 0x80) ? -v : v);
+}
+
+// One ModelOpt FP8 weight (F8_E4M3 [out, in], one F32 weight_scale) as an f16
+// matrix of the same values; the scale becomes its output scale.
+Tensor widen_fp8(const HfFolder& hf, const std::string& name, std::vector<std::vector<uint8_t>>& store) {
+  const std::string owner = fmt::format("FP8 weight '{}'", name);
+  const auto& w = hf.weight_part(name, StDType::f8_e4m3, owner);
+  const auto& s = hf.weight_part(name + "_scale", StDType::f32, owner);
+  const safetensors::TensorInfo& wi = *w.info;
+  if (wi.ndim != 2)
+    fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {}, expected a matrix", w.file->path(), name,
+         wi.shape_string());
+  if (s.info->numel() != 1)
+    fail(ErrorKind::unsupported,
+         "{}: tensor '{}' has shape {}: per-channel FP8 scales are not supported (one "
+         "per tensor is)",
+         s.file->path(), s.info->name, s.info->shape_string());
+  uint16_t table[256];
+  for (int b = 0; b < 256; ++b) table[b] = e4m3_to_f16(static_cast<uint8_t>(b));
+  const auto n = static_cast<size_t>(wi.numel());
+  auto& buf = store.emplace_back(n * sizeof(uint16_t));
+  auto* out = reinterpret_cast<uint16_t*>(buf.data());
+  for (size_t i = 0; i < n; ++i) {
+    if ((wi.data[i] & 0x7f) == 0x7f)
+      fail(ErrorKind::invalid_input, "{}: tensor '{}': element {} is an FP8 NaN", w.file->path(), name, i);
+    out[i] = table[wi.data[i]];
+  }
+  return make_tensor(buf.data(), DType::f16, {wi.shape[0], wi.shape[1]});
+}
+
+// A module's per-tensor output scale as the one-element f32 tensor the binder
+// reads ("<module>.output_scale", model/weights.h).
+Tensor scalar(const HfFolder& hf, const std::string& name, std::vector<std::vector<uint8_t>>& store) {
+  const auto& r = hf.weight_part(name, StDType::f32, fmt::format("weight '{}'", name));
+  if (r.info->numel() != 1)
+    fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {}, expected one value", r.file->path(), name,
+         r.info->shape_string());
+  auto& buf = store.emplace_back(sizeof(float));
+  std::memcpy(buf.data(), r.info->data, sizeof(float));
+  return make_tensor(buf.data(), DType::f32, {1});
+}
+
 }  // namespace
 
 std::map<std::string, Tensor, std::less<>> load_modelopt_weights(const HfFolder& hf,
-                                                                 const ModelOptQuantConfig&,
+                                                                 const ModelOptQuantConfig& qc,
                                                                  std::vector<std::vector<uint8_t>>& store) {
   std::map<std::string, Tensor, std::less<>> out;
+  const StDType stored = qc.fp8() ? StDType::f8_e4m3 : StDType::u8;
   for (const std::string& name : hf.tensor_names()) {
     if (!name.ends_with(".weight") || hf.find_weight(name + "_scale") == nullptr) continue;
-    if (hf.find_weight(name)->info->st_dtype != StDType::u8) continue;  // e.g. an excluded module's own scale
-    out.emplace(name, repack(hf, name, store));
+    if (hf.find_weight(name)->info->st_dtype != stored) continue;  // e.g. an excluded module's own scale
+    const std::string module = name.substr(0, name.size() - std::string_view(".weight").size());
+    out.emplace(name, qc.fp8() ? widen_fp8(hf, name, store) : repack(hf, name, store));
+    out.emplace(module + ".output_scale", scalar(hf, qc.fp8() ? name + "_scale" : name + "_scale_2", store));
   }
   return out;
 }

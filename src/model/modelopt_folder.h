@@ -1,7 +1,7 @@
 // Hugging Face folders that NVIDIA ModelOpt exported in NVFP4 (quant_algo
-// "NVFP4" or "W4A16_NVFP4": config.json's quantization_config with quant_method
-// "modelopt", or, in older exports, hf_quant_config.json with producer
-// "modelopt"). Each quantized linear layer is stored as
+// "NVFP4" or "W4A16_NVFP4") or FP8 ("FP8"): config.json's quantization_config
+// with quant_method "modelopt", or, in older exports, hf_quant_config.json with
+// producer "modelopt". An NVFP4 linear layer is stored as
 //   <module>.weight          U8 [out, in / 2]: E2M1 codes, two per byte (the
 //                            even column in the low nibble)
 //   <module>.weight_scale    F8_E4M3 [out, in / 16]: one scale per 16 columns
@@ -11,8 +11,13 @@
 // so that a weight is e2m1 * e4m3 * weight_scale_2. The codes and block scales
 // are repacked, bit for bit, into loom's nvfp4 blocks (GGUF's NVFP4 layout, as
 // llama.cpp's convert_hf_to_gguf.py repacks them), and weight_scale_2 becomes
-// the projection's output scale (LayerWeights::out_scale). Modules the export
-// left unquantized (exclude_modules: lm_head, ...) are read as they are.
+// the projection's output scale (LayerWeights::out_scale). An FP8 one is
+//   <module>.weight          F8_E4M3 [out, in]
+//   <module>.weight_scale    F32 (one value): weight = e4m3 * weight_scale
+//   <module>.input_scale     F32 (not used)
+// widened to f16 (every E4M3 value is an f16, so the matrix is exact; twice the
+// bytes of the file), weight_scale its output scale. Modules the export left
+// unquantized (exclude_modules: lm_head, ...) are read as they are.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +34,9 @@ namespace loom {
 class HfFolder;
 
 struct ModelOptQuantConfig {
-  std::string quant_algo;  // "NVFP4" or "W4A16_NVFP4"
+  std::string quant_algo;  // "NVFP4", "W4A16_NVFP4" or "FP8"
   std::string source;      // the file that said so, for errors
+  bool fp8() const { return quant_algo == "FP8"; }
 };
 
 // nullopt when the folder is not a ModelOpt export. Another ModelOpt algorithm
@@ -40,11 +46,14 @@ std::optional<ModelOptQuantConfig> modelopt_quant_config(const nlohmann::json& c
                                                          const std::string& config_path,
                                                          const std::string& dir);
 
-// Every NVFP4 weight of the folder (U8 "<module>.weight" with a
-// "<module>.weight_scale" beside it) as an nvfp4 Tensor [out, in] whose blocks
-// live in `store`. Errors name the shard file and tensor (wrong dtypes or
-// shapes, a row width that is not a multiple of 64, the block of 64 NVFP4 is
-// stored in).
+// Every quantized weight of the folder ("<module>.weight" with a
+// "<module>.weight_scale" beside it): NVFP4 as an nvfp4 Tensor [out, in], FP8
+// as an f16 one (exact), their bytes in `store`; and beside each its per-tensor
+// scale as "<module>.output_scale", a one-element f32 tensor, which the binder
+// makes the projection's output scale (model/weights.h). Errors name the shard
+// file and tensor (wrong dtypes or shapes, an NVFP4 row width that is not a
+// multiple of 64, the block of 64 NVFP4 is stored in; per-channel FP8 scales;
+// an FP8 NaN).
 std::map<std::string, Tensor, std::less<>> load_modelopt_weights(const HfFolder& hf,
                                                                  const ModelOptQuantConfig& qc,
                                                                  std::vector<std::vector<uint8_t>>& store);

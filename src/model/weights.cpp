@@ -231,17 +231,12 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
     L.w_gate = b.matrix(name("ffn_gate.weight", "mlp.gate_proj.weight"), F, H);
     L.w_up = b.matrix(name("ffn_up.weight", "mlp.up_proj.weight"), F, H);
     L.w_down = b.matrix(name("ffn_down.weight", "mlp.down_proj.weight"), H, F);
-    // GGUF's "<projection>.scale"; a ModelOpt folder's "<module>.weight_scale_2"
-    // beside the NVFP4 weights model/modelopt_folder.h repacked.
+    // GGUF's "<projection>.scale"; the scale a quantized folder's reader
+    // supplies as "<module>.output_scale" (model/modelopt_folder.h).
     for (LoraTarget t : kAllLoraTargets) {
-      float& s = L.out_scale[static_cast<size_t>(t)];
-      if (gg) {
-        const std::string proj = p + lora_target_gguf_name(t);
-        s = read_output_scale(b, proj + ".scale", proj, source);
-      } else if (target_matrix(L, t).dtype == DType::nvfp4) {
-        const std::string module = p + lora_target_hf_module(t);
-        s = read_output_scale(b, module + ".weight_scale_2", module, source);
-      }
+      const std::string proj = p + (gg ? lora_target_gguf_name(t) : lora_target_hf_module(t));
+      L.out_scale[static_cast<size_t>(t)] =
+          read_output_scale(b, proj + (gg ? ".scale" : ".output_scale"), proj, source);
     }
     w.layers.push_back(L);
   }

@@ -1,5 +1,6 @@
-// Hugging Face folders NVIDIA ModelOpt exported in NVFP4 (model/modelopt_folder.h),
-// on tests/fixtures/hf_modelopt_nvfp4 (scripts/fixtures/make_modelopt_folder.py).
+// Hugging Face folders NVIDIA ModelOpt exported in NVFP4 or FP8
+// (model/modelopt_folder.h), on tests/fixtures/hf_modelopt_nvfp4 and
+// hf_modelopt_fp8 (scripts/fixtures/make_modelopt_folder.py).
 // The reference is the format itself, decoded here from the folder's bytes:
 // weight = e2m1(code) * e4m3(weight_scale) * weight_scale_2. loom's repacked
 // nvfp4 blocks times their output scale give those values bit for bit; the
@@ -70,26 +71,50 @@ std::vector<float> decode(const HfFolder& hf, const std::string& m, int64_t& row
   return out;
 }
 
-TEST(ModelOptFolder, WeightsAreTheFormatsValuesBitForBit) {
-  auto m = Model::load(kDir, {.tokenizer = false, .pack = false});
-  const auto hf = HfFolder::open(kDir);
+// Every projection of the folder at `dir`: held as `dtype`, its output scale
+// the folder's "<module>" + `scale_suffix` tensor, its values times that scale
+// `decode`'s, bit for bit.
+void expect_format_values(
+    const std::string& dir, DType dtype, const std::string& scale_suffix,
+    const std::function<std::vector<float>(const HfFolder&, const std::string&)>& decode) {
+  auto m = Model::load(dir, {.tokenizer = false, .pack = false});
+  const auto hf = HfFolder::open(dir);
   for (size_t l = 0; l < 2; ++l)
     for (LoraTarget t : kAllLoraTargets) {
       const std::string name = fmt::format("model.layers.{}.{}", l, kModules[static_cast<int>(t)]);
       SCOPED_TRACE(name);
       const LayerWeights& L = m->weights().layers[l];
       const Tensor& W = target_matrix(L, t);
-      ASSERT_EQ(W.dtype, DType::nvfp4);
-      float s2 = 0;
-      std::memcpy(&s2, hf->find_weight(name + ".weight_scale_2")->info->data, 4);
-      EXPECT_EQ(L.output_scale(t), s2);
-      int64_t rows = 0, cols = 0;
-      const std::vector<float> want = decode(*hf, name, rows, cols);
-      ASSERT_EQ(W.rows(), rows);
-      ASSERT_EQ(W.cols(), cols);
-      const std::vector<float> got = matrix_f32(W, L.output_scale(t));
+      ASSERT_EQ(W.dtype, dtype);
+      float scale = 0;
+      std::memcpy(&scale, hf->find_weight(name + scale_suffix)->info->data, 4);
+      EXPECT_EQ(L.output_scale(t), scale);
+      const std::vector<float> want = decode(*hf, name), got = matrix_f32(W, scale);
+      ASSERT_EQ(got.size(), want.size());
       for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(got[i], want[i]) << "element " << i;
     }
+}
+
+// kPrompt's logits of `got` within `tol` relative error of `want`'s at every position.
+void expect_logits_near(const Model& got, const Model& want, Backend& backend, double tol) {
+  auto logits = [&](const Model& m) {
+    InferenceSession s(m.config(), m.weights(), backend, 64, DType::f32);
+    s.eval(kPrompt, /*all_logits=*/true);
+    return s.logits();
+  };
+  const auto w = logits(want), g = logits(got);
+  const auto V = w.size() / kPrompt.size();
+  for (size_t t = 0; t < kPrompt.size(); ++t)
+    EXPECT_LT(test::relative_error(g.data() + t * V, w.data() + t * V, V), tol) << "position " << t;
+}
+
+TEST(ModelOptFolder, WeightsAreTheFormatsValuesBitForBit) {
+  expect_format_values(kDir, DType::nvfp4, ".weight_scale_2",
+                       [](const HfFolder& hf, const std::string& name) {
+                         int64_t rows = 0, cols = 0;
+                         return decode(hf, name, rows, cols);
+                       });
+  auto m = Model::load(kDir, {.tokenizer = false, .pack = false});
   // lm_head is excluded from quantization, the embeddings are not linear layers: BF16 as stored.
   EXPECT_EQ(m->weights().output.dtype, DType::bf16);
   EXPECT_EQ(m->weights().token_embd.dtype, DType::bf16);
@@ -116,15 +141,7 @@ TEST(ModelOptFolder, LogitsMatchTheDecodedWeightsAndLoraTrains) {
   };
   auto want_model = Model::load(kDir, ref);
   auto got_model = Model::load(kDir, {.tokenizer = false, .backend = backend.get()});
-  auto logits = [&](const Model& m) {
-    InferenceSession s(m.config(), m.weights(), *backend, 64, DType::f32);
-    s.eval(kPrompt, /*all_logits=*/true);
-    return s.logits();
-  };
-  const auto want = logits(*want_model), got = logits(*got_model);
-  const auto V = want.size() / kPrompt.size();
-  for (size_t t = 0; t < kPrompt.size(); ++t)
-    EXPECT_LT(test::relative_error(got.data() + t * V, want.data() + t * V, V), 0.04) << "position " << t;
+  expect_logits_near(*got_model, *want_model, *backend, 0.04);
 
   Batch b;
   b.rows = 1;
@@ -145,6 +162,35 @@ TEST(ModelOptFolder, LogitsMatchTheDecodedWeightsAndLoraTrains) {
     const double loss = s.forward_backward(b, 1.0f / static_cast<float>(b.target_tokens), step).loss_sum;
     EXPECT_TRUE(std::isfinite(loss));
   }
+}
+
+const std::string kFp8Dir = std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/hf_modelopt_fp8";
+
+// ModelOpt FP8: each projection widened to f16 (exact), weight_scale its output
+// scale: the values e4m3 * weight_scale decoded from the bytes, bit for bit;
+// f16 products with f32 activations against the decoded f32 values.
+TEST(ModelOptFolder, Fp8WeightsAreTheFormatsValuesBitForBit) {
+  expect_format_values(kFp8Dir, DType::f16, ".weight_scale", [](const HfFolder& hf, const std::string& name) {
+    const auto& codes = *hf.find_weight(name + ".weight")->info;
+    float scale = 0;
+    std::memcpy(&scale, hf.find_weight(name + ".weight_scale")->info->data, 4);
+    std::vector<float> v(static_cast<size_t>(codes.numel()));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = e4m3(codes.data[i]) * scale;
+    return v;
+  });
+}
+
+TEST(ModelOptFolder, Fp8LogitsMatchTheDecodedWeights) {
+  ThreadPool pool(2);
+  auto backend = make_backend(kCpu, pool);
+  auto got_model = Model::load(kFp8Dir, {.tokenizer = false, .backend = backend.get()});
+  auto want_model = Model::load(kFp8Dir, {.tokenizer = false, .backend = backend.get(), .dequantize = true});
+  EXPECT_FALSE(has_output_scales(want_model->weights()));  // folded into the f32 copies
+  // The f16 products keep f32 activations; lm_head stays BF16, whose product
+  // rounds its activations to bf16 (as the battery's BF16 files: 1e-2; measured
+  // 1.5e-3 .. 2.0e-3). Without the scales the logits would be off by their
+  // size (1e-3 .. 1e-2 times).
+  expect_logits_near(*got_model, *want_model, *backend, 1e-2);
 }
 
 // A copy of the fixture whose config.json / hf_quant_config.json / tensors `edit` changes.
@@ -181,10 +227,11 @@ TEST(ModelOptFolder, OtherAlgorithmsAndBadFoldersAreErrors) {
       for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
     }
   };
-  expect_error(
-      edited_copy(dir, "fp8",
-                  [](nlohmann::json& c, nlohmann::json&) { c["quantization_config"]["quant_algo"] = "FP8"; }),
-      ErrorKind::unsupported, {"config.json", "quant_algo 'FP8'"});
+  expect_error(edited_copy(dir, "w4a8",
+                           [](nlohmann::json& c, nlohmann::json&) {
+                             c["quantization_config"]["quant_algo"] = "W4A8_AWQ";
+                           }),
+               ErrorKind::unsupported, {"config.json", "quant_algo 'W4A8_AWQ'"});
   expect_error(
       edited_copy(dir, "group",
                   [](nlohmann::json& c, nlohmann::json&) { c["quantization_config"]["group_size"] = 32; }),
@@ -244,6 +291,25 @@ TEST(ModelOptFolder, MalformedTensorsAreErrorsNamingThem) {
                             {{"model.layers.1.self_attn.k_proj.weight_scale",
                               {StDType::f32, {64, 8}, std::string(64 * 8 * 4, '\0')}}}),
                {"model.layers.1.self_attn.k_proj.weight_scale", "F32", "F8_E4M3"});
+  // FP8 with a scale per output channel (compressed-tensors' channel strategy).
+  {
+    const fs::path out = dir.path / "fp8_channel";
+    fs::create_directories(out);
+    fs::copy_file(kFp8Dir + "/config.json", out / "config.json");
+    const auto hf = HfFolder::open(kFp8Dir);
+    safetensors::Writer st((out / "model.safetensors").string());
+    for (const std::string& t : hf->tensor_names()) {
+      const auto& info = *hf->find_weight(t)->info;
+      if (t == "model.layers.1.mlp.gate_proj.weight_scale") {
+        st.add_raw(t, StDType::f32, {384, 1}, std::string(384 * 4, '\0'));
+        continue;
+      }
+      st.add_raw(t, info.st_dtype, std::vector<int64_t>(info.shape.begin(), info.shape.begin() + info.ndim),
+                 std::string_view(reinterpret_cast<const char*>(info.data), info.nbytes()));
+    }
+    st.write(safetensors::WriteOrder::as_given);
+    expect_error(out.string(), {"model.layers.1.mlp.gate_proj.weight_scale", "per-channel FP8 scales"});
+  }
   // 96 columns: a multiple of 16, not of NVFP4's block of 64.
   expect_error(with_tensors(dir, "width",
                             {{"model.layers.0.self_attn.q_proj.weight",
