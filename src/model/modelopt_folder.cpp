@@ -119,9 +119,7 @@ Tensor widen_fp8(const HfFolder& hf, const std::string& name, std::vector<std::v
     fail(ErrorKind::invalid_input, "{}: tensor '{}' has shape {}, expected a matrix", w.file->path(), name,
          wi.shape_string());
   if (s.info->numel() != 1)
-    fail(ErrorKind::unsupported,
-         "{}: tensor '{}' has shape {}: per-channel FP8 scales are not supported (one "
-         "per tensor is)",
+    fail(ErrorKind::unsupported, "{}: tensor '{}' has shape {}: per-channel FP8 scales are not supported",
          s.file->path(), s.info->name, s.info->shape_string());
   uint16_t table[256];
   for (int b = 0; b < 256; ++b) table[b] = e4m3_to_f16(static_cast<uint8_t>(b));
