@@ -134,6 +134,14 @@ void quantize_row_q2_0(const float* x, void* dst, int64_t n) {
 namespace {
 // A trit of x: round(x / d) + 1 in 0..2 (lroundf: half away from zero).
 int trit(float x, float id) { return static_cast<int>(std::lround(x * id)) + 1; }
+
+// A ternary superblock's scale: d = its absolute maximum, stored as f16; the
+// inverse the trits round with (0 for an all-zero block, as ggml's d != 0 test).
+float ternary_scale(const float* x, uint16_t& d_f16) {
+  const float d = abs_max(x, QK_K);
+  d_f16 = fp32_to_fp16(d);
+  return d != 0.0f ? 1.0f / d : 0.0f;
+}
 // n trits as one base-3 number scaled to a byte, rounding up (ggml's TQ1_0 packing:
 // the byte times 3 lifts each trit in turn into the top; ternary_trits reads it).
 uint8_t trits_to_byte(const int* t, int n) {
@@ -146,10 +154,8 @@ uint8_t trits_to_byte(const int* t, int n) {
 void quantize_row_tq1_0(const float* x, void* dst, int64_t n) {
   auto* out = static_cast<uint8_t*>(dst);
   for (int64_t i = 0; i < n / QK_K; ++i, out += sizeof(BlockTQ1_0)) {
-    const float d = abs_max(x, QK_K);
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
     BlockTQ1_0 b{};
-    b.d = fp32_to_fp16(d);
+    const float id = ternary_scale(x, b.d);
     int t[5];
     for (int m = 0; m < 32; ++m) {  // 5 trits a byte over the first 160 values, strided by 32
       for (int k = 0; k < 5; ++k) t[k] = trit(x[m + 32 * k], id);
@@ -174,10 +180,8 @@ void quantize_row_tq1_0(const float* x, void* dst, int64_t n) {
 void quantize_row_tq2_0(const float* x, void* dst, int64_t n) {
   auto* out = static_cast<uint8_t*>(dst);
   for (int64_t i = 0; i < n / QK_K; ++i, out += sizeof(BlockTQ2_0)) {
-    const float d = abs_max(x, QK_K);
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
     BlockTQ2_0 b{};
-    b.d = fp32_to_fp16(d);
+    const float id = ternary_scale(x, b.d);
     for (int j = 0; j < QK_K / 4; j += 32, x += 128)  // 4 trits a byte, 2 bits each, strided by 32
       for (int m = 0; m < 32; ++m) {
         int q = 0;
