@@ -10,6 +10,8 @@
 // PrefillAttention/<shape>/T512: the inference attention of a 512-row prompt;
 // DecodeAttention/<shape>/ctx<n>[_cold]: one decoded row over n keys (cold:
 // keys and values evicted from the caches before each call).
+// Greedy/{argmax_first,max_element}/V49152: a greedy token from one row of
+// SmolLM2's logits, kernels/cpu/ops.h's argmax against std::max_element.
 // Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
 // projection, without and with evaluation's token-accuracy count.
 // Matmul/<type>/matvec_dram_*[_huge]: decode over 256 MiB of weights packed on
@@ -507,7 +509,21 @@ void register_prefill_attention() {
     }
 }
 
+void run_greedy(benchmark::State& state, bool simd) {
+  std::vector<float> logits(49152);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  for (float& v : logits) v = dist(rng);
+  for (auto _ : state) {
+    const int64_t id = simd ? argmax_first(logits.data(), static_cast<int64_t>(logits.size()))
+                            : std::max_element(logits.begin(), logits.end()) - logits.begin();
+    benchmark::DoNotOptimize(id);
+  }
+}
+
 void register_all() {
+  benchmark::RegisterBenchmark("Greedy/argmax_first/V49152", run_greedy, true)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("Greedy/max_element/V49152", run_greedy, false)->Unit(benchmark::kMicrosecond);
   register_paged_attention();
   register_prefill_attention();
   register_dequant();

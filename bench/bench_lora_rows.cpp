@@ -18,7 +18,11 @@
 // with f32 factors, "_bf16" kept in bf16 (`serve --lora-bits 16`: one block per
 // adapter, in huge pages where the system gives them) and, "_int4", factors
 // kept in 4 bits as `serve --lora-bits 4` keeps them (read in place).
-// Time per call, one thread (CPU time).
+// Time per call, one thread (CPU time). The ".../t2" cases run the server's
+// way: 2 threads (wall time), bf16 r=8 factors with stream_factors on, as the
+// server asks whenever the weights and a step's adapters exceed the last-level
+// cache: decode16x16 (16 rows of one adapter), prefill256 (a 256-row chunk of
+// one adapter; "_noprefetch" without the stream) and decode16cold.
 //   loom_bench --benchmark_filter=LoraRows
 // BasePass/<base dtype>/{separate,fused}: the q/k/v base products and the
 // three r=16 A factors (f32) over 128 rows, as two matmul_multi calls or one
@@ -50,6 +54,7 @@ struct LoraCase {
   int bits = 32;       // 32: f32 factors, 16: bf16, 4: 4-bit
   int64_t layers = 1;  // sets of factors the calls go through in turn
   bool stream = false;  // LoraRowsJob::stream_factors: prefetch the factors ahead
+  int threads = 1;
 };
 
 void run_lora_rows(benchmark::State& state, LoraCase c) {
@@ -128,7 +133,7 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
       }
   };
   std::vector<float> u(static_cast<size_t>(n_jobs * T * c.rank));
-  ThreadPool pool(1);
+  ThreadPool pool(c.threads);
   LoraRowsScratch scratch;
   int64_t call = 0;
   bind(0);
@@ -217,6 +222,15 @@ const bool registered = [] {
                                        LoraCase{p.outs, p.in, rows, adapters, r, bits, layers, stream})
               ->Unit(benchmark::kMicrosecond);
         }
+  for (const Point& p : points)
+    for (auto [shape, rows, adapters, layers, stream] :
+         {std::tuple{"decode16x16", 16, 1, 1, true}, std::tuple{"prefill256", 256, 1, 1, true},
+          std::tuple{"prefill256_noprefetch", 256, 1, 1, false}, std::tuple{"decode16cold", 16, 64, 30, true}}) {
+      const std::string name = fmt::format("LoraRows/{}/{}_r8_bf16/t2", p.name, shape);
+      benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
+                                   LoraCase{p.outs, p.in, rows, adapters, 8, 16, layers, stream, 2})
+          ->Unit(benchmark::kMicrosecond)->UseRealTime();
+    }
   return true;
 }();
 

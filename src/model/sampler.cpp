@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/ops.h"
 
 namespace loom {
 
@@ -30,10 +31,12 @@ bool Sampler::keep_draft(double draft_mass, double total) { return rng_.next_dou
 
 int32_t Sampler::sample(const float* logits, std::span<const int32_t> history, int32_t draft) {
   const auto V = static_cast<size_t>(vocab_);
+  const bool penalise = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  if (p_.temperature <= 0 && (!penalise || history.empty()))  // greedy on the logits as they are: no copy
+    return static_cast<int32_t>(argmax_first(logits, vocab_));
   work_.assign(logits, logits + V);
 
   // Penalties over the recent history.
-  const bool penalise = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
   if (penalise && !history.empty()) {
     size_t n = history.size();
     if (p_.repeat_last_n >= 0) n = std::min(n, static_cast<size_t>(p_.repeat_last_n));
@@ -51,12 +54,8 @@ int32_t Sampler::sample(const float* logits, std::span<const int32_t> history, i
   }
 
   cand_.clear();
-  if (p_.temperature <= 0) {  // greedy: first index of the maximum
-    const auto it = std::max_element(work_.begin(), work_.end());
-    const auto id = static_cast<int32_t>(it - work_.begin());
-    cand_.push_back({id, *it, 1.0f});
-    return id;
-  }
+  if (p_.temperature <= 0)  // greedy: first index of the maximum
+    return static_cast<int32_t>(argmax_first(work_.data(), vocab_));
 
   const bool filtered = (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < V) || p_.top_p < 1.0f || p_.min_p > 0;
   if (draft < 0 || static_cast<size_t>(draft) >= V) draft = -1;
