@@ -11,7 +11,10 @@
 // DecodeAttention/<shape>/ctx<n>[_cold]: one decoded row over n keys (cold:
 // keys and values evicted from the caches before each call).
 // Greedy/{argmax_first,max_element}/V49152: a greedy token from one row of
-// SmolLM2's logits, kernels/cpu/ops.h's argmax against std::max_element.
+// SmolLM2's logits, kernels/cpu/logit_row.h's argmax against std::max_element;
+// Logprobs/{logit_row,scalar}/V49152_top5: a row's log-sum-exp and its 5 best
+// (a served token's logprobs) by logit_row.h, and by the scalar loops (a
+// double exp per logit, a partial sort of every index) the server used before.
 // Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
 // projection, without and with evaluation's token-accuracy count.
 // Matmul/<type>/matvec_dram_*[_huge]: decode over 256 MiB of weights packed on
@@ -20,6 +23,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -34,6 +38,7 @@
 #include "core/thread_pool.h"
 #include "kernels/cpu/dequant.h"
 #include "kernels/cpu/linear_backward.h"
+#include "kernels/cpu/logit_row.h"
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/ops.h"
@@ -521,7 +526,40 @@ void run_greedy(benchmark::State& state, bool simd) {
   }
 }
 
+void run_logprobs(benchmark::State& state, bool simd) {
+  std::vector<float> logits(49152);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  for (float& v : logits) v = dist(rng);
+  const auto V = static_cast<int64_t>(logits.size());
+  constexpr int64_t k = 5;
+  for (auto _ : state) {
+    double lse;
+    std::vector<int32_t> top(k);
+    if (simd) {
+      lse = logsumexp(logits.data(), V);
+      top_k(logits.data(), V, k, top.data());
+    } else {
+      float mx = -INFINITY;
+      for (float v : logits) mx = std::max(mx, v);
+      double sum = 0;
+      for (float v : logits) sum += std::exp(static_cast<double>(v - mx));
+      lse = mx + std::log(sum);
+      std::vector<int32_t> idx(logits.size());
+      for (int64_t i = 0; i < V; ++i) idx[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+      });
+      std::copy(idx.begin(), idx.begin() + k, top.begin());
+    }
+    benchmark::DoNotOptimize(lse);
+    benchmark::DoNotOptimize(top.data());
+  }
+}
+
 void register_all() {
+  benchmark::RegisterBenchmark("Logprobs/logit_row/V49152_top5", run_logprobs, true)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("Logprobs/scalar/V49152_top5", run_logprobs, false)->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("Greedy/argmax_first/V49152", run_greedy, true)->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("Greedy/max_element/V49152", run_greedy, false)->Unit(benchmark::kMicrosecond);
   register_paged_attention();

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "kernels/cpu/ops.h"
+#include "kernels/cpu/logit_row.h"
 
 namespace loom {
 

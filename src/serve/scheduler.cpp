@@ -18,6 +18,7 @@
 
 #include "core/cache_dir.h"
 #include "core/cpu_features.h"
+#include "kernels/cpu/logit_row.h"
 #include "kernels/profiling_backend.h"
 #include "model/generate.h"
 #include "model/sampler.h"
@@ -562,26 +563,16 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t
   d.token_ids.push_back(id);
   if (r->g.logprobs) {
     // Log-probabilities of the model's distribution (raw logits, before sampling filters).
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < V; ++i) mx = std::max(mx, logits[i]);
-    double sum = 0;
-    for (int64_t i = 0; i < V; ++i) sum += std::exp(static_cast<double>(logits[i] - mx));
-    const double lse = mx + std::log(sum);
+    const double lse = logsumexp(logits, V);
     TokenLogprob lp;
     lp.token_id = id;
     lp.token = tok.token_to_piece(id);
     lp.logprob = static_cast<float>(logits[id] - lse);
     const int64_t k = std::min<int64_t>(r->g.top_logprobs, V);
     if (k > 0) {
-      std::vector<int32_t> idx(static_cast<size_t>(V));
-      for (int64_t i = 0; i < V; ++i) idx[static_cast<size_t>(i)] = static_cast<int32_t>(i);
-      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
-        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-      });
-      for (int64_t i = 0; i < k; ++i) {
-        const int32_t t = idx[static_cast<size_t>(i)];
-        lp.top.push_back({t, tok.token_to_piece(t), static_cast<float>(logits[t] - lse)});
-      }
+      std::vector<int32_t> top(static_cast<size_t>(k));
+      top_k(logits, V, k, top.data());
+      for (const int32_t t : top) lp.top.push_back({t, tok.token_to_piece(t), static_cast<float>(logits[t] - lse)});
     }
     d.logprobs.push_back(std::move(lp));
   }

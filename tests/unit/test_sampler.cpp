@@ -4,11 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <random>
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cpu/ops.h"
 #include "model/generate.h"
 #include "model/sampler.h"
 #include "tokenizer/unicode.h"
@@ -29,38 +27,6 @@ TEST(Sampler, GreedyPicksFirstMaximum) {
   Sampler s(plain(0), 5);
   const float logits[] = {1, 3, 3, -2, 0};
   EXPECT_EQ(s.sample(logits, {}), 1);
-}
-
-// argmax_first against std::max_element (the first index of the largest) on
-// rows of every length up to 80 (the vector loop and the tail), ties inside a
-// lane, across lanes and in the tail, -inf rows and NaN (never the largest).
-TEST(Sampler, ArgmaxFirstIsMaxElementsAnswer) {
-  std::mt19937 rng(3);
-  std::uniform_int_distribution<int> level(-3, 3);
-  for (int n = 1; n <= 80; ++n)
-    for (int trial = 0; trial < 200; ++trial) {
-      std::vector<float> x(static_cast<size_t>(n));
-      for (float& v : x) v = static_cast<float>(level(rng));  // few values: many ties
-      if (trial % 7 == 0) x[static_cast<size_t>(trial) % x.size()] = -INFINITY;
-      if (trial % 11 == 0) x.assign(x.size(), -INFINITY);
-      const auto want = std::max_element(x.begin(), x.end()) - x.begin();
-      ASSERT_EQ(argmax_first(x.data(), n), want) << "n=" << n << " trial=" << trial;
-    }
-  // NaN is skipped wherever it is (std::max_element's answer would depend on its place).
-  std::vector<float> x(37, 0.0f);
-  x[20] = 2.0f;
-  x[35] = 2.0f;
-  for (size_t at : {size_t{0}, size_t{5}, size_t{20}, size_t{36}}) {
-    std::vector<float> y = x;
-    y[at] = NAN;
-    EXPECT_EQ(argmax_first(y.data(), 37), at == 20 ? 35 : 20) << "NaN at " << at;
-  }
-  // A large vocabulary with the maximum in the last vector and in the tail.
-  std::vector<float> v(49157, 0.5f);
-  v[49150] = 1.0f;
-  EXPECT_EQ(argmax_first(v.data(), 49157), 49150);
-  v[49156] = 2.0f;
-  EXPECT_EQ(argmax_first(v.data(), 49157), 49156);
 }
 
 TEST(Sampler, GreedyWithPenaltiesPicksThePenalisedMaximum) {

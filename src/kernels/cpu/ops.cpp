@@ -711,44 +711,6 @@ void transpose_rows_avx2(const uint16_t* const* rows, int64_t n, int64_t d, floa
 }
 }  // namespace cpu
 
-int64_t argmax_first(const float* x, int64_t n) {
-  // Four independent 8-lane maxima (chunk c of every 32 in accumulator c): one
-  // compare-and-blend chain per 8 values would bound the loop by its latency.
-  constexpr int kAcc = 4;
-  LOOM_ASSERT(n < (int64_t{1} << 31));  // 32-bit lane indices
-  __m256 best[kAcc];
-  __m256i at[kAcc], idx[kAcc];
-  for (int c = 0; c < kAcc; ++c) {
-    best[c] = _mm256_set1_ps(-INFINITY);
-    at[c] = _mm256_set1_epi32(-1);
-    idx[c] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
-  }
-  const __m256i step = _mm256_set1_epi32(8 * kAcc);
-  int64_t i = 0;
-  for (; i + 8 * kAcc <= n; i += 8 * kAcc)
-    for (int c = 0; c < kAcc; ++c) {
-      const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
-      const __m256 gt = _mm256_cmp_ps(v, best[c], _CMP_GT_OQ);  // NaN: false
-      best[c] = _mm256_blendv_ps(best[c], v, gt);
-      at[c] = _mm256_blendv_epi8(at[c], idx[c], _mm256_castps_si256(gt));
-      idx[c] = _mm256_add_epi32(idx[c], step);
-    }
-  // Merge the lanes by value, then by index (each lane holds its first maximum).
-  float mx = -INFINITY;
-  int64_t arg = -1;
-  for (int c = 0; c < kAcc; ++c) {
-    alignas(32) float bv[8];
-    alignas(32) int32_t bi[8];
-    _mm256_store_ps(bv, best[c]);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bi), at[c]);
-    for (int l = 0; l < 8; ++l)
-      if (bi[l] >= 0 && (bv[l] > mx || (bv[l] == mx && bi[l] < arg))) mx = bv[l], arg = bi[l];
-  }
-  for (; i < n; ++i)
-    if (x[i] > mx) mx = x[i], arg = i;
-  return arg < 0 ? 0 : arg;
-}
-
 void store_f16(uint16_t* dst, const float* src, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)

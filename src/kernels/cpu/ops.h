@@ -44,11 +44,5 @@ inline void attention(ThreadPool& pool, const AttentionShape& s, const float* q,
 // dst[i] = src[i] rounded to IEEE half (nearest even) for i < n: rows into an f16 KV store.
 void store_f16(uint16_t* dst, const float* src, int64_t n);
 
-// The first index of the largest of x[0, n) (std::max_element's answer; NaN is
-// never the largest), 0 when none is larger than -inf. Lanes that each keep
-// their first maximum, merged by value then index: greedy decoding reads a
-// whole vocabulary's logits per token (SmolLM2's 49,152: `loom_bench
-// --benchmark_filter=Greedy` 27 us a row for std::max_element, 1.9 here, Zen 5).
-int64_t argmax_first(const float* x, int64_t n);
 
 }  // namespace loom
