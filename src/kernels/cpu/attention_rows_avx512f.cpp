@@ -200,11 +200,17 @@ void attend_chunk(const float* q, const Rows& k, const Rows& v, int64_t d, int64
 
 // The lane pair (l, l + 8) of scores4's zmm chains for R rows and B blocks of
 // 16 keys, the keys across the lanes (head_dim 16 M, unrolled so that every
-// chain stays in a register): v[r][b] = A_l + A_{l+8}, where A_j chains
-// q[i + j] * k[i + j] over i = 0, 16, .. in order. That is lane l of fold().
+// chain stays in a register): A_l + A_{l+8}, where A_j chains q[i + j] * k[i + j]
+// over i = 0, 16, .. in order. That is lane l of fold(). Added into v when
+// `add` (v + pair: the hsum tree's first level), else stored in v.
 template <int R, int B, int M>
-inline void lane_pair(const float* q, const float* kt, int64_t ldk, int l, __m512 (&v)[R][B]) {
+[[gnu::always_inline]] inline void lane_pair(const float* q, const float* kt, int64_t ldk, int l, bool add,
+                                             __m512 (&v)[R][B]) {
   constexpr int d = 16 * M;
+  // A compiler barrier: GCC 12 otherwise hoists the next pair's loads into this
+  // one's chains and spills them (three rows over two blocks: 2.9 -> 2.6 ms for
+  // PrefillAttention/smollm2/T512/t1 with it, Zen 5). No instruction is emitted.
+  asm volatile("" ::: "memory");
   __m512 a[R][B], b[R][B];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < B; ++j) a[r][j] = b[r][j] = _mm512_setzero_ps();
@@ -225,50 +231,60 @@ inline void lane_pair(const float* q, const float* kt, int64_t ldk, int l, __m51
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < B; ++j) v[r][j] = _mm512_add_ps(a[r][j], b[r][j]);
+    for (int j = 0; j < B; ++j) {
+      const __m512 pair = _mm512_add_ps(a[r][j], b[r][j]);
+      v[r][j] = add ? _mm512_add_ps(v[r][j], pair) : pair;
+    }
 }
 
 template <int R, int B>
-inline void add_into(__m512 (&x)[R][B], const __m512 (&y)[R][B]) {
+[[gnu::always_inline]] inline void add_into(__m512 (&x)[R][B], const __m512 (&y)[R][B]) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < B; ++j) x[r][j] = _mm512_add_ps(x[r][j], y[r][j]);
 }
 
-// v = lane pair la + lane pair lb, the first level of the hsum tree.
+// v = lane pair la + lane pair lb.
 template <int R, int B, int M>
-inline void lane_pairs(const float* q, const float* kt, int64_t ldk, int la, int lb, __m512 (&v)[R][B]) {
-  __m512 u[R][B];
-  lane_pair<R, B, M>(q, kt, ldk, la, v);
-  lane_pair<R, B, M>(q, kt, ldk, lb, u);
-  add_into(v, u);
+[[gnu::always_inline]] inline void lane_pairs(const float* q, const float* kt, int64_t ldk, int la, int lb,
+                                              __m512 (&v)[R][B]) {
+  lane_pair<R, B, M>(q, kt, ldk, la, false, v);
+  lane_pair<R, B, M>(q, kt, ldk, lb, true, v);
 }
 
 // Scores of keys p .. p + 16 B for R rows from K^T: the same products, chains
 // and hsum tree ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) as scores4,
-// with no horizontal sum per key. kt points at key p's column.
+// with no horizontal sum per key. kt points at key p's column. The left half
+// of the tree waits in w's own slots while the right half is summed, so that
+// the registers hold at most 4 R B sums and the pair being chained (with
+// R B = 6, three rows over two blocks, 30 of the 32; keeping the left half
+// too spilled the chains to the stack).
 template <int R, int B, int M>
 inline void scores_kt(const float* q, const float* kt, int64_t ldk, float scale, float* w, int64_t ws,
                       int64_t p) {
-  __m512 x[R][B], y[R][B], t[R][B];
+  __m512 x[R][B], t[R][B];
   lane_pairs<R, B, M>(q, kt, ldk, 0, 4, x);  // (l0 + l4) + (l2 + l6)
   lane_pairs<R, B, M>(q, kt, ldk, 2, 6, t);
   add_into(x, t);
-  lane_pairs<R, B, M>(q, kt, ldk, 1, 5, y);  // (l1 + l5) + (l3 + l7)
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j) _mm512_storeu_ps(w + r * ws + p + 16 * j, x[r][j]);
+  lane_pairs<R, B, M>(q, kt, ldk, 1, 5, x);  // (l1 + l5) + (l3 + l7)
   lane_pairs<R, B, M>(q, kt, ldk, 3, 7, t);
-  add_into(y, t);
+  add_into(x, t);
   const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < B; ++j)
-      _mm512_storeu_ps(w + r * ws + p + 16 * j, _mm512_mul_ps(_mm512_add_ps(x[r][j], y[r][j]), sc));
+    for (int j = 0; j < B; ++j) {
+      float* at = w + r * ws + p + 16 * j;
+      _mm512_storeu_ps(at, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(at), x[r][j]), sc));
+    }
 }
 
-// Scores of keys [0, n) from K^T: two blocks of keys a pass where the rows are
-// few (more independent chains).
+// Scores of keys [0, n) from K^T: two blocks of keys a pass (each q value
+// broadcast once for both) up to three rows; four rows take one block.
 template <int R, int M>
 void scores_from_kt(const float* q, const float* kt, int64_t ldk, int64_t n, float scale, float* w,
                     int64_t ws) {
   int64_t p = 0;
-  if constexpr (R <= 2)
+  if constexpr (R <= 3)
     for (; p + 32 <= n; p += 32) scores_kt<R, 2, M>(q, kt + p, ldk, scale, w, ws, p);
   for (; p < n; p += 16) scores_kt<R, 1, M>(q, kt + p, ldk, scale, w, ws, p);
 }
