@@ -33,6 +33,9 @@ struct BatchChunk {
   // Tensor parallel: `adapter`'s LoadedAdapter::id, which names it to the followers (last: callers
   // initialize the fields above by position).
   int64_t adapter_id = 0;
+  // The scheduler's mark, not read here: every row's logits are asked for (logit_rows == tokens.size())
+  // as the prompt's log-probabilities (GenerationRequest::prompt_logprobs), not to verify drafts.
+  bool prompt_logprobs = false;
 };
 
 // Results are batch invariant: a chunk's logits and the K/V rows it writes

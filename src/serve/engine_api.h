@@ -124,6 +124,10 @@ struct GenerationRequest {
 
   bool logprobs = false;     // report the sampled token's logprob
   int32_t top_logprobs = 0;  // and this many alternatives (0..20)
+  // Completions with echo and logprobs (evaluation clients' loglikelihood, e.g. lm-evaluation-harness): every
+  // prompt token's logprob too, in ChoiceDelta::prompt deltas sent before the first sampled token. The prompt
+  // is then computed whole (no prefix-cache hit), in chunks of at most 64 rows (their logits are kept).
+  bool prompt_logprobs = false;
 
   // Handled by the HTTP layer; the engine may ignore them.
   bool echo = false;
@@ -142,6 +146,7 @@ struct TokenLogprob {
   std::string token;
   float logprob = 0;
   std::vector<TopLogprob> top;  // top_logprobs entries, best first
+  bool known = true;            // false: the prompt's first token, which nothing predicts (null in responses)
 };
 
 enum class FinishKind { stop, length, abort };
@@ -164,6 +169,9 @@ struct ChoiceDelta {
   std::string text;
   std::vector<int32_t> token_ids;      // tokens sampled since the previous delta
   std::vector<TokenLogprob> logprobs;  // one per token id when logprobs were requested
+  // GenerationRequest::prompt_logprobs: `logprobs` are the prompt's tokens (text empty, token_ids too), the
+  // first of them at the prompt's start; the choice's own tokens follow in later deltas.
+  bool prompt = false;
   std::optional<FinishKind> finish;    // set on the choice's last delta
   std::vector<float> embedding;        // RequestKind::embedding: the vector (one delta, with finish)
 };

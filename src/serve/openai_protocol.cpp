@@ -378,8 +378,7 @@ std::vector<GenerationRequest> parse_completion_request(std::string_view body, c
     base.top_logprobs = static_cast<int32_t>(*lp);
   }
   base.echo = get_bool(o, "echo", false);
-  if (base.echo && base.logprobs)
-    throw invalid_request("echo", "'echo' together with 'logprobs' (prompt logprobs) is not supported");
+  base.prompt_logprobs = base.echo && base.logprobs;  // as OpenAI's legacy completions and vLLM
   if (const auto suffix = get_string(o, "suffix"); suffix && !suffix->empty())
     throw invalid_request("suffix", "'suffix' is not supported");
 
@@ -544,6 +543,11 @@ json completion_logprobs(std::span<const TokenLogprob> lps, std::span<const int6
   json tokens = json::array(), values = json::array(), tops = json::array();
   for (const auto& t : lps) {
     tokens.push_back(t.token);
+    if (!t.known) {  // the prompt's first token (echo): null, as OpenAI and vLLM send it
+      values.push_back(nullptr);
+      tops.push_back(nullptr);
+      continue;
+    }
     values.push_back(finite_logprob(t.logprob));
     json top = json::object();
     for (const auto& a : t.top) top[a.token] = finite_logprob(a.logprob);
@@ -605,7 +609,8 @@ void ResponseAccumulator::add(const ChoiceDelta& d) {
   Choice& c = choices_[static_cast<size_t>(d.index)];
   c.text += d.text;
   if (meta_.logprobs) {
-    const auto offs = token_offsets(d.logprobs, c.chars);
+    // The prompt's tokens (echo) count their offsets from the prompt's start, the choice's own from its text's end.
+    const auto offs = token_offsets(d.logprobs, d.prompt ? c.prompt_chars : c.chars);
     c.offsets.insert(c.offsets.end(), offs.begin(), offs.end());
     c.logprobs.insert(c.logprobs.end(), d.logprobs.begin(), d.logprobs.end());
   }
@@ -643,6 +648,7 @@ json ResponseAccumulator::build() const {
 StreamFormatter::StreamFormatter(ResponseMeta meta, bool include_usage)
     : meta_(std::move(meta)), include_usage_(include_usage) {
   chars_.assign(static_cast<size_t>(std::max(meta_.num_choices, 0)), 0);
+  prompt_chars_ = chars_;
 }
 
 json StreamFormatter::chunk(json choices) const {
@@ -684,7 +690,8 @@ std::string StreamFormatter::delta(const ChoiceDelta& d) {
   } else {
     ch["text"] = d.text;
     if (has_logprobs) {
-      const auto offs = token_offsets(d.logprobs, chars_[static_cast<size_t>(d.index)]);
+      const auto idx = static_cast<size_t>(d.index);
+      const auto offs = token_offsets(d.logprobs, d.prompt ? prompt_chars_[idx] : chars_[idx]);
       ch["logprobs"] = completion_logprobs(d.logprobs, offs);
     } else {
       ch["logprobs"] = nullptr;

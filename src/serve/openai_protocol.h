@@ -116,6 +116,7 @@ class ResponseAccumulator {
     std::vector<TokenLogprob> logprobs;
     std::vector<int64_t> offsets;  // completions: text_offset of each token
     int64_t chars = 0;             // characters of text so far, for offsets
+    int64_t prompt_chars = 0;      // echo with logprobs: characters of the prompt's tokens so far
     std::optional<FinishKind> finish;
   };
   ResponseMeta meta_;
@@ -142,6 +143,7 @@ class StreamFormatter {
   ResponseMeta meta_;
   bool include_usage_;
   std::vector<int64_t> chars_;  // completions: characters sent per choice, for text_offset
+  std::vector<int64_t> prompt_chars_;  // echo with logprobs: the prompt tokens' characters so far
 };
 
 }  // namespace loom

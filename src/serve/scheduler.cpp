@@ -44,6 +44,8 @@ struct ServingEngine::Sequence {
   std::vector<int32_t> spec_chunk;  // speculation: [last token, drafts] of the current step
   int64_t draft_length = -1;        // speculation: most drafts next step (next_draft_length); -1: not yet
   std::vector<double> pooled;       // embeddings: sum of the final-norm hidden rows so far
+  // prompt_logprobs: the next prompt position to report (a recomputation after preemption reports none twice).
+  int64_t prompt_logprobs_next = 0;
 
   Sequence(Request* r, int32_t c, const SamplingParams& sp, int64_t vocab, const Tokenizer& tok,
            std::vector<std::string> stops)
@@ -65,6 +67,10 @@ struct ServingEngine::Request {
 };
 
 namespace {
+
+// Rows of a prompt-logprobs request's prefill chunk (GenerationRequest::prompt_logprobs): each keeps its
+// logits (a vocabulary of floats), so the chunk is bounded.
+constexpr int64_t kPromptLogprobRows = 64;
 
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
@@ -319,7 +325,7 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
                       "max_tokens");
   if (g.n < 1) throw EngineError(EngineErrc::invalid_request, "n must be at least 1", "n");
   r->usage.prompt_tokens = n_prompt;
-  r->speculate = opt_.spec.enabled() && !embedding;
+  r->speculate = opt_.spec.enabled() && !embedding && !g.prompt_logprobs;
   const uint64_t base_seed = g.seed ? *g.seed : fresh_seed();
   const Tokenizer& tok = model_->tokenizer();
   for (int32_t i = 0; i < g.n; ++i) {
@@ -522,9 +528,10 @@ void ServingEngine::admit() {
     if (opt_.fault_hook) opt_.fault_hook(FaultPoint::admit, r->g);
     s->table.adapter_id = r->adapter ? r->adapter->id : 0;
     const auto n = static_cast<int64_t>(s->tokens.size());
-    // An embedding needs every position's hidden state: nothing is taken from the prefix cache.
+    // An embedding needs every position's hidden state, prompt logprobs every position's logits: nothing is
+    // taken from the prefix cache for them.
     const int64_t cached =
-        r->g.kind == RequestKind::embedding
+        r->g.kind == RequestKind::embedding || r->g.prompt_logprobs
             ? 0
             : kv_->match_prefix(s->table, std::span<const int32_t>(s->tokens.data(), n - 1));
     // The whole known sequence is backed at admission, plus a free margin so
@@ -537,6 +544,48 @@ void ServingEngine::admit() {
     running_.push_back(s);
     it = waiting_.erase(it);
   }
+}
+
+TokenLogprob ServingEngine::token_logprob(const float* logits, int32_t id, int32_t top) const {
+  // Log-probabilities of the model's distribution (raw logits, before sampling filters).
+  const Tokenizer& tok = model_->tokenizer();
+  const int64_t V = model_->config().vocab_size;
+  const double lse = logsumexp(logits, V);
+  TokenLogprob lp;
+  lp.token_id = id;
+  lp.token = tok.token_to_piece(id);
+  lp.logprob = static_cast<float>(logits[id] - lse);
+  const int64_t k = std::min<int64_t>(top, V);
+  if (k > 0) {
+    std::vector<int32_t> best(static_cast<size_t>(k));
+    top_k(logits, V, k, best.data());
+    for (const int32_t t : best) lp.top.push_back({t, tok.token_to_piece(t), static_cast<float>(logits[t] - lse)});
+  }
+  return lp;
+}
+
+void ServingEngine::emit_prompt_logprobs(Sequence* s, int64_t n_past, const float* logits, int64_t rows) {
+  Request* r = s->req;
+  const int64_t V = model_->config().vocab_size, n_prompt = static_cast<int64_t>(r->prompt.size());
+  ChoiceDelta d;
+  d.index = r->g.first_choice_index + s->choice;
+  d.prompt = true;
+  if (s->prompt_logprobs_next == 0) {  // the first token: nothing before it predicts it
+    TokenLogprob first;
+    first.token_id = r->prompt[0];
+    first.token = model_->tokenizer().token_to_piece(first.token_id);
+    first.known = false;
+    d.logprobs.push_back(std::move(first));
+    s->prompt_logprobs_next = 1;
+  }
+  // Row i's logits predict the token at position n_past + i + 1.
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t at = n_past + i + 1;
+    if (at < s->prompt_logprobs_next || at >= n_prompt) continue;
+    d.logprobs.push_back(token_logprob(logits + i * V, r->prompt[static_cast<size_t>(at)], r->g.top_logprobs));
+    s->prompt_logprobs_next = at + 1;
+  }
+  if (!d.logprobs.empty()) r->stream->push(GenerationEvent::make_delta(std::move(d)));
 }
 
 int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t draft) {
@@ -561,21 +610,7 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t
   if (s->grammar && !grammar_step(d.index, [&] { return s->grammar->accept(id); }))
     throw EngineError(EngineErrc::internal, fmt::format("the sampled token {} is not allowed by the grammar", id));
   d.token_ids.push_back(id);
-  if (r->g.logprobs) {
-    // Log-probabilities of the model's distribution (raw logits, before sampling filters).
-    const double lse = logsumexp(logits, V);
-    TokenLogprob lp;
-    lp.token_id = id;
-    lp.token = tok.token_to_piece(id);
-    lp.logprob = static_cast<float>(logits[id] - lse);
-    const int64_t k = std::min<int64_t>(r->g.top_logprobs, V);
-    if (k > 0) {
-      std::vector<int32_t> top(static_cast<size_t>(k));
-      top_k(logits, V, k, top.data());
-      for (const int32_t t : top) lp.top.push_back({t, tok.token_to_piece(t), static_cast<float>(logits[t] - lse)});
-    }
-    d.logprobs.push_back(std::move(lp));
-  }
+  if (r->g.logprobs) d.logprobs.push_back(token_logprob(logits, id, r->g.top_logprobs));
   s->tokens.push_back(id);
   s->generated.push_back(id);
   ++r->usage.completion_tokens;
@@ -730,7 +765,8 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     if (budget <= 0) break;
     const auto n = static_cast<int64_t>(s->tokens.size());
     if (s->finished || n - s->n_computed <= 1) continue;
-    const int64_t len = std::min(budget, n - s->n_computed);
+    const bool prompt_logprobs = s->req->g.prompt_logprobs;
+    const int64_t len = std::min({budget, n - s->n_computed, prompt_logprobs ? kPromptLogprobRows : budget});
     BatchChunk c;
     c.table = &s->table;
     c.n_past = s->n_computed;
@@ -738,7 +774,11 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     c.adapter = s->req->adapter ? &s->req->adapter->view : nullptr;
     c.adapter_id = s->req->adapter ? s->req->adapter->id : 0;
     c.want_hidden = s->req->g.kind == RequestKind::embedding;
-    c.want_logits = !c.want_hidden && s->n_computed + len == n;
+    c.want_logits = !c.want_hidden && (prompt_logprobs || s->n_computed + len == n);
+    if (prompt_logprobs) {
+      c.logit_rows = len;
+      c.prompt_logprobs = true;
+    }
     chunks.push_back(c);
     owners.push_back(s);
     budget -= len;
@@ -830,7 +870,7 @@ void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, co
     if (s->finished) continue;  // its request failed at an earlier row of this step
     const BatchChunk& c = chunks[i];
     // A speculating row's drafts count only once accepted (accept_drafts).
-    const int64_t drafts = c.want_logits ? c.logit_rows - 1 : 0;
+    const int64_t drafts = c.want_logits && !c.prompt_logprobs ? c.logit_rows - 1 : 0;
     s->n_computed += static_cast<int64_t>(c.tokens.size()) - drafts;
     if (c.want_hidden) {  // embeddings: their blocks are freed at the end, never cached
       pool_hidden(s, forward_->hidden(i), static_cast<int64_t>(c.tokens.size()));
@@ -840,10 +880,16 @@ void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, co
     if (!c.want_logits) continue;
     try {
       if (opt_.fault_hook) opt_.fault_hook(FaultPoint::sample, s->req->g);
+      const float* logits = forward_->logits(i);
+      if (c.prompt_logprobs) {
+        emit_prompt_logprobs(s, c.n_past, logits, c.logit_rows);
+        if (s->n_computed < static_cast<int64_t>(s->tokens.size())) continue;  // more of the prompt to come
+        logits += (c.logit_rows - 1) * model_->config().vocab_size;             // the last row samples
+      }
       if (drafts == 0)
-        sample_and_emit(s, forward_->logits(i));
+        sample_and_emit(s, logits);
       else
-        accept_drafts(s, c.tokens.subspan(1), forward_->logits(i));
+        accept_drafts(s, c.tokens.subspan(1), logits);
     } catch (const std::exception& e) {
       fail_request(s->req, e);
     }

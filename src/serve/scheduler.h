@@ -165,6 +165,11 @@ class ServingEngine : public Engine {
   // Samples, appends and streams one token; returns it (-1 when a grammar allowed none and the choice ended).
   // `draft` (>= 0): the token drafted for this position (Sampler::sample's speculative draw).
   int32_t sample_and_emit(Sequence* s, const float* logits, int32_t draft = -1);
+  // The logprob of token `id` under one row of logits, with its `top` best alternatives.
+  TokenLogprob token_logprob(const float* logits, int32_t id, int32_t top) const;
+  // GenerationRequest::prompt_logprobs: the prompt positions rows [0, rows) of a chunk at n_past predict
+  // (each row the next position), sent as a ChoiceDelta::prompt delta; the first token's entry has none.
+  void emit_prompt_logprobs(Sequence* s, int64_t n_past, const float* logits, int64_t rows);
   // Speculation: puts [last token, drafts] in s's draft chunk and returns the number of drafts (0: none),
   // at most `spare`, backed by KV blocks.
   int64_t draft(Sequence* s, int64_t spare);

@@ -14,6 +14,7 @@ import argparse
 import base64
 import http.client
 import json
+import math
 import os
 import random
 import re
@@ -181,6 +182,37 @@ class OpenAIClientTest(unittest.TestCase):
         self.assertTrue(all(tok in top for tok, top in zip(lp.tokens, lp.top_logprobs)))
         self.assertTrue(all(x <= 0 for x in lp.token_logprobs))
         self.assertEqual(a.usage.completion_tokens, sum(len(ch.logprobs.tokens) for ch in a.choices))
+
+    def test_echo_logprobs_as_lm_evaluation_harness_asks(self):
+        # lm-evaluation-harness's loglikelihood request (local-completions): token-id prompts, echo, logprobs=1,
+        # max_tokens=1; it sums token_logprobs[ctxlen:-1] and compares each with max(top_logprobs[i].values()).
+        status, body = SERVER.raw("POST", "/tokenize", {"model": "smol", "prompt": "The capital of France is Paris"})
+        self.assertEqual(status, 200, body)
+        ids = json.loads(body)["tokens"]
+        prompts = [ids, ids[:3]]
+        r = self.c.completions.create(model="smol", prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                      temperature=0)
+        self.assertEqual(len(r.choices), 2)
+        for ch, p in zip(sorted(r.choices, key=lambda c: c.index), prompts):
+            lp = ch.logprobs
+            self.assertEqual(len(lp.tokens), len(p) + 1, "the prompt's tokens, then the sampled one")
+            self.assertIsNone(lp.token_logprobs[0])
+            self.assertIsNone(lp.top_logprobs[0])
+            self.assertTrue(all(x <= 0 for x in lp.token_logprobs[1:]))
+            self.assertTrue(all(tok in top for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:])))
+            self.assertEqual(lp.text_offset, sorted(lp.text_offset))
+            self.assertEqual(lp.text_offset[0], 0)
+            self.assertTrue(ch.text.startswith("The capital"))
+        full, short = (c.logprobs for c in sorted(r.choices, key=lambda c: c.index))
+        self.assertTrue(math.isfinite(sum(full.token_logprobs[3:-1])))
+        # The same position without echo: its sampled token and logprob are the short echo's last, and the
+        # full prompt's fourth token has the logprob the echo listed for it.
+        plain = self.c.completions.create(model="smol", prompt=ids[:3], logprobs=5, max_tokens=1, temperature=0)
+        lp = plain.choices[0].logprobs
+        self.assertEqual(lp.tokens[0], short.tokens[-1])
+        self.assertAlmostEqual(lp.token_logprobs[0], short.token_logprobs[-1], places=4)
+        self.assertIn(full.tokens[3], lp.top_logprobs[0])
+        self.assertAlmostEqual(lp.top_logprobs[0][full.tokens[3]], full.token_logprobs[3], places=4)
 
     def test_adapter_per_request_and_runtime_load_unload(self):
         prompt = "The weather today is"

@@ -110,7 +110,6 @@ TEST(OpenAIProtocol, CompletionRejectsEveryBadInputWithStatusAndParam) {
       {R"({"prompt": "hi", "logprobs": -1})", 400, "logprobs"},
       {R"({"prompt": "hi", "logprobs": true})", 400, "logprobs"},
       {R"({"prompt": "hi", "echo": 1})", 400, "echo"},
-      {R"({"prompt": "hi", "echo": true, "logprobs": 2})", 400, "echo"},
       {R"({"prompt": "hi", "suffix": "x"})", 400, "suffix"},
   };
   cases.insert(cases.end(), specific.begin(), specific.end());
@@ -474,6 +473,53 @@ TEST(OpenAIProtocol, ChatStreamChunks) {
   EXPECT_EQ(ev[5]["usage"],
             json::parse(R"({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})"));
   EXPECT_EQ(ev[6], "[DONE]");
+}
+
+// echo with logprobs (lm-evaluation-harness's loglikelihood request): the prompt's tokens come first in
+// the logprobs, the first with null logprob and top_logprobs, their text_offset counted from the prompt's
+// start; the sampled tokens' offsets follow the echoed text. Streamed, the prompt's logprobs are an event
+// with empty text after the echo.
+TEST(OpenAIProtocol, EchoWithLogprobsListsThePromptTokensFirst) {
+  const auto parsed = parse_completion_request(
+      R"({"prompt": [[1, 2], [3]], "echo": true, "logprobs": 1, "max_tokens": 1})", kLimits, kModels);
+  ASSERT_EQ(parsed.size(), 2u);
+  EXPECT_TRUE(parsed[0].prompt_logprobs && parsed[0].echo && parsed[0].logprobs);
+  EXPECT_FALSE(parse_completion_request(R"({"prompt": "hi", "logprobs": 1})", kLimits, kModels)[0].prompt_logprobs);
+  EXPECT_FALSE(parse_completion_request(R"({"prompt": "hi", "echo": true})", kLimits, kModels)[0].prompt_logprobs);
+
+  ResponseMeta m = meta(RequestKind::completion, 1);
+  m.logprobs = true;
+  m.top_logprobs = 1;
+  m.echo = {"Q: a"};
+  ChoiceDelta prompt = delta(0, "", {});
+  prompt.prompt = true;
+  TokenLogprob first = lp(7, "Q:", 0.0f);
+  first.known = false;
+  prompt.logprobs = {first, lp(8, " a", -2.0f, {{9, " b", -1.0f}})};
+  auto sampled = delta(0, "!", {5}, FinishKind::length);
+  sampled.logprobs = {lp(5, "!", -0.25f, {{5, "!", -0.25f}})};
+  ResponseAccumulator acc(m);
+  acc.add(prompt);
+  acc.add(sampled);
+  const json j = acc.build();
+  EXPECT_EQ(j["choices"][0]["text"], "Q: a!");
+  const json& l = j["choices"][0]["logprobs"];
+  EXPECT_EQ(l["tokens"], json::parse(R"(["Q:", " a", "!"])"));
+  EXPECT_EQ(l["token_logprobs"], json::parse("[null, -2.0, -0.25]"));
+  EXPECT_EQ(l["top_logprobs"], json::parse(R"([null, {" b": -1.0, " a": -2.0}, {"!": -0.25}])"));
+  EXPECT_EQ(l["text_offset"], json::parse("[0, 2, 4]"));
+
+  StreamFormatter f(m, /*include_usage=*/false);
+  std::string sse = f.start();
+  sse += f.delta(prompt);
+  sse += f.delta(sampled);
+  const auto ev = events(sse);
+  ASSERT_EQ(ev.size(), 3u);
+  EXPECT_EQ(ev[0]["choices"][0]["text"], "Q: a");
+  EXPECT_EQ(ev[1]["choices"][0]["text"], "");
+  EXPECT_EQ(ev[1]["choices"][0]["logprobs"]["token_logprobs"], json::parse("[null, -2.0]"));
+  EXPECT_EQ(ev[1]["choices"][0]["logprobs"]["text_offset"], json::parse("[0, 2]"));
+  EXPECT_EQ(ev[2]["choices"][0]["logprobs"]["text_offset"], json::parse("[4]"));
 }
 
 TEST(OpenAIProtocol, CompletionStreamChunks) {

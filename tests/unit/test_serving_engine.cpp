@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <new>
@@ -16,6 +18,8 @@
 #include "io/gguf.h"
 #include "kernels/int_quant.h"
 #include "model/config_load.h"
+#include "model/forward.h"
+#include "model/model.h"
 #include "model/peft_adapter.h"
 #include "model_test_util.h"
 #include "serve/grammar.h"
@@ -250,6 +254,102 @@ TEST_F(ServingEngineTest, AdapterMemoryBudgetServesMoreAdaptersThanFit) {
 
 // A KV cache that holds only a few sequences forces preemption; the results
 // are still those of each request alone, and the cache empties afterwards.
+// Prompt logprobs (completions with echo and logprobs) of a request: its prompt deltas, then the number of
+// tokens it sampled; fails on an error event or a prompt delta after a sampled token.
+struct PromptLogprobs {
+  std::vector<TokenLogprob> prompt;
+  size_t sampled = 0;
+};
+PromptLogprobs collect_prompt_logprobs(RequestStream& s) {
+  PromptLogprobs out;
+  for (;;) {
+    auto ev = s.pop(std::chrono::seconds(60));
+    if (!ev) {
+      ADD_FAILURE() << "no event within 60 s";
+      return out;
+    }
+    if (ev->kind == GenerationEvent::Kind::done) return out;
+    if (ev->kind == GenerationEvent::Kind::error) {
+      ADD_FAILURE() << (ev->error ? ev->error->what() : "an error event");
+      return out;
+    }
+    const ChoiceDelta& d = ev->delta;
+    if (d.prompt) {
+      EXPECT_EQ(out.sampled, 0u) << "prompt logprobs after a sampled token";
+      EXPECT_TRUE(d.token_ids.empty() && d.text.empty());
+      out.prompt.insert(out.prompt.end(), d.logprobs.begin(), d.logprobs.end());
+    } else {
+      out.sampled += d.token_ids.size();
+      EXPECT_EQ(d.logprobs.size(), d.token_ids.size());
+    }
+  }
+}
+
+// Every prompt token's logprob (the first: none) against the log-softmax, in double, of InferenceSession's
+// logits at the position before it, with the top alternatives in order; a 150-token prompt spans three
+// 64-row chunks. Run twice (the second finds the prompt in the prefix cache and must compute it anyway),
+// then 10 at once under a cache small enough to preempt: a recomputed prompt reports nothing twice.
+TEST_F(ServingEngineTest, EchoPromptLogprobsMatchTheModelsLogits) {
+  const std::vector<int32_t> prompt = random_prompt(7, 150);
+  ThreadPool pool(2);
+  auto backend = make_backend(kCpu, pool);
+  auto m = Model::load(kModel, {.tokenizer = false, .pack = true, .backend = backend.get()});
+  const int64_t V = m->config().vocab_size;
+  InferenceSession ref(m->config(), m->weights(), *backend, 160);
+  ref.eval(prompt, /*all_logits=*/true);
+  auto check = [&](const PromptLogprobs& got, const std::string& what) {
+    ASSERT_EQ(got.prompt.size(), prompt.size()) << what;
+    EXPECT_FALSE(got.prompt[0].known) << what;
+    EXPECT_EQ(got.prompt[0].token_id, prompt[0]) << what;
+    EXPECT_EQ(got.sampled, 6u) << what;
+    for (size_t p = 1; p < prompt.size(); ++p) {
+      const float* row = ref.logits().data() + (p - 1) * static_cast<size_t>(V);
+      double mx = -INFINITY, sum = 0;
+      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+      for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - mx);
+      const double lse = mx + std::log(sum);
+      const TokenLogprob& t = got.prompt[p];
+      ASSERT_TRUE(t.known) << what << " position " << p;
+      EXPECT_EQ(t.token_id, prompt[p]) << what << " position " << p;
+      EXPECT_NEAR(t.logprob, row[prompt[p]] - lse, 1e-3) << what << " position " << p;
+      ASSERT_EQ(t.top.size(), 2u) << what;
+      EXPECT_EQ(t.top[0].token_id, static_cast<int32_t>(std::max_element(row, row + V) - row)) << what << " position " << p;
+      EXPECT_GE(t.top[0].logprob, t.top[1].logprob) << what << " position " << p;
+    }
+  };
+  auto request = [&] {
+    GenerationRequest g = greedy_request("base", prompt, 6);  // 155 positions: past the prompt's 38 blocks of 4
+    g.logprobs = true;
+    g.top_logprobs = 2;
+    g.prompt_logprobs = true;
+    return g;
+  };
+  {
+    ServeOptions o = options();
+    o.max_batch_tokens = 256;
+    ServingEngine e(o);
+    for (const char* what : {"first run", "prompt in the prefix cache"}) {
+      auto s = std::make_shared<RequestStream>();
+      e.submit(request(), s);
+      check(collect_prompt_logprobs(*s), what);
+    }
+  }
+  ServeOptions o = options();
+  o.max_batch_tokens = 256;
+  o.max_model_len = 160;
+  o.block_size = 4;
+  o.kv_cache_memory = KvPool::bytes_per_block(m->config(), 4, o.kv_dtype) * 77;  // two prompts, then one must yield
+  o.max_seqs = 10;
+  ServingEngine e(o);
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 10; ++i) {
+    streams.push_back(std::make_shared<RequestStream>());
+    e.submit(request(), streams.back());
+  }
+  for (int i = 0; i < 10; ++i) check(collect_prompt_logprobs(*streams[static_cast<size_t>(i)]), "concurrent " + std::to_string(i));
+  EXPECT_GT(e.preemptions(), 0) << "the test meant to force preemption";
+}
+
 TEST_F(ServingEngineTest, PreemptionRecomputesWithoutChangingOutputs) {
   ServeOptions o = options();
   o.max_model_len = 128;
