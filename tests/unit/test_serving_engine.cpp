@@ -49,6 +49,7 @@ struct Output {
   std::vector<std::vector<int32_t>> ids;  // per choice
   std::vector<std::string> text;
   std::vector<FinishKind> finish;
+  std::vector<std::vector<TokenLogprob>> prompt_logprobs;  // per choice: ChoiceDelta::prompt deltas' logprobs
   Usage usage;
   std::optional<EngineError> error;
 };
@@ -59,6 +60,7 @@ Output collect(RequestStream& s, int n = 1) {
   o.ids.resize(static_cast<size_t>(n));
   o.text.resize(static_cast<size_t>(n));
   o.finish.resize(static_cast<size_t>(n), FinishKind::abort);
+  o.prompt_logprobs.resize(static_cast<size_t>(n));
   for (;;) {
     auto ev = s.pop(std::chrono::seconds(60));
     if (!ev) {
@@ -74,6 +76,11 @@ Output collect(RequestStream& s, int n = 1) {
       return o;
     }
     const auto i = static_cast<size_t>(ev->delta.index);
+    if (ev->delta.prompt) {
+      EXPECT_TRUE(o.ids[i].empty() && ev->delta.token_ids.empty()) << "prompt logprobs after a sampled token";
+      o.prompt_logprobs[i].insert(o.prompt_logprobs[i].end(), ev->delta.logprobs.begin(), ev->delta.logprobs.end());
+      continue;
+    }
     o.ids[i].insert(o.ids[i].end(), ev->delta.token_ids.begin(), ev->delta.token_ids.end());
     o.text[i] += ev->delta.text;
     if (ev->delta.finish) o.finish[i] = *ev->delta.finish;
@@ -254,37 +261,6 @@ TEST_F(ServingEngineTest, AdapterMemoryBudgetServesMoreAdaptersThanFit) {
 
 // A KV cache that holds only a few sequences forces preemption; the results
 // are still those of each request alone, and the cache empties afterwards.
-// Prompt logprobs (completions with echo and logprobs) of a request: its prompt deltas, then the number of
-// tokens it sampled; fails on an error event or a prompt delta after a sampled token.
-struct PromptLogprobs {
-  std::vector<TokenLogprob> prompt;
-  size_t sampled = 0;
-};
-PromptLogprobs collect_prompt_logprobs(RequestStream& s) {
-  PromptLogprobs out;
-  for (;;) {
-    auto ev = s.pop(std::chrono::seconds(60));
-    if (!ev) {
-      ADD_FAILURE() << "no event within 60 s";
-      return out;
-    }
-    if (ev->kind == GenerationEvent::Kind::done) return out;
-    if (ev->kind == GenerationEvent::Kind::error) {
-      ADD_FAILURE() << (ev->error ? ev->error->what() : "an error event");
-      return out;
-    }
-    const ChoiceDelta& d = ev->delta;
-    if (d.prompt) {
-      EXPECT_EQ(out.sampled, 0u) << "prompt logprobs after a sampled token";
-      EXPECT_TRUE(d.token_ids.empty() && d.text.empty());
-      out.prompt.insert(out.prompt.end(), d.logprobs.begin(), d.logprobs.end());
-    } else {
-      out.sampled += d.token_ids.size();
-      EXPECT_EQ(d.logprobs.size(), d.token_ids.size());
-    }
-  }
-}
-
 // Every prompt token's logprob (the first: none) against the log-softmax, in double, of InferenceSession's
 // logits at the position before it, with the top alternatives in order; a 150-token prompt spans three
 // 64-row chunks. Run twice (the second finds the prompt in the prefix cache and must compute it anyway),
@@ -297,18 +273,20 @@ TEST_F(ServingEngineTest, EchoPromptLogprobsMatchTheModelsLogits) {
   const int64_t V = m->config().vocab_size;
   InferenceSession ref(m->config(), m->weights(), *backend, 160);
   ref.eval(prompt, /*all_logits=*/true);
-  auto check = [&](const PromptLogprobs& got, const std::string& what) {
-    ASSERT_EQ(got.prompt.size(), prompt.size()) << what;
-    EXPECT_FALSE(got.prompt[0].known) << what;
-    EXPECT_EQ(got.prompt[0].token_id, prompt[0]) << what;
-    EXPECT_EQ(got.sampled, 6u) << what;
+  auto check = [&](const Output& out, const std::string& what) {
+    ASSERT_FALSE(out.error) << what << ": " << out.error->what();
+    const std::vector<TokenLogprob>& got = out.prompt_logprobs[0];
+    ASSERT_EQ(got.size(), prompt.size()) << what;
+    EXPECT_FALSE(got[0].known) << what;
+    EXPECT_EQ(got[0].token_id, prompt[0]) << what;
+    EXPECT_EQ(out.ids[0].size(), 6u) << what;
     for (size_t p = 1; p < prompt.size(); ++p) {
       const float* row = ref.logits().data() + (p - 1) * static_cast<size_t>(V);
       double mx = -INFINITY, sum = 0;
       for (int64_t v = 0; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]));
       for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - mx);
       const double lse = mx + std::log(sum);
-      const TokenLogprob& t = got.prompt[p];
+      const TokenLogprob& t = got[p];
       ASSERT_TRUE(t.known) << what << " position " << p;
       EXPECT_EQ(t.token_id, prompt[p]) << what << " position " << p;
       EXPECT_NEAR(t.logprob, row[prompt[p]] - lse, 1e-3) << what << " position " << p;
@@ -329,9 +307,7 @@ TEST_F(ServingEngineTest, EchoPromptLogprobsMatchTheModelsLogits) {
     o.max_batch_tokens = 256;
     ServingEngine e(o);
     for (const char* what : {"first run", "prompt in the prefix cache"}) {
-      auto s = std::make_shared<RequestStream>();
-      e.submit(request(), s);
-      check(collect_prompt_logprobs(*s), what);
+      check(run_alone(e, request()), what);
     }
   }
   ServeOptions o = options();
@@ -346,7 +322,7 @@ TEST_F(ServingEngineTest, EchoPromptLogprobsMatchTheModelsLogits) {
     streams.push_back(std::make_shared<RequestStream>());
     e.submit(request(), streams.back());
   }
-  for (int i = 0; i < 10; ++i) check(collect_prompt_logprobs(*streams[static_cast<size_t>(i)]), "concurrent " + std::to_string(i));
+  for (int i = 0; i < 10; ++i) check(collect(*streams[static_cast<size_t>(i)]), "concurrent " + std::to_string(i));
   EXPECT_GT(e.preemptions(), 0) << "the test meant to force preemption";
 }
 

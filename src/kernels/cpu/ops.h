@@ -44,5 +44,4 @@ inline void attention(ThreadPool& pool, const AttentionShape& s, const float* q,
 // dst[i] = src[i] rounded to IEEE half (nearest even) for i < n: rows into an f16 KV store.
 void store_f16(uint16_t* dst, const float* src, int64_t n);
 
-
 }  // namespace loom
