@@ -271,6 +271,14 @@ struct EngineStats {
   int64_t spec_accepted_tokens = 0;  // and those the model agreed with
 };
 
+// vLLM's GET /tokenizer_info: what a client needs to tokenize as the server does (lm-evaluation-harness's
+// remote tokenizer reads the special tokens and the chat template, then calls /tokenize).
+struct TokenizerInfo {
+  std::optional<std::string> bos_token, eos_token, pad_token;  // as text (special tokens parse back to one id)
+  bool add_bos_token = false;                                   // a text prompt gets bos_token first
+  std::optional<std::string> chat_template;                     // the model's Jinja template, if it has one
+};
+
 // Implemented by the scheduler. Every method is called from HTTP threads, concurrently, and must only
 // exchange plain data with the scheduler thread. Synchronous failures throw EngineError.
 class Engine {
@@ -289,6 +297,7 @@ class Engine {
 
   virtual std::vector<int32_t> tokenize(const TokenizeRequest& request) = 0;
   virtual std::string detokenize(const std::string& model, const std::vector<int32_t>& tokens) = 0;
+  virtual TokenizerInfo tokenizer_info() = 0;
 
   virtual EngineHealth health() = 0;
   virtual EngineStats stats() = 0;

@@ -343,6 +343,9 @@ struct HttpServer::Impl {
             rec.prompt_tokens = static_cast<int64_t>(ids.size());
             reply_json(res, 200, tokenize_response(ids, opt.limits.max_model_len));
           });
+      add("GET", prefix + "/tokenizer_info", true, [this](auto&, auto& res, auto&) {
+        reply_json(res, 200, tokenizer_info_response(engine.tokenizer_info(), opt.limits.max_model_len));
+      });
       add("POST", prefix + "/detokenize", true,
           [this](const httplib::Request& req, auto& res, RequestRecord& rec) {
             const DetokenizeRequest r = parse_detokenize_request(req.body, model_names());

@@ -493,6 +493,14 @@ json tokenize_response(std::span<const int32_t> tokens, int64_t max_model_len) {
 
 json detokenize_response(const std::string& text) { return json{{"prompt", text}}; }
 
+json tokenizer_info_response(const TokenizerInfo& info, int64_t max_model_len) {
+  auto text = [](const std::optional<std::string>& s) { return s ? json(*s) : json(nullptr); };
+  return json{{"tokenizer_class", "loom"},         {"bos_token", text(info.bos_token)},
+              {"eos_token", text(info.eos_token)}, {"pad_token", text(info.pad_token)},
+              {"add_bos_token", info.add_bos_token}, {"chat_template", text(info.chat_template)},
+              {"model_max_length", max_model_len}};
+}
+
 json models_response(std::span<const ModelInfo> models, int64_t max_model_len) {
   json data = json::array();
   for (const auto& m : models) {

@@ -85,6 +85,8 @@ nlohmann::json embeddings_response(std::span<const std::vector<float>> vectors, 
 
 nlohmann::json tokenize_response(std::span<const int32_t> tokens, int64_t max_model_len);
 nlohmann::json detokenize_response(const std::string& text);
+// vLLM's GET /tokenizer_info body: the special tokens, whether text prompts get BOS, the chat template.
+nlohmann::json tokenizer_info_response(const TokenizerInfo& info, int64_t max_model_len);
 // /v1/models:
 // {"object":"list","data":[{"id","object":"model","created","owned_by","root","parent","max_model_len"}]}
 nlohmann::json models_response(std::span<const ModelInfo> models, int64_t max_model_len);

@@ -391,6 +391,17 @@ std::string ServingEngine::detokenize(const std::string& model, const std::vecto
   return model_->tokenizer().decode(tokens, /*skip_special=*/false);
 }
 
+TokenizerInfo ServingEngine::tokenizer_info() {
+  const Tokenizer& tok = model_->tokenizer();
+  auto piece = [&](int32_t id) { return id < 0 ? std::nullopt : std::optional<std::string>(tok.token_to_piece(id)); };
+  TokenizerInfo info;
+  info.bos_token = piece(tok.bos());
+  info.eos_token = piece(tok.eos());
+  info.add_bos_token = tok.add_bos() && tok.bos() >= 0;
+  info.chat_template = model_->chat_template_text();
+  return info;
+}
+
 EngineHealth ServingEngine::health() {
   std::lock_guard lock(mu_);
   if (stopping_) return {false, "shutting down"};

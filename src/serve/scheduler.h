@@ -115,6 +115,7 @@ class ServingEngine : public Engine {
   void unload_adapter(const std::string& name) override;
   std::vector<int32_t> tokenize(const TokenizeRequest& request) override;
   std::string detokenize(const std::string& model, const std::vector<int32_t>& tokens) override;
+  TokenizerInfo tokenizer_info() override;
   EngineHealth health() override;
   EngineStats stats() override;
   int64_t max_model_len() const override { return max_len_; }

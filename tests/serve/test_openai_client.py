@@ -275,6 +275,17 @@ class OpenAIClientTest(unittest.TestCase):
         status, body = SERVER.raw("POST", "/detokenize", {"model": "smol", "tokens": toks})
         self.assertEqual(status, 200, body)
         self.assertTrue(json.loads(body)["prompt"].endswith("Hello world"))
+        # vLLM's /tokenizer_info, as lm-evaluation-harness's remote tokenizer uses it: the special tokens as
+        # text that /tokenize (without special tokens added) turns back into one id each, the chat template.
+        status, body = SERVER.raw("GET", "/tokenizer_info")
+        self.assertEqual(status, 200, body)
+        info = json.loads(body)
+        self.assertEqual(info["eos_token"], "<|im_end|>")
+        self.assertIn("im_start", info["chat_template"])
+        for special in (info["eos_token"], info["bos_token"]):
+            status, body = SERVER.raw("POST", "/tokenize", {"prompt": special, "add_special_tokens": False})
+            self.assertEqual(status, 200, body)
+            self.assertEqual(len(json.loads(body)["tokens"]), 1, special)
 
     def test_disconnect_mid_stream_frees_kv_cache(self):
         idle = SERVER.metric("loom_kv_cache_usage_ratio")

@@ -96,6 +96,12 @@ class FakeEngine : public Engine {
     for (unsigned char c : s) ids.push_back(c);
     return ids;
   }
+  TokenizerInfo tokenizer_info() override {
+    TokenizerInfo info;
+    info.eos_token = "</s>";
+    info.chat_template = "{{ messages }}";
+    return info;
+  }
   std::string detokenize(const std::string&, const std::vector<int32_t>& ids) override {
     std::string s;
     for (int32_t id : ids) {
@@ -790,6 +796,15 @@ TEST(HttpServer, TokenizeDetokenizeAndAdapters) {
             json::parse(R"({"tokens": [1, 65, 66], "count": 3, "max_model_len": 512})"));
   r = post(c, "/v1/detokenize", {{"tokens", {72, 105}}});
   EXPECT_EQ(json::parse(r->body)["prompt"], "Hi");
+  // vLLM's /tokenizer_info (lm-evaluation-harness's remote tokenizer checks for eos_token in it).
+  for (const char* path : {"/tokenizer_info", "/v1/tokenizer_info"}) {
+    auto info = c.Get(path);
+    ASSERT_TRUE(info) << path;
+    EXPECT_EQ(info->status, 200) << path;
+    EXPECT_EQ(json::parse(info->body), json::parse(R"({"tokenizer_class": "loom", "bos_token": null,
+        "eos_token": "</s>", "pad_token": null, "add_bos_token": false, "chat_template": "{{ messages }}",
+        "model_max_length": 512})")) << path;
+  }
 
   r = post(c, "/v1/load_lora_adapter", {{"lora_name", "sql"}, {"lora_path", "/adapters/sql"}});
   ASSERT_TRUE(r);
