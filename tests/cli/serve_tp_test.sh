@@ -7,7 +7,7 @@
 #  - prompts on the base model and 2 start-up adapters (--adapter), sent one by one and many at once
 #    (continuous batching: several sequences and adapters in a step): the same greedy text and every
 #    token's logprob within `tol` below (the ranks sum the o and down products, base and B A x, in
-#    another order);
+#    another order); prompt logprobs (echo with logprobs) over a prompt of several 64-row chunks too;
 #  - a run-time load (POST /v1/load_lora_adapter), then requests over all three adapters at once
 #    (evictions and reloads while requests run), a hot swap (load_inplace), an unload (the name then 404);
 #  - bad loads (a missing folder, an empty folder, a folder outside --adapter-dir) get a 4xx from rank 0
@@ -125,6 +125,20 @@ def differs(what, texts, other):
 base_texts = compare("base", [(base, p) for p in prompts], False)
 for name in ("kod", "qg"):
     differs(name, compare(name, [(name, p) for p in prompts], False), base_texts)
+# Prompt logprobs (echo with logprobs) over more than one 64-row chunk, with and without an adapter.
+long_prompt = " ".join(prompts * 4)
+def echo_logprobs(port, model):
+    status, body = post(port, "/v1/completions", {"model": model, "prompt": long_prompt, "max_tokens": 2,
+                                                  "temperature": 0, "logprobs": 1, "echo": True})
+    return status, json.loads(body)["choices"][0]["logprobs"]["token_logprobs"] if status == 200 else None
+for model in (base, "kod"):
+    (sa, la), (sb, lb) = echo_logprobs(one, model), echo_logprobs(tp, model)
+    # A loose model may sample other tokens (an end of text among them): only the shape is checked.
+    if (sa != 200 or sb != 200 or min(len(la), len(lb)) < 66 or la[0] is not None or lb[0] is not None
+            or (model not in loose and len(la) != len(lb))):
+        failures.append(f"echo logprobs, {model}: HTTP {sa} / {sb}, {la and len(la)} / {lb and len(lb)} tokens")
+    elif model not in loose:
+        worst = max([worst] + [abs(x - y) for x, y in zip(la[1:], lb[1:])])
 mixed = [(m, p) for p in prompts for m in (base, "kod", "qg")]
 compare("6 at once, mixed", mixed[:6], True)
 compare("18 at once, mixed", mixed, True)
