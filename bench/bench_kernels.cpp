@@ -558,8 +558,10 @@ void run_logprobs(benchmark::State& state, bool simd) {
 }
 
 void register_all() {
-  benchmark::RegisterBenchmark("Logprobs/logit_row/V49152_top5", run_logprobs, true)->Unit(benchmark::kMicrosecond);
-  benchmark::RegisterBenchmark("Logprobs/scalar/V49152_top5", run_logprobs, false)->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("Logprobs/logit_row/V49152_top5", run_logprobs, true)
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark("Logprobs/scalar/V49152_top5", run_logprobs, false)
+      ->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("Greedy/argmax_first/V49152", run_greedy, true)->Unit(benchmark::kMicrosecond);
   benchmark::RegisterBenchmark("Greedy/max_element/V49152", run_greedy, false)->Unit(benchmark::kMicrosecond);
   register_paged_attention();

@@ -225,11 +225,13 @@ const bool registered = [] {
   for (const Point& p : points)
     for (auto [shape, rows, adapters, layers, stream] :
          {std::tuple{"decode16x16", 16, 1, 1, true}, std::tuple{"prefill256", 256, 1, 1, true},
-          std::tuple{"prefill256_noprefetch", 256, 1, 1, false}, std::tuple{"decode16cold", 16, 64, 30, true}}) {
+          std::tuple{"prefill256_noprefetch", 256, 1, 1, false},
+          std::tuple{"decode16cold", 16, 64, 30, true}}) {
       const std::string name = fmt::format("LoraRows/{}/{}_r8_bf16/t2", p.name, shape);
       benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
                                    LoraCase{p.outs, p.in, rows, adapters, 8, 16, layers, stream, 2})
-          ->Unit(benchmark::kMicrosecond)->UseRealTime();
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
     }
   return true;
 }();

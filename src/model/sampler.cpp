@@ -31,7 +31,8 @@ bool Sampler::keep_draft(double draft_mass, double total) { return rng_.next_dou
 
 int32_t Sampler::sample(const float* logits, std::span<const int32_t> history, int32_t draft) {
   const auto V = static_cast<size_t>(vocab_);
-  const bool penalise = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  const bool penalise =
+      p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
   if (p_.temperature <= 0 && (!penalise || history.empty()))  // greedy on the logits as they are: no copy
     return static_cast<int32_t>(argmax_first(logits, vocab_));
   work_.assign(logits, logits + V);

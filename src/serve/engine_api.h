@@ -274,9 +274,10 @@ struct EngineStats {
 // vLLM's GET /tokenizer_info: what a client needs to tokenize as the server does (lm-evaluation-harness's
 // remote tokenizer reads the special tokens and the chat template, then calls /tokenize).
 struct TokenizerInfo {
-  std::optional<std::string> bos_token, eos_token, pad_token;  // as text (special tokens parse back to one id)
-  bool add_bos_token = false;                                   // a text prompt gets bos_token first
-  std::optional<std::string> chat_template;                     // the model's Jinja template, if it has one
+  // The special tokens as text (each parses back to its one id).
+  std::optional<std::string> bos_token, eos_token, pad_token;
+  bool add_bos_token = false;                // a text prompt gets bos_token first
+  std::optional<std::string> chat_template;  // the model's Jinja template, if it has one
 };
 
 // Implemented by the scheduler. Every method is called from HTTP threads, concurrently, and must only

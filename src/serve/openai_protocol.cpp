@@ -495,8 +495,8 @@ json detokenize_response(const std::string& text) { return json{{"prompt", text}
 
 json tokenizer_info_response(const TokenizerInfo& info, int64_t max_model_len) {
   auto text = [](const std::optional<std::string>& s) { return s ? json(*s) : json(nullptr); };
-  return json{{"tokenizer_class", "loom"},         {"bos_token", text(info.bos_token)},
-              {"eos_token", text(info.eos_token)}, {"pad_token", text(info.pad_token)},
+  return json{{"tokenizer_class", "loom"},           {"bos_token", text(info.bos_token)},
+              {"eos_token", text(info.eos_token)},   {"pad_token", text(info.pad_token)},
               {"add_bos_token", info.add_bos_token}, {"chat_template", text(info.chat_template)},
               {"model_max_length", max_model_len}};
 }
@@ -617,7 +617,8 @@ void ResponseAccumulator::add(const ChoiceDelta& d) {
   Choice& c = choices_[static_cast<size_t>(d.index)];
   c.text += d.text;
   if (meta_.logprobs) {
-    // The prompt's tokens (echo) count their offsets from the prompt's start, the choice's own from its text's end.
+    // The prompt's tokens (echo) count their offsets from the prompt's start, the choice's own from its
+    // text's end.
     const auto offs = token_offsets(d.logprobs, d.prompt ? c.prompt_chars : c.chars);
     c.offsets.insert(c.offsets.end(), offs.begin(), offs.end());
     c.logprobs.insert(c.logprobs.end(), d.logprobs.begin(), d.logprobs.end());

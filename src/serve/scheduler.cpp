@@ -44,7 +44,7 @@ struct ServingEngine::Sequence {
   std::vector<int32_t> spec_chunk;  // speculation: [last token, drafts] of the current step
   int64_t draft_length = -1;        // speculation: most drafts next step (next_draft_length); -1: not yet
   std::vector<double> pooled;       // embeddings: sum of the final-norm hidden rows so far
-  // prompt_logprobs: the next prompt position to report (a recomputation after preemption reports none twice).
+  // prompt_logprobs: the next prompt position to report (a recomputation reports none twice).
   int64_t prompt_logprobs_next = 0;
 
   Sequence(Request* r, int32_t c, const SamplingParams& sp, int64_t vocab, const Tokenizer& tok,
@@ -393,7 +393,9 @@ std::string ServingEngine::detokenize(const std::string& model, const std::vecto
 
 TokenizerInfo ServingEngine::tokenizer_info() {
   const Tokenizer& tok = model_->tokenizer();
-  auto piece = [&](int32_t id) { return id < 0 ? std::nullopt : std::optional<std::string>(tok.token_to_piece(id)); };
+  auto piece = [&](int32_t id) {
+    return id < 0 ? std::nullopt : std::optional<std::string>(tok.token_to_piece(id));
+  };
   TokenizerInfo info;
   info.bos_token = piece(tok.bos());
   info.eos_token = piece(tok.eos());
@@ -570,7 +572,8 @@ TokenLogprob ServingEngine::token_logprob(const float* logits, int32_t id, int32
   if (k > 0) {
     std::vector<int32_t> best(static_cast<size_t>(k));
     top_k(logits, V, k, best.data());
-    for (const int32_t t : best) lp.top.push_back({t, tok.token_to_piece(t), static_cast<float>(logits[t] - lse)});
+    for (const int32_t t : best)
+      lp.top.push_back({t, tok.token_to_piece(t), static_cast<float>(logits[t] - lse)});
   }
   return lp;
 }
@@ -593,7 +596,8 @@ void ServingEngine::emit_prompt_logprobs(Sequence* s, int64_t n_past, const floa
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t at = n_past + i + 1;
     if (at < s->prompt_logprobs_next || at >= n_prompt) continue;
-    d.logprobs.push_back(token_logprob(logits + i * V, r->prompt[static_cast<size_t>(at)], r->g.top_logprobs));
+    d.logprobs.push_back(
+        token_logprob(logits + i * V, r->prompt[static_cast<size_t>(at)], r->g.top_logprobs));
     s->prompt_logprobs_next = at + 1;
   }
   if (!d.logprobs.empty()) r->stream->push(GenerationEvent::make_delta(std::move(d)));
@@ -895,7 +899,7 @@ void ServingEngine::forward_and_sample(const std::vector<BatchChunk>& chunks, co
       if (c.prompt_logprobs) {
         emit_prompt_logprobs(s, c.n_past, logits, c.logit_rows);
         if (s->n_computed < static_cast<int64_t>(s->tokens.size())) continue;  // more of the prompt to come
-        logits += (c.logit_rows - 1) * model_->config().vocab_size;             // the last row samples
+        logits += (c.logit_rows - 1) * model_->config().vocab_size;            // the last row samples
       }
       if (drafts == 0)
         sample_and_emit(s, logits);

@@ -803,7 +803,8 @@ TEST(HttpServer, TokenizeDetokenizeAndAdapters) {
     EXPECT_EQ(info->status, 200) << path;
     EXPECT_EQ(json::parse(info->body), json::parse(R"({"tokenizer_class": "loom", "bos_token": null,
         "eos_token": "</s>", "pad_token": null, "add_bos_token": false, "chat_template": "{{ messages }}",
-        "model_max_length": 512})")) << path;
+        "model_max_length": 512})"))
+        << path;
   }
 
   r = post(c, "/v1/load_lora_adapter", {{"lora_name", "sql"}, {"lora_path", "/adapters/sql"}});

@@ -58,9 +58,11 @@ TEST(LogitRow, LogSumExpMatchesALongDoubleSum) {
     if (n > 3) x[2] = -INFINITY;
     if (n > 5) x[4] = NAN;
     float mx = -INFINITY;
-    for (float v : x) if (!std::isnan(v)) mx = std::max(mx, v);
+    for (float v : x)
+      if (!std::isnan(v)) mx = std::max(mx, v);
     long double sum = 0;
-    for (float v : x) if (!std::isnan(v)) sum += std::exp(static_cast<long double>(v) - mx);
+    for (float v : x)
+      if (!std::isnan(v)) sum += std::exp(static_cast<long double>(v) - mx);
     const double want = static_cast<double>(mx + std::log(sum));
     EXPECT_NEAR(logsumexp(x.data(), n), want, 1e-6 * std::max(1.0, std::fabs(want))) << "n=" << n;
   }
@@ -95,7 +97,8 @@ TEST(LogitRow, TopKIsAStableDescendingSortsPrefix) {
       for (int k = 0; k <= n; ++k) {
         std::vector<int32_t> got(static_cast<size_t>(k));
         top_k(x.data(), n, k, got.data());
-        ASSERT_TRUE(std::equal(got.begin(), got.end(), want.begin())) << "n=" << n << " trial=" << trial << " k=" << k;
+        ASSERT_TRUE(std::equal(got.begin(), got.end(), want.begin()))
+            << "n=" << n << " trial=" << trial << " k=" << k;
       }
     }
   // A NaN among the first k kept, then -inf values that outrank it.

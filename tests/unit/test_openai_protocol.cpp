@@ -484,8 +484,10 @@ TEST(OpenAIProtocol, EchoWithLogprobsListsThePromptTokensFirst) {
       R"({"prompt": [[1, 2], [3]], "echo": true, "logprobs": 1, "max_tokens": 1})", kLimits, kModels);
   ASSERT_EQ(parsed.size(), 2u);
   EXPECT_TRUE(parsed[0].prompt_logprobs && parsed[0].echo && parsed[0].logprobs);
-  EXPECT_FALSE(parse_completion_request(R"({"prompt": "hi", "logprobs": 1})", kLimits, kModels)[0].prompt_logprobs);
-  EXPECT_FALSE(parse_completion_request(R"({"prompt": "hi", "echo": true})", kLimits, kModels)[0].prompt_logprobs);
+  EXPECT_FALSE(
+      parse_completion_request(R"({"prompt": "hi", "logprobs": 1})", kLimits, kModels)[0].prompt_logprobs);
+  EXPECT_FALSE(
+      parse_completion_request(R"({"prompt": "hi", "echo": true})", kLimits, kModels)[0].prompt_logprobs);
 
   ResponseMeta m = meta(RequestKind::completion, 1);
   m.logprobs = true;

@@ -34,8 +34,8 @@ TEST(Sampler, GreedyWithPenaltiesPicksThePenalisedMaximum) {
   p.repeat_penalty = 4.0f;
   Sampler s(p, 5);
   const float logits[] = {1, 3, 2.5f, -2, 0};
-  EXPECT_EQ(s.sample(logits, {}), 1);                          // no history: the logits as they are
-  EXPECT_EQ(s.sample(logits, std::vector<int32_t>{1}), 2);     // 3 / 4 < 2.5
+  EXPECT_EQ(s.sample(logits, {}), 1);                       // no history: the logits as they are
+  EXPECT_EQ(s.sample(logits, std::vector<int32_t>{1}), 2);  // 3 / 4 < 2.5
 }
 
 TEST(Sampler, SameSeedSameDrawsDifferentSeedDifferentDraws) {

@@ -78,7 +78,8 @@ Output collect(RequestStream& s, int n = 1) {
     const auto i = static_cast<size_t>(ev->delta.index);
     if (ev->delta.prompt) {
       EXPECT_TRUE(o.ids[i].empty() && ev->delta.token_ids.empty()) << "prompt logprobs after a sampled token";
-      o.prompt_logprobs[i].insert(o.prompt_logprobs[i].end(), ev->delta.logprobs.begin(), ev->delta.logprobs.end());
+      o.prompt_logprobs[i].insert(o.prompt_logprobs[i].end(), ev->delta.logprobs.begin(),
+                                  ev->delta.logprobs.end());
       continue;
     }
     o.ids[i].insert(o.ids[i].end(), ev->delta.token_ids.begin(), ev->delta.token_ids.end());
@@ -291,12 +292,14 @@ TEST_F(ServingEngineTest, EchoPromptLogprobsMatchTheModelsLogits) {
       EXPECT_EQ(t.token_id, prompt[p]) << what << " position " << p;
       EXPECT_NEAR(t.logprob, row[prompt[p]] - lse, 1e-3) << what << " position " << p;
       ASSERT_EQ(t.top.size(), 2u) << what;
-      EXPECT_EQ(t.top[0].token_id, static_cast<int32_t>(std::max_element(row, row + V) - row)) << what << " position " << p;
+      EXPECT_EQ(t.top[0].token_id, static_cast<int32_t>(std::max_element(row, row + V) - row))
+          << what << " position " << p;
       EXPECT_GE(t.top[0].logprob, t.top[1].logprob) << what << " position " << p;
     }
   };
   auto request = [&] {
-    GenerationRequest g = greedy_request("base", prompt, 6);  // 155 positions: past the prompt's 38 blocks of 4
+    GenerationRequest g =
+        greedy_request("base", prompt, 6);  // 155 positions: past the prompt's 38 blocks of 4
     g.logprobs = true;
     g.top_logprobs = 2;
     g.prompt_logprobs = true;
@@ -314,7 +317,8 @@ TEST_F(ServingEngineTest, EchoPromptLogprobsMatchTheModelsLogits) {
   o.max_batch_tokens = 256;
   o.max_model_len = 160;
   o.block_size = 4;
-  o.kv_cache_memory = KvPool::bytes_per_block(m->config(), 4, o.kv_dtype) * 77;  // two prompts, then one must yield
+  o.kv_cache_memory =
+      KvPool::bytes_per_block(m->config(), 4, o.kv_dtype) * 77;  // two prompts, then one must yield
   o.max_seqs = 10;
   ServingEngine e(o);
   std::vector<std::shared_ptr<RequestStream>> streams;
@@ -322,7 +326,8 @@ TEST_F(ServingEngineTest, EchoPromptLogprobsMatchTheModelsLogits) {
     streams.push_back(std::make_shared<RequestStream>());
     e.submit(request(), streams.back());
   }
-  for (int i = 0; i < 10; ++i) check(collect(*streams[static_cast<size_t>(i)]), "concurrent " + std::to_string(i));
+  for (int i = 0; i < 10; ++i)
+    check(collect(*streams[static_cast<size_t>(i)]), "concurrent " + std::to_string(i));
   EXPECT_GT(e.preemptions(), 0) << "the test meant to force preemption";
 }
 

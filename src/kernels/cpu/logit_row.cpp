@@ -98,7 +98,8 @@ void top_k(const float* x, int64_t n, int64_t k, int32_t* out) {
   for (; i + 8 <= n; i += 8) {
     const float kth = x[out[k - 1]];
     const __m256 t = _mm256_set1_ps(std::isnan(kth) ? -INFINITY : kth);
-    unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_GT_OQ)));
+    unsigned mask =
+        static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_GT_OQ)));
     if (std::isnan(kth))  // a NaN kept: any number beats it, -inf too
       mask |= static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_EQ_OQ)));
     for (; mask != 0; mask &= mask - 1) offer(i + __builtin_ctz(mask));
