@@ -161,8 +161,8 @@ std::optional<BnbQuantConfig> bnb_quant_config(const json& config, const std::st
   if (method == "compressed-tensors" || method == "modelopt") return std::nullopt;
   if (method != "bitsandbytes")
     fail(ErrorKind::unsupported,
-         "{}: quant_method '{}' is not supported (bitsandbytes 4-bit, compressed-tensors and ModelOpt NVFP4 "
-         "folders are)",
+         "{}: quant_method '{}' is not supported (bitsandbytes 4-bit, compressed-tensors and ModelOpt "
+         "NVFP4 / FP8 folders are)",
          where, method);
   if (bool_key(q, "load_in_8bit", false, where))
     fail(ErrorKind::unsupported,

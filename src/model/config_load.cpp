@@ -284,9 +284,8 @@ ModelConfig config_from_hf(const json& j, const std::string& path) {
     const std::string method = q->is_object() && m != q->end() && m->is_string() ? m->get<std::string>() : "?";
     if (method != "bitsandbytes" && method != "compressed-tensors" && method != "modelopt")
       fail(ErrorKind::unsupported,
-           "{}: key 'quantization_config': quant_method '{}' is not supported (pre-quantized checkpoints "
-           "other "
-           "than bitsandbytes 4-bit, compressed-tensors INT8/INT4 and ModelOpt NVFP4 are not)",
+           "{}: key 'quantization_config': quant_method '{}' is not supported (loom reads bitsandbytes "
+           "4-bit, compressed-tensors INT8/INT4 and ModelOpt NVFP4 / FP8 checkpoints)",
            path, method);
   }
   if (const auto act = hf_opt_string(j, "hidden_act", path); act && *act != "silu")

@@ -40,8 +40,8 @@ struct ModelOptQuantConfig {
 };
 
 // nullopt when the folder is not a ModelOpt export. Another ModelOpt algorithm
-// (FP8, INT4_AWQ, mixed precision, ...) or a group size other than 16 raises
-// unsupported naming the file and key.
+// (INT4_AWQ, W4A8_AWQ, mixed precision, ...) or an NVFP4 group size other than
+// 16 raises unsupported naming the file and key.
 std::optional<ModelOptQuantConfig> modelopt_quant_config(const nlohmann::json& config,
                                                          const std::string& config_path,
                                                          const std::string& dir);

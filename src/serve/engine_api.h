@@ -275,7 +275,7 @@ struct EngineStats {
 // remote tokenizer reads the special tokens and the chat template, then calls /tokenize).
 struct TokenizerInfo {
   // The special tokens as text (each parses back to its one id).
-  std::optional<std::string> bos_token, eos_token, pad_token;
+  std::optional<std::string> bos_token, eos_token;
   bool add_bos_token = false;                // a text prompt gets bos_token first
   std::optional<std::string> chat_template;  // the model's Jinja template, if it has one
 };

@@ -495,8 +495,9 @@ json detokenize_response(const std::string& text) { return json{{"prompt", text}
 
 json tokenizer_info_response(const TokenizerInfo& info, int64_t max_model_len) {
   auto text = [](const std::optional<std::string>& s) { return s ? json(*s) : json(nullptr); };
+  // pad_token: vLLM's field, always null here (the server pads nothing).
   return json{{"tokenizer_class", "loom"},           {"bos_token", text(info.bos_token)},
-              {"eos_token", text(info.eos_token)},   {"pad_token", text(info.pad_token)},
+              {"eos_token", text(info.eos_token)},   {"pad_token", nullptr},
               {"add_bos_token", info.add_bos_token}, {"chat_template", text(info.chat_template)},
               {"model_max_length", max_model_len}};
 }

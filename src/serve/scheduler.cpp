@@ -781,7 +781,8 @@ void ServingEngine::build_batch(std::vector<BatchChunk>& chunks, std::vector<Seq
     const auto n = static_cast<int64_t>(s->tokens.size());
     if (s->finished || n - s->n_computed <= 1) continue;
     const bool prompt_logprobs = s->req->g.prompt_logprobs;
-    const int64_t len = std::min({budget, n - s->n_computed, prompt_logprobs ? kPromptLogprobRows : budget});
+    int64_t len = std::min(budget, n - s->n_computed);
+    if (prompt_logprobs) len = std::min(len, kPromptLogprobRows);
     BatchChunk c;
     c.table = &s->table;
     c.n_past = s->n_computed;
