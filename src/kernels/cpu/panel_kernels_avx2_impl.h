@@ -1397,8 +1397,12 @@ struct FloatImpl {
     if constexpr (kKind == DType::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
     return load_f16x8(p + 16 * h);
   }
+  // Out of line: inlined into walk_tiles, whose loop variables stay live across
+  // the tile, GCC kept one of the five act pointers on the stack and reloaded it
+  // every column (Zen 5, LOOM_CPU=avx2, the 1B-shape F16 file's pp512: 225-231 ->
+  // 235-236 t/s). The bf16 tile above is faster inlined.
   template <int P, int C>
-  static void run(const TileArgs& ta) {
+  [[gnu::noinline]] static void run(const TileArgs& ta) {
     __m256 acc[P][2][C];
     const float* x[C];
     start_float_tile(ta, acc, x);
