@@ -19,7 +19,6 @@
 namespace loom::cpu {
 namespace {
 
-
 // Decode prefetch distance of this kernel family (panel_kernels.h: AVX-VNNI's
 // cores take the AVX-512 kernels' distance).
 constexpr size_t kAhead = LOOM_AVX2_VNNI ? kPrefetchBytesAvx512 : kPrefetchBytesAvx2;

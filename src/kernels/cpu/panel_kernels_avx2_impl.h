@@ -21,9 +21,9 @@
 #include "kernels/cpu/i8ch.h"
 #include "kernels/cpu/mxcsr.h"
 #include "kernels/cpu/nf4.h"
-#include "kernels/cpu/panel_kernels_avx2_common.h"
 #include "kernels/cpu/panel.h"
 #include "kernels/cpu/panel_kernels.h"
+#include "kernels/cpu/panel_kernels_avx2_common.h"
 #include "kernels/quant_blocks.h"
 
 namespace loom::cpu {
