@@ -90,6 +90,8 @@ void quantize_row_affine_weighted(const float* x, void* dst, int64_t n, const fl
 void quantize_row(DType type, const float* x, void* dst, int64_t n, const float* importance) {
   if (type == DType::iq4_nl) return quant::quantize_row_iq4_nl(x, dst, n, importance);
   if (type == DType::iq4_xs) return quant::quantize_row_iq4_xs(x, dst, n, importance);
+  if (type == DType::iq3_xxs) return quant::quantize_row_iq3_xxs(x, dst, n, importance);
+  if (type == DType::iq3_s) return quant::quantize_row_iq3_s(x, dst, n, importance);
   if (type == DType::mxfp4)
     return quant::quantize_row_mxfp4(x, dst, n);  // (ggml takes no importance for these)
   if (type == DType::nvfp4) return quant::quantize_row_nvfp4(x, dst, n);
@@ -171,6 +173,8 @@ bool quantize_supported(DType type) {
     case DType::q6_k:
     case DType::iq4_nl:
     case DType::iq4_xs:
+    case DType::iq3_xxs:
+    case DType::iq3_s:
     case DType::mxfp4:
     case DType::nvfp4:
     case DType::q1_0:
@@ -189,7 +193,7 @@ void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, in
     fail(
         ErrorKind::unsupported,
         "quantize: no quantizer for tensor type {} (supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, "
-        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, mxfp4, nvfp4, q1_0, q2_0, tq1_0, tq2_0)",
+        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, mxfp4, nvfp4, q1_0, q2_0, tq1_0, tq2_0)",
         dtype_name(type));
   const int64_t block = dtype_block_size(type);
   if (n_per_row <= 0 || n_per_row % block != 0)

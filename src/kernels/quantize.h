@@ -1,7 +1,8 @@
 // Weight quantization into the GGUF formats, byte-identical to llama.cpp's
 // (ggml_quantize_chunk, what llama-quantize writes): round-to-nearest for the
-// 32-element formats and ggml's scale searches for the k-quants and iq4_nl /
-// iq4_xs; with an importance matrix, ggml's weighted searches for all of them but q8_0.
+// 32-element formats and ggml's scale searches for the k-quants, iq4_nl / iq4_xs
+// and the iq3 grids; with an importance matrix, ggml's weighted searches for all
+// of them but q8_0.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +13,7 @@
 namespace loom {
 
 // Types quantize_rows can produce: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k,
-// q6_k, iq4_nl, iq4_xs.
+// q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, mxfp4, nvfp4, q1_0, q2_0, tq1_0, tq2_0.
 bool quantize_supported(DType type);
 
 // Quantizes `nrows` rows of `n_per_row` floats (n_per_row a multiple of the type's block size) into `dst`

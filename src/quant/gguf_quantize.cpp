@@ -97,6 +97,13 @@ QuantizeSummary quantize_gguf(ThreadPool& pool, const GgufModelSource& src, cons
     if (!quantize_supported(p.to))
       fail(ErrorKind::unsupported, "{}: tensor '{}' would become {}, which loom cannot write", src.path, p.name,
            dtype_name(p.to));
+    if (plan_requires_importance(p, opt.plan.file_type) &&
+        (opt.importance == nullptr || !opt.importance->contains(p.name)))
+      fail(ErrorKind::invalid_input,
+           "{}: tensor '{}' would become {}, which needs an importance matrix: without one its rounding error is "
+           "too large to be useful (llama-quantize refuses it too). Pass --imatrix with an entry for this tensor "
+           "(loom imatrix or llama-imatrix), or choose another type",
+           src.path, p.name, dtype_name(p.to));
     if (dtype_is_quantized(p.from) && dtype_is_quantized(p.to) && !opt.allow_requantize)
       fail(ErrorKind::invalid_input,
            "{}: tensor '{}' is already {}; quantizing it again to {} adds a second rounding error. Start from an "

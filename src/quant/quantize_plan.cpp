@@ -27,6 +27,8 @@ constexpr FileTypeInfo kFileTypes[] = {
     {FileType::q4_k_m, "Q4_K_M", DType::q4_k},   {FileType::q5_k_s, "Q5_K_S", DType::q5_k},
     {FileType::q5_k_m, "Q5_K_M", DType::q5_k},   {FileType::q6_k, "Q6_K", DType::q6_k},
     {FileType::iq4_nl, "IQ4_NL", DType::iq4_nl}, {FileType::iq4_xs, "IQ4_XS", DType::iq4_xs},
+    {FileType::iq3_m, "IQ3_M", DType::iq3_s},    {FileType::iq3_s, "IQ3_S", DType::iq3_s},
+    {FileType::iq3_xs, "IQ3_XS", DType::iq3_s},
     {FileType::q1_0, "Q1_0", DType::q1_0},       {FileType::q2_0, "Q2_0", DType::q2_0},
     {FileType::tq1_0, "TQ1_0", DType::tq1_0},    {FileType::tq2_0, "TQ2_0", DType::tq2_0},
 };
@@ -84,7 +86,7 @@ size_t effective_dims(const std::vector<int64_t>& shape) {
 // Counters of the mix rules, advanced in processing order.
 struct MixState {
   int64_t n_attention_wv = 0, i_attention_wv = 0;
-  int64_t n_ffn = 0, i_ffn_down = 0;
+  int64_t n_ffn = 0, i_ffn_down = 0, i_ffn_gate = 0, i_ffn_up = 0;
   bool tied_embeddings = true;
 };
 
@@ -108,6 +110,8 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
     const int64_t i = s.i_attention_wv, n = s.n_attention_wv;
     if (f == FileType::q2_k) t = n_gqa >= 4 ? DType::q4_k : DType::q3_k;
     else if (f == FileType::q2_k_s && n_gqa >= 4) t = DType::q4_k;
+    else if ((f == FileType::iq3_xs || f == FileType::iq3_s) && n_gqa >= 4) t = DType::q4_k;
+    else if (f == FileType::iq3_m) t = DType::q4_k;
     else if (f == FileType::q3_k_m) t = i < 2 ? DType::q5_k : DType::q4_k;
     else if (f == FileType::q3_k_l) t = DType::q5_k;
     else if ((f == FileType::iq4_nl || f == FileType::iq4_xs) && n_gqa >= 4) t = DType::q5_k;
@@ -122,6 +126,7 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
     if (f == FileType::q2_k) t = DType::q3_k;
     else if (f == FileType::q2_k_s) { if (i < n / 8) t = DType::q4_k; }
     else if (f == FileType::q3_k_m) t = i < n / 16 ? DType::q5_k : DType::q4_k;
+    else if (f == FileType::iq3_m && i < n / 8) t = DType::q4_k;
     else if (f == FileType::q3_k_l) t = DType::q5_k;
     else if (f == FileType::q4_k_m) { if (use_more_bits(i, n)) t = DType::q6_k; }
     else if (i < n / 8 && (f == FileType::iq4_nl || f == FileType::iq4_xs) && !opt.has_imatrix) t = DType::q5_k;
@@ -136,10 +141,22 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
     if (f == FileType::q2_k) t = DType::q3_k;
     else if (f == FileType::q3_k_m) t = DType::q4_k;
     else if (f == FileType::q3_k_l) t = DType::q5_k;
+    else if (f == FileType::iq3_m) t = DType::q4_k;
+    return t;
+  }
+  if (cat == Category::attn_k || cat == Category::attn_q) {
+    if (f == FileType::iq3_xs) t = DType::iq3_xxs;
+    return t;
+  }
+  if (cat == Category::ffn_gate || cat == Category::ffn_up) {  // IQ3_XS: iq3_xxs between the first and last eighth
+    int64_t& i = cat == Category::ffn_gate ? s.i_ffn_gate : s.i_ffn_up;
+    const int64_t n = s.n_ffn;
+    if (f == FileType::iq3_xs && i >= n / 8 && i < 7 * n / 8) t = DType::iq3_xxs;
+    ++i;
     return t;
   }
   if (cat == Category::attn_qkv) {
-    if (f == FileType::q3_k_m || f == FileType::q3_k_l) t = DType::q4_k;
+    if (f == FileType::q3_k_m || f == FileType::q3_k_l || f == FileType::iq3_m) t = DType::q4_k;
     else if (f == FileType::q4_k_m) t = DType::q5_k;
     else if (f == FileType::q5_k_m) t = DType::q6_k;
   }
@@ -158,7 +175,7 @@ DType fit_to_width(DType t, int64_t cols, bool& fell_back) {
     case DType::q4_k: t = DType::q5_0; break;
     case DType::q5_k: t = DType::q5_1; break;
     case DType::q6_k: t = DType::q8_0; break;
-    case DType::iq4_xs: t = DType::iq4_nl; break;
+    case DType::iq4_xs: case DType::iq3_xxs: case DType::iq3_s: t = DType::iq4_nl; break;
     default: break;
   }
   return cols % dtype_block_size(t) == 0 ? t : DType::f16;
@@ -187,6 +204,12 @@ std::vector<FileType> all_file_types() {
   std::vector<FileType> v;
   for (const auto& i : kFileTypes) v.push_back(i.type);
   return v;
+}
+
+bool plan_requires_importance(const TensorPlan& p, FileType file_type) {
+  if (!p.quantized || p.to == p.from || p.name == "token_embd.weight" || p.name == "output.weight") return false;
+  if (p.to == DType::q2_k) return file_type == FileType::q2_k_s;
+  return p.to == DType::iq3_xxs;
 }
 
 bool tensor_is_quantizable(const TensorInput& t, bool quantize_output) {

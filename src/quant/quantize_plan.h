@@ -36,7 +36,10 @@ enum class FileType : uint32_t {
   q5_k_m = 17,
   q6_k = 18,
   q2_k_s = 21,
+  iq3_xs = 22,
   iq4_nl = 25,
+  iq3_s = 26,
+  iq3_m = 27,
   iq4_xs = 30,
   bf16 = 32,
   tq1_0 = 36,
@@ -88,6 +91,11 @@ struct TensorPlan {
   bool quantized = false;  // a quantizable weight (2D+, "*weight", not a norm)
   bool fallback = false;   // the chosen k-quant did not fit the row width
 };
+
+// Whether quantizing this tensor as planned needs its importance (an imatrix
+// entry), as llama-quantize refuses without one (tensor_requires_imatrix): the
+// very-low-bit grid types (iq3_xxs) and Q2_K_S's q2_k, never token_embd or output.
+bool plan_requires_importance(const TensorPlan& p, FileType file_type);
 
 // The plan for every tensor, in llama.cpp's processing order (tensors of no
 // layer first, then by layer, each group by name), which is also the order

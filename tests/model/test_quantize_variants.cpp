@@ -4,7 +4,8 @@
 // file gives the same tensors in the same order, each of the same type, with
 // byte-identical data, and the llama-quantize metadata keys; and the same with
 // llama-imatrix's importance matrix (models/variants/imatrix.gguf) for the files
-// llama-quantize --imatrix made from it.
+// llama-quantize --imatrix made from it (the .imatrix.gguf files, and the IQ3 grid
+// files, which it makes with the matrix only).
 //
 // Without models/variants/ the test skips, unless LOOM_REQUIRE_GGUF_VARIANTS=1
 // (set by scripts/test), where a missing file fails.
@@ -108,6 +109,19 @@ TEST_P(QuantizeVariantsImatrix, EqualsLlamaQuantizeWithTheSameImportanceMatrix) 
   expect_equals_llama_quantize(type, kRoot + "models/variants/SmolLM2-135M-Instruct." + type + ".imatrix.gguf",
                                kRoot + "models/variants/imatrix.gguf");
 }
+
+// The grid files scripts/make_gguf_variants makes with the importance matrix
+// (SmolLM2's 576-wide rows fall back to iq4_nl; ffn_down, 1536 wide, is iq3_s).
+class QuantizeVariantsGrid : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(QuantizeVariantsGrid, EqualsLlamaQuantizeWithTheImportanceMatrix) {
+  const std::string type = GetParam();
+  expect_equals_llama_quantize(type, kRoot + "models/variants/SmolLM2-135M-Instruct." + type + ".gguf",
+                               kRoot + "models/variants/imatrix.gguf");
+}
+
+INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsGrid, ::testing::Values("IQ3_XS", "IQ3_S", "IQ3_M"),
+                         [](const auto& info) { return std::string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsImatrix,
                          ::testing::Values("Q4_0", "Q5_1", "Q2_K", "Q3_K_S", "Q4_K_M", "Q6_K", "IQ4_NL",

@@ -25,9 +25,9 @@
 namespace loom {
 namespace {
 
-const char* const kTypes[] = {"f32",    "f16",   "bf16",  "q4_0", "q4_1", "q5_0",  "q5_1",
-                              "q8_0",   "q2_k",  "q3_k",  "q4_k", "q5_k", "q6_k",  "iq4_nl",
-                              "iq4_xs", "mxfp4", "nvfp4", "q1_0", "q2_0", "tq1_0", "tq2_0"};
+const char* const kTypes[] = {"f32",    "f16",   "bf16",  "q4_0", "q4_1", "q5_0",  "q5_1",    "q8_0",
+                              "q2_k",   "q3_k",  "q4_k",  "q5_k", "q6_k", "iq4_nl", "iq4_xs", "mxfp4",
+                              "nvfp4",  "q1_0",  "q2_0",  "tq1_0", "tq2_0", "iq3_xxs", "iq3_s"};
 const char* const kModes[] = {"plain", "imatrix", "imatrix_zeros"};
 
 std::string fixture_dir() {

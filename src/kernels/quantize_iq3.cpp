@@ -1,0 +1,384 @@
+// The IQ3_XXS and IQ3_S row quantizers (ggml's quantize_row_iq3_xxs_impl and
+// quantize_row_iq3_s_impl, with the search tables of iq3xs_init_impl). Per group
+// of 32 the signs go apart (IQ3_XXS: an even count per 8, the cheapest weight
+// flipped), and the magnitudes take the grid of 4-value entries (levels 2l + 1,
+// l = 0..7) at the scale that fits best by weighted least squares over trial
+// scales; a group of 4 whose rounded levels are not a grid entry takes the
+// nearest entries' best one (the neighbour lists below). The group scales then
+// round to 4 bits of one f16 superblock scale. Byte-identical to llama-quantize
+// (quantize_impl.h): ggml's float operations in ggml's order, its quirks kept.
+
+// As in quantize_search.cpp: ggml's products and sums are not fused.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <algorithm>
+#include <array>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "core/half.h"
+#include "kernels/iq_grids.h"
+#include "kernels/quantize_impl.h"
+
+namespace loom::quant {
+namespace {
+
+constexpr int kSuper = 256;
+constexpr int kGroup = 32;
+constexpr int kMaxQ = 8;               // levels 0..7 of a grid value 2l + 1
+constexpr int kLattice = 1 << 12;      // 4 levels of 3 bits: every point a group of 4 may round to
+constexpr float kXxsGroupEps = 1e-8f;  // ggml's GROUP_MAX_EPS_IQ3_XXS
+
+// A grid's search tables (iq3xs_init_impl): each entry's values 2l + 1, and per
+// lattice point (level i in bits 3i..3i + 2) its entry, or, off the grid, the
+// entries at the `nwant` smallest squared distances, nearest first (ties by
+// entry), as a count and the list.
+struct Iq3Tables {
+  std::vector<std::array<int8_t, 4>> grid;
+  std::array<int, kLattice> entry{};         // >= 0: on the grid
+  std::array<int, kLattice> neighbours_at{};  // off the grid: where its list starts
+  std::vector<uint16_t> neighbours;           // count, then the entries
+};
+
+// The level of a dequantization grid's byte (iq_grids.h): IQ3_XXS stores 8l + 4
+// (but 62 for l = 7), IQ3_S the value 2l + 1 itself.
+int level_of(uint8_t v, bool xxs) { return xxs ? (v - 4) / 8 : (v - 1) / 2; }
+
+Iq3Tables make_tables(const uint32_t* dequant_grid, int size, bool xxs) {
+  Iq3Tables t;
+  t.grid.resize(static_cast<size_t>(size));
+  t.entry.fill(-1);
+  for (int k = 0; k < size; ++k) {
+    int u = 0;
+    for (int i = 0; i < 4; ++i) {
+      const int l = level_of(static_cast<uint8_t>(dequant_grid[k] >> (8 * i)), xxs);
+      t.grid[static_cast<size_t>(k)][static_cast<size_t>(i)] = static_cast<int8_t>(2 * l + 1);
+      u |= l << (3 * i);
+    }
+    t.entry[static_cast<size_t>(u)] = k;
+  }
+  const int nwant = size == 256 ? 2 : 3;
+  std::vector<std::pair<int, int>> by_distance(static_cast<size_t>(size));
+  for (int u = 0; u < kLattice; ++u) {
+    if (t.entry[static_cast<size_t>(u)] >= 0) continue;
+    for (int k = 0; k < size; ++k) {
+      int d2 = 0;
+      for (int i = 0; i < 4; ++i) {
+        const int d = t.grid[static_cast<size_t>(k)][static_cast<size_t>(i)] - (2 * ((u >> (3 * i)) & 7) + 1);
+        d2 += d * d;
+      }
+      by_distance[static_cast<size_t>(k)] = {d2, k};
+    }
+    std::sort(by_distance.begin(), by_distance.end());
+    t.neighbours_at[static_cast<size_t>(u)] = static_cast<int>(t.neighbours.size());
+    const size_t count_at = t.neighbours.size();
+    t.neighbours.push_back(0);
+    int distinct = 1, d2 = by_distance[0].first;
+    for (const auto& [d, k] : by_distance) {
+      if (d > d2) {
+        if (distinct == nwant) break;
+        d2 = d;
+        ++distinct;
+      }
+      t.neighbours.push_back(static_cast<uint16_t>(k));
+    }
+    t.neighbours[count_at] = static_cast<uint16_t>(t.neighbours.size() - count_at - 1);
+  }
+  return t;
+}
+
+// Built at first use (tens of milliseconds), once per grid.
+const Iq3Tables& tables_xxs() {
+  static const Iq3Tables t = make_tables(kIq3xxsGrid, 256, true);
+  return t;
+}
+const Iq3Tables& tables_s() {
+  static const Iq3Tables t = make_tables(kIq3sGrid, 512, false);
+  return t;
+}
+
+// iq3_find_best_neighbour: of the off-grid point u's neighbours, the entry whose
+// values at `scale` fit xval best (weighted squared error); writes its levels.
+int best_neighbour(const Iq3Tables& t, int u, const float* xval, const float* weight, float scale, int8_t* L) {
+  const uint16_t* list = t.neighbours.data() + t.neighbours_at[static_cast<size_t>(u)];
+  float best_d2 = FLT_MAX;
+  int best = -1;
+  for (int j = 1; j <= list[0]; ++j) {
+    const auto& pg = t.grid[list[j]];
+    float d2 = 0;
+    for (int i = 0; i < 4; ++i) {
+      const float q = pg[static_cast<size_t>(i)];
+      const float diff = scale * q - xval[i];
+      d2 += weight[i] * diff * diff;
+    }
+    if (d2 < best_d2) {
+      best_d2 = d2;
+      best = list[j];
+    }
+  }
+  LOOM_ASSERT(best >= 0);
+  for (int i = 0; i < 4; ++i) L[i] = static_cast<int8_t>((t.grid[static_cast<size_t>(best)][static_cast<size_t>(i)] - 1) / 2);
+  return best;
+}
+
+// The lattice point of 4 levels.
+int lattice_point(const int8_t* L) {
+  int u = 0;
+  for (int i = 0; i < 4; ++i) u |= L[i] << (3 * i);
+  return u;
+}
+
+// Levels of 4 magnitudes at the inverse scale id, each clamped to 0..7.
+void round_levels(const float* xval, float id, int8_t* L) {
+  for (int i = 0; i < 4; ++i) L[i] = static_cast<int8_t>(std::clamp(nearest_int(0.5f * (id * xval[i] - 1)), 0, kMaxQ - 1));
+}
+
+// Levels of each group of 4 at the inverse scale id, off-grid groups replaced by
+// their best neighbour at `scale`; on_grid[k] says which were on the grid.
+void levels_at(const Iq3Tables& t, const float* xval, const float* waux, float id, float scale, int8_t* L,
+               bool* on_grid) {
+  for (int k = 0; k < kGroup / 4; ++k) {
+    round_levels(xval + 4 * k, id, L + 4 * k);
+    on_grid[k] = t.entry[static_cast<size_t>(lattice_point(L + 4 * k))] >= 0;
+    if (!on_grid[k]) best_neighbour(t, lattice_point(L + 4 * k), xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+  }
+}
+
+// sum w x q and sum w q^2 over a group, q = 2 L + 1.
+std::pair<float, float> fit_sums(const float* weight, const float* xval, const int8_t* L) {
+  float sumqx = 0, sumq2 = 0;
+  for (int i = 0; i < kGroup; ++i) {
+    const float w = weight[i];
+    const float q = as_float(2 * L[i] + 1);
+    sumqx += w * xval[i] * q;
+    sumq2 += w * q * q;
+  }
+  return {sumqx, sumq2};
+}
+
+// A group's weights: importance * sqrt(sigma2 + x^2), or x^2 without importance;
+// waux their square roots.
+void group_weights(const float* xb, const float* qw, float sigma2, float* weight, float* waux) {
+  for (int i = 0; i < kGroup; ++i) weight[i] = qw ? qw[i] * std::sqrt(sigma2 + xb[i] * xb[i]) : xb[i] * xb[i];
+  for (int i = 0; i < kGroup; ++i) waux[i] = std::sqrt(weight[i]);
+}
+
+float superblock_sigma2(const float* xbl) {
+  float sumx2 = 0;
+  for (int i = 0; i < kSuper; ++i) sumx2 += xbl[i] * xbl[i];
+  return 2 * sumx2 / kSuper;
+}
+
+// The scale search of one group of magnitudes (both types): trial inverse scales
+// (2 kMaxQ - 1 + 0.2 is) / max for is in [-is_max, is_max], the best kept; then,
+// if some group of 4 was off the grid, every such group (all of them, with
+// `redo_all`: IQ3_S) re-rounded at the best scale and the scale refitted.
+// Returns the scale; L holds the levels, on the grid.
+float search_group(const Iq3Tables& t, const float* xval, const float* weight, const float* waux, float max,
+                   int is_max, bool on_grid_start, bool redo_all, int8_t* L) {
+  float best = 0;
+  float scale = max / (2 * kMaxQ - 1);
+  bool on_grid[kGroup / 4], on_grid_aux[kGroup / 4];
+  std::fill(on_grid, on_grid + kGroup / 4, on_grid_start);
+  std::memset(L, 0, kGroup);  // kept if no trial fits (all weights zero)
+  int8_t Laux[kGroup];
+  for (int is = -is_max; is <= is_max; ++is) {
+    const float id = (2 * kMaxQ - 1 + as_float(is) * 0.2f) / max;
+    const float this_scale = 1 / id;
+    levels_at(t, xval, waux, id, this_scale, Laux, on_grid_aux);
+    const auto [sumqx, sumq2] = fit_sums(weight, xval, Laux);
+    if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+      scale = sumqx / sumq2;
+      best = scale * sumqx;
+      std::memcpy(L, Laux, kGroup);
+      std::copy(on_grid_aux, on_grid_aux + kGroup / 4, on_grid);
+    }
+  }
+  const bool any_off = std::find(on_grid, on_grid + kGroup / 4, false) != on_grid + kGroup / 4;
+  if (any_off && scale > 0) {
+    const float id = 1 / scale;
+    for (int k = 0; k < kGroup / 4; ++k) {
+      if (on_grid[k] && !redo_all) continue;
+      round_levels(xval + 4 * k, id, L + 4 * k);
+      const int u = lattice_point(L + 4 * k);
+      if (t.entry[static_cast<size_t>(u)] < 0) best_neighbour(t, u, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+    }
+    const auto [sumqx, sumq2] = fit_sums(weight, xval, L);
+    if (sumq2 > 0) scale = sumqx / sumq2;
+  }
+  return scale;
+}
+
+// The grid entry of 4 levels, which the search left on the grid.
+int entry_of(const Iq3Tables& t, const int8_t* L) {
+  const int e = t.entry[static_cast<size_t>(lattice_point(L))];
+  LOOM_ASSERT(e >= 0);
+  return e;
+}
+
+// Magnitudes and sign bits of 8 values: bit i of the result set where x[i] < 0.
+uint8_t split_signs(const float* x, float* xval, int* nflip) {
+  uint8_t s = 0;
+  *nflip = 0;
+  for (int i = 0; i < 8; ++i) {
+    if (x[i] >= 0) {
+      xval[i] = x[i];
+    } else {
+      xval[i] = -x[i];
+      ++*nflip;
+      s = static_cast<uint8_t>(s | (1 << i));
+    }
+  }
+  return s;
+}
+
+// The 4-bit group scale codes of max_scale / 31 (x fudge in the f16).
+int scale_code(float id, float scale) { return std::clamp(nearest_int(0.5f * (id * scale - 1)), 0, 15); }
+
+// block_iq3_xxs: d, then 64 grid entries (8 a group), then per group a u32 of
+// 4 x 7 sign bits (the 8th of each 8 by even parity) and the 4-bit scale << 28.
+constexpr size_t kXxsBlock = 2 + 64 + 32;
+
+void quantize_superblock_iq3_xxs(const float* xbl, const float* qw, uint8_t* out) {
+  const Iq3Tables& t = tables_xxs();
+  uint8_t q3[64 + 32] = {};
+  uint32_t scales_and_signs[kSuper / kGroup] = {};
+  float scales[kSuper / kGroup];
+  float max_scale = 0;
+  const float sigma2 = superblock_sigma2(xbl);
+  for (int ib = 0; ib < kSuper / kGroup; ++ib) {
+    const float* xb = xbl + kGroup * ib;
+    float weight[kGroup], waux[kGroup], xval[kGroup];
+    group_weights(xb, qw ? qw + kGroup * ib : nullptr, sigma2, weight, waux);
+    uint8_t block_signs[4];
+    for (int k = 0; k < 4; ++k) {
+      int nflip;
+      uint8_t s = split_signs(xb + 8 * k, xval + 8 * k, &nflip);
+      if (nflip % 2) {  // an odd count: flip the sign of the cheapest weight
+        int imin = 0;
+        float min = weight[8 * k + imin] * xb[8 * k + imin] * xb[8 * k + imin];
+        for (int i = 1; i < 8; ++i) {
+          const float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
+          if (ax < min) {
+            min = ax;
+            imin = i;
+          }
+        }
+        xval[8 * k + imin] = -xval[8 * k + imin];
+        s = static_cast<uint8_t>(s ^ (1 << imin));
+      }
+      block_signs[k] = s & 127;
+    }
+    float max = xval[0];
+    for (int i = 1; i < kGroup; ++i) max = max > xval[i] ? max : xval[i];
+    if (max < kXxsGroupEps) {
+      scales[ib] = 0;
+      continue;
+    }
+    int8_t L[kGroup];
+    float scale = search_group(t, xval, weight, waux, max, 15, true, false, L);
+    if (scale < 0) {  // (never, says ggml) the codes are unsigned: flip the signs instead
+      scale = -scale;
+      for (auto& s : block_signs) s = static_cast<uint8_t>(~s & 127);
+    }
+    for (int k = 0; k < 8; ++k) q3[8 * ib + k] = static_cast<uint8_t>(entry_of(t, L + 4 * k));
+    scales_and_signs[ib] = block_signs[0] | (block_signs[1] << 7) | (block_signs[2] << 14) |
+                           (static_cast<uint32_t>(block_signs[3]) << 21);
+    scales[ib] = scale;
+    max_scale = max_scale > scale ? max_scale : scale;
+  }
+  std::memset(out, 0, kXxsBlock);
+  if (max_scale == 0) return;
+  const float d = max_scale / 31;
+  const uint16_t dh = fp32_to_fp16(d * 1.0125f);
+  const float id = 1 / d;
+  for (int ib = 0; ib < kSuper / kGroup; ++ib)
+    scales_and_signs[ib] |= static_cast<uint32_t>(scale_code(id, scales[ib])) << 28;
+  std::memcpy(q3 + 64, scales_and_signs, sizeof(scales_and_signs));
+  std::memcpy(out, &dh, 2);
+  std::memcpy(out + 2, q3, sizeof(q3));
+}
+
+// block_iq3_s: d, 64 low index bytes, 8 bytes of index bit 8 (bit k of byte ib:
+// group ib's entry k), 32 sign bytes, 4 bytes of two 4-bit group scales.
+constexpr size_t kSBlock = 2 + 64 + 8 + 32 + 4;
+
+void quantize_superblock_iq3_s(const float* xbl, const float* qw, uint8_t* out) {
+  const Iq3Tables& t = tables_s();
+  std::memset(out, 0, kSBlock);
+  uint8_t* qs = out + 2;
+  uint8_t* qh = out + 66;
+  uint8_t* signs = out + 74;
+  uint8_t* packed_scales = out + 106;
+  float scales[kSuper / kGroup];
+  float max_scale = 0;
+  const float sigma2 = superblock_sigma2(xbl);
+  for (int ib = 0; ib < kSuper / kGroup; ++ib) {
+    const float* xb = xbl + kGroup * ib;
+    float weight[kGroup], waux[kGroup], xval[kGroup];
+    group_weights(xb, qw ? qw + kGroup * ib : nullptr, sigma2, weight, waux);
+    uint8_t block_signs[4];
+    for (int k = 0; k < 4; ++k) {
+      int nflip;
+      block_signs[k] = split_signs(xb + 8 * k, xval + 8 * k, &nflip);
+    }
+    float max = xval[0];
+    for (int i = 1; i < kGroup; ++i) max = max > xval[i] ? max : xval[i];
+    if (max == 0) {
+      // ggml moves on without advancing its qs and signs pointers: the next
+      // group's entries and signs land in this group's slots (and the last
+      // slots stay zero). Kept for identical files.
+      scales[ib] = 0;
+      continue;
+    }
+    int8_t L[kGroup];
+    float scale = search_group(t, xval, weight, waux, max, 9, false, true, L);
+    if (scale < 0) {
+      scale = -scale;
+      for (auto& s : block_signs) s = static_cast<uint8_t>(~s);
+    }
+    for (int k = 0; k < 8; ++k) {
+      const int e = entry_of(t, L + 4 * k);
+      qs[k] = static_cast<uint8_t>(e & 255);
+      qh[(ib * 8 + k) / 8] = static_cast<uint8_t>(qh[(ib * 8 + k) / 8] | ((e >> 8) << ((ib * 8 + k) % 8)));
+    }
+    qs += 8;
+    std::memcpy(signs, block_signs, 4);
+    signs += 4;
+    scales[ib] = scale;
+    max_scale = max_scale > scale ? max_scale : scale;
+  }
+  if (max_scale == 0) return;
+  const float d = max_scale / 31;
+  const uint16_t dh = fp32_to_fp16(d * 1.033f);
+  std::memcpy(out, &dh, 2);
+  const float id = 1 / d;
+  for (int ib = 0; ib < kSuper / kGroup; ib += 2)
+    packed_scales[ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib]) | (scale_code(id, scales[ib + 1]) << 4));
+}
+
+}  // namespace
+
+void quantize_row_iq3_xxs(const float* x, void* dst, int64_t n, const float* importance) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
+    quantize_superblock_iq3_xxs(x + kSuper * ibl, importance ? importance + kSuper * ibl : nullptr,
+                                out + static_cast<size_t>(ibl) * kXxsBlock);
+}
+
+void quantize_row_iq3_s(const float* x, void* dst, int64_t n, const float* importance) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
+    quantize_superblock_iq3_s(x + kSuper * ibl, importance ? importance + kSuper * ibl : nullptr,
+                              out + static_cast<size_t>(ibl) * kSBlock);
+}
+
+}  // namespace loom::quant
