@@ -99,6 +99,66 @@ TEST(QuantizePlan, KMixesOnA256MultipleShape) {
   EXPECT_EQ(m.at("blk.4.ffn_down.weight"), DType::q4_0);
 }
 
+// IQ3_XS / IQ3_S / IQ3_M on a 256-multiple shape (a 1B-like Llama: 16 layers of
+// 2048, GQA 4, FFN 8192), as llama_tensor_get_type chooses.
+TEST(QuantizePlan, Iq3MixesOnA256MultipleShape) {
+  const auto t = llama_tensors(16, 2048, 8192, 512, 128256, false);
+  QuantizeOptions o;
+  o.file_type = FileType::iq3_xs;
+  o.has_imatrix = true;
+  auto m = plan_map(plan_quantization(t, {16, 32, 8}, o));
+  EXPECT_EQ(m.at("output.weight"), DType::q6_k);
+  EXPECT_EQ(m.at("token_embd.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("blk.0.attn_q.weight"), DType::iq3_xxs);
+  EXPECT_EQ(m.at("blk.0.attn_k.weight"), DType::iq3_xxs);
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q4_k);  // n_gqa >= 4
+  EXPECT_EQ(m.at("blk.0.attn_output.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("blk.1.ffn_gate.weight"), DType::iq3_s);  // the first eighth (16 / 8 = 2 layers)
+  EXPECT_EQ(m.at("blk.2.ffn_gate.weight"), DType::iq3_xxs);
+  EXPECT_EQ(m.at("blk.13.ffn_up.weight"), DType::iq3_xxs);
+  EXPECT_EQ(m.at("blk.14.ffn_up.weight"), DType::iq3_s);  // the last eighth
+  EXPECT_EQ(m.at("blk.0.ffn_down.weight"), DType::iq3_s);
+  m = plan_map(plan_quantization(t, {16, 32, 32}, o));  // MHA: attn_v keeps the default
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::iq3_s);
+  o.file_type = FileType::iq3_s;
+  m = plan_map(plan_quantization(t, {16, 32, 8}, o));
+  EXPECT_EQ(m.at("blk.0.attn_q.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.5.ffn_gate.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("blk.0.ffn_down.weight"), DType::iq3_s);
+  m = plan_map(plan_quantization(t, {16, 32, 32}, o));
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::iq3_s);
+  o.file_type = FileType::iq3_m;
+  m = plan_map(plan_quantization(t, {16, 32, 32}, o));
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q4_k);  // whatever the GQA
+  EXPECT_EQ(m.at("blk.0.attn_output.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.1.ffn_down.weight"), DType::q4_k);  // i < n / 8
+  EXPECT_EQ(m.at("blk.2.ffn_down.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("blk.2.attn_q.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("output.weight"), DType::q6_k);
+  const auto llama70b = llama_tensors(80, 8192, 28672, 1024, 128256, false);
+  m = plan_map(plan_quantization(llama70b, {.n_layers = 80, .n_heads = 64, .n_kv_heads = 8, .is_70b = true}, o));
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q5_k);  // the 70B rule lifts q4_k
+  // Rows the grids do not fit fall back to iq4_nl (llama.cpp's tensor_type_fallback).
+  m = plan_map(plan_quantization(llama_tensors(2, 576, 1536, 192, 49152, true), {2, 9, 3}, o));
+  EXPECT_EQ(m.at("blk.0.attn_q.weight"), DType::iq4_nl);
+  EXPECT_EQ(m.at("blk.0.ffn_down.weight"), DType::iq3_s);  // 1536 wide; i < 2 / 8 holds for no layer
+  EXPECT_EQ(m.at("blk.1.ffn_down.weight"), DType::iq3_s);
+}
+
+// llama-quantize's tensor_requires_imatrix.
+TEST(QuantizePlan, ImportanceIsRequiredForIq3XxsAndQ2KSOnly) {
+  const TensorPlan xxs{"blk.0.attn_q.weight", DType::f16, DType::iq3_xxs, true};
+  EXPECT_TRUE(plan_requires_importance(xxs, FileType::iq3_xs));
+  EXPECT_FALSE(plan_requires_importance({"blk.0.attn_q.weight", DType::f16, DType::iq3_s, true}, FileType::iq3_xs));
+  EXPECT_FALSE(plan_requires_importance({"token_embd.weight", DType::f16, DType::iq3_xxs, true}, FileType::iq3_xs));
+  EXPECT_FALSE(plan_requires_importance({"output.weight", DType::f16, DType::iq3_xxs, true}, FileType::iq3_xs));
+  EXPECT_TRUE(plan_requires_importance({"blk.0.ffn_up.weight", DType::f16, DType::q2_k, true}, FileType::q2_k_s));
+  EXPECT_FALSE(plan_requires_importance({"blk.0.ffn_up.weight", DType::f16, DType::q2_k, true}, FileType::q2_k));
+  EXPECT_FALSE(plan_requires_importance({"blk.0.ffn_up.weight", DType::iq3_xxs, DType::iq3_xxs, true},
+                                        FileType::iq3_xs));  // kept as it is
+}
+
 TEST(QuantizePlan, PureOverridesAndPlainTypes) {
   const auto t = llama_tensors(4, 576, 1536, 192, 49152, true);
   QuantizeOptions o;
