@@ -92,6 +92,9 @@ void quantize_row(DType type, const float* x, void* dst, int64_t n, const float*
   if (type == DType::iq4_xs) return quant::quantize_row_iq4_xs(x, dst, n, importance);
   if (type == DType::iq3_xxs) return quant::quantize_row_iq3_xxs(x, dst, n, importance);
   if (type == DType::iq3_s) return quant::quantize_row_iq3_s(x, dst, n, importance);
+  if (type == DType::iq2_xxs) return quant::quantize_row_iq2_xxs(x, dst, n, importance);
+  if (type == DType::iq2_xs) return quant::quantize_row_iq2_xs(x, dst, n, importance);
+  if (type == DType::iq2_s) return quant::quantize_row_iq2_s(x, dst, n, importance);
   if (type == DType::mxfp4)
     return quant::quantize_row_mxfp4(x, dst, n);  // (ggml takes no importance for these)
   if (type == DType::nvfp4) return quant::quantize_row_nvfp4(x, dst, n);
@@ -175,6 +178,9 @@ bool quantize_supported(DType type) {
     case DType::iq4_xs:
     case DType::iq3_xxs:
     case DType::iq3_s:
+    case DType::iq2_xxs:
+    case DType::iq2_xs:
+    case DType::iq2_s:
     case DType::mxfp4:
     case DType::nvfp4:
     case DType::q1_0:
@@ -187,13 +193,16 @@ bool quantize_supported(DType type) {
   }
 }
 
+bool quantize_requires_importance(DType type) { return type == DType::iq2_xxs || type == DType::iq2_xs; }
+
 void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, int64_t nrows,
                    int64_t n_per_row, const float* importance) {
   if (!quantize_supported(type))
     fail(
         ErrorKind::unsupported,
         "quantize: no quantizer for tensor type {} (supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, "
-        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, mxfp4, nvfp4, q1_0, q2_0, tq1_0, tq2_0)",
+        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, iq2_xxs, iq2_xs, iq2_s, mxfp4, nvfp4, q1_0, "
+        "q2_0, tq1_0, tq2_0)",
         dtype_name(type));
   const int64_t block = dtype_block_size(type);
   if (n_per_row <= 0 || n_per_row % block != 0)
@@ -202,6 +211,11 @@ void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, in
          dtype_name(type), n_per_row, block);
   if (nrows < 0)
     fail(ErrorKind::invalid_input, "quantize to {}: negative row count {}", dtype_name(type), nrows);
+  if (quantize_requires_importance(type) && importance == nullptr)
+    fail(ErrorKind::invalid_input,
+         "quantize to {}: this type needs an importance vector (an imatrix entry for the tensor); ggml's quantizer "
+         "has no form without one",
+         dtype_name(type));
   const size_t row_bytes = dtype_row_bytes(type, n_per_row);
   auto* out = static_cast<uint8_t*>(dst);
   pool.parallel_for(nrows, [&](int64_t r0, int64_t r1) {

@@ -90,6 +90,10 @@ void quantize_row_iq4_xs(const float* x, void* dst, int64_t n, const float* impo
 // IQ3_XXS / IQ3_S (quantize_iq3.cpp): importance null or the row's weights.
 void quantize_row_iq3_xxs(const float* x, void* dst, int64_t n, const float* importance);
 void quantize_row_iq3_s(const float* x, void* dst, int64_t n, const float* importance);
+// IQ2_XXS / IQ2_XS (importance required) / IQ2_S (quantize_iq2.cpp).
+void quantize_row_iq2_xxs(const float* x, void* dst, int64_t n, const float* importance);
+void quantize_row_iq2_xs(const float* x, void* dst, int64_t n, const float* importance);
+void quantize_row_iq2_s(const float* x, void* dst, int64_t n, const float* importance);
 // MXFP4 / NVFP4 / Q1_0 / Q2_0 / TQ1_0 / TQ2_0 (quantize_plain.cpp): ggml's reference quantizers,
 // which an importance matrix does not change.
 void quantize_row_mxfp4(const float* x, void* dst, int64_t n);

@@ -16,16 +16,14 @@
 #endif
 
 #include <algorithm>
-#include <array>
-#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "core/error.h"
 #include "core/half.h"
 #include "kernels/iq_grids.h"
+#include "kernels/quantize_grid.h"
 #include "kernels/quantize_impl.h"
 
 namespace loom::quant {
@@ -37,103 +35,19 @@ constexpr int kMaxQ = 8;               // levels 0..7 of a grid value 2l + 1
 constexpr int kLattice = 1 << 12;      // 4 levels of 3 bits: every point a group of 4 may round to
 constexpr float kXxsGroupEps = 1e-8f;  // ggml's GROUP_MAX_EPS_IQ3_XXS
 
-// A grid's search tables (iq3xs_init_impl): each entry's values 2l + 1, and per
-// lattice point (level i in bits 3i..3i + 2) its entry, or, off the grid, the
-// entries at the `nwant` smallest squared distances, nearest first (ties by
-// entry), as a count and the list.
-struct Iq3Tables {
-  std::vector<std::array<int8_t, 4>> grid;
-  std::array<int, kLattice> entry{};         // >= 0: on the grid
-  std::array<int, kLattice> neighbours_at{};  // off the grid: where its list starts
-  std::vector<uint16_t> neighbours;           // count, then the entries
-};
+// Each dequantization grid byte's level: IQ3_XXS stores 8l + 4 (but 62 for
+// l = 7), IQ3_S the value 2l + 1 itself.
+int level_xxs(uint8_t v) { return (v - 4) / 8; }
+int level_s(uint8_t v) { return (v - 1) / 2; }
 
-// The level of a dequantization grid's byte (iq_grids.h): IQ3_XXS stores 8l + 4
-// (but 62 for l = 7), IQ3_S the value 2l + 1 itself.
-int level_of(uint8_t v, bool xxs) { return xxs ? (v - 4) / 8 : (v - 1) / 2; }
-
-Iq3Tables make_tables(const uint32_t* dequant_grid, int size, bool xxs) {
-  Iq3Tables t;
-  t.grid.resize(static_cast<size_t>(size));
-  t.entry.fill(-1);
-  for (int k = 0; k < size; ++k) {
-    int u = 0;
-    for (int i = 0; i < 4; ++i) {
-      const int l = level_of(static_cast<uint8_t>(dequant_grid[k] >> (8 * i)), xxs);
-      t.grid[static_cast<size_t>(k)][static_cast<size_t>(i)] = static_cast<int8_t>(2 * l + 1);
-      u |= l << (3 * i);
-    }
-    t.entry[static_cast<size_t>(u)] = k;
-  }
-  const int nwant = size == 256 ? 2 : 3;
-  std::vector<std::pair<int, int>> by_distance(static_cast<size_t>(size));
-  for (int u = 0; u < kLattice; ++u) {
-    if (t.entry[static_cast<size_t>(u)] >= 0) continue;
-    for (int k = 0; k < size; ++k) {
-      int d2 = 0;
-      for (int i = 0; i < 4; ++i) {
-        const int d = t.grid[static_cast<size_t>(k)][static_cast<size_t>(i)] - (2 * ((u >> (3 * i)) & 7) + 1);
-        d2 += d * d;
-      }
-      by_distance[static_cast<size_t>(k)] = {d2, k};
-    }
-    std::sort(by_distance.begin(), by_distance.end());
-    t.neighbours_at[static_cast<size_t>(u)] = static_cast<int>(t.neighbours.size());
-    const size_t count_at = t.neighbours.size();
-    t.neighbours.push_back(0);
-    int distinct = 1, d2 = by_distance[0].first;
-    for (const auto& [d, k] : by_distance) {
-      if (d > d2) {
-        if (distinct == nwant) break;
-        d2 = d;
-        ++distinct;
-      }
-      t.neighbours.push_back(static_cast<uint16_t>(k));
-    }
-    t.neighbours[count_at] = static_cast<uint16_t>(t.neighbours.size() - count_at - 1);
-  }
+// Built at first use (milliseconds), once per grid.
+const GridTables& tables_xxs() {
+  static const GridTables t = make_grid_tables(kIq3xxsGrid, 256, 4, 3, kLattice, 2, level_xxs);
   return t;
 }
-
-// Built at first use (tens of milliseconds), once per grid.
-const Iq3Tables& tables_xxs() {
-  static const Iq3Tables t = make_tables(kIq3xxsGrid, 256, true);
+const GridTables& tables_s() {
+  static const GridTables t = make_grid_tables(kIq3sGrid, 512, 4, 3, kLattice, 3, level_s);
   return t;
-}
-const Iq3Tables& tables_s() {
-  static const Iq3Tables t = make_tables(kIq3sGrid, 512, false);
-  return t;
-}
-
-// iq3_find_best_neighbour: of the off-grid point u's neighbours, the entry whose
-// values at `scale` fit xval best (weighted squared error); writes its levels.
-int best_neighbour(const Iq3Tables& t, int u, const float* xval, const float* weight, float scale, int8_t* L) {
-  const uint16_t* list = t.neighbours.data() + t.neighbours_at[static_cast<size_t>(u)];
-  float best_d2 = FLT_MAX;
-  int best = -1;
-  for (int j = 1; j <= list[0]; ++j) {
-    const auto& pg = t.grid[list[j]];
-    float d2 = 0;
-    for (int i = 0; i < 4; ++i) {
-      const float q = pg[static_cast<size_t>(i)];
-      const float diff = scale * q - xval[i];
-      d2 += weight[i] * diff * diff;
-    }
-    if (d2 < best_d2) {
-      best_d2 = d2;
-      best = list[j];
-    }
-  }
-  LOOM_ASSERT(best >= 0);
-  for (int i = 0; i < 4; ++i) L[i] = static_cast<int8_t>((t.grid[static_cast<size_t>(best)][static_cast<size_t>(i)] - 1) / 2);
-  return best;
-}
-
-// The lattice point of 4 levels.
-int lattice_point(const int8_t* L) {
-  int u = 0;
-  for (int i = 0; i < 4; ++i) u |= L[i] << (3 * i);
-  return u;
 }
 
 // Levels of 4 magnitudes at the inverse scale id, each clamped to 0..7.
@@ -143,12 +57,12 @@ void round_levels(const float* xval, float id, int8_t* L) {
 
 // Levels of each group of 4 at the inverse scale id, off-grid groups replaced by
 // their best neighbour at `scale`; on_grid[k] says which were on the grid.
-void levels_at(const Iq3Tables& t, const float* xval, const float* waux, float id, float scale, int8_t* L,
+void levels_at(const GridTables& t, const float* xval, const float* waux, float id, float scale, int8_t* L,
                bool* on_grid) {
   for (int k = 0; k < kGroup / 4; ++k) {
     round_levels(xval + 4 * k, id, L + 4 * k);
-    on_grid[k] = t.entry[static_cast<size_t>(lattice_point(L + 4 * k))] >= 0;
-    if (!on_grid[k]) best_neighbour(t, lattice_point(L + 4 * k), xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+    on_grid[k] = t.entry[static_cast<size_t>(t.point_of(L + 4 * k))] >= 0;
+    if (!on_grid[k]) best_neighbour(t, t.point_of(L + 4 * k), xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
   }
 }
 
@@ -182,7 +96,7 @@ float superblock_sigma2(const float* xbl) {
 // if some group of 4 was off the grid, every such group (all of them, with
 // `redo_all`: IQ3_S) re-rounded at the best scale and the scale refitted.
 // Returns the scale; L holds the levels, on the grid.
-float search_group(const Iq3Tables& t, const float* xval, const float* weight, const float* waux, float max,
+float search_group(const GridTables& t, const float* xval, const float* weight, const float* waux, float max,
                    int is_max, bool on_grid_start, bool redo_all, int8_t* L) {
   float best = 0;
   float scale = max / (2 * kMaxQ - 1);
@@ -208,7 +122,7 @@ float search_group(const Iq3Tables& t, const float* xval, const float* weight, c
     for (int k = 0; k < kGroup / 4; ++k) {
       if (on_grid[k] && !redo_all) continue;
       round_levels(xval + 4 * k, id, L + 4 * k);
-      const int u = lattice_point(L + 4 * k);
+      const int u = t.point_of(L + 4 * k);
       if (t.entry[static_cast<size_t>(u)] < 0) best_neighbour(t, u, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
     }
     const auto [sumqx, sumq2] = fit_sums(weight, xval, L);
@@ -218,8 +132,8 @@ float search_group(const Iq3Tables& t, const float* xval, const float* weight, c
 }
 
 // The grid entry of 4 levels, which the search left on the grid.
-int entry_of(const Iq3Tables& t, const int8_t* L) {
-  const int e = t.entry[static_cast<size_t>(lattice_point(L))];
+int entry_of(const GridTables& t, const int8_t* L) {
+  const int e = t.entry[static_cast<size_t>(t.point_of(L))];
   LOOM_ASSERT(e >= 0);
   return e;
 }
@@ -248,7 +162,7 @@ int scale_code(float id, float scale) { return std::clamp(nearest_int(0.5f * (id
 constexpr size_t kXxsBlock = 2 + 64 + 32;
 
 void quantize_superblock_iq3_xxs(const float* xbl, const float* qw, uint8_t* out) {
-  const Iq3Tables& t = tables_xxs();
+  const GridTables& t = tables_xxs();
   uint8_t q3[64 + 32] = {};
   uint32_t scales_and_signs[kSuper / kGroup] = {};
   float scales[kSuper / kGroup];
@@ -312,7 +226,7 @@ void quantize_superblock_iq3_xxs(const float* xbl, const float* qw, uint8_t* out
 constexpr size_t kSBlock = 2 + 64 + 8 + 32 + 4;
 
 void quantize_superblock_iq3_s(const float* xbl, const float* qw, uint8_t* out) {
-  const Iq3Tables& t = tables_s();
+  const GridTables& t = tables_s();
   std::memset(out, 0, kSBlock);
   uint8_t* qs = out + 2;
   uint8_t* qh = out + 66;

@@ -25,9 +25,10 @@
 namespace loom {
 namespace {
 
-const char* const kTypes[] = {"f32",    "f16",   "bf16",  "q4_0", "q4_1", "q5_0",  "q5_1",    "q8_0",
-                              "q2_k",   "q3_k",  "q4_k",  "q5_k", "q6_k", "iq4_nl", "iq4_xs", "mxfp4",
-                              "nvfp4",  "q1_0",  "q2_0",  "tq1_0", "tq2_0", "iq3_xxs", "iq3_s"};
+const char* const kTypes[] = {"f32",   "f16",     "bf16",  "q4_0",    "q4_1",   "q5_0",  "q5_1",   "q8_0",
+                              "q2_k",  "q3_k",    "q4_k",  "q5_k",    "q6_k",   "iq4_nl", "iq4_xs", "mxfp4",
+                              "nvfp4", "q1_0",    "q2_0",  "tq1_0",   "tq2_0",  "iq3_xxs", "iq3_s", "iq2_xxs",
+                              "iq2_xs", "iq2_s"};
 const char* const kModes[] = {"plain", "imatrix", "imatrix_zeros"};
 
 std::string fixture_dir() {
@@ -155,10 +156,27 @@ Expected load_plain(const std::string& type) {
 }
 
 // Every mode of the type: the fixture of that mode, or for types that ignore
-// the importance (q8_0, f16, bf16, f32), the plain fixture.
+// the importance (q8_0, f16, bf16, f32), the plain fixture. Types that need an
+// importance vector (iq2_xxs, iq2_xs) have no plain fixture and refuse rows
+// without one.
 TEST_P(QuantizeGgml, MatchesGgmlQuantizeChunk) {
   const Inputs& in = inputs();
   ThreadPool pool(2);
+  if (quantize_requires_importance(*dtype_from_name(GetParam()))) {
+    EXPECT_FALSE(load_expected(GetParam(), "plain"));
+    for (uint32_t mode = 1; mode < 3; ++mode) {
+      const auto want = load_expected(GetParam(), kModes[mode]);
+      ASSERT_TRUE(want) << "missing fixture " << GetParam() << "." << kModes[mode] << ".bin";
+      const auto got =
+          quantize(pool, want->type, in.src.data(), in.rows, in.cols, in.importance[mode - 1].data());
+      EXPECT_TRUE(same_blocks(want->type, in.cols, want->bytes, got)) << GetParam() << " " << kModes[mode];
+    }
+    std::vector<uint8_t> out(dtype_row_bytes(*dtype_from_name(GetParam()), in.cols));
+    test_util::expect_error(
+        [&] { quantize_rows(pool, *dtype_from_name(GetParam()), in.src.data(), out.data(), 1, in.cols, nullptr); },
+        ErrorKind::invalid_input, {GetParam(), "importance"});
+    return;
+  }
   const Expected plain = load_plain(GetParam());
   ASSERT_EQ(dtype_name(plain.type), std::string(GetParam()));
   for (uint32_t mode = 0; mode < 3; ++mode) {
@@ -197,6 +215,7 @@ TEST(QuantizeRows, ResultDoesNotDependOnThreadCount) {
   for (const char* name : kTypes) {
     const DType type = *dtype_from_name(name);
     for (const float* importance : {static_cast<const float*>(nullptr), m.importance.data()}) {
+      if (importance == nullptr && quantize_requires_importance(type)) continue;
       const auto a = quantize(one, type, m.x.data(), m.rows, m.cols, importance);
       const auto b = quantize(three, type, m.x.data(), m.rows, m.cols, importance);
       EXPECT_TRUE(same_blocks(type, m.cols, a, b)) << name << (importance ? " with importance" : "");
@@ -225,7 +244,8 @@ double relative_rms_error(DType type, const std::vector<uint8_t>& q, const Rando
 }
 
 // A sanity bound per type (about 1.4x what the formats give on these Gaussian
-// rows: q4_k 0.072, q2_k 0.30, q6_k 0.018, iq4_nl 0.076, iq4_xs 0.078), and the importance-weighted search
+// rows: q4_k 0.072, q2_k 0.30, q6_k 0.018, iq4_nl 0.076, iq4_xs 0.078, iq3_xxs 0.21, iq3_s 0.17,
+// iq2_s 0.26; iq2_xxs and iq2_xs need importance), and the importance-weighted search
 // must lower the importance-weighted error (q4_k: 0.072 -> 0.058).
 TEST(QuantizeRows, DequantizedErrorIsSmall) {
   const struct {
@@ -235,6 +255,7 @@ TEST(QuantizeRows, DequantizedErrorIsSmall) {
       {"f32", 0.0},   {"f16", 4e-4},   {"bf16", 2.5e-3}, {"q4_0", 0.12},   {"q4_1", 0.11},
       {"q5_0", 0.06}, {"q5_1", 0.055}, {"q8_0", 0.008},  {"q2_k", 0.40},   {"q3_k", 0.21},
       {"q4_k", 0.10}, {"q5_k", 0.05},  {"q6_k", 0.026},  {"iq4_nl", 0.11}, {"iq4_xs", 0.11},
+      {"iq3_xxs", 0.30}, {"iq3_s", 0.24}, {"iq2_s", 0.37},
   };
   const RandomMatrix m(40, 1024, 11);
   ThreadPool pool(2);

@@ -1,0 +1,92 @@
+// The grid quantizers' search tables (quantize_grid.h).
+
+// As in quantize_search.cpp: ggml's products and sums are not fused.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "kernels/quantize_grid.h"
+
+#include <cfloat>
+
+#include "core/error.h"
+
+namespace loom::quant {
+
+GridTables make_grid_tables(const void* dequant_grid, int size, int values, int bits, int lattice, int nwant,
+                            int (*level_of)(uint8_t)) {
+  GridTables t;
+  t.values = values;
+  t.bits = bits;
+  t.grid.resize(static_cast<size_t>(size * values));
+  t.entry.assign(static_cast<size_t>(lattice), -1);
+  t.neighbours_at.assign(static_cast<size_t>(lattice), -1);
+  const auto* bytes = static_cast<const uint8_t*>(dequant_grid);
+  for (int e = 0; e < size; ++e) {
+    int8_t levels[8];
+    for (int i = 0; i < values; ++i) {
+      levels[i] = static_cast<int8_t>(level_of(bytes[static_cast<size_t>(e * values + i)]));
+      t.grid[static_cast<size_t>(e * values + i)] = static_cast<int8_t>(2 * levels[i] + 1);
+    }
+    t.entry[static_cast<size_t>(t.point_of(levels))] = e;
+  }
+  // Squared distances are small integers: bucket the entries by distance instead
+  // of sorting them (the same order as ggml's qsort by distance, then entry).
+  const int mask = (1 << bits) - 1;
+  std::vector<int> d2(static_cast<size_t>(size));
+  std::vector<int> count;
+  for (int u = 0; u < lattice; ++u) {
+    if (t.entry[static_cast<size_t>(u)] >= 0) continue;
+    int max_d2 = 0;
+    for (int e = 0; e < size; ++e) {
+      int s = 0;
+      for (int i = 0; i < values; ++i) {
+        const int d = t.grid[static_cast<size_t>(e * values + i)] - (2 * ((u >> (bits * i)) & mask) + 1);
+        s += d * d;
+      }
+      d2[static_cast<size_t>(e)] = s;
+      max_d2 = s > max_d2 ? s : max_d2;
+    }
+    count.assign(static_cast<size_t>(max_d2) + 1, 0);
+    for (int e = 0; e < size; ++e) ++count[static_cast<size_t>(d2[static_cast<size_t>(e)])];
+    t.neighbours_at[static_cast<size_t>(u)] = static_cast<int>(t.neighbours.size());
+    const size_t count_at = t.neighbours.size();
+    t.neighbours.push_back(0);
+    int distinct = 0;
+    for (int d = 0; d <= max_d2 && distinct < nwant; ++d) {
+      if (count[static_cast<size_t>(d)] == 0) continue;
+      ++distinct;
+      for (int e = 0; e < size; ++e)
+        if (d2[static_cast<size_t>(e)] == d) t.neighbours.push_back(static_cast<uint16_t>(e));
+    }
+    t.neighbours[count_at] = static_cast<uint16_t>(t.neighbours.size() - count_at - 1);
+  }
+  return t;
+}
+
+int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L) {
+  const uint16_t* list = t.neighbours.data() + t.neighbours_at[static_cast<size_t>(u)];
+  float best_d2 = FLT_MAX;
+  int best = -1;
+  for (int j = 1; j <= list[0]; ++j) {
+    const int8_t* pg = t.values_of(list[j]);
+    float d2 = 0;
+    for (int i = 0; i < t.values; ++i) {
+      const float q = pg[i];
+      const float diff = scale * q - xval[i];
+      d2 += weight[i] * diff * diff;
+    }
+    if (d2 < best_d2) {
+      best_d2 = d2;
+      best = list[j];
+    }
+  }
+  LOOM_ASSERT(best >= 0);
+  const int8_t* pg = t.values_of(best);
+  for (int i = 0; i < t.values; ++i) L[i] = static_cast<int8_t>((pg[i] - 1) / 2);
+  return best;
+}
+
+}  // namespace loom::quant

@@ -1,0 +1,357 @@
+// The IQ2_XXS, IQ2_XS and IQ2_S row quantizers (ggml's quantize_row_iq2_xxs_impl,
+// quantize_row_iq2_xs_impl and quantize_row_iq2_s_impl, with iq2xs_init_impl's
+// tables): IQ3's search (quantize_iq3.cpp) on grids of 8-value entries with
+// levels 0..2 (values 1, 3, 5), per group of 32 (IQ2_XXS) or 16 (IQ2_XS, IQ2_S).
+// IQ2_XXS starts from make_qp_quants' scale and re-rounds every entry at the best
+// one; IQ2_XS and IQ2_S re-round only the entries that were off the grid. ggml
+// asserts an importance vector for IQ2_XXS and IQ2_XS (quantize_rows refuses
+// their rows without one); IQ2_S weighs by sigma2 / 4 + x^2 without it.
+// Byte-identical to llama-quantize (quantize_impl.h).
+
+// As in quantize_search.cpp: ggml's products and sums are not fused.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "core/error.h"
+#include "core/half.h"
+#include "kernels/iq_grids.h"
+#include "kernels/quantize_grid.h"
+#include "kernels/quantize_impl.h"
+
+namespace loom::quant {
+namespace {
+
+constexpr int kSuper = 256;
+constexpr int kMaxQ = 3;           // levels 0..2 of a grid value 2l + 1
+constexpr int kLattice = 43692;    // ggml's kmap_size: every 8 levels of 2 bits up to 0xAAAA, + 2
+constexpr float kSGroupEps = 1e-8f;  // ggml's GROUP_MAX_EPS_IQ2_S
+
+// The dequantization grids' bytes 8, 25, 43 are levels 0, 1, 2.
+int level_of(uint8_t v) { return v == 0x08 ? 0 : v == 0x19 ? 1 : 2; }
+
+// Built at first use (a fraction of a second for IQ2_S's 1,024 entries), once per grid.
+const GridTables& tables_xxs() {
+  static const GridTables t = make_grid_tables(kIq2xxsGrid, 256, 8, 2, kLattice, 2, level_of);
+  return t;
+}
+const GridTables& tables_xs() {
+  static const GridTables t = make_grid_tables(kIq2xsGrid, 512, 8, 2, kLattice, 2, level_of);
+  return t;
+}
+const GridTables& tables_s() {
+  static const GridTables t = make_grid_tables(kIq2sGrid, 1024, 8, 2, kLattice, 1, level_of);
+  return t;
+}
+
+// Levels of 8 magnitudes at the inverse scale id, each clamped to 0..2.
+void round_levels(const float* xval, float id, int8_t* L) {
+  for (int i = 0; i < 8; ++i)
+    L[i] = static_cast<int8_t>(std::clamp(nearest_int(0.5f * (id * xval[i] - 1)), 0, kMaxQ - 1));
+}
+
+// Rounds entry k's levels at id, replaced by the best neighbour at `scale` off
+// the grid; returns whether the rounded levels were on the grid.
+bool round_entry(const GridTables& t, const float* xval, const float* waux, float id, float scale, int8_t* L) {
+  round_levels(xval, id, L);
+  const int u = t.point_of(L);
+  if (t.entry[static_cast<size_t>(u)] >= 0) return true;
+  best_neighbour(t, u, xval, waux, scale, L);
+  return false;
+}
+
+// sum w x q and sum w q^2 over n values, q = 2 L + 1.
+std::pair<float, float> fit_sums(int n, const float* weight, const float* xval, const int8_t* L) {
+  float sumqx = 0, sumq2 = 0;
+  for (int i = 0; i < n; ++i) {
+    const float w = weight[i];
+    const float q = as_float(2 * L[i] + 1);
+    sumqx += w * xval[i] * q;
+    sumq2 += w * q * q;
+  }
+  return {sumqx, sumq2};
+}
+
+// The grid entry of 8 levels the search left on the grid.
+int entry_of(const GridTables& t, const int8_t* L) {
+  const int e = t.entry[static_cast<size_t>(t.point_of(L))];
+  LOOM_ASSERT(e >= 0);
+  return e;
+}
+
+float superblock_sumx2(const float* xbl) {
+  float sumx2 = 0;
+  for (int i = 0; i < kSuper; ++i) sumx2 += xbl[i] * xbl[i];
+  return sumx2;
+}
+
+// Magnitudes of 8 values and their sign bits (bit i: x[i] < 0); with `even`, the
+// sign of the cheapest weight flipped to make the count even (7 bits stored).
+uint8_t split_signs(const float* x, const float* weight, bool even, float* xval) {
+  uint8_t s = 0;
+  int nflip = 0;
+  for (int i = 0; i < 8; ++i) {
+    if (x[i] >= 0) {
+      xval[i] = x[i];
+    } else {
+      xval[i] = -x[i];
+      ++nflip;
+      s = static_cast<uint8_t>(s | (1 << i));
+    }
+  }
+  if (!even) return s;
+  if (nflip % 2) {
+    int imin = 0;
+    float min = weight[imin] * x[imin] * x[imin];
+    for (int i = 1; i < 8; ++i) {
+      const float ax = weight[i] * x[i] * x[i];
+      if (ax < min) {
+        min = ax;
+        imin = i;
+      }
+    }
+    xval[imin] = -xval[imin];
+    s = static_cast<uint8_t>(s ^ (1 << imin));
+  }
+  return s & 127;
+}
+
+float group_max(int n, const float* xval) {
+  float max = xval[0];
+  for (int i = 1; i < n; ++i) max = max > xval[i] ? max : xval[i];
+  return max;
+}
+
+int scale_code(float id, float scale) { return std::clamp(nearest_int(0.5f * (id * scale - 1)), 0, 15); }
+
+// ---- IQ2_XXS: groups of 32, d then per group a u32 of 4 entries and a u32 of
+// 4 x 7 sign bits with the 4-bit scale << 28 ----
+constexpr size_t kXxsBlock = 2 + 64;
+
+void quantize_superblock_iq2_xxs(const float* xbl, const float* qw, uint8_t* out) {
+  const GridTables& t = tables_xxs();
+  uint32_t q2[16] = {};
+  float scales[8];
+  float max_scale = 0;
+  const float sigma2 = superblock_sumx2(xbl) / kSuper;
+  for (int ib = 0; ib < 8; ++ib) {
+    const float* xb = xbl + 32 * ib;
+    float weight[32], waux[32], xval[32];
+    for (int i = 0; i < 32; ++i) weight[i] = qw[32 * ib + i] * std::sqrt(sigma2 + xb[i] * xb[i]);
+    for (int i = 0; i < 32; ++i) waux[i] = std::sqrt(weight[i]);
+    uint8_t signs[4];
+    for (int k = 0; k < 4; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, true, xval + 8 * k);
+    const float max = group_max(32, xval);
+    if (max < kGroupMaxEps) {
+      scales[ib] = 0;
+      continue;
+    }
+    int8_t L[32];
+    float scale = fit_positive(32, kMaxQ + 1, xval, weight, reinterpret_cast<uint8_t*>(L));
+    const float eff_max = scale * kMaxQ;
+    if (eff_max <= 0) {
+      scales[ib] = 0;
+      continue;
+    }
+    float best = 0;
+    for (int is = -6; is <= 6; ++is) {
+      const float id = (2 * kMaxQ - 1 + as_float(is) * 0.1f) / eff_max;
+      const float this_scale = 1 / id;
+      int8_t Laux[32];
+      for (int k = 0; k < 4; ++k) round_entry(t, xval + 8 * k, waux + 8 * k, id, this_scale, Laux + 8 * k);
+      const auto [sumqx, sumq2] = fit_sums(32, weight, xval, Laux);
+      if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+        scale = sumqx / sumq2;
+        best = scale * sumqx;
+        std::memcpy(L, Laux, 32);
+      }
+    }
+    if (scale > 0) {  // every entry again at the best scale
+      const float id = 1 / scale;
+      for (int k = 0; k < 4; ++k) round_entry(t, xval + 8 * k, waux + 8 * k, id, scale, L + 8 * k);
+      const auto [sumqx, sumq2] = fit_sums(32, weight, xval, L);
+      if (sumq2 > 0) scale = sumqx / sumq2;
+    }
+    if (scale < 0) {
+      scale = -scale;
+      for (auto& s : signs) s = static_cast<uint8_t>(~s & 127);
+    }
+    for (int k = 0; k < 4; ++k) {
+      q2[2 * ib] |= static_cast<uint32_t>(entry_of(t, L + 8 * k)) << (8 * k);
+      q2[2 * ib + 1] |= static_cast<uint32_t>(signs[k]) << (7 * k);
+    }
+    scales[ib] = scale;
+    max_scale = max_scale > scale ? max_scale : scale;
+  }
+  std::memset(out, 0, kXxsBlock);
+  if (max_scale == 0) return;
+  const float d = max_scale / 31;
+  const uint16_t dh = fp32_to_fp16(d);
+  const float id = 1 / d;
+  for (int ib = 0; ib < 8; ++ib) q2[2 * ib + 1] |= static_cast<uint32_t>(scale_code(id, scales[ib])) << 28;
+  std::memcpy(out, &dh, 2);
+  std::memcpy(out + 2, q2, sizeof(q2));
+}
+
+// ---- IQ2_XS and IQ2_S: groups of 16 (two entries), IQ3_XS-like search ----
+
+// The search of one group of 16 magnitudes: trial inverse scales (5 + 0.1 is) / max
+// for is in [-9, 9], the best kept; the entries that were off the grid then
+// rounded again at it and the scale refitted. Returns the scale (L: the levels).
+float search_group16(const GridTables& t, const float* xval, const float* weight, const float* waux, float max,
+                     int8_t* L) {
+  std::memset(L, 0, 16);
+  float best = 0;
+  float scale = max / (2 * kMaxQ - 1);
+  bool on_grid[2] = {true, true};
+  for (int is = -9; is <= 9; ++is) {
+    const float id = (2 * kMaxQ - 1 + as_float(is) * 0.1f) / max;
+    const float this_scale = 1 / id;
+    int8_t Laux[16];
+    bool on_grid_aux[2];
+    for (int k = 0; k < 2; ++k)
+      on_grid_aux[k] = round_entry(t, xval + 8 * k, waux + 8 * k, id, this_scale, Laux + 8 * k);
+    const auto [sumqx, sumq2] = fit_sums(16, weight, xval, Laux);
+    if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
+      scale = sumqx / sumq2;
+      best = scale * sumqx;
+      std::memcpy(L, Laux, 16);
+      on_grid[0] = on_grid_aux[0];
+      on_grid[1] = on_grid_aux[1];
+    }
+  }
+  if ((!on_grid[0] || !on_grid[1]) && scale > 0) {
+    const float id = 1 / scale;
+    for (int k = 0; k < 2; ++k)
+      if (!on_grid[k]) round_entry(t, xval + 8 * k, waux + 8 * k, id, scale, L + 8 * k);
+    const auto [sumqx, sumq2] = fit_sums(16, weight, xval, L);
+    if (sumq2 > 0) scale = sumqx / sumq2;
+  }
+  return scale;
+}
+
+// IQ2_XS: d, 32 u16 (an entry's 9-bit index | its 7 sign bits << 9), 8 bytes of
+// two 4-bit scales.
+constexpr size_t kXsBlock = 2 + 64 + 8;
+
+void quantize_superblock_iq2_xs(const float* xbl, const float* qw, uint8_t* out) {
+  const GridTables& t = tables_xs();
+  uint16_t q2[32] = {};
+  float scales[16];
+  float max_scale = 0;
+  const float sigma2 = superblock_sumx2(xbl) / kSuper;
+  for (int ib = 0; ib < 16; ++ib) {
+    const float* xb = xbl + 16 * ib;
+    float weight[16], waux[16], xval[16];
+    for (int i = 0; i < 16; ++i) weight[i] = qw[16 * ib + i] * std::sqrt(sigma2 + xb[i] * xb[i]);
+    for (int i = 0; i < 16; ++i) waux[i] = std::sqrt(weight[i]);
+    uint8_t signs[2];
+    for (int k = 0; k < 2; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, true, xval + 8 * k);
+    const float max = group_max(16, xval);
+    if (max < kGroupMaxEps) {
+      scales[ib] = 0;
+      continue;
+    }
+    int8_t L[16];
+    float scale = search_group16(t, xval, weight, waux, max, L);
+    if (scale < 0) {
+      scale = -scale;
+      for (auto& s : signs) s = static_cast<uint8_t>(~s & 127);
+    }
+    for (int k = 0; k < 2; ++k) q2[2 * ib + k] = static_cast<uint16_t>(entry_of(t, L + 8 * k) | (signs[k] << 9));
+    scales[ib] = scale;
+    max_scale = max_scale > scale ? max_scale : scale;
+  }
+  std::memset(out, 0, kXsBlock);
+  if (max_scale == 0) return;
+  const float d = max_scale / 31;
+  const uint16_t dh = fp32_to_fp16(d);
+  std::memcpy(out, &dh, 2);
+  std::memcpy(out + 2, q2, sizeof(q2));
+  const float id = 1 / d;
+  for (int ib = 0; ib < 16; ib += 2)
+    out[66 + ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib]) | (scale_code(id, scales[ib + 1]) << 4));
+}
+
+// IQ2_S: d, 32 low index bytes, 32 sign bytes, 8 bytes of the index bits 8..9
+// (2 bits an entry), 8 bytes of two 4-bit scales.
+constexpr size_t kSBlock = 2 + 64 + 8 + 8;
+
+void quantize_superblock_iq2_s(const float* xbl, const float* qw, uint8_t* out) {
+  const GridTables& t = tables_s();
+  std::memset(out, 0, kSBlock);
+  uint8_t* qs = out + 2;
+  uint8_t* qh = out + 66;
+  uint8_t* packed_scales = out + 74;
+  float scales[16];
+  float max_scale = 0;
+  const float sigma2 = 2 * superblock_sumx2(xbl) / kSuper;
+  for (int ib = 0; ib < 16; ++ib) {
+    const float* xb = xbl + 16 * ib;
+    float weight[16], waux[16], xval[16];
+    for (int i = 0; i < 16; ++i)
+      weight[i] = qw ? qw[16 * ib + i] * std::sqrt(sigma2 + xb[i] * xb[i]) : 0.25f * sigma2 + xb[i] * xb[i];
+    for (int i = 0; i < 16; ++i) waux[i] = std::sqrt(weight[i]);
+    uint8_t signs[2];
+    for (int k = 0; k < 2; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, false, xval + 8 * k);
+    const float max = group_max(16, xval);
+    if (max < kSGroupEps) {
+      scales[ib] = 0;
+      continue;
+    }
+    int8_t L[16];
+    float scale = search_group16(t, xval, weight, waux, max, L);
+    if (scale < 0) {
+      scale = -scale;
+      for (auto& s : signs) s = static_cast<uint8_t>(~s);
+    }
+    for (int k = 0; k < 2; ++k) {
+      const int e = entry_of(t, L + 8 * k), i8 = 2 * ib + k;
+      qs[i8] = static_cast<uint8_t>(e & 255);
+      qh[i8 / 4] = static_cast<uint8_t>(qh[i8 / 4] | ((e >> 8) << (2 * (i8 % 4))));
+      qs[32 + i8] = signs[k];
+    }
+    scales[ib] = scale;
+    max_scale = max_scale > scale ? max_scale : scale;
+  }
+  if (max_scale == 0) return;
+  const float d = max_scale / 31;
+  const uint16_t dh = fp32_to_fp16(d * 0.9875f);
+  std::memcpy(out, &dh, 2);
+  const float id = 1 / d;
+  for (int ib = 0; ib < 16; ib += 2)
+    packed_scales[ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib]) | (scale_code(id, scales[ib + 1]) << 4));
+}
+
+template <size_t kBlock, void (*kSuperblock)(const float*, const float*, uint8_t*)>
+void quantize_row_with(const float* x, void* dst, int64_t n, const float* importance) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
+    kSuperblock(x + kSuper * ibl, importance ? importance + kSuper * ibl : nullptr,
+                out + static_cast<size_t>(ibl) * kBlock);
+}
+
+}  // namespace
+
+void quantize_row_iq2_xxs(const float* x, void* dst, int64_t n, const float* importance) {
+  LOOM_ASSERT(importance != nullptr);  // (quantize_rows refuses these rows without one)
+  quantize_row_with<kXxsBlock, quantize_superblock_iq2_xxs>(x, dst, n, importance);
+}
+
+void quantize_row_iq2_xs(const float* x, void* dst, int64_t n, const float* importance) {
+  LOOM_ASSERT(importance != nullptr);
+  quantize_row_with<kXsBlock, quantize_superblock_iq2_xs>(x, dst, n, importance);
+}
+
+void quantize_row_iq2_s(const float* x, void* dst, int64_t n, const float* importance) {
+  quantize_row_with<kSBlock, quantize_superblock_iq2_s>(x, dst, n, importance);
+}
+
+}  // namespace loom::quant
