@@ -28,7 +28,9 @@ constexpr FileTypeInfo kFileTypes[] = {
     {FileType::q5_k_m, "Q5_K_M", DType::q5_k},   {FileType::q6_k, "Q6_K", DType::q6_k},
     {FileType::iq4_nl, "IQ4_NL", DType::iq4_nl}, {FileType::iq4_xs, "IQ4_XS", DType::iq4_xs},
     {FileType::iq3_m, "IQ3_M", DType::iq3_s},    {FileType::iq3_s, "IQ3_S", DType::iq3_s},
-    {FileType::iq3_xs, "IQ3_XS", DType::iq3_s},
+    {FileType::iq3_xs, "IQ3_XS", DType::iq3_s},  {FileType::iq3_xxs, "IQ3_XXS", DType::iq3_xxs},
+    {FileType::iq2_m, "IQ2_M", DType::iq2_s},    {FileType::iq2_s, "IQ2_S", DType::iq2_xs},
+    {FileType::iq2_xs, "IQ2_XS", DType::iq2_xs}, {FileType::iq2_xxs, "IQ2_XXS", DType::iq2_xxs},
     {FileType::q1_0, "Q1_0", DType::q1_0},       {FileType::q2_0, "Q2_0", DType::q2_0},
     {FileType::tq1_0, "TQ1_0", DType::tq1_0},    {FileType::tq2_0, "TQ2_0", DType::tq2_0},
 };
@@ -90,6 +92,33 @@ struct MixState {
   bool tied_embeddings = true;
 };
 
+// The 1- and 2-bit grid file types, which llama.cpp's rules treat as one family.
+bool is_iq2_family(FileType f) {
+  return f == FileType::iq2_xxs || f == FileType::iq2_xs || f == FileType::iq1_s || f == FileType::iq2_s ||
+         f == FileType::iq2_m || f == FileType::iq1_m;
+}
+
+// The IQ2/IQ1 family's own chain (no other rule applies to its tensors but the
+// output's and the token embedding's): attn_v and the first eighth of ffn_down get
+// Q2_K (IQ2_S, IQ2_M: IQ3_S; Q4_K with grouped-query attention), attn_output
+// IQ2_XXS (IQ1) or IQ3_S (IQ2_S, IQ2_M).
+DType iq2_family_type(MixState& s, FileType f, int64_t n_gqa, DType t, Category cat) {
+  const bool s_or_m = f == FileType::iq2_s || f == FileType::iq2_m;
+  if (is_attn_v_like(cat)) {
+    ++s.i_attention_wv;
+    return n_gqa >= 4 ? DType::q4_k : s_or_m ? DType::iq3_s : DType::q2_k;
+  }
+  if (cat == Category::ffn_down) {
+    if (s.i_ffn_down++ < s.n_ffn / 8) return s_or_m ? DType::iq3_s : DType::q2_k;
+    return t;
+  }
+  if (cat == Category::attn_output) {
+    if (f == FileType::iq1_s || f == FileType::iq1_m) return DType::iq2_xxs;
+    if (s_or_m) return DType::iq3_s;
+  }
+  return t;
+}
+
 // llama_tensor_get_type_impl for the file types loom writes (one rule a line, as
 // llama.cpp's chains read).
 // clang-format off
@@ -100,16 +129,21 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
   if (cat == Category::output || (s.tied_embeddings && cat == Category::token_embd)) {
     if (opt.output_type) return *opt.output_type;
     if (tensor.shape.back() % dtype_block_size(t) != 0) return DType::q8_0;
+    if (is_iq2_family(f) || f == FileType::iq3_xxs) return DType::q5_k;
     return t != DType::q8_0 ? DType::q6_k : t;
   }
   if (cat == Category::token_embd) {
     if (opt.token_embedding_type) return *opt.token_embedding_type;
+    if (f == FileType::iq2_xxs || f == FileType::iq2_xs || f == FileType::iq1_s || f == FileType::iq1_m) return DType::q2_k;
+    if (f == FileType::iq2_s || f == FileType::iq2_m || f == FileType::iq3_xxs) return DType::iq3_s;
     return f == FileType::q2_0 || f == FileType::tq1_0 || f == FileType::tq2_0 ? DType::q4_k : t;
   }
+  if (is_iq2_family(f)) return iq2_family_type(s, f, n_gqa, t, cat);
   if (is_attn_v_like(cat)) {
     const int64_t i = s.i_attention_wv, n = s.n_attention_wv;
     if (f == FileType::q2_k) t = n_gqa >= 4 ? DType::q4_k : DType::q3_k;
     else if (f == FileType::q2_k_s && n_gqa >= 4) t = DType::q4_k;
+    else if (f == FileType::iq3_xxs) t = n_gqa >= 4 ? DType::q4_k : !opt.has_imatrix ? DType::iq3_s : DType::iq3_xxs;
     else if ((f == FileType::iq3_xs || f == FileType::iq3_s) && n_gqa >= 4) t = DType::q4_k;
     else if (f == FileType::iq3_m) t = DType::q4_k;
     else if (f == FileType::q3_k_m) t = i < 2 ? DType::q5_k : DType::q4_k;
@@ -125,6 +159,7 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
     const int64_t i = s.i_ffn_down, n = s.n_ffn;
     if (f == FileType::q2_k) t = DType::q3_k;
     else if (f == FileType::q2_k_s) { if (i < n / 8) t = DType::q4_k; }
+    else if (f == FileType::iq3_xxs && !opt.has_imatrix) t = i < n / 8 ? DType::q4_k : DType::q3_k;
     else if (f == FileType::q3_k_m) t = i < n / 16 ? DType::q5_k : DType::q4_k;
     else if (f == FileType::iq3_m && i < n / 8) t = DType::q4_k;
     else if (f == FileType::q3_k_l) t = DType::q5_k;
@@ -139,6 +174,7 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
   }
   if (cat == Category::attn_output) {
     if (f == FileType::q2_k) t = DType::q3_k;
+    else if (f == FileType::iq3_xxs) t = DType::iq3_s;
     else if (f == FileType::q3_k_m) t = DType::q4_k;
     else if (f == FileType::q3_k_l) t = DType::q5_k;
     else if (f == FileType::iq3_m) t = DType::q4_k;
@@ -146,6 +182,7 @@ DType mix_type(MixState& s, const ModelShapeInfo& m, const QuantizeOptions& opt,
   }
   if (cat == Category::attn_k || cat == Category::attn_q) {
     if (f == FileType::iq3_xs) t = DType::iq3_xxs;
+    else if (f == FileType::iq3_xxs) t = DType::iq2_s;
     return t;
   }
   if (cat == Category::ffn_gate || cat == Category::ffn_up) {  // IQ3_XS: iq3_xxs between the first and last eighth
@@ -175,7 +212,8 @@ DType fit_to_width(DType t, int64_t cols, bool& fell_back) {
     case DType::q4_k: t = DType::q5_0; break;
     case DType::q5_k: t = DType::q5_1; break;
     case DType::q6_k: t = DType::q8_0; break;
-    case DType::iq4_xs: case DType::iq3_xxs: case DType::iq3_s: t = DType::iq4_nl; break;
+    case DType::iq4_xs: case DType::iq3_xxs: case DType::iq3_s: case DType::iq2_xxs: case DType::iq2_xs:
+    case DType::iq2_s: case DType::iq1_s: case DType::iq1_m: t = DType::iq4_nl; break;
     default: break;
   }
   return cols % dtype_block_size(t) == 0 ? t : DType::f16;
@@ -209,7 +247,8 @@ std::vector<FileType> all_file_types() {
 bool plan_requires_importance(const TensorPlan& p, FileType file_type) {
   if (!p.quantized || p.to == p.from || p.name == "token_embd.weight" || p.name == "output.weight") return false;
   if (p.to == DType::q2_k) return file_type == FileType::q2_k_s;
-  return p.to == DType::iq3_xxs;
+  return p.to == DType::iq3_xxs || p.to == DType::iq2_xxs || p.to == DType::iq2_xs || p.to == DType::iq2_s ||
+         p.to == DType::iq1_s || p.to == DType::iq1_m;
 }
 
 bool tensor_is_quantizable(const TensorInput& t, bool quantize_output) {

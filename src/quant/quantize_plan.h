@@ -35,12 +35,19 @@ enum class FileType : uint32_t {
   q5_k_s = 16,
   q5_k_m = 17,
   q6_k = 18,
+  iq2_xxs = 19,
+  iq2_xs = 20,
   q2_k_s = 21,
   iq3_xs = 22,
+  iq3_xxs = 23,
+  iq1_s = 24,
   iq4_nl = 25,
   iq3_s = 26,
   iq3_m = 27,
+  iq2_s = 28,
+  iq2_m = 29,
   iq4_xs = 30,
+  iq1_m = 31,
   bf16 = 32,
   tq1_0 = 36,
   tq2_0 = 37,
@@ -94,7 +101,8 @@ struct TensorPlan {
 
 // Whether quantizing this tensor as planned needs its importance (an imatrix
 // entry), as llama-quantize refuses without one (tensor_requires_imatrix): the
-// very-low-bit grid types (iq3_xxs) and Q2_K_S's q2_k, never token_embd or output.
+// very-low-bit grid types (iq3_xxs, iq2_xxs, iq2_xs, iq2_s, iq1_s, iq1_m) and
+// Q2_K_S's q2_k, never token_embd or output.
 bool plan_requires_importance(const TensorPlan& p, FileType file_type);
 
 // The plan for every tensor, in llama.cpp's processing order (tensors of no

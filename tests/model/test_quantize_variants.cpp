@@ -120,7 +120,8 @@ TEST_P(QuantizeVariantsGrid, EqualsLlamaQuantizeWithTheImportanceMatrix) {
                                kRoot + "models/variants/imatrix.gguf");
 }
 
-INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsGrid, ::testing::Values("IQ3_XS", "IQ3_S", "IQ3_M"),
+INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsGrid,
+                         ::testing::Values("IQ3_XS", "IQ3_S", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS"),
                          [](const auto& info) { return std::string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsImatrix,

@@ -146,8 +146,57 @@ TEST(QuantizePlan, Iq3MixesOnA256MultipleShape) {
   EXPECT_EQ(m.at("blk.1.ffn_down.weight"), DType::iq3_s);
 }
 
+// IQ3_XXS and the IQ2 file types on the 1B-like shape (GQA 4), as
+// llama_tensor_get_type chooses: the IQ2 family has its own short chain.
+TEST(QuantizePlan, Iq2AndIq3XxsMixesOnA256MultipleShape) {
+  const auto t = llama_tensors(16, 2048, 8192, 512, 128256, false);
+  QuantizeOptions o;
+  o.has_imatrix = true;
+  o.file_type = FileType::iq3_xxs;
+  auto m = plan_map(plan_quantization(t, {16, 32, 8}, o));
+  EXPECT_EQ(m.at("output.weight"), DType::q5_k);
+  EXPECT_EQ(m.at("token_embd.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("blk.0.attn_q.weight"), DType::iq2_s);
+  EXPECT_EQ(m.at("blk.0.attn_k.weight"), DType::iq2_s);
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.0.attn_output.weight"), DType::iq3_s);
+  EXPECT_EQ(m.at("blk.0.ffn_down.weight"), DType::iq3_xxs);
+  EXPECT_EQ(m.at("blk.0.ffn_gate.weight"), DType::iq3_xxs);
+  o.has_imatrix = false;
+  m = plan_map(plan_quantization(t, {16, 32, 32}, o));
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::iq3_s);  // MHA without an imatrix
+  EXPECT_EQ(m.at("blk.1.ffn_down.weight"), DType::q4_k);
+  EXPECT_EQ(m.at("blk.2.ffn_down.weight"), DType::q3_k);
+  o.has_imatrix = true;
+  m = plan_map(plan_quantization(t, {16, 32, 32}, o));
+  EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::iq3_xxs);
+  for (FileType ft : {FileType::iq2_xxs, FileType::iq2_xs, FileType::iq2_s, FileType::iq2_m}) {
+    SCOPED_TRACE(file_type_name(ft));
+    o.file_type = ft;
+    const bool s_or_m = ft == FileType::iq2_s || ft == FileType::iq2_m;
+    const DType base = ft == FileType::iq2_xxs ? DType::iq2_xxs : ft == FileType::iq2_m ? DType::iq2_s : DType::iq2_xs;
+    m = plan_map(plan_quantization(t, {16, 32, 8}, o));
+    EXPECT_EQ(m.at("output.weight"), DType::q5_k);
+    EXPECT_EQ(m.at("token_embd.weight"), s_or_m ? DType::iq3_s : DType::q2_k);
+    EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q4_k);  // GQA 4
+    EXPECT_EQ(m.at("blk.1.ffn_down.weight"), s_or_m ? DType::iq3_s : DType::q2_k);  // the first eighth
+    EXPECT_EQ(m.at("blk.2.ffn_down.weight"), base);
+    EXPECT_EQ(m.at("blk.0.attn_output.weight"), s_or_m ? DType::iq3_s : base);
+    EXPECT_EQ(m.at("blk.5.attn_q.weight"), base);
+    EXPECT_EQ(m.at("blk.5.ffn_up.weight"), base);
+    m = plan_map(plan_quantization(t, {16, 32, 32}, o));
+    EXPECT_EQ(m.at("blk.0.attn_v.weight"), s_or_m ? DType::iq3_s : DType::q2_k);
+  }
+  // Rows the grids do not fit: IQ4_NL.
+  o.file_type = FileType::iq2_xxs;
+  m = plan_map(plan_quantization(llama_tensors(2, 576, 1536, 192, 49152, true), {2, 9, 3}, o));
+  EXPECT_EQ(m.at("blk.0.attn_q.weight"), DType::iq4_nl);
+  EXPECT_EQ(m.at("blk.0.ffn_down.weight"), DType::iq2_xxs);
+  EXPECT_EQ(m.at("token_embd.weight"), DType::q8_0);  // tied: the output's rule; 576 % 256
+}
+
 // llama-quantize's tensor_requires_imatrix.
-TEST(QuantizePlan, ImportanceIsRequiredForIq3XxsAndQ2KSOnly) {
+TEST(QuantizePlan, ImportanceIsRequiredForTheLowBitGridsAndQ2KS) {
   const TensorPlan xxs{"blk.0.attn_q.weight", DType::f16, DType::iq3_xxs, true};
   EXPECT_TRUE(plan_requires_importance(xxs, FileType::iq3_xs));
   EXPECT_FALSE(plan_requires_importance({"blk.0.attn_q.weight", DType::f16, DType::iq3_s, true}, FileType::iq3_xs));
@@ -157,6 +206,8 @@ TEST(QuantizePlan, ImportanceIsRequiredForIq3XxsAndQ2KSOnly) {
   EXPECT_FALSE(plan_requires_importance({"blk.0.ffn_up.weight", DType::f16, DType::q2_k, true}, FileType::q2_k));
   EXPECT_FALSE(plan_requires_importance({"blk.0.ffn_up.weight", DType::iq3_xxs, DType::iq3_xxs, true},
                                         FileType::iq3_xs));  // kept as it is
+  for (DType d : {DType::iq2_xxs, DType::iq2_xs, DType::iq2_s})
+    EXPECT_TRUE(plan_requires_importance({"blk.3.ffn_down.weight", DType::f16, d, true}, FileType::iq2_m));
 }
 
 TEST(QuantizePlan, PureOverridesAndPlainTypes) {
@@ -185,19 +236,21 @@ TEST(QuantizePlan, PureOverridesAndPlainTypes) {
   test_util::expect_error([&] { plan_quantization(t, {4, 9, 3}, o); }, ErrorKind::invalid_input, {"("});
 }
 
-// Q1_0, Q2_0, TQ1_0 and TQ2_0 files as llama-quantize wrote them (the GGUF
-// battery's manifest, from a 2-layer model of hidden 256, FFN 384, 320 tokens,
-// untied output): every matrix of the type, the output Q6_K, the token embeddings
-// Q4_K but in Q1_0, the ternary types' 384-wide ffn_down Q4_0; Q2_0 rows not a
-// multiple of 64 fall back to q4_0, and Q1_0 ones (128) stop with the tensor named.
+// Q1_0, Q2_0, TQ1_0, TQ2_0, IQ3_XXS and IQ3_M files as llama-quantize wrote them
+// (the GGUF battery's manifest, from a 2-layer model of hidden 256, FFN 384, 320
+// tokens, untied output): every matrix of the type, the output Q6_K, the token
+// embeddings Q4_K but in Q1_0, the ternary types' 384-wide ffn_down Q4_0 (IQ3's:
+// IQ4_NL), IQ3_XXS's attn_q / attn_k IQ2_S; Q2_0 rows not a multiple of 64 fall back
+// to q4_0, and Q1_0 ones (128) stop with the tensor named.
 TEST(QuantizePlan, LowBitAndTernaryFilesAsLlamaQuantizeWroteThem) {
   std::ifstream in(std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/gguf_battery/manifest.json");
   ASSERT_TRUE(in.good());
   const auto manifest = nlohmann::json::parse(in);
   const auto tensors = llama_tensors(2, 256, 384, 128, 320, false);
-  for (const char* ft : {"Q1_0", "Q2_0", "TQ1_0", "TQ2_0"}) {
+  for (const char* ft : {"Q1_0", "Q2_0", "TQ1_0", "TQ2_0", "IQ3_XXS", "IQ3_M"}) {
     QuantizeOptions opt;
     opt.file_type = *file_type_from_name(ft);
+    opt.has_imatrix = std::string(ft).starts_with("IQ");  // the battery's IQ files were made with one
     const auto plan =
         plan_map(plan_quantization(tensors, {.n_layers = 2, .n_heads = 4, .n_kv_heads = 2}, opt));
     int checked = 0;
@@ -229,7 +282,10 @@ TEST(QuantizePlan, FileTypeNames) {
   EXPECT_EQ(file_type_from_name("q4_k_m"), FileType::q4_k_m);
   EXPECT_EQ(file_type_from_name("15"), FileType::q4_k_m);
   EXPECT_EQ(file_type_default(FileType::q5_k_s), DType::q5_k);
-  EXPECT_FALSE(file_type_from_name("IQ2_XXS"));
+  EXPECT_EQ(file_type_from_name("iq2_xxs"), FileType::iq2_xxs);
+  EXPECT_EQ(file_type_from_name("29"), FileType::iq2_m);
+  EXPECT_EQ(file_type_default(FileType::iq2_s), DType::iq2_xs);  // llama.cpp's IQ2_S file is mostly IQ2_XS
+  EXPECT_FALSE(file_type_from_name("IQ1_S"));                      // read, not written
   EXPECT_FALSE(file_type_from_name("Q4_K_X"));
   EXPECT_FALSE(file_type_from_name("4"));
 }
