@@ -32,8 +32,9 @@ void add_quantize_flags(CLI::App& app, QuantizeFlags& f, const char* default_typ
   app.add_option("-o,--output", f.out_path, "the output .gguf file")->required();
   app.add_option("--type", f.type_name,
                  "file type: Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q3_K_L, Q3_K_M, Q3_K_S, Q2_K, Q2_K_S, "
-                 "IQ4_XS, IQ4_NL, IQ3_M, IQ3_S, IQ3_XS, IQ3_XXS, IQ2_M, IQ2_S, IQ2_XS, IQ2_XXS, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, Q2_0, "
-                 "Q1_0, TQ2_0, TQ1_0, F16, BF16, F32")
+                 "IQ4_XS, IQ4_NL, IQ3_M, IQ3_S, IQ3_XS, IQ3_XXS, IQ2_M, IQ2_S, IQ2_XS, IQ2_XXS, IQ1_M, IQ1_S, "
+                 "Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, Q2_0, Q1_0, TQ2_0, TQ1_0, F16, BF16, F32 (IQ1_S, IQ1_M, IQ2_*, "
+                 "IQ3_XXS and IQ3_XS need --imatrix)")
       ->default_val(default_type);
   app.add_option("--imatrix", f.imatrix_path, "importance matrix (loom imatrix or llama-imatrix, .gguf or .dat)");
   app.add_flag("--allow-requantize", f.opt.allow_requantize, "allow quantizing tensors that are already quantized");

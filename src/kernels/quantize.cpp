@@ -95,6 +95,8 @@ void quantize_row(DType type, const float* x, void* dst, int64_t n, const float*
   if (type == DType::iq2_xxs) return quant::quantize_row_iq2_xxs(x, dst, n, importance);
   if (type == DType::iq2_xs) return quant::quantize_row_iq2_xs(x, dst, n, importance);
   if (type == DType::iq2_s) return quant::quantize_row_iq2_s(x, dst, n, importance);
+  if (type == DType::iq1_s) return quant::quantize_row_iq1_s(x, dst, n, importance);
+  if (type == DType::iq1_m) return quant::quantize_row_iq1_m(x, dst, n, importance);
   if (type == DType::mxfp4)
     return quant::quantize_row_mxfp4(x, dst, n);  // (ggml takes no importance for these)
   if (type == DType::nvfp4) return quant::quantize_row_nvfp4(x, dst, n);
@@ -181,6 +183,8 @@ bool quantize_supported(DType type) {
     case DType::iq2_xxs:
     case DType::iq2_xs:
     case DType::iq2_s:
+    case DType::iq1_s:
+    case DType::iq1_m:
     case DType::mxfp4:
     case DType::nvfp4:
     case DType::q1_0:
@@ -193,7 +197,9 @@ bool quantize_supported(DType type) {
   }
 }
 
-bool quantize_requires_importance(DType type) { return type == DType::iq2_xxs || type == DType::iq2_xs; }
+bool quantize_requires_importance(DType type) {
+  return type == DType::iq2_xxs || type == DType::iq2_xs || type == DType::iq1_s;
+}
 
 void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, int64_t nrows,
                    int64_t n_per_row, const float* importance) {
@@ -201,8 +207,8 @@ void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, in
     fail(
         ErrorKind::unsupported,
         "quantize: no quantizer for tensor type {} (supported: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, "
-        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, iq2_xxs, iq2_xs, iq2_s, mxfp4, nvfp4, q1_0, "
-        "q2_0, tq1_0, tq2_0)",
+        "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, iq2_xxs, iq2_xs, iq2_s, iq1_s, iq1_m, mxfp4, "
+        "nvfp4, q1_0, q2_0, tq1_0, tq2_0)",
         dtype_name(type));
   const int64_t block = dtype_block_size(type);
   if (n_per_row <= 0 || n_per_row % block != 0)

@@ -1,7 +1,7 @@
 // Weight quantization into the GGUF formats, byte-identical to llama.cpp's
 // (ggml_quantize_chunk, what llama-quantize writes): round-to-nearest for the
 // 32-element formats and ggml's scale searches for the k-quants, iq4_nl / iq4_xs
-// and the iq2 / iq3 grids; with an importance matrix, ggml's weighted searches for
+// and the iq1 / iq2 / iq3 grids; with an importance matrix, ggml's weighted searches for
 // all of them but q8_0.
 #pragma once
 
@@ -13,10 +13,11 @@
 namespace loom {
 
 // Types quantize_rows can produce: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k,
-// q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, iq2_xxs, iq2_xs, iq2_s, mxfp4, nvfp4, q1_0, q2_0, tq1_0, tq2_0.
+// q6_k, iq4_nl, iq4_xs, iq3_xxs, iq3_s, iq2_xxs, iq2_xs, iq2_s, iq1_s, iq1_m, mxfp4, nvfp4, q1_0, q2_0,
+// tq1_0, tq2_0.
 bool quantize_supported(DType type);
 // Types whose rows quantize_rows quantizes only with an importance vector
-// (iq2_xxs, iq2_xs: ggml's quantizers assert one).
+// (iq2_xxs, iq2_xs, iq1_s: ggml's quantizers assert one).
 bool quantize_requires_importance(DType type);
 
 // Quantizes `nrows` rows of `n_per_row` floats (n_per_row a multiple of the type's block size) into `dst`

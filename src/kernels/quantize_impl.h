@@ -94,6 +94,9 @@ void quantize_row_iq3_s(const float* x, void* dst, int64_t n, const float* impor
 void quantize_row_iq2_xxs(const float* x, void* dst, int64_t n, const float* importance);
 void quantize_row_iq2_xs(const float* x, void* dst, int64_t n, const float* importance);
 void quantize_row_iq2_s(const float* x, void* dst, int64_t n, const float* importance);
+// IQ1_S (importance required) / IQ1_M (quantize_iq1.cpp).
+void quantize_row_iq1_s(const float* x, void* dst, int64_t n, const float* importance);
+void quantize_row_iq1_m(const float* x, void* dst, int64_t n, const float* importance);
 // MXFP4 / NVFP4 / Q1_0 / Q2_0 / TQ1_0 / TQ2_0 (quantize_plain.cpp): ggml's reference quantizers,
 // which an importance matrix does not change.
 void quantize_row_mxfp4(const float* x, void* dst, int64_t n);

@@ -31,6 +31,7 @@ constexpr FileTypeInfo kFileTypes[] = {
     {FileType::iq3_xs, "IQ3_XS", DType::iq3_s},  {FileType::iq3_xxs, "IQ3_XXS", DType::iq3_xxs},
     {FileType::iq2_m, "IQ2_M", DType::iq2_s},    {FileType::iq2_s, "IQ2_S", DType::iq2_xs},
     {FileType::iq2_xs, "IQ2_XS", DType::iq2_xs}, {FileType::iq2_xxs, "IQ2_XXS", DType::iq2_xxs},
+    {FileType::iq1_m, "IQ1_M", DType::iq1_m},    {FileType::iq1_s, "IQ1_S", DType::iq1_s},
     {FileType::q1_0, "Q1_0", DType::q1_0},       {FileType::q2_0, "Q2_0", DType::q2_0},
     {FileType::tq1_0, "TQ1_0", DType::tq1_0},    {FileType::tq2_0, "TQ2_0", DType::tq2_0},
 };

@@ -111,7 +111,7 @@ TEST_P(QuantizeVariantsImatrix, EqualsLlamaQuantizeWithTheSameImportanceMatrix) 
 }
 
 // The grid files scripts/make_gguf_variants makes with the importance matrix
-// (SmolLM2's 576-wide rows fall back to iq4_nl; ffn_down, 1536 wide, is iq3_s).
+// (SmolLM2's 576-wide rows fall back to iq4_nl; only ffn_down, 1536 wide, takes the grids).
 class QuantizeVariantsGrid : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(QuantizeVariantsGrid, EqualsLlamaQuantizeWithTheImportanceMatrix) {
@@ -121,7 +121,8 @@ TEST_P(QuantizeVariantsGrid, EqualsLlamaQuantizeWithTheImportanceMatrix) {
 }
 
 INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsGrid,
-                         ::testing::Values("IQ3_XS", "IQ3_S", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS"),
+                         ::testing::Values("IQ3_XS", "IQ3_S", "IQ3_M", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+                                           "IQ1_S", "IQ1_M"),
                          [](const auto& info) { return std::string(info.param); });
 
 INSTANTIATE_TEST_SUITE_P(FileTypes, QuantizeVariantsImatrix,

@@ -28,7 +28,7 @@ namespace {
 const char* const kTypes[] = {"f32",   "f16",     "bf16",  "q4_0",    "q4_1",   "q5_0",  "q5_1",   "q8_0",
                               "q2_k",  "q3_k",    "q4_k",  "q5_k",    "q6_k",   "iq4_nl", "iq4_xs", "mxfp4",
                               "nvfp4", "q1_0",    "q2_0",  "tq1_0",   "tq2_0",  "iq3_xxs", "iq3_s", "iq2_xxs",
-                              "iq2_xs", "iq2_s"};
+                              "iq2_xs", "iq2_s", "iq1_s", "iq1_m"};
 const char* const kModes[] = {"plain", "imatrix", "imatrix_zeros"};
 
 std::string fixture_dir() {
@@ -157,7 +157,7 @@ Expected load_plain(const std::string& type) {
 
 // Every mode of the type: the fixture of that mode, or for types that ignore
 // the importance (q8_0, f16, bf16, f32), the plain fixture. Types that need an
-// importance vector (iq2_xxs, iq2_xs) have no plain fixture and refuse rows
+// importance vector (iq2_xxs, iq2_xs, iq1_s) have no plain fixture and refuse rows
 // without one.
 TEST_P(QuantizeGgml, MatchesGgmlQuantizeChunk) {
   const Inputs& in = inputs();

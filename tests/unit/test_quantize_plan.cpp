@@ -146,7 +146,7 @@ TEST(QuantizePlan, Iq3MixesOnA256MultipleShape) {
   EXPECT_EQ(m.at("blk.1.ffn_down.weight"), DType::iq3_s);
 }
 
-// IQ3_XXS and the IQ2 file types on the 1B-like shape (GQA 4), as
+// IQ3_XXS and the IQ2 and IQ1 file types on the 1B-like shape (GQA 4), as
 // llama_tensor_get_type chooses: the IQ2 family has its own short chain.
 TEST(QuantizePlan, Iq2AndIq3XxsMixesOnA256MultipleShape) {
   const auto t = llama_tensors(16, 2048, 8192, 512, 128256, false);
@@ -170,18 +170,24 @@ TEST(QuantizePlan, Iq2AndIq3XxsMixesOnA256MultipleShape) {
   o.has_imatrix = true;
   m = plan_map(plan_quantization(t, {16, 32, 32}, o));
   EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::iq3_xxs);
-  for (FileType ft : {FileType::iq2_xxs, FileType::iq2_xs, FileType::iq2_s, FileType::iq2_m}) {
+  for (FileType ft : {FileType::iq2_xxs, FileType::iq2_xs, FileType::iq2_s, FileType::iq2_m, FileType::iq1_s,
+                      FileType::iq1_m}) {
     SCOPED_TRACE(file_type_name(ft));
     o.file_type = ft;
     const bool s_or_m = ft == FileType::iq2_s || ft == FileType::iq2_m;
-    const DType base = ft == FileType::iq2_xxs ? DType::iq2_xxs : ft == FileType::iq2_m ? DType::iq2_s : DType::iq2_xs;
+    const bool iq1 = ft == FileType::iq1_s || ft == FileType::iq1_m;
+    const DType base = ft == FileType::iq2_xxs ? DType::iq2_xxs
+                       : ft == FileType::iq2_m ? DType::iq2_s
+                       : ft == FileType::iq1_s ? DType::iq1_s
+                       : ft == FileType::iq1_m ? DType::iq1_m
+                                               : DType::iq2_xs;
     m = plan_map(plan_quantization(t, {16, 32, 8}, o));
     EXPECT_EQ(m.at("output.weight"), DType::q5_k);
     EXPECT_EQ(m.at("token_embd.weight"), s_or_m ? DType::iq3_s : DType::q2_k);
     EXPECT_EQ(m.at("blk.0.attn_v.weight"), DType::q4_k);  // GQA 4
     EXPECT_EQ(m.at("blk.1.ffn_down.weight"), s_or_m ? DType::iq3_s : DType::q2_k);  // the first eighth
     EXPECT_EQ(m.at("blk.2.ffn_down.weight"), base);
-    EXPECT_EQ(m.at("blk.0.attn_output.weight"), s_or_m ? DType::iq3_s : base);
+    EXPECT_EQ(m.at("blk.0.attn_output.weight"), s_or_m ? DType::iq3_s : iq1 ? DType::iq2_xxs : base);
     EXPECT_EQ(m.at("blk.5.attn_q.weight"), base);
     EXPECT_EQ(m.at("blk.5.ffn_up.weight"), base);
     m = plan_map(plan_quantization(t, {16, 32, 32}, o));
@@ -236,18 +242,19 @@ TEST(QuantizePlan, PureOverridesAndPlainTypes) {
   test_util::expect_error([&] { plan_quantization(t, {4, 9, 3}, o); }, ErrorKind::invalid_input, {"("});
 }
 
-// Q1_0, Q2_0, TQ1_0, TQ2_0, IQ3_XXS and IQ3_M files as llama-quantize wrote them
+// Q1_0, Q2_0, TQ1_0, TQ2_0, IQ3_XXS, IQ3_M, IQ1_S and IQ1_M files as llama-quantize wrote them
 // (the GGUF battery's manifest, from a 2-layer model of hidden 256, FFN 384, 320
 // tokens, untied output): every matrix of the type, the output Q6_K, the token
 // embeddings Q4_K but in Q1_0, the ternary types' 384-wide ffn_down Q4_0 (IQ3's:
-// IQ4_NL), IQ3_XXS's attn_q / attn_k IQ2_S; Q2_0 rows not a multiple of 64 fall back
+// IQ4_NL), IQ3_XXS's attn_q / attn_k IQ2_S, IQ1's attn_output IQ2_XXS; Q2_0 rows not a
+// multiple of 64 fall back
 // to q4_0, and Q1_0 ones (128) stop with the tensor named.
 TEST(QuantizePlan, LowBitAndTernaryFilesAsLlamaQuantizeWroteThem) {
   std::ifstream in(std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/gguf_battery/manifest.json");
   ASSERT_TRUE(in.good());
   const auto manifest = nlohmann::json::parse(in);
   const auto tensors = llama_tensors(2, 256, 384, 128, 320, false);
-  for (const char* ft : {"Q1_0", "Q2_0", "TQ1_0", "TQ2_0", "IQ3_XXS", "IQ3_M"}) {
+  for (const char* ft : {"Q1_0", "Q2_0", "TQ1_0", "TQ2_0", "IQ3_XXS", "IQ3_M", "IQ1_S", "IQ1_M"}) {
     QuantizeOptions opt;
     opt.file_type = *file_type_from_name(ft);
     opt.has_imatrix = std::string(ft).starts_with("IQ");  // the battery's IQ files were made with one
@@ -285,7 +292,7 @@ TEST(QuantizePlan, FileTypeNames) {
   EXPECT_EQ(file_type_from_name("iq2_xxs"), FileType::iq2_xxs);
   EXPECT_EQ(file_type_from_name("29"), FileType::iq2_m);
   EXPECT_EQ(file_type_default(FileType::iq2_s), DType::iq2_xs);  // llama.cpp's IQ2_S file is mostly IQ2_XS
-  EXPECT_FALSE(file_type_from_name("IQ1_S"));                      // read, not written
+  EXPECT_EQ(file_type_from_name("IQ1_S"), FileType::iq1_s);
   EXPECT_FALSE(file_type_from_name("Q4_K_X"));
   EXPECT_FALSE(file_type_from_name("4"));
 }
