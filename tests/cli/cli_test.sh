@@ -188,6 +188,9 @@ expect "serve zero header timeout" 2 "http-header-timeout" -- timeout 20 "$loom"
 ppltext=$src/tests/fixtures/perplexity/text.txt
 expect "quantize bad type" 1 "--type Q4_K_X: not a file type" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --type Q4_K_X
 expect "quantize wrote nothing" 0 "^absent$" -- sh -c "test -e '$tmp/q.gguf' || echo absent"
+battery_f16=$src/tests/fixtures/gguf_battery/tiny.F16.gguf
+expect "quantize iq2 needs an imatrix" 1 "tensor 'blk.0.attn_k.weight' would become iq2_xxs, which needs an importance matrix" -- "$loom" quantize -m "$battery_f16" -o "$tmp/q.gguf" --type IQ2_XXS
+expect "quantize iq2 wrote nothing" 0 "^absent$" -- sh -c "test -e '$tmp/q.gguf' || echo absent"
 expect "quantize bad override" 1 "--tensor-type attn_v: expected PATTERN=TYPE" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --tensor-type attn_v
 expect "quantize bad override type" 1 "--tensor-type q9_9: not a tensor type" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --tensor-type attn_v=q9_9
 expect "quantize requantize refused" 1 "already q4_1.*--allow-requantize" -- "$loom" quantize -m "$src/tests/fixtures/model/tiny-llama.q4_1.gguf" -o "$tmp/q.gguf" --type Q8_0
