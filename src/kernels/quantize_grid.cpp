@@ -9,9 +9,11 @@
 
 #include "kernels/quantize_grid.h"
 
+#include <algorithm>
 #include <cfloat>
 
 #include "core/error.h"
+#include "kernels/quantize_impl.h"
 
 namespace loom::quant {
 
@@ -87,6 +89,62 @@ int best_neighbour(const GridTables& t, int u, const float* xval, const float* w
   const int8_t* pg = t.values_of(best);
   for (int i = 0; i < t.values; ++i) L[i] = static_cast<int8_t>((pg[i] - 1) / 2);
   return best;
+}
+
+float sum_of_squares(const float* x, int n) {
+  float s = 0;
+  for (int i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+float max_of(const float* x, int n) {
+  float max = x[0];
+  for (int i = 1; i < n; ++i) max = max > x[i] ? max : x[i];
+  return max;
+}
+
+std::pair<float, float> fit_sums(int n, const float* weight, const float* xval, const int8_t* L) {
+  float sumqx = 0, sumq2 = 0;
+  for (int i = 0; i < n; ++i) {
+    const float w = weight[i];
+    const float q = as_float(2 * L[i] + 1);
+    sumqx += w * xval[i] * q;
+    sumq2 += w * q * q;
+  }
+  return {sumqx, sumq2};
+}
+
+uint8_t split_signs(const float* x, const float* weight, bool even_count, float* xval) {
+  uint8_t s = 0;
+  int nflip = 0;
+  for (int i = 0; i < 8; ++i) {
+    if (x[i] >= 0) {
+      xval[i] = x[i];
+    } else {
+      xval[i] = -x[i];
+      ++nflip;
+      s = static_cast<uint8_t>(s | (1 << i));
+    }
+  }
+  if (!even_count) return s;
+  if (nflip % 2) {
+    int imin = 0;
+    float min = weight[imin] * x[imin] * x[imin];
+    for (int i = 1; i < 8; ++i) {
+      const float ax = weight[i] * x[i] * x[i];
+      if (ax < min) {
+        min = ax;
+        imin = i;
+      }
+    }
+    xval[imin] = -xval[imin];
+    s = static_cast<uint8_t>(s ^ (1 << imin));
+  }
+  return s & 127;
+}
+
+int scale_code(float id, float scale, int max_code) {
+  return std::clamp(nearest_int(0.5f * (id * scale - 1)), 0, max_code);
 }
 
 }  // namespace loom::quant

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace loom::quant {
@@ -39,5 +40,19 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
 // xval best (sum weight (scale q - x)^2, the first of equals); writes its levels
 // to L and returns it.
 int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L);
+
+// Steps the grid quantizers share, in ggml's float operations and order:
+// sum x^2 over n values,
+float sum_of_squares(const float* x, int n);
+// the largest of n values (ggml's MAX fold),
+float max_of(const float* x, int n);
+// sum w x q and sum w q^2 over n values with q = 2 L + 1,
+std::pair<float, float> fit_sums(int n, const float* weight, const float* xval, const int8_t* L);
+// the magnitudes of 8 values and their sign bits (bit i: x[i] < 0); with
+// `even_count`, the sign of the value of least weight x^2 flipped to make the
+// count even, and 7 bits returned (the 8th is implied),
+uint8_t split_signs(const float* x, const float* weight, bool even_count, float* xval);
+// and a group scale's code of max_code + 1 steps of the superblock scale 1 / id.
+int scale_code(float id, float scale, int max_code);
 
 }  // namespace loom::quant

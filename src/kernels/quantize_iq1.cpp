@@ -116,11 +116,7 @@ float refit_scale(const GridTables& t, const float* xb, const float* weight, con
   return sumqx > 0 && sumq2 > 0 ? sumqx / sumq2 : scale;
 }
 
-float superblock_sigma2(const float* xbl) {
-  float sumx2 = 0;
-  for (int i = 0; i < kSuper; ++i) sumx2 += xbl[i] * xbl[i];
-  return 2 * sumx2 / kSuper;
-}
+float superblock_sigma2(const float* xbl) { return 2 * sum_of_squares(xbl, kSuper) / kSuper; }
 
 float abs_max(const float* xb, int n) {
   float max = std::fabs(xb[0]);
@@ -213,7 +209,7 @@ void quantize_superblock_iq1_s(const float* xbl, const float* qw, uint8_t* out) 
     std::memcpy(out, &dh, 2);
     const float id = 1 / d;
     for (int ib = 0; ib < 8; ++ib) {
-      int l = std::clamp(nearest_int(0.5f * (id * scales[ib] - 1)), 0, 7);
+      int l = scale_code(id, scales[ib], 7);
       if (shifts[ib] == -1) l |= 8;
       qh[ib] = static_cast<uint16_t>(qh[ib] | (l << 12));
     }
@@ -330,7 +326,7 @@ void quantize_superblock_iq1_m(const float* xbl, const float* qw, uint8_t* out) 
   const float id = 1 / d;
   float sumqx = 0, sumq2 = 0;
   for (int ib = 0; ib < 16; ++ib) {
-    const int l = std::clamp(nearest_int(0.5f * (id * scales[ib] - 1)), 0, 7);
+    const int l = scale_code(id, scales[ib], 7);
     sc[ib / 4] = static_cast<uint16_t>(sc[ib / 4] | (l << (3 * (ib % 4))));
     qh[ib] = static_cast<uint8_t>(qh[ib] | kShiftMasks[shifts[ib]]);
     const float* xb = xbl + 16 * ib;

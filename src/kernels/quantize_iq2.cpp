@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <utility>
 
 #include "core/error.h"
 #include "core/half.h"
@@ -67,18 +66,6 @@ bool round_entry(const GridTables& t, const float* xval, const float* waux, floa
   return false;
 }
 
-// sum w x q and sum w q^2 over n values, q = 2 L + 1.
-std::pair<float, float> fit_sums(int n, const float* weight, const float* xval, const int8_t* L) {
-  float sumqx = 0, sumq2 = 0;
-  for (int i = 0; i < n; ++i) {
-    const float w = weight[i];
-    const float q = as_float(2 * L[i] + 1);
-    sumqx += w * xval[i] * q;
-    sumq2 += w * q * q;
-  }
-  return {sumqx, sumq2};
-}
-
 // The grid entry of 8 levels the search left on the grid.
 int entry_of(const GridTables& t, const int8_t* L) {
   const int e = t.entry[static_cast<size_t>(t.point_of(L))];
@@ -86,50 +73,7 @@ int entry_of(const GridTables& t, const int8_t* L) {
   return e;
 }
 
-float superblock_sumx2(const float* xbl) {
-  float sumx2 = 0;
-  for (int i = 0; i < kSuper; ++i) sumx2 += xbl[i] * xbl[i];
-  return sumx2;
-}
-
-// Magnitudes of 8 values and their sign bits (bit i: x[i] < 0); with `even`, the
-// sign of the cheapest weight flipped to make the count even (7 bits stored).
-uint8_t split_signs(const float* x, const float* weight, bool even, float* xval) {
-  uint8_t s = 0;
-  int nflip = 0;
-  for (int i = 0; i < 8; ++i) {
-    if (x[i] >= 0) {
-      xval[i] = x[i];
-    } else {
-      xval[i] = -x[i];
-      ++nflip;
-      s = static_cast<uint8_t>(s | (1 << i));
-    }
-  }
-  if (!even) return s;
-  if (nflip % 2) {
-    int imin = 0;
-    float min = weight[imin] * x[imin] * x[imin];
-    for (int i = 1; i < 8; ++i) {
-      const float ax = weight[i] * x[i] * x[i];
-      if (ax < min) {
-        min = ax;
-        imin = i;
-      }
-    }
-    xval[imin] = -xval[imin];
-    s = static_cast<uint8_t>(s ^ (1 << imin));
-  }
-  return s & 127;
-}
-
-float group_max(int n, const float* xval) {
-  float max = xval[0];
-  for (int i = 1; i < n; ++i) max = max > xval[i] ? max : xval[i];
-  return max;
-}
-
-int scale_code(float id, float scale) { return std::clamp(nearest_int(0.5f * (id * scale - 1)), 0, 15); }
+float superblock_sumx2(const float* xbl) { return sum_of_squares(xbl, kSuper); }
 
 // ---- IQ2_XXS: groups of 32, d then per group a u32 of 4 entries and a u32 of
 // 4 x 7 sign bits with the 4-bit scale << 28 ----
@@ -148,7 +92,7 @@ void quantize_superblock_iq2_xxs(const float* xbl, const float* qw, uint8_t* out
     for (int i = 0; i < 32; ++i) waux[i] = std::sqrt(weight[i]);
     uint8_t signs[4];
     for (int k = 0; k < 4; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, true, xval + 8 * k);
-    const float max = group_max(32, xval);
+    const float max = max_of(xval, 32);
     if (max < kGroupMaxEps) {
       scales[ib] = 0;
       continue;
@@ -195,7 +139,7 @@ void quantize_superblock_iq2_xxs(const float* xbl, const float* qw, uint8_t* out
   const float d = max_scale / 31;
   const uint16_t dh = fp32_to_fp16(d);
   const float id = 1 / d;
-  for (int ib = 0; ib < 8; ++ib) q2[2 * ib + 1] |= static_cast<uint32_t>(scale_code(id, scales[ib])) << 28;
+  for (int ib = 0; ib < 8; ++ib) q2[2 * ib + 1] |= static_cast<uint32_t>(scale_code(id, scales[ib], 15)) << 28;
   std::memcpy(out, &dh, 2);
   std::memcpy(out + 2, q2, sizeof(q2));
 }
@@ -254,7 +198,7 @@ void quantize_superblock_iq2_xs(const float* xbl, const float* qw, uint8_t* out)
     for (int i = 0; i < 16; ++i) waux[i] = std::sqrt(weight[i]);
     uint8_t signs[2];
     for (int k = 0; k < 2; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, true, xval + 8 * k);
-    const float max = group_max(16, xval);
+    const float max = max_of(xval, 16);
     if (max < kGroupMaxEps) {
       scales[ib] = 0;
       continue;
@@ -277,7 +221,7 @@ void quantize_superblock_iq2_xs(const float* xbl, const float* qw, uint8_t* out)
   std::memcpy(out + 2, q2, sizeof(q2));
   const float id = 1 / d;
   for (int ib = 0; ib < 16; ib += 2)
-    out[66 + ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib]) | (scale_code(id, scales[ib + 1]) << 4));
+    out[66 + ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib], 15) | (scale_code(id, scales[ib + 1], 15) << 4));
 }
 
 // IQ2_S: d, 32 low index bytes, 32 sign bytes, 8 bytes of the index bits 8..9
@@ -301,7 +245,7 @@ void quantize_superblock_iq2_s(const float* xbl, const float* qw, uint8_t* out) 
     for (int i = 0; i < 16; ++i) waux[i] = std::sqrt(weight[i]);
     uint8_t signs[2];
     for (int k = 0; k < 2; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, false, xval + 8 * k);
-    const float max = group_max(16, xval);
+    const float max = max_of(xval, 16);
     if (max < kSGroupEps) {
       scales[ib] = 0;
       continue;
@@ -327,7 +271,7 @@ void quantize_superblock_iq2_s(const float* xbl, const float* qw, uint8_t* out) 
   std::memcpy(out, &dh, 2);
   const float id = 1 / d;
   for (int ib = 0; ib < 16; ib += 2)
-    packed_scales[ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib]) | (scale_code(id, scales[ib + 1]) << 4));
+    packed_scales[ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib], 15) | (scale_code(id, scales[ib + 1], 15) << 4));
 }
 
 template <size_t kBlock, void (*kSuperblock)(const float*, const float*, uint8_t*)>

@@ -66,18 +66,6 @@ void levels_at(const GridTables& t, const float* xval, const float* waux, float 
   }
 }
 
-// sum w x q and sum w q^2 over a group, q = 2 L + 1.
-std::pair<float, float> fit_sums(const float* weight, const float* xval, const int8_t* L) {
-  float sumqx = 0, sumq2 = 0;
-  for (int i = 0; i < kGroup; ++i) {
-    const float w = weight[i];
-    const float q = as_float(2 * L[i] + 1);
-    sumqx += w * xval[i] * q;
-    sumq2 += w * q * q;
-  }
-  return {sumqx, sumq2};
-}
-
 // A group's weights: importance * sqrt(sigma2 + x^2), or x^2 without importance;
 // waux their square roots.
 void group_weights(const float* xb, const float* qw, float sigma2, float* weight, float* waux) {
@@ -85,11 +73,7 @@ void group_weights(const float* xb, const float* qw, float sigma2, float* weight
   for (int i = 0; i < kGroup; ++i) waux[i] = std::sqrt(weight[i]);
 }
 
-float superblock_sigma2(const float* xbl) {
-  float sumx2 = 0;
-  for (int i = 0; i < kSuper; ++i) sumx2 += xbl[i] * xbl[i];
-  return 2 * sumx2 / kSuper;
-}
+float superblock_sigma2(const float* xbl) { return 2 * sum_of_squares(xbl, kSuper) / kSuper; }
 
 // The scale search of one group of magnitudes (both types): trial inverse scales
 // (2 kMaxQ - 1 + 0.2 is) / max for is in [-is_max, is_max], the best kept; then,
@@ -108,7 +92,7 @@ float search_group(const GridTables& t, const float* xval, const float* weight, 
     const float id = (2 * kMaxQ - 1 + as_float(is) * 0.2f) / max;
     const float this_scale = 1 / id;
     levels_at(t, xval, waux, id, this_scale, Laux, on_grid_aux);
-    const auto [sumqx, sumq2] = fit_sums(weight, xval, Laux);
+    const auto [sumqx, sumq2] = fit_sums(kGroup, weight, xval, Laux);
     if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
       scale = sumqx / sumq2;
       best = scale * sumqx;
@@ -125,7 +109,7 @@ float search_group(const GridTables& t, const float* xval, const float* weight, 
       const int u = t.point_of(L + 4 * k);
       if (t.entry[static_cast<size_t>(u)] < 0) best_neighbour(t, u, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
     }
-    const auto [sumqx, sumq2] = fit_sums(weight, xval, L);
+    const auto [sumqx, sumq2] = fit_sums(kGroup, weight, xval, L);
     if (sumq2 > 0) scale = sumqx / sumq2;
   }
   return scale;
@@ -137,25 +121,6 @@ int entry_of(const GridTables& t, const int8_t* L) {
   LOOM_ASSERT(e >= 0);
   return e;
 }
-
-// Magnitudes and sign bits of 8 values: bit i of the result set where x[i] < 0.
-uint8_t split_signs(const float* x, float* xval, int* nflip) {
-  uint8_t s = 0;
-  *nflip = 0;
-  for (int i = 0; i < 8; ++i) {
-    if (x[i] >= 0) {
-      xval[i] = x[i];
-    } else {
-      xval[i] = -x[i];
-      ++*nflip;
-      s = static_cast<uint8_t>(s | (1 << i));
-    }
-  }
-  return s;
-}
-
-// The 4-bit group scale codes of max_scale / 31 (x fudge in the f16).
-int scale_code(float id, float scale) { return std::clamp(nearest_int(0.5f * (id * scale - 1)), 0, 15); }
 
 // block_iq3_xxs: d, then 64 grid entries (8 a group), then per group a u32 of
 // 4 x 7 sign bits (the 8th of each 8 by even parity) and the 4-bit scale << 28.
@@ -173,26 +138,8 @@ void quantize_superblock_iq3_xxs(const float* xbl, const float* qw, uint8_t* out
     float weight[kGroup], waux[kGroup], xval[kGroup];
     group_weights(xb, qw ? qw + kGroup * ib : nullptr, sigma2, weight, waux);
     uint8_t block_signs[4];
-    for (int k = 0; k < 4; ++k) {
-      int nflip;
-      uint8_t s = split_signs(xb + 8 * k, xval + 8 * k, &nflip);
-      if (nflip % 2) {  // an odd count: flip the sign of the cheapest weight
-        int imin = 0;
-        float min = weight[8 * k + imin] * xb[8 * k + imin] * xb[8 * k + imin];
-        for (int i = 1; i < 8; ++i) {
-          const float ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i];
-          if (ax < min) {
-            min = ax;
-            imin = i;
-          }
-        }
-        xval[8 * k + imin] = -xval[8 * k + imin];
-        s = static_cast<uint8_t>(s ^ (1 << imin));
-      }
-      block_signs[k] = s & 127;
-    }
-    float max = xval[0];
-    for (int i = 1; i < kGroup; ++i) max = max > xval[i] ? max : xval[i];
+    for (int k = 0; k < 4; ++k) block_signs[k] = split_signs(xb + 8 * k, weight + 8 * k, true, xval + 8 * k);
+    const float max = max_of(xval, kGroup);
     if (max < kXxsGroupEps) {
       scales[ib] = 0;
       continue;
@@ -215,7 +162,7 @@ void quantize_superblock_iq3_xxs(const float* xbl, const float* qw, uint8_t* out
   const uint16_t dh = fp32_to_fp16(d * 1.0125f);
   const float id = 1 / d;
   for (int ib = 0; ib < kSuper / kGroup; ++ib)
-    scales_and_signs[ib] |= static_cast<uint32_t>(scale_code(id, scales[ib])) << 28;
+    scales_and_signs[ib] |= static_cast<uint32_t>(scale_code(id, scales[ib], 15)) << 28;
   std::memcpy(q3 + 64, scales_and_signs, sizeof(scales_and_signs));
   std::memcpy(out, &dh, 2);
   std::memcpy(out + 2, q3, sizeof(q3));
@@ -240,12 +187,8 @@ void quantize_superblock_iq3_s(const float* xbl, const float* qw, uint8_t* out) 
     float weight[kGroup], waux[kGroup], xval[kGroup];
     group_weights(xb, qw ? qw + kGroup * ib : nullptr, sigma2, weight, waux);
     uint8_t block_signs[4];
-    for (int k = 0; k < 4; ++k) {
-      int nflip;
-      block_signs[k] = split_signs(xb + 8 * k, xval + 8 * k, &nflip);
-    }
-    float max = xval[0];
-    for (int i = 1; i < kGroup; ++i) max = max > xval[i] ? max : xval[i];
+    for (int k = 0; k < 4; ++k) block_signs[k] = split_signs(xb + 8 * k, weight + 8 * k, false, xval + 8 * k);
+    const float max = max_of(xval, kGroup);
     if (max == 0) {
       // ggml moves on without advancing its qs and signs pointers: the next
       // group's entries and signs land in this group's slots (and the last
@@ -276,7 +219,7 @@ void quantize_superblock_iq3_s(const float* xbl, const float* qw, uint8_t* out) 
   std::memcpy(out, &dh, 2);
   const float id = 1 / d;
   for (int ib = 0; ib < kSuper / kGroup; ib += 2)
-    packed_scales[ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib]) | (scale_code(id, scales[ib + 1]) << 4));
+    packed_scales[ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib], 15) | (scale_code(id, scales[ib + 1], 15) << 4));
 }
 
 }  // namespace

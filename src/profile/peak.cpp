@@ -158,14 +158,14 @@ std::vector<uint8_t> make_weight(ThreadPool& pool, DType type, const std::vector
   } else if (type == DType::i8_ch) {
     std::vector<float> scales(static_cast<size_t>(rows), 1.0f / 127);
     quantize_rows_i8_ch(src.data(), rows, cols, scales.data(), nullptr, out.data());
-  } else if (quantize_supported(type)) {
+  } else if (!is_iq_grid(type)) {
     quantize_rows(pool, type, src.data(), out.data(), rows, cols, nullptr);
   } else {
-    // The grid, ternary and low-bit types (iq1_s .. iq3_s, tq1_0, tq2_0, q1_0,
-    // q2_0, mxfp4, nvfp4), which loom reads but has no quantizer for: any index, sign, trit and scale bits
-    // are a valid block, so src's bits serve, with each superblock's f16 d set to 2^-10 (finite products;
-    // iq1_m keeps d in the top nibbles of its four u16 scales at byte 48, the ternary types in their last two
-    // bytes).
+    // The grid types (iq1_s .. iq3_s): their quantizers search per group (seconds
+    // for a matrix this size, and some need an importance vector), while any
+    // index, sign and scale bits are a valid block, so src's bits serve, with each
+    // superblock's f16 d set to 2^-10 (finite products; iq1_m keeps d in the top
+    // nibbles of its four u16 scales at byte 48).
     std::memcpy(out.data(), src.data(), std::min(out.size(), src.size() * sizeof(float)));
     const size_t bb = dtype_traits(type).block_bytes;
     for (size_t at = 0; at + bb <= out.size(); at += bb) {
@@ -173,17 +173,8 @@ std::vector<uint8_t> make_weight(ThreadPool& pool, DType type, const std::vector
         set_iq1_m_d(out.data() + at, 0x1400);
         continue;
       }
-      if (type == DType::mxfp4) {  // its E8M0 exponent: 2^-10
-        out[at] = 118;
-        continue;
-      }
-      if (type == DType::nvfp4) {  // its four UE4M3 scales: 2^-7
-        std::memset(out.data() + at, 0x08, 4);
-        continue;
-      }
-      const size_t d_at = is_ternary(type) ? at + bb - 2 : at;
-      out[d_at] = 0x00;
-      out[d_at + 1] = 0x14;
+      out[at] = 0x00;
+      out[at + 1] = 0x14;
     }
   }
   return out;
