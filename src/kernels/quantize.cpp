@@ -197,6 +197,25 @@ bool quantize_supported(DType type) {
   }
 }
 
+namespace {
+
+// The grid searches take a NaN or an infinity where no grid entry fits (ggml's
+// stop with "point not on grid"): refused up front, naming the row.
+void require_finite(DType type, const float* src, int64_t nrows, int64_t n_per_row, const float* importance) {
+  for (int64_t r = 0; r < nrows; ++r)
+    for (int64_t j = 0; j < n_per_row; ++j)
+      if (!std::isfinite(src[r * n_per_row + j]))
+        fail(ErrorKind::invalid_input, "quantize to {}: row {} holds a non-finite value ({} at column {})",
+             dtype_name(type), r, src[r * n_per_row + j], j);
+  if (importance == nullptr) return;
+  for (int64_t j = 0; j < n_per_row; ++j)
+    if (!std::isfinite(importance[j]) || importance[j] < 0)
+      fail(ErrorKind::invalid_input, "quantize to {}: importance {} at column {} is not a finite non-negative number",
+           dtype_name(type), importance[j], j);
+}
+
+}  // namespace
+
 bool quantize_requires_importance(DType type) {
   return type == DType::iq2_xxs || type == DType::iq2_xs || type == DType::iq1_s;
 }
@@ -222,6 +241,7 @@ void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, in
          "quantize to {}: this type needs an importance vector (an imatrix entry for the tensor); ggml's quantizer "
          "has no form without one",
          dtype_name(type));
+  if (is_iq_grid(type)) require_finite(type, src, nrows, n_per_row, importance);
   const size_t row_bytes = dtype_row_bytes(type, n_per_row);
   auto* out = static_cast<uint8_t*>(dst);
   pool.parallel_for(nrows, [&](int64_t r0, int64_t r1) {

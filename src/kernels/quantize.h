@@ -25,8 +25,9 @@ bool quantize_requires_importance(DType type);
 // n_per_row, importance) does: `importance` is null or n_per_row non-negative weights (an importance
 // matrix's row for this tensor), which selects ggml's weighted search. Rows are independent and are split
 // over `pool`'s threads (results do not depend on the thread count).
-// Throws Error(unsupported) for another type, Error(invalid_input) for a bad n_per_row or nrows, or
-// no importance for a quantize_requires_importance type.
+// Throws Error(unsupported) for another type, Error(invalid_input) for a bad n_per_row or nrows, no
+// importance for a quantize_requires_importance type, or (grid types, whose searches need numbers) a
+// non-finite value or a negative or non-finite importance.
 void quantize_rows(ThreadPool& pool, DType type, const float* src, void* dst, int64_t nrows,
                    int64_t n_per_row, const float* importance);
 

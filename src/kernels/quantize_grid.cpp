@@ -71,7 +71,7 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
 int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L) {
   const uint16_t* list = t.neighbours.data() + t.neighbours_at[static_cast<size_t>(u)];
   float best_d2 = FLT_MAX;
-  int best = -1;
+  int best = list[1];  // kept when no error compares (NaN weights), where ggml stops
   for (int j = 1; j <= list[0]; ++j) {
     const int8_t* pg = t.values_of(list[j]);
     float d2 = 0;
@@ -85,7 +85,6 @@ int best_neighbour(const GridTables& t, int u, const float* xval, const float* w
       best = list[j];
     }
   }
-  LOOM_ASSERT(best >= 0);
   const int8_t* pg = t.values_of(best);
   for (int i = 0; i < t.values; ++i) L[i] = static_cast<int8_t>((pg[i] - 1) / 2);
   return best;

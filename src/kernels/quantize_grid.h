@@ -37,8 +37,8 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
                             int (*level_of)(uint8_t));
 
 // Of the off-grid point u's neighbours, the entry whose values at `scale` fit
-// xval best (sum weight (scale q - x)^2, the first of equals); writes its levels
-// to L and returns it.
+// xval best (sum weight (scale q - x)^2, the first of equals; the first one when
+// no error is a number); writes its levels to L and returns it.
 int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L);
 
 // Steps the grid quantizers share, in ggml's float operations and order:

@@ -132,8 +132,14 @@ QuantizeSummary quantize_gguf(ThreadPool& pool, const GgufModelSource& src, cons
       }
       const int64_t step = std::max<int64_t>(1, kScratchElements / cols);
       const size_t out_row = dtype_row_bytes(p.to, cols);
-      for (int64_t r = 0; r < rows; r += step)
-        convert_rows(pool, t, p.to, importance, r, std::min(step, rows - r), f32, dst + static_cast<size_t>(r) * out_row);
+      for (int64_t r = 0; r < rows; r += step) {
+        const int64_t n = std::min(step, rows - r);
+        try {
+          convert_rows(pool, t, p.to, importance, r, n, f32, dst + static_cast<size_t>(r) * out_row);
+        } catch (const Error& e) {  // (a row the grid searches refuse): name the tensor and where its rows start
+          fail(e.kind(), "{}: tensor '{}', rows from {}: {}", src.path, p.name, r, e.what());
+        }
+      }
     });
   }
   w.write(out);

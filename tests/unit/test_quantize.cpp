@@ -294,6 +294,28 @@ TEST(QuantizeRows, RejectsUnsupportedTypesAndBadRowLengths) {
                           ErrorKind::invalid_input, {"-1"});
 }
 
+// The grid searches need numbers (ggml stops on a NaN with "point not on grid"):
+// a non-finite weight or importance is refused by name, never a crash.
+TEST(QuantizeRows, GridTypesRefuseNonFiniteValues) {
+  ThreadPool pool(2);
+  std::vector<float> x(2 * 256, 0.5f), importance(256, 1.0f);
+  std::vector<uint8_t> out(2 * 256 * 4);
+  x[256 + 7] = std::nanf("");
+  for (DType t : {DType::iq1_s, DType::iq1_m, DType::iq2_xxs, DType::iq2_xs, DType::iq2_s, DType::iq3_xxs,
+                  DType::iq3_s})
+    test_util::expect_error([&] { quantize_rows(pool, t, x.data(), out.data(), 2, 256, importance.data()); },
+                            ErrorKind::invalid_input, {dtype_name(t), "row 1", "nan", "column 7"});
+  x[256 + 7] = INFINITY;
+  test_util::expect_error([&] { quantize_rows(pool, DType::iq3_s, x.data(), out.data(), 2, 256, nullptr); },
+                          ErrorKind::invalid_input, {"row 1", "inf"});
+  x[256 + 7] = 0.5f;
+  importance[9] = -1;
+  test_util::expect_error([&] { quantize_rows(pool, DType::iq2_s, x.data(), out.data(), 2, 256, importance.data()); },
+                          ErrorKind::invalid_input, {"importance", "column 9"});
+  importance[9] = 1;
+  quantize_rows(pool, DType::iq2_s, x.data(), out.data(), 2, 256, importance.data());  // finite: fine
+}
+
 TEST(QuantizeRows, NoRowsWritesNothing) {
   ThreadPool pool(2);
   uint8_t out[4] = {1, 2, 3, 4};
