@@ -182,61 +182,20 @@ float search_group16(const GridTables& t, const float* xval, const float* weight
 }
 
 // IQ2_XS: d, 32 u16 (an entry's 9-bit index | its 7 sign bits << 9), 8 bytes of
-// two 4-bit scales.
+// two 4-bit scales. IQ2_S: d, 32 low index bytes, 32 sign bytes, 8 bytes of the
+// index bits 8..9 (2 bits an entry), 8 bytes of two 4-bit scales. Besides the
+// layout IQ2_S differs in sigma2 (doubled), its weights without importance
+// (sigma2 / 4 + x^2), its 8 free sign bits, its group epsilon and the f16 d's fudge.
 constexpr size_t kXsBlock = 2 + 64 + 8;
-
-void quantize_superblock_iq2_xs(const float* xbl, const float* qw, uint8_t* out) {
-  const GridTables& t = tables_xs();
-  uint16_t q2[32] = {};
-  float scales[16];
-  float max_scale = 0;
-  const float sigma2 = superblock_sumx2(xbl) / kSuper;
-  for (int ib = 0; ib < 16; ++ib) {
-    const float* xb = xbl + 16 * ib;
-    float weight[16], waux[16], xval[16];
-    for (int i = 0; i < 16; ++i) weight[i] = qw[16 * ib + i] * std::sqrt(sigma2 + xb[i] * xb[i]);
-    for (int i = 0; i < 16; ++i) waux[i] = std::sqrt(weight[i]);
-    uint8_t signs[2];
-    for (int k = 0; k < 2; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, true, xval + 8 * k);
-    const float max = max_of(xval, 16);
-    if (max < kGroupMaxEps) {
-      scales[ib] = 0;
-      continue;
-    }
-    int8_t L[16];
-    float scale = search_group16(t, xval, weight, waux, max, L);
-    if (scale < 0) {
-      scale = -scale;
-      for (auto& s : signs) s = static_cast<uint8_t>(~s & 127);
-    }
-    for (int k = 0; k < 2; ++k) q2[2 * ib + k] = static_cast<uint16_t>(entry_of(t, L + 8 * k) | (signs[k] << 9));
-    scales[ib] = scale;
-    max_scale = max_scale > scale ? max_scale : scale;
-  }
-  std::memset(out, 0, kXsBlock);
-  if (max_scale == 0) return;
-  const float d = max_scale / 31;
-  const uint16_t dh = fp32_to_fp16(d);
-  std::memcpy(out, &dh, 2);
-  std::memcpy(out + 2, q2, sizeof(q2));
-  const float id = 1 / d;
-  for (int ib = 0; ib < 16; ib += 2)
-    out[66 + ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib], 15) | (scale_code(id, scales[ib + 1], 15) << 4));
-}
-
-// IQ2_S: d, 32 low index bytes, 32 sign bytes, 8 bytes of the index bits 8..9
-// (2 bits an entry), 8 bytes of two 4-bit scales.
 constexpr size_t kSBlock = 2 + 64 + 8 + 8;
 
-void quantize_superblock_iq2_s(const float* xbl, const float* qw, uint8_t* out) {
-  const GridTables& t = tables_s();
-  std::memset(out, 0, kSBlock);
-  uint8_t* qs = out + 2;
-  uint8_t* qh = out + 66;
-  uint8_t* packed_scales = out + 74;
+template <bool kS>
+void quantize_superblock_iq2_16(const float* xbl, const float* qw, uint8_t* out) {
+  const GridTables& t = kS ? tables_s() : tables_xs();
+  std::memset(out, 0, kS ? kSBlock : kXsBlock);
   float scales[16];
   float max_scale = 0;
-  const float sigma2 = 2 * superblock_sumx2(xbl) / kSuper;
+  const float sigma2 = (kS ? 2 * superblock_sumx2(xbl) : superblock_sumx2(xbl)) / kSuper;
   for (int ib = 0; ib < 16; ++ib) {
     const float* xb = xbl + 16 * ib;
     float weight[16], waux[16], xval[16];
@@ -244,9 +203,9 @@ void quantize_superblock_iq2_s(const float* xbl, const float* qw, uint8_t* out) 
       weight[i] = qw ? qw[16 * ib + i] * std::sqrt(sigma2 + xb[i] * xb[i]) : 0.25f * sigma2 + xb[i] * xb[i];
     for (int i = 0; i < 16; ++i) waux[i] = std::sqrt(weight[i]);
     uint8_t signs[2];
-    for (int k = 0; k < 2; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, false, xval + 8 * k);
+    for (int k = 0; k < 2; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, !kS, xval + 8 * k);
     const float max = max_of(xval, 16);
-    if (max < kSGroupEps) {
+    if (max < (kS ? kSGroupEps : kGroupMaxEps)) {
       scales[ib] = 0;
       continue;
     }
@@ -254,24 +213,35 @@ void quantize_superblock_iq2_s(const float* xbl, const float* qw, uint8_t* out) 
     float scale = search_group16(t, xval, weight, waux, max, L);
     if (scale < 0) {
       scale = -scale;
-      for (auto& s : signs) s = static_cast<uint8_t>(~s);
+      for (auto& s : signs) s = static_cast<uint8_t>(kS ? ~s : ~s & 127);
     }
     for (int k = 0; k < 2; ++k) {
       const int e = entry_of(t, L + 8 * k), i8 = 2 * ib + k;
-      qs[i8] = static_cast<uint8_t>(e & 255);
-      qh[i8 / 4] = static_cast<uint8_t>(qh[i8 / 4] | ((e >> 8) << (2 * (i8 % 4))));
-      qs[32 + i8] = signs[k];
+      if constexpr (kS) {
+        uint8_t* qh = out + 66 + i8 / 4;
+        out[2 + i8] = static_cast<uint8_t>(e & 255);
+        *qh = static_cast<uint8_t>(*qh | ((e >> 8) << (2 * (i8 % 4))));
+        out[2 + 32 + i8] = signs[k];
+      } else {
+        const auto v = static_cast<uint16_t>(e | (signs[k] << 9));
+        std::memcpy(out + 2 + 2 * i8, &v, 2);
+      }
     }
     scales[ib] = scale;
     max_scale = max_scale > scale ? max_scale : scale;
   }
-  if (max_scale == 0) return;
+  if (max_scale == 0) {
+    if constexpr (!kS) std::memset(out, 0, kXsBlock);  // (ggml clears IQ2_XS's codes then; IQ2_S keeps them)
+    return;
+  }
   const float d = max_scale / 31;
-  const uint16_t dh = fp32_to_fp16(d * 0.9875f);
+  const uint16_t dh = fp32_to_fp16(kS ? d * 0.9875f : d);
   std::memcpy(out, &dh, 2);
   const float id = 1 / d;
+  uint8_t* packed_scales = out + (kS ? 74 : 66);
   for (int ib = 0; ib < 16; ib += 2)
-    packed_scales[ib / 2] = static_cast<uint8_t>(scale_code(id, scales[ib], 15) | (scale_code(id, scales[ib + 1], 15) << 4));
+    packed_scales[ib / 2] =
+        static_cast<uint8_t>(scale_code(id, scales[ib], 15) | (scale_code(id, scales[ib + 1], 15) << 4));
 }
 
 template <size_t kBlock, void (*kSuperblock)(const float*, const float*, uint8_t*)>
@@ -291,11 +261,11 @@ void quantize_row_iq2_xxs(const float* x, void* dst, int64_t n, const float* imp
 
 void quantize_row_iq2_xs(const float* x, void* dst, int64_t n, const float* importance) {
   LOOM_ASSERT(importance != nullptr);
-  quantize_row_with<kXsBlock, quantize_superblock_iq2_xs>(x, dst, n, importance);
+  quantize_row_with<kXsBlock, quantize_superblock_iq2_16<false>>(x, dst, n, importance);
 }
 
 void quantize_row_iq2_s(const float* x, void* dst, int64_t n, const float* importance) {
-  quantize_row_with<kSBlock, quantize_superblock_iq2_s>(x, dst, n, importance);
+  quantize_row_with<kSBlock, quantize_superblock_iq2_16<true>>(x, dst, n, importance);
 }
 
 }  // namespace loom::quant
