@@ -90,6 +90,22 @@ int best_neighbour(const GridTables& t, int u, const float* xval, const float* w
   return best;
 }
 
+int GridTables::entry_of(const int8_t* L) const {
+  const int e = entry[static_cast<size_t>(point_of(L))];
+  LOOM_ASSERT(e >= 0);
+  return e;
+}
+
+bool round_to_grid(const GridTables& t, const float* xval, const float* waux, float id, float scale, int max_level,
+                   int8_t* L) {
+  for (int i = 0; i < t.values; ++i)
+    L[i] = static_cast<int8_t>(std::clamp(nearest_int(0.5f * (id * xval[i] - 1)), 0, max_level));
+  const int u = t.point_of(L);
+  if (t.entry[static_cast<size_t>(u)] >= 0) return true;
+  best_neighbour(t, u, xval, waux, scale, L);
+  return false;
+}
+
 float sum_of_squares(const float* x, int n) {
   float s = 0;
   for (int i = 0; i < n; ++i) s += x[i] * x[i];

@@ -28,6 +28,8 @@ struct GridTables {
     for (int i = 0; i < values; ++i) u |= L[i] << (bits * i);
     return u;
   }
+  // The grid entry of levels the search left on the grid.
+  int entry_of(const int8_t* L) const;
 };
 
 // The tables of a dequantization grid (kernels/iq_grids.h: `size` entries of
@@ -40,6 +42,21 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
 // xval best (sum weight (scale q - x)^2, the first of equals; the first one when
 // no error is a number); writes its levels to L and returns it.
 int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L);
+
+// Rounds one entry's magnitudes to levels at the inverse scale id (each
+// nearest_int(0.5 (id x - 1)) clamped to 0..max_level), replaced by the best
+// neighbour at `scale` when off the grid; returns whether they were on it.
+bool round_to_grid(const GridTables& t, const float* xval, const float* waux, float id, float scale, int max_level,
+                   int8_t* L);
+
+// A row of superblocks of 256 values, each quantized by kSuperblock(x, importance
+// or null, out) into kBlock bytes.
+template <size_t kBlock, void (*kSuperblock)(const float*, const float*, uint8_t*)>
+void quantize_superblocks(const float* x, void* dst, int64_t n, const float* importance) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (int64_t ibl = 0; ibl < n / 256; ++ibl)
+    kSuperblock(x + 256 * ibl, importance ? importance + 256 * ibl : nullptr, out + static_cast<size_t>(ibl) * kBlock);
+}
 
 // Steps the grid quantizers share, in ggml's float operations and order:
 // sum x^2 over n values,

@@ -357,16 +357,11 @@ void quantize_superblock_iq1_m(const float* xbl, const float* qw, uint8_t* out) 
 
 void quantize_row_iq1_s(const float* x, void* dst, int64_t n, const float* importance) {
   LOOM_ASSERT(importance != nullptr);  // (quantize_rows refuses these rows without one)
-  auto* out = static_cast<uint8_t*>(dst);
-  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
-    quantize_superblock_iq1_s(x + kSuper * ibl, importance + kSuper * ibl, out + static_cast<size_t>(ibl) * kSBlock);
+  quantize_superblocks<kSBlock, quantize_superblock_iq1_s>(x, dst, n, importance);
 }
 
 void quantize_row_iq1_m(const float* x, void* dst, int64_t n, const float* importance) {
-  auto* out = static_cast<uint8_t*>(dst);
-  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
-    quantize_superblock_iq1_m(x + kSuper * ibl, importance ? importance + kSuper * ibl : nullptr,
-                              out + static_cast<size_t>(ibl) * kMBlock);
+  quantize_superblocks<kMBlock, quantize_superblock_iq1_m>(x, dst, n, importance);
 }
 
 }  // namespace loom::quant

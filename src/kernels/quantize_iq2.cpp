@@ -50,27 +50,9 @@ const GridTables& tables_s() {
   return t;
 }
 
-// Levels of 8 magnitudes at the inverse scale id, each clamped to 0..2.
-void round_levels(const float* xval, float id, int8_t* L) {
-  for (int i = 0; i < 8; ++i)
-    L[i] = static_cast<int8_t>(std::clamp(nearest_int(0.5f * (id * xval[i] - 1)), 0, kMaxQ - 1));
-}
-
-// Rounds entry k's levels at id, replaced by the best neighbour at `scale` off
-// the grid; returns whether the rounded levels were on the grid.
+// Entry e's levels at id (0..2), the best neighbour at `scale` off the grid.
 bool round_entry(const GridTables& t, const float* xval, const float* waux, float id, float scale, int8_t* L) {
-  round_levels(xval, id, L);
-  const int u = t.point_of(L);
-  if (t.entry[static_cast<size_t>(u)] >= 0) return true;
-  best_neighbour(t, u, xval, waux, scale, L);
-  return false;
-}
-
-// The grid entry of 8 levels the search left on the grid.
-int entry_of(const GridTables& t, const int8_t* L) {
-  const int e = t.entry[static_cast<size_t>(t.point_of(L))];
-  LOOM_ASSERT(e >= 0);
-  return e;
+  return round_to_grid(t, xval, waux, id, scale, kMaxQ - 1, L);
 }
 
 float superblock_sumx2(const float* xbl) { return sum_of_squares(xbl, kSuper); }
@@ -128,7 +110,7 @@ void quantize_superblock_iq2_xxs(const float* xbl, const float* qw, uint8_t* out
       for (auto& s : signs) s = static_cast<uint8_t>(~s & 127);
     }
     for (int k = 0; k < 4; ++k) {
-      q2[2 * ib] |= static_cast<uint32_t>(entry_of(t, L + 8 * k)) << (8 * k);
+      q2[2 * ib] |= static_cast<uint32_t>(t.entry_of(L + 8 * k)) << (8 * k);
       q2[2 * ib + 1] |= static_cast<uint32_t>(signs[k]) << (7 * k);
     }
     scales[ib] = scale;
@@ -216,7 +198,7 @@ void quantize_superblock_iq2_16(const float* xbl, const float* qw, uint8_t* out)
       for (auto& s : signs) s = static_cast<uint8_t>(kS ? ~s : ~s & 127);
     }
     for (int k = 0; k < 2; ++k) {
-      const int e = entry_of(t, L + 8 * k), i8 = 2 * ib + k;
+      const int e = t.entry_of(L + 8 * k), i8 = 2 * ib + k;
       if constexpr (kS) {
         uint8_t* qh = out + 66 + i8 / 4;
         out[2 + i8] = static_cast<uint8_t>(e & 255);
@@ -244,28 +226,20 @@ void quantize_superblock_iq2_16(const float* xbl, const float* qw, uint8_t* out)
         static_cast<uint8_t>(scale_code(id, scales[ib], 15) | (scale_code(id, scales[ib + 1], 15) << 4));
 }
 
-template <size_t kBlock, void (*kSuperblock)(const float*, const float*, uint8_t*)>
-void quantize_row_with(const float* x, void* dst, int64_t n, const float* importance) {
-  auto* out = static_cast<uint8_t*>(dst);
-  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
-    kSuperblock(x + kSuper * ibl, importance ? importance + kSuper * ibl : nullptr,
-                out + static_cast<size_t>(ibl) * kBlock);
-}
-
 }  // namespace
 
 void quantize_row_iq2_xxs(const float* x, void* dst, int64_t n, const float* importance) {
   LOOM_ASSERT(importance != nullptr);  // (quantize_rows refuses these rows without one)
-  quantize_row_with<kXxsBlock, quantize_superblock_iq2_xxs>(x, dst, n, importance);
+  quantize_superblocks<kXxsBlock, quantize_superblock_iq2_xxs>(x, dst, n, importance);
 }
 
 void quantize_row_iq2_xs(const float* x, void* dst, int64_t n, const float* importance) {
   LOOM_ASSERT(importance != nullptr);
-  quantize_row_with<kXsBlock, quantize_superblock_iq2_16<false>>(x, dst, n, importance);
+  quantize_superblocks<kXsBlock, quantize_superblock_iq2_16<false>>(x, dst, n, importance);
 }
 
 void quantize_row_iq2_s(const float* x, void* dst, int64_t n, const float* importance) {
-  quantize_row_with<kSBlock, quantize_superblock_iq2_16<true>>(x, dst, n, importance);
+  quantize_superblocks<kSBlock, quantize_superblock_iq2_16<true>>(x, dst, n, importance);
 }
 
 }  // namespace loom::quant

@@ -20,7 +20,6 @@
 #include <cstring>
 #include <utility>
 
-#include "core/error.h"
 #include "core/half.h"
 #include "kernels/iq_grids.h"
 #include "kernels/quantize_grid.h"
@@ -50,20 +49,12 @@ const GridTables& tables_s() {
   return t;
 }
 
-// Levels of 4 magnitudes at the inverse scale id, each clamped to 0..7.
-void round_levels(const float* xval, float id, int8_t* L) {
-  for (int i = 0; i < 4; ++i) L[i] = static_cast<int8_t>(std::clamp(nearest_int(0.5f * (id * xval[i] - 1)), 0, kMaxQ - 1));
-}
-
-// Levels of each group of 4 at the inverse scale id, off-grid groups replaced by
-// their best neighbour at `scale`; on_grid[k] says which were on the grid.
+// Levels of each group of 4 at the inverse scale id (0..7), off-grid groups
+// replaced by their best neighbour at `scale`; on_grid[k] says which were on the grid.
 void levels_at(const GridTables& t, const float* xval, const float* waux, float id, float scale, int8_t* L,
                bool* on_grid) {
-  for (int k = 0; k < kGroup / 4; ++k) {
-    round_levels(xval + 4 * k, id, L + 4 * k);
-    on_grid[k] = t.entry[static_cast<size_t>(t.point_of(L + 4 * k))] >= 0;
-    if (!on_grid[k]) best_neighbour(t, t.point_of(L + 4 * k), xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
-  }
+  for (int k = 0; k < kGroup / 4; ++k)
+    on_grid[k] = round_to_grid(t, xval + 4 * k, waux + 4 * k, id, scale, kMaxQ - 1, L + 4 * k);
 }
 
 // A group's weights: importance * sqrt(sigma2 + x^2), or x^2 without importance;
@@ -104,22 +95,12 @@ float search_group(const GridTables& t, const float* xval, const float* weight, 
   if (any_off && scale > 0) {
     const float id = 1 / scale;
     for (int k = 0; k < kGroup / 4; ++k) {
-      if (on_grid[k] && !redo_all) continue;
-      round_levels(xval + 4 * k, id, L + 4 * k);
-      const int u = t.point_of(L + 4 * k);
-      if (t.entry[static_cast<size_t>(u)] < 0) best_neighbour(t, u, xval + 4 * k, waux + 4 * k, scale, L + 4 * k);
+      if (!on_grid[k] || redo_all) round_to_grid(t, xval + 4 * k, waux + 4 * k, id, scale, kMaxQ - 1, L + 4 * k);
     }
     const auto [sumqx, sumq2] = fit_sums(kGroup, weight, xval, L);
     if (sumq2 > 0) scale = sumqx / sumq2;
   }
   return scale;
-}
-
-// The grid entry of 4 levels, which the search left on the grid.
-int entry_of(const GridTables& t, const int8_t* L) {
-  const int e = t.entry[static_cast<size_t>(t.point_of(L))];
-  LOOM_ASSERT(e >= 0);
-  return e;
 }
 
 // block_iq3_xxs: d, then 64 grid entries (8 a group), then per group a u32 of
@@ -150,7 +131,7 @@ void quantize_superblock_iq3_xxs(const float* xbl, const float* qw, uint8_t* out
       scale = -scale;
       for (auto& s : block_signs) s = static_cast<uint8_t>(~s & 127);
     }
-    for (int k = 0; k < 8; ++k) q3[8 * ib + k] = static_cast<uint8_t>(entry_of(t, L + 4 * k));
+    for (int k = 0; k < 8; ++k) q3[8 * ib + k] = static_cast<uint8_t>(t.entry_of(L + 4 * k));
     scales_and_signs[ib] = block_signs[0] | (block_signs[1] << 7) | (block_signs[2] << 14) |
                            (static_cast<uint32_t>(block_signs[3]) << 21);
     scales[ib] = scale;
@@ -203,7 +184,7 @@ void quantize_superblock_iq3_s(const float* xbl, const float* qw, uint8_t* out) 
       for (auto& s : block_signs) s = static_cast<uint8_t>(~s);
     }
     for (int k = 0; k < 8; ++k) {
-      const int e = entry_of(t, L + 4 * k);
+      const int e = t.entry_of(L + 4 * k);
       qs[k] = static_cast<uint8_t>(e & 255);
       qh[(ib * 8 + k) / 8] = static_cast<uint8_t>(qh[(ib * 8 + k) / 8] | ((e >> 8) << ((ib * 8 + k) % 8)));
     }
@@ -225,17 +206,11 @@ void quantize_superblock_iq3_s(const float* xbl, const float* qw, uint8_t* out) 
 }  // namespace
 
 void quantize_row_iq3_xxs(const float* x, void* dst, int64_t n, const float* importance) {
-  auto* out = static_cast<uint8_t*>(dst);
-  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
-    quantize_superblock_iq3_xxs(x + kSuper * ibl, importance ? importance + kSuper * ibl : nullptr,
-                                out + static_cast<size_t>(ibl) * kXxsBlock);
+  quantize_superblocks<kXxsBlock, quantize_superblock_iq3_xxs>(x, dst, n, importance);
 }
 
 void quantize_row_iq3_s(const float* x, void* dst, int64_t n, const float* importance) {
-  auto* out = static_cast<uint8_t*>(dst);
-  for (int64_t ibl = 0; ibl < n / kSuper; ++ibl)
-    quantize_superblock_iq3_s(x + kSuper * ibl, importance ? importance + kSuper * ibl : nullptr,
-                              out + static_cast<size_t>(ibl) * kSBlock);
+  quantize_superblocks<kSBlock, quantize_superblock_iq3_s>(x, dst, n, importance);
 }
 
 }  // namespace loom::quant
