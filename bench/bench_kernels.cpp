@@ -17,6 +17,10 @@
 // double exp per logit, a partial sort of every index) the server used before.
 // Loss/{eval,eval_count}: the fused cross-entropy at SmolLM2's tied q8_0 output
 // projection, without and with evaluation's token-accuracy count.
+// Matmul/<type>/matvec_cold_576x1536/t2: decode over copies of one small matrix
+//   (SmolLM2's ffn_down), 256 MiB together, each call the next, as a model's
+//   layers come: every call starts cold, which the one long stream of
+//   matvec_dram does not show.
 // Matmul/<type>/matvec_dram_*[_huge]: decode over 256 MiB of weights packed on
 // the heap or in huge pages (the CPU backend's HugePageArena).
 #include <benchmark/benchmark.h>
@@ -141,6 +145,33 @@ void run_case(benchmark::State& state, Case c) {
   }
   const double flops = 2.0 * static_cast<double>(c.N) * static_cast<double>(c.K) * static_cast<double>(c.T);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["wGB/s"] = benchmark::Counter(static_cast<double>(W.nbytes()) * 1e-9,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Decode over many small matrices in turn, as a model's layers are: `copies`
+// packed copies of one [N, K] weight, each call the next, together past the
+// last-level cache; each call starts cold, where matvec_dram's one 256 MiB
+// matrix streams without a start.
+void run_cold_case(benchmark::State& state, Case c, int copies) {
+  auto w = make_weights(c.type, c.N, c.K);
+  const Tensor W = make_tensor(w.data(), c.type, {c.N, c.K});
+  ThreadPool pool(c.threads);
+  HugePageArena arena;
+  std::vector<PackedWeight> pws;
+  for (int i = 0; i < copies; ++i) pws.push_back(PackedWeight::pack(W, &pool, "bench", nullptr, &arena));
+  std::vector<float> x(static_cast<size_t>(c.K)), y(static_cast<size_t>(c.N));
+  std::mt19937 rng(kSeed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (auto& v : x) v = dist(rng);
+  MatmulScratch scratch;
+  size_t next = 0;
+  for (auto _ : state) {
+    matmul(pool, pws[next], x.data(), y.data(), 1, scratch);
+    next = (next + 1) % pws.size();
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
   state.counters["wGB/s"] = benchmark::Counter(static_cast<double>(W.nbytes()) * 1e-9,
                                                benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -609,6 +640,14 @@ void register_all() {
       const std::string dname =
           fmt::format("Matmul/{}/matvec_dram_{}x{}{}/t2", dtype_name(t), dram_N, dram_K, huge ? "_huge" : "");
       benchmark::RegisterBenchmark(dname.c_str(), run_case, Case{t, dram_N, dram_K, 1, 2, true, huge})
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+    {  // SmolLM2's ffn_down, in copies of 256 MiB together
+      const int64_t N = 576, K = 1536;
+      const int copies = static_cast<int>((int64_t{256} << 20) / (N * static_cast<int64_t>(dtype_row_bytes(t, K))));
+      const std::string cname = fmt::format("Matmul/{}/matvec_cold_{}x{}/t2", dtype_name(t), N, K);
+      benchmark::RegisterBenchmark(cname.c_str(), run_cold_case, Case{t, N, K, 1, 2, true, true}, copies)
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
     }

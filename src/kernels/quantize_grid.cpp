@@ -10,12 +10,25 @@
 #include "kernels/quantize_grid.h"
 
 #include <algorithm>
-#include <cfloat>
 
 #include "core/error.h"
 #include "kernels/quantize_impl.h"
 
 namespace loom::quant {
+
+
+namespace {
+
+void add_lanes(GridTables& t, int u, const uint16_t* list) {
+  const int n = list[0];
+  t.lanes_at[static_cast<size_t>(u)] = static_cast<int>(t.lanes.size());
+  for (int j0 = 0; j0 < n; j0 += kLanes)
+    for (int i = 0; i < t.values; ++i)
+      for (int l = 0; l < kLanes; ++l)
+        t.lanes.push_back(j0 + l < n ? t.values_of(list[1 + j0 + l])[i] : int8_t{0});
+}
+
+}  // namespace
 
 GridTables make_grid_tables(const void* dequant_grid, int size, int values, int bits, int lattice, int nwant,
                             int (*level_of)(uint8_t)) {
@@ -25,6 +38,7 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
   t.grid.resize(static_cast<size_t>(size * values));
   t.entry.assign(static_cast<size_t>(lattice), -1);
   t.neighbours_at.assign(static_cast<size_t>(lattice), -1);
+  t.lanes_at.assign(static_cast<size_t>(lattice), -1);
   const auto* bytes = static_cast<const uint8_t*>(dequant_grid);
   for (int e = 0; e < size; ++e) {
     int8_t levels[8];
@@ -64,27 +78,20 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
         if (d2[static_cast<size_t>(e)] == d) t.neighbours.push_back(static_cast<uint16_t>(e));
     }
     t.neighbours[count_at] = static_cast<uint16_t>(t.neighbours.size() - count_at - 1);
+    add_lanes(t, u, t.neighbours.data() + count_at);
   }
   return t;
 }
 
 int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L) {
-  const uint16_t* list = t.neighbours.data() + t.neighbours_at[static_cast<size_t>(u)];
-  float best_d2 = FLT_MAX;
-  int best = list[1];  // kept when no error compares (NaN weights), where ggml stops
-  for (int j = 1; j <= list[0]; ++j) {
-    const int8_t* pg = t.values_of(list[j]);
-    float d2 = 0;
+  const int best = least_error_neighbour(t, u, [&](const int8_t* block) {
+    LaneFloats d2 = {};
     for (int i = 0; i < t.values; ++i) {
-      const float q = pg[i];
-      const float diff = scale * q - xval[i];
+      const LaneFloats diff = scale * lane_values(block + kLanes * i) - xval[i];
       d2 += weight[i] * diff * diff;
     }
-    if (d2 < best_d2) {
-      best_d2 = d2;
-      best = list[j];
-    }
-  }
+    return d2;
+  });
   const int8_t* pg = t.values_of(best);
   for (int i = 0; i < t.values; ++i) L[i] = static_cast<int8_t>((pg[i] - 1) / 2);
   return best;

@@ -8,8 +8,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace loom::quant {
 
@@ -20,6 +25,11 @@ struct GridTables {
   std::vector<int> entry;           // per lattice point: its entry, or -1 off the grid
   std::vector<int> neighbours_at;   // off the grid: where its list starts in `neighbours`
   std::vector<uint16_t> neighbours;  // per list: the count, then the entries
+  // Per list, its entries' values in blocks of 8 entries, value-major: block b's
+  // value i of entry 8b + l at [lanes_at[u] + 8 (values b + i) + l] (0 past the
+  // list's end), so best_neighbour errors 8 entries at a time from plain loads.
+  std::vector<int> lanes_at;
+  std::vector<int8_t> lanes;
 
   const int8_t* values_of(int e) const { return grid.data() + static_cast<size_t>(values) * e; }
   // The lattice point of `values` levels.
@@ -42,6 +52,47 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
 // xval best (sum weight (scale q - x)^2, the first of equals; the first one when
 // no error is a number); writes its levels to L and returns it.
 int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L);
+
+// Eight lanes of float and int32 (GCC / clang vector extensions: each lane's
+// operations are the scalar ones; the quantizer files keep fp-contract off, so
+// none is fused).
+constexpr int kLanes = 8;
+using LaneFloats = float __attribute__((vector_size(4 * kLanes)));
+using LaneInts = int32_t __attribute__((vector_size(4 * kLanes)));
+
+// Eight int8 values as floats (exact).
+inline LaneFloats lane_values(const int8_t* p) {
+  LaneFloats f;
+#if defined(__AVX2__)
+  // GCC 12 converts an int8 vector lane by lane, through scalar registers.
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&f, &v, sizeof f);
+#else
+  for (int l = 0; l < kLanes; ++l) f[l] = p[l];
+#endif
+  return f;
+}
+
+// Of the off-grid point u's neighbours, the entry of least error (the first of
+// equals; the first one when no error compares, as with NaN weights). `errors`
+// gives 8 entries' errors from their block of t.lanes (values-major).
+template <class Errors>
+int least_error_neighbour(const GridTables& t, int u, Errors errors) {
+  const uint16_t* list = t.neighbours.data() + t.neighbours_at[static_cast<size_t>(u)];
+  const int8_t* block = t.lanes.data() + t.lanes_at[static_cast<size_t>(u)];
+  const int n = list[0];
+  float best_d2 = std::numeric_limits<float>::max();
+  int best = list[1];
+  for (int j0 = 0; j0 < n; j0 += kLanes, block += kLanes * t.values) {
+    const LaneFloats d2 = errors(block);
+    for (int l = 0; l < kLanes && j0 + l < n; ++l)
+      if (d2[l] < best_d2) {
+        best_d2 = d2[l];
+        best = list[1 + j0 + l];
+      }
+  }
+  return best;
+}
 
 // Rounds one entry's magnitudes to levels at the inverse scale id (each
 // nearest_int(0.5 (id x - 1)) clamped to 0..max_level), replaced by the best

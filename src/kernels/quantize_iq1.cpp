@@ -16,6 +16,7 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -50,23 +51,20 @@ const GridTables& tables() {
 // levels. With no finite error (NaN weights) the first neighbour.
 int best_shifted_neighbour(const GridTables& t, int u, const float* x, const float* weight, float scale,
                            const float* xg, int8_t* L) {
-  const uint16_t* list = t.neighbours.data() + t.neighbours_at[static_cast<size_t>(u)];
-  float best_d2 = FLT_MAX;
-  int best = list[1];
-  for (int j = 1; j <= list[0]; ++j) {
-    const int8_t* pg = t.values_of(list[j]);
-    float d2 = 0;
+  // An entry's values 2 l + 1 (1, 3, 5) select xg[l], bit for bit.
+  const LaneInts xg_bits[3] = {LaneInts{} + std::bit_cast<int32_t>(xg[0]), LaneInts{} + std::bit_cast<int32_t>(xg[1]),
+                               LaneInts{} + std::bit_cast<int32_t>(xg[2])};
+  const int best = least_error_neighbour(t, u, [&](const int8_t* block) {
+    LaneFloats d2 = {};
     for (int i = 0; i < 8; ++i) {
-      const float q = xg[(pg[i] - 1) / 2];
-      const float w = weight[i];
-      const float diff = scale * q - x[i];
-      d2 += w * diff * diff;
+      const LaneFloats v = lane_values(block + kLanes * i);
+      const LaneInts bits = ((v == 1.0f) & xg_bits[0]) | ((v == 3.0f) & xg_bits[1]) | ((v == 5.0f) & xg_bits[2]);
+      const LaneFloats q = std::bit_cast<LaneFloats>(bits);
+      const LaneFloats diff = scale * q - x[i];
+      d2 += weight[i] * diff * diff;
     }
-    if (d2 < best_d2) {
-      best_d2 = d2;
-      best = list[j];
-    }
-  }
+    return d2;
+  });
   const int8_t* pg = t.values_of(best);
   for (int i = 0; i < 8; ++i) L[i] = static_cast<int8_t>((pg[i] - 1) / 2);
   return best;
