@@ -8,13 +8,11 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "kernels/quantize_impl.h"
 
 namespace loom::quant {
 
@@ -52,26 +50,6 @@ GridTables make_grid_tables(const void* dequant_grid, int size, int values, int 
 // xval best (sum weight (scale q - x)^2, the first of equals; the first one when
 // no error is a number); writes its levels to L and returns it.
 int best_neighbour(const GridTables& t, int u, const float* xval, const float* weight, float scale, int8_t* L);
-
-// Eight lanes of float and int32 (GCC / clang vector extensions: each lane's
-// operations are the scalar ones; the quantizer files keep fp-contract off, so
-// none is fused).
-constexpr int kLanes = 8;
-using LaneFloats = float __attribute__((vector_size(4 * kLanes)));
-using LaneInts = int32_t __attribute__((vector_size(4 * kLanes)));
-
-// Eight int8 values as floats (exact).
-inline LaneFloats lane_values(const int8_t* p) {
-  LaneFloats f;
-#if defined(__AVX2__)
-  // GCC 12 converts an int8 vector lane by lane, through scalar registers.
-  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&f, &v, sizeof f);
-#else
-  for (int l = 0; l < kLanes; ++l) f[l] = p[l];
-#endif
-  return f;
-}
 
 // Of the off-grid point u's neighbours, the entry of least error (the first of
 // equals; the first one when no error compares, as with NaN weights). `errors`

@@ -13,7 +13,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <bit>
 #include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace loom::quant {
 
@@ -38,6 +42,33 @@ inline int nearest_int(float v) {
   const float biased = v + 12582912.0f;
   int32_t bits;
   std::memcpy(&bits, &biased, sizeof(bits));
+  return (bits & 0x007fffff) - 0x00400000;
+}
+
+// Eight lanes of float and int32 (GCC / clang vector extensions): searches
+// that score several candidates at once, each lane with the scalar code's
+// operations in its order (the quantizer files keep fp-contract off, so none
+// is fused), so the same bits.
+constexpr int kLanes = 8;
+using LaneFloats = float __attribute__((vector_size(4 * kLanes)));
+using LaneInts = int32_t __attribute__((vector_size(4 * kLanes)));
+
+// Eight int8 values as floats (exact).
+inline LaneFloats lane_values(const int8_t* p) {
+  LaneFloats f;
+#if defined(__AVX2__)
+  // GCC 12 converts an int8 vector lane by lane, through scalar registers.
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&f, &v, sizeof f);
+#else
+  for (int l = 0; l < kLanes; ++l) f[l] = p[l];
+#endif
+  return f;
+}
+
+// ggml's nearest_int in each lane.
+inline LaneInts nearest_int(LaneFloats v) {
+  const LaneInts bits = std::bit_cast<LaneInts>(v + 12582912.0f);
   return (bits & 0x007fffff) - 0x00400000;
 }
 

@@ -11,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 
 #include "core/error.h"
@@ -69,6 +70,54 @@ float affine_error(int n, const float* x, const float* weights, const uint8_t* L
     err += weights[i] * diff;
   }
   return err;
+}
+
+// Candidates is0 .. is0 + 7 of fit_affine's grid from the current min, lane l
+// candidate is0 + l: its codes, the least-squares (scale, min) for them
+// (valid where D > 0) and its weighted error, in ggml's operations and order.
+struct AffineCandidates {
+  LaneInts codes[kMaxGroup];
+  LaneFloats D, scale, min, err;
+};
+
+AffineCandidates score_affine(int n, int nmax, const float* x, const float* weights, float sum_w, float sum_x,
+                              float min, float max, const AffineGrid& grid, int is0) {
+  AffineCandidates c;
+  LaneFloats is;
+  for (int l = 0; l < kLanes; ++l) is[l] = as_float(is0 + l);
+  const LaneFloats iscale = (grid.rmin + grid.rdelta * is + as_float(nmax)) / (max - min);
+  LaneFloats sum_l = {}, sum_l2 = {}, sum_xl = {};
+  LaneFloats q[kMaxGroup];
+  for (int i = 0; i < n; ++i) {
+    LaneInts l = nearest_int(iscale * (x[i] - min));
+    l &= ~(l < 0);                                 // clamp to [0, nmax]
+    const LaneInts over = l > nmax;
+    l = (l & ~over) | (nmax & over);
+    c.codes[i] = l;
+    q[i] = __builtin_convertvector(l, LaneFloats);
+    const float w = weights[i];
+    sum_l += w * q[i];
+    sum_l2 += w * q[i] * q[i];
+    sum_xl += w * q[i] * x[i];
+  }
+  c.D = sum_w * sum_l2 - sum_l * sum_l;
+  LaneFloats this_scale = (sum_w * sum_xl - sum_x * sum_l) / c.D;
+  LaneFloats this_min = (sum_l2 * sum_x - sum_l * sum_xl) / c.D;
+  const LaneInts positive = this_min > 0.0f;  // then min 0 and the scale alone
+  const LaneFloats alone = sum_xl / sum_l2;
+  this_min = std::bit_cast<LaneFloats>(std::bit_cast<LaneInts>(this_min) & ~positive);
+  this_scale = std::bit_cast<LaneFloats>((std::bit_cast<LaneInts>(this_scale) & ~positive) |
+                                         (std::bit_cast<LaneInts>(alone) & positive));
+  LaneFloats err = {};
+  for (int i = 0; i < n; ++i) {
+    LaneFloats diff = this_scale * q[i] + this_min - x[i];
+    diff = grid.use_mad ? std::bit_cast<LaneFloats>(std::bit_cast<LaneInts>(diff) & 0x7fffffff) : diff * diff;
+    err += weights[i] * diff;
+  }
+  c.scale = this_scale;
+  c.min = this_min;
+  c.err = err;
+  return c;
 }
 
 }  // namespace
@@ -172,34 +221,26 @@ float fit_affine(int n, int nmax, const float* x, const float* weights, uint8_t*
     *neg_min = -min;
     return scale;
   }
-  uint8_t Laux[kMaxGroup];
-  for (int is = 0; is <= grid.nstep; ++is) {
-    iscale = (grid.rmin + grid.rdelta * as_float(is) + as_float(nmax)) / (max - min);
-    float sum_l = 0, sum_l2 = 0, sum_xl = 0;
-    for (int i = 0; i < n; ++i) {
-      const int l = code(iscale, i);
-      Laux[i] = static_cast<uint8_t>(l);
-      const float w = weights[i];
-      sum_l += w * as_float(l);
-      sum_l2 += w * as_float(l) * as_float(l);
-      sum_xl += w * as_float(l) * x[i];
+  // The grid's candidates 8 at a time, each lane one candidate scored as ggml
+  // scores it, then taken in ggml's order. A taken candidate moves min, which
+  // the later candidates' codes depend on: the lanes after it are then scored
+  // again from the new min.
+  for (int is0 = 0; is0 <= grid.nstep;) {
+    const AffineCandidates c = score_affine(n, nmax, x, weights, sum_w, sum_x, min, max, grid, is0);
+    int next = is0 + kLanes;
+    for (int l = 0; l < kLanes && is0 + l <= grid.nstep; ++l) {
+      if (!(c.D[l] > 0) || !(c.err[l] < best_error)) continue;
+      for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(c.codes[i][l]);
+      best_error = c.err[l];
+      scale = c.scale[l];
+      const bool moved = std::bit_cast<uint32_t>(c.min[l]) != std::bit_cast<uint32_t>(min);
+      min = c.min[l];
+      if (moved) {
+        next = is0 + l + 1;
+        break;
+      }
     }
-    // Weighted least squares for (scale, min) given these codes.
-    const float D = sum_w * sum_l2 - sum_l * sum_l;
-    if (!(D > 0)) continue;
-    float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
-    float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-    if (this_min > 0) {
-      this_min = 0;
-      this_scale = sum_xl / sum_l2;
-    }
-    const float err = affine_error(n, x, weights, Laux, this_scale, this_min, grid.use_mad);
-    if (err < best_error) {
-      std::copy(Laux, Laux + n, L);
-      best_error = err;
-      scale = this_scale;
-      min = this_min;
-    }
+    is0 = next;
   }
   *neg_min = -min;
   return scale;
