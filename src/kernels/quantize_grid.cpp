@@ -15,8 +15,6 @@
 #include "kernels/quantize_impl.h"
 
 namespace loom::quant {
-
-
 namespace {
 
 void add_lanes(GridTables& t, int u, const uint16_t* list) {

@@ -11,9 +11,9 @@
 // next to each function so the two can be read side by side.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <bit>
 #include <cstring>
 #if defined(__AVX2__)
 #include <immintrin.h>

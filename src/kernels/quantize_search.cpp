@@ -159,6 +159,7 @@ float fit_symmetric(int n, int nmax, const float* x, const float* weights, int8_
   constexpr int kSteps[] = {-9, -8, -7, -6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6, 7, 8, 9};
   constexpr int kCount = static_cast<int>(std::size(kSteps));
   float best_iscale = iscale;
+  bool taken = false;  // a later scale won: the codes are set from it at the end
   for (int k0 = 0; k0 < kCount; k0 += kLanes) {
     LaneFloats is = {};
     for (int l = 0; l < kLanes && k0 + l < kCount; ++l) is[l] = as_float(kSteps[k0 + l]);
@@ -167,11 +168,12 @@ float fit_symmetric(int n, int nmax, const float* x, const float* weights, int8_
     for (int l = 0; l < kLanes && k0 + l < kCount; ++l)
       if (c.suml2[l] > 0 && c.sumlx[l] * c.sumlx[l] > best * c.suml2[l]) {
         best_iscale = iscales[l];
+        taken = true;
         scale = c.sumlx[l] / c.suml2[l];
         best = scale * c.sumlx[l];
       }
   }
-  if (best_iscale != iscale) set_symmetric_codes(n, nmax, x, best_iscale, L);
+  if (taken) set_symmetric_codes(n, nmax, x, best_iscale, L);
   return scale;
 }
 
