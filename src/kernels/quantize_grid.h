@@ -63,6 +63,7 @@ int least_error_neighbour(const GridTables& t, int u, Errors errors) {
   int best = list[1];
   for (int j0 = 0; j0 < n; j0 += kLanes, block += kLanes * t.values) {
     const LaneFloats d2 = errors(block);
+    if (!any_lane(d2 < best_d2)) continue;  // the usual block: none better (NaN never is)
     for (int l = 0; l < kLanes && j0 + l < n; ++l)
       if (d2[l] < best_d2) {
         best_d2 = d2[l];

@@ -66,6 +66,13 @@ inline LaneFloats lane_values(const int8_t* p) {
   return f;
 }
 
+// Whether any lane of a comparison's result is set.
+inline bool any_lane(LaneInts m) {
+  uint64_t w[4];
+  std::memcpy(w, &m, sizeof w);
+  return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
 // ggml's nearest_int in each lane.
 inline LaneInts nearest_int(LaneFloats v) {
   const LaneInts bits = std::bit_cast<LaneInts>(v + 12582912.0f);
