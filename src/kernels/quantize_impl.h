@@ -15,9 +15,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace loom::quant {
 
@@ -53,17 +50,16 @@ constexpr int kLanes = 8;
 using LaneFloats = float __attribute__((vector_size(4 * kLanes)));
 using LaneInts = int32_t __attribute__((vector_size(4 * kLanes)));
 
-// Eight int8 values as floats (exact).
+// Eight int8 values as floats (exact): each byte shifted to the top of its
+// lane and back, arithmetically (GCC 12 converts an int8 vector lane by lane
+// through scalar registers; this is two variable shifts and a conversion).
 inline LaneFloats lane_values(const int8_t* p) {
-  LaneFloats f;
-#if defined(__AVX2__)
-  // GCC 12 converts an int8 vector lane by lane, through scalar registers.
-  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&f, &v, sizeof f);
-#else
-  for (int l = 0; l < kLanes; ++l) f[l] = p[l];
-#endif
-  return f;
+  uint32_t half[2];
+  std::memcpy(half, p, sizeof half);
+  const auto lo = static_cast<int32_t>(half[0]), hi = static_cast<int32_t>(half[1]);
+  const LaneInts words = {lo, lo, lo, lo, hi, hi, hi, hi};
+  const LaneInts up = {24, 16, 8, 0, 24, 16, 8, 0};
+  return __builtin_convertvector((words << up) >> 24, LaneFloats);
 }
 
 // Whether any lane of a comparison's result is set.

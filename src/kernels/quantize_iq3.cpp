@@ -59,9 +59,17 @@ void levels_at(const GridTables& t, const float* xval, const float* waux, float 
 
 // A group's weights: importance * sqrt(sigma2 + x^2), or x^2 without importance;
 // waux their square roots.
-void group_weights(const float* xb, const float* qw, float sigma2, float* weight, float* waux) {
+// Group ib of a superblock (both types): its weights (and their roots), the
+// magnitudes and sign bits of its four groups of 8 (`even_count`: IQ3_XXS's
+// parity flip, split_signs), and the largest magnitude, returned.
+float group_magnitudes(const float* xbl, const float* qw, float sigma2, int ib, bool even_count, float* weight,
+                       float* waux, float* xval, uint8_t* signs) {
+  const float* xb = xbl + kGroup * ib;
+  if (qw != nullptr) qw += kGroup * ib;
   for (int i = 0; i < kGroup; ++i) weight[i] = qw ? qw[i] * std::sqrt(sigma2 + xb[i] * xb[i]) : xb[i] * xb[i];
   for (int i = 0; i < kGroup; ++i) waux[i] = std::sqrt(weight[i]);
+  for (int k = 0; k < 4; ++k) signs[k] = split_signs(xb + 8 * k, weight + 8 * k, even_count, xval + 8 * k);
+  return max_of(xval, kGroup);
 }
 
 float superblock_sigma2(const float* xbl) { return 2 * sum_of_squares(xbl, kSuper) / kSuper; }
@@ -115,12 +123,9 @@ void quantize_superblock_iq3_xxs(const float* xbl, const float* qw, uint8_t* out
   float max_scale = 0;
   const float sigma2 = superblock_sigma2(xbl);
   for (int ib = 0; ib < kSuper / kGroup; ++ib) {
-    const float* xb = xbl + kGroup * ib;
     float weight[kGroup], waux[kGroup], xval[kGroup];
-    group_weights(xb, qw ? qw + kGroup * ib : nullptr, sigma2, weight, waux);
     uint8_t block_signs[4];
-    for (int k = 0; k < 4; ++k) block_signs[k] = split_signs(xb + 8 * k, weight + 8 * k, true, xval + 8 * k);
-    const float max = max_of(xval, kGroup);
+    const float max = group_magnitudes(xbl, qw, sigma2, ib, true, weight, waux, xval, block_signs);
     if (max < kXxsGroupEps) {
       scales[ib] = 0;
       continue;
@@ -164,12 +169,9 @@ void quantize_superblock_iq3_s(const float* xbl, const float* qw, uint8_t* out) 
   float max_scale = 0;
   const float sigma2 = superblock_sigma2(xbl);
   for (int ib = 0; ib < kSuper / kGroup; ++ib) {
-    const float* xb = xbl + kGroup * ib;
     float weight[kGroup], waux[kGroup], xval[kGroup];
-    group_weights(xb, qw ? qw + kGroup * ib : nullptr, sigma2, weight, waux);
     uint8_t block_signs[4];
-    for (int k = 0; k < 4; ++k) block_signs[k] = split_signs(xb + 8 * k, weight + 8 * k, false, xval + 8 * k);
-    const float max = max_of(xval, kGroup);
+    const float max = group_magnitudes(xbl, qw, sigma2, ib, false, weight, waux, xval, block_signs);
     if (max == 0) {
       // ggml moves on without advancing its qs and signs pointers: the next
       // group's entries and signs land in this group's slots (and the last
