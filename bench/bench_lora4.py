@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""What keeping LoRA adapters in 4 bits costs and saves in `loom serve` (--lora-bits 4 against 32).
+"""What keeping LoRA adapters in 4 bits (or int8, bf16) costs and saves in `loom serve` (--lora-bits 4
+against 32).
 
 Two servers of the same base and adapter, one with --lora-bits 32 (f32) and one with --lora-bits 4 (A in
-groups of 128 columns or the fitting multiple of 32, B per row; kernels/int_quant.h). Both answer the
+groups of 128 columns or the fitting multiple of 32, B per row; kernels/int_quant.h), or with --bits, 8
+(int8, kernels/lora_i8.h) or 16 (bf16). Both answer the
 README main job's 40 eval questions greedily (16 tokens, with log-probs); reported: how many answers are
 identical, the task score of each (format "ANSWER: <n>" and right), the mean and largest difference of
 the chosen tokens' log-probs while the texts agree, the memory per adapter from the start-up log, and
@@ -10,7 +12,7 @@ generation throughput with --clients concurrent requests spread over --copies re
 adapter (so several 4-bit adapters share each step).
 
 Usage: python3 bench/bench_lora4.py [--loom build/loom] [--adapter out/main_job-adapter] [-t 2]
-       [--copies 8] [--clients 16] [--max-tokens 64]
+       [--copies 8] [--clients 16] [--max-tokens 64] [--bits 4|8|16]
 The adapter defaults to the main job's; without one, the script trains 60 steps of it first.
 """
 import argparse
@@ -98,6 +100,8 @@ def main():
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8, 16),
+                    help="the --lora-bits compared with f32 (4: 4-bit, 8: int8, 16: bf16)")
     a = ap.parse_args()
     if not os.path.isdir(a.adapter):
         a.adapter = os.path.join(tempfile.mkdtemp(prefix="loom_lora4_"), "adapter")
@@ -108,21 +112,21 @@ def main():
     questions = [r["messages"][0]["content"] for r in rows]
     expected = [r["messages"][1]["content"] for r in rows]
     res = {}
-    for bits in (32, 4):
+    for bits in (32, a.bits):
         s = Server(a.loom, a.adapter, bits, a.copies, a.threads)
         try:
             res[bits] = {"answers": answers(s, questions), "mib": s.mib, "f32_mib": s.f32_mib,
                          "tok_s": throughput(s, questions, a.copies, a.clients, a.max_tokens)}
         finally:
             s.close()
-    same = sum(x[0] == y[0] for x, y in zip(res[32]["answers"], res[4]["answers"]))
-    diffs = [abs(p - q) for x, y in zip(res[32]["answers"], res[4]["answers"]) if x[0] == y[0]
+    same = sum(x[0] == y[0] for x, y in zip(res[32]["answers"], res[a.bits]["answers"]))
+    diffs = [abs(p - q) for x, y in zip(res[32]["answers"], res[a.bits]["answers"]) if x[0] == y[0]
              for p, q in zip(x[1], y[1])]
     print(f"adapter {a.adapter}, {len(questions)} eval questions, greedy, 16 tokens\n")
     print("| lora bits | MiB per adapter | format | correct | gen tok/s "
           f"({a.clients} clients, {a.copies} adapters) |")
     print("|---|---|---|---|---|")
-    for bits in (32, 4):
+    for bits in (32, a.bits):
         ans = [t for t, _ in res[bits]["answers"]]
         fmt_ok = sum(bool(ANSWER.match(t.strip())) for t in ans)
         right = sum(t.strip() == e for t, e in zip(ans, expected))

@@ -12,14 +12,15 @@
 //     exceed the last-level cache), "_noprefetch" not. 64 adapters x 30 layers
 //     of one point are 40-130 MB in bf16: in a large last-level cache (an
 //     Emerald Rapids VM reports 260 MB) they stay there;
-//   decode16dram: the same over 256 adapters (bf16, rank 8 only: 165-520 MB),
+//   decode16dram: the same over 256 adapters (bf16 and int8, rank 8 only: 165-520 MB in bf16),
 //     past such caches, as a serving step's factors are when the KV cache and
 //     the base weights share the cache with them (bench/results/multi_lora.md);
 // with f32 factors, "_bf16" kept in bf16 (`serve --lora-bits 16`: one block per
-// adapter, in huge pages where the system gives them) and, "_int4", factors
+// adapter, in huge pages where the system gives them), "_int8" in int8 (`serve
+// --lora-bits 8`, kernels/lora_i8.h, the same blocks) and, "_int4", factors
 // kept in 4 bits as `serve --lora-bits 4` keeps them (read in place).
 // Time per call, one thread (CPU time). The ".../t2" cases run the server's
-// way: 2 threads (wall time), bf16 r=8 factors with stream_factors on, as the
+// way: 2 threads (wall time), bf16 or int8 r=8 factors with stream_factors on, as the
 // server asks whenever the weights and a step's adapters exceed the last-level
 // cache: decode16x16 (16 rows of one adapter), prefill256 (a 256-row chunk of
 // one adapter; "_noprefetch" without the stream) and decode16cold.
@@ -43,6 +44,7 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/int_quant.h"
 #include "kernels/lora_b16.h"
+#include "kernels/lora_i8.h"
 #include "kernels/ref/dequant_ref.h"
 
 namespace loom {
@@ -51,7 +53,7 @@ namespace {
 struct LoraCase {
   std::vector<int64_t> outs;  // one target per entry, all over x [T, in]
   int64_t in, rows, adapters, rank;
-  int bits = 32;       // 32: f32 factors, 16: bf16, 4: 4-bit
+  int bits = 32;       // 32: f32 factors, 16: bf16, 8: int8, 4: 4-bit
   int64_t layers = 1;  // sets of factors the calls go through in turn
   bool stream = false;  // LoraRowsJob::stream_factors: prefetch the factors ahead
   int threads = 1;
@@ -75,14 +77,16 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
   factors.reserve(n_factors);
   std::vector<PackedInt4> packed;
   packed.reserve(2 * n_factors);  // the factors point into these
-  // bf16: one block per adapter, every layer's factors in it, as `serve --lora-bits 16` keeps them
-  // (serve/loaded_adapter.cpp).
+  // bf16 and int8: one block per adapter, every layer's factors in it, as `serve --lora-bits 16`
+  // (or 8) keeps them (serve/loaded_adapter.cpp).
   std::vector<HugePageBuffer> blocks;
-  size_t adapter_halves = 0;
+  auto align64 = [](size_t n) { return (n + 63) & ~size_t{63}; };
+  size_t adapter_bytes = 0;
   for (int64_t out : c.outs)
-    adapter_halves += static_cast<size_t>(c.layers * (c.rank * c.in + lora_b16_elements(out, c.rank)));
-  for (int64_t a = 0; c.bits == 16 && a < c.adapters; ++a)
-    blocks.emplace_back(adapter_halves * sizeof(uint16_t));
+    adapter_bytes += static_cast<size_t>(c.layers) *
+                     (c.bits == 8 ? align64(lora_a8_bytes(c.rank, c.in)) + align64(lora_b8_bytes(out, c.rank))
+                                  : (c.rank * c.in + lora_b16_elements(out, c.rank)) * sizeof(uint16_t));
+  for (int64_t a = 0; (c.bits == 16 || c.bits == 8) && a < c.adapters; ++a) blocks.emplace_back(adapter_bytes);
   std::vector<size_t> filled(blocks.size(), 0);
   for (size_t i = 0; i < n_factors; ++i) {
     const int64_t out = c.outs[i % c.outs.size()];
@@ -91,16 +95,31 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
     factors.push_back({as[i].data(), bs[i].data(), c.rank, c.in, out, 0.5f, {}, {}});
     if (c.bits == 16) {
       const size_t ad = i / c.outs.size() % static_cast<size_t>(c.adapters);
-      auto* h = reinterpret_cast<uint16_t*>(blocks[ad].data()) + filled[ad];
+      auto* h = reinterpret_cast<uint16_t*>(blocks[ad].data() + filled[ad]);
       LoraFactor& f = factors.back();
       f.a = f.b = nullptr;
       f.a16 = h;
       f.b16 = h + as[i].size();
       for (float e : as[i]) *h++ = fp32_to_bf16(e);
       pack_lora_b16(bs[i].data(), out, c.rank, h);
-      filled[ad] += as[i].size() + static_cast<size_t>(lora_b16_elements(out, c.rank));
+      filled[ad] += (as[i].size() + static_cast<size_t>(lora_b16_elements(out, c.rank))) * sizeof(uint16_t);
       for (std::vector<float>* v : {&as[i], &bs[i]})
         std::vector<float>().swap(*v);  // only the bf16 copy stays
+      continue;
+    }
+    if (c.bits == 8) {
+      const size_t ad = i / c.outs.size() % static_cast<size_t>(c.adapters);
+      uint8_t* at = blocks[ad].data() + filled[ad];
+      LoraFactor& f = factors.back();
+      f.a = f.b = nullptr;
+      pack_lora_a8(as[i].data(), c.rank, c.in, at);
+      f.a8 = at;
+      at += align64(lora_a8_bytes(c.rank, c.in));
+      pack_lora_b8(bs[i].data(), out, c.rank, at);
+      f.b8 = at;
+      filled[ad] += align64(lora_a8_bytes(c.rank, c.in)) + align64(lora_b8_bytes(out, c.rank));
+      for (std::vector<float>* v : {&as[i], &bs[i]})
+        std::vector<float>().swap(*v);  // only the int8 copy stays
       continue;
     }
     if (c.bits != 4) continue;
@@ -207,7 +226,7 @@ const bool registered = [] {
   };
   const Point points[] = {{"qkv", {H, KV, KV}, H}, {"gate_up", {F, F}, H}, {"down", {H}, F}};
   for (int64_t r : {8, 16})
-    for (int bits : {32, 16, 4})
+    for (int bits : {32, 16, 8, 4})
       for (const Point& p : points)
         for (auto [shape, rows, adapters, layers, stream] :
              {std::tuple{"decode16", 16, 16, 1, false}, std::tuple{"decode16x8", 16, 8, 1, false},
@@ -215,24 +234,25 @@ const bool registered = [] {
               std::tuple{"decode16cold_noprefetch", 16, 64, 30, false},
               std::tuple{"decode16dram", 16, 256, 30, true},
               std::tuple{"decode16dram_noprefetch", 16, 256, 30, false}}) {
-          if (std::string_view(shape).starts_with("decode16dram") && (bits != 16 || r != 8)) continue;
-          const char* suffix = bits == 4 ? "_int4" : bits == 16 ? "_bf16" : "";
+          if (std::string_view(shape).starts_with("decode16dram") && ((bits != 16 && bits != 8) || r != 8)) continue;
+          const char* suffix = bits == 4 ? "_int4" : bits == 8 ? "_int8" : bits == 16 ? "_bf16" : "";
           const std::string name = fmt::format("LoraRows/{}/{}_r{}{}/t1", p.name, shape, r, suffix);
           benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
                                        LoraCase{p.outs, p.in, rows, adapters, r, bits, layers, stream})
               ->Unit(benchmark::kMicrosecond);
         }
-  for (const Point& p : points)
-    for (auto [shape, rows, adapters, layers, stream] :
-         {std::tuple{"decode16x16", 16, 1, 1, true}, std::tuple{"prefill256", 256, 1, 1, true},
-          std::tuple{"prefill256_noprefetch", 256, 1, 1, false},
-          std::tuple{"decode16cold", 16, 64, 30, true}}) {
-      const std::string name = fmt::format("LoraRows/{}/{}_r8_bf16/t2", p.name, shape);
-      benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
-                                   LoraCase{p.outs, p.in, rows, adapters, 8, 16, layers, stream, 2})
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime();
-    }
+  for (int bits : {16, 8})
+    for (const Point& p : points)
+      for (auto [shape, rows, adapters, layers, stream] :
+           {std::tuple{"decode16x16", 16, 1, 1, true}, std::tuple{"prefill256", 256, 1, 1, true},
+            std::tuple{"prefill256_noprefetch", 256, 1, 1, false},
+            std::tuple{"decode16cold", 16, 64, 30, true}}) {
+        const std::string name = fmt::format("LoraRows/{}/{}_r8_{}/t2", p.name, shape, bits == 8 ? "int8" : "bf16");
+        benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
+                                     LoraCase{p.outs, p.in, rows, adapters, 8, bits, layers, stream, 2})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
+      }
   return true;
 }();
 

@@ -766,8 +766,8 @@ def main():
     ap.add_argument("--adapter-targets", default=",".join(ALL_TARGETS),
                     help="comma list of the projections the random adapters adapt (default: all seven; "
                          "PEFT's default for Llama models is q_proj,v_proj)")
-    ap.add_argument("--lora-bits", type=int, default=16, choices=(32, 16, 4),
-                    help="loom --lora-bits in the adapters mode (16: bf16, the server's default; 32: f32, 4: 4-bit)")
+    ap.add_argument("--lora-bits", type=int, default=16, choices=(32, 16, 8, 4),
+                    help="loom --lora-bits in the adapters mode (16: bf16, the server's default; 32: f32, 8: int8, 4: 4-bit)")
     ap.add_argument("--registered", default="",
                     help="comma list of registered-adapter counts (e.g. 1000) served under an adapter memory "
                          "budget (LRU), requests round-robin over all of them ('': skip)")
@@ -893,7 +893,7 @@ def main():
             if a.repeat > 1:
                 name += f" #{r['repetition'] + 1}"
             rows.append([name, r["concurrency"]] + cells[:-1] + [fmt(r["vs_1_adapter"], 2), cells[-1]])
-        bits = {32: "f32", 16: "bf16", 4: "4-bit"}[a.lora_bits]
+        bits = {32: "f32", 16: "bf16", 8: "int8", 4: "4-bit"}[a.lora_bits]
         where = ("all 7 projections" if a.adapter_targets == ALL_TARGETS else "+".join(a.adapter_targets))
         out += [f"loom multi-LoRA (r={a.adapter_rank}, {where}, {bits} factors, round-robin over "
                 f"adapters):", "", md_table(["adapters", "conc"] + METRIC_HEAD[:-1] + ["vs 1 adapter", "note"], rows),

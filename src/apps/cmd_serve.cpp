@@ -101,8 +101,9 @@ int run_serve(int argc, char** argv) {
          "--lora-bits", so.lora_bits,
          "adapter storage: 16 (bf16, the default, as vLLM serves LoRA in the model's 16-bit dtype: half "
          "the memory and the bytes each decode row reads of f32), 32 (f32 as the file holds them, "
-         "memory-mapped) or 4 (4-bit, groups of 128; ~8x less memory per adapter)")
-      ->check(CLI::IsMember({4, 16, 32}))
+         "memory-mapped), 8 (int8, a scale per row of A and per 64 values of a column of B: half "
+         "bf16's bytes, for many adapters at once) or 4 (4-bit, groups of 128; ~8x less memory per adapter)")
+      ->check(CLI::IsMember({4, 8, 16, 32}))
       ->capture_default_str();
   auto* max_loras_opt =
       app.add_option("--max-loras", so.max_loras,
@@ -243,7 +244,10 @@ int run_serve(int argc, char** argv) {
     if (a.resident)
       std::fprintf(stderr, "loom serve: adapter '%s': %.2f MiB (%s; %.2f MiB in f32)\n", a.name.c_str(),
                    static_cast<double>(a.bytes) / (1 << 20),
-                   so.lora_bits == 4 ? "4-bit" : so.lora_bits == 16 ? "bf16" : "f32",
+                   so.lora_bits == 4   ? "4-bit"
+                   : so.lora_bits == 8 ? "int8"
+                   : so.lora_bits == 16 ? "bf16"
+                                        : "f32",
                    static_cast<double>(a.f32_bytes) / (1 << 20));
   std::fflush(stderr);
 

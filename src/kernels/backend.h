@@ -23,6 +23,7 @@
 #include "kernels/blockwise8.h"
 #include "kernels/int4_rows.h"
 #include "kernels/lora_b16.h"
+#include "kernels/lora_i8.h"
 #include "kernels/shapes.h"
 
 namespace loom {
@@ -92,9 +93,10 @@ struct MatmulTarget {
 
 // One adapted linear of a per-row LoRA product (the server's multi-LoRA):
 // y[row] += scale * B (A x[row]) for rows whose factor is set. A and B are
-// f32, or both kept in 4 bits (a4 / b4 set, a / b null): the kernels then read
-// the codes in place and compute exactly what they compute on the dequantized
-// values in f32.
+// f32, or both kept in 4 bits (a4 / b4 set, a / b null) or in bf16 (a16 /
+// b16): the kernels then read them in place and compute exactly what they
+// compute on their values in f32; or in int8 (a8 / b8, kernels/lora_i8.h):
+// sums over the codes, the scales applied outside them (ref/lora_rows_ref.h).
 struct LoraFactor {
   const float* a = nullptr;  // [rank, in]
   const float* b = nullptr;  // [out, rank]
@@ -103,19 +105,23 @@ struct LoraFactor {
   Int4Rows a4{}, b4{};       // [rank, in] and [out, rank] in 4 bits (kernels/int4_rows.h)
   const uint16_t* a16 = nullptr;  // [rank, in] as bf16 bits (a null), read widened (exact)
   const uint16_t* b16 = nullptr;  // [out, rank] as bf16 bits in column blocks (b null; kernels/lora_b16.h)
+  const uint8_t* a8 = nullptr;    // [rank, in] in int8 with its scales (a null; kernels/lora_i8.h)
+  const uint8_t* b8 = nullptr;    // [out, rank] in int8 column blocks with their scales (b null)
   bool quantized() const { return !a4.empty(); }
   bool bf16() const { return a16 != nullptr; }
+  bool int8() const { return a8 != nullptr; }
   // The bytes of A and B as kept (bf16 B with its block padding, 4-bit codes with
   // their scales): what one row's products read.
   double bytes() const {
     const auto r = static_cast<double>(rank), i = static_cast<double>(in), o = static_cast<double>(out);
     if (bf16()) return 2 * (r * i + static_cast<double>(lora_b16_elements(out, rank)));
+    if (int8()) return static_cast<double>(lora_a8_bytes(rank, in) + lora_b8_bytes(out, rank));
     if (!quantized()) return 4 * r * (i + o);
     return r * (i + o) / 2 +
            4 * (r * i / static_cast<double>(a4.group) + o * r / static_cast<double>(b4.group));
   }
   // Not plain f32: the kernel widens pieces into a stack buffer before the same FMAs.
-  bool packed() const { return quantized() || bf16(); }
+  bool packed() const { return quantized() || bf16() || int8(); }
 };
 struct LoraRowsJob {
   const float* x;

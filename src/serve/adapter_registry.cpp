@@ -103,8 +103,9 @@ AdapterRegistry::AdapterRegistry(const ModelConfig& config, std::vector<std::str
       max_resident_(std::max<int64_t>(1, max_resident)),
       lora_bits_(lora_bits),
       max_bytes_(max_bytes) {
-  if (lora_bits != 32 && lora_bits != 16 && lora_bits != 4)
-    throw EngineError(EngineErrc::invalid_request, fmt::format("--lora-bits {}: 4, 16 or 32", lora_bits), "lora_bits");
+  if (lora_bits != 32 && lora_bits != 16 && lora_bits != 8 && lora_bits != 4)
+    throw EngineError(EngineErrc::invalid_request, fmt::format("--lora-bits {}: 4, 8, 16 or 32", lora_bits),
+                      "lora_bits");
   for (const std::string& d : allowed_dirs) {
     std::error_code ec;
     const fs::path canon = fs::weakly_canonical(d, ec);

@@ -34,8 +34,10 @@ class AdapterRegistry {
   // lora_bits 4: every adapter's A and B are kept in 4 bits (kernels/int_quant.h:
   // symmetric, one scale per group of 128 columns or the fitting multiple of
   // 32 below, per row for B's short rows), which the LoRA kernel reads in
-  // place (kernels/int4_rows.h); 16: kept in bf16 (half the bytes, read in
-  // place too); 32: kept in f32 (memory-mapped).
+  // place (kernels/int4_rows.h); 8: in int8 (kernels/lora_i8.h: a scale per
+  // row of A and per 64 values of a column of B, a quarter of f32's bytes);
+  // 16: kept in bf16 (half the bytes); all read in place; 32: kept in f32
+  // (memory-mapped).
   // max_bytes: the resident adapters' memory (LoadedAdapter::bytes) at most;
   // 0: no limit but max_resident.
   // tp_ranks > 1 (rank 0 of `loom serve --tp N`): `config` is the whole

@@ -46,7 +46,7 @@ class BatchForward::PagedAttention final : public AttentionStep {
 };
 
 // Each row's own adapter (or none) on the linear outputs, as one backend
-// lora_rows op per adaptation point. A pair kept in 4 bits (or bf16) is passed
+// lora_rows op per adaptation point. A pair kept in 4 bits (int8, bf16) is passed
 // as its codes: the kernel reads them in place (the values it computes with are those
 // unpack_int4_rows gives, so a row's result does not depend on the others).
 class BatchForward::RowAdapters final : public LayerAdapters {
@@ -91,6 +91,8 @@ class BatchForward::RowAdapters final : public LayerAdapters {
     f.b4 = p.b4;
     f.a16 = p.a16;
     f.b16 = p.b16;
+    f.a8 = p.a8;
+    f.b8 = p.b8;
     return f;
   }
 

@@ -20,16 +20,20 @@ namespace loom {
 // for RopeLayout::interleaved models). A and B are f32 views, or, for an
 // adapter served in 4 bits, a4 / b4 hold them (kernels/int4_rows.h, read in
 // place by the LoRA kernel) and a / b keep only their shapes (null data); an
-// adapter served in bf16 has a16 / b16 instead (the same way). Not adapted: neither.
+// adapter served in bf16 has a16 / b16 instead, one served in int8 a8 / b8
+// (kernels/lora_i8.h), the same way. Not adapted: none of them.
 struct ServeLoraPair {
   Tensor a;
   Tensor b;
   Int4Rows a4, b4;
   const uint16_t* a16 = nullptr;  // [r, in] bf16 bits
   const uint16_t* b16 = nullptr;  // [out, r] in column blocks (kernels/lora_b16.h)
+  const uint8_t* a8 = nullptr;    // [r, in] in int8 with its scales (kernels/lora_i8.h)
+  const uint8_t* b8 = nullptr;    // [out, r] in int8 column blocks with their scales
   bool quantized() const { return !a4.empty(); }
   bool bf16() const { return a16 != nullptr; }
-  bool present() const { return a.data != nullptr || quantized() || bf16(); }
+  bool int8() const { return a8 != nullptr; }
+  bool present() const { return a.data != nullptr || quantized() || bf16() || int8(); }
   int64_t rank() const { return a.dim(0); }
 };
 
@@ -48,7 +52,7 @@ struct ServeAdapter {
   }
   // Largest rank of any pair (0 when none).
   int64_t max_rank() const;
-  // Bytes of its factors as kept (f32, bf16 or 4-bit codes and scales).
+  // Bytes of its factors as kept (f32, bf16, or int8 / 4-bit codes and scales).
   size_t factor_bytes() const;
   // Throws invalid_input naming `what`, the layer and target when the layout
   // or a pair's dtype or shape does not fit `config`.

@@ -51,7 +51,7 @@ struct ServeOptions {
   int64_t block_size = 16;
   int64_t max_loras = 8;                  // adapters resident at once
   size_t max_lora_memory = 0;             // bytes of resident adapters at most; 0: no limit but max_loras
-  int lora_bits = 16;  // adapters kept in bf16 (as vLLM's lora_dtype auto), 32: f32, 4: 4 bits
+  int lora_bits = 16;  // adapters kept in bf16 (as vLLM's lora_dtype auto), 32: f32, 8: int8, 4: 4 bits
   int64_t max_batch_tokens = 256;         // rows per step (decodes + prefill chunks)
   // Hardware-aware budgets (serve/step_cost.h): > 0: at start the step cost of
   // this machine is measured (or read from step_cost_dir's cache) and each

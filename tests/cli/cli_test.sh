@@ -180,7 +180,7 @@ expect "serve empty api key file" 1 "--api-key-file is empty" -- timeout 20 "$lo
 printf '\n' >"$tmp/emptykey"
 expect "serve api key file blank" 1 "first line is empty" -- timeout 20 "$loom" serve -m "$tiny" --api-key-file "$tmp/emptykey" --port 0
 expect "serve zero connections" 2 "max-connections" -- timeout 20 "$loom" serve -m "$tiny" --max-connections 0 --port 0
-expect "serve lora bits 8" 2 "lora-bits" -- timeout 20 "$loom" serve -m "$tiny" --lora-bits 8 --port 0
+expect "serve lora bits 12" 2 "lora-bits" -- timeout 20 "$loom" serve -m "$tiny" --lora-bits 12 --port 0
 expect "serve zero header timeout" 2 "http-header-timeout" -- timeout 20 "$loom" serve -m "$tiny" --http-header-timeout 0 --port 0
 
 # Compression and export (docs/quantization.md): bad flags and inputs are refused by name; outputs are

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <set>
@@ -15,6 +16,7 @@
 
 #include "core/half.h"
 #include "kernels/lora_b16.h"
+#include "kernels/lora_i8.h"
 #include "model/peft_adapter.h"
 #include "model_test_util.h"
 #include "serve/adapter_registry.h"
@@ -175,6 +177,41 @@ TEST(AdapterPool, Bf16AdaptersKeepTheRoundedWeightsInHalfTheBytes) {
       ASSERT_EQ(q.b16[lora_b16_index(out, r, e / r, e % r)], fp32_to_bf16(b[e]));
   }
   EXPECT_EQ(checked * sizeof(float), x->bytes);
+}
+
+// --lora-bits 8: each factor kept as kernels/lora_i8.h packs its f32 value
+// (q/k B rows in the model's order), in a quarter of the bytes plus the scales,
+// the file no longer mapped.
+TEST(AdapterPool, Int8AdaptersKeepTheirCodesInAQuarterOfTheBytes) {
+  AdapterFolders d;
+  const std::string dir = d.write("a", 78, 8);
+  const ModelConfig c = tiny_config();
+  AdapterRegistry f32(c, {}, 8, 32), i8(c, {}, 8, 8);
+  f32.add("a", dir, false);
+  i8.add("a", dir, false);
+  const auto x = f32.acquire("a").value(), q8 = i8.acquire("a").value();
+  ASSERT_TRUE(x && q8);
+  EXPECT_EQ(q8->f32_bytes, x->bytes);
+  EXPECT_LT(q8->bytes * 3, x->bytes);  // a quarter, plus one f32 scale per row of A and per 64 values of B
+  EXPECT_EQ(q8->tensors.mapping, nullptr);
+  size_t pairs = 0;
+  for (size_t i = 0; i < x->view.pairs.size(); ++i) {
+    const ServeLoraPair& p = x->view.pairs[i];
+    const ServeLoraPair& q = q8->view.pairs[i];
+    ASSERT_EQ(p.present(), q.present());
+    if (!p.present()) continue;
+    ASSERT_TRUE(q.int8());
+    EXPECT_EQ(q.a.data, nullptr);
+    EXPECT_EQ(q.b.data, nullptr);
+    const int64_t r = p.rank(), in = p.a.dim(1), out = p.b.dim(0);
+    std::vector<uint8_t> a8(lora_a8_bytes(r, in)), b8(lora_b8_bytes(out, r));
+    pack_lora_a8(static_cast<const float*>(p.a.data), r, in, a8.data());
+    pack_lora_b8(static_cast<const float*>(p.b.data), out, r, b8.data());
+    EXPECT_EQ(0, std::memcmp(q.a8, a8.data(), a8.size())) << "pair " << i;
+    EXPECT_EQ(0, std::memcmp(q.b8, b8.data(), b8.size())) << "pair " << i;
+    ++pairs;
+  }
+  EXPECT_GT(pairs, 0u);
 }
 
 }  // namespace

@@ -148,7 +148,7 @@ TEST(AdapterShard, RegistryKeepsRankZerosPartAndCutsTheFollowers) {
   const ModelConfig shard = tensor_parallel_config(full, 2);
   const peft::AdapterTensors t = peft::read_adapter(dir.string());
   const AdapterShard want0 = make_adapter_shard(t, full, 0, 2), want1 = make_adapter_shard(t, full, 1, 2);
-  for (int bits : {32, 16, 4}) {
+  for (int bits : {32, 16, 8, 4}) {
     SCOPED_TRACE(fmt::format("--lora-bits {}", bits));
     AdapterRegistry reg(full, {}, 8, bits, 0, /*tp_ranks=*/2);
     reg.add("a", dir.string(), /*runtime=*/false);
@@ -171,6 +171,7 @@ TEST(AdapterShard, RegistryKeepsRankZerosPartAndCutsTheFollowers) {
         EXPECT_EQ(0, std::memcmp(got.b.data, want.b.data, static_cast<size_t>(want.b.numel()) * 4));
       }
       EXPECT_EQ(got.bf16(), bits == 16);
+      EXPECT_EQ(got.int8(), bits == 8);
       EXPECT_EQ(got.quantized(), bits == 4);
     }
   }

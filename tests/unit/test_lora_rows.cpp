@@ -2,7 +2,7 @@
 // reference bit for bit: jobs over one x combined (q/k/v, gate/up), row tiles
 // and runs of one adapter, ranks with and without tails, past the transposed
 // path's rank, adapters that leave a target out, rows without an adapter; and
-// factors kept in 4 bits against the f32 kernel on their dequantized values.
+// factors kept in 4 bits, int8 or bf16 against the f32 kernel on their values.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -13,6 +13,7 @@
 #include "kernels/backend.h"
 #include "kernels/int_quant.h"
 #include "kernels/lora_b16.h"
+#include "kernels/lora_i8.h"
 #include "kernels/ref/lora_rows_ref.h"
 #include "ops_test_util.h"
 
@@ -27,7 +28,7 @@ struct Point {
   int64_t in = 0, T = 0;
   std::vector<int64_t> outs;
   std::vector<std::vector<int64_t>> ranks;  // [adapter][job]
-  std::vector<std::vector<int>> bits;       // [adapter][job]: 4, 16 (bf16) or 32; empty: all f32
+  std::vector<std::vector<int>> bits;       // [adapter][job]: 4, 8, 16 (bf16) or 32; empty: all f32
   std::vector<int> row_adapter;             // [T], -1: none
   std::vector<int32_t> rows;                // listed rows (adapter's rows adjacent)
 
@@ -35,6 +36,7 @@ struct Point {
   std::vector<std::vector<float>> a, b;  // [adapter * jobs + job]
   std::vector<PackedInt4> packed;        // the 4-bit factors' A and B
   std::vector<std::vector<uint16_t>> halves;  // the bf16 factors' A and B
+  std::vector<std::vector<uint8_t>> bytes8;   // the int8 factors' A and B (kernels/lora_i8.h)
   std::vector<LoraFactor> f;
   std::vector<std::vector<const LoraFactor*>> per_row;  // [job][listed row]
   std::vector<std::vector<float>> y0;                   // [job] initial y
@@ -55,6 +57,7 @@ struct Point {
     f.resize(ranks.size() * J);
     packed.reserve(2 * ranks.size() * J);  // the factors point into these
     halves.reserve(2 * ranks.size() * J);
+    bytes8.reserve(2 * ranks.size() * J);
     for (size_t ad = 0; ad < ranks.size(); ++ad)
       for (size_t j = 0; j < J; ++j) {
         const int64_t r = ranks[ad][j];
@@ -69,6 +72,7 @@ struct Point {
         fj.scale = 0.25f * static_cast<float>(ad + 1);
         if (r > 0 && !bits.empty() && bits[ad][j] == 4) pack(fj, unpacked);
         if (r > 0 && !bits.empty() && bits[ad][j] == 16) pack_bf16(fj, unpacked);
+        if (r > 0 && !bits.empty() && bits[ad][j] == 8) pack_int8(fj, unpacked);
       }
     per_row.assign(J, {});
     for (size_t j = 0; j < J; ++j) {
@@ -111,6 +115,22 @@ struct Point {
     fj.a = fj.b = nullptr;
     fj.a16 = a16.data();
     fj.b16 = b16.data();
+  }
+
+  // A and B in int8 (unpacked: kept as f32 factors of their values).
+  void pack_int8(LoraFactor& fj, bool unpacked) {
+    std::vector<uint8_t>& a8 = bytes8.emplace_back(lora_a8_bytes(fj.rank, in));
+    std::vector<uint8_t>& b8 = bytes8.emplace_back(lora_b8_bytes(fj.out, fj.rank));
+    pack_lora_a8(fj.a, fj.rank, in, a8.data());
+    pack_lora_b8(fj.b, fj.out, fj.rank, b8.data());
+    if (unpacked) {
+      unpack_lora_a8(a8.data(), fj.rank, in, const_cast<float*>(fj.a));
+      unpack_lora_b8(b8.data(), fj.out, fj.rank, const_cast<float*>(fj.b));
+      return;
+    }
+    fj.a = fj.b = nullptr;
+    fj.a8 = a8.data();
+    fj.b8 = b8.data();
   }
 
   std::vector<LoraRowsJob> make_jobs(std::vector<std::vector<float>>& y, bool stream = false) const {
@@ -349,6 +369,95 @@ TEST(LoraRows, Bf16FactorsEqualTheirWidenedValuesBitForBit) {
       }
     }
   }
+}
+
+// Factors kept in int8 (serve --lora-bits 8), alone and mixed with bf16, 4-bit
+// and f32 ones within an adapter and a tile: the kernel gives exactly what the
+// scalar reference gives (sums over the codes, the scales outside them), for
+// segments of 1..16 rows, ranks with tails, 8, 16, 64 and past the transposed
+// path's limit, widths with partial blocks; and what the f32 kernel gives on
+// their values (unpack_lora_a8 / unpack_lora_b8) up to rounding.
+TEST(LoraRows, Int8FactorsEqualTheReferenceBitForBit) {
+  std::vector<Point> ps = int4_points();
+  for (Point& p : ps)
+    for (auto& bs : p.bits)
+      for (int& b : bs) b = b == 4 ? 8 : b;
+  for (Point p : points()) {  // every factor int8: tails of x (45), ranks 3, 13, 70
+    p.bits.assign(p.ranks.size(), std::vector<int>(p.outs.size(), 8));
+    ps.push_back(p);
+  }
+  Point mixed;  // SmolLM2's q/k/v widths, one adapter of each kind, ranks 8, 16, 64
+  mixed.in = 576;
+  mixed.T = 96;
+  mixed.outs = {576, 192, 200};
+  mixed.ranks = {{8, 8, 8}, {16, 16, 16}, {64, 64, 64}, {8, 0, 8}, {16, 16, 16}};
+  mixed.bits = {{8, 8, 8}, {8, 4, 32}, {8, 8, 8}, {8, 16, 8}, {16, 8, 4}};
+  assign_rows(mixed, {1, 1, 1, 1, 1, 16, 2, 3, 9, 1, 1, 12, 1, 1});
+  ps.push_back(mixed);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    Point p = ps[i], twin = ps[i];
+    const auto seed = 2500 + static_cast<uint32_t>(i) * 50;
+    p.build(seed);
+    twin.build(seed, /*unpacked=*/true);
+    ASSERT_FALSE(p.bytes8.empty());
+    const auto values = twin.kernel(1, 0, twin.jobs());
+    const auto ref = p.reference();
+    for (auto [threads, stream] :
+         {std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true}}) {
+      const auto got = p.kernel(threads, 0, p.jobs(), stream);
+      for (size_t j = 0; j < ref.size(); ++j) {
+        EXPECT_TRUE(same_bits(got[j], ref[j]))
+            << "point " << i << " job " << j << " threads " << threads << " stream " << stream;
+        EXPECT_FALSE(same_bits(got[j], p.y0[j])) << "point " << i << " job " << j << ": nothing added";
+        // Rounding only: f32 sums of up to 576 products of O(1) terms (ranks to 70) differ by ~1e-5.
+        for (size_t e = 0; e < got[j].size(); ++e)
+          ASSERT_NEAR(got[j][e], values[j][e], 1e-4f * (1 + std::fabs(values[j][e])))
+              << "point " << i << " job " << j << " element " << e;
+      }
+    }
+  }
+}
+
+// The int8 layout keeps each value within half its scale (max|x| / 127.5 of
+// A's row, of 64 columns of one rank of B), zeros exact, and an all-zero
+// row or block all zeros.
+TEST(LoraRows, Int8FactorsHoldTheirValuesToHalfAStep) {
+  const int64_t r = 8, in = 576, out = 196;  // 196: the last block padded to 8 columns
+  std::vector<float> a = random_vec(static_cast<size_t>(r * in), 31, 0.3f);
+  std::vector<float> b = random_vec(static_cast<size_t>(out * r), 32, 0.3f);
+  for (int64_t i = 0; i < in; ++i) a[static_cast<size_t>(3 * in + i)] = 0.0f;  // a zero row of A
+  for (int64_t n = 64; n < 128; ++n) b[static_cast<size_t>(n * r + 5)] = 0.0f;  // a zero rank row of block 1
+  b[static_cast<size_t>(130 * r + 2)] = 4.0f;                                   // an outlier in block 2
+  std::vector<uint8_t> a8(lora_a8_bytes(r, in)), b8(lora_b8_bytes(out, r));
+  ASSERT_EQ(b8.size(), static_cast<size_t>(4 * r * 4 + 200 * r));  // 4 blocks' scales, 200 padded columns
+  pack_lora_a8(a.data(), r, in, a8.data());
+  pack_lora_b8(b.data(), out, r, b8.data());
+  std::vector<float> a1(a.size()), b1(b.size());
+  unpack_lora_a8(a8.data(), r, in, a1.data());
+  unpack_lora_b8(b8.data(), out, r, b1.data());
+  for (int64_t j = 0; j < r; ++j) {
+    float amax = 0;
+    for (int64_t i = 0; i < in; ++i) amax = std::max(amax, std::fabs(a[static_cast<size_t>(j * in + i)]));
+    for (int64_t i = 0; i < in; ++i) {
+      const size_t e = static_cast<size_t>(j * in + i);
+      ASSERT_LE(std::fabs(a1[e] - a[e]), amax / 127.5f / 2 * 1.0001f) << "A " << j << "," << i;
+      if (a[e] == 0.0f) ASSERT_EQ(a1[e], 0.0f);
+    }
+  }
+  for (int64_t q = 0; q < 4; ++q)
+    for (int64_t j = 0; j < r; ++j) {
+      float bmax = 0;
+      for (int64_t n = 64 * q; n < std::min<int64_t>(out, 64 * q + 64); ++n)
+        bmax = std::max(bmax, std::fabs(b[static_cast<size_t>(n * r + j)]));
+      for (int64_t n = 64 * q; n < std::min<int64_t>(out, 64 * q + 64); ++n) {
+        const size_t e = static_cast<size_t>(n * r + j);
+        ASSERT_LE(std::fabs(b1[e] - b[e]), bmax / 127.5f / 2 * 1.0001f) << "B " << n << "," << j;
+        if (b[e] == 0.0f) ASSERT_EQ(b1[e], 0.0f);
+      }
+    }
+  // The outlier costs only its own block's rank row its resolution: block 0's
+  // values of rank 2 keep steps well under the outlier's (4 / 127.5).
+  EXPECT_LT(std::fabs(b1[static_cast<size_t>(10 * r + 2)] - b[static_cast<size_t>(10 * r + 2)]), 4.0f / 127.5f / 4);
 }
 
 // Two 4-bit adapters differ only in their codes (a / b null in both): each

@@ -17,6 +17,7 @@
 #include "core/half.h"
 #include "io/gguf.h"
 #include "kernels/int_quant.h"
+#include "kernels/lora_i8.h"
 #include "model/config_load.h"
 #include "model/forward.h"
 #include "model/model.h"
@@ -226,6 +227,45 @@ TEST_F(ServingEngineTest, Bf16AdaptersServeTheirRoundedValues) {
     collect(*other);
     ASSERT_FALSE(o16.error) << o16.error->what();
     EXPECT_EQ(o16.ids[0], run_alone(e32, g).ids[0]) << "prompt " << i;
+  }
+}
+
+// --lora-bits 8: an adapter kept in int8 gives the tokens of the same server
+// holding, in f32, the values its codes stand for (kernels/lora_i8.h; the
+// sums differ only in where the scales are applied, so by rounding), batched
+// with another adapter; and it takes under a third of the memory.
+TEST_F(ServingEngineTest, Int8AdaptersServeTheirValues) {
+  peft::AdapterTensors twin = peft::read_adapter((tmp.path / "a0").string());
+  for (auto& [key, p] : twin.pairs) {
+    const int64_t r = twin.config.r;
+    std::vector<uint8_t> a8(lora_a8_bytes(r, p.in)), b8(lora_b8_bytes(p.out, r));
+    pack_lora_a8(p.a.data(), r, p.in, a8.data());
+    pack_lora_b8(p.b.data(), p.out, r, b8.data());
+    unpack_lora_a8(a8.data(), r, p.in, p.a.data());
+    unpack_lora_b8(b8.data(), p.out, r, p.b.data());
+  }
+  peft::write_adapter((tmp.path / "a0-int8").string(), twin);
+  ServeOptions eight = options();
+  eight.lora_bits = 8;
+  ServeOptions f32 = options();
+  f32.adapters = {{"a0", (tmp.path / "a0-int8").string()}};
+  f32.lora_bits = 32;
+  ServingEngine e8(eight), e32(f32);
+  for (const AdapterInfo& a : e8.adapter_infos())
+    if (a.resident) EXPECT_LT(a.bytes * 3, a.f32_bytes) << a.name;
+  for (int i = 0; i < 4; ++i) {
+    GenerationRequest g = greedy_request("a0", random_prompt(static_cast<uint32_t>(240 + i), 9 + 5 * i), 12);
+    g.logprobs = true;
+    g.top_logprobs = 3;
+    auto s8 = std::make_shared<RequestStream>(), other = std::make_shared<RequestStream>();
+    e8.submit(g, s8);
+    e8.submit(greedy_request("a1", random_prompt(static_cast<uint32_t>(290 + i), 17), 12), other);
+    const Output o8 = collect(*s8);
+    collect(*other);
+    const Output o32 = run_alone(e32, g);
+    ASSERT_FALSE(o8.error) << o8.error->what();
+    EXPECT_EQ(o8.ids[0], o32.ids[0]) << "prompt " << i;
+    EXPECT_EQ(o8.text[0], o32.text[0]) << "prompt " << i;
   }
 }
 

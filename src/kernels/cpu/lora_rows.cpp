@@ -18,6 +18,7 @@
 #include "kernels/cpu/prefetch_stream.h"
 #include "kernels/cpu/simd_rows.h"
 #include "kernels/lora_b16.h"
+#include "kernels/lora_i8.h"
 
 namespace loom {
 namespace {
@@ -42,8 +43,8 @@ constexpr int64_t kBFloats = kLoraCols * kMaxTransposedRank;
 constexpr size_t kPrefetchAhead = 16 << 10;
 constexpr int64_t kPrefetchCols = 64;
 
-// The bytes of a factor's A, and of B's rows [c0, c1), as kept (f32, bf16 or 4 bits).
-size_t element_bits(const LoraFactor& f) { return f.bf16() ? 16 : f.quantized() ? 4 : 32; }
+// Bits per element of a factor as kept (f32, bf16, int8 or 4 bits).
+size_t element_bits(const LoraFactor& f) { return f.bf16() ? 16 : f.int8() ? 8 : f.quantized() ? 4 : 32; }
 // Some job of the call asked for its factors to be prefetched (else the
 // passes' span walks end at once: nothing to walk for).
 bool any_streams(std::span<const LoraRowsJob> jobs) {
@@ -51,13 +52,27 @@ bool any_streams(std::span<const LoraRowsJob> jobs) {
     if (j.stream_factors) return true;
   return false;
 }
+// The bytes of a factor's A, and of B's rows [c0, c1), as kept.
 void a_span(const LoraFactor& f, const void*& data, size_t& bytes) {
+  if (f.int8()) {  // its scales, then its codes
+    data = f.a8;
+    bytes = lora_a8_bytes(f.rank, f.in);
+    return;
+  }
   data = f.bf16()        ? static_cast<const void*>(f.a16)
          : f.quantized() ? static_cast<const void*>(f.a4.codes)
                          : f.a;
   bytes = static_cast<size_t>(f.rank * f.in) * element_bits(f) / 8;
 }
 void b_span(const LoraFactor& f, int64_t c0, int64_t c1, const void*& data, size_t& bytes) {
+  if (f.int8()) {  // the block's codes with their padding; the first block's span starts at the scales
+    const int64_t q = c0 / kLoraCols;
+    const size_t at = q == 0 ? 0 : lora_b8_codes_offset(f.out, f.rank, q);
+    data = f.b8 + at;
+    bytes = lora_b8_codes_offset(f.out, f.rank, q) - at +
+            static_cast<size_t>(f.rank * lora_b16_block_width(f.out, q));
+    return;
+  }
   if (f.bf16()) c1 = c0 + lora_b16_block_width(f.out, c0 / kLoraCols);  // with its padding
   const size_t bits = element_bits(f), at = static_cast<size_t>(c0 * f.rank) * bits / 8;
   const void* base = f.bf16()        ? static_cast<const void*>(f.b16)
@@ -74,38 +89,47 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// One row of an A factor as the first pass reads it: f32, 4-bit codes or
-// bf16 (element e0 of the flattened matrix onwards).
+// One row of an A factor as the first pass reads it: f32, 4-bit codes, bf16
+// (element e0 of the flattened matrix onwards) or int8 (the row's codes c,
+// read as they are, and its scale cs, applied to the row's dot products).
 struct FactorRow {
   const float* f32 = nullptr;
   const Int4Rows* q = nullptr;
   const uint16_t* h = nullptr;
   int64_t e0 = 0;
+  const int8_t* c = nullptr;
+  float cs = 0.0f;
 
   static FactorRow of(const LoraFactor& f, int64_t r) {
     if (f.bf16()) return {nullptr, nullptr, f.a16, r * f.in};
+    if (f.int8()) return {nullptr, nullptr, nullptr, 0, lora_a8_codes(f.a8, f.rank) + r * f.in, lora_a8_scales(f.a8)[r]};
     if (!f.quantized()) return {f.a + r * f.in, nullptr, nullptr, 0};
     return {nullptr, &f.a4, nullptr, r * f.in};
   }
-  size_t bits() const { return f32 != nullptr ? 32 : h != nullptr ? 16 : 4; }
-  bool operator==(const FactorRow& o) const { return f32 == o.f32 && q == o.q && h == o.h && e0 == o.e0; }
-  // Element c as unpack_int4_rows (or the bf16 widening) gives it.
-  float at(int64_t c) const {
-    if (f32 != nullptr) return f32[c];
-    if (h != nullptr) return bf16_to_fp32(h[e0 + c]);
-    return int4::value(q->codes, e0 + c, q->scales[(e0 + c) / q->group]);
+  size_t bits() const { return f32 != nullptr ? 32 : h != nullptr ? 16 : c != nullptr ? 8 : 4; }
+  bool operator==(const FactorRow& o) const {
+    return f32 == o.f32 && q == o.q && h == o.h && e0 == o.e0 && c == o.c;
+  }
+  // Element i as unpack_int4_rows (or the bf16 widening) gives it; an int8 code as it is.
+  float at(int64_t i) const {
+    if (f32 != nullptr) return f32[i];
+    if (h != nullptr) return bf16_to_fp32(h[e0 + i]);
+    if (c != nullptr) return static_cast<float>(c[i]);
+    return int4::value(q->codes, e0 + i, q->scales[(e0 + i) / q->group]);
   }
   // Elements [c0, c0 + n) into out.
   void widen(int64_t c0, int64_t n, float* out) const {
     if (h != nullptr)
       bf16_to_f32_rows(out, h + e0 + c0, n);
+    else if (c != nullptr)
+      simd::widen(out, reinterpret_cast<const simd::I8*>(c + c0), n);
     else
       int4::dequant_span(*q, e0 + c0, n, out);
   }
 };
 
 // acc[i][j] += x[i][c] * a[j][c] lane-wise for the chunks of 8 in [c0, c1);
-// A: float, or simd::Bf16 widened in registers (exact).
+// A: float, or simd::Bf16 / simd::I8 widened in registers (exact).
 template <int NR, int NA, typename A = float>
 inline void accumulate(__m256 (&acc)[NR][NA], const float* const* x, const A* const* a, int64_t c0,
                        int64_t c1) {
@@ -148,7 +172,7 @@ inline void dot_tile(const float* const* x, const A* const* a, int64_t n, float 
       for (int j = 0; j < NA; ++j) s[i][j] = std::fma(x[i][c], simd::load1(a[j] + c), s[i][j]);
 }
 
-// dot_tile with some factor rows in 4 bits or bf16, kSegment columns at a
+// dot_tile with some factor rows in 4 bits, int8 or bf16, kSegment columns at a
 // time: each such row's piece widened into `buf` [NA * kSegment] (L1) first,
 // then the same FMAs in the same order as over f32 rows holding those values.
 template <int NR, int NA, typename PF>
@@ -196,7 +220,7 @@ inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == g) return true;
   if (f == nullptr || g == nullptr) return false;
   return f->a == g->a && f->b == g->b && f->a4.codes == g->a4.codes && f->b4.codes == g->b4.codes &&
-         f->a16 == g->a16 && f->b16 == g->b16 &&
+         f->a16 == g->a16 && f->b16 == g->b16 && f->a8 == g->a8 && f->b8 == g->b8 &&
          f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in &&
          f->out == g->out && f->scale == g->scale;
 }
@@ -268,11 +292,18 @@ struct FirstPass {
       }
       for (int q = m; q < NA; ++q) ap[q] = ap[m - 1];
       float s[NR][NA];
-      bool all_bf16 = Packed;
+      bool all_bf16 = Packed, all_int8 = Packed;
       if constexpr (Packed)
-        for (int q = 0; q < NA; ++q) all_bf16 = all_bf16 && ap[q].h != nullptr;
+        for (int q = 0; q < NA; ++q) {
+          all_bf16 = all_bf16 && ap[q].h != nullptr;
+          all_int8 = all_int8 && ap[q].c != nullptr;
+        }
       if constexpr (Packed) {
-        if (all_bf16) {  // widened in registers: no pass through buf
+        if (all_int8) {  // the codes widened in registers
+          const simd::I8* cp[NA];
+          for (int q = 0; q < NA; ++q) cp[q] = reinterpret_cast<const simd::I8*>(ap[q].c);
+          dot_tile<NR, NA, simd::I8>(xs, cp, factor(at_job[0], k0)->in, s, pf);
+        } else if (all_bf16) {  // widened in registers: no pass through buf
           const simd::Bf16* hp[NA];
           for (int q = 0; q < NA; ++q) hp[q] = reinterpret_cast<const simd::Bf16*>(ap[q].h + ap[q].e0);
           dot_tile<NR, NA, simd::Bf16>(xs, hp, factor(at_job[0], k0)->in, s, pf);
@@ -293,6 +324,12 @@ struct FirstPass {
         dot_tile<NR, NA, float>(xs, ap, factor(at_job[0], k0)->in, s, pf);
       for (int q = 0; q < m; ++q) {
         const float scale = factor(at_job[q], k0)->scale;
+        if constexpr (Packed) {
+          if (ap[q].c != nullptr) {  // an int8 row: its scale on the codes' dot product, then the adapter's
+            for (int i = 0; i < NR; ++i) u[(at_job[q] * T + row[i]) * R + at_r[q]] = s[i][q] * ap[q].cs * scale;
+            continue;
+          }
+        }
         for (int i = 0; i < NR; ++i) u[(at_job[q] * T + row[i]) * R + at_r[q]] = s[i][q] * scale;
       }
     }
@@ -393,22 +430,35 @@ inline void transpose_b_block(BRow b_row, int64_t r, int64_t c0, int64_t c1, flo
 // The same sums as add_b_times_u with columns in the lanes: lane sums over
 // rank chunks into acc[l] (l = the rank's lane), then the same tree and tail,
 // so each y element gets the same bits, with B's block read once for a run.
-// bt: the block transposed, ld floats (or bf16, lora_b16.h) per rank row.
-template <typename E>
-inline void add_bt_times_u(const E* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w) {
+// column(j, n): B[n, n + 8)[j] of the block (its rank row j), as f32.
+template <typename Column>
+inline void add_columns_times_u(Column column, int64_t r, const float* u, float* y, int64_t w) {
   const int64_t r8 = r & ~int64_t{7};
   for (int64_t n = 0; n < w; n += 8) {
     __m256 acc[8];
     for (int l = 0; l < 8; ++l) acc[l] = _mm256_setzero_ps();
     for (int64_t c = 0; c < r8; c += 8)
       for (int l = 0; l < 8; ++l)
-        acc[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c + l), simd::load8(bt + (c + l) * ld + n), acc[l]);
+        acc[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c + l), column(c + l, n), acc[l]);
     __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
                              _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
     for (int64_t c = r8; c < r; ++c)
-      s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), simd::load8(bt + c * ld + n), s);
+      s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), column(c, n), s);
     add_cols(y, n, w, s);
   }
+}
+// bt: the block transposed, ld floats (or bf16, lora_b16.h) per rank row.
+template <typename E>
+inline void add_bt_times_u(const E* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w) {
+  add_columns_times_u([&](int64_t j, int64_t n) { return simd::load8(bt + j * ld + n); }, r, u, y, w);
+}
+
+
+// us[c] = u[c] * s[c] for c < r (8 at a time: it runs per row and block).
+inline void scale_rank(const float* u, const float* s, int64_t r, float* us) {
+  int64_t c = 0;
+  for (; c + 8 <= r; c += 8) _mm256_storeu_ps(us + c, _mm256_mul_ps(_mm256_loadu_ps(u + c), _mm256_loadu_ps(s + c)));
+  for (; c < r; ++c) us[c] = u[c] * s[c];
 }
 
 // Each job's listed rows cut into segments (rows without a factor left out).
@@ -513,6 +563,30 @@ struct SecondPass {
     }
   }
 
+  // add_rows_bf16 with an int8 B: u times the block's scales (one per rank
+  // row), then the same sums over its codes widened in registers (16 columns
+  // at a time with AVX-512); kernels/ref/lora_rows_ref.h states the order.
+  void add_rows_int8(const LoraFactor& f, int64_t j, int64_t k, int64_t n, int64_t c0, int64_t c1) const {
+    const LoraRowsJob& job = jobs[static_cast<size_t>(j)];
+    const int64_t q = c0 / kLoraCols, ld = lora_b16_block_width(f.out, q), r = f.rank;
+    const int8_t* block = lora_b8_codes(f.b8, f.out, r, q);
+    const float* scales = lora_b8_scales(f.b8, r, q);
+    float scaled[kMaxTransposedRank];
+    std::vector<float> wide;  // only for a rank past the stack buffer
+    if (r > kMaxTransposedRank) wide.resize(static_cast<size_t>(r));
+    float* us = wide.empty() ? scaled : wide.data();
+    for (int64_t m = 0; m < n; ++m) {
+      const int64_t row = rows[static_cast<size_t>(k + m)];
+      const float* ur = u + (j * T + row) * R;
+      scale_rank(ur, scales, r, us);
+      float* y = job.y + row * job.ldy + c0;
+      if (avx512)
+        detail::add_bt8_times_u_avx512(block, ld, r, us, y, c1 - c0);
+      else
+        add_bt_times_u(reinterpret_cast<const simd::I8*>(block), ld, r, us, y, c1 - c0);
+    }
+  }
+
   // y[row][c0, c1) += B[c0, c1) u[row] for a short run (decode rows) with a
   // 4-bit B of rank 8 or 16, one scale per row: B's columns in the lanes
   // straight from the codes (lora_rows_avx512f.cpp), add_bt_times_u's sums on
@@ -577,12 +651,19 @@ struct SecondPass {
       const LoraFactor* f = seg->f;
       // The run: the segment's rows m.. of this block, inside [b, e).
       const int64_t n = std::min(seg->len - m, e - i);
-      pf.advance(static_cast<size_t>((c1 - c0) * f->rank) * element_bits(*f) / 8);
+      // What b_span told the stream of this block (an int8 block's scales too,
+      // a bf16 or int8 one's padding), so the prefetch keeps its distance ahead.
+      const void* block = nullptr;
+      size_t block_bytes = 0;
+      b_span(*f, c0, c1, block, block_bytes);
+      pf.advance(block_bytes);
       const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
       const float* b0 = f->b;
       const int64_t r = f->rank, j = seg->j, k = seg->k0 + m;
       if (f->bf16())
         add_rows_bf16(*f, j, k, n, c0, c1);
+      else if (f->int8())
+        add_rows_int8(*f, j, k, n, c0, c1);
       else if (f->quantized() && avx512 && !transposed && (r == 8 || r == 16) && f->b4.group == r)
         add_rows_int4_avx512(*f, j, k, n, c0, c1);
       else if (f->packed())

@@ -41,6 +41,12 @@ namespace loom {
 // decode rows of many adapters wait for (each row streams its own adapter from
 // DRAM); its B is kept in transposed column blocks (kernels/lora_b16.h), so
 // every run, one row long too, takes the columns-in-lanes second pass.
+// A factor kept in int8 (a8 / b8, kernels/lora_i8.h: B in the same column
+// blocks, a scale per row of A and per rank row of a block) is read the same
+// way, its codes widened in registers; A's scale multiplies each row's dot
+// product, B's scales the u each block sums with (ref/lora_rows_ref.h): a
+// quarter of f32's bytes and the arithmetic of bf16 (a multiply per value had
+// cost prefill rows 15-40%).
 // Rows of one job with one factor, adjacent in the listed rows (at most 16):
 // one run of the second pass, whose units go segment by segment.
 struct LoraSegment {

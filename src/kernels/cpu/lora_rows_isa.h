@@ -1,6 +1,6 @@
-// What lora_rows.cpp calls in lora_rows_avx512f.cpp (its AVX-512 loop over a
-// bf16 B and its columns-in-lanes loop over a 4-bit B; the same bits as its
-// AVX2 loops).
+// What lora_rows.cpp calls in lora_rows_avx512f.cpp (its AVX-512 loops over a
+// bf16 or int8 B and its columns-in-lanes loop over a 4-bit B; the same bits as
+// its AVX2 loops).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,8 @@ namespace loom::detail {
 // y[0, w) += B u for one row u of a bf16 B's transposed block bt (kernels/lora_b16.h):
 // bt[j * ld + n] = B[n][j], ld (>= w, a multiple of 8) columns a rank row.
 void add_bt16_times_u_avx512(const uint16_t* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w);
+// The same for an int8 B's block of codes (kernels/lora_i8.h), u already times its scales.
+void add_bt8_times_u_avx512(const int8_t* bt, int64_t ld, int64_t r, const float* u, float* y, int64_t w);
 
 // s[i][j] = dot(x[i], A_j) over n columns, nr x rows and na rows of 4-bit A
 // that codes[j] (the row's first byte) and scales[j] (its first group's scale)

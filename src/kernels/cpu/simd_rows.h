@@ -17,7 +17,12 @@ struct Bf16 {
   uint16_t bits;
 };
 
-// 8 (1) elements as f32; uint16_t holds IEEE half bits; Bf16 widens exactly.
+// An int8 code, as rows of LoRA factors kept in int8 hold them (kernels/lora_i8.h).
+struct I8 {
+  int8_t code;
+};
+
+// 8 (1) elements as f32; uint16_t holds IEEE half bits; Bf16 and I8 widen exactly.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -26,7 +31,11 @@ inline __m256 load8(const Bf16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256 load8(const I8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline float load1(const float* p) { return *p; }
+inline float load1(const I8* p) { return static_cast<float>(p->code); }
 inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
 inline float load1(const Bf16* p) {
   const uint32_t u = static_cast<uint32_t>(p->bits) << 16;
