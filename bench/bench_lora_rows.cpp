@@ -86,7 +86,8 @@ void run_lora_rows(benchmark::State& state, LoraCase c) {
     adapter_bytes += static_cast<size_t>(c.layers) *
                      (c.bits == 8 ? align64(lora_a8_bytes(c.rank, c.in)) + align64(lora_b8_bytes(out, c.rank))
                                   : (c.rank * c.in + lora_b16_elements(out, c.rank)) * sizeof(uint16_t));
-  for (int64_t a = 0; (c.bits == 16 || c.bits == 8) && a < c.adapters; ++a) blocks.emplace_back(adapter_bytes);
+  for (int64_t a = 0; (c.bits == 16 || c.bits == 8) && a < c.adapters; ++a)
+    blocks.emplace_back(adapter_bytes);
   std::vector<size_t> filled(blocks.size(), 0);
   for (size_t i = 0; i < n_factors; ++i) {
     const int64_t out = c.outs[i % c.outs.size()];
@@ -234,7 +235,8 @@ const bool registered = [] {
               std::tuple{"decode16cold_noprefetch", 16, 64, 30, false},
               std::tuple{"decode16dram", 16, 256, 30, true},
               std::tuple{"decode16dram_noprefetch", 16, 256, 30, false}}) {
-          if (std::string_view(shape).starts_with("decode16dram") && ((bits != 16 && bits != 8) || r != 8)) continue;
+          if (std::string_view(shape).starts_with("decode16dram") && ((bits != 16 && bits != 8) || r != 8))
+            continue;
           const char* suffix = bits == 4 ? "_int4" : bits == 8 ? "_int8" : bits == 16 ? "_bf16" : "";
           const std::string name = fmt::format("LoraRows/{}/{}_r{}{}/t1", p.name, shape, r, suffix);
           benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
@@ -247,7 +249,8 @@ const bool registered = [] {
            {std::tuple{"decode16x16", 16, 1, 1, true}, std::tuple{"prefill256", 256, 1, 1, true},
             std::tuple{"prefill256_noprefetch", 256, 1, 1, false},
             std::tuple{"decode16cold", 16, 64, 30, true}}) {
-        const std::string name = fmt::format("LoraRows/{}/{}_r8_{}/t2", p.name, shape, bits == 8 ? "int8" : "bf16");
+        const std::string name =
+            fmt::format("LoraRows/{}/{}_r8_{}/t2", p.name, shape, bits == 8 ? "int8" : "bf16");
         benchmark::RegisterBenchmark(name.c_str(), run_lora_rows,
                                      LoraCase{p.outs, p.in, rows, adapters, 8, bits, layers, stream, 2})
             ->Unit(benchmark::kMicrosecond)

@@ -244,8 +244,8 @@ int run_serve(int argc, char** argv) {
     if (a.resident)
       std::fprintf(stderr, "loom serve: adapter '%s': %.2f MiB (%s; %.2f MiB in f32)\n", a.name.c_str(),
                    static_cast<double>(a.bytes) / (1 << 20),
-                   so.lora_bits == 4   ? "4-bit"
-                   : so.lora_bits == 8 ? "int8"
+                   so.lora_bits == 4    ? "4-bit"
+                   : so.lora_bits == 8  ? "int8"
                    : so.lora_bits == 16 ? "bf16"
                                         : "f32",
                    static_cast<double>(a.f32_bytes) / (1 << 20));

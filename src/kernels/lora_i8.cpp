@@ -1,5 +1,7 @@
 #include "kernels/lora_i8.h"
 
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -21,7 +23,8 @@ void pack_rows(const float* w, int64_t rows, int64_t cols, float* scales, int8_t
 
 void pack_lora_a8(const float* a, int64_t rank, int64_t in, uint8_t* dst) {
   LOOM_ASSERT(reinterpret_cast<uintptr_t>(dst) % alignof(float) == 0);
-  pack_rows(a, rank, in, reinterpret_cast<float*>(dst), reinterpret_cast<int8_t*>(dst) + rank * sizeof(float));
+  pack_rows(a, rank, in, reinterpret_cast<float*>(dst),
+            reinterpret_cast<int8_t*>(dst) + rank * sizeof(float));
 }
 
 void pack_lora_b8(const float* b, int64_t out, int64_t rank, uint8_t* dst) {

@@ -83,7 +83,8 @@ class ProfilingBackend final : public Backend {
       for (size_t r = 0; r < rows.size(); ++r) {
         const LoraFactor* f = j.factors[r];
         if (f == nullptr) continue;
-        if (o.dtype == nullptr) o.dtype = f->bf16() ? "bf16" : f->int8() ? "int8" : f->quantized() ? "int4" : "f32";
+        if (o.dtype == nullptr)
+          o.dtype = f->bf16() ? "bf16" : f->int8() ? "int8" : f->quantized() ? "int4" : "f32";
         o.flops += 2.0 * static_cast<double>(f->rank * (f->in + f->out));
         if (r == 0 || j.factors[r - 1] != f) o.bytes += f->bytes();
         o.bytes += f32_bytes(static_cast<double>((new_x ? f->in : 0) + 2 * f->out));

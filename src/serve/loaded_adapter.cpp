@@ -71,7 +71,8 @@ void pack_int8(LoadedAdapter& a) {
   auto align64 = [](size_t n) { return (n + 63) & ~size_t{63}; };
   size_t n = 0;
   for (const ServeLoraPair& p : a.view.pairs)
-    if (p.present()) n += align64(lora_a8_bytes(p.rank(), p.a.dim(1))) + align64(lora_b8_bytes(p.b.dim(0), p.rank()));
+    if (p.present())
+      n += align64(lora_a8_bytes(p.rank(), p.a.dim(1))) + align64(lora_b8_bytes(p.b.dim(0), p.rank()));
   a.block = HugePageBuffer(n);
   auto* at = static_cast<uint8_t*>(a.block.data());
   for (ServeLoraPair& p : a.view.pairs) {

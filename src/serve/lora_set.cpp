@@ -51,7 +51,8 @@ void ServeAdapter::validate(const ModelConfig& config, std::string_view what) co
       if (!p.present()) continue;
       const char* name = lora_target_peft_name(t);
       const int64_t in = lora_target_in(config, t), out = lora_target_out(config, t);
-      if (p.a.dtype != DType::f32 || p.b.dtype != DType::f32 || (!p.quantized() && !p.bf16() && !p.int8() && p.b.data == nullptr))
+      if (p.a.dtype != DType::f32 || p.b.dtype != DType::f32 ||
+          (!p.quantized() && !p.bf16() && !p.int8() && p.b.data == nullptr))
         fail(ErrorKind::invalid_input, "{}: layer {} {}: lora_A and lora_B must both be f32", what, l, name);
       if (p.a.ndim != 2 || p.b.ndim != 2 || p.a.dim(0) < 1 || p.a.dim(1) != in || p.b.dim(0) != out ||
           p.b.dim(1) != p.a.dim(0))

@@ -425,7 +425,7 @@ TEST(LoraRows, Int8FactorsHoldTheirValuesToHalfAStep) {
   const int64_t r = 8, in = 576, out = 196;  // 196: the last block padded to 8 columns
   std::vector<float> a = random_vec(static_cast<size_t>(r * in), 31, 0.3f);
   std::vector<float> b = random_vec(static_cast<size_t>(out * r), 32, 0.3f);
-  for (int64_t i = 0; i < in; ++i) a[static_cast<size_t>(3 * in + i)] = 0.0f;  // a zero row of A
+  for (int64_t i = 0; i < in; ++i) a[static_cast<size_t>(3 * in + i)] = 0.0f;   // a zero row of A
   for (int64_t n = 64; n < 128; ++n) b[static_cast<size_t>(n * r + 5)] = 0.0f;  // a zero rank row of block 1
   b[static_cast<size_t>(130 * r + 2)] = 4.0f;                                   // an outlier in block 2
   std::vector<uint8_t> a8(lora_a8_bytes(r, in)), b8(lora_b8_bytes(out, r));
@@ -457,7 +457,8 @@ TEST(LoraRows, Int8FactorsHoldTheirValuesToHalfAStep) {
     }
   // The outlier costs only its own block's rank row its resolution: block 0's
   // values of rank 2 keep steps well under the outlier's (4 / 127.5).
-  EXPECT_LT(std::fabs(b1[static_cast<size_t>(10 * r + 2)] - b[static_cast<size_t>(10 * r + 2)]), 4.0f / 127.5f / 4);
+  EXPECT_LT(std::fabs(b1[static_cast<size_t>(10 * r + 2)] - b[static_cast<size_t>(10 * r + 2)]),
+            4.0f / 127.5f / 4);
 }
 
 // Two 4-bit adapters differ only in their codes (a / b null in both): each

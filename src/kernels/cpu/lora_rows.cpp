@@ -102,7 +102,8 @@ struct FactorRow {
 
   static FactorRow of(const LoraFactor& f, int64_t r) {
     if (f.bf16()) return {nullptr, nullptr, f.a16, r * f.in};
-    if (f.int8()) return {nullptr, nullptr, nullptr, 0, lora_a8_codes(f.a8, f.rank) + r * f.in, lora_a8_scales(f.a8)[r]};
+    if (f.int8())
+      return {nullptr, nullptr, nullptr, 0, lora_a8_codes(f.a8, f.rank) + r * f.in, lora_a8_scales(f.a8)[r]};
     if (!f.quantized()) return {f.a + r * f.in, nullptr, nullptr, 0};
     return {nullptr, &f.a4, nullptr, r * f.in};
   }
@@ -221,8 +222,8 @@ inline bool same_factor(const LoraFactor* f, const LoraFactor* g) {
   if (f == nullptr || g == nullptr) return false;
   return f->a == g->a && f->b == g->b && f->a4.codes == g->a4.codes && f->b4.codes == g->b4.codes &&
          f->a16 == g->a16 && f->b16 == g->b16 && f->a8 == g->a8 && f->b8 == g->b8 &&
-         f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank && f->in == g->in &&
-         f->out == g->out && f->scale == g->scale;
+         f->a4.scales == g->a4.scales && f->b4.scales == g->b4.scales && f->rank == g->rank &&
+         f->in == g->in && f->out == g->out && f->scale == g->scale;
 }
 
 // Jobs [first, first + count) read the same x (q/k/v, gate/up): the first pass
@@ -326,7 +327,8 @@ struct FirstPass {
         const float scale = factor(at_job[q], k0)->scale;
         if constexpr (Packed) {
           if (ap[q].c != nullptr) {  // an int8 row: its scale on the codes' dot product, then the adapter's
-            for (int i = 0; i < NR; ++i) u[(at_job[q] * T + row[i]) * R + at_r[q]] = s[i][q] * ap[q].cs * scale;
+            for (int i = 0; i < NR; ++i)
+              u[(at_job[q] * T + row[i]) * R + at_r[q]] = s[i][q] * ap[q].cs * scale;
             continue;
           }
         }
@@ -442,8 +444,7 @@ inline void add_columns_times_u(Column column, int64_t r, const float* u, float*
         acc[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c + l), column(c + l, n), acc[l]);
     __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
                              _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
-    for (int64_t c = r8; c < r; ++c)
-      s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), column(c, n), s);
+    for (int64_t c = r8; c < r; ++c) s = _mm256_fmadd_ps(_mm256_broadcast_ss(u + c), column(c, n), s);
     add_cols(y, n, w, s);
   }
 }
@@ -453,11 +454,11 @@ inline void add_bt_times_u(const E* bt, int64_t ld, int64_t r, const float* u, f
   add_columns_times_u([&](int64_t j, int64_t n) { return simd::load8(bt + j * ld + n); }, r, u, y, w);
 }
 
-
 // us[c] = u[c] * s[c] for c < r (8 at a time: it runs per row and block).
 inline void scale_rank(const float* u, const float* s, int64_t r, float* us) {
   int64_t c = 0;
-  for (; c + 8 <= r; c += 8) _mm256_storeu_ps(us + c, _mm256_mul_ps(_mm256_loadu_ps(u + c), _mm256_loadu_ps(s + c)));
+  for (; c + 8 <= r; c += 8)
+    _mm256_storeu_ps(us + c, _mm256_mul_ps(_mm256_loadu_ps(u + c), _mm256_loadu_ps(s + c)));
   for (; c < r; ++c) us[c] = u[c] * s[c];
 }
 

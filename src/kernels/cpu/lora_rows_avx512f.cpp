@@ -35,7 +35,8 @@ void add_columns_times_u(Column column, int64_t ld, int64_t r, const float* u, f
     __m512 acc[8];
     for (int l = 0; l < 8; ++l) acc[l] = _mm512_setzero_ps();
     for (int64_t c = 0; c < r8; c += 8)
-      for (int l = 0; l < 8; ++l) acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(u[c + l]), column(c + l, n, held), acc[l]);
+      for (int l = 0; l < 8; ++l)
+        acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(u[c + l]), column(c + l, n, held), acc[l]);
     __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
                              _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
     for (int64_t c = r8; c < r; ++c) s = _mm512_fmadd_ps(_mm512_set1_ps(u[c]), column(c, n, held), s);
