@@ -441,7 +441,9 @@ TEST(LoraRows, Int8FactorsHoldTheirValuesToHalfAStep) {
     for (int64_t i = 0; i < in; ++i) {
       const size_t e = static_cast<size_t>(j * in + i);
       ASSERT_LE(std::fabs(a1[e] - a[e]), amax / 127.5f / 2 * 1.0001f) << "A " << j << "," << i;
-      if (a[e] == 0.0f) ASSERT_EQ(a1[e], 0.0f);
+      if (a[e] == 0.0f) {
+        ASSERT_EQ(a1[e], 0.0f);
+      }
     }
   }
   for (int64_t q = 0; q < 4; ++q)
@@ -452,7 +454,9 @@ TEST(LoraRows, Int8FactorsHoldTheirValuesToHalfAStep) {
       for (int64_t n = 64 * q; n < std::min<int64_t>(out, 64 * q + 64); ++n) {
         const size_t e = static_cast<size_t>(n * r + j);
         ASSERT_LE(std::fabs(b1[e] - b[e]), bmax / 127.5f / 2 * 1.0001f) << "B " << n << "," << j;
-        if (b[e] == 0.0f) ASSERT_EQ(b1[e], 0.0f);
+        if (b[e] == 0.0f) {
+          ASSERT_EQ(b1[e], 0.0f);
+        }
       }
     }
   // The outlier costs only its own block's rank row its resolution: block 0's

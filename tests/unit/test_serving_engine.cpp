@@ -105,6 +105,26 @@ Output run_alone(ServingEngine& e, GenerationRequest g) {
   return collect(*s, n);
 }
 
+// n greedy requests for adapter a0 on `packed`, each batched with one for a1
+// (so the kernel reads a0's packed factors within a mixed step), give the
+// tokens `twin` gives for them alone. Prompts from seeds seed + i and seed + 50 + i.
+void expect_twin_tokens(ServingEngine& packed, ServingEngine& twin, uint32_t seed, int n) {
+  for (int i = 0; i < n; ++i) {
+    GenerationRequest g = greedy_request("a0", random_prompt(seed + static_cast<uint32_t>(i), 9 + 5 * i), 12);
+    g.logprobs = true;
+    g.top_logprobs = 3;
+    auto s = std::make_shared<RequestStream>(), other = std::make_shared<RequestStream>();
+    packed.submit(g, s);
+    packed.submit(greedy_request("a1", random_prompt(seed + 50 + static_cast<uint32_t>(i), 17), 12), other);
+    const Output o = collect(*s);
+    collect(*other);
+    const Output want = run_alone(twin, g);
+    ASSERT_FALSE(o.error) << o.error->what();
+    EXPECT_EQ(o.ids[0], want.ids[0]) << "prompt " << i;
+    EXPECT_EQ(o.text[0], want.text[0]) << "prompt " << i;
+  }
+}
+
 class ServingEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -183,21 +203,7 @@ TEST_F(ServingEngineTest, FourBitAdaptersServeTheirDequantizedValues) {
       EXPECT_LT(a.bytes * 3, a.f32_bytes) << a.name;  // r = 4: B rows of 4 carry a scale each (3.8x here, 6.2x at r = 16)
       EXPECT_GT(a.bytes, 0u) << a.name;
     }
-  for (int i = 0; i < 6; ++i) {
-    GenerationRequest g = greedy_request("a0", random_prompt(static_cast<uint32_t>(40 + i), 9 + 5 * i), 12);
-    g.logprobs = true;
-    g.top_logprobs = 3;
-    // Batched with another adapter's request, so the kernel reads the 4-bit codes within a mixed step.
-    auto s4 = std::make_shared<RequestStream>(), other = std::make_shared<RequestStream>();
-    e4.submit(g, s4);
-    e4.submit(greedy_request("a1", random_prompt(static_cast<uint32_t>(90 + i), 17), 12), other);
-    const Output o4 = collect(*s4);
-    collect(*other);
-    const Output o32 = run_alone(e32, g);
-    ASSERT_FALSE(o4.error) << o4.error->what();
-    EXPECT_EQ(o4.ids[0], o32.ids[0]) << "prompt " << i;
-    EXPECT_EQ(o4.text[0], o32.text[0]) << "prompt " << i;
-  }
+  expect_twin_tokens(e4, e32, 40, 6);
 }
 
 // --lora-bits 16: an adapter kept in bf16 gives exactly the tokens of the same
@@ -218,16 +224,7 @@ TEST_F(ServingEngineTest, Bf16AdaptersServeTheirRoundedValues) {
       EXPECT_EQ(a.bytes * 2, a.f32_bytes) << a.name;
     }
   }
-  for (int i = 0; i < 4; ++i) {
-    GenerationRequest g = greedy_request("a0", random_prompt(static_cast<uint32_t>(140 + i), 9 + 5 * i), 12);
-    auto s16 = std::make_shared<RequestStream>(), other = std::make_shared<RequestStream>();
-    e16.submit(g, s16);
-    e16.submit(greedy_request("a1", random_prompt(static_cast<uint32_t>(190 + i), 17), 12), other);
-    const Output o16 = collect(*s16);
-    collect(*other);
-    ASSERT_FALSE(o16.error) << o16.error->what();
-    EXPECT_EQ(o16.ids[0], run_alone(e32, g).ids[0]) << "prompt " << i;
-  }
+  expect_twin_tokens(e16, e32, 140, 4);
 }
 
 // --lora-bits 8: an adapter kept in int8 gives the tokens of the same server
@@ -251,22 +248,12 @@ TEST_F(ServingEngineTest, Int8AdaptersServeTheirValues) {
   f32.adapters = {{"a0", (tmp.path / "a0-int8").string()}};
   f32.lora_bits = 32;
   ServingEngine e8(eight), e32(f32);
-  for (const AdapterInfo& a : e8.adapter_infos())
-    if (a.resident) EXPECT_LT(a.bytes * 3, a.f32_bytes) << a.name;
-  for (int i = 0; i < 4; ++i) {
-    GenerationRequest g = greedy_request("a0", random_prompt(static_cast<uint32_t>(240 + i), 9 + 5 * i), 12);
-    g.logprobs = true;
-    g.top_logprobs = 3;
-    auto s8 = std::make_shared<RequestStream>(), other = std::make_shared<RequestStream>();
-    e8.submit(g, s8);
-    e8.submit(greedy_request("a1", random_prompt(static_cast<uint32_t>(290 + i), 17), 12), other);
-    const Output o8 = collect(*s8);
-    collect(*other);
-    const Output o32 = run_alone(e32, g);
-    ASSERT_FALSE(o8.error) << o8.error->what();
-    EXPECT_EQ(o8.ids[0], o32.ids[0]) << "prompt " << i;
-    EXPECT_EQ(o8.text[0], o32.text[0]) << "prompt " << i;
+  for (const AdapterInfo& a : e8.adapter_infos()) {
+    if (a.resident) {
+      EXPECT_LT(a.bytes * 3, a.f32_bytes) << a.name;
+    }
   }
+  expect_twin_tokens(e8, e32, 240, 4);
 }
 
 // --max-lora-memory with room for one adapter: 12 concurrent requests over

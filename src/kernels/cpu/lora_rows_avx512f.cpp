@@ -7,8 +7,10 @@
 // chosen at run time (CpuFeatures::has_avx512_f32). (The first pass's bf16
 // tiles with two factor rows a zmm ran no faster on an Emerald Rapids: that
 // pass waits on its loads; the 4-bit one waits on the unpacking, so it gains.)
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized (a known false positive).
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized and -Wuninitialized on
+// their own _mm512_undefined_* helpers (a known false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
