@@ -646,18 +646,21 @@ struct SecondPass {
     alignas(32) float bt[kMaxTransposedRank * kLoraCols];
     Spans spans(*this, b, e);
     PrefetchStream<Spans> pf(spans, kPrefetchAhead);
+    const bool streams = any_streams(jobs);  // else the stream has nothing to walk: no spans to count
     Unit at = b < e ? unit(b) : Unit{};
     for (int64_t i = b; i < e;) {
       const auto [seg, m, c0, c1] = at;
       const LoraFactor* f = seg->f;
       // The run: the segment's rows m.. of this block, inside [b, e).
       const int64_t n = std::min(seg->len - m, e - i);
-      // What b_span told the stream of this block (an int8 block's scales too,
-      // a bf16 or int8 one's padding), so the prefetch keeps its distance ahead.
-      const void* block = nullptr;
-      size_t block_bytes = 0;
-      b_span(*f, c0, c1, block, block_bytes);
-      pf.advance(block_bytes);
+      if (streams) {
+        // What b_span told the stream of this block (an int8 block's scales too,
+        // a bf16 or int8 one's padding), so the prefetch keeps its distance ahead.
+        const void* block = nullptr;
+        size_t block_bytes = 0;
+        b_span(*f, c0, c1, block, block_bytes);
+        pf.advance(block_bytes);
+      }
       const bool transposed = n >= kMinTransposedRun && f->rank <= kMaxTransposedRank;
       const float* b0 = f->b;
       const int64_t r = f->rank, j = seg->j, k = seg->k0 + m;
