@@ -60,6 +60,26 @@ LoadedModel load_model(const ModelFlags& flags) {
   return m;
 }
 
+CLI::Validator all_or_some_chunks() {
+  return CLI::Validator(
+      [](std::string& in) -> std::string {
+        int64_t n = 0;
+        if (!CLI::detail::lexical_cast(in, n)) return "expected an integer (got " + in + ")";
+        if (n == -1 || (n >= 1 && n <= (int64_t{1} << 30))) return {};
+        return "expected -1 (all) or a count from 1 (got " + in + ")";
+      },
+      "-1 or INT >= 1");
+}
+
+void add_calibration_flags(CLI::App& app, int64_t& ctx, int64_t& chunks) {
+  app.add_option("--calib-ctx", ctx, "calibration tokens per chunk")
+      ->check(CLI::Range(int64_t{16}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--calib-chunks", chunks, "calibration chunks at most")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+      ->capture_default_str();
+}
+
 void add_threads_flag(CLI::App& app, int& threads) {
   threads = default_thread_count();
   // More threads than this process may use are capped (with a warning) by

@@ -28,6 +28,14 @@ bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code);
 // by resolve_thread_count with a warning).
 void add_threads_flag(CLI::App& app, int& threads);
 
+// A --chunks count: -1 (all) or at least 1. Zero chunks would collect or score
+// nothing and write an empty result (an all-zero imatrix, a perplexity of 0).
+CLI::Validator all_or_some_chunks();
+
+// "--calib-ctx" (tokens per calibration chunk, 16 or more, as imatrix's -c) and
+// "--calib-chunks" (at most this many, 1 or more) of quantize and prune.
+void add_calibration_flags(CLI::App& app, int64_t& ctx, int64_t& chunks);
+
 // Adds "--device" (cpu, cuda, cuda:N, npu, npu:N; default cpu).
 void add_device_flag(CLI::App& app, std::string& device);
 // The backend for a --device value, computing with `pool`. Throws invalid_input

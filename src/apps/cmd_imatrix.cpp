@@ -23,7 +23,7 @@ int run_imatrix(int argc, char** argv) {
       ->check(CLI::Range(int64_t{16}, int64_t{1} << 20))
       ->capture_default_str();
   app.add_option("--chunks", opt.max_chunks, "use at most this many chunks (-1 = all)")
-      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 30))
+      ->check(all_or_some_chunks())
       ->capture_default_str();
   add_run_flags(app, model_flags);
   int code = 0;

@@ -108,7 +108,7 @@ int run_perplexity(int argc, char** argv) {
       ->check(CLI::Range(int64_t{4}, int64_t{1} << 20))
       ->capture_default_str();
   app.add_option("--chunks", chunks, "score at most this many chunks (-1 = all)")
-      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 30))
+      ->check(all_or_some_chunks())
       ->capture_default_str();
   app.add_option("--kl-divergence-base", base_file,
                  "without --kl-divergence: save the model's log-probs here (llama.cpp's format); with it: "

@@ -3,6 +3,7 @@
 // folder, written as a Hugging Face folder or a GGUF file (quant/prune_pipeline.h).
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
@@ -17,7 +18,7 @@ namespace {
 
 struct PruneFlags {
   std::string model_path, out_path, method, scope, pattern, type_name = "F16", dtype = "bf16";
-  double sparsity = -1;
+  std::optional<double> sparsity;  // unset: 0.5 with --method
   PruneJob job;
   bool overwrite = false;
 };
@@ -46,13 +47,15 @@ void make_job(PruneFlags& f) {
     spec.scope = f.scope.empty() ? (spec.method == PruneMethod::wanda ? PruneScope::row : PruneScope::matrix)
                                  : prune_scope_from_name(f.scope);
     if (!f.pattern.empty()) {
-      if (f.sparsity >= 0) fail(ErrorKind::invalid_input, "give --sparsity or --pattern, not both");
+      if (f.sparsity) fail(ErrorKind::invalid_input, "give --sparsity or --pattern, not both");
       std::tie(spec.n, spec.m) = parse_pattern(f.pattern);
     } else {
-      spec.sparsity = f.sparsity >= 0 ? f.sparsity : 0.5;
+      spec.sparsity = f.sparsity.value_or(0.5);
+      if (!(spec.sparsity >= 0 && spec.sparsity < 1))  // here, before the model loads
+        fail(ErrorKind::invalid_input, "--sparsity {}: expected a fraction in [0, 1)", spec.sparsity);
     }
     job.unstructured = spec;
-  } else if (!f.pattern.empty() || f.sparsity >= 0 || !f.scope.empty()) {
+  } else if (!f.pattern.empty() || f.sparsity || !f.scope.empty()) {
     fail(ErrorKind::invalid_input, "--sparsity, --pattern and --scope go with --method magnitude or wanda");
   }
 }
@@ -118,8 +121,7 @@ int run_prune_command(int argc, char** argv) {
   app.add_option("--channels", job.structured.channels, "fraction of MLP channels to remove");
   app.add_option("--layers", job.structured.layers, "number of decoder layers to remove");
   app.add_option("--calib", job.calib_file, "calibration text (plain UTF-8) for wanda and structured pruning");
-  app.add_option("--calib-ctx", job.calib_ctx, "calibration tokens per chunk")->capture_default_str();
-  app.add_option("--calib-chunks", job.calib_chunks, "calibration chunks at most")->capture_default_str();
+  add_calibration_flags(app, job.calib_ctx, job.calib_chunks);
   app.add_option("--type", f.type_name, "GGUF output: the file type (F16, BF16, Q8_0, Q4_0, ...; see quantize)")
       ->capture_default_str();
   app.add_option("--dtype", f.dtype, "folder output: bf16, f16 or f32")

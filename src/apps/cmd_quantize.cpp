@@ -53,8 +53,7 @@ void add_int_flags(CLI::App& app, IntFlags& f) {
                  "smoothquant: migration strength in [0, 1], or auto (searched per layer on the calibration text)")
       ->capture_default_str();
   app.add_option("--calib", f.calib, "calibration text for awq and smoothquant (plain UTF-8)");
-  app.add_option("--calib-ctx", f.calib_ctx, "calibration tokens per chunk")->capture_default_str();
-  app.add_option("--calib-chunks", f.calib_chunks, "calibration chunks at most")->capture_default_str();
+  add_calibration_flags(app, f.calib_ctx, f.calib_chunks);
   app.add_option("--dtype", f.dtype, "float type of the folder's other tensors and of the scales: bf16, f16, f32")
       ->capture_default_str();
   app.add_flag("--overwrite", f.overwrite, "the output folder may be replaced even if it is not a loom/PEFT output");
@@ -80,6 +79,8 @@ int run_int(const std::string& model_path, const QuantizeFlags& q, const IntFlag
   if (f.group > 0) spec.group = f.group;
   spec.range = range_method_from_name(f.range);
   spec.percentile = f.percentile;
+  if (!(f.percentile > 50 && f.percentile <= 100))  // here, before the model loads
+    fail(ErrorKind::invalid_input, "--percentile {}: expected a value in (50, 100]", f.percentile);
   if (!f.activations.empty()) {
     if (f.activations != "dynamic" && f.activations != "none")
       fail(ErrorKind::invalid_input, "--activations {}: expected dynamic or none", f.activations);
@@ -191,6 +192,7 @@ int run_export_lora(int argc, char** argv) {
            model_path);
   }
   const auto base = Model::load(model_path, {.tokenizer = false, .pack = false});
+  peft::check_adapter_fits(adapter, base->config(), adapter_dir);  // an error names the adapter, not -o
   write_lora_gguf(adapter, base->config(), out_path, dtype == "f16" ? DType::f16 : DType::f32);
   std::fprintf(stderr, "export-lora: %zu LoRA pairs (r %d, alpha %g%s) for %s written to %s\n", adapter.pairs.size(),
                adapter.config.r, adapter.config.lora_alpha, adapter.config.use_rslora ? ", rsLoRA" : "",

@@ -57,6 +57,11 @@ void finish_quantize_flags(QuantizeFlags& f) {
   opt.plan.overrides = parse_overrides(f.overrides);
   if (f.imatrix_path.empty()) return;
   const Imatrix m = load_imatrix(f.imatrix_path);
+  if (!m.has_data())
+    fail(ErrorKind::invalid_input,
+         "{}: the importance matrix holds no data ({} chunks, every count zero); compute it over some text "
+         "(loom imatrix -f TEXT)",
+         f.imatrix_path, m.chunk_count);
   f.importance = m.importance();
   opt.importance = &f.importance;
   opt.plan.has_imatrix = true;

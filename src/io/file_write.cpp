@@ -317,6 +317,12 @@ void check_writable_dry_run(const std::string& dir, std::string_view what, bool 
     fail(ErrorKind::io, "{} '{}': cannot create it: {} is not a folder", what, dir, at.string());
   if (::access(at.c_str(), W_OK | X_OK) != 0)
     fail(ErrorKind::io, "{} '{}': cannot write in {}: {}", what, dir, at.string(), std::strerror(errno));
+  // access() answers yes to root everywhere, also where nothing can be created
+  // (/proc, /sys): a folder made and removed at once is the real test.
+  std::string probe = (at / ".loom-probe-XXXXXX").string();
+  if (!::mkdtemp(probe.data()))
+    fail(ErrorKind::io, "{} '{}': cannot create anything in {}: {}", what, dir, at.string(), std::strerror(errno));
+  ::rmdir(probe.c_str());
 }
 
 bool recover_folder_write(const std::string& dest) {

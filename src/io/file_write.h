@@ -73,12 +73,13 @@ void check_folder_writable(const std::string& dir, std::string_view what);
 // written into, by creating and removing a probe file. Throws io naming `what`.
 void check_dir_writable(const std::string& dir, std::string_view what);
 
-// The dry-run twin of both (`loom train --check`): creates nothing. The
+// The dry-run twin of both (`loom train --check`): leaves nothing behind. The
 // folder the writes go to (`dir`'s parent when `in_parent`, as for
 // check_folder_writable; else `dir`, as for check_dir_writable), or where it
 // does not exist yet its nearest existing ancestor, must be a folder this
-// process may write in (access W_OK | X_OK); `dir` itself, if it exists, must
-// be a folder. Throws io naming `what` and the path.
+// process may write in (access W_OK | X_OK, then a probe folder made there and
+// removed at once); `dir` itself, if it exists, must be a folder. Throws io
+// naming `what` and the path.
 void check_writable_dry_run(const std::string& dir, std::string_view what, bool in_parent);
 
 struct FolderWriteOptions {

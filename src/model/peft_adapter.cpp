@@ -366,6 +366,13 @@ AdapterTensors read_adapter(const std::string& dir, bool map_f32) {
 void check_adapter_fits(const AdapterTensors& adapter, const ModelConfig& model, std::string_view what) {
   if (adapter.n_layers() > model.n_layers)
     fail(ErrorKind::invalid_input, "{}: adapter has {} layers, the model {}", what, adapter.n_layers(), model.n_layers);
+  // Without layers_to_transform an adapter adapts every layer (PEFT's meaning):
+  // one that stops short was cut, and would change only the first layers.
+  if (adapter.config.layers_to_transform.empty() && adapter.n_layers() < model.n_layers)
+    fail(ErrorKind::invalid_input,
+         "{}: adapter has tensors for layers 0..{} only, the model has {} layers, and its adapter_config.json has "
+         "no layers_to_transform (which would name the adapted layers)",
+         what, adapter.n_layers() - 1, model.n_layers);
   for (const auto& [key, p] : adapter.pairs) {
     const int64_t in = lora_target_in(model, key.second), out = lora_target_out(model, key.second);
     if (p.in != in || p.out != out)

@@ -166,6 +166,13 @@ std::map<std::string, std::vector<float>> Imatrix::importance() const {
   return out;
 }
 
+bool Imatrix::has_data() const {
+  for (const auto& [name, e] : entries)
+    for (int64_t c : e.counts)
+      if (c > 0) return true;
+  return false;
+}
+
 Imatrix load_imatrix(const std::string& path) {
   std::ifstream probe(path, std::ios::binary);
   if (!probe) fail(ErrorKind::not_found, "{}: cannot open the imatrix file", path);

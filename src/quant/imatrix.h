@@ -35,6 +35,9 @@ struct Imatrix {
   // llama-quantize's importance of each column: sums / count (a never-seen
   // matrix gets 1); for legacy files sums / ncall.
   std::map<std::string, std::vector<float>> importance() const;
+  // Some entry saw a token (a file collected over 0 chunks holds none: quantizing
+  // with it would be quantizing with no imatrix, which the grid types refuse).
+  bool has_data() const;
 };
 
 // Reads a GGUF or legacy imatrix file. Throws invalid_input naming the file

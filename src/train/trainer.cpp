@@ -50,9 +50,11 @@ nlohmann::json json_or_null(double v) { return std::isfinite(v) ? nlohmann::json
 // its folder exists and is writable.
 void check_metrics_file_dry_run(const TrainConfig& c) {
   if (c.metrics_file.empty()) return;
+  std::error_code ec;
+  if (std::filesystem::is_directory(c.metrics_file, ec))
+    fail(ErrorKind::io, "{}: metrics_file '{}' is a folder; give a file path", c.source, c.metrics_file);
   const std::filesystem::path dir = std::filesystem::path(c.metrics_file).parent_path();
   const std::string folder = dir.empty() ? "." : dir.string();
-  std::error_code ec;
   if (!std::filesystem::is_directory(folder, ec))
     fail(ErrorKind::io, "{}: metrics_file '{}' cannot be written: {}", c.source, c.metrics_file, std::strerror(ENOENT));
   check_writable_dry_run(folder, fmt::format("{}: metrics_file", c.source), /*in_parent=*/false);
@@ -332,6 +334,12 @@ void Trainer::load_data() {
                           {"skipped", st.skipped}, {"truncated", st.truncated}, {"dropped", st.dropped},
                           {"tokens", st.tokens}, {"rows", data_->train.rows.rows()},
                           {"cache", cache_status_name(data_->train_cache.status)}}}});
+  // data.skip_bad_lines: say which lines were left out and why (the first few).
+  for (const std::string& why : st.skipped_examples)
+    log_->record(LogLevel::warning, "data", "skipped: " + why, {{"skipped_line", why}});
+  if (const int64_t unlisted = st.skipped - static_cast<int64_t>(st.skipped_examples.size()); unlisted > 0)
+    log_->record(LogLevel::warning, "data", fmt::format("skipped: {} more bad lines not listed", unlisted),
+                 {{"skipped_unlisted", unlisted}});
   if (data_->eval)
     log_->record(LogLevel::info, "data",
                  fmt::format("eval data: {} samples, {} rows{}", data_->eval->n_samples, data_->eval->rows.rows(),

@@ -206,6 +206,11 @@ expect "perplexity kl without base" 1 "--kl-divergence needs --kl-divergence-bas
 expect "perplexity bad base file" 1 "not a log-prob file" -- "$loom" perplexity -m "$tiny" --kl-divergence --kl-divergence-base "$ppltext"
 expect "perplexity runs" 0 "Final estimate: PPL = " -- "$loom" perplexity -m "$tiny" -f "$ppltext" -c 64 --chunks 3
 expect "imatrix writes" 0 "entries over 2 chunks" -- "$loom" imatrix -m "$tiny" -f "$ppltext" -c 64 --chunks 2 -o "$tmp/im.gguf"
+expect "imatrix zero chunks" 2 "--chunks: expected -1 \(all\) or a count from 1 \(got 0\)" -- "$loom" imatrix -m "$tiny" -f "$ppltext" -c 64 --chunks 0 -o "$tmp/im0.gguf"
+expect "perplexity zero chunks" 2 "--chunks: expected -1 \(all\) or a count from 1 \(got 0\)" -- "$loom" perplexity -m "$tiny" -f "$ppltext" -c 64 --chunks 0
+# An imatrix of 0 chunks (every count zero, as an older loom wrote one) would quantize as none: refused.
+expect "empty imatrix made" 0 "written" -- python3 -c "import struct, sys; n = b'blk.0.attn_q.weight'; open(sys.argv[1], 'wb').write(struct.pack('<ii', 1, len(n)) + n + struct.pack('<ii', 0, 64) + bytes(256) + struct.pack('<i', 0)); print('written')" "$tmp/im0.dat"
+expect "quantize refuses an empty imatrix" 1 "im0.dat: the importance matrix holds no data" -- "$loom" quantize -m "$tiny" -o "$tmp/qi.gguf" --type Q4_0 --imatrix "$tmp/im0.dat"
 expect "quantize with imatrix" 0 "14 importance matrix entries" -- "$loom" quantize -m "$tiny" -o "$tmp/qi.gguf" --type Q4_0 --imatrix "$tmp/im.gguf"
 cp -r "$tmp/adapter" "$tmp/adapter-nobase"
 sed -i 's|"base_model_name_or_path": *"[^"]*"|"base_model_name_or_path": "/nonexistent/base"|' "$tmp/adapter-nobase/adapter_config.json"
@@ -225,12 +230,17 @@ expect "int8 folder as a LoRA base" 0 "adapter written to" -- "$loom" train "$tm
   --set data.seq_len=32 --set output_dir="$tmp/adapter-ct" -t 1
 expect "int8 folder perplexity" 0 "Final estimate" -- "$loom" perplexity -m "$tmp/ct" -f "$ppltext" -c 64 --chunks 2
 expect "int8 folder bench" 0 "" -- "$loom" bench -m "$tmp/ct" -p 16 -n 4 -r 1
+expect "calibration chunk of 0 tokens" 2 "--calib-ctx: Value 0 not in range 16" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method smoothquant --calib "$ppltext" --calib-ctx 0
+expect "no calibration chunks" 2 "--calib-chunks: Value 0 not in range 1" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method wanda --calib "$ppltext" --calib-chunks 0
+expect "percentile out of range" 1 "--percentile 200: expected a value in \(50, 100\]" -- "$loom" quantize -m "$tiny" -o "$tmp/ct" --method int8 --range percentile --percentile 200
 expect "int8 folder over a file" 1 "not a folder|is a file|cannot" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --method int8
 
 # loom prune: unstructured (magnitude, Wanda, N:M) and structured (heads, channels, layers) to GGUF or a folder.
 expect "prune nothing asked" 1 "nothing to prune" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf"
 expect "prune bad method" 1 "--method sparsegpt2: expected magnitude or wanda" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method sparsegpt2
 expect "prune bad sparsity" 1 "--sparsity 1: expected a fraction in \[0, 1\)" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --sparsity 1
+expect "prune negative sparsity" 1 "--sparsity -0.1: expected a fraction in \[0, 1\)" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --sparsity -0.1
+expect "prune nan sparsity" 1 "--sparsity nan: expected a fraction" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --sparsity nan
 expect "prune bad pattern" 1 "--pattern 2-4: expected N:M" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --pattern 2-4
 expect "prune pattern that does not divide" 1 "--pattern 2:5: .* not a multiple of 5" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --pattern 2:5
 expect "prune sparsity and pattern" 1 "not both" -- "$loom" prune -m "$tiny" -o "$tmp/p.gguf" --method magnitude --pattern 2:4 --sparsity 0.5

@@ -4,7 +4,8 @@
 # truncated samples and a warning naming each key on stdout, and nothing
 # written (no output_dir, cache, metrics or log file); the run itself then
 # prints the same data line and warnings at its start; a bad config, model or
-# memory limit exits non-zero naming the cause; --log-format json gives ECS
+# memory limit, or an output it could not write, exits non-zero naming the
+# cause; data.skip_bad_lines names each skipped line; --log-format json gives ECS
 # lines; under mpirun rank 0 alone prints. Usage: train_check_test.sh LOOM SOURCE_DIR
 set -u
 loom=$1
@@ -90,9 +91,26 @@ expect bad_rank 1 "'lora.r'" --set lora.r=0
 expect unknown_key 1 "unknown key 'optim.lrr'" --set optim.lrr=1e-4
 expect no_model 1 "none.gguf" --set model="$tmp/none.gguf"
 expect memory_limit 1 "more than the limit of 1.0 MiB \(memory_limit\)" --set memory_limit=1MiB
+mkdir -p "$tmp/mfolder"
+expect metrics_folder 3 "metrics_file '.*mfolder' is a folder" --set metrics_file="$tmp/mfolder"
+# access() says yes to root in /proc, where nothing can be created: the check tries.
+if [ -e /proc/self/status ]; then
+  expect proc_output 3 "output_dir '/proc/loom-check/out': cannot create anything in /proc" --set output_dir=/proc/loom-check/out
+  expect proc_cache 3 "data.cache_dir '/proc/loom-cache': cannot create anything in /proc" --set data.cache_dir=/proc/loom-cache
+fi
 for p in out cache metrics.jsonl logs; do
   [ -e "$tmp/$p" ] && bad "bad configs: $p was written" || ok
 done
+
+# data.skip_bad_lines: each skipped line is named with its reason (the first few).
+{ head -1 "$src/tests/fixtures/train_data/text.jsonl"; echo '{bad'; echo 42; } >"$tmp/mixbad.jsonl"
+"$loom" train "$tmp/run.yaml" --check --set data.train="$tmp/mixbad.jsonl" --set data.skip_bad_lines=true \
+  --set data.cache_dir="$tmp/skipcache" >"$tmp/skip.out" 2>"$tmp/skip.err"
+rc=$?
+[ "$rc" = 0 ] && ok || { bad "skip_bad_lines: exit $rc, wanted 0"; tail -3 "$tmp/skip.err"; }
+has skip "$tmp/skip.out" "2 skipped as bad"
+has skip "$tmp/skip.out" "^warning: skipped: .*mixbad.jsonl:2: invalid JSON"
+has skip "$tmp/skip.out" "^warning: skipped: .*mixbad.jsonl:3: each line must be a JSON object"
 
 # --log-format json: stdout is ECS JSON lines; the warnings carry their key.
 "$loom" train "$tmp/run.yaml" --check --log-format json >"$tmp/json.out" 2>"$tmp/json.err"

@@ -154,15 +154,39 @@ TEST(PeftAdapter, WriteRejectsInconsistentPairs) {
   EXPECT_THROW(write_adapter(dir.str(), ad), Error);
 }
 
-TEST(PeftAdapter, ModelMismatchNamesTensor) {
-  const AdapterTensors ad = random_adapter(2, 1, {LoraTarget::q}, 3);
+void expect_misfit(const AdapterTensors& ad, const ModelConfig& model, const std::string& needle) {
   try {
-    check_adapter_fits(ad, tiny_llama(), "my-adapter");
+    check_adapter_fits(ad, model, "my-adapter");
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("my-adapter"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("q_proj"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+TEST(PeftAdapter, ModelMismatchNamesTensor) {
+  expect_misfit(random_adapter(2, 2, {LoraTarget::q}, 3), tiny_llama(), "q_proj");
+}
+
+// Without layers_to_transform an adapter adapts every layer (PEFT's meaning):
+// one with fewer layers than the model was cut short and is refused; with
+// layers_to_transform naming its layers it fits.
+TEST(PeftAdapter, AdapterShortOfTheModelsLayersIsRefused) {
+  ModelConfig model = tiny_llama();
+  model.n_layers = 3;
+  AdapterTensors ad = random_adapter(2, 2, {LoraTarget::q}, 3);
+  for (auto& [key, p] : ad.pairs) {  // the model's shapes, so only the layer count is off
+    p.in = model.hidden;
+    p.out = model.q_dim();
+    p.a.assign(static_cast<size_t>(2 * p.in), 0.5f);
+    p.b.assign(static_cast<size_t>(2 * p.out), 0.25f);
+  }
+  expect_misfit(ad, model, "layers 0..1 only, the model has 3 layers");
+  model.n_layers = 1;
+  expect_misfit(ad, model, "adapter has 2 layers, the model 1");
+  model.n_layers = 3;
+  ad.config.layers_to_transform = {0, 1};
+  EXPECT_NO_THROW(check_adapter_fits(ad, model, "my-adapter"));
 }
 
 // Copies the PEFT fixture, edits its config, and expects an error naming the
