@@ -321,7 +321,8 @@ void check_writable_dry_run(const std::string& dir, std::string_view what, bool 
   // (/proc, /sys): a folder made and removed at once is the real test.
   std::string probe = (at / ".loom-probe-XXXXXX").string();
   if (!::mkdtemp(probe.data()))
-    fail(ErrorKind::io, "{} '{}': cannot create anything in {}: {}", what, dir, at.string(), std::strerror(errno));
+    fail(ErrorKind::io, "{} '{}': cannot create anything in {}: {}", what, dir, at.string(),
+         std::strerror(errno));
   ::rmdir(probe.c_str());
 }
 

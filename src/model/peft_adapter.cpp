@@ -370,7 +370,8 @@ void check_adapter_fits(const AdapterTensors& adapter, const ModelConfig& model,
   // one that stops short was cut, and would change only the first layers.
   if (adapter.config.layers_to_transform.empty() && adapter.n_layers() < model.n_layers)
     fail(ErrorKind::invalid_input,
-         "{}: adapter has tensors for layers 0..{} only, the model has {} layers, and its adapter_config.json has "
+         "{}: adapter has tensors for layers 0..{} only, the model has {} layers, and its "
+         "adapter_config.json has "
          "no layers_to_transform (which would name the adapted layers)",
          what, adapter.n_layers() - 1, model.n_layers);
   for (const auto& [key, p] : adapter.pairs) {

@@ -246,8 +246,10 @@ ModelWeights bind_weights(const ModelConfig& c, WeightNaming naming, const Tenso
   const std::string past = gg ? fmt::format("blk.{}.attn_q.weight", c.n_layers)
                               : fmt::format("model.layers.{}.self_attn.q_proj.weight", c.n_layers);
   if (b.find(past))
-    fail(ErrorKind::invalid_input, "{}: holds tensor '{}', but its config gives {} layers ({}): the config and the "
-         "weights disagree", source, past, c.n_layers, gg ? "the GGUF's block_count" : "num_hidden_layers");
+    fail(ErrorKind::invalid_input,
+         "{}: holds tensor '{}', but its config gives {} layers ({}): the config and the "
+         "weights disagree",
+         source, past, c.n_layers, gg ? "the GGUF's block_count" : "num_hidden_layers");
 
   w.rope = make_rope_table(c);
   // GGUF stores Llama-3 scaling as per-pair divisors of the base frequencies.

@@ -20,7 +20,9 @@ namespace fs = std::filesystem;
 using test_util::expect_error;
 using test_util::TempDir;
 
-std::string fixture(const std::string& rel) { return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/" + rel; }
+std::string fixture(const std::string& rel) {
+  return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/" + rel;
+}
 
 TEST(ModelLayers, FolderWithWeightsPastItsConfigsLayersIsRefused) {
   TempDir dir("model_layers");
@@ -31,9 +33,9 @@ TEST(ModelLayers, FolderWithWeightsPastItsConfigsLayersIsRefused) {
   EXPECT_NO_THROW(Model::load(dir.str(), {.tokenizer = false, .pack = false}));
   cfg["num_hidden_layers"] = 1;
   std::ofstream(cfg_path, std::ios::trunc) << cfg.dump(2);
-  expect_error([&] { Model::load(dir.str(), {.tokenizer = false, .pack = false}); }, ErrorKind::invalid_input,
-               {dir.str(), "'model.layers.1.self_attn.q_proj.weight'", "config gives 1 layers",
-                "num_hidden_layers"});
+  expect_error(
+      [&] { Model::load(dir.str(), {.tokenizer = false, .pack = false}); }, ErrorKind::invalid_input,
+      {dir.str(), "'model.layers.1.self_attn.q_proj.weight'", "config gives 1 layers", "num_hidden_layers"});
 }
 
 }  // namespace
