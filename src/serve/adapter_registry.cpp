@@ -171,6 +171,14 @@ void AdapterRegistry::keep_tensor_parallel_parts(LoadedAdapter& a) const {
 
 bool AdapterRegistry::add(const std::string& name, const std::string& path, bool runtime, bool replace) {
   if (name.empty()) throw EngineError(EngineErrc::invalid_request, "lora_name must not be empty", "lora_name");
+  // A name is what requests give as "model" and what logs and metrics labels carry: printable, bounded.
+  // Any other text ("org/adapter" too, as vLLM takes) is fine.
+  constexpr size_t kMaxName = 256;
+  if (name.size() > kMaxName)
+    throw EngineError(EngineErrc::invalid_request,
+                      fmt::format("lora_name is {} bytes long; at most {}", name.size(), kMaxName), "lora_name");
+  if (std::any_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
+    throw EngineError(EngineErrc::invalid_request, "lora_name holds a control character", "lora_name");
   std::string resolved = path;
   if (runtime) {
     if (allowed_.empty())

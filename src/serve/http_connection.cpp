@@ -178,11 +178,34 @@ class ClientConnection final : public httplib::Stream {
     failed_ = false;
     header_bytes_ = 0;
     tail_ = 0;
+    wrote_ = false;
     deadline_ = start + limits_.header_timeout;
+  }
+  bool wrote() const { return wrote_; }  // some of a response to this request was sent
+
+  // After an answer given without reading the body: ends the sending side, then reads and discards what
+  // the client still sends (its body) until it closes, goes quiet for a second, or the body timeout
+  // passes. A client that sends its whole body before reading (Python's http.client) would otherwise get
+  // a reset instead of the answer.
+  void drain_after_answer() {
+    ::shutdown(fd_, SHUT_WR);
+    const auto until = Clock::now() + limits_.body_timeout;
+    char sink[16384];
+    while (!stopping()) {
+      const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+      if (left.count() <= 0 || wait_fd(fd_, POLLIN, std::min(left, milliseconds(1000))) <= 0) break;
+      if (::recv(fd_, sink, sizeof sink, MSG_DONTWAIT) <= 0) break;
+    }
   }
 
   bool timed_out() const { return timed_out_; }
   bool failed() const { return failed_; }
+  // The request line and headers ran past limits.max_header_bytes (the connection is answered 431).
+  bool headers_too_large() const { return headers_too_large_; }
+  // A handler answered without reading the body (a bad Content-Length): the connection closes after the
+  // response, so the body's bytes are never read as a next request.
+  void close_after_response() const { closing_ = true; }
+  bool closing() const { return closing_; }
   bool client_gone() const { return peer_closed(fd_); }
 
   bool is_readable() const override {
@@ -210,7 +233,10 @@ class ClientConnection final : public httplib::Stream {
     const auto until = Clock::now() + write_timeout_;
     for (;;) {
       const ssize_t n = ::send(fd_, ptr, size, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n >= 0) return n;
+      if (n >= 0) {
+        wrote_ = wrote_ || n > 0;
+        return n;
+      }
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
       const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
@@ -262,7 +288,7 @@ class ClientConnection final : public httplib::Stream {
       }
     }
     header_bytes_ += n;
-    if (in_headers_ && header_bytes_ > limits_.max_header_bytes) failed_ = true;
+    if (in_headers_ && header_bytes_ > limits_.max_header_bytes) failed_ = headers_too_large_ = true;
   }
 
   const int fd_;
@@ -272,7 +298,8 @@ class ClientConnection final : public httplib::Stream {
   char buf_[4096];
   size_t pos_ = 0, len_ = 0;
   Clock::time_point deadline_ = Clock::now();
-  bool in_headers_ = true, timed_out_ = false, failed_ = false;
+  bool in_headers_ = true, timed_out_ = false, failed_ = false, headers_too_large_ = false, wrote_ = false;
+  mutable bool closing_ = false;
   size_t header_bytes_ = 0;
   int tail_ = 0;  // how much of "\r\n\r\n" the last bytes matched
 };
@@ -313,15 +340,24 @@ bool ConnectionServer::request_timed_out() const {
   return c && c->timed_out();
 }
 
-void ConnectionServer::refuse(socket_t sock) {
-  const std::string body = dump_json(error_json(ApiError(
-      503, "server_error", "too_many_connections", "",
-      fmt::format("The server already has {} open connections (--max-connections); retry later.",
-                  limits_.max_connections))));
+bool ConnectionServer::request_headers_too_large() const {
+  const ClientConnection* c = current();
+  return c && c->headers_too_large();
+}
+
+void ConnectionServer::close_after_response() const {
+  if (const ClientConnection* c = current()) c->close_after_response();
+}
+
+namespace {
+
+// Sends an error object with `status_line` ("503 Service Unavailable") and `extra` headers on a connection
+// httplib will not answer, then half-closes it and drains what the client still sends for a moment.
+void answer_and_close(socket_t sock, const char* status_line, const ApiError& error, const char* extra) {
+  const std::string body = dump_json(error_json(error));
   const std::string msg = fmt::format(
-      "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {}\r\n"
-      "Retry-After: 1\r\nConnection: close\r\n\r\n{}",
-      body.size(), body);
+      "HTTP/1.1 {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}Connection: close\r\n\r\n{}",
+      status_line, body.size(), extra, body);
   (void)::send(sock, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   // Close only after the client has read the answer: closing with its request unread would send a reset
   // that can destroy the answer in flight. Bounded, so refusals stay cheap.
@@ -334,6 +370,17 @@ void ConnectionServer::refuse(socket_t sock) {
     if (ev == 0) continue;
     if (::recv(sock, buf, sizeof buf, MSG_DONTWAIT) <= 0) break;
   }
+}
+
+}  // namespace
+
+void ConnectionServer::refuse(socket_t sock) {
+  answer_and_close(sock, "503 Service Unavailable",
+                   ApiError(503, "server_error", "too_many_connections", "",
+                            fmt::format("The server already has {} open connections (--max-connections); retry "
+                                        "later.",
+                                        limits_.max_connections)),
+                   "Retry-After: 1\r\n");
   if (on_refused) on_refused();
 }
 
@@ -367,10 +414,19 @@ bool ConnectionServer::process_and_close_socket(socket_t sock) {
       } catch (...) {  // e.g. from a response's content provider, which runs outside httplib's handler try
         ret = false;
       }
-      if (!ret || closed || conn.failed() || --count == 0) break;
+      if (!ret || closed || conn.failed() || conn.closing() || --count == 0) break;
     }
-    std::lock_guard lock(mu_);
-    by_thread_.erase(std::this_thread::get_id());
+    {
+      std::lock_guard lock(mu_);
+      by_thread_.erase(std::this_thread::get_id());
+    }
+    if (conn.closing()) conn.drain_after_answer();
+    if (conn.headers_too_large() && !conn.wrote())  // httplib answers nothing when it cannot read the request line
+      answer_and_close(sock, "431 Request Header Fields Too Large",
+                       ApiError(431, "invalid_request_error", "request_too_large", "",
+                                fmt::format("The request line and headers are longer than {} bytes.",
+                                            limits_.max_header_bytes)),
+                       "");
   }
   ::shutdown(sock, SHUT_RDWR);
   ::close(sock);

@@ -28,7 +28,7 @@ struct ConnectionLimits {
   std::chrono::milliseconds header_timeout{10'000};
   // The body must arrive within this after the headers. Past it: 408, closed.
   std::chrono::milliseconds body_timeout{60'000};
-  size_t max_header_bytes = 64u << 10;  // request line + headers; more: 400, closed
+  size_t max_header_bytes = 64u << 10;  // request line + headers; more: 431, closed
   // Open connections (each has a thread); one more gets 503 "too_many_connections" and is closed.
   int64_t max_connections = 512;
   // Idle connection threads kept for reuse; more start on demand (up to max_connections plus a few to
@@ -78,6 +78,11 @@ class ConnectionServer : public httplib::Server {
   bool client_gone() const;
   // Whether the request on this thread failed because it did not arrive within the header or body timeout.
   bool request_timed_out() const;
+  // Whether its request line and headers ran past max_header_bytes.
+  bool request_headers_too_large() const;
+  // The connection of the request on this thread closes once its response is written (a handler that
+  // answered without reading the body: its bytes must not be read as the next request).
+  void close_after_response() const;
 
   int64_t open_connections() const { return open_.load(); }
   const ConnectionLimits& limits() const { return limits_; }

@@ -11,6 +11,7 @@
 #include <ctime>
 #include <mutex>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -115,6 +116,7 @@ struct HttpServer::Impl {
 
   std::mutex records_mu;
   std::unordered_map<const httplib::Request*, std::shared_ptr<RequestRecord>> records;
+  std::vector<std::pair<std::string, std::regex>> routes;  // (method, pattern): 405 for a known path
   std::mutex log_mu;
 
   uint32_t id_nonce = 0;
@@ -219,6 +221,38 @@ struct HttpServer::Impl {
       svr.Get(pattern, h);
     else
       svr.Post(pattern, h);
+    routes.emplace_back(method, std::regex(pattern));
+  }
+
+  // The methods the routes take for `path` ("GET, POST"); empty when no route matches it.
+  std::string allowed_methods(const std::string& path) const {
+    std::string out;
+    for (const auto& [method, re] : routes)
+      if (std::regex_match(path, re) && out.find(method) == std::string::npos) out += (out.empty() ? "" : ", ") + method;
+    return out;
+  }
+
+  // A Content-Length that is no byte count, or over the body limit, is answered before the body is read
+  // (httplib would read and discard the declared bytes first: a minute's wait for "-5"), and the
+  // connection closes after the answer so the unread body is never taken for a request.
+  bool refuse_content_length(const httplib::Request& req, httplib::Response& res, RequestRecord* rec) {
+    if (!req.has_header("Content-Length")) return false;
+    const std::string cl = req.get_header_value("Content-Length");
+    const bool count = !cl.empty() && cl.size() <= 19 && std::all_of(cl.begin(), cl.end(), [](char c) {
+      return c >= '0' && c <= '9';
+    });
+    if (count && std::stoull(cl) <= opt.max_body_bytes) return false;
+    res.set_header("X-Request-Id", rec->id);
+    reply_error(res,
+                count ? ApiError(413, "invalid_request_error", "request_too_large", "",
+                                 fmt::format("The request body ({} bytes) is larger than the limit of {} bytes.", cl,
+                                             opt.max_body_bytes))
+                      : ApiError(400, "invalid_request_error", "", "",
+                                 fmt::format("Content-Length '{}' is not a byte count.", cl)),
+                rec);
+    res.set_header("Connection", "close");
+    svr.close_after_response();
+    return true;
   }
 
   // A recording from /profile/start to /profile/stop; the stop answers with the
@@ -262,12 +296,15 @@ struct HttpServer::Impl {
     svr.set_payload_max_length(opt.max_body_bytes);
     svr.set_keep_alive_timeout(opt.keep_alive_timeout_s);
     svr.set_tcp_nodelay(true);  // SSE sends many small chunks; Nagle + delayed ACK would hold each ~40 ms
-    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response&) {
+    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       auto rec = std::make_shared<RequestRecord>();
       rec->id = new_request_id();
-      std::lock_guard lock(records_mu);
-      records[&req] = std::move(rec);
-      return httplib::Server::HandlerResponse::Unhandled;
+      {
+        std::lock_guard lock(records_mu);
+        records[&req] = rec;
+      }
+      return refuse_content_length(req, res, rec.get()) ? httplib::Server::HandlerResponse::Handled
+                                                         : httplib::Server::HandlerResponse::Unhandled;
     });
     // Statuses httplib sets itself (404 no route, 413 body too large, 400 malformed) get an error object.
     svr.set_error_handler(
@@ -289,7 +326,19 @@ struct HttpServer::Impl {
                                  fmt::format("The request body is larger than the limit of {} bytes.",
                                              opt.max_body_bytes)),
                         rec.get());
-          else if (res.status == 404)
+          else if (res.status == 400 && svr.request_headers_too_large())
+            reply_error(res,
+                        ApiError(431, "invalid_request_error", "request_too_large", "",
+                                 fmt::format("The request line and headers are longer than {} bytes.",
+                                             opt.connections.max_header_bytes)),
+                        rec.get());
+          else if (const std::string allow = res.status == 404 ? allowed_methods(req.path) : ""; !allow.empty()) {
+            res.set_header("Allow", allow);
+            reply_error(res,
+                        ApiError(405, "invalid_request_error", "method_not_allowed", "",
+                                 fmt::format("{} takes {}, not {}.", req.path, allow, req.method)),
+                        rec.get());
+          } else if (res.status == 404)
             reply_error(res,
                         ApiError(404, "invalid_request_error", "not_found", "",
                                  fmt::format("No route for {} {}.", req.method, req.path)),

@@ -70,6 +70,28 @@ const std::set<std::string>& unsupported_keywords() {
   return k;
 }
 
+// Keywords that only describe (dropping them loses no constraint); everything else beside $ref, allOf,
+// anyOf, oneOf, enum or const constrains the same value and is merged into it (merge below) or refused.
+bool annotation(const std::string& key) {
+  static const std::set<std::string> k = {"title",    "description", "default",  "examples", "$comment",
+                                          "deprecated", "readOnly",  "writeOnly", "$id",      "$schema",
+                                          "$defs",    "definitions", "$anchor",  "contentMediaType",
+                                          "contentEncoding"};
+  return k.count(key) > 0;
+}
+
+// Whether a JSON value is of a JSON Schema type ("integer": a number with no fraction).
+bool of_type(const json& v, const std::string& type) {
+  if (type == "integer") return v.is_number_integer() || (v.is_number_float() && std::nearbyint(v.get<double>()) == v.get<double>());
+  if (type == "number") return v.is_number();
+  if (type == "string") return v.is_string();
+  if (type == "boolean") return v.is_boolean();
+  if (type == "null") return v.is_null();
+  if (type == "object") return v.is_object();
+  if (type == "array") return v.is_array();
+  return false;
+}
+
 class Converter {
  public:
   Converter(const json& root, const SchemaLimits& limits) : root_(root), lim_(limits) {}
@@ -107,8 +129,6 @@ class Converter {
     return name;
   }
 
-  std::string literal(const json& value) { return gbnf_literal(value.dump()) + " " + use("space"); }
-
   std::string visit(const json& s, const std::string& path, const std::string& hint, int depth) {
     if (depth > lim_.max_depth) fail_at(path, fmt::format("nested deeper than {} levels", lim_.max_depth));
     if (s.is_boolean()) {
@@ -125,15 +145,34 @@ class Converter {
                                   integer_bound_keywords().count(key) ? " (bounds are, on type \"integer\")"
                                   : key == "pattern"                  ? " (it is, on type \"string\")"
                                                                       : ""));
-    if (const auto it = s.find("$ref"); it != s.end()) return ref(*it, path, depth);
-    if (const auto it = s.find("const"); it != s.end()) return literal(*it);
-    if (const auto it = s.find("enum"); it != s.end()) return enumeration(*it, path);
-    for (const char* key : {"anyOf", "oneOf"})
-      if (const auto it = s.find(key); it != s.end()) return alternatives(*it, path + "/" + key, hint, depth);
-    if (const auto it = s.find("allOf"); it != s.end()) {
-      if (!it->is_array() || it->size() != 1) fail_at(path, "'allOf' is supported with one schema only");
-      return visit((*it)[0], path + "/allOf/0", hint, depth + 1);
+    // $ref, allOf, anyOf and oneOf: the keywords beside them constrain the same value, so they are merged
+    // into the referenced schema, into allOf's, and into each alternative (an intersection).
+    if (const auto it = s.find("$ref"); it != s.end()) {
+      const json beside = siblings(s, "$ref");
+      if (beside.empty()) return ref(*it, path, depth);
+      return visit(merge(beside, resolve(*it, path), path), path, hint, depth + 1);
     }
+    if (const auto it = s.find("allOf"); it != s.end()) {
+      if (!it->is_array() || it->empty()) fail_at(path, "'allOf' must be a non-empty list of schemas");
+      json all = siblings(s, "allOf");
+      for (size_t i = 0; i < it->size(); ++i) all = merge(all, (*it)[i], fmt::format("{}/allOf/{}", path, i));
+      return visit(all, path, hint, depth + 1);
+    }
+    for (const char* key : {"anyOf", "oneOf"})
+      if (const auto it = s.find(key); it != s.end()) {
+        const json beside = siblings(s, key);
+        if (beside.empty() || !it->is_array()) return alternatives(*it, path + "/" + key, hint, depth);
+        json merged = json::array();  // an alternative no value of the keywords beside fits is left out
+        std::string why;
+        for (size_t i = 0; i < it->size(); ++i) try {
+            merged.push_back(merge(beside, (*it)[i], fmt::format("{}/{}/{}", path, key, i)));
+          } catch (const SchemaError& e) {
+            why = e.what();
+          }
+        if (merged.empty()) throw SchemaError(why);
+        return alternatives(merged, path + "/" + key, hint, depth);
+      }
+    if (s.contains("const") || s.contains("enum")) return enumeration(s, path);
     const auto type = s.find("type");
     if (type == s.end()) {
       if (s.contains("properties") || s.contains("additionalProperties")) return object(s, path, hint, depth);
@@ -160,29 +199,120 @@ class Converter {
     fail_at(path, fmt::format("unknown type '{}'", type));
   }
 
-  std::string ref(const json& r, const std::string& path, int depth) {
+  // The schema a local $ref points at.
+  const json& resolve(const json& r, const std::string& path) const {
     if (!r.is_string()) fail_at(path, "'$ref' must be a string");
     const std::string target = r.get<std::string>();
-    if (const auto it = refs_.find(target); it != refs_.end()) return it->second;  // recursion lands here
     if (target.rfind("#", 0) != 0) fail_at(path, fmt::format("'$ref' '{}': only local references (#/...) are supported", target));
-    const json* node = nullptr;
     try {
       const json::json_pointer ptr(target.substr(1));
-      if (root_.contains(ptr)) node = &root_.at(ptr);
+      if (root_.contains(ptr)) return root_.at(ptr);
     } catch (const json::exception&) {
     }
-    if (node == nullptr) fail_at(path, fmt::format("'$ref' '{}' does not resolve to a definition", target));
+    fail_at(path, fmt::format("'$ref' '{}' does not resolve to a definition", target));
+  }
+
+  std::string ref(const json& r, const std::string& path, int depth) {
+    if (r.is_string())
+      if (const auto it = refs_.find(r.get<std::string>()); it != refs_.end()) return it->second;  // recursion lands here
+    const json& node = resolve(r, path);
+    const std::string target = r.get<std::string>();
     const auto slash = target.rfind('/');
     const std::string name = rule_name(slash == std::string::npos ? "ref" : target.substr(slash + 1));
     refs_[target] = name;
-    rules_[name] = visit(*node, target.substr(1), name, depth + 1);
+    rules_[name] = visit(node, target.substr(1), name, depth + 1);
     return name;
   }
 
-  std::string enumeration(const json& e, const std::string& path) {
-    if (!e.is_array() || e.empty()) fail_at(path, "'enum' must be a non-empty list");
+  // s without `key` and without annotations: what constrains the value beside `key`.
+  static json siblings(const json& s, const std::string& key) {
+    json out = json::object();
+    for (const auto& [k, v] : s.items())
+      if (k != key && !annotation(k)) out[k] = v;
+    return out;
+  }
+
+  // The names of a 'type' (a string or a list).
+  std::set<std::string> types(const json& t, const std::string& path) const {
+    std::set<std::string> out;
+    if (t.is_string()) return {t.get<std::string>()};
+    if (!t.is_array() || t.empty()) fail_at(path, "'type' must be a string or a non-empty list of strings");
+    for (const auto& x : t) {
+      if (!x.is_string()) fail_at(path, "'type' must be a string or a list of strings");
+      out.insert(x.get<std::string>());
+    }
+    return out;
+  }
+
+  // One schema for values that satisfy both a and b (allOf): keys of one side are taken as they are, and
+  // where both give a key, 'type' and 'enum' intersect, 'required' unites, 'properties' merge property by
+  // property, equal values stay; anything else both constrain differently is refused (never dropped).
+  json merge(const json& a, const json& b, const std::string& path) const {
+    if (b.is_boolean()) {
+      if (!b.get<bool>()) fail_at(path, "the schema 'false' accepts no value");
+      return a;
+    }
+    if (!b.is_object()) fail_at(path, "a schema must be an object or a boolean");
+    json out = a;
+    for (const auto& [key, v] : b.items()) {
+      if (annotation(key)) continue;
+      const auto it = out.find(key);
+      if (it == out.end()) {
+        out[key] = v;
+      } else if (*it == v) {
+        continue;
+      } else if (key == "type") {
+        const std::set<std::string> x = types(*it, path), y = types(v, path);
+        json both = json::array();
+        for (const std::string& t : x)
+          if (y.count(t) || (t == "integer" && y.count("number"))) both.push_back(t);
+        for (const std::string& t : y)
+          if (t == "integer" && x.count("number") && !x.count("integer")) both.push_back(t);
+        if (both.empty()) fail_at(path, fmt::format("no value is of type {} and of type {}", it->dump(), v.dump()));
+        *it = both.size() == 1 ? both[0] : both;
+      } else if (key == "enum" && it->is_array() && v.is_array()) {
+        json both = json::array();
+        for (const auto& e : *it)
+          if (std::find(v.begin(), v.end(), e) != v.end()) both.push_back(e);
+        if (both.empty()) fail_at(path, "no value is in both 'enum' lists");
+        *it = both;
+      } else if (key == "required" && it->is_array() && v.is_array()) {
+        for (const auto& r : v)
+          if (std::find(it->begin(), it->end(), r) == it->end()) it->push_back(r);
+      } else if (key == "properties" && it->is_object() && v.is_object()) {
+        for (const auto& [name, sub] : v.items())
+          (*it)[name] = it->contains(name) ? merge((*it)[name], sub, path + "/properties/" + name) : sub;
+      } else {
+        fail_at(path, fmt::format("'{}' is given twice with different values (beside $ref, allOf, anyOf or oneOf, "
+                                  "or in two allOf schemas): merging them is not supported",
+                                  key));
+      }
+    }
+    return out;
+  }
+
+  // enum / const: the listed values, those of the schema's 'type' when it has one. Any other keyword
+  // beside them (minLength, properties, ...) is refused rather than left unchecked.
+  std::string enumeration(const json& s, const std::string& path) {
+    const bool is_const = s.contains("const");
+    if (is_const && s.contains("enum")) fail_at(path, "'const' together with 'enum' is not supported");
+    json values = is_const ? json::array({s["const"]}) : s["enum"];
+    if (!values.is_array() || values.empty()) fail_at(path, "'enum' must be a non-empty list");
+    const char* key = is_const ? "const" : "enum";
+    for (const auto& [k, unused] : s.items())
+      if (k != key && k != "type" && !annotation(k))
+        fail_at(path, fmt::format("'{}' together with '{}' is not supported", k, key));
+    if (const auto t = s.find("type"); t != s.end()) {
+      const std::set<std::string> allowed = types(*t, path);
+      json kept = json::array();
+      for (const auto& v : values)
+        if (std::any_of(allowed.begin(), allowed.end(), [&](const std::string& ty) { return of_type(v, ty); }))
+          kept.push_back(v);
+      if (kept.empty()) fail_at(path, fmt::format("no value of '{}' is of type {}", key, t->dump()));
+      values = kept;
+    }
     std::string out = "(";
-    for (size_t i = 0; i < e.size(); ++i) out += (i ? " | " : "") + gbnf_literal(e[i].dump());
+    for (size_t i = 0; i < values.size(); ++i) out += (i ? " | " : "") + gbnf_literal(values[i].dump());
     return out + ") " + use("space");
   }
 
@@ -369,9 +499,9 @@ class Converter {
     }
     const auto ait = s.find("additionalProperties");
     const bool extra = ait != s.end() && !(ait->is_boolean() && !ait->get<bool>());
-    if (props.empty() && (ait == s.end() || (ait->is_boolean() && ait->get<bool>()))) return use("object");
-    for (const auto& r : required)
+    for (const auto& r : required)  // before the generic object below, which would not require it
       if (!props.contains(r)) fail_at(path, fmt::format("the required property '{}' is not in 'properties'", r));
+    if (props.empty() && (ait == s.end() || (ait->is_boolean() && ait->get<bool>()))) return use("object");
 
     const std::string name = rule_name(hint);
     std::vector<std::pair<std::string, bool>> kvs;  // (key-value expression, required)

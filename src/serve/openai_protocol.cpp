@@ -126,6 +126,8 @@ int64_t as_int(const json& v, const std::string& param) {
   if (v.is_number_float()) {
     const double d = v.get<double>();
     if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e18) return static_cast<int64_t>(d);
+    if (std::isfinite(d) && d == std::floor(d))  // past 64 bits (JSON parses 2^64 as a float)
+      throw invalid_request(param, fmt::format("'{}' is too large", param));
   }
   throw type_error(param, "an integer", v);
 }
@@ -245,7 +247,11 @@ void parse_common(const json& o, const ProtocolLimits& limits, GenerationRequest
   auto ranged = [&](const char* key, double def, double lo, double hi, bool lo_open = false) {
     const double v = get_number(o, key, def);
     check_range(key, v, lo, hi, lo_open);
-    return static_cast<float>(v);
+    const auto f = static_cast<float>(v);
+    if (lo_open && !(f > static_cast<float>(lo)))  // e.g. top_p 5e-324: in range as sent, 0 as a float
+      throw invalid_request(key, fmt::format("'{}' must be in ({}, {}] (got {}, which is {} as a 32-bit float)", key,
+                                             lo, hi, v, f));
+    return f;
   };
   // OpenAI / vLLM defaults: plain softmax sampling at temperature 1, no filters.
   s.temperature = ranged("temperature", 1.0, 0, 2);
@@ -520,8 +526,15 @@ json models_response(std::span<const ModelInfo> models, int64_t max_model_len) {
 // Responses.
 namespace {
 
-// OpenAI's text_offset counts characters (Python str indices), not bytes.
-int64_t utf8_chars(std::string_view s) { return static_cast<int64_t>(tok::utf8_length(s)); }
+// A token's text as a JSON string: itself, or where its bytes are not UTF-8 (a piece of a character)
+// OpenAI's spelling "bytes:\\xe6\\x97", so that two such tokens are never the same key of a legacy
+// top_logprobs object (both would read "\ufffd"); the raw bytes stay in the chat form's "bytes".
+std::string token_text(const std::string& token) {
+  if (tok::utf8_valid(token)) return token;
+  std::string out = "bytes:";
+  for (unsigned char c : token) out += fmt::format("\\x{:02x}", c);
+  return out;
+}
 
 // JSON has no -inf; vLLM reports impossible tokens as -9999.
 double finite_logprob(float lp) { return std::isfinite(lp) ? lp : -9999.0; }
@@ -538,8 +551,8 @@ json chat_logprobs(std::span<const TokenLogprob> lps) {
     json top = json::array();
     for (const auto& a : t.top)
       top.push_back(
-          {{"token", a.token}, {"logprob", finite_logprob(a.logprob)}, {"bytes", byte_list(a.token)}});
-    content.push_back({{"token", t.token},
+          {{"token", token_text(a.token)}, {"logprob", finite_logprob(a.logprob)}, {"bytes", byte_list(a.token)}});
+    content.push_back({{"token", token_text(t.token)},
                        {"logprob", finite_logprob(t.logprob)},
                        {"bytes", byte_list(t.token)},
                        {"top_logprobs", std::move(top)}});
@@ -551,7 +564,7 @@ json chat_logprobs(std::span<const TokenLogprob> lps) {
 json completion_logprobs(std::span<const TokenLogprob> lps, std::span<const int64_t> offsets) {
   json tokens = json::array(), values = json::array(), tops = json::array();
   for (const auto& t : lps) {
-    tokens.push_back(t.token);
+    tokens.push_back(token_text(t.token));
     if (!t.known) {  // the prompt's first token (echo): null, as OpenAI and vLLM send it
       values.push_back(nullptr);
       tops.push_back(nullptr);
@@ -559,8 +572,8 @@ json completion_logprobs(std::span<const TokenLogprob> lps, std::span<const int6
     }
     values.push_back(finite_logprob(t.logprob));
     json top = json::object();
-    for (const auto& a : t.top) top[a.token] = finite_logprob(a.logprob);
-    top[t.token] = finite_logprob(t.logprob);  // vLLM: the sampled token is always listed
+    for (const auto& a : t.top) top[token_text(a.token)] = finite_logprob(a.logprob);
+    top[token_text(t.token)] = finite_logprob(t.logprob);  // vLLM: the sampled token is always listed
     tops.push_back(std::move(top));
   }
   return json{{"tokens", std::move(tokens)},
@@ -586,13 +599,13 @@ const char* object_name(RequestKind kind, bool chunk) {
 
 std::string sse(const json& j) { return "data: " + dump_json(j) + "\n\n"; }
 
-// text_offset of each token: characters before it, counting from `start`.
-std::vector<int64_t> token_offsets(std::span<const TokenLogprob> lps, int64_t& chars) {
+// text_offset of each token: the characters before it, the cursor continuing from earlier deltas.
+std::vector<int64_t> token_offsets(std::span<const TokenLogprob> lps, TextCursor& cursor) {
   std::vector<int64_t> offs;
   offs.reserve(lps.size());
   for (const auto& t : lps) {
-    offs.push_back(chars);
-    chars += utf8_chars(t.token);
+    offs.push_back(cursor.offset());
+    cursor.add(t.token);
   }
   return offs;
 }
@@ -605,11 +618,18 @@ void check_index(int32_t index, int32_t n) {
 
 }  // namespace
 
+void TextCursor::add(std::string_view bytes) {
+  tail_ += bytes;
+  const size_t done = tok::utf8_complete_prefix(tail_);
+  chars_ += static_cast<int64_t>(tok::utf8_length(tok::utf8_sanitize(std::string_view(tail_).substr(0, done))));
+  tail_.erase(0, done);
+}
+
 ResponseAccumulator::ResponseAccumulator(ResponseMeta meta) : meta_(std::move(meta)) {
   choices_.resize(static_cast<size_t>(std::max(meta_.num_choices, 0)));
   for (size_t i = 0; i < choices_.size() && i < meta_.echo.size(); ++i) {
     choices_[i].text = meta_.echo[i];
-    choices_[i].chars = utf8_chars(meta_.echo[i]);
+    choices_[i].chars.add(meta_.echo[i]);
   }
 }
 
@@ -657,7 +677,7 @@ json ResponseAccumulator::build() const {
 
 StreamFormatter::StreamFormatter(ResponseMeta meta, bool include_usage)
     : meta_(std::move(meta)), include_usage_(include_usage) {
-  chars_.assign(static_cast<size_t>(std::max(meta_.num_choices, 0)), 0);
+  chars_.assign(static_cast<size_t>(std::max(meta_.num_choices, 0)), TextCursor());
   prompt_chars_ = chars_;
 }
 
@@ -681,7 +701,7 @@ std::string StreamFormatter::start() {
                                      {"logprobs", nullptr},
                                      {"finish_reason", nullptr}}})));
     } else if (idx < meta_.echo.size() && !meta_.echo[idx].empty()) {
-      chars_[idx] = utf8_chars(meta_.echo[idx]);
+      chars_[idx].add(meta_.echo[idx]);
       out += sse(chunk(json::array(
           {{{"index", i}, {"text", meta_.echo[idx]}, {"logprobs", nullptr}, {"finish_reason", nullptr}}})));
     }

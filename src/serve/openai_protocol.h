@@ -103,6 +103,19 @@ struct ResponseMeta {
   std::vector<std::string> echo;  // completions with echo: text put before each choice (per choice index)
 };
 
+// The characters of a text built token by token, for completions' text_offset: a character split
+// across tokens counts at the token holding its first byte; bytes that form no character count one
+// U+FFFD per maximal invalid run, as the response's text shows them (tok::utf8_sanitize).
+class TextCursor {
+ public:
+  int64_t offset() const { return chars_ + (tail_.empty() ? 0 : 1); }  // where the next token starts
+  void add(std::string_view bytes);
+
+ private:
+  int64_t chars_ = 0;  // characters of the part no later byte can change
+  std::string tail_;   // trailing bytes a later token may still complete
+};
+
 // Builds a non-streaming response from the engine's deltas.
 class ResponseAccumulator {
  public:
@@ -117,8 +130,8 @@ class ResponseAccumulator {
     std::string text;
     std::vector<TokenLogprob> logprobs;
     std::vector<int64_t> offsets;  // completions: text_offset of each token
-    int64_t chars = 0;             // characters of text so far, for offsets
-    int64_t prompt_chars = 0;      // echo with logprobs: characters of the prompt's tokens so far
+    TextCursor chars;              // the text so far, for offsets
+    TextCursor prompt_chars;       // echo with logprobs: the prompt's tokens so far
     std::optional<FinishKind> finish;
   };
   ResponseMeta meta_;
@@ -144,8 +157,8 @@ class StreamFormatter {
   nlohmann::json chunk(nlohmann::json choices) const;
   ResponseMeta meta_;
   bool include_usage_;
-  std::vector<int64_t> chars_;  // completions: characters sent per choice, for text_offset
-  std::vector<int64_t> prompt_chars_;  // echo with logprobs: the prompt tokens' characters so far
+  std::vector<TextCursor> chars_;         // completions: the text sent per choice, for text_offset
+  std::vector<TextCursor> prompt_chars_;  // echo with logprobs: the prompt's tokens so far
 };
 
 }  // namespace loom

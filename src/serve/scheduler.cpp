@@ -270,7 +270,7 @@ std::vector<int32_t> ServingEngine::render_prompt(const GenerationRequest& r) co
       if (id < 0 || id >= model_->config().vocab_size)
         throw EngineError(EngineErrc::invalid_request,
                           fmt::format("token id {} is outside the vocabulary [0, {})", id, model_->config().vocab_size),
-                          "prompt");
+                          r.kind == RequestKind::embedding ? "input" : "prompt");
     return r.prompt.tokens;
   }
   return tok.encode(r.prompt.text, /*add_special=*/true, /*parse_special=*/true);
@@ -295,6 +295,12 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
     throw EngineError(EngineErrc::invalid_request, e.what());
   }
   r->prompt = render_prompt(g);
+  for (const int32_t id : g.stop_token_ids)  // one no token can be would never stop anything
+    if (id < 0 || id >= model_->config().vocab_size)
+      throw EngineError(EngineErrc::invalid_request,
+                        fmt::format("stop token id {} is outside the vocabulary [0, {})", id,
+                                    model_->config().vocab_size),
+                        "stop_token_ids");
   const bool embedding = g.kind == RequestKind::embedding;
   const char* prompt_param = g.kind == RequestKind::chat ? "messages" : embedding ? "input" : "prompt";
   const auto n_prompt = static_cast<int64_t>(r->prompt.size());

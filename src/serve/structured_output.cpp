@@ -78,7 +78,10 @@ std::shared_ptr<const Grammar> from_choices(const ojson& v) {
   const std::string param = "guided_choice";
   if (!v.is_array() || v.empty()) throw invalid_request(param, "'guided_choice' must be a non-empty list of strings");
   std::string gbnf = "root ::= ";
-  for (size_t i = 0; i < v.size(); ++i) gbnf += (i ? " | " : "") + gbnf_literal(string_field(v[i], param));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string()) throw invalid_request(param, fmt::format("'{}[{}]' must be a string", param, i));
+    gbnf += (i ? " | " : "") + gbnf_literal(v[i].get<std::string>());
+  }
   return compile(gbnf, param);
 }
 

@@ -157,6 +157,13 @@ def piece_len(data, p, tok):
     return next((k for k in range(1, min(64, len(data) - p) + 1) if data[p:p + k].decode("utf-8", "replace") == tok),
                 None)
 
+def as_piece(tok):
+    """A legacy logprobs token: its text, or the bytes of OpenAI's "bytes:\\xe6\\x97" spelling of a token
+    that is a piece of a character."""
+    if tok.startswith("bytes:") and re.fullmatch(r"(\\x[0-9a-f]{2})+", tok[6:]):
+        return bytes.fromhex(tok[6:].replace("\\x", ""))
+    return tok
+
 def splits_into(data, toks):
     """Whether the bytes split into len(toks) pieces, piece i being toks[i]."""
     @lru_cache(None)
@@ -202,7 +209,7 @@ for name in names:
     gen, gen_n, gen_fin = cli(name, "generate")
     chat, chat_n, chat_fin = cli(name, "chat")
     comp = results[(name, "completion")]["choices"][0]
-    ctoks = comp["logprobs"]["tokens"]
+    ctoks = [as_piece(t) for t in comp["logprobs"]["tokens"]]
     ch = results[(name, "chat")]["choices"][0]
     pieces = [bytes(t["bytes"]) for t in ch["logprobs"]["content"]]
     if exact:

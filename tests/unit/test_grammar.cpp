@@ -252,6 +252,37 @@ TEST(JsonSchema, AnyOfOneOfAndRefs) {
                 {R"({"home":{"zip":1}})", R"({"work":{"zip":1}})"});
 }
 
+// The keywords beside $ref, allOf, anyOf, oneOf, enum and const constrain the same value: merged into it
+// (an intersection), or refused; never dropped (a probe got "a" for {"type":"integer","enum":["a",3]}).
+TEST(JsonSchema, KeywordsBesideCombinatorsStillConstrain) {
+  expect_schema(R"({"type":"integer","enum":["a","b",3]})", {"3"}, {R"("a")", R"("b")"});
+  expect_schema(R"({"type":["string","null"],"enum":["a",null,1]})", {R"("a")", "null"}, {"1"});
+  expect_schema(R"({"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"string"}},
+    "anyOf":[{"required":["a"]},{"required":["b"]}],"additionalProperties":false})",
+                {R"({"a":1})", R"({"b":"x"})", R"({"a":1,"b":"x"})"}, {"{}", R"({"a":"x"})"});
+  expect_schema(R"({"type":"number","anyOf":[{"type":"integer"},{"type":"string"}]})", {"3", "-12"},
+                {"1.5", R"("s")"});  // number and integer meet in integer; number and string in nothing
+  expect_schema(R"({"$ref":"#/$defs/s","maxLength":2,"$defs":{"s":{"type":"string"}}})", {R"("ab")"},
+                {R"("abc")", "1"});
+  expect_schema(R"({"allOf":[{"type":"object","properties":{"a":{"type":"integer"}}},{"required":["a"]}],
+    "additionalProperties":false})", {R"({"a":1})"}, {"{}", R"({"a":"x"})"});
+  expect_schema(R"({"anyOf":[{"type":"string"},{"type":"null"}],"default":null,"title":"Name"})",  // pydantic's Optional
+                {R"("x")", "null"}, {"1"});
+  EXPECT_NE(schema_error(R"({"type":"integer","anyOf":[{"type":"string"}]})").find("no value is of type"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"$ref":"#/$defs/s","type":"integer","$defs":{"s":{"type":"string"}}})")
+                .find("no value is of type"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"string","const":5})").find("no value of 'const' is of type"), std::string::npos);
+  EXPECT_NE(schema_error(R"({"enum":["a","bb"],"maxLength":1})").find("'maxLength' together with 'enum'"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"$ref":"#/anyOf/5","anyOf":[{"type":"string"}]})").find("does not resolve"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"allOf":[{"maxLength":1},{"maxLength":2}]})").find("'maxLength' is given twice"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"object","required":["a"]})").find("'a' is not in 'properties'"),
+            std::string::npos);  // the generic object would not require it
+}
+
 TEST(JsonSchema, RecursiveRef) {
   expect_schema(R"({"$ref":"#/$defs/node","$defs":{"node":{"type":"object","properties":{"v":{"type":"integer"},
     "children":{"type":"array","items":{"$ref":"#/$defs/node"}}},"required":["v"],"additionalProperties":false}}})",

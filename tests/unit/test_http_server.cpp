@@ -668,6 +668,42 @@ TEST(HttpServer, HeaderAndBodyTimeouts) {
   EXPECT_EQ(post(cl, "/v1/completions", {{"prompt", "ok"}})->status, 200);
 }
 
+// HTTP-level bad input is answered at once with an error object: a Content-Length that is no count (400) or
+// over the body limit (413) before any body is read (httplib would wait out the body timeout reading the
+// declared bytes), then the connection closes, so the unread body is never parsed as a request; request
+// lines and headers past the limit get 431 (a long URI used to get no answer at all); a known path with
+// the wrong method gets 405 and Allow.
+TEST(HttpServer, HttpLevelBadInputIsAnsweredAtOnce) {
+  Fixture f("", 1 << 20, [](HttpServerOptions& o) { o.connections.body_timeout = 10s; });
+  const auto ask = [&](const std::string& request) {
+    const int fd = connect_to(f.server->port());
+    EXPECT_GE(fd, 0);
+    EXPECT_TRUE(send_all(fd, request));
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string got = read_until_closed(fd, 5s);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s) << request.substr(0, 80);
+    ::close(fd);
+    return got;
+  };
+  std::string got = ask("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\nGET /health HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(got.rfind("HTTP/1.1 400", 0), 0u) << got;
+  EXPECT_NE(got.find("Content-Length '-5' is not a byte count"), std::string::npos) << got;
+  EXPECT_EQ(got.find("HTTP/1.1", 1), std::string::npos) << "the body was read as a request: " << got;
+  got = ask("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n{");
+  EXPECT_EQ(got.rfind("HTTP/1.1 413", 0), 0u) << got;
+  EXPECT_NE(got.find("request_too_large"), std::string::npos) << got;
+  got = ask("GET /" + std::string(100000, 'a') + " HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_EQ(got.rfind("HTTP/1.1 431", 0), 0u) << got.substr(0, 200);
+  got = ask("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(70000, 'a') + "\r\n\r\n");
+  EXPECT_EQ(got.rfind("HTTP/1.1 431", 0), 0u) << got.substr(0, 200);
+  got = ask("GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(got.rfind("HTTP/1.1 405", 0), 0u) << got;
+  EXPECT_NE(got.find("Allow: POST"), std::string::npos) << got;
+  EXPECT_EQ(f.engine.submitted(), 0);
+  auto c = f.client();
+  EXPECT_EQ(post(c, "/v1/completions", {{"prompt", "ok"}})->status, 200);
+}
+
 // Over --max-connections a new connection gets 503 with an OpenAI error object; once others close, new ones
 // are served again.
 TEST(HttpServer, ConnectionCapRefusesWith503) {

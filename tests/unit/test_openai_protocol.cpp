@@ -48,6 +48,8 @@ std::vector<BadCase> common_bad(const std::string& head) {
       {b(R"("top_p": 0)"), 400, "top_p"},
       {b(R"("top_p": 1.5)"), 400, "top_p"},
       {b(R"("top_p": -0.5)"), 400, "top_p"},
+      {b(R"("top_p": 5e-324)"), 400, "top_p"},  // in range as a double, 0 as the float the sampler uses
+      {b(R"("seed": 18446744073709551616)"), 400, "seed"},  // past 64 bits: "too large", not "not an integer"
       {b(R"("top_k": -2)"), 400, "top_k"},
       {b(R"("top_k": 1.5)"), 400, "top_k"},
       {b(R"("min_p": -0.01)"), 400, "min_p"},
@@ -400,6 +402,33 @@ TEST(OpenAIProtocol, CompletionResponseShape) {
   EXPECT_EQ(l["text_offset"], json::parse("[3, 4]"));  // after the echoed "Q: "
   EXPECT_EQ(j["usage"], json::parse(R"({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8})"));
   EXPECT_THROW(acc.add(delta(2, "x", {})), ApiError);
+}
+
+// Tokens that are pieces of a character (byte-level BPE): each is its own key of top_logprobs, spelled
+// "bytes:\\x.." as OpenAI does (two "\ufffd" keys collapsed into one, losing the sampled token's value),
+// and text_offset counts the characters of the text as sent: a character at the token with its first
+// byte, a run that forms none as one U+FFFD. Streaming gives the same offsets across chunks.
+TEST(OpenAIProtocol, PiecesOfCharactersKeepTheirOwnKeysAndOffsets) {
+  ResponseMeta m = meta(RequestKind::completion, 1);
+  m.logprobs = true;
+  m.top_logprobs = 2;
+  const std::string ri = "\xe6\x97", pe = "\xa5", bad = "\xe6\x97";  // "日" is E6 97 A5
+  auto d = delta(0, "日\xef\xbf\xbdA", {1, 2, 3, 4});
+  d.logprobs = {lp(1, ri, -0.5f, {{1, ri, -0.5f}, {9, "\xe6", -1.5f}}), lp(2, pe, -0.25f), lp(3, bad, -1.0f),
+                lp(4, "A", -2.0f)};
+  ResponseAccumulator acc(m);
+  acc.add(d);
+  const json l = acc.build()["choices"][0]["logprobs"];
+  EXPECT_EQ(l["tokens"], json::parse(R"(["bytes:\\xe6\\x97", "bytes:\\xa5", "bytes:\\xe6\\x97", "A"])"));
+  EXPECT_EQ(l["top_logprobs"][0], json::parse(R"({"bytes:\\xe6\\x97": -0.5, "bytes:\\xe6": -1.5})"));
+  EXPECT_EQ(l["text_offset"], json::parse("[0, 1, 1, 2]"));  // 日 | (its last byte) | U+FFFD | A
+  StreamFormatter sf(m, false);
+  auto first = d, second = d;
+  first.logprobs.resize(1);
+  second.logprobs.erase(second.logprobs.begin());
+  const json a = json::parse(sf.delta(first).substr(6)), b = json::parse(sf.delta(second).substr(6));
+  EXPECT_EQ(a["choices"][0]["logprobs"]["text_offset"], json::parse("[0]"));
+  EXPECT_EQ(b["choices"][0]["logprobs"]["text_offset"], json::parse("[1, 1, 2]"));
 }
 
 TEST(OpenAIProtocol, ChatResponseShape) {

@@ -230,6 +230,7 @@ TEST(SparsityMask, MergingIntoAPrunedModelKeepsItsZeros) {
   peft::AdapterTensors a;
   a.config.r = 1;
   a.config.lora_alpha = 1;
+  a.config.layers_to_transform = {0};  // layer 0 only (without it an adapter must cover every layer)
   peft::LoraPair p;
   p.in = c.hidden;
   p.out = c.q_dim();

@@ -633,6 +633,9 @@ TEST_F(ServingEngineTest, BadRequestsAreTypedErrors) {
   EXPECT_EQ(code(greedy_request("base", {}, 4)), EngineErrc::invalid_request);
   EXPECT_EQ(code(greedy_request("base", random_prompt(1, 300), 4)), EngineErrc::context_length_exceeded);
   EXPECT_EQ(code(greedy_request("base", random_prompt(1, 10), e.max_model_len())), EngineErrc::context_length_exceeded);
+  GenerationRequest stop_past_vocab = greedy_request("base", {5, 6}, 4);
+  stop_past_vocab.stop_token_ids = {1000000000};  // no token is it: it would never stop anything
+  EXPECT_EQ(code(stop_past_vocab), EngineErrc::invalid_request);
   auto load_code = [&](const std::string& name, const std::string& path) {
     try {
       e.load_adapter(name, path, false);
@@ -643,6 +646,8 @@ TEST_F(ServingEngineTest, BadRequestsAreTypedErrors) {
   };
   EXPECT_EQ(load_code("a0", (tmp.path / "a3").string()), EngineErrc::adapter_exists);
   EXPECT_EQ(load_code("x", "/etc"), EngineErrc::invalid_request);                      // outside --adapter-dir
+  EXPECT_EQ(load_code(std::string("a\0b", 3), (tmp.path / "a3").string()), EngineErrc::invalid_request);
+  EXPECT_EQ(load_code(std::string(300, 'n'), (tmp.path / "a3").string()), EngineErrc::invalid_request);
   EXPECT_EQ(load_code("x", (tmp.path / "a3/../../etc").string()), EngineErrc::invalid_request);
   fs::create_directories(tmp.path / "broken");
   EXPECT_EQ(load_code("x", (tmp.path / "broken").string()), EngineErrc::adapter_load_failed);
