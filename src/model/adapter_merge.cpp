@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "model/gguf_lora.h"
 #include "model/lora.h"
 #include "model/weights.h"
 
@@ -79,7 +80,7 @@ void merge_adapter(ModelWeights& w, const ModelConfig& c, const peft::AdapterTen
 
 std::function<void(ModelWeights&, const ModelConfig&)> adapter_merge_hook(std::string dir) {
   return [dir = std::move(dir)](ModelWeights& w, const ModelConfig& c) {
-    const peft::AdapterTensors a = peft::read_adapter(dir);
+    const peft::AdapterTensors a = peft::read_any_adapter(dir, c);  // a PEFT folder or a GGUF LoRA file
     merge_adapter(w, c, a, lora_needs_qk_permutation(c), fmt::format("adapter {}", dir));
   };
 }

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "core/finite_scan.h"
+#include "model/gguf_lora.h"
 #include "model/tensor_parallel.h"
 #include "serve/engine_api.h"
 
@@ -123,7 +124,7 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
   a->name = name;
   a->path = path;
   try {
-    a->tensors = peft::read_adapter(path, /*map_f32=*/true);
+    a->tensors = peft::read_any_adapter(path, config_, /*map_f32=*/true);  // a PEFT folder or a GGUF LoRA file
     peft::check_adapter_fits(a->tensors, config_, path);
   } catch (const Error& e) {
     throw load_failed(name, e.what());

@@ -216,6 +216,10 @@ cp -r "$tmp/adapter" "$tmp/adapter-nobase"
 sed -i 's|"base_model_name_or_path": *"[^"]*"|"base_model_name_or_path": "/nonexistent/base"|' "$tmp/adapter-nobase/adapter_config.json"
 expect "export-lora needs a base" 1 "'/nonexistent/base' is not a file or folder here; give the base model with -m" -- "$loom" export-lora --adapter "$tmp/adapter-nobase" -o "$tmp/l.gguf"
 expect "export-lora writes" 0 "LoRA pairs" -- "$loom" export-lora --adapter "$tmp/adapter" -m "$tiny" -o "$tmp/l.gguf"
+# A llama.cpp GGUF LoRA file works wherever a PEFT folder does, with the same tokens; as a model it is named.
+expect "gguf lora generates as its peft folder" 0 "^same$" -- sh -c "'$loom' generate -m '$tiny' --adapter '$tmp/adapter' -p hi -n 8 --temp 0 >'$tmp/g1' 2>/dev/null && '$loom' generate -m '$tiny' --adapter '$tmp/l.gguf' -p hi -n 8 --temp 0 >'$tmp/g2' 2>/dev/null && cmp -s '$tmp/g1' '$tmp/g2' && echo same"
+expect "gguf lora as a model" 1 "l.gguf: a LoRA adapter .* --adapter" -- "$loom" info -m "$tmp/l.gguf"
+expect "gguf lora to export-lora" 1 "a PEFT adapter is a folder" -- "$loom" export-lora --adapter "$tmp/l.gguf" -m "$tiny" -o "$tmp/l2.gguf"
 expect "export merged" 0 "wrote" -- "$loom" export -m "$tiny" --adapter "$tmp/adapter" -o "$tmp/merged.gguf"
 expect "export hf folder without tokenizer" 1 "no tokenizer.json" -- "$loom" export -m "$src/tests/fixtures/model/tiny-llama" -o "$tmp/x.gguf"
 # INT8 / INT4 / SmoothQuant / AWQ compressed-tensors folders.
