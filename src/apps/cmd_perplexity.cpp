@@ -123,6 +123,8 @@ int run_perplexity(int argc, char** argv) {
     fail(ErrorKind::invalid_input, "--kl-divergence needs --kl-divergence-base FILE (the base model's log-probs)");
   if (!kl && text_file.empty()) fail(ErrorKind::invalid_input, "give the text to score with -f FILE");
 
+  if (!json_file.empty()) check_file_writable(json_file, "--json");  // before the scoring, not after it
+  if (!kl && !base_file.empty()) check_file_writable(base_file, "--kl-divergence-base");
   std::unique_ptr<LogProbFile> base;
   if (kl) base = std::make_unique<LogProbFile>(base_file);  // before the model loads: a bad file fails fast
   const int64_t chunk_len = base ? base->n_ctx() : n_ctx;

@@ -9,6 +9,7 @@
 #include "apps/quantize_output.h"
 #include <filesystem>
 
+#include "io/file_write.h"
 #include "io/gguf.h"
 #include "model/adapter_merge.h"
 #include "model/gguf_export.h"
@@ -184,6 +185,7 @@ int run_export_lora(int argc, char** argv) {
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
   const peft::AdapterTensors adapter = peft::read_adapter(adapter_dir);
+  check_file_writable(out_path, "-o");
   if (model_path.empty()) {
     model_path = adapter.config.base_model_name_or_path;
     if (model_path.empty() || !std::filesystem::exists(model_path))

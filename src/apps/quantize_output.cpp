@@ -1,5 +1,7 @@
 #include "apps/quantize_output.h"
 
+#include "io/file_write.h"
+
 #include <cstdio>
 
 #include "apps/cli_common.h"
@@ -73,6 +75,7 @@ void finish_quantize_flags(QuantizeFlags& f) {
 }
 
 void run_quantize_to_file(const GgufModelSource& src, QuantizeFlags& f) {
+  check_file_writable(f.out_path, "-o");  // before the work, not at the final rename
   ThreadPool pool(f.threads);
   const QuantizeSummary s =
       quantize_gguf(pool, src, f.out_path, f.opt, [](const TensorPlan& p, size_t i, size_t n) {

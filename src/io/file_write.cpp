@@ -326,6 +326,14 @@ void check_writable_dry_run(const std::string& dir, std::string_view what, bool 
   ::rmdir(probe.c_str());
 }
 
+void check_file_writable(const std::string& path, std::string_view what) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) fail(ErrorKind::io, "{} '{}': a folder; give a file path", what, path);
+  const fs::path parent = fs::path(path).parent_path();
+  check_writable_dry_run(parent.empty() ? "." : parent.string(), fmt::format("{} '{}': its folder", what, path),
+                         /*in_parent=*/false);
+}
+
 bool recover_folder_write(const std::string& dest) {
   const fs::path p = target_of(dest);
   std::error_code ec;

@@ -82,6 +82,10 @@ void check_dir_writable(const std::string& dir, std::string_view what);
 // naming `what` and the path.
 void check_writable_dry_run(const std::string& dir, std::string_view what, bool in_parent);
 
+// Before a long job that ends by writing the file `path`: it is not a folder, and its folder (or the
+// nearest existing ancestor) can be written in. Creates nothing. Throws io naming `what` and the path.
+void check_file_writable(const std::string& path, std::string_view what);
+
 struct FolderWriteOptions {
   bool overwrite = false;             // see check_folder_replaceable
   std::string_view what = "output folder";

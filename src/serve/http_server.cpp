@@ -343,7 +343,16 @@ struct HttpServer::Impl {
                         ApiError(404, "invalid_request_error", "not_found", "",
                                  fmt::format("No route for {} {}.", req.method, req.path)),
                         rec.get());
-          else
+          else if (res.status == 400) {
+            // httplib could not read the request: what follows on the connection cannot be trusted either.
+            reply_error(res,
+                        ApiError(400, "invalid_request_error", "", "",
+                                 "The request could not be read as HTTP/1.1 (a malformed request line, header or "
+                                 "chunked body, or an unsupported Content-Encoding)."),
+                        rec.get());
+            res.set_header("Connection", "close");
+            svr.close_after_response();
+          } else
             reply_error(res,
                         ApiError(res.status, res.status >= 500 ? "server_error" : "invalid_request_error", "",
                                  "", fmt::format("HTTP error {}.", res.status)),

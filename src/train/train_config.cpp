@@ -168,12 +168,30 @@ class Reader {
   const Entries& e_;
 };
 
-YAML::Node parse_yaml(std::string_view text, const std::string& name) {
-  try {
-    return YAML::Load(std::string(text));
-  } catch (const YAML::Exception& e) {
-    fail(ErrorKind::invalid_input, "{}:{}:{}: invalid YAML: {}", name, e.mark.line + 1, e.mark.column + 1, e.msg);
+// Line `line` (0-based) of `text`.
+std::string_view line_of(std::string_view text, int line) {
+  for (int i = 0; i < line && !text.empty(); ++i) {
+    const size_t nl = text.find('\n');
+    text = nl == std::string_view::npos ? std::string_view() : text.substr(nl + 1);
   }
+  return text.substr(0, text.find('\n'));
+}
+
+YAML::Node parse_yaml(std::string_view text, const std::string& name) {
+  std::vector<YAML::Node> docs;
+  try {
+    docs = YAML::LoadAll(std::string(text));
+  } catch (const YAML::Exception& e) {
+    // yaml-cpp says "illegal map value" for a tab that indents: name the cause.
+    const bool tab = e.mark.line >= 0 && line_of(text, e.mark.line).find('\t') != std::string_view::npos;
+    fail(ErrorKind::invalid_input, "{}:{}:{}: invalid YAML: {}{}", name, e.mark.line + 1, e.mark.column + 1, e.msg,
+         tab ? " (the line holds a tab: YAML indents with spaces only)" : "");
+  }
+  // A second document (after a "---" line) would be ignored without a word.
+  if (docs.size() > 1)
+    fail(ErrorKind::invalid_input, "{}:{}: a second YAML document (after '---'); a config is one document", name,
+         docs[1].Mark().line + 1);
+  return docs.empty() ? YAML::Node() : docs.front();
 }
 
 void apply_override(const std::string& arg, Entries& entries) {
@@ -466,6 +484,11 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
     r.bad("eval_interval", "there is no eval split to evaluate: set data.eval or data.eval_fraction");
   if (c.eval_at_start && !has_eval)
     r.bad("eval_at_start", "there is no eval split to evaluate: set data.eval or data.eval_fraction");
+  if (c.steps > 0 && c.warmup_steps >= c.steps)  // (with epochs the step count is known after the data)
+    c.warnings.push_back(fmt::format("{}: schedule.warmup_steps {} is not below steps {}: the learning rate never "
+                                     "reaches optim.lr",
+                                     r.find("schedule.warmup_steps") ? r.where("schedule.warmup_steps") : c.source,
+                                     c.warmup_steps, c.steps));
   if (c.method == TrainMethod::lora && r.find("output_dtype"))
     c.warnings.push_back(fmt::format("{}: key 'output_dtype' applies to method: full only; a LoRA adapter is "
                                      "written in f32", r.where("output_dtype")));

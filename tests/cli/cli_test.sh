@@ -198,6 +198,9 @@ expect "quantize missing imatrix" 1 "no-such.dat" -- "$loom" quantize -m "$tiny"
 expect "quantize to Q8_0" 0 "wrote" -- "$loom" quantize -m "$tiny" -o "$tmp/q.gguf" --type Q8_0 -t 2
 expect "quantized file runs" 0 "" -- "$loom" generate -m "$tmp/q.gguf" -p hi -n 2
 expect "quantize unwritable output" 3 "cannot" -- "$loom" quantize -m "$tiny" -o /proc/no/q.gguf --type Q8_0
+mkdir -p "$tmp/afolder"  # an output that is a folder is refused before the work, not at the final rename
+expect "quantize output is a folder" 3 "-o '.*afolder': a folder; give a file path" -- "$loom" quantize -m "$tiny" -o "$tmp/afolder" --type Q8_0
+expect "perplexity json is a folder" 3 "--json '.*afolder': a folder" -- "$loom" perplexity -m "$tiny" -f "$ppltext" -c 64 --chunks 2 --json "$tmp/afolder"
 expect "perplexity needs a text" 1 "-f FILE" -- "$loom" perplexity -m "$tiny"
 printf 'a short text' >"$tmp/short.txt"
 expect "perplexity short text" 1 "tokenizes to .* tokens.*needs at least" -- "$loom" perplexity -m "$tiny" -f "$tmp/short.txt" -c 64

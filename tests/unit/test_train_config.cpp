@@ -273,6 +273,17 @@ TEST(TrainConfig, SettingsWithoutEffectWarn) {
   EXPECT_NE(c.warnings[0].find("cfg.yaml:6:1: key 'output_dtype' applies to method: full only"), std::string::npos)
       << c.warnings[0];
   EXPECT_TRUE(parse(kMinimal + "output_dtype: bf16\nmethod: full\n").warnings.empty());
+  const TrainConfig w = parse(kMinimal + "schedule:\n  warmup_steps: 10\n");  // steps: 10
+  ASSERT_EQ(w.warnings.size(), 1u);
+  EXPECT_NE(w.warnings[0].find("schedule.warmup_steps 10 is not below steps 10"), std::string::npos) << w.warnings[0];
+  EXPECT_TRUE(parse(kMinimal + "schedule:\n  warmup_steps: 9\n").warnings.empty());
+}
+
+// yaml-cpp would read the first of several documents and drop the rest; a tab that indents gets its cause.
+TEST(TrainConfig, SecondDocumentsAndTabsAreNamed) {
+  expect_bad(kMinimal + "---\nsteps: 3\n", {"cfg.yaml:7", "a second YAML document"});
+  expect_bad("model: m.gguf\ndata:\n\ttrain: t.jsonl\n", {"cfg.yaml:3", "tab"});
+  EXPECT_EQ(parse("---\n" + kMinimal).steps, 10);  // a leading '---' is one document
 }
 
 TEST(TrainConfig, Overwrite) {
