@@ -551,9 +551,30 @@ class Converter {
   std::map<std::string, std::string> refs_;
 };
 
+// The deepest nesting of arrays and objects in `j`, walked without recursion: the converter copies
+// sub-schemas (merging the keywords beside $ref, allOf, anyOf and oneOf) and nlohmann's copy recurses, so
+// a request nested a million levels deep must be refused before that, not overflow the stack.
+int json_depth(const json& j, int stop_past) {
+  std::vector<std::pair<const json*, int>> todo = {{&j, 1}};
+  int deepest = 0;
+  while (!todo.empty()) {
+    const auto [node, depth] = todo.back();
+    todo.pop_back();
+    if (!node->is_structured()) continue;
+    deepest = std::max(deepest, depth);
+    if (deepest > stop_past) return deepest;
+    for (const auto& child : *node) todo.emplace_back(&child, depth + 1);
+  }
+  return deepest;
+}
+
 }  // namespace
 
 std::string json_schema_to_gbnf(const json& schema, const SchemaLimits& limits) {
+  // Each nested schema takes two or three levels of JSON ("properties": {"a": {...}}, "items": [...]).
+  const int max_json_depth = 4 * limits.max_depth + 8;
+  if (json_depth(schema, max_json_depth) > max_json_depth)
+    throw SchemaError(fmt::format("schema: nested deeper than {} levels of JSON", max_json_depth));
   return Converter(schema, limits).run();
 }
 

@@ -457,6 +457,10 @@ TEST(JsonSchema, RefusedSchemasSayWhy) {
   std::string deep = R"({"type":"string"})";
   for (int i = 0; i < 40; ++i) deep = R"({"type":"array","items":)" + deep + "}";
   EXPECT_NE(schema_error(deep.c_str()).find("nested deeper than"), std::string::npos);
+  // A million levels beside an anyOf (whose siblings are copied) are refused before any copy.
+  const std::string million = R"({"anyOf":[{}],"default":0,"properties":{"a":)" + std::string(1000000, '[') +
+                              std::string(1000000, ']') + "}}";
+  EXPECT_NE(schema_error(million.c_str()).find("levels of JSON"), std::string::npos);
   EXPECT_NE(schema_error("3").find("must be an object"), std::string::npos);
 }
 
