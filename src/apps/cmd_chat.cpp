@@ -32,6 +32,8 @@ int run_chat(int argc, char** argv) {
   add_run_flags(app, model_flags);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
+  if (app.count("--prompt") > 0 && one_prompt.empty())  // not the interactive mode a missing -p starts
+    fail(ErrorKind::invalid_input, "-p: the prompt is empty");
   finish_generate_options(opts, n_predict, seed);
 
   const LoadedModel loaded = load_model(model_flags);

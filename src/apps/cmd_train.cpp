@@ -79,10 +79,21 @@ struct Publishing {
     if (!root) return;
     publisher = std::make_unique<AdapterPublisher>(*args.publish, config.output_dir);
     if (args.check) return;  // --check contacts nothing
-    if (const auto warning = publisher->probe()) std::fprintf(stderr, "loom train: warning: %s\n", warning->c_str());
+    if (const auto warning = publisher->probe()) console_warning(config, *warning);
     if (args.publish->every_checkpoint && config.checkpoint_interval <= 0 && config.checkpoint_minutes <= 0)
-      std::fprintf(stderr, "loom train: warning: --publish-every-checkpoint without checkpoint_interval or "
-                   "checkpoint_minutes: checkpoints (and their publishes) come only from memory alarms\n");
+      console_warning(config, "--publish-every-checkpoint without checkpoint_interval or checkpoint_minutes: "
+                              "checkpoints (and their publishes) come only from memory alarms");
+  }
+
+  // A warning before the trainer's log exists: a text line, or its ECS JSON line with --log-format json.
+  static void console_warning(const TrainConfig& config, const std::string& message) {
+    if (config.log_format == TrainConfig::LogFormat::json)
+      std::fprintf(stderr, "%s\n",
+                   TrainLog::ecs_json(LogLevel::warning, "publish", message, nlohmann::json::object(), "event",
+                                      std::chrono::system_clock::now())
+                       .c_str());
+    else
+      std::fprintf(stderr, "loom train: warning: %s\n", message.c_str());
   }
 
   void on_adapter(Trainer& t, const AdapterWritten& a) {
@@ -181,6 +192,18 @@ int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm
   return publishing.failed ? kExitPublishFailed : 0;
 }
 
+// With --log-format json an error no record carried yet (a bad config, --check's) is one ECS JSON line on
+// stderr too, so a log shipper never meets a text line.
+void report_error_as_json(Error& e) {
+  if (e.reported()) return;
+  const nlohmann::json err = {{"type", error_kind_name(e.kind())}, {"message", e.what()}};
+  std::fprintf(stderr, "%s\n",
+               TrainLog::ecs_json(LogLevel::error, "error", e.what(), nlohmann::json::object(), "event",
+                                  std::chrono::system_clock::now(), &err)
+                   .c_str());
+  e.set_reported();
+}
+
 int run_train(int argc, char** argv) {
   CLI::App app("Fine-tune a model from a YAML config (see docs/training.md): a LoRA adapter (method: lora, the "
                "default; writes a PEFT adapter folder) or every weight (method: full; writes a Hugging Face model "
@@ -247,6 +270,8 @@ int run_train(int argc, char** argv) {
                "(exit 0: the run can start)");
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
+  bool json = log_format == "json";  // then the config's log_format
+  try {
   // Test facility (docs/training.md, Faults): read once, passed down; a bad spec stops here.
   const Failpoints failpoints = Failpoints::from_env();
   TrainConfig config = load_train_config(config_path, overrides);
@@ -255,6 +280,7 @@ int run_train(int argc, char** argv) {
   if (overwrite) config.overwrite = true;
   if (!log_format.empty())
     config.log_format = log_format == "json" ? TrainConfig::LogFormat::json : TrainConfig::LogFormat::text;
+  json = config.log_format == TrainConfig::LogFormat::json;
   if (metrics_port >= 0) config.metrics_port = metrics_port;
   if (resume->count() > 0) args.resume = resume_path;
   args.failpoints = &failpoints;
@@ -279,6 +305,10 @@ int run_train(int argc, char** argv) {
     comm->abort(e.what());
   }
   return 3;  // not reached: abort() ends the process
+  } catch (Error& e) {
+    if (json) report_error_as_json(e);
+    throw;
+  }
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "io/file_write.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <system_error>
 #include <vector>
 
@@ -70,13 +72,21 @@ std::string sibling_prefix(const fs::path& p, std::string_view kind) {
   return fmt::format(".{}.loom-{}-", p.filename().string(), kind);
 }
 
-// Creates an empty, uniquely named sibling folder of `p`.
+// Creates an empty, uniquely named sibling folder of `p`. mkdir with 0777, so the umask gives it the
+// mode any folder the user makes gets (mkdtemp's 0700 became the published folder's mode: a server
+// running as another user could not read an adapter written for it).
 fs::path make_sibling(const fs::path& p, std::string_view kind) {
-  std::string tmpl = (p.parent_path() / (sibling_prefix(p, kind) + fmt::format("{}-XXXXXX", ::getpid()))).string();
-  if (!::mkdtemp(tmpl.data()))
-    fail(ErrorKind::io, "{}: cannot create a folder beside it in {}: {}", p.string(), p.parent_path().string(),
-         std::strerror(errno));
-  return tmpl;
+  static constexpr char kChars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  std::random_device rd;
+  for (int attempt = 0;; ++attempt) {
+    std::string suffix(6, 'x');
+    for (char& ch : suffix) ch = kChars[rd() % (sizeof kChars - 1)];
+    const fs::path name = p.parent_path() / (sibling_prefix(p, kind) + fmt::format("{}-{}", ::getpid(), suffix));
+    if (::mkdir(name.c_str(), 0777) == 0) return name;
+    if (errno != EEXIST || attempt == 100)
+      fail(ErrorKind::io, "{}: cannot create a folder beside it in {}: {}", p.string(), p.parent_path().string(),
+           std::strerror(errno));
+  }
 }
 
 // PID of a sibling named PREFIX + "PID-XXXXXX", or -1.

@@ -54,6 +54,8 @@ struct Grammar {
   std::array<uint8_t, 256> byte_class{};
   std::vector<uint8_t> class_byte;  // a byte of each class
   int32_t n_classes() const { return static_cast<int32_t>(class_byte.size()); }
+  // The request field it came from ("response_format", "grammar", ...), for errors found while generating.
+  std::string source_param;
 
   static bool has(const ByteSet& s, uint8_t b) { return (s[b >> 6] >> (b & 63)) & 1; }
 };

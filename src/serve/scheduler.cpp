@@ -109,12 +109,12 @@ std::unique_ptr<Model> load_serve_model(const ServeOptions& o, Backend& backend,
 // A step of a choice's grammar; a grammar too ambiguous to enforce (GrammarAutomaton::limit_work) fails
 // its request as a bad request, not as the server's fault.
 template <typename Step>
-auto grammar_step(int64_t choice, Step step) {
+auto grammar_step(const GenerationRequest& g, int64_t choice, Step step) {
   try {
     return step();
   } catch (const GrammarError& e) {
-    throw EngineError(EngineErrc::invalid_request,
-                      fmt::format("structured output of choice {}: {}", choice, e.what()));
+    throw EngineError(EngineErrc::invalid_request, fmt::format("structured output of choice {}: {}", choice, e.what()),
+                      g.grammar ? g.grammar->source_param : std::string());
   }
 }
 
@@ -340,7 +340,7 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
     auto s = std::make_unique<Sequence>(r.get(), i, sp, model_->config().vocab_size, tok, g.stop);
     s->tokens = r->prompt;
     if (g.grammar)
-      s->grammar = grammar_step(g.first_choice_index + i, [&] {
+      s->grammar = grammar_step(g, g.first_choice_index + i, [&] {
         return std::make_unique<GrammarMatcher>(g.grammar, *vocab_trie_, grammar_end_ids(tok, eos_ids_, g));
       });
     r->seqs.push_back(std::move(s));
@@ -618,7 +618,7 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t
   // Structured output: tokens the grammar does not allow get -inf before penalties and filters. When none
   // is allowed the choice ends: "stop" if its text is a whole match, else "length" (cut short).
   const float* sample_from =
-      s->grammar ? grammar_step(d.index, [&] { return s->grammar->masked_logits(logits, V); }) : logits;
+      s->grammar ? grammar_step(r->g, d.index, [&] { return s->grammar->masked_logits(logits, V); }) : logits;
   if (sample_from == nullptr) {
     d.text = s->stop.push(s->decoder.finish());
     if (!s->stop.stopped()) d.text += s->stop.flush();
@@ -628,7 +628,7 @@ int32_t ServingEngine::sample_and_emit(Sequence* s, const float* logits, int32_t
     return -1;
   }
   const int32_t id = s->sampler.sample(sample_from, s->generated, draft);
-  if (s->grammar && !grammar_step(d.index, [&] { return s->grammar->accept(id); }))
+  if (s->grammar && !grammar_step(r->g, d.index, [&] { return s->grammar->accept(id); }))
     throw EngineError(EngineErrc::internal, fmt::format("the sampled token {} is not allowed by the grammar", id));
   d.token_ids.push_back(id);
   if (r->g.logprobs) d.logprobs.push_back(token_logprob(logits, id, r->g.top_logprobs));

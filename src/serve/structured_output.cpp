@@ -24,7 +24,8 @@ const ojson* present(const ojson& o, const char* key) {
 
 std::shared_ptr<const Grammar> compile(const std::string& gbnf, const std::string& param) {
   try {
-    std::shared_ptr<const Grammar> g = compile_gbnf(gbnf);
+    std::shared_ptr<Grammar> g = std::const_pointer_cast<Grammar>(compile_gbnf(gbnf));  // new, ours alone
+    g->source_param = param;
     // The parses open before the first byte must fit the per-token bound (GrammarAutomaton::limit_work):
     // a 400 now rather than a choice failing once admitted.
     (void)GrammarAutomaton(g, GrammarMatcher::kTokenWork);

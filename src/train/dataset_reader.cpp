@@ -112,7 +112,8 @@ TokenizedSample encode_messages(const json& rec, const Tokenizer& tok, const Cha
   const std::vector<ChatMessage> msgs = read_messages(rec);
   if (!tmpl)
     fail(ErrorKind::invalid_input,
-         "a \"messages\" record needs a chat template, and the model has none (choose one with --chat-template)");
+         "a \"messages\" record needs a chat template, and the model has none (choose one with "
+         "data.chat_template: chatml, llama3, llama2 or mistral)");
   const bool has_assistant =
       std::any_of(msgs.begin(), msgs.end(), [](const ChatMessage& m) { return m.role == "assistant"; });
   if (!has_assistant && !opt.train_on_prompt)

@@ -510,7 +510,10 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
     c.warnings.push_back(fmt::format("{}: key 'output_dtype' applies to method: full only; a LoRA adapter is "
                                      "written in f32", r.where("output_dtype")));
   const auto required = [&](const std::string& value, const char* key) {
-    if (value.empty()) fail(ErrorKind::invalid_input, "{}: missing required key '{}'", name, key);
+    if (!value.empty()) return;
+    const std::string at = r.where(key);  // given, but null or empty (e.g. "--set data.train=")
+    if (!at.empty()) fail(ErrorKind::invalid_input, "{}: key '{}' is required and has no value", at, key);
+    fail(ErrorKind::invalid_input, "{}: missing required key '{}'", name, key);
   };
   required(c.model, "model");
   required(c.train_file, "data.train");
@@ -533,6 +536,7 @@ TrainConfig parse_train_config(std::string_view yaml, const std::string& name,
   }
   for (const std::string& o : overrides) apply_override(o, entries);
   TrainConfig c = read_config(entries, name);
+  c.overrides.assign(overrides.begin(), overrides.end());
   c.text = std::string(yaml);
   if (!c.text.empty() && c.text.back() != '\n') c.text += '\n';
   for (const std::string& o : overrides) c.text += "# --set " + o + "\n";

@@ -42,6 +42,18 @@ std::string format_count(int64_t n) {
   return fmt::format("{}", n);
 }
 
+// `s` as one shell word: as it is when it holds only characters no shell treats specially, else in
+// single quotes.
+std::string shell_word(const std::string& s) {
+  const bool plain = !s.empty() && std::all_of(s.begin(), s.end(), [](char ch) {
+    return std::isalnum(static_cast<unsigned char>(ch)) || std::string_view("_./=:,+-@%").find(ch) != std::string_view::npos;
+  });
+  if (plain) return s;
+  std::string out = "'";
+  for (char ch : s) out += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return out + "'";
+}
+
 std::string json_number(double v) { return std::isfinite(v) ? fmt::format("{:.9g}", v) : std::string("null"); }
 
 nlohmann::json json_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
@@ -83,6 +95,26 @@ void check_outputs(const TrainConfig& c, const std::vector<std::string>& keep, b
 }
 
 // The chat template the data is rendered with: data.chat_template, else the model's own (if any).
+// A data.chat_template chosen by name whose control markers are no tokens of this model (llama3's on
+// SmolLM2): each is trained as several pieces of text, so the adapter learns to spell "<|eot_id|>" and
+// never ends its turn with the token generation stops at.
+std::optional<ConfigWarning> template_marker_advice(const Tokenizer& tok, const TrainConfig& c) {
+  const auto kind = chat_template_kind_from_name(c.chat_template);
+  if (!kind) return std::nullopt;  // the model's own template (or none)
+  std::vector<std::string_view> markers;
+  if (*kind == ChatTemplateKind::chatml) markers = {"<|im_start|>", "<|im_end|>"};
+  if (*kind == ChatTemplateKind::llama3) markers = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+  for (std::string_view m : markers)
+    if (const size_t n = tok.encode(m, /*add_special=*/false, /*parse_special=*/true).size(); n != 1)
+      return ConfigWarning{"data.chat_template", 0,
+                           fmt::format("data.chat_template {}: '{}' is no token of this model (it is {} pieces of "
+                                       "text): the adapter learns to spell it and never ends its turns; use the "
+                                       "model's own template (leave data.chat_template out) or one whose markers "
+                                       "its vocabulary has",
+                                       c.chat_template, m, n)};
+  return std::nullopt;
+}
+
 std::optional<ChatTemplate> data_chat_template(const Model& model, const TrainConfig& c) {
   return resolve_chat_template(model.tokenizer(), c.chat_template, model.chat_template_text(),
                                fmt::format("{}: data.chat_template", c.source));
@@ -245,6 +277,19 @@ void Trainer::load_model() {
 void Trainer::log_advice() {
   advice_ = advise_config(c_, model_->config());
   for (ConfigWarning& w : advise_data(c_, data_->train.stats)) advice_.push_back(std::move(w));
+  if (auto w = template_marker_advice(model_->tokenizer(), c_)) advice_.push_back(std::move(*w));
+  // epochs: a step bigger than the data reads it several times over, however few epochs were asked for.
+  const int64_t rows = data_->train.rows.rows(), per_step = data_ranks() * c_.grad_accum * c_.batch_size;
+  if (c_.epochs > 0 && rows > 0) {
+    const double passes = static_cast<double>(total_steps_ * per_step) / static_cast<double>(rows);
+    if (passes > 1.5 * c_.epochs)
+      advice_.push_back({"epochs", c_.epochs,
+                         fmt::format("epochs {:g}: a step reads {} rows ({} x {} x {}: ranks x grad_accum x "
+                                     "batch_size) and the data has {}, so the run's {} step{} read it {:.1f} times; "
+                                     "lower batch_size or grad_accum, or give steps",
+                                     c_.epochs, per_step, data_ranks(), c_.grad_accum, c_.batch_size, rows,
+                                     total_steps_, total_steps_ == 1 ? "" : "s", passes)});
+  }
   for (const ConfigWarning& w : advice_)
     log_->record(LogLevel::warning, "config", fmt::format("{}: {}", c_.source, w.message),
                  {{"advice", {{"key", w.key}, {"value", w.value}}}});
@@ -603,6 +648,9 @@ void Trainer::prepare_resume() {
   }
   CheckpointState st = read_checkpoint_state(path);
   check_run_identity(st.identity, run_identity(c_), path);
+  if (c_.steps > 0 && st.step > c_.steps)  // (with epochs the count is known only after the data)
+    fail(ErrorKind::invalid_input, "--resume {}: the checkpoint is at step {}, past this run's {} steps: nothing is "
+         "left to train (raise steps to train on from it)", path, st.step, c_.steps);
   input_hashes_ = input_hashes(c_);
   for (const auto& [key, was] : st.input_hashes)
     for (const auto& [k, now] : input_hashes_)
@@ -801,9 +849,14 @@ TrainResult Trainer::stop(int sig) {
   res_.steps = steps_done();
   res_.stopped_by_signal = sig;
   res_.checkpoint = last_checkpoint_;
+  // The command to continue: this config with the same --set overrides (without them another run's
+  // output_dir and checkpoints could be the ones resumed), from this checkpoint.
+  std::string again = "loom train " + shell_word(c_.source);
+  for (const std::string& o : c_.overrides) again += " --set " + shell_word(o);
+  again += " --resume " + shell_word(last_checkpoint_);
   log_->record(LogLevel::warning, "stop",
-               fmt::format("stopped by {} after step {} of {}: checkpoint {}; continue with loom train {} --resume",
-                           signal_name(sig), steps_done(), total_steps_, last_checkpoint_, c_.source),
+               fmt::format("stopped by {} after step {} of {}: checkpoint {}; continue with {}", signal_name(sig),
+                           steps_done(), total_steps_, last_checkpoint_, again),
                {{"step", steps_done()}, {"signal", signal_name(sig)}, {"checkpoint", {{"path", last_checkpoint_}}}});
   return res_;
 }

@@ -54,6 +54,7 @@ expect "negative temperature" 2 "--temp: must be >= 0" -- "$loom" generate -m "$
 expect "top-p out of range" 2 "--top-p: must be in \\(0, 1\\] \\(got 1.5\\)" -- "$loom" generate -m "$tiny" -p hi --top-p 1.5
 expect "non-numeric n" 2 "n-predict|could not be converted|invalid" -- "$loom" generate -m "$tiny" -p hi -n abc
 expect "empty prompt" 1 "prompt is empty" -- "$loom" generate -m "$tiny" -p ""
+expect "chat empty prompt" 1 "-p: the prompt is empty" -- "$loom" chat -m "$tiny" -p "" </dev/null
 expect "prompt file missing" 1 "nofile.txt" -- "$loom" generate -m "$tiny" -f "$tmp/nofile.txt"
 
 # loom train: config keys are checked before anything is loaded.

@@ -132,7 +132,7 @@ wait_steps() {  # FILE N: until FILE has N step lines (or 30 s)
   done
   return 1
 }
-LOOM_FAILPOINTS=sleep_ms=40@step "$loom" train "$tmp/term.yaml" >"$tmp/term.log" 2>&1 &
+LOOM_FAILPOINTS=sleep_ms=40@step "$loom" train "$tmp/term.yaml" --set threads=2 >"$tmp/term.log" 2>&1 &
 pid=$!
 wait_steps "$tmp/term.metrics.jsonl" 4
 kill -TERM $pid
@@ -144,7 +144,15 @@ ck=$(printf '%s/term/checkpoints/step-%08d' "$tmp" "$last")
 if [ -f "$ck/manifest.json" ] && grep -q "stopped by SIGTERM after step $last" "$tmp/term.log"; then ok; else
   bad "SIGTERM: no checkpoint $ck or no stop record"; tail -3 "$tmp/term.log"
 fi
-if "$loom" train "$tmp/term.yaml" --resume "$ck" >>"$tmp/term.log" 2>&1; then
+# The hint repeats the --set overrides and names the checkpoint (without them another run could resume).
+grep -q "continue with loom train $tmp/term.yaml --set threads=2 --resume $ck" "$tmp/term.log" && ok ||
+  { bad "SIGTERM: the resume hint lacks the overrides or the checkpoint"; grep "continue with" "$tmp/term.log"; }
+# A checkpoint past the run's steps is refused (it resumed and "trained" past them before).
+"$loom" train "$tmp/term.yaml" --set steps=1 --resume "$ck" >"$tmp/past.log" 2>&1
+rc=$?
+grep -q "the checkpoint is at step $last, past this run's 1 steps" "$tmp/past.log" && [ $rc = 1 ] && ok ||
+  { bad "resume past steps: exit $rc"; tail -2 "$tmp/past.log"; }
+if "$loom" train "$tmp/term.yaml" --set threads=2 --resume "$ck" >>"$tmp/term.log" 2>&1; then
   same_run "SIGTERM + --resume PATH" ref2 term
 else
   bad "resume after SIGTERM"; tail -3 "$tmp/term.log"

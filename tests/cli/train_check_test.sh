@@ -102,6 +102,15 @@ for p in out cache metrics.jsonl logs; do
   [ -e "$tmp/$p" ] && bad "bad configs: $p was written" || ok
 done
 
+# A named chat template whose markers are no tokens of the model, and epochs whose one step reads the data
+# many times over, are warned about.
+"$loom" train "$tmp/run.yaml" --check --set data.chat_template=llama3 --set steps=null --set epochs=1 \
+  --set batch_size=4 --set grad_accum=8 --set data.cache_dir="$tmp/advcache" >"$tmp/adv.out" 2>"$tmp/adv.err"
+rc=$?
+[ "$rc" = 0 ] && ok || { bad "advice: exit $rc, wanted 0"; tail -3 "$tmp/adv.err"; }
+has advice "$tmp/adv.out" "^warning: .*data.chat_template llama3: '<\|start_header_id\|>' is no token of this model"
+has advice "$tmp/adv.out" "^warning: .*epochs 1: a step reads 32 rows \(1 x 8 x 4: ranks x grad_accum x batch_size\)"
+
 # data.skip_bad_lines: each skipped line is named with its reason (the first few).
 { head -1 "$src/tests/fixtures/train_data/text.jsonl"; echo '{bad'; echo 42; } >"$tmp/mixbad.jsonl"
 "$loom" train "$tmp/run.yaml" --check --set data.train="$tmp/mixbad.jsonl" --set data.skip_bad_lines=true \

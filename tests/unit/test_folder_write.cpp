@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -91,6 +92,19 @@ TEST(FolderWrite, CreatesThenReplacesWithoutLeftovers) {
   EXPECT_FALSE(fs::exists(dest / "a.txt"));  // replaced as a whole, not merged
   EXPECT_EQ(read_text_file((dest / "b.txt").string()), "two");
   EXPECT_TRUE(others(tmp.path, "out").empty());
+}
+
+// The published folder gets the mode the umask gives any new folder (it was mkdtemp's 0700: a server
+// running as another user could not read an adapter written for it).
+TEST(FolderWrite, PublishedFolderFollowsTheUmask) {
+  TempDir tmp("mode");
+  const mode_t before = ::umask(022);
+  write_folder_atomic((tmp.path / "out").string(), [](const std::string& s) { write_file_atomic(s + "/a.txt", "x"); });
+  ::umask(027);
+  write_folder_atomic((tmp.path / "out2").string(), [](const std::string& s) { write_file_atomic(s + "/a.txt", "x"); });
+  ::umask(before);
+  EXPECT_EQ(fs::status(tmp.path / "out").permissions(), fs::perms(0755));
+  EXPECT_EQ(fs::status(tmp.path / "out2").permissions(), fs::perms(0750));
 }
 
 TEST(FolderWrite, FailedFillLeavesTheOldFolder) {

@@ -752,8 +752,10 @@ TEST_F(ServingEngineTest, TooAmbiguousGrammarFailsOnlyItsRequest) {
   ServingEngine e(options());
   GenerationRequest doubling =
       greedy_request("base", random_prompt(21, 8), 40);  // ignore_eos: only x's follow
-  doubling.grammar =
-      compile_gbnf("root ::= s\ns ::= \"x\" s e1 | \"x\" s e2 | \"x\"\ne1 ::= \"\"\ne2 ::= \"\"");
+  auto grammar = std::const_pointer_cast<Grammar>(
+      compile_gbnf("root ::= s\ns ::= \"x\" s e1 | \"x\" s e2 | \"x\"\ne1 ::= \"\"\ne2 ::= \"\""));
+  grammar->source_param = "grammar";  // as the protocol's compile sets it: the error names the field
+  doubling.grammar = grammar;
   auto bad = std::make_shared<RequestStream>();
   auto good = std::make_shared<RequestStream>();
   e.submit(doubling, bad);
@@ -763,6 +765,7 @@ TEST_F(ServingEngineTest, TooAmbiguousGrammarFailsOnlyItsRequest) {
   EXPECT_EQ(b.error->code(), EngineErrc::invalid_request);
   EXPECT_NE(std::string(b.error->what()).find("too ambiguous to enforce"), std::string::npos)
       << b.error->what();
+  EXPECT_EQ(b.error->param(), "grammar");
   EXPECT_GE(b.ids[0].size(), 8u) << "the x's before the bound were streamed";
   const Output g = collect(*good);
   ASSERT_FALSE(g.error);

@@ -283,6 +283,7 @@ TEST(TrainConfig, SettingsWithoutEffectWarn) {
 TEST(TrainConfig, SecondDocumentsAndTabsAreNamed) {
   expect_bad(kMinimal + "---\nsteps: 3\n", {"cfg.yaml:6", "a second YAML document"});
   expect_bad(",", {"cfg.yaml"});  // yaml-cpp's LoadAll never returned on it (fuzz_train_config)
+  expect_bad(kMinimal, {"--set data.train=", "'data.train' is required and has no value"}, {"data.train="});
   expect_bad("model: m.gguf\ndata:\n\ttrain: t.jsonl\n", {"cfg.yaml:3", "tab"});
   EXPECT_EQ(parse("---\n" + kMinimal).steps, 10);  // a leading '---' is one document
 }
