@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -104,8 +106,8 @@ static CLI::Validator number_in(double lo, bool lo_open, double hi, const std::s
       [=](std::string& in) -> std::string {
         double v = 0;
         if (!CLI::detail::lexical_cast(in, v)) return {};
-        if (lo_open ? v > lo && v <= hi : v >= lo && v <= hi) return {};
-        return rule + " (got " + in + ")";
+        if (std::isfinite(v) && (lo_open ? v > lo && v <= hi : v >= lo && v <= hi)) return {};
+        return rule + (std::isfinite(v) || std::isnan(v) ? "" : " and finite") + " (got " + in + ")";
       },
       rule.starts_with("must be ") ? rule.substr(8) : rule);
 }
@@ -139,7 +141,19 @@ void add_sampling_flags(CLI::App& app, SamplingParams& s, int64_t& seed) {
   app.add_option("--frequency-penalty", s.frequency_penalty, "OpenAI frequency penalty")
       ->check(number_in(-2, false, 2, "must be in [-2, 2]"))->capture_default_str();
   app.add_option("-s,--seed", seed, "random seed; -1 = random")
-      ->check(number_in(-1, false, kInf, "must be >= -1"))->capture_default_str();
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {  // by hand: a double would take 2^64 and the option clamp it
+            int64_t v = 0;
+            const auto [end, ec] = std::from_chars(in.data(), in.data() + in.size(), v);
+            if (ec == std::errc::result_out_of_range)
+              return "must be at most " + std::to_string(std::numeric_limits<int64_t>::max()) + " (got " +
+                     in + ")";
+            if (ec == std::errc() && end == in.data() + in.size() && v < -1)
+              return "must be >= -1 (got " + in + ")";
+            return {};  // not an integer: the option's conversion says so
+          },
+          ">= -1"))
+      ->capture_default_str();
 }
 
 void add_length_flags(CLI::App& app, int64_t& n_predict, int64_t& ctx, const char* n_help) {

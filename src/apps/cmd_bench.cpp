@@ -68,6 +68,7 @@ int run_bench(int argc, char** argv) {
   add_profile_flag(app, profile);
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
+  if (n_prompt == 0 && n_gen == 0) fail(ErrorKind::invalid_input, "-p 0 and -n 0: nothing to measure");
 
   ThreadPool pool(threads);
   Tracer tracer;  // --profile: the measured repetitions (not the warm-up)

@@ -45,6 +45,13 @@ int run_chat(int argc, char** argv) {
     fail(ErrorKind::invalid_input, "{}: the model has no chat template in its metadata; choose one with "
          "--chat-template chatml|llama3|llama2|mistral", model_flags.model_path);
   const ChatTemplate& tmpl = *found;
+  if (!template_name.empty())
+    if (const auto m = chat_marker_not_a_token(tmpl.kind, tok))
+      std::fprintf(
+          stderr,
+          "loom chat: warning: --chat-template %s: '%s' is no token of this model: it is written as text, "
+          "and the model is unlikely to end its turns (leave --chat-template out to use the model's own)\n",
+          template_name.c_str(), m->c_str());
   const int64_t n_ctx = resolve_context(model->config(), ctx);
   InferenceSession session(model->config(), model->weights(), *loaded.backend, n_ctx, kv_dtype);
 
@@ -66,7 +73,7 @@ int run_chat(int argc, char** argv) {
         messages.resize(system_prompt.empty() ? 0 : 1);
         continue;
       }
-      if (line.empty()) continue;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank: nothing to say
     } else {
       line = one_prompt;
     }

@@ -1,12 +1,13 @@
 // `loom info`: architecture, parameters, tensor types and memory of a model.
 #include <cstdio>
+#include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
 #include "model/model.h"
 #include "tokenizer/chat_template.h"
-#include <nlohmann/json.hpp>  // complete type for Tokenizer's optional<json> parameters
 #include "tokenizer/tokenizer.h"
 
 namespace loom::app {
@@ -29,7 +30,12 @@ int run_info(int argc, char** argv) {
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;
 
-  auto model = Model::load(model_path, {.tokenizer = true, .pack = false});
+  // A folder without tokenizer.json still has a config and weights to describe.
+  std::error_code ec;
+  const bool no_tokenizer =
+      std::filesystem::is_directory(model_path, ec) &&
+      !std::filesystem::exists(std::filesystem::path(model_path) / "tokenizer.json", ec);
+  auto model = Model::load(model_path, {.tokenizer = !no_tokenizer, .pack = false});
   const ModelConfig& c = model->config();
   const ModelWeights& w = model->weights();
   std::map<std::string, std::pair<int64_t, size_t>> types;
@@ -72,6 +78,8 @@ int run_info(int argc, char** argv) {
   if (model->has_tokenizer()) {
     const Tokenizer& tok = model->tokenizer();
     std::printf("tokenizer:       %s, %lld tokens\n", tok.kind_name(), static_cast<long long>(tok.vocab_size()));
+  } else if (no_tokenizer) {
+    std::printf("tokenizer:       none (the folder has no tokenizer.json: generate and chat need one)\n");
   }
   if (model->chat_template_text()) {
     std::string kind = "unknown (use --chat-template)";

@@ -83,8 +83,21 @@ std::optional<PeakTable> load_peak(const Trace& t, const Analysis& a, const Peak
 
 void print_json(const nlohmann::ordered_json& j) { std::printf("%s\n", j.dump(2).c_str()); }
 
+// read_trace, refusing a trace no loom run recorded (a Chrome trace of another tool, an empty one) before
+// the peak is measured for it: its report would be zeros.
+Trace read_loom_trace(const std::string& path) {
+  Trace t = read_trace(path);
+  if (t.phases.empty())
+    fail(ErrorKind::invalid_input,
+         "{}: no loom phase events ({} op events, {} others): not a trace `loom ... --profile` recorded, or "
+         "one "
+         "that ended before its first phase",
+         path, t.ops.size(), t.skipped);
+  return t;
+}
+
 int run_report(const std::string& path, bool json, const PeakFlags& flags, int top) {
-  const Trace t = read_trace(path);
+  const Trace t = read_loom_trace(path);
   const Analysis a = analyze(t);
   const std::optional<PeakTable> peak = load_peak(t, a, flags);
   if (json)
@@ -95,7 +108,7 @@ int run_report(const std::string& path, bool json, const PeakFlags& flags, int t
 }
 
 int run_advise(const std::string& path, bool json, const PeakFlags& flags) {
-  const Trace t = read_trace(path);
+  const Trace t = read_loom_trace(path);
   const Analysis a = analyze(t);
   const std::optional<PeakTable> peak = load_peak(t, a, flags);
   const Advice advice = advise(t, a, peak ? &*peak : nullptr);

@@ -57,7 +57,9 @@ GenerateResult generate(InferenceSession& session, const Tokenizer& tok, std::sp
   if (session.n_past() + r.prompt_tokens >= session.n_ctx())
     fail(ErrorKind::invalid_input, "the prompt is {} tokens, which leaves no room in the context of {} tokens{}",
          r.prompt_tokens, session.n_ctx(), session.n_past() ? " (with the conversation so far)" : "");
-  Sampler sampler(opts.sampling, session.vocab_size());
+  // A model vocabulary padded past its tokenizer (Qwen2 has 151,936 rows for 151,665 tokens): the padded
+  // ids stand for no text, so they are never sampled.
+  Sampler sampler(opts.sampling, std::min<int64_t>(session.vocab_size(), tok.vocab_size()));
   std::vector<int32_t> history(prompt.begin(), prompt.end());
   StopStreamer streamer(opts.stop);
 

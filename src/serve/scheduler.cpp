@@ -337,7 +337,7 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
   for (int32_t i = 0; i < g.n; ++i) {
     SamplingParams sp = g.sampling;
     sp.seed = base_seed + static_cast<uint64_t>(i);
-    auto s = std::make_unique<Sequence>(r.get(), i, sp, model_->config().vocab_size, tok, g.stop);
+    auto s = std::make_unique<Sequence>(r.get(), i, sp, sampled_vocab(), tok, g.stop);
     s->tokens = r->prompt;
     if (g.grammar)
       s->grammar = grammar_step(g, g.first_choice_index + i, [&] {
@@ -565,10 +565,16 @@ void ServingEngine::admit() {
   }
 }
 
+int64_t ServingEngine::sampled_vocab() const {
+  // A model vocabulary padded past its tokenizer (Qwen2: 151,936 rows for 151,665 tokens): the padded ids
+  // stand for no text; they are never sampled nor listed.
+  return std::min<int64_t>(model_->config().vocab_size, model_->tokenizer().vocab_size());
+}
+
 TokenLogprob ServingEngine::token_logprob(const float* logits, int32_t id, int32_t top) const {
   // Log-probabilities of the model's distribution (raw logits, before sampling filters).
   const Tokenizer& tok = model_->tokenizer();
-  const int64_t V = model_->config().vocab_size;
+  const int64_t V = sampled_vocab();
   const double lse = logsumexp(logits, V);
   TokenLogprob lp;
   lp.token_id = id;

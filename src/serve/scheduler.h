@@ -167,6 +167,7 @@ class ServingEngine : public Engine {
   // `draft` (>= 0): the token drafted for this position (Sampler::sample's speculative draw).
   int32_t sample_and_emit(Sequence* s, const float* logits, int32_t draft = -1);
   // The logprob of token `id` under one row of logits, with its `top` best alternatives.
+  int64_t sampled_vocab() const;  // the ids sampling and logprobs cover: min(model rows, tokenizer)
   TokenLogprob token_logprob(const float* logits, int32_t id, int32_t top) const;
   // GenerationRequest::prompt_logprobs: the prompt positions rows [0, rows) of a chunk at n_past predict
   // (each row the next position), sent as a ChoiceDelta::prompt delta; the first token's entry has none.

@@ -187,6 +187,15 @@ ChatTemplate ChatTemplate::from_text(std::string_view template_text, std::string
   return t;
 }
 
+std::optional<std::string> chat_marker_not_a_token(ChatTemplateKind kind, const Tokenizer& tok) {
+  std::vector<std::string_view> markers;
+  if (kind == ChatTemplateKind::chatml) markers = {"<|im_start|>", "<|im_end|>"};
+  if (kind == ChatTemplateKind::llama3) markers = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+  for (std::string_view m : markers)
+    if (tok.encode(m, /*add_special=*/false, /*parse_special=*/true).size() != 1) return std::string(m);
+  return std::nullopt;
+}
+
 std::optional<ChatTemplate> resolve_chat_template(const Tokenizer& tok, std::string_view name,
                                                   const std::optional<std::string>& template_text,
                                                   std::string_view what) {

@@ -50,6 +50,12 @@ std::optional<ChatTemplate> resolve_chat_template(const Tokenizer& tok, std::str
                                                   const std::optional<std::string>& template_text,
                                                   std::string_view what = "--chat-template");
 
+// The first control marker of `kind` (chatml's <|im_start|> / <|im_end|>, llama3's header and turn
+// markers) that is no single token of `tok`, as it would be encoded, or nullopt. A template chosen by name
+// for a model without them is written as pieces of text: a model trained or prompted so learns to spell
+// "<|eot_id|>" and never ends its turn. (Llama 2 / Mistral markers are plain text: never reported.)
+std::optional<std::string> chat_marker_not_a_token(ChatTemplateKind kind, const Tokenizer& tok);
+
 // The prompt text; encode it with parse_special = true and add_special = false
 // (the text already holds any BOS). Throws invalid_input where the template
 // would raise (Llama 2 / Mistral: roles must alternate user/assistant).

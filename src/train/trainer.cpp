@@ -101,18 +101,14 @@ void check_outputs(const TrainConfig& c, const std::vector<std::string>& keep, b
 std::optional<ConfigWarning> template_marker_advice(const Tokenizer& tok, const TrainConfig& c) {
   const auto kind = chat_template_kind_from_name(c.chat_template);
   if (!kind) return std::nullopt;  // the model's own template (or none)
-  std::vector<std::string_view> markers;
-  if (*kind == ChatTemplateKind::chatml) markers = {"<|im_start|>", "<|im_end|>"};
-  if (*kind == ChatTemplateKind::llama3) markers = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
-  for (std::string_view m : markers)
-    if (const size_t n = tok.encode(m, /*add_special=*/false, /*parse_special=*/true).size(); n != 1)
-      return ConfigWarning{"data.chat_template", 0,
-                           fmt::format("data.chat_template {}: '{}' is no token of this model (it is {} pieces of "
-                                       "text): the adapter learns to spell it and never ends its turns; use the "
-                                       "model's own template (leave data.chat_template out) or one whose markers "
-                                       "its vocabulary has",
-                                       c.chat_template, m, n)};
-  return std::nullopt;
+  const std::optional<std::string> m = chat_marker_not_a_token(*kind, tok);
+  if (!m) return std::nullopt;
+  return ConfigWarning{
+      "data.chat_template", 0,
+      fmt::format("data.chat_template {}: '{}' is no token of this model (it is {} pieces of text): "
+                  "the adapter learns to spell it and never ends its turns; use the model's own "
+                  "template (leave data.chat_template out) or one whose markers its vocabulary has",
+                  c.chat_template, *m, tok.encode(*m, false, true).size())};
 }
 
 std::optional<ChatTemplate> data_chat_template(const Model& model, const TrainConfig& c) {

@@ -55,6 +55,18 @@ expect "top-p out of range" 2 "--top-p: must be in \\(0, 1\\] \\(got 1.5\\)" -- 
 expect "non-numeric n" 2 "n-predict|could not be converted|invalid" -- "$loom" generate -m "$tiny" -p hi -n abc
 expect "empty prompt" 1 "prompt is empty" -- "$loom" generate -m "$tiny" -p ""
 expect "chat empty prompt" 1 "-p: the prompt is empty" -- "$loom" chat -m "$tiny" -p "" </dev/null
+# Edges found by a probe: infinite values and seeds past 64 bits are flag errors; an empty trace, a bench of
+# nothing, a folder without tokenizer.json for info; a chat template whose markers are no tokens warns; a
+# vocabulary padded past its tokenizer never samples a padded id (it stopped generation with an error).
+expect "generate inf temperature" 2 "--temp: must be >= 0 and finite \\(got inf\\)" -- "$loom" generate -m "$tiny" -p hi --temp inf
+expect "generate seed past 64 bits" 2 "--seed: must be at most 9223372036854775807" -- "$loom" generate -m "$tiny" -p hi -s 18446744073709551615
+echo '{"traceEvents":[]}' >"$tmp/empty-trace.json"
+expect "profile of an empty trace" 1 "no loom phase events" -- "$loom" profile report "$tmp/empty-trace.json"
+expect "bench of nothing" 1 "-p 0 and -n 0: nothing to measure" -- "$loom" bench -m "$tiny" -p 0 -n 0
+expect "info folder without tokenizer" 0 "tokenizer: +none" -- "$loom" info -m "$src/tests/fixtures/model/tiny-llama"
+expect "chat template markers not tokens" 0 "warning: --chat-template llama3: '<\\|start_header_id\\|>' is no token" -- "$loom" chat -m "$tiny" --chat-template llama3 -p hi -n 2
+expect "padded vocabulary folder" 0 "written" -- python3 "$src/scripts/fixtures/make_padded_vocab_folder.py" "$tmp/padded" "$src/tests/fixtures/model/tiny-llama"
+expect "padded ids never sampled" 0 "generation: 40 tokens" -- "$loom" generate -m "$tmp/padded" -p "the cat" -n 40 --temp 5 --top-k 0 --top-p 1 --min-p 0 -s 1
 expect "prompt file missing" 1 "nofile.txt" -- "$loom" generate -m "$tiny" -f "$tmp/nofile.txt"
 
 # loom train: config keys are checked before anything is loaded.
