@@ -135,6 +135,16 @@ assert tokens and tokens[0]["slots"] == 48 and tokens[0]["rows"] == 4, tokens
 assert lines[-1]["event"]["action"] == "check" and lines[-1]["loom"]["check"]["warnings"] == 3, lines[-1]
 EOF
 
+# --log-format json: an error (here --check's, a missing data file) is an ECS JSON line too, never text.
+"$loom" train "$tmp/run.yaml" --check --log-format json --set data.train="$tmp/none.jsonl" >"$tmp/jerr.out" 2>"$tmp/jerr.err"
+rc=$?
+[ "$rc" = 1 ] && ok || bad "json error: exit $rc, wanted 1"
+python3 - "$tmp/jerr.err" <<'EOF2' && ok || { bad "json error: stderr is not ECS lines"; cat "$tmp/jerr.err"; }
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+assert lines and lines[-1]["log.level"] == "error" and "none.jsonl" in lines[-1]["error"]["message"], lines
+EOF2
+
 # Under mpirun (when there is one) every rank loads its part and rank 0 alone prints.
 if command -v mpirun >/dev/null 2>&1; then
   mpirun --allow-run-as-root --oversubscribe --mca btl self,vader -np 2 "$loom" train "$tmp/run.yaml" --check \
