@@ -32,7 +32,8 @@ bool parse_cli(CLI::App& app, int argc, char** argv, int& exit_code) {
 
 void add_model_flags(CLI::App& app, ModelFlags& flags) {
   app.add_option("-m,--model", flags.model_path, "a .gguf file or a Hugging Face model folder")->required();
-  app.add_option("--adapter", flags.adapter_dir, "a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file, merged into the weights at load");
+  app.add_option("--adapter", flags.adapter_dir,
+                 "a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file, merged into the weights at load");
 }
 
 void add_run_flags(CLI::App& app, ModelFlags& flags) {

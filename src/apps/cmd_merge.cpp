@@ -20,7 +20,8 @@ int run_merge(int argc, char** argv) {
   int threads = 1;
   bool overwrite = false;
   app.add_option("-m,--model", model_path, "a .gguf file or a Hugging Face model folder")->required();
-  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file")->required();
+  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file")
+      ->required();
   app.add_option("-o,--output", out_dir, "the folder to write")->required();
   app.add_option("--dtype", dtype, "storage type of the written weights")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))

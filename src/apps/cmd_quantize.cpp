@@ -3,12 +3,11 @@
 // blocks, optionally weighted by an importance matrix (`loom imatrix` or
 // llama-imatrix); `loom export` writes a merged model the same way.
 #include <cstdio>
+#include <filesystem>
 
 #include "apps/cli_common.h"
 #include "apps/commands.h"
 #include "apps/quantize_output.h"
-#include <filesystem>
-
 #include "io/file_write.h"
 #include "io/gguf.h"
 #include "model/adapter_merge.h"
@@ -160,7 +159,8 @@ int run_export(int argc, char** argv) {
   QuantizeFlags f;
   app.add_option("-m,--model", model_path, "the base: a .gguf file or a Hugging Face folder (a full fine-tune's)")
       ->required();
-  app.add_option("--adapter", adapter_dir, "a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file to merge into the weights");
+  app.add_option("--adapter", adapter_dir,
+                 "a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file to merge into the weights");
   add_quantize_flags(app, f, "F16");
   int code = 0;
   if (!parse_cli(app, argc, argv, code)) return code;

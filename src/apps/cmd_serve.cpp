@@ -79,7 +79,9 @@ int run_serve(int argc, char** argv) {
   int grace_s = 30;
   app.add_option("-m,--model", so.model_path, "GGUF file or Hugging Face model folder")->required();
   app.add_option("--served-model-name", so.model_name, "the model id clients use (default: the file name)");
-  app.add_option("--adapter", adapter_specs, "NAME=PATH: a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file served as model NAME (repeatable)");
+  app.add_option("--adapter", adapter_specs,
+                 "NAME=PATH: a PEFT LoRA adapter folder or a llama.cpp GGUF LoRA file served as model NAME "
+                 "(repeatable)");
   app.add_option("--adapter-dir", so.adapter_dirs,
                  "folder that POST /v1/load_lora_adapter may load from (repeatable; none: run-time loading off)");
   app.add_option("--chat-template", so.chat_template,

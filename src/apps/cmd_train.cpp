@@ -81,16 +81,17 @@ struct Publishing {
     if (args.check) return;  // --check contacts nothing
     if (const auto warning = publisher->probe()) console_warning(config, *warning);
     if (args.publish->every_checkpoint && config.checkpoint_interval <= 0 && config.checkpoint_minutes <= 0)
-      console_warning(config, "--publish-every-checkpoint without checkpoint_interval or checkpoint_minutes: "
-                              "checkpoints (and their publishes) come only from memory alarms");
+      console_warning(config,
+                      "--publish-every-checkpoint without checkpoint_interval or checkpoint_minutes: "
+                      "checkpoints (and their publishes) come only from memory alarms");
   }
 
   // A warning before the trainer's log exists: a text line, or its ECS JSON line with --log-format json.
   static void console_warning(const TrainConfig& config, const std::string& message) {
     if (config.log_format == TrainConfig::LogFormat::json)
       std::fprintf(stderr, "%s\n",
-                   TrainLog::ecs_json(LogLevel::warning, "publish", message, nlohmann::json::object(), "event",
-                                      std::chrono::system_clock::now())
+                   TrainLog::ecs_json(LogLevel::warning, "publish", message, nlohmann::json::object(),
+                                      "event", std::chrono::system_clock::now())
                        .c_str());
     else
       std::fprintf(stderr, "loom train: warning: %s\n", message.c_str());
@@ -272,39 +273,39 @@ int run_train(int argc, char** argv) {
   if (!parse_cli(app, argc, argv, code)) return code;
   bool json = log_format == "json";  // then the config's log_format
   try {
-  // Test facility (docs/training.md, Faults): read once, passed down; a bad spec stops here.
-  const Failpoints failpoints = Failpoints::from_env();
-  TrainConfig config = load_train_config(config_path, overrides);
-  if (threads > 0) config.threads = threads;
-  if (!device.empty()) config.device = *parse_device(device);  // checked by add_device_flag
-  if (overwrite) config.overwrite = true;
-  if (!log_format.empty())
-    config.log_format = log_format == "json" ? TrainConfig::LogFormat::json : TrainConfig::LogFormat::text;
-  json = config.log_format == TrainConfig::LogFormat::json;
-  if (metrics_port >= 0) config.metrics_port = metrics_port;
-  if (resume->count() > 0) args.resume = resume_path;
-  args.failpoints = &failpoints;
-  if (publish_opt->count() > 0) args.publish = publish;
-  args.metrics_linger = metrics_linger;
-  // Under mpirun / srun: one rank of a data-parallel run. Rank 0 alone logs,
-  // serves metrics and writes; a failing rank ends every rank at once.
-  std::unique_ptr<Communicator> comm =
-      launched_by_mpi() ? make_mpi_communicator(config.dist.algorithm) : make_single_process_communicator();
-  comm->set_timeout_seconds(config.dist.timeout_s);
-  if (comm->size() == 1) return run_rank(config, args, nullptr);
-  if (comm->rank() != 0) {
-    config.metrics_file.clear();
-    config.log_file.clear();
-    config.metrics_port = 0;
-  }
-  try {
-    return run_rank(config, args, comm.get());
-  } catch (const Error& e) {
-    comm->abort(e.what());  // rank 0 logged it already; the others print it here
-  } catch (const std::exception& e) {
-    comm->abort(e.what());
-  }
-  return 3;  // not reached: abort() ends the process
+    // Test facility (docs/training.md, Faults): read once, passed down; a bad spec stops here.
+    const Failpoints failpoints = Failpoints::from_env();
+    TrainConfig config = load_train_config(config_path, overrides);
+    if (threads > 0) config.threads = threads;
+    if (!device.empty()) config.device = *parse_device(device);  // checked by add_device_flag
+    if (overwrite) config.overwrite = true;
+    if (!log_format.empty())
+      config.log_format = log_format == "json" ? TrainConfig::LogFormat::json : TrainConfig::LogFormat::text;
+    json = config.log_format == TrainConfig::LogFormat::json;
+    if (metrics_port >= 0) config.metrics_port = metrics_port;
+    if (resume->count() > 0) args.resume = resume_path;
+    args.failpoints = &failpoints;
+    if (publish_opt->count() > 0) args.publish = publish;
+    args.metrics_linger = metrics_linger;
+    // Under mpirun / srun: one rank of a data-parallel run. Rank 0 alone logs,
+    // serves metrics and writes; a failing rank ends every rank at once.
+    std::unique_ptr<Communicator> comm =
+        launched_by_mpi() ? make_mpi_communicator(config.dist.algorithm) : make_single_process_communicator();
+    comm->set_timeout_seconds(config.dist.timeout_s);
+    if (comm->size() == 1) return run_rank(config, args, nullptr);
+    if (comm->rank() != 0) {
+      config.metrics_file.clear();
+      config.log_file.clear();
+      config.metrics_port = 0;
+    }
+    try {
+      return run_rank(config, args, comm.get());
+    } catch (const Error& e) {
+      comm->abort(e.what());  // rank 0 logged it already; the others print it here
+    } catch (const std::exception& e) {
+      comm->abort(e.what());
+    }
+    return 3;  // not reached: abort() ends the process
   } catch (Error& e) {
     if (json) report_error_as_json(e);
     throw;

@@ -1,11 +1,10 @@
 #include "apps/quantize_output.h"
 
-#include "io/file_write.h"
-
 #include <cstdio>
 
 #include "apps/cli_common.h"
 #include "core/thread_pool.h"
+#include "io/file_write.h"
 #include "quant/imatrix.h"
 
 namespace loom::app {

@@ -2,9 +2,9 @@
 #include "io/file_write.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -81,11 +81,12 @@ fs::path make_sibling(const fs::path& p, std::string_view kind) {
   for (int attempt = 0;; ++attempt) {
     std::string suffix(6, 'x');
     for (char& ch : suffix) ch = kChars[rd() % (sizeof kChars - 1)];
-    const fs::path name = p.parent_path() / (sibling_prefix(p, kind) + fmt::format("{}-{}", ::getpid(), suffix));
+    const fs::path name =
+        p.parent_path() / (sibling_prefix(p, kind) + fmt::format("{}-{}", ::getpid(), suffix));
     if (::mkdir(name.c_str(), 0777) == 0) return name;
     if (errno != EEXIST || attempt == 100)
-      fail(ErrorKind::io, "{}: cannot create a folder beside it in {}: {}", p.string(), p.parent_path().string(),
-           std::strerror(errno));
+      fail(ErrorKind::io, "{}: cannot create a folder beside it in {}: {}", p.string(),
+           p.parent_path().string(), std::strerror(errno));
   }
 }
 
@@ -340,7 +341,8 @@ void check_file_writable(const std::string& path, std::string_view what) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) fail(ErrorKind::io, "{} '{}': a folder; give a file path", what, path);
   const fs::path parent = fs::path(path).parent_path();
-  check_writable_dry_run(parent.empty() ? "." : parent.string(), fmt::format("{} '{}': its folder", what, path),
+  check_writable_dry_run(parent.empty() ? "." : parent.string(),
+                         fmt::format("{} '{}': its folder", what, path),
                          /*in_parent=*/false);
 }
 

@@ -170,8 +170,10 @@ void validate_config(const ModelConfig& c, const std::string& source, const Conf
 ModelConfig config_from_gguf(const gguf::File& f) {
   const std::string& file = f.path();
   if (const auto type = f.opt_string("general.type"); type && *type == "adapter")
-    fail(ErrorKind::invalid_input, "{}: a LoRA adapter (general.type 'adapter'), not a model: give the base model "
-         "with -m and this file with --adapter", file);
+    fail(ErrorKind::invalid_input,
+         "{}: a LoRA adapter (general.type 'adapter'), not a model: give the base model "
+         "with -m and this file with --adapter",
+         file);
   const std::string arch = f.get_string("general.architecture");
   ModelConfig c;
   if (arch == "llama") {

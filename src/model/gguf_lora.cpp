@@ -35,7 +35,8 @@ std::optional<GgufLoraName> parse_gguf_lora_name(const std::string& name) {
   const size_t dot = mid.find('.');
   if (dot == 0 || dot == std::string::npos || dot > 6) return std::nullopt;
   const std::string digits = mid.substr(0, dot), proj = mid.substr(dot + 1);
-  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
   for (LoraTarget t : kAllLoraTargets)
     if (proj == lora_target_gguf_name(t)) return GgufLoraName{std::stoi(digits), t, b};
   return std::nullopt;
@@ -48,7 +49,8 @@ std::vector<float> f32_values(const gguf::TensorInfo& t, const std::string& path
   dequantize_row(t.dtype, t.data, out.data(), v.numel());
   for (size_t i = 0; i < out.size(); ++i)
     if (!std::isfinite(out[i]))
-      fail(ErrorKind::invalid_input, "{}: tensor '{}' holds a value that is not finite (at {})", path, t.name, i);
+      fail(ErrorKind::invalid_input, "{}: tensor '{}' holds a value that is not finite (at {})", path, t.name,
+           i);
   return out;
 }
 
@@ -80,8 +82,10 @@ AdapterTensors read_gguf_lora(const std::string& path, const ModelConfig& base) 
   for (const auto& t : f->tensors()) {
     const auto n = parse_gguf_lora_name(t.name);
     if (!n)
-      fail(ErrorKind::unsupported, "{}: tensor '{}': loom reads the LoRA A/B of the seven projections of each "
-           "layer (blk.N.attn_q.weight.lora_a, ...)", path, t.name);
+      fail(ErrorKind::unsupported,
+           "{}: tensor '{}': loom reads the LoRA A/B of the seven projections of each "
+           "layer (blk.N.attn_q.weight.lora_a, ...)",
+           path, t.name);
     if (t.ndim != 2) fail(ErrorKind::invalid_input, "{}: tensor '{}' is not a matrix", path, t.name);
     auto& slot = found[{n->layer, n->target}];
     (n->lora_b ? slot.second : slot.first) = &t;
@@ -101,14 +105,18 @@ AdapterTensors read_gguf_lora(const std::string& path, const ModelConfig& base) 
            ab.first ? "lora_b" : "lora_a");
     const gguf::TensorInfo &a = *ab.first, &b = *ab.second;
     if (a.shape[0] != c.r || b.shape[1] != c.r)
-      fail(ErrorKind::unsupported, "{}: '{}' has rank {} (A) and {} (B), other tensors {}: loom reads one rank "
-           "per adapter", path, name, a.shape[0], b.shape[1], c.r);
+      fail(ErrorKind::unsupported,
+           "{}: '{}' has rank {} (A) and {} (B), other tensors {}: loom reads one rank "
+           "per adapter",
+           path, name, a.shape[0], b.shape[1], c.r);
     LoraPair p;
     p.in = a.shape[1];
     p.out = b.shape[0];
     p.a = f32_values(a, path);
     p.b = f32_values(b, path);
-    const int64_t heads = target == LoraTarget::q ? base.n_heads : target == LoraTarget::k ? base.n_kv_heads : 0;
+    const int64_t heads = target == LoraTarget::q   ? base.n_heads
+                          : target == LoraTarget::k ? base.n_kv_heads
+                                                    : 0;
     if (heads > 0 && lora_needs_qk_permutation(base)) {  // GGUF's RoPE row order back to Hugging Face's
       if (p.out != heads * base.head_dim)
         fail(ErrorKind::invalid_input, "{}: '{}' B has {} rows, the model's projection {}", path, name, p.out,

@@ -275,9 +275,10 @@ void write_adapter(const std::string& dir, const AdapterTensors& adapter, safete
 
 AdapterTensors read_adapter(const std::string& dir, bool map_f32) {
   if (std::error_code ec; std::filesystem::is_regular_file(dir, ec))
-    fail(ErrorKind::invalid_input, "{}: a file; a PEFT adapter is a folder (adapter_config.json, "
-         "adapter_model.safetensors){}", dir,
-         dir.ends_with(".gguf") ? " (a GGUF LoRA file is read by generate, chat, merge and serve)" : "");
+    fail(ErrorKind::invalid_input,
+         "{}: a file; a PEFT adapter is a folder (adapter_config.json, "
+         "adapter_model.safetensors){}",
+         dir, dir.ends_with(".gguf") ? " (a GGUF LoRA file is read by generate, chat, merge and serve)" : "");
   const std::string cfg_path = (std::filesystem::path(dir) / "adapter_config.json").string();
   const std::string st_path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
   AdapterTensors out;

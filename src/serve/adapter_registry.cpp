@@ -124,7 +124,8 @@ std::shared_ptr<const LoadedAdapter> AdapterRegistry::load(const std::string& na
   a->name = name;
   a->path = path;
   try {
-    a->tensors = peft::read_any_adapter(path, config_, /*map_f32=*/true);  // a PEFT folder or a GGUF LoRA file
+    a->tensors =
+        peft::read_any_adapter(path, config_, /*map_f32=*/true);  // a PEFT folder or a GGUF LoRA file
     peft::check_adapter_fits(a->tensors, config_, path);
   } catch (const Error& e) {
     throw load_failed(name, e.what());
@@ -177,8 +178,10 @@ bool AdapterRegistry::add(const std::string& name, const std::string& path, bool
   constexpr size_t kMaxName = 256;
   if (name.size() > kMaxName)
     throw EngineError(EngineErrc::invalid_request,
-                      fmt::format("lora_name is {} bytes long; at most {}", name.size(), kMaxName), "lora_name");
-  if (std::any_of(name.begin(), name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
+                      fmt::format("lora_name is {} bytes long; at most {}", name.size(), kMaxName),
+                      "lora_name");
+  if (std::any_of(name.begin(), name.end(),
+                  [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
     throw EngineError(EngineErrc::invalid_request, "lora_name holds a control character", "lora_name");
   std::string resolved = path;
   if (runtime) {

@@ -375,12 +375,13 @@ void answer_and_close(socket_t sock, const char* status_line, const ApiError& er
 }  // namespace
 
 void ConnectionServer::refuse(socket_t sock) {
-  answer_and_close(sock, "503 Service Unavailable",
-                   ApiError(503, "server_error", "too_many_connections", "",
-                            fmt::format("The server already has {} open connections (--max-connections); retry "
-                                        "later.",
-                                        limits_.max_connections)),
-                   "Retry-After: 1\r\n");
+  answer_and_close(
+      sock, "503 Service Unavailable",
+      ApiError(503, "server_error", "too_many_connections", "",
+               fmt::format("The server already has {} open connections (--max-connections); retry "
+                           "later.",
+                           limits_.max_connections)),
+      "Retry-After: 1\r\n");
   if (on_refused) on_refused();
 }
 
@@ -421,7 +422,8 @@ bool ConnectionServer::process_and_close_socket(socket_t sock) {
       by_thread_.erase(std::this_thread::get_id());
     }
     if (conn.closing()) conn.drain_after_answer();
-    if (conn.headers_too_large() && !conn.wrote())  // httplib answers nothing when it cannot read the request line
+    if (conn.headers_too_large() &&
+        !conn.wrote())  // httplib answers nothing when it cannot read the request line
       answer_and_close(sock, "431 Request Header Fields Too Large",
                        ApiError(431, "invalid_request_error", "request_too_large", "",
                                 fmt::format("The request line and headers are longer than {} bytes.",

@@ -228,7 +228,8 @@ struct HttpServer::Impl {
   std::string allowed_methods(const std::string& path) const {
     std::string out;
     for (const auto& [method, re] : routes)
-      if (std::regex_match(path, re) && out.find(method) == std::string::npos) out += (out.empty() ? "" : ", ") + method;
+      if (std::regex_match(path, re) && out.find(method) == std::string::npos)
+        out += (out.empty() ? "" : ", ") + method;
     return out;
   }
 
@@ -238,18 +239,18 @@ struct HttpServer::Impl {
   bool refuse_content_length(const httplib::Request& req, httplib::Response& res, RequestRecord* rec) {
     if (!req.has_header("Content-Length")) return false;
     const std::string cl = req.get_header_value("Content-Length");
-    const bool count = !cl.empty() && cl.size() <= 19 && std::all_of(cl.begin(), cl.end(), [](char c) {
-      return c >= '0' && c <= '9';
-    });
+    const bool count = !cl.empty() && cl.size() <= 19 &&
+                       std::all_of(cl.begin(), cl.end(), [](char c) { return c >= '0' && c <= '9'; });
     if (count && std::stoull(cl) <= opt.max_body_bytes) return false;
     res.set_header("X-Request-Id", rec->id);
-    reply_error(res,
-                count ? ApiError(413, "invalid_request_error", "request_too_large", "",
-                                 fmt::format("The request body ({} bytes) is larger than the limit of {} bytes.", cl,
-                                             opt.max_body_bytes))
-                      : ApiError(400, "invalid_request_error", "", "",
-                                 fmt::format("Content-Length '{}' is not a byte count.", cl)),
-                rec);
+    reply_error(
+        res,
+        count ? ApiError(413, "invalid_request_error", "request_too_large", "",
+                         fmt::format("The request body ({} bytes) is larger than the limit of {} bytes.", cl,
+                                     opt.max_body_bytes))
+              : ApiError(400, "invalid_request_error", "", "",
+                         fmt::format("Content-Length '{}' is not a byte count.", cl)),
+        rec);
     res.set_header("Connection", "close");
     svr.close_after_response();
     return true;
@@ -304,7 +305,7 @@ struct HttpServer::Impl {
         records[&req] = rec;
       }
       return refuse_content_length(req, res, rec.get()) ? httplib::Server::HandlerResponse::Handled
-                                                         : httplib::Server::HandlerResponse::Unhandled;
+                                                        : httplib::Server::HandlerResponse::Unhandled;
     });
     // Statuses httplib sets itself (404 no route, 413 body too large, 400 malformed) get an error object.
     svr.set_error_handler(
@@ -332,7 +333,8 @@ struct HttpServer::Impl {
                                  fmt::format("The request line and headers are longer than {} bytes.",
                                              opt.connections.max_header_bytes)),
                         rec.get());
-          else if (const std::string allow = res.status == 404 ? allowed_methods(req.path) : ""; !allow.empty()) {
+          else if (const std::string allow = res.status == 404 ? allowed_methods(req.path) : "";
+                   !allow.empty()) {
             res.set_header("Allow", allow);
             reply_error(res,
                         ApiError(405, "invalid_request_error", "method_not_allowed", "",
@@ -345,11 +347,12 @@ struct HttpServer::Impl {
                         rec.get());
           else if (res.status == 400) {
             // httplib could not read the request: what follows on the connection cannot be trusted either.
-            reply_error(res,
-                        ApiError(400, "invalid_request_error", "", "",
-                                 "The request could not be read as HTTP/1.1 (a malformed request line, header or "
-                                 "chunked body, or an unsupported Content-Encoding)."),
-                        rec.get());
+            reply_error(
+                res,
+                ApiError(400, "invalid_request_error", "", "",
+                         "The request could not be read as HTTP/1.1 (a malformed request line, header or "
+                         "chunked body, or an unsupported Content-Encoding)."),
+                rec.get());
             res.set_header("Connection", "close");
             svr.close_after_response();
           } else

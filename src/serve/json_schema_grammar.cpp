@@ -73,16 +73,18 @@ const std::set<std::string>& unsupported_keywords() {
 // Keywords that only describe (dropping them loses no constraint); everything else beside $ref, allOf,
 // anyOf, oneOf, enum or const constrains the same value and is merged into it (merge below) or refused.
 bool annotation(const std::string& key) {
-  static const std::set<std::string> k = {"title",    "description", "default",  "examples", "$comment",
-                                          "deprecated", "readOnly",  "writeOnly", "$id",      "$schema",
-                                          "$defs",    "definitions", "$anchor",  "contentMediaType",
-                                          "contentEncoding"};
+  static const std::set<std::string> k = {"title",    "description",      "default",        "examples",
+                                          "$comment", "deprecated",       "readOnly",       "writeOnly",
+                                          "$id",      "$schema",          "$defs",          "definitions",
+                                          "$anchor",  "contentMediaType", "contentEncoding"};
   return k.count(key) > 0;
 }
 
 // Whether a JSON value is of a JSON Schema type ("integer": a number with no fraction).
 bool of_type(const json& v, const std::string& type) {
-  if (type == "integer") return v.is_number_integer() || (v.is_number_float() && std::nearbyint(v.get<double>()) == v.get<double>());
+  if (type == "integer")
+    return v.is_number_integer() ||
+           (v.is_number_float() && std::nearbyint(v.get<double>()) == v.get<double>());
   if (type == "number") return v.is_number();
   if (type == "string") return v.is_string();
   if (type == "boolean") return v.is_boolean();
@@ -203,7 +205,8 @@ class Converter {
   const json& resolve(const json& r, const std::string& path) const {
     if (!r.is_string()) fail_at(path, "'$ref' must be a string");
     const std::string target = r.get<std::string>();
-    if (target.rfind("#", 0) != 0) fail_at(path, fmt::format("'$ref' '{}': only local references (#/...) are supported", target));
+    if (target.rfind("#", 0) != 0)
+      fail_at(path, fmt::format("'$ref' '{}': only local references (#/...) are supported", target));
     try {
       const json::json_pointer ptr(target.substr(1));
       if (root_.contains(ptr)) return root_.at(ptr);
@@ -214,7 +217,8 @@ class Converter {
 
   std::string ref(const json& r, const std::string& path, int depth) {
     if (r.is_string())
-      if (const auto it = refs_.find(r.get<std::string>()); it != refs_.end()) return it->second;  // recursion lands here
+      if (const auto it = refs_.find(r.get<std::string>()); it != refs_.end())
+        return it->second;  // recursion lands here
     const json& node = resolve(r, path);
     const std::string target = r.get<std::string>();
     const auto slash = target.rfind('/');
@@ -268,7 +272,8 @@ class Converter {
           if (y.count(t) || (t == "integer" && y.count("number"))) both.push_back(t);
         for (const std::string& t : y)
           if (t == "integer" && x.count("number") && !x.count("integer")) both.push_back(t);
-        if (both.empty()) fail_at(path, fmt::format("no value is of type {} and of type {}", it->dump(), v.dump()));
+        if (both.empty())
+          fail_at(path, fmt::format("no value is of type {} and of type {}", it->dump(), v.dump()));
         *it = both.size() == 1 ? both[0] : both;
       } else if (key == "enum" && it->is_array() && v.is_array()) {
         json both = json::array();
@@ -283,9 +288,10 @@ class Converter {
         for (const auto& [name, sub] : v.items())
           (*it)[name] = it->contains(name) ? merge((*it)[name], sub, path + "/properties/" + name) : sub;
       } else {
-        fail_at(path, fmt::format("'{}' is given twice with different values (beside $ref, allOf, anyOf or oneOf, "
-                                  "or in two allOf schemas): merging them is not supported",
-                                  key));
+        fail_at(path,
+                fmt::format("'{}' is given twice with different values (beside $ref, allOf, anyOf or oneOf, "
+                            "or in two allOf schemas): merging them is not supported",
+                            key));
       }
     }
     return out;
@@ -306,7 +312,8 @@ class Converter {
       const std::set<std::string> allowed = types(*t, path);
       json kept = json::array();
       for (const auto& v : values)
-        if (std::any_of(allowed.begin(), allowed.end(), [&](const std::string& ty) { return of_type(v, ty); }))
+        if (std::any_of(allowed.begin(), allowed.end(),
+                        [&](const std::string& ty) { return of_type(v, ty); }))
           kept.push_back(v);
       if (kept.empty()) fail_at(path, fmt::format("no value of '{}' is of type {}", key, t->dump()));
       values = kept;

@@ -249,8 +249,9 @@ void parse_common(const json& o, const ProtocolLimits& limits, GenerationRequest
     check_range(key, v, lo, hi, lo_open);
     const auto f = static_cast<float>(v);
     if (lo_open && !(f > static_cast<float>(lo)))  // e.g. top_p 5e-324: in range as sent, 0 as a float
-      throw invalid_request(key, fmt::format("'{}' must be in ({}, {}] (got {}, which is {} as a 32-bit float)", key,
-                                             lo, hi, v, f));
+      throw invalid_request(
+          key,
+          fmt::format("'{}' must be in ({}, {}] (got {}, which is {} as a 32-bit float)", key, lo, hi, v, f));
     return f;
   };
   // OpenAI / vLLM defaults: plain softmax sampling at temperature 1, no filters.
@@ -550,8 +551,9 @@ json chat_logprobs(std::span<const TokenLogprob> lps) {
   for (const auto& t : lps) {
     json top = json::array();
     for (const auto& a : t.top)
-      top.push_back(
-          {{"token", token_text(a.token)}, {"logprob", finite_logprob(a.logprob)}, {"bytes", byte_list(a.token)}});
+      top.push_back({{"token", token_text(a.token)},
+                     {"logprob", finite_logprob(a.logprob)},
+                     {"bytes", byte_list(a.token)}});
     content.push_back({{"token", token_text(t.token)},
                        {"logprob", finite_logprob(t.logprob)},
                        {"bytes", byte_list(t.token)},
@@ -621,7 +623,8 @@ void check_index(int32_t index, int32_t n) {
 void TextCursor::add(std::string_view bytes) {
   tail_ += bytes;
   const size_t done = tok::utf8_complete_prefix(tail_);
-  chars_ += static_cast<int64_t>(tok::utf8_length(tok::utf8_sanitize(std::string_view(tail_).substr(0, done))));
+  chars_ +=
+      static_cast<int64_t>(tok::utf8_length(tok::utf8_sanitize(std::string_view(tail_).substr(0, done))));
   tail_.erase(0, done);
 }
 

@@ -113,7 +113,8 @@ auto grammar_step(const GenerationRequest& g, int64_t choice, Step step) {
   try {
     return step();
   } catch (const GrammarError& e) {
-    throw EngineError(EngineErrc::invalid_request, fmt::format("structured output of choice {}: {}", choice, e.what()),
+    throw EngineError(EngineErrc::invalid_request,
+                      fmt::format("structured output of choice {}: {}", choice, e.what()),
                       g.grammar ? g.grammar->source_param : std::string());
   }
 }
@@ -268,9 +269,10 @@ std::vector<int32_t> ServingEngine::render_prompt(const GenerationRequest& r) co
   if (r.prompt.is_tokens) {
     for (int32_t id : r.prompt.tokens)
       if (id < 0 || id >= model_->config().vocab_size)
-        throw EngineError(EngineErrc::invalid_request,
-                          fmt::format("token id {} is outside the vocabulary [0, {})", id, model_->config().vocab_size),
-                          r.kind == RequestKind::embedding ? "input" : "prompt");
+        throw EngineError(
+            EngineErrc::invalid_request,
+            fmt::format("token id {} is outside the vocabulary [0, {})", id, model_->config().vocab_size),
+            r.kind == RequestKind::embedding ? "input" : "prompt");
     return r.prompt.tokens;
   }
   return tok.encode(r.prompt.text, /*add_special=*/true, /*parse_special=*/true);
@@ -297,10 +299,10 @@ void ServingEngine::submit(GenerationRequest g, std::shared_ptr<RequestStream> s
   r->prompt = render_prompt(g);
   for (const int32_t id : g.stop_token_ids)  // one no token can be would never stop anything
     if (id < 0 || id >= model_->config().vocab_size)
-      throw EngineError(EngineErrc::invalid_request,
-                        fmt::format("stop token id {} is outside the vocabulary [0, {})", id,
-                                    model_->config().vocab_size),
-                        "stop_token_ids");
+      throw EngineError(
+          EngineErrc::invalid_request,
+          fmt::format("stop token id {} is outside the vocabulary [0, {})", id, model_->config().vocab_size),
+          "stop_token_ids");
   const bool embedding = g.kind == RequestKind::embedding;
   const char* prompt_param = g.kind == RequestKind::chat ? "messages" : embedding ? "input" : "prompt";
   const auto n_prompt = static_cast<int64_t>(r->prompt.size());

@@ -202,12 +202,12 @@ YAML::Node parse_yaml(std::string_view text, const std::string& name) {
   } catch (const YAML::Exception& e) {
     // yaml-cpp says "illegal map value" for a tab that indents: name the cause.
     const bool tab = e.mark.line >= 0 && line_of(text, e.mark.line).find('\t') != std::string_view::npos;
-    fail(ErrorKind::invalid_input, "{}:{}:{}: invalid YAML: {}{}", name, e.mark.line + 1, e.mark.column + 1, e.msg,
-         tab ? " (the line holds a tab: YAML indents with spaces only)" : "");
+    fail(ErrorKind::invalid_input, "{}:{}:{}: invalid YAML: {}{}", name, e.mark.line + 1, e.mark.column + 1,
+         e.msg, tab ? " (the line holds a tab: YAML indents with spaces only)" : "");
   }
   if (const int line = second_document_line(text); line > 0)
-    fail(ErrorKind::invalid_input, "{}:{}: a second YAML document (after '---'); a config is one document", name,
-         line);
+    fail(ErrorKind::invalid_input, "{}:{}: a second YAML document (after '---'); a config is one document",
+         name, line);
   return doc;
 }
 
@@ -502,10 +502,11 @@ TrainConfig read_config(const Entries& e, const std::string& name) {
   if (c.eval_at_start && !has_eval)
     r.bad("eval_at_start", "there is no eval split to evaluate: set data.eval or data.eval_fraction");
   if (c.steps > 0 && c.warmup_steps >= c.steps)  // (with epochs the step count is known after the data)
-    c.warnings.push_back(fmt::format("{}: schedule.warmup_steps {} is not below steps {}: the learning rate never "
-                                     "reaches optim.lr",
-                                     r.find("schedule.warmup_steps") ? r.where("schedule.warmup_steps") : c.source,
-                                     c.warmup_steps, c.steps));
+    c.warnings.push_back(
+        fmt::format("{}: schedule.warmup_steps {} is not below steps {}: the learning rate never "
+                    "reaches optim.lr",
+                    r.find("schedule.warmup_steps") ? r.where("schedule.warmup_steps") : c.source,
+                    c.warmup_steps, c.steps));
   if (c.method == TrainMethod::lora && r.find("output_dtype"))
     c.warnings.push_back(fmt::format("{}: key 'output_dtype' applies to method: full only; a LoRA adapter is "
                                      "written in f32", r.where("output_dtype")));

@@ -157,7 +157,8 @@ struct TrainConfig {
   } dist;
 
   std::string source;  // the config file name, for messages
-  std::vector<std::string> overrides;  // the --set arguments as given, in order (the resume hint repeats them)
+  std::vector<std::string>
+      overrides;       // the --set arguments as given, in order (the resume hint repeats them)
   std::string text;    // the YAML as given, each --set appended as a "# --set key=value" line (checkpoints keep it)
   std::vector<std::string> warnings;  // settings that have no effect, "file:line:col: ..."; run_training prints them
 };

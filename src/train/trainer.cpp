@@ -46,7 +46,8 @@ std::string format_count(int64_t n) {
 // single quotes.
 std::string shell_word(const std::string& s) {
   const bool plain = !s.empty() && std::all_of(s.begin(), s.end(), [](char ch) {
-    return std::isalnum(static_cast<unsigned char>(ch)) || std::string_view("_./=:,+-@%").find(ch) != std::string_view::npos;
+    return std::isalnum(static_cast<unsigned char>(ch)) ||
+           std::string_view("_./=:,+-@%").find(ch) != std::string_view::npos;
   });
   if (plain) return s;
   std::string out = "'";
@@ -279,12 +280,13 @@ void Trainer::log_advice() {
   if (c_.epochs > 0 && rows > 0) {
     const double passes = static_cast<double>(total_steps_ * per_step) / static_cast<double>(rows);
     if (passes > 1.5 * c_.epochs)
-      advice_.push_back({"epochs", c_.epochs,
-                         fmt::format("epochs {:g}: a step reads {} rows ({} x {} x {}: ranks x grad_accum x "
-                                     "batch_size) and the data has {}, so the run's {} step{} read it {:.1f} times; "
-                                     "lower batch_size or grad_accum, or give steps",
-                                     c_.epochs, per_step, data_ranks(), c_.grad_accum, c_.batch_size, rows,
-                                     total_steps_, total_steps_ == 1 ? "" : "s", passes)});
+      advice_.push_back(
+          {"epochs", c_.epochs,
+           fmt::format("epochs {:g}: a step reads {} rows ({} x {} x {}: ranks x grad_accum x "
+                       "batch_size) and the data has {}, so the run's {} step{} read it {:.1f} times; "
+                       "lower batch_size or grad_accum, or give steps",
+                       c_.epochs, per_step, data_ranks(), c_.grad_accum, c_.batch_size, rows, total_steps_,
+                       total_steps_ == 1 ? "" : "s", passes)});
   }
   for (const ConfigWarning& w : advice_)
     log_->record(LogLevel::warning, "config", fmt::format("{}: {}", c_.source, w.message),
@@ -645,8 +647,10 @@ void Trainer::prepare_resume() {
   CheckpointState st = read_checkpoint_state(path);
   check_run_identity(st.identity, run_identity(c_), path);
   if (c_.steps > 0 && st.step > c_.steps)  // (with epochs the count is known only after the data)
-    fail(ErrorKind::invalid_input, "--resume {}: the checkpoint is at step {}, past this run's {} steps: nothing is "
-         "left to train (raise steps to train on from it)", path, st.step, c_.steps);
+    fail(ErrorKind::invalid_input,
+         "--resume {}: the checkpoint is at step {}, past this run's {} steps: nothing is "
+         "left to train (raise steps to train on from it)",
+         path, st.step, c_.steps);
   input_hashes_ = input_hashes(c_);
   for (const auto& [key, was] : st.input_hashes)
     for (const auto& [k, now] : input_hashes_)
@@ -850,10 +854,11 @@ TrainResult Trainer::stop(int sig) {
   std::string again = "loom train " + shell_word(c_.source);
   for (const std::string& o : c_.overrides) again += " --set " + shell_word(o);
   again += " --resume " + shell_word(last_checkpoint_);
-  log_->record(LogLevel::warning, "stop",
-               fmt::format("stopped by {} after step {} of {}: checkpoint {}; continue with {}", signal_name(sig),
-                           steps_done(), total_steps_, last_checkpoint_, again),
-               {{"step", steps_done()}, {"signal", signal_name(sig)}, {"checkpoint", {{"path", last_checkpoint_}}}});
+  log_->record(
+      LogLevel::warning, "stop",
+      fmt::format("stopped by {} after step {} of {}: checkpoint {}; continue with {}", signal_name(sig),
+                  steps_done(), total_steps_, last_checkpoint_, again),
+      {{"step", steps_done()}, {"signal", signal_name(sig)}, {"checkpoint", {{"path", last_checkpoint_}}}});
   return res_;
 }
 

@@ -3,7 +3,6 @@
 // step, and at random moments while rewriting, always leaves an adapter folder
 // that loads as the old one or the new one; foreign folders are refused.
 #include <gtest/gtest.h>
-
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -99,9 +98,11 @@ TEST(FolderWrite, CreatesThenReplacesWithoutLeftovers) {
 TEST(FolderWrite, PublishedFolderFollowsTheUmask) {
   TempDir tmp("mode");
   const mode_t before = ::umask(022);
-  write_folder_atomic((tmp.path / "out").string(), [](const std::string& s) { write_file_atomic(s + "/a.txt", "x"); });
+  write_folder_atomic((tmp.path / "out").string(),
+                      [](const std::string& s) { write_file_atomic(s + "/a.txt", "x"); });
   ::umask(027);
-  write_folder_atomic((tmp.path / "out2").string(), [](const std::string& s) { write_file_atomic(s + "/a.txt", "x"); });
+  write_folder_atomic((tmp.path / "out2").string(),
+                      [](const std::string& s) { write_file_atomic(s + "/a.txt", "x"); });
   ::umask(before);
   EXPECT_EQ(fs::status(tmp.path / "out").permissions(), fs::perms(0755));
   EXPECT_EQ(fs::status(tmp.path / "out2").permissions(), fs::perms(0750));

@@ -20,7 +20,9 @@ namespace {
 using test_util::expect_error;
 using test_util::TempDir;
 
-std::string fixture(const std::string& rel) { return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/" + rel; }
+std::string fixture(const std::string& rel) {
+  return std::string(LOOM_SOURCE_DIR) + "/tests/fixtures/" + rel;
+}
 
 ModelConfig config_of(const std::string& model) {
   return Model::load(fixture(model), {.tokenizer = false, .pack = false})->config();
@@ -38,9 +40,11 @@ void expect_same_pairs(const peft::AdapterTensors& want, const peft::AdapterTens
     ASSERT_EQ(q.in, p.in);
     ASSERT_EQ(q.out, p.out);
     for (int64_t i = 0; i < p.in * want.config.r; ++i)
-      ASSERT_NEAR(q.a_data()[i], p.a_data()[i], tol * std::fabs(p.a_data()[i])) << "A " << key.first << " @" << i;
+      ASSERT_NEAR(q.a_data()[i], p.a_data()[i], tol * std::fabs(p.a_data()[i]))
+          << "A " << key.first << " @" << i;
     for (int64_t i = 0; i < p.out * want.config.r; ++i)
-      ASSERT_NEAR(q.b_data()[i], p.b_data()[i], tol * std::fabs(p.b_data()[i])) << "B " << key.first << " @" << i;
+      ASSERT_NEAR(q.b_data()[i], p.b_data()[i], tol * std::fabs(p.b_data()[i]))
+          << "B " << key.first << " @" << i;
   }
 }
 
@@ -56,7 +60,7 @@ TEST(GgufLora, PeftAdapterWrittenAsGgufReadsBackTheSame) {
   EXPECT_FALSE(peft::is_gguf_file(fixture("peft_adapter/tiny-llama")));
   const peft::AdapterTensors back = peft::read_any_adapter(f32, base);
   expect_same_pairs(peft_adapter, back, 0.0f);
-  EXPECT_TRUE(back.config.layers_to_transform.empty());  // every layer
+  EXPECT_TRUE(back.config.layers_to_transform.empty());                           // every layer
   expect_same_pairs(peft_adapter, peft::read_gguf_lora(f16, base), 1.0f / 1024);  // f16's rounding
 }
 
@@ -77,14 +81,16 @@ TEST(GgufLora, FilesThatAreNoAdapterForTheModelAreRefused) {
   expect_error([&] { peft::read_gguf_lora(fixture("model/tiny-llama.f32.gguf"), llama); },
                ErrorKind::invalid_input, {"tiny-llama.f32.gguf", "not a LoRA adapter"});
   TempDir dir("gguf_lora_bad");
-  write_lora_gguf(peft::read_adapter(fixture("peft_adapter/tiny-llama")), llama, dir.str() + "/a.gguf", DType::f32);
+  write_lora_gguf(peft::read_adapter(fixture("peft_adapter/tiny-llama")), llama, dir.str() + "/a.gguf",
+                  DType::f32);
   ModelConfig qwen = llama;
   qwen.arch = Arch::qwen2;
   expect_error([&] { peft::read_gguf_lora(dir.str() + "/a.gguf", qwen); }, ErrorKind::invalid_input,
                {"a.gguf", "architecture 'llama', the model is 'qwen2'"});
   ModelConfig other = llama;
   other.hidden = 96;
-  expect_error([&] { peft::read_gguf_lora(dir.str() + "/a.gguf", other); }, ErrorKind::invalid_input, {"a.gguf"});
+  expect_error([&] { peft::read_gguf_lora(dir.str() + "/a.gguf", other); }, ErrorKind::invalid_input,
+               {"a.gguf"});
   expect_error([&] { Model::load(dir.str() + "/a.gguf", {.tokenizer = false, .pack = false}); },
                ErrorKind::invalid_input, {"a LoRA adapter", "--adapter"});
   expect_error([&] { peft::read_adapter(dir.str() + "/a.gguf"); }, ErrorKind::invalid_input,

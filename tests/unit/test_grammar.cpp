@@ -265,14 +265,18 @@ TEST(JsonSchema, KeywordsBesideCombinatorsStillConstrain) {
   expect_schema(R"({"$ref":"#/$defs/s","maxLength":2,"$defs":{"s":{"type":"string"}}})", {R"("ab")"},
                 {R"("abc")", "1"});
   expect_schema(R"({"allOf":[{"type":"object","properties":{"a":{"type":"integer"}}},{"required":["a"]}],
-    "additionalProperties":false})", {R"({"a":1})"}, {"{}", R"({"a":"x"})"});
-  expect_schema(R"({"anyOf":[{"type":"string"},{"type":"null"}],"default":null,"title":"Name"})",  // pydantic's Optional
+    "additionalProperties":false})",
+                {R"({"a":1})"}, {"{}", R"({"a":"x"})"});
+  expect_schema(R"({"anyOf":[{"type":"string"},{"type":"null"}],"default":null,"title":"Name"})",  // pydantic's
+                                                                                                   // Optional
                 {R"("x")", "null"}, {"1"});
   EXPECT_NE(schema_error(R"({"type":"integer","anyOf":[{"type":"string"}]})").find("no value is of type"),
             std::string::npos);
   EXPECT_NE(schema_error(R"({"$ref":"#/$defs/s","type":"integer","$defs":{"s":{"type":"string"}}})")
-                .find("no value is of type"), std::string::npos);
-  EXPECT_NE(schema_error(R"({"type":"string","const":5})").find("no value of 'const' is of type"), std::string::npos);
+                .find("no value is of type"),
+            std::string::npos);
+  EXPECT_NE(schema_error(R"({"type":"string","const":5})").find("no value of 'const' is of type"),
+            std::string::npos);
   EXPECT_NE(schema_error(R"({"enum":["a","bb"],"maxLength":1})").find("'maxLength' together with 'enum'"),
             std::string::npos);
   EXPECT_NE(schema_error(R"({"$ref":"#/anyOf/5","anyOf":[{"type":"string"}]})").find("does not resolve"),

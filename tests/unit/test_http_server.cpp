@@ -685,7 +685,8 @@ TEST(HttpServer, HttpLevelBadInputIsAnsweredAtOnce) {
     ::close(fd);
     return got;
   };
-  std::string got = ask("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\nGET /health HTTP/1.1\r\n\r\n");
+  std::string got = ask(
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\nGET /health HTTP/1.1\r\n\r\n");
   EXPECT_EQ(got.rfind("HTTP/1.1 400", 0), 0u) << got;
   EXPECT_NE(got.find("Content-Length '-5' is not a byte count"), std::string::npos) << got;
   EXPECT_EQ(got.find("HTTP/1.1", 1), std::string::npos) << "the body was read as a request: " << got;

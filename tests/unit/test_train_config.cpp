@@ -275,7 +275,8 @@ TEST(TrainConfig, SettingsWithoutEffectWarn) {
   EXPECT_TRUE(parse(kMinimal + "output_dtype: bf16\nmethod: full\n").warnings.empty());
   const TrainConfig w = parse(kMinimal + "schedule:\n  warmup_steps: 10\n");  // steps: 10
   ASSERT_EQ(w.warnings.size(), 1u);
-  EXPECT_NE(w.warnings[0].find("schedule.warmup_steps 10 is not below steps 10"), std::string::npos) << w.warnings[0];
+  EXPECT_NE(w.warnings[0].find("schedule.warmup_steps 10 is not below steps 10"), std::string::npos)
+      << w.warnings[0];
   EXPECT_TRUE(parse(kMinimal + "schedule:\n  warmup_steps: 9\n").warnings.empty());
 }
 
