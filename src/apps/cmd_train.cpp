@@ -62,6 +62,15 @@ struct RankArgs {
   std::optional<PublishOptions> publish;  // --publish
 };
 
+// A record made before the trainer's log exists, as the log would write it to stderr with --log-format json.
+void print_ecs_line(LogLevel level, std::string_view action, std::string_view message,
+                    const nlohmann::json* error = nullptr) {
+  std::fprintf(stderr, "%s\n",
+               TrainLog::ecs_json(level, action, message, nlohmann::json::object(), "event",
+                                  std::chrono::system_clock::now(), error)
+                   .c_str());
+}
+
 // --publish: checked before anything loads (the URL, the key file; the server
 // asked for its models, where a wrong key or URL fails at once); then each
 // adapter the trainer writes is loaded into the server in place. A failed
@@ -89,10 +98,7 @@ struct Publishing {
   // A warning before the trainer's log exists: a text line, or its ECS JSON line with --log-format json.
   static void console_warning(const TrainConfig& config, const std::string& message) {
     if (config.log_format == TrainConfig::LogFormat::json)
-      std::fprintf(stderr, "%s\n",
-                   TrainLog::ecs_json(LogLevel::warning, "publish", message, nlohmann::json::object(),
-                                      "event", std::chrono::system_clock::now())
-                       .c_str());
+      print_ecs_line(LogLevel::warning, "publish", message);
     else
       std::fprintf(stderr, "loom train: warning: %s\n", message.c_str());
   }
@@ -198,11 +204,30 @@ int run_rank(const TrainConfig& config, const RankArgs& args, Communicator* comm
 void report_error_as_json(Error& e) {
   if (e.reported()) return;
   const nlohmann::json err = {{"type", error_kind_name(e.kind())}, {"message", e.what()}};
-  std::fprintf(stderr, "%s\n",
-               TrainLog::ecs_json(LogLevel::error, "error", e.what(), nlohmann::json::object(), "event",
-                                  std::chrono::system_clock::now(), &err)
-                   .c_str());
+  print_ecs_line(LogLevel::error, "error", e.what(), &err);
   e.set_reported();
+}
+
+// This process's part: the whole run, or under mpirun / srun one rank of a data-parallel run. Rank 0
+// alone logs, serves metrics and writes; a failing rank ends every rank at once.
+int run_ranks(TrainConfig& config, RankArgs& args) {
+  std::unique_ptr<Communicator> comm =
+      launched_by_mpi() ? make_mpi_communicator(config.dist.algorithm) : make_single_process_communicator();
+  comm->set_timeout_seconds(config.dist.timeout_s);
+  if (comm->size() == 1) return run_rank(config, args, nullptr);
+  if (comm->rank() != 0) {
+    config.metrics_file.clear();
+    config.log_file.clear();
+    config.metrics_port = 0;
+  }
+  try {
+    return run_rank(config, args, comm.get());
+  } catch (const Error& e) {
+    comm->abort(e.what());  // rank 0 logged it already; the others print it here
+  } catch (const std::exception& e) {
+    comm->abort(e.what());
+  }
+  return 3;  // not reached: abort() ends the process
 }
 
 int run_train(int argc, char** argv) {
@@ -287,25 +312,7 @@ int run_train(int argc, char** argv) {
     args.failpoints = &failpoints;
     if (publish_opt->count() > 0) args.publish = publish;
     args.metrics_linger = metrics_linger;
-    // Under mpirun / srun: one rank of a data-parallel run. Rank 0 alone logs,
-    // serves metrics and writes; a failing rank ends every rank at once.
-    std::unique_ptr<Communicator> comm =
-        launched_by_mpi() ? make_mpi_communicator(config.dist.algorithm) : make_single_process_communicator();
-    comm->set_timeout_seconds(config.dist.timeout_s);
-    if (comm->size() == 1) return run_rank(config, args, nullptr);
-    if (comm->rank() != 0) {
-      config.metrics_file.clear();
-      config.log_file.clear();
-      config.metrics_port = 0;
-    }
-    try {
-      return run_rank(config, args, comm.get());
-    } catch (const Error& e) {
-      comm->abort(e.what());  // rank 0 logged it already; the others print it here
-    } catch (const std::exception& e) {
-      comm->abort(e.what());
-    }
-    return 3;  // not reached: abort() ends the process
+    return run_ranks(config, args);
   } catch (Error& e) {
     if (json) report_error_as_json(e);
     throw;

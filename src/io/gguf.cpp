@@ -6,6 +6,9 @@
 
 #include <fmt/format.h>
 
+#include <sys/stat.h>
+
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -523,6 +526,16 @@ std::vector<int32_t> File::get_i32_array(std::string_view key) const {
     out.push_back(u ? static_cast<int32_t>(std::get<uint64_t>(e.v)) : static_cast<int32_t>(std::get<int64_t>(e.v)));
   }
   return out;
+}
+
+bool is_gguf_file(const std::string& path) {
+  // stat and stdio, not <filesystem> / <fstream>: their std::quoted would be found for this file's own
+  // quoted() by argument-dependent lookup.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  char magic[4] = {};
+  return f && std::fread(magic, 1, 4, f.get()) == 4 && std::memcmp(magic, "GGUF", 4) == 0;
 }
 
 }  // namespace loom::gguf

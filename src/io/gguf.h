@@ -55,6 +55,10 @@ struct TensorInfo {
   Tensor view() const;  // non-owning view over the mapped bytes
 };
 
+// Whether `path` is a file (not a folder) that starts with GGUF's magic: how a reader that takes another
+// form too (a PEFT folder, a legacy imatrix) tells them apart before parsing.
+bool is_gguf_file(const std::string& path);
+
 class File {
  public:
   // Maps and parses `path`. Throws loom::Error (not_found, io, invalid_input, unsupported).

@@ -4,9 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <set>
 
@@ -55,14 +52,6 @@ std::vector<float> f32_values(const gguf::TensorInfo& t, const std::string& path
 }
 
 }  // namespace
-
-bool is_gguf_file(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) return false;
-  std::ifstream in(path, std::ios::binary);
-  char magic[4] = {};
-  return in.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
-}
 
 AdapterTensors read_gguf_lora(const std::string& path, const ModelConfig& base) {
   const auto f = gguf::File::open(path);
@@ -141,7 +130,7 @@ AdapterTensors read_gguf_lora(const std::string& path, const ModelConfig& base) 
 }
 
 AdapterTensors read_any_adapter(const std::string& path, const ModelConfig& base, bool map_f32) {
-  return is_gguf_file(path) ? read_gguf_lora(path, base) : read_adapter(path, map_f32);
+  return gguf::is_gguf_file(path) ? read_gguf_lora(path, base) : read_adapter(path, map_f32);
 }
 
 }  // namespace loom::peft

@@ -10,9 +10,6 @@
 
 namespace loom::peft {
 
-// Whether `path` is a file (not a folder) that starts with GGUF's magic.
-bool is_gguf_file(const std::string& path);
-
 // Reads a GGUF LoRA adapter (general.type "adapter", adapter.type "lora") made for `base`: each
 // "blk.N.<projection>.weight.lora_a" [r, in] and ".lora_b" [out, r] of the seven projections, in any
 // stored type (dequantized to f32), q/k rows of B back in Hugging Face order where the base's GGUF rows

@@ -174,11 +174,8 @@ bool Imatrix::has_data() const {
 }
 
 Imatrix load_imatrix(const std::string& path) {
-  std::ifstream probe(path, std::ios::binary);
-  if (!probe) fail(ErrorKind::not_found, "{}: cannot open the imatrix file", path);
-  char magic[4] = {};
-  probe.read(magic, 4);
-  return probe && std::memcmp(magic, "GGUF", 4) == 0 ? load_gguf(path) : load_legacy(path);
+  if (!std::ifstream(path, std::ios::binary)) fail(ErrorKind::not_found, "{}: cannot open the imatrix file", path);
+  return gguf::is_gguf_file(path) ? load_gguf(path) : load_legacy(path);
 }
 
 void save_imatrix(const Imatrix& m, const std::string& path) {

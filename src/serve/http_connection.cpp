@@ -46,6 +46,21 @@ bool peer_closed(int fd) {
   return n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
+// After an answer the request's bytes were not all read for: ends the sending side, then reads and
+// discards what the client still sends until it closes, goes quiet for `quiet`, `total` passes, or `stop`
+// says so. Closing with bytes unread would send a reset that can destroy the answer in flight.
+template <typename Stop>
+void half_close_and_drain(int fd, milliseconds total, milliseconds quiet, Stop stop) {
+  ::shutdown(fd, SHUT_WR);
+  const auto until = Clock::now() + total;
+  char sink[16384];
+  while (!stop()) {
+    const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
+    if (left.count() <= 0 || wait_fd(fd, POLLIN, std::min(left, quiet)) <= 0) break;
+    if (::recv(fd, sink, sizeof sink, MSG_DONTWAIT) <= 0) break;
+  }
+}
+
 void address_of(int fd, bool peer, std::string& ip, int& port) {
   sockaddr_storage addr{};
   socklen_t len = sizeof addr;
@@ -188,14 +203,7 @@ class ClientConnection final : public httplib::Stream {
   // passes. A client that sends its whole body before reading (Python's http.client) would otherwise get
   // a reset instead of the answer.
   void drain_after_answer() {
-    ::shutdown(fd_, SHUT_WR);
-    const auto until = Clock::now() + limits_.body_timeout;
-    char sink[16384];
-    while (!stopping()) {
-      const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now());
-      if (left.count() <= 0 || wait_fd(fd_, POLLIN, std::min(left, milliseconds(1000))) <= 0) break;
-      if (::recv(fd_, sink, sizeof sink, MSG_DONTWAIT) <= 0) break;
-    }
+    half_close_and_drain(fd_, limits_.body_timeout, milliseconds(1000), [this] { return stopping(); });
   }
 
   bool timed_out() const { return timed_out_; }
@@ -359,17 +367,8 @@ void answer_and_close(socket_t sock, const char* status_line, const ApiError& er
       "HTTP/1.1 {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}Connection: close\r\n\r\n{}",
       status_line, body.size(), extra, body);
   (void)::send(sock, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-  // Close only after the client has read the answer: closing with its request unread would send a reset
-  // that can destroy the answer in flight. Bounded, so refusals stay cheap.
-  ::shutdown(sock, SHUT_WR);
-  const auto until = Clock::now() + milliseconds(200);
-  char buf[1024];
-  while (Clock::now() < until) {
-    const int ev = wait_fd(sock, POLLIN, milliseconds(20));
-    if (ev < 0) break;
-    if (ev == 0) continue;
-    if (::recv(sock, buf, sizeof buf, MSG_DONTWAIT) <= 0) break;
-  }
+  // Bounded, so refusals stay cheap.
+  half_close_and_drain(sock, milliseconds(200), milliseconds(200), [] { return false; });
 }
 
 }  // namespace

@@ -266,15 +266,15 @@ class Converter {
       } else if (*it == v) {
         continue;
       } else if (key == "type") {
+        std::set<std::string> both;  // integer is the number with no fraction: it meets number in itself
         const std::set<std::string> x = types(*it, path), y = types(v, path);
-        json both = json::array();
         for (const std::string& t : x)
-          if (y.count(t) || (t == "integer" && y.count("number"))) both.push_back(t);
-        for (const std::string& t : y)
-          if (t == "integer" && x.count("number") && !x.count("integer")) both.push_back(t);
+          for (const std::string& u : y)
+            if (t == u || (t == "integer" && u == "number") || (t == "number" && u == "integer"))
+              both.insert(t == "number" ? u : t);
         if (both.empty())
           fail_at(path, fmt::format("no value is of type {} and of type {}", it->dump(), v.dump()));
-        *it = both.size() == 1 ? both[0] : both;
+        *it = both.size() == 1 ? json(*both.begin()) : json(both);
       } else if (key == "enum" && it->is_array() && v.is_array()) {
         json both = json::array();
         for (const auto& e : *it)
@@ -562,15 +562,15 @@ class Converter {
 // sub-schemas (merging the keywords beside $ref, allOf, anyOf and oneOf) and nlohmann's copy recurses, so
 // a request nested a million levels deep must be refused before that, not overflow the stack.
 int json_depth(const json& j, int stop_past) {
-  std::vector<std::pair<const json*, int>> todo = {{&j, 1}};
+  std::vector<std::pair<const json*, int>> pending = {{&j, 1}};  // (node, its depth) still to visit
   int deepest = 0;
-  while (!todo.empty()) {
-    const auto [node, depth] = todo.back();
-    todo.pop_back();
+  while (!pending.empty()) {
+    const auto [node, depth] = pending.back();
+    pending.pop_back();
     if (!node->is_structured()) continue;
     deepest = std::max(deepest, depth);
     if (deepest > stop_past) return deepest;
-    for (const auto& child : *node) todo.emplace_back(&child, depth + 1);
+    for (const auto& child : *node) pending.emplace_back(&child, depth + 1);
   }
   return deepest;
 }

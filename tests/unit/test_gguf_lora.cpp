@@ -9,6 +9,7 @@
 
 #include "core/half.h"
 #include "expect_error.h"
+#include "io/gguf.h"
 #include "model/gguf_export.h"
 #include "model/gguf_lora.h"
 #include "model/model.h"
@@ -56,8 +57,8 @@ TEST(GgufLora, PeftAdapterWrittenAsGgufReadsBackTheSame) {
   const std::string f32 = dir.str() + "/a.gguf", f16 = dir.str() + "/a16.gguf";
   write_lora_gguf(peft_adapter, base, f32, DType::f32);
   write_lora_gguf(peft_adapter, base, f16, DType::f16);
-  EXPECT_TRUE(peft::is_gguf_file(f32));
-  EXPECT_FALSE(peft::is_gguf_file(fixture("peft_adapter/tiny-llama")));
+  EXPECT_TRUE(gguf::is_gguf_file(f32));
+  EXPECT_FALSE(gguf::is_gguf_file(fixture("peft_adapter/tiny-llama")));
   const peft::AdapterTensors back = peft::read_any_adapter(f32, base);
   expect_same_pairs(peft_adapter, back, 0.0f);
   EXPECT_TRUE(back.config.layers_to_transform.empty());                           // every layer
